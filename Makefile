@@ -1,0 +1,33 @@
+# Two entry points: `make test` and (later) `make demo`. Both build .venv on
+# first use; later runs reuse it and start within seconds.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+TORCH_PIN := torch==2.13.0
+# The stamp records that the package and its extras are installed for the
+# current setup.cfg; editing setup.cfg re-runs the install.
+STAMP  := $(VENV)/.installed
+
+.PHONY: test venv bench clean
+
+venv: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	# torch first, pinned: the local CPU build; an unpinned torch would pull CUDA wheels.
+	$(PIP) install --quiet $(TORCH_PIN)
+
+$(STAMP): $(PY) setup.cfg pyproject.toml
+	$(PIP) install --quiet $(TORCH_PIN) -e '.[test]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) benchmarks/optim_step.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

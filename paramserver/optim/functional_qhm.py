@@ -1,0 +1,202 @@
+"""``FunctionalQHM``: quasi-hyperbolic momentum as a TorchScript class.
+
+Owns the server-side QHM: the optimizer a parameter server builds over the
+parameters it owns and steps with a list of gradients, compiled with
+``torch.jit.script`` so it runs in RPC threads without the GIL.  It holds
+the momentum state (which persists across steps) and knows nothing of RPC.
+
+Math (same trajectory as ``paramserver.optim.QHM`` / ``qhoptim``)::
+
+    b     = beta * b + (1 - beta) * g
+    theta = theta - lr * ((1 - nu) * g + nu * b)
+
+Speed: the dense step is one pass over the data.  QHM is Nesterov momentum
+SGD on a rescaled buffer ``B = k * b`` with ``k = nu / ((1 - nu) * beta)``::
+
+    B     = beta * B + (1 - d) * g,          1 - d = k * (1 - beta)
+    theta = theta - lr' * (g + beta * B),    lr' = lr * (1 - nu)
+
+which PyTorch's fused SGD kernel applies in a single read/write of each
+tensor (``nu == 1`` is plain momentum on ``b`` itself, ``k = 1``).  The
+rescaling is internal: ``state_dict()`` returns ``b``.  When ``beta == 0``
+or ``nu == 0`` the rescaling does not exist and the step falls back to the
+reference's four multi-tensor operations.
+
+Row-sparse gradients (COO, one index per row, duplicates summed) update only
+the rows they touch and those rows' momentum: a step costs time in
+proportion to the rows touched.  Momentum is lazy: the buffer rows of
+untouched rows do not decay, and "direct" weight decay only shrinks touched
+rows.  On the touched rows the update equals a dense step of the sub-table
+made of those rows.
+"""
+
+from typing import Dict, List, Optional
+
+import torch
+from torch import Tensor
+
+from .hyperparameters import check_qhm_hyperparameters
+from .kernels import check_gradient, fused_momentum_step, sparse_rows
+
+
+@torch.jit.script
+class FunctionalQHM:
+    def __init__(
+        self,
+        params: List[Tensor],
+        lr: float,
+        momentum: float,
+        nu: float,
+        weight_decay: float = 0.0,
+        weight_decay_type: str = "grad",
+        _allow_empty_param_list: bool = False,
+    ):
+        check_qhm_hyperparameters(lr, momentum, nu, weight_decay, weight_decay_type)
+        if len(params) == 0 and not _allow_empty_param_list:
+            raise ValueError("FunctionalQHM: optimizer got an empty parameter list")
+        self.params = params
+        self.lr = lr
+        self.momentum = momentum
+        self.nu = nu
+        self.weight_decay = weight_decay
+        self.weight_decay_type = weight_decay_type
+        # Momentum buffers are stored multiplied by ``buffer_scale`` (k above).
+        self.momentum_buffers: List[Optional[Tensor]] = [None for _ in params]
+        self.buffer_scale: float = 1.0
+        # Tensors written by the last in-place list kernel; see _keep_updates.
+        self.last_updated: List[Tensor] = []
+
+    def _target_scale(self) -> float:
+        # 0 means: no fused form, use the reference's operations on b.
+        if self.momentum == 0.0 or self.nu == 0.0:
+            return 0.0
+        if self.nu == 1.0:
+            return 1.0
+        return self.nu / ((1.0 - self.nu) * self.momentum)
+
+    def _rescale_buffers(self, scale: float) -> None:
+        stored = self.buffer_scale
+        new = scale if scale != 0.0 else 1.0
+        if new != stored:
+            for i in range(len(self.momentum_buffers)):
+                buf = self.momentum_buffers[i]
+                if buf is not None:
+                    buf.mul_(new / stored)
+            self.buffer_scale = new
+
+    def _apply(self, params: List[Tensor], grads: List[Tensor], buffers: List[Tensor], scale: float) -> None:
+        """The dense QHM update of ``params`` (buffers already at ``scale``)."""
+        lr = self.lr
+        beta = self.momentum
+        nu = self.nu
+        decay = self.weight_decay
+        grad_decay = 0.0
+        if decay != 0.0:
+            if self.weight_decay_type == "direct":
+                torch._foreach_mul_(params, 1.0 - lr * decay)
+            else:
+                grad_decay = decay
+        if scale == 0.0:
+            # Reference order of operations; never writes the gradients.
+            if grad_decay != 0.0:
+                grads = torch._foreach_add(grads, params, alpha=grad_decay)
+            torch._foreach_mul_(buffers, beta)
+            torch._foreach_add_(buffers, grads, alpha=1.0 - beta)
+            torch._foreach_add_(params, buffers, alpha=-lr * nu)
+            torch._foreach_add_(params, grads, alpha=-lr * (1.0 - nu))
+        elif nu == 1.0:
+            fused_momentum_step(params, grads, buffers, lr, beta, beta, grad_decay, False, False, False)
+        else:
+            fused_momentum_step(params, grads, buffers, lr * (1.0 - nu), beta, 1.0 - scale * (1.0 - beta),
+                                grad_decay, True, False, False)
+        self._keep_updates(params, buffers)
+
+    def _keep_updates(self, params: List[Tensor], buffers: List[Tensor]) -> None:
+        # TorchScript's dead-code elimination drops in-place list kernels
+        # (_fused_sgd_, _foreach_*_) whose lists were built inside the graph
+        # unless the lists stay live; storing them in an attribute (a side
+        # effect) keeps every update.  Tested in scripted mode.
+        self.last_updated = params + buffers
+
+    def step(self, gradients: List[Optional[Tensor]]) -> None:
+        """Apply one step; ``gradients[i]`` belongs to ``params[i]`` (``None`` skips it).
+
+        Every gradient is validated before any parameter changes.
+        """
+        if len(gradients) != len(self.params):
+            raise ValueError(
+                "FunctionalQHM.step: got {} gradients for {} parameters; the lengths must be equal".format(
+                    len(gradients), len(self.params)))
+        for i in range(len(self.params)):
+            check_gradient("FunctionalQHM", i, self.params[i], gradients[i])
+        scale = self._target_scale()
+        self._rescale_buffers(scale)
+        params: List[Tensor] = []
+        grads: List[Tensor] = []
+        buffers: List[Tensor] = []
+        for i in range(len(self.params)):
+            grad = gradients[i]
+            if grad is not None:
+                param = self.params[i]
+                buf = self._buffer(i)
+                if grad.is_sparse:
+                    self._sparse_step(param, grad, buf, scale)
+                else:
+                    params.append(param)
+                    grads.append(grad)
+                    buffers.append(buf)
+        if len(params) > 0:
+            self._apply(params, grads, buffers, scale)
+
+    def _buffer(self, i: int) -> Tensor:
+        buf = self.momentum_buffers[i]
+        if buf is None:
+            created = torch.zeros_like(self.params[i], memory_format=torch.preserve_format)
+            self.momentum_buffers[i] = created
+            return created
+        return buf
+
+    def _sparse_step(self, param: Tensor, grad: Tensor, buf: Tensor, scale: float) -> None:
+        rows, values = sparse_rows(grad)
+        if rows.numel() == 0:
+            return
+        param_rows = param.index_select(0, rows)
+        buf_rows = buf.index_select(0, rows)
+        self._apply([param_rows], [values], [buf_rows], scale)
+        param.index_copy_(0, rows, param_rows)
+        buf.index_copy_(0, rows, buf_rows)
+
+    def state_dict(self) -> Dict[int, Dict[str, Tensor]]:
+        """A snapshot of the state: ``{param index: {"momentum_buffer": b}}``.
+
+        Tensors are copies (a consistent snapshot while training goes on);
+        parameters that never had a gradient have no entry.
+        """
+        state: Dict[int, Dict[str, Tensor]] = {}
+        for i in range(len(self.momentum_buffers)):
+            buf = self.momentum_buffers[i]
+            if buf is not None:
+                state[i] = {"momentum_buffer": buf / self.buffer_scale}
+        return state
+
+    def load_state_dict(self, state: Dict[int, Dict[str, Tensor]]) -> None:
+        """Restore a ``state_dict()``; validated whole before anything changes."""
+        for i, entry in state.items():
+            if i < 0 or i >= len(self.params):
+                raise ValueError("FunctionalQHM.load_state_dict: parameter index {} out of range for {} parameters"
+                                 .format(i, len(self.params)))
+            if "momentum_buffer" not in entry:
+                raise ValueError("FunctionalQHM.load_state_dict: entry {} has no 'momentum_buffer'".format(i))
+            buf = entry["momentum_buffer"]
+            if buf.shape != self.params[i].shape:
+                raise ValueError(
+                    "FunctionalQHM.load_state_dict: momentum_buffer {} has shape {} but parameter {} has shape {}"
+                    .format(i, buf.shape, i, self.params[i].shape))
+        buffers: List[Optional[Tensor]] = [None for _ in self.params]
+        for i, entry in state.items():
+            param = self.params[i]
+            restored = torch.empty_like(param, memory_format=torch.preserve_format)
+            restored.copy_(entry["momentum_buffer"])
+            restored.mul_(self.buffer_scale)
+            buffers[i] = restored
+        self.momentum_buffers = buffers
