@@ -191,7 +191,7 @@ class FunctionalQHM:
             if buf.shape != self.params[i].shape:
                 raise ValueError(
                     "FunctionalQHM.load_state_dict: momentum_buffer {} has shape {} but parameter {} has shape {}"
-                    .format(i, buf.shape, i, self.params[i].shape))
+                    .format(i, list(buf.shape), i, list(self.params[i].shape)))
         buffers: List[Optional[Tensor]] = [None for _ in self.params]
         for i, entry in state.items():
             param = self.params[i]

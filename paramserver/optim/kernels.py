@@ -32,7 +32,7 @@ def check_gradient(optimizer: str, index: int, param: Tensor, grad: Optional[Ten
     if grad.shape != param.shape:
         raise ValueError(
             "{}: gradient {} has shape {} but parameter {} has shape {}".format(
-                optimizer, index, grad.shape, index, param.shape))
+                optimizer, index, list(grad.shape), index, list(param.shape)))
     if grad.dtype != param.dtype:
         raise ValueError("{}: gradient {} has dtype {} but parameter {} has dtype {}".format(
             optimizer, index, grad.dtype, index, param.dtype))

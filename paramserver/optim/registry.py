@@ -1,0 +1,78 @@
+"""The ``functional_optim_map`` registry: local optimizer class -> functional class.
+
+Owns the mapping that parameter servers consult to turn the optimizer class
+a user names (``QHM``, ``torch.optim.SGD``, ...) into the TorchScript class
+they run over their shards, and ``register_functional_optim``, which checks a
+user's class against the functional contract before adding it:
+
+* it compiles under TorchScript;
+* its constructor takes the parameter list (``List[Tensor]``) first;
+* ``step`` accepts ``List[Optional[Tensor]]`` (one gradient per parameter,
+  ``None`` for "no gradient").
+
+It owns no optimizer math.
+"""
+
+import inspect
+from typing import Dict, List, Optional
+
+import torch
+from torch import Tensor
+from torch.distributed.optim import utils as _torch_functional
+
+from .functional_qhm import FunctionalQHM
+from .functional_sgd import FunctionalSGD
+from .qhm import QHM
+
+#: local optimizer class -> TorchScript functional class.  PyTorch's own
+#: functional optimizers fill in the rest; SGD is replaced by ours (fused,
+#: row-sparse gradients, state_dict).  The tests step each of them in
+#: TorchScript against its local optimizer.
+functional_optim_map: Dict[type, type] = dict(_torch_functional.functional_optim_map)
+functional_optim_map[torch.optim.SGD] = FunctionalSGD
+functional_optim_map[QHM] = FunctionalQHM
+
+_PROBE_SOURCE = """
+def _step_contract(optimizer: FunctionalClass, gradients: List[Optional[Tensor]]) -> None:
+    optimizer.step(gradients)
+"""
+
+
+def _first_error_line(error: Exception) -> str:
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
+
+
+def check_functional_contract(functional_cls) -> None:
+    """Raise ``TypeError`` saying how ``functional_cls`` breaks the functional contract."""
+    name = getattr(functional_cls, "__qualname__", repr(functional_cls))
+    if not inspect.isclass(functional_cls):
+        raise TypeError(f"functional optimizer must be a class, got {functional_cls!r}")
+    init_params = list(inspect.signature(functional_cls.__init__).parameters.values())[1:]
+    if not init_params or init_params[0].annotation not in (List[Tensor], list[Tensor]):
+        raise TypeError(f"{name}.__init__ must take the parameters first, annotated List[Tensor]")
+    if not callable(getattr(functional_cls, "step", None)):
+        raise TypeError(f"{name} has no step(gradients: List[Optional[Tensor]]) method")
+    try:
+        torch.jit.script(functional_cls)
+    except Exception as error:
+        raise TypeError(f"{name} does not compile under TorchScript: {_first_error_line(error)}") from error
+    names = {"FunctionalClass": functional_cls, "List": List, "Optional": Optional, "Tensor": Tensor}
+    try:
+        torch.jit.CompilationUnit().define(_PROBE_SOURCE, rcb=names.get)
+    except Exception as error:
+        raise TypeError(
+            f"{name}.step must accept a List[Optional[Tensor]] (one gradient per parameter): "
+            f"{_first_error_line(error)}") from error
+
+
+def register_functional_optim(local_cls, functional_cls) -> None:
+    """Map ``local_cls`` (a ``torch.optim.Optimizer`` subclass) to ``functional_cls``.
+
+    Raises ``TypeError`` if either class does not qualify; the map is left
+    unchanged then.
+    """
+    if not (inspect.isclass(local_cls) and issubclass(local_cls, torch.optim.Optimizer)):
+        raise TypeError(f"local optimizer must be a torch.optim.Optimizer subclass, got {local_cls!r}")
+    check_functional_contract(functional_cls)
+    functional_optim_map[local_cls] = functional_cls
