@@ -181,7 +181,7 @@ def table_case(rows: int, dim: int, touched: int, rounds: int, with_reference: b
     table = torch.randn(rows, dim)
     dense_grad = torch.randn(rows, dim)
     row_ids = torch.randperm(rows)[:touched]
-    # Uncoalesced, as nn.Embedding(sparse=True) hands it over.
+    # Uncoalesced, as nn.Embedding(sparse=True) hands it over; validated once here.
     sparse_grad = torch.sparse_coo_tensor(row_ids.unsqueeze(0), torch.randn(touched, dim), (rows, dim),
                                           check_invariants=True)
     ours = functional_qhm([table])  # one optimizer, one momentum buffer, for both kinds of step
