@@ -135,7 +135,9 @@ def test_row_sparse_step_equals_dense_step_on_the_touched_rows(build_functional,
         dense_rows = grad.coalesce().to_dense()
         for r in sorted(set(rows)):
             row_optimizers[r].step([dense_rows[r:r + 1]])
-            torch.testing.assert_close(table[r:r + 1], row_params[r], rtol=0, atol=0)
+            # Same math; small row slices use multi-tensor ops, the dense step
+            # the fused kernel, so float32 rounding may differ by an ulp.
+            torch.testing.assert_close(table[r:r + 1], row_params[r], rtol=1e-6, atol=1e-6)
         untouched = [r for r in range(30) if r not in rows]
         assert torch.equal(table[untouched], before[untouched])
     state = sparse.state_dict()
@@ -161,7 +163,7 @@ def test_embedding_sparse_gradient_from_autograd(build_functional, functional_cl
     # step leaves the other rows alone (the dense one weight-decays them).
     touched = ids.unique()
     untouched = [r for r in range(50) if r not in touched.tolist()]
-    torch.testing.assert_close(embedding.weight.data[touched], dense.weight.data[touched], rtol=0, atol=0)
+    torch.testing.assert_close(embedding.weight.data[touched], dense.weight.data[touched], rtol=1e-6, atol=1e-6)
     assert torch.equal(embedding.weight.data[untouched], before[untouched])
 
 
@@ -175,8 +177,8 @@ def test_mixed_sparse_then_dense_steps_match_row_wise_semantics(build_functional
     reference_opt = build_functional(functional_cls, [reference], **config)
     reference_opt.load_state_dict(optimizer.state_dict())
     optimizer.step([dense_grad])
-    reference_opt.step([sparse_grad(list(range(10)), 10, 3).coalesce() * 0 + dense_grad.to_sparse(1)])
-    torch.testing.assert_close(table, reference, rtol=0, atol=0)
+    reference_opt.step([dense_grad.to_sparse(1)])
+    torch.testing.assert_close(table, reference, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("functional_cls, config", ALL, ids=ALL_IDS)
@@ -261,3 +263,22 @@ def test_empty_parameter_list_is_refused_unless_allowed(build_functional):
     with pytest.raises(ValueError, match="empty parameter list"):
         build_functional(FunctionalQHM, [], lr=0.1, momentum=0.9, nu=0.7)
     build_functional(FunctionalSGD, [], lr=0.1, _allow_empty_param_list=True).step([])
+
+
+@pytest.mark.parametrize("functional_cls, config", ALL, ids=ALL_IDS)
+def test_large_and_small_tensors_take_both_kernels_and_match(build_functional, functional_cls, config):
+    """Tensors of >= 32768 elements go through the fused kernel, smaller ones
+    through multi-tensor ops; both must follow the local optimizer."""
+    shapes = [(200, 200), (7, 3), (40000,)]
+    local_params = [torch.nn.Parameter(torch.randn(s, dtype=torch.float64)) for s in shapes]
+    params = [p.detach().clone() for p in local_params]
+    local = LOCAL_OF[functional_cls](local_params, **config)
+    functional = build_functional(functional_cls, params, **config)
+    for _ in range(15):
+        grads = [torch.randn(s, dtype=torch.float64) for s in shapes]
+        for p, g in zip(local_params, grads):
+            p.grad = g.clone()
+        local.step()
+        functional.step(grads)
+    for p, q in zip(local_params, params):
+        torch.testing.assert_close(q, p.detach(), rtol=0, atol=1e-10)

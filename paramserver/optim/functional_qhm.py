@@ -10,7 +10,8 @@ Math (same trajectory as ``paramserver.optim.QHM`` / ``qhoptim``)::
     b     = beta * b + (1 - beta) * g
     theta = theta - lr * ((1 - nu) * g + nu * b)
 
-Speed: the dense step is one pass over the data.  QHM is Nesterov momentum
+Speed: the dense step is one pass over the data (row slices of a sparse
+step below 32768 elements use multi-tensor ops, see ``kernels``).  QHM is Nesterov momentum
 SGD on a rescaled buffer ``B = k * b`` with ``k = nu / ((1 - nu) * beta)``::
 
     B     = beta * B + (1 - d) * g,          1 - d = k * (1 - beta)
@@ -36,7 +37,7 @@ import torch
 from torch import Tensor
 
 from .hyperparameters import check_qhm_hyperparameters
-from .kernels import check_gradient, fused_momentum_step, sparse_rows
+from .kernels import check_gradients, check_state_entry, momentum_step, row_slice_fused_min_elements, sparse_rows
 
 
 @torch.jit.script
@@ -63,7 +64,7 @@ class FunctionalQHM:
         # Momentum buffers are stored multiplied by ``buffer_scale`` (k above).
         self.momentum_buffers: List[Optional[Tensor]] = [None for _ in params]
         self.buffer_scale: float = 1.0
-        # Tensors written by the last in-place list kernel; see _keep_updates.
+        # Tensors written by the last in-place list kernel; see _apply.
         self.last_updated: List[Tensor] = []
 
     def _target_scale(self) -> float:
@@ -84,7 +85,8 @@ class FunctionalQHM:
                     buf.mul_(new / stored)
             self.buffer_scale = new
 
-    def _apply(self, params: List[Tensor], grads: List[Tensor], buffers: List[Tensor], scale: float) -> None:
+    def _apply(self, params: List[Tensor], grads: List[Tensor], buffers: List[Tensor], scale: float,
+               fused_min_elements: int) -> None:
         """The dense QHM update of ``params`` (buffers already at ``scale``)."""
         lr = self.lr
         beta = self.momentum
@@ -104,31 +106,25 @@ class FunctionalQHM:
             torch._foreach_add_(buffers, grads, alpha=1.0 - beta)
             torch._foreach_add_(params, buffers, alpha=-lr * nu)
             torch._foreach_add_(params, grads, alpha=-lr * (1.0 - nu))
+            written = params + buffers
         elif nu == 1.0:
-            fused_momentum_step(params, grads, buffers, lr, beta, beta, grad_decay, False, False, False)
+            written = momentum_step(params, grads, buffers, lr, beta, beta, grad_decay, False, False, False,
+                                    fused_min_elements)
         else:
-            fused_momentum_step(params, grads, buffers, lr * (1.0 - nu), beta, 1.0 - scale * (1.0 - beta),
-                                grad_decay, True, False, False)
-        self._keep_updates(params, buffers)
-
-    def _keep_updates(self, params: List[Tensor], buffers: List[Tensor]) -> None:
+            written = momentum_step(params, grads, buffers, lr * (1.0 - nu), beta, 1.0 - scale * (1.0 - beta),
+                                    grad_decay, True, False, False, fused_min_elements)
         # TorchScript's dead-code elimination drops in-place list kernels
         # (_fused_sgd_, _foreach_*_) whose lists were built inside the graph
         # unless the lists stay live; storing them in an attribute (a side
         # effect) keeps every update.  Tested in scripted mode.
-        self.last_updated = params + buffers
+        self.last_updated = written
 
     def step(self, gradients: List[Optional[Tensor]]) -> None:
         """Apply one step; ``gradients[i]`` belongs to ``params[i]`` (``None`` skips it).
 
         Every gradient is validated before any parameter changes.
         """
-        if len(gradients) != len(self.params):
-            raise ValueError(
-                "FunctionalQHM.step: got {} gradients for {} parameters; the lengths must be equal".format(
-                    len(gradients), len(self.params)))
-        for i in range(len(self.params)):
-            check_gradient("FunctionalQHM", i, self.params[i], gradients[i])
+        check_gradients("FunctionalQHM", self.params, gradients)
         scale = self._target_scale()
         self._rescale_buffers(scale)
         params: List[Tensor] = []
@@ -146,7 +142,7 @@ class FunctionalQHM:
                     grads.append(grad)
                     buffers.append(buf)
         if len(params) > 0:
-            self._apply(params, grads, buffers, scale)
+            self._apply(params, grads, buffers, scale, 0)
 
     def _buffer(self, i: int) -> Tensor:
         buf = self.momentum_buffers[i]
@@ -162,7 +158,7 @@ class FunctionalQHM:
             return
         param_rows = param.index_select(0, rows)
         buf_rows = buf.index_select(0, rows)
-        self._apply([param_rows], [values], [buf_rows], scale)
+        self._apply([param_rows], [values], [buf_rows], scale, row_slice_fused_min_elements())
         param.index_copy_(0, rows, param_rows)
         buf.index_copy_(0, rows, buf_rows)
 
@@ -182,16 +178,7 @@ class FunctionalQHM:
     def load_state_dict(self, state: Dict[int, Dict[str, Tensor]]) -> None:
         """Restore a ``state_dict()``; validated whole before anything changes."""
         for i, entry in state.items():
-            if i < 0 or i >= len(self.params):
-                raise ValueError("FunctionalQHM.load_state_dict: parameter index {} out of range for {} parameters"
-                                 .format(i, len(self.params)))
-            if "momentum_buffer" not in entry:
-                raise ValueError("FunctionalQHM.load_state_dict: entry {} has no 'momentum_buffer'".format(i))
-            buf = entry["momentum_buffer"]
-            if buf.shape != self.params[i].shape:
-                raise ValueError(
-                    "FunctionalQHM.load_state_dict: momentum_buffer {} has shape {} but parameter {} has shape {}"
-                    .format(i, list(buf.shape), i, list(self.params[i].shape)))
+            check_state_entry("FunctionalQHM", self.params, i, entry)
         buffers: List[Optional[Tensor]] = [None for _ in self.params]
         for i, entry in state.items():
             param = self.params[i]

@@ -2,8 +2,9 @@
 
 Owns the server-side SGD (momentum, dampening, weight decay, Nesterov,
 maximize) and its momentum state.  Dense gradients are applied with
-PyTorch's fused multi-tensor SGD kernel: one pass over parameter, gradient
-and buffer, the same math as ``torch.optim.SGD``.  It knows nothing of RPC.
+PyTorch's fused multi-tensor SGD kernel (one pass over parameter, gradient
+and buffer; multi-tensor ops for small row slices of sparse steps), the same math
+as ``torch.optim.SGD``.  It knows nothing of RPC.
 
 Row-sparse gradients (COO, one index per row, duplicates summed) update only
 the touched rows and their momentum rows (lazy momentum: untouched rows do
@@ -20,7 +21,7 @@ import torch
 from torch import Tensor
 
 from .hyperparameters import check_sgd_hyperparameters
-from .kernels import check_gradient, fused_momentum_step, sparse_rows
+from .kernels import check_gradients, check_state_entry, momentum_step, row_slice_fused_min_elements, sparse_rows
 
 
 @torch.jit.script
@@ -51,25 +52,21 @@ class FunctionalSGD:
         # Tensors written by the last in-place list kernel; see _fused.
         self.last_updated: List[Tensor] = []
 
-    def _fused(self, params: List[Tensor], grads: List[Tensor], buffers: List[Tensor], first: bool) -> None:
-        fused_momentum_step(params, grads, buffers, self.lr, self.momentum, self.dampening,
-                            self.weight_decay, self.nesterov, self.maximize, first)
+    def _fused(self, params: List[Tensor], grads: List[Tensor], buffers: List[Tensor], first: bool,
+               fused_min_elements: int) -> None:
+        written = momentum_step(params, grads, buffers, self.lr, self.momentum, self.dampening,
+                                self.weight_decay, self.nesterov, self.maximize, first, fused_min_elements)
         # TorchScript's dead-code elimination drops in-place list kernels whose
         # lists were built inside the graph unless the lists stay live; storing
         # them in an attribute (a side effect) keeps every update.
-        self.last_updated = params + buffers
+        self.last_updated = written
 
     def step(self, gradients: List[Optional[Tensor]]) -> None:
         """Apply one step; ``gradients[i]`` belongs to ``params[i]`` (``None`` skips it).
 
         Every gradient is validated before any parameter changes.
         """
-        if len(gradients) != len(self.params):
-            raise ValueError(
-                "FunctionalSGD.step: got {} gradients for {} parameters; the lengths must be equal".format(
-                    len(gradients), len(self.params)))
-        for i in range(len(self.params)):
-            check_gradient("FunctionalSGD", i, self.params[i], gradients[i])
+        check_gradients("FunctionalSGD", self.params, gradients)
         use_momentum = self.momentum != 0.0
         first_params: List[Tensor] = []
         first_grads: List[Tensor] = []
@@ -104,9 +101,9 @@ class FunctionalSGD:
                         grads.append(grad)
                         buffers.append(buf)
         if len(first_params) > 0:
-            self._fused(first_params, first_grads, first_buffers, True)
+            self._fused(first_params, first_grads, first_buffers, True, 0)
         if len(params) > 0:
-            self._fused(params, grads, buffers, False)
+            self._fused(params, grads, buffers, False, 0)
 
     def _rows_step(self, i: int, rows: Tensor, values: Tensor) -> None:
         """Step only ``rows`` of parameter ``i`` with gradient rows ``values``."""
@@ -115,7 +112,7 @@ class FunctionalSGD:
         param = self.params[i]
         param_rows = param.index_select(0, rows)
         if self.momentum == 0.0:
-            self._fused([param_rows], [values], [], False)
+            self._fused([param_rows], [values], [], False, row_slice_fused_min_elements())
             param.index_copy_(0, rows, param_rows)
             return
         buf = self.momentum_buffers[i]
@@ -127,7 +124,7 @@ class FunctionalSGD:
         buf_rows = buf.index_select(0, rows)
         initialized = self.rows_initialized[i]
         if initialized is None:
-            self._fused([param_rows], [values], [buf_rows], False)
+            self._fused([param_rows], [values], [buf_rows], False, row_slice_fused_min_elements())
         else:
             seen = initialized.index_select(0, rows)
             self._subset_step(param_rows, values, buf_rows, seen.nonzero().view(-1), False)
@@ -141,7 +138,7 @@ class FunctionalSGD:
             return
         p = param_rows.index_select(0, subset)
         b = buf_rows.index_select(0, subset)
-        self._fused([p], [values.index_select(0, subset)], [b], first)
+        self._fused([p], [values.index_select(0, subset)], [b], first, row_slice_fused_min_elements())
         param_rows.index_copy_(0, subset, p)
         buf_rows.index_copy_(0, subset, b)
 
@@ -161,16 +158,8 @@ class FunctionalSGD:
     def load_state_dict(self, state: Dict[int, Dict[str, Tensor]]) -> None:
         """Restore a ``state_dict()``; validated whole before anything changes."""
         for i, entry in state.items():
-            if i < 0 or i >= len(self.params):
-                raise ValueError("FunctionalSGD.load_state_dict: parameter index {} out of range for {} parameters"
-                                 .format(i, len(self.params)))
-            if "momentum_buffer" not in entry:
-                raise ValueError("FunctionalSGD.load_state_dict: entry {} has no 'momentum_buffer'".format(i))
+            check_state_entry("FunctionalSGD", self.params, i, entry)
             param = self.params[i]
-            if entry["momentum_buffer"].shape != param.shape:
-                raise ValueError(
-                    "FunctionalSGD.load_state_dict: momentum_buffer {} has shape {} but parameter {} has shape {}"
-                    .format(i, list(entry["momentum_buffer"].shape), i, list(param.shape)))
             if "rows_initialized" in entry and list(entry["rows_initialized"].shape) != [param.size(0)]:
                 raise ValueError("FunctionalSGD.load_state_dict: rows_initialized {} has shape {}, expected [{}]"
                                  .format(i, list(entry["rows_initialized"].shape), param.size(0)))

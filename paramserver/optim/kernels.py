@@ -1,9 +1,9 @@
 """TorchScript building blocks shared by the functional optimizers.
 
-Owns: validating a gradient against its parameter, the one-pass update of
-the momentum-SGD family (PyTorch's fused multi-tensor kernel,
-``torch._fused_sgd_``: reads parameter, gradient and buffer once and writes
-parameter and buffer once), and turning a row-sparse COO gradient into
+Owns: validating a gradient against its parameter, the update of the
+momentum-SGD family (for large tensors PyTorch's fused multi-tensor kernel,
+``torch._fused_sgd_``, which reads parameter, gradient and buffer once and
+writes parameter and buffer once; for small ones multi-tensor ops), and turning a row-sparse COO gradient into
 (row indices, row values).  It owns no optimizer state.
 
 Everything here compiles under TorchScript (compiled where a script class
@@ -14,7 +14,7 @@ views or slices.  Callers pass lists whose elements are the parameter and
 buffer tensors themselves, and the trajectory tests prove every update lands.
 """
 
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -49,7 +49,40 @@ def check_gradient(optimizer: str, index: int, param: Tensor, grad: Optional[Ten
         raise ValueError("{}: gradient {} has unsupported layout {}".format(optimizer, index, grad.layout))
 
 
-def fused_momentum_step(
+# The fused CPU kernel starts its OpenMP threads for every tensor, however
+# small.  For many dense tensors that is still the fastest (measured); for the
+# small row slices of a sparse step it makes the step wait whenever the other
+# core is busy (milliseconds instead of microseconds), so callers with small
+# slices pass ``fused_min_elements=ROW_SLICE_FUSED_MIN_ELEMENTS`` and those
+# slices take multi-tensor ops, which stay on one thread below PyTorch's grain.
+# (A function, not a global: TorchScript cannot read module-level ints.)
+def row_slice_fused_min_elements() -> int:
+    return 32768
+
+
+def check_gradients(optimizer: str, params: List[Tensor], gradients: List[Optional[Tensor]]) -> None:
+    """Validate a whole gradient list (length, then each gradient) before any update."""
+    if len(gradients) != len(params):
+        raise ValueError("{}.step: got {} gradients for {} parameters; the lengths must be equal".format(
+            optimizer, len(gradients), len(params)))
+    for i in range(len(params)):
+        check_gradient(optimizer, i, params[i], gradients[i])
+
+
+def check_state_entry(optimizer: str, params: List[Tensor], index: int, entry: Dict[str, Tensor]) -> None:
+    """Validate one ``{index: {"momentum_buffer": ...}}`` entry of a state dict."""
+    if index < 0 or index >= len(params):
+        raise ValueError("{}.load_state_dict: parameter index {} out of range for {} parameters".format(
+            optimizer, index, len(params)))
+    if "momentum_buffer" not in entry:
+        raise ValueError("{}.load_state_dict: entry {} has no 'momentum_buffer'".format(optimizer, index))
+    buf = entry["momentum_buffer"]
+    if buf.shape != params[index].shape:
+        raise ValueError("{}.load_state_dict: momentum_buffer {} has shape {} but parameter {} has shape {}".format(
+            optimizer, index, list(buf.shape), index, list(params[index].shape)))
+
+
+def momentum_step(
     params: List[Tensor],
     grads: List[Tensor],
     buffers: List[Tensor],
@@ -60,19 +93,63 @@ def fused_momentum_step(
     nesterov: bool,
     maximize: bool,
     is_first_step: bool,
-) -> None:
-    """One pass of momentum SGD over every tensor, with ``torch.optim.SGD``'s math.
+    fused_min_elements: int = 0,
+) -> List[Tensor]:
+    """One step of momentum SGD over every tensor, with ``torch.optim.SGD``'s math.
 
     ``g = (-grad if maximize else grad) + weight_decay * p``;
     ``buf = g`` on the first step, else ``momentum * buf + (1 - dampening) * g``;
     ``p -= lr * (g + momentum * buf if nesterov else buf)``.
-    Gradients are read, never written.  With ``momentum == 0`` the buffers are
-    ignored (pass an empty list).
+    Tensors of at least ``fused_min_elements`` go through the fused kernel
+    (one pass), smaller ones through multi-tensor ops.  Gradients are read, never written.  With
+    ``momentum == 0`` pass an empty ``buffers`` list.
+
+    Returns every tensor written; the caller must keep the result (see the
+    module docstring: otherwise TorchScript may drop the update).
     """
-    torch._fused_sgd_(
-        params, grads, buffers,
-        weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening,
-        nesterov=nesterov, maximize=maximize, is_first_step=is_first_step)
+    use_buffers = momentum != 0.0
+    large_params: List[Tensor] = []
+    large_grads: List[Tensor] = []
+    large_buffers: List[Tensor] = []
+    small_params: List[Tensor] = []
+    small_grads: List[Tensor] = []
+    small_buffers: List[Tensor] = []
+    for i in range(len(params)):
+        if params[i].numel() >= fused_min_elements:
+            large_params.append(params[i])
+            large_grads.append(grads[i])
+            if use_buffers:
+                large_buffers.append(buffers[i])
+        else:
+            small_params.append(params[i])
+            small_grads.append(grads[i])
+            if use_buffers:
+                small_buffers.append(buffers[i])
+    if len(large_params) > 0:
+        torch._fused_sgd_(
+            large_params, large_grads, large_buffers,
+            weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening,
+            nesterov=nesterov, maximize=maximize, is_first_step=is_first_step)
+    if len(small_params) > 0:
+        effective = small_grads
+        if maximize:
+            effective = torch._foreach_neg(effective)
+        if weight_decay != 0.0:
+            effective = torch._foreach_add(effective, small_params, alpha=weight_decay)
+        if not use_buffers:
+            torch._foreach_add_(small_params, effective, alpha=-lr)
+        else:
+            if is_first_step:
+                torch._foreach_copy_(small_buffers, effective)
+            else:
+                torch._foreach_mul_(small_buffers, momentum)
+                torch._foreach_add_(small_buffers, effective, alpha=1.0 - dampening)
+            if nesterov:
+                torch._foreach_add_(small_params, effective, alpha=-lr)
+                torch._foreach_add_(small_params, small_buffers, alpha=-lr * momentum)
+            else:
+                torch._foreach_add_(small_params, small_buffers, alpha=-lr)
+    return large_params + large_buffers + small_params + small_buffers
 
 
 def sparse_rows(grad: Tensor) -> Tuple[Tensor, Tensor]:
