@@ -8,8 +8,6 @@ and runs as plain Python (raising a plain ``ValueError``) otherwise.
 
 import math
 
-QHM_WEIGHT_DECAY_TYPES = ("grad", "direct")
-
 
 def check_qhm_hyperparameters(
     lr: float, momentum: float, nu: float, weight_decay: float, weight_decay_type: str
