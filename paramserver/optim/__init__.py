@@ -3,10 +3,12 @@
 Owns the optimizer side of paramserver: the local ``QHM``, the TorchScript
 functional optimizers that shard servers run (``FunctionalQHM``,
 ``FunctionalSGD``), the ``functional_optim_map`` registry, and
-``ScriptedOptimizer`` to run a functional optimizer compiled from Python.
-It never talks to the network.
+``ScriptedOptimizer`` to run a functional optimizer compiled from Python,
+and ``DistributedOptimizer``, which runs them where the parameters live
+(its RPC side in ``distributed``, its owner side in ``owner``).
 """
 
+from .distributed import DistributedOptimizer, OwnerFailedError
 from .functional_qhm import FunctionalQHM
 from .functional_sgd import FunctionalSGD
 from .qhm import QHM
@@ -15,6 +17,8 @@ from .scripted import ScriptedOptimizer
 
 __all__ = [
     "QHM",
+    "DistributedOptimizer",
+    "OwnerFailedError",
     "FunctionalQHM",
     "FunctionalSGD",
     "ScriptedOptimizer",

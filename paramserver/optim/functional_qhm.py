@@ -122,9 +122,14 @@ class FunctionalQHM:
     def step(self, gradients: List[Optional[Tensor]]) -> None:
         """Apply one step; ``gradients[i]`` belongs to ``params[i]`` (``None`` skips it).
 
-        Every gradient is validated before any parameter changes.
+        Every gradient is validated before any parameter changes.  Runs
+        without autograd recording, so parameters may require grad.
         """
         check_gradients("FunctionalQHM", self.params, gradients)
+        with torch.no_grad():
+            self._step(gradients)
+
+    def _step(self, gradients: List[Optional[Tensor]]) -> None:
         scale = self._target_scale()
         self._rescale_buffers(scale)
         params: List[Tensor] = []

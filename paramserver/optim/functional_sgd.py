@@ -64,9 +64,14 @@ class FunctionalSGD:
     def step(self, gradients: List[Optional[Tensor]]) -> None:
         """Apply one step; ``gradients[i]`` belongs to ``params[i]`` (``None`` skips it).
 
-        Every gradient is validated before any parameter changes.
+        Every gradient is validated before any parameter changes.  Runs
+        without autograd recording, so parameters may require grad.
         """
         check_gradients("FunctionalSGD", self.params, gradients)
+        with torch.no_grad():
+            self._step(gradients)
+
+    def _step(self, gradients: List[Optional[Tensor]]) -> None:
         use_momentum = self.momentum != 0.0
         first_params: List[Tensor] = []
         first_grads: List[Tensor] = []

@@ -1,0 +1,191 @@
+"""``DistributedOptimizer``: the trainer's handle on optimizers that run where the parameters live.
+
+Owns the client side: grouping parameter RRefs by owner, asking each owner
+(concurrently) for its ``OwnerOptimizer``, one step RPC per owner per step
+(all owners at once), gathering and restoring optimizer state, and turning
+owners' failures into one error that names them.  The owner side, where the
+math runs, is ``paramserver.optim.owner``.
+
+Same call shape and semantics as ``torch.distributed.optim.DistributedOptimizer``
+(a drop-in with plain ``torch.distributed.rpc``), plus ``state_dict()`` /
+``load_state_dict()``.
+"""
+
+import ast
+import re
+import warnings
+from collections import OrderedDict
+from typing import Any, Dict, List, Mapping
+
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+from torch.distributed.rpc import RRef
+
+from . import owner
+from .registry import functional_optim_map
+
+
+class OwnerFailedError(RuntimeError):
+    """An owner could not do what was asked (it went away, timed out, or failed)."""
+
+
+_REMOTE_ERROR = re.compile(r"On WorkerInfo\([^\n]*\):\n(\w+)\((.*)\)\n")
+_ERROR_LINE = re.compile(r"^(?:builtins\.)?(\w*(?:Error|Exception)): (.+)$")
+
+
+def _cause_message(error: BaseException) -> str:
+    """The essential "Type: message" of an error that may have crossed an RPC boundary.
+
+    An RPC target's exception arrives as text: "On WorkerInfo(...):", the
+    exception's repr, its traceback.  A TorchScript error's message holds the
+    script traceback and ends with the "Type: message" that matters.
+    """
+    text = str(error)
+    remote = _REMOTE_ERROR.search(text)
+    if remote:
+        kind, body = remote.group(1), remote.group(2)
+        try:
+            body = str(ast.literal_eval(body))
+        except (ValueError, SyntaxError):
+            pass
+        text = f"{kind}: {body}"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    matches = [m for m in map(_ERROR_LINE.match, lines) if m]
+    if matches:
+        return f"{matches[-1].group(1)}: {matches[-1].group(2)}"
+    return lines[0] if lines else type(error).__name__
+
+
+def _raise_for_failures(failures: List[tuple], action: str) -> None:
+    if not failures:
+        return
+    message = "; ".join(f"{action} failed on owner {name!r}: {_cause_message(error)}" for name, error in failures)
+    first = failures[0][1]
+    # Bad input keeps its type (ValueError...); a lost or broken owner is an OwnerFailedError.
+    if isinstance(first, (ValueError, TypeError, IndexError, KeyError, NotImplementedError)):
+        raise type(first)(message) from first
+    raise OwnerFailedError(message) from first
+
+
+def _wait_all(futures: Mapping[str, Any], action: str) -> Dict[str, Any]:
+    results, failures = {}, []
+    for name, future in futures.items():
+        try:
+            results[name] = future.wait()
+        except Exception as error:  # noqa: BLE001 - every owner's outcome is collected first
+            failures.append((name, error))
+    _raise_for_failures(failures, action)
+    return results
+
+
+class DistributedOptimizer:
+    """Apply ``optimizer_class`` on every owner of ``params_rref``, from dist_autograd gradients.
+
+    ``DistributedOptimizer(QHM, remote_params, lr=1.0, momentum=0.9, nu=0.7)``
+    then ``step(context_id)`` inside ``dist_autograd.context()``, exactly as
+    with ``torch.distributed.optim.DistributedOptimizer``.  Each owner builds
+    the class's functional (TorchScript) form from ``functional_optim_map``
+    and steps it without the GIL; a class with no functional form runs as a
+    Python optimizer on the owner (with a warning).  Trainers asking for the
+    same optimizer over the same parameters share one owner-side optimizer
+    and its state.
+    """
+
+    def __init__(self, optimizer_class, params_rref: List[RRef], *args, **kwargs):
+        if not params_rref:
+            raise ValueError("DistributedOptimizer got an empty parameter list")
+        self.optimizer_class = optimizer_class
+        functional_cls = functional_optim_map.get(optimizer_class) if torch.jit._state._enabled else None
+        self.is_functional_optim = functional_cls is not None
+        if functional_cls is None:
+            name = getattr(optimizer_class, "__qualname__", repr(optimizer_class))
+            warnings.warn(
+                f"{name} has no functional (TorchScript) form, so DistributedOptimizer runs it as a "
+                f"Python optimizer on each owner, holding the GIL and serialized by a lock. Give it one "
+                f"with paramserver.optim.register_functional_optim({name}, <TorchScript class>).",
+                stacklevel=2)
+        # owner name -> [(index in params_rref, rref)], in first-seen order.
+        self._by_owner: "OrderedDict[str, List[tuple]]" = OrderedDict()
+        for index, rref in enumerate(params_rref):
+            self._by_owner.setdefault(rref.owner().name, []).append((index, rref))
+        self.num_params = len(params_rref)
+        futures = {
+            name: rpc.rpc_async(
+                name, owner.remote_new_owner_optimizer,
+                args=(optimizer_class, functional_cls, [r for _, r in entries], [i for i, _ in entries],
+                      args, kwargs))
+            for name, entries in self._by_owner.items()
+        }
+        created = _wait_all(futures, "creating the optimizer")
+        self._owner_optimizers: Dict[str, RRef] = {name: created[name] for name in self._by_owner}
+
+    @property
+    def remote_optimizers(self) -> List[RRef]:
+        """RRefs to the owner-side optimizers, one per owner."""
+        return list(self._owner_optimizers.values())
+
+    @property
+    def owners(self) -> List[str]:
+        return list(self._owner_optimizers)
+
+    def step(self, context_id: int) -> None:
+        """Apply one step on every owner, concurrently, with the gradients of ``context_id``.
+
+        Blocks until every owner is done.  If any fails (bad gradient, owner
+        gone, RPC timeout), raises after all have answered, naming each
+        failed owner; an owner that refused a gradient changed nothing.
+        """
+        dist_autograd._is_valid_context(context_id)
+        futures = {name: rpc.rpc_async(name, owner.remote_step, args=(ref, context_id))
+                   for name, ref in self._owner_optimizers.items()}
+        _wait_all(futures, "DistributedOptimizer.step")
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Every owner's optimizer state: ``{"optimizer": name, "state": {index: {name: tensor}}}``.
+
+        Indices are positions in the ``params_rref`` list this optimizer was
+        built with, as in ``torch.optim.Optimizer.state_dict``.
+        """
+        futures = {name: rpc.rpc_async(name, owner.remote_state_dict, args=(ref,))
+                   for name, ref in self._owner_optimizers.items()}
+        per_owner = _wait_all(futures, "gathering optimizer state")
+        state: Dict[int, Dict[str, torch.Tensor]] = {}
+        for name, local_state in per_owner.items():
+            entries = self._by_owner[name]
+            for local_index, entry in local_state.items():
+                state[entries[local_index][0]] = entry
+        return {"optimizer": _class_name(self.optimizer_class), "state": dict(sorted(state.items()))}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore a ``state_dict()`` on every owner; all or nothing.
+
+        An owner that refuses its part (a shape that does not fit, ...) makes
+        every owner return to the state it had before, and the error names it.
+        """
+        expected = _class_name(self.optimizer_class)
+        if state_dict.get("optimizer") != expected:
+            raise ValueError(f"state dict is for optimizer {state_dict.get('optimizer')!r}, not {expected!r}")
+        state = state_dict.get("state", {})
+        unknown = [i for i in state if not (isinstance(i, int) and 0 <= i < self.num_params)]
+        if unknown:
+            raise ValueError(f"state dict has entries for parameter indices {unknown}, "
+                             f"but this optimizer has {self.num_params} parameters")
+        previous = self.state_dict()["state"]
+        try:
+            self._load_per_owner(state)
+        except Exception:
+            self._load_per_owner(previous)
+            raise
+
+    def _load_per_owner(self, state: Mapping[int, Dict[str, torch.Tensor]]) -> None:
+        futures = {}
+        for name, entries in self._by_owner.items():
+            local = {local_index: state[index] for local_index, (index, _) in enumerate(entries) if index in state}
+            futures[name] = rpc.rpc_async(name, owner.remote_load_state_dict,
+                                          args=(self._owner_optimizers[name], local))
+        _wait_all(futures, "restoring optimizer state")
+
+
+def _class_name(cls) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"

@@ -1,0 +1,238 @@
+"""The owner's side of ``DistributedOptimizer``.
+
+Owns, in each process that owns parameters (shard servers, or any torch RPC
+peer):
+
+* ``OwnerOptimizer``: the optimizer over the parameters one
+  DistributedOptimizer has here.  With a functional class (looked up in
+  ``functional_optim_map``) it is a TorchScript module, compiled under a
+  process-wide lock (TorchScript compilation is not thread-safe; each
+  functional class is compiled once per process and reused), whose ``step``
+  reads the context's gradients, validates them and applies the step without
+  the GIL.  Without one, a Python optimizer is stepped instead.
+* Serialization: every parameter has a lock; a step takes the locks of its
+  parameters in one global order, so concurrent steps from several trainers
+  are applied one after another per parameter and none is lost.
+* Sharing: trainers that ask for the same optimizer (class, hyperparameters,
+  parameters) get the same ``OwnerOptimizer``, so the server keeps one
+  optimizer state per parameter, which all trainers' gradients update (the
+  parameter-server semantics) and which checkpoints save.
+
+Functions named ``remote_*`` are what DistributedOptimizer calls by RPC.
+This module never sends RPCs.
+"""
+
+import itertools
+import threading
+import weakref
+from contextlib import ExitStack
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed.autograd as dist_autograd
+from torch import Tensor, nn
+from torch.distributed.rpc import RRef
+
+from ..shards.hosted import name_of
+from .scripted import reraise_script_error
+
+StateDict = Dict[int, Dict[str, Tensor]]
+
+
+@torch.jit.script
+def context_gradients(context_id: int, params: List[Tensor]) -> List[Optional[Tensor]]:
+    """The gradients ``dist_autograd`` context ``context_id`` holds for ``params`` (``None`` if none)."""
+    all_gradients = dist_autograd.get_gradients(context_id)
+    gradients: List[Optional[Tensor]] = []
+    for param in params:
+        if param in all_gradients:
+            gradients.append(all_gradients[param])
+        else:
+            gradients.append(None)
+    return gradients
+
+
+@torch.jit.script
+def check_gradient_shapes(names: List[str], params: List[Tensor], gradients: List[Optional[Tensor]]) -> None:
+    """Raise ``ValueError`` naming the first parameter whose gradient has another shape."""
+    for i in range(len(params)):
+        gradient = gradients[i]
+        if gradient is not None:
+            if gradient.shape != params[i].shape:
+                raise ValueError(
+                    "gradient for parameter {} has shape {} but the parameter has shape {}; "
+                    "no parameter on this owner was changed".format(
+                        names[i], list(gradient.shape), list(params[i].shape)))
+
+
+class _ScriptedStep(nn.Module):
+    """Compiled with TorchScript: one functional optimizer and its step from a context."""
+
+    def __init__(self, functional_cls, params: List[Tensor], names: List[str], args, kwargs):
+        super().__init__()
+        self.params = params
+        self.names = names
+        self.optim = functional_cls(params, *args, **kwargs)
+
+    @torch.jit.export
+    def step(self, context_id: int) -> None:
+        gradients = context_gradients(context_id, self.params)
+        check_gradient_shapes(self.names, self.params, gradients)
+        self.optim.step(gradients)
+
+
+class _PythonStep:
+    """A ``torch.optim`` optimizer stepped from a context's gradients (holds the GIL)."""
+
+    def __init__(self, optimizer_cls, params: List[Tensor], names: List[str], args, kwargs):
+        self.params = params
+        self.names = names
+        self.optim = optimizer_cls(params, *args, **kwargs)
+
+    def step(self, context_id: int) -> None:
+        gradients = context_gradients(context_id, self.params)
+        check_gradient_shapes(self.names, self.params, gradients)
+        for param, gradient in zip(self.params, gradients):
+            param.grad = gradient
+        try:
+            self.optim.step()
+        finally:
+            for param in self.params:
+                param.grad = None
+
+
+# Per-parameter locks, in one global order (creation order) so that steps
+# over overlapping parameter sets cannot deadlock.
+_locks_guard = threading.Lock()
+_param_locks: Dict[int, Tuple[int, threading.Lock]] = {}
+_lock_order = itertools.count()
+_compile_lock = threading.Lock()
+
+
+def _lock_for(param: Tensor) -> Tuple[int, threading.Lock]:
+    with _locks_guard:
+        entry = _param_locks.get(id(param))
+        if entry is None:
+            entry = (next(_lock_order), threading.Lock())
+            _param_locks[id(param)] = entry
+            weakref.finalize(param, _param_locks.pop, id(param), None)
+        return entry
+
+
+class OwnerOptimizer:
+    """The optimizer over one DistributedOptimizer's parameters on this owner."""
+
+    def __init__(self, optimizer_cls, functional_cls, params: Sequence[Tensor], names: Sequence[str],
+                 args: tuple, kwargs: dict):
+        self.optimizer_cls = optimizer_cls
+        self.functional_cls = functional_cls
+        self.params = list(params)
+        self.names = list(names)
+        if functional_cls is not None:
+            with _compile_lock:
+                self._impl = torch.jit.script(_ScriptedStep(functional_cls, self.params, self.names, args, kwargs))
+        else:
+            self._impl = _PythonStep(optimizer_cls, self.params, self.names, args, kwargs)
+        self._locks = [lock for _, lock in sorted({_lock_for(p) for p in self.params}, key=lambda e: e[0])]
+
+    @property
+    def is_scripted(self) -> bool:
+        return self.functional_cls is not None
+
+    def _locked(self) -> ExitStack:
+        stack = ExitStack()
+        for lock in self._locks:
+            stack.enter_context(lock)
+        return stack
+
+    def step(self, context_id: int) -> None:
+        with self._locked():
+            try:
+                self._impl.step(context_id)
+            except torch.jit.Error as error:
+                reraise_script_error(error)
+
+    def state_dict(self) -> StateDict:
+        """``{local parameter index: {name: tensor}}`` (copies)."""
+        with self._locked():
+            if not self.is_scripted:
+                state = self._impl.optim.state_dict()["state"]
+                return {i: {k: _copy(v) for k, v in entry.items()} for i, entry in state.items()}
+            optim = self._impl.optim
+            if hasattr(optim, "state_dict"):
+                return optim.state_dict()
+            if hasattr(optim, "state"):  # PyTorch's functional optimizers: {param: {name: tensor}}
+                by_param = optim.state
+                return {i: {k: _copy(v) for k, v in by_param[p].items()}
+                        for i, p in enumerate(self.params) if p in by_param}
+            raise NotImplementedError(f"{self.functional_cls.__qualname__} exposes no optimizer state")
+
+    def load_state_dict(self, state: StateDict) -> None:
+        with self._locked():
+            for index in state:
+                if not 0 <= index < len(self.params):
+                    raise ValueError(f"optimizer state for parameter index {index}, but this owner holds "
+                                     f"{len(self.params)} of the optimizer's parameters")
+            if not self.is_scripted:
+                full = self._impl.optim.state_dict()
+                full["state"] = {i: dict(entry) for i, entry in state.items()}
+                self._impl.optim.load_state_dict(full)
+                return
+            optim = self._impl.optim
+            try:
+                if hasattr(optim, "load_state_dict"):
+                    optim.load_state_dict(state)
+                elif hasattr(optim, "state"):
+                    optim.state = {self.params[i]: {k: _copy(v) for k, v in entry.items()}
+                                   for i, entry in state.items()}
+                else:
+                    raise NotImplementedError(f"{self.functional_cls.__qualname__} exposes no optimizer state")
+            except torch.jit.Error as error:
+                reraise_script_error(error)
+
+
+def _copy(value):
+    return value.detach().clone() if isinstance(value, Tensor) else value
+
+
+# Live owner optimizers by what they were asked for, so that trainers asking
+# for the same optimizer share it (and its state).
+_shared_guard = threading.Lock()
+_shared: "weakref.WeakValueDictionary[tuple, OwnerOptimizer]" = weakref.WeakValueDictionary()
+
+
+def _parameter_name(param: Tensor, index: int) -> str:
+    hosted = name_of(param)
+    return repr(hosted) if hosted is not None else f"#{index} of the optimizer"
+
+
+def remote_new_owner_optimizer(optimizer_cls, functional_cls, param_rrefs: List[RRef],
+                               indices: List[int], args: tuple, kwargs: dict) -> RRef:
+    """RPC target: the OwnerOptimizer for these parameters (shared when it exists)."""
+    params = [rref.local_value() for rref in param_rrefs]
+    for index, param in zip(indices, params):
+        if not isinstance(param, Tensor):
+            raise TypeError(f"parameter #{index} of the optimizer is a {type(param).__name__}, not a tensor")
+    key = (optimizer_cls, functional_cls, tuple(id(p) for p in params), repr(args), repr(sorted(kwargs.items())))
+    with _shared_guard:
+        owner_optimizer = _shared.get(key)
+        if owner_optimizer is None:
+            names = [_parameter_name(p, i) for p, i in zip(params, indices)]
+            owner_optimizer = OwnerOptimizer(optimizer_cls, functional_cls, params, names, args, kwargs)
+            _shared[key] = owner_optimizer
+    return RRef(owner_optimizer)
+
+
+def remote_step(owner_optimizer: RRef, context_id: int) -> None:
+    """RPC target: one step of an OwnerOptimizer with the gradients of ``context_id``."""
+    owner_optimizer.local_value().step(context_id)
+
+
+def remote_state_dict(owner_optimizer: RRef) -> StateDict:
+    """RPC target: the OwnerOptimizer's state (copies)."""
+    return owner_optimizer.local_value().state_dict()
+
+
+def remote_load_state_dict(owner_optimizer: RRef, state: StateDict) -> None:
+    """RPC target: restore the OwnerOptimizer's state."""
+    owner_optimizer.local_value().load_state_dict(state)

@@ -1,0 +1,80 @@
+"""Starting, joining and reaping child processes.
+
+Owns the discipline every multi-process run here follows (tests,
+benchmarks, local clusters): children start with the ``spawn`` context, are
+joined against one deadline, and any child still alive at the deadline, or
+when the caller fails, is killed by its pid and reaped, so nothing outlives
+the run.  Exit codes are checked against what was expected.
+"""
+
+import datetime
+import multiprocessing
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Mapping, Optional, Sequence
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Child:
+    """A child process to run: ``target(*args, **kwargs)`` under ``name``."""
+
+    name: str
+    target: Callable
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+
+class ChildProcessesFailed(RuntimeError):
+    """Some child exited with an unexpected code or did not finish in time."""
+
+    def __init__(self, message: str, exit_codes: Dict[str, Optional[int]]):
+        super().__init__(message)
+        self.exit_codes = exit_codes
+
+
+def run_children(children: Sequence[Child], timeout: datetime.timedelta,
+                 expected_exit_codes: Optional[Mapping[str, int]] = None) -> Dict[str, int]:
+    """Run ``children`` concurrently until all exit or ``timeout`` passes; returns their exit codes.
+
+    Raises ``ChildProcessesFailed`` naming every child that timed out (it is
+    killed) or exited with a code other than expected (default 0).
+    """
+    names = [child.name for child in children]
+    if len(set(names)) != len(names):
+        raise ValueError(f"child names must be unique, got {names}")
+    expected = {name: 0 for name in names}
+    expected.update(expected_exit_codes or {})
+    context = multiprocessing.get_context("spawn")
+    processes = {}
+    timed_out = []
+    try:
+        for child in children:
+            process = context.Process(target=child.target, args=child.args, kwargs=child.kwargs, name=child.name)
+            process.start()
+            processes[child.name] = process
+        deadline = time.monotonic() + timeout.total_seconds()
+        for name, process in processes.items():
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                timed_out.append(name)
+    finally:
+        for process in processes.values():
+            if process.is_alive():
+                process.kill()
+        for process in processes.values():
+            process.join(10)
+    codes = {name: process.exitcode for name, process in processes.items()}
+    problems = [f"{name} did not finish within {timeout.total_seconds():.0f} s" for name in timed_out]
+    problems += [f"{name} exited with {code}, expected {expected[name]}"
+                 for name, code in codes.items() if name not in timed_out and code != expected[name]]
+    if problems:
+        raise ChildProcessesFailed("; ".join(problems), codes)
+    return codes

@@ -1,0 +1,120 @@
+"""``ShardedEmbeddingBag``: an embedding table split row-wise over shard servers.
+
+Owns the trainer side of sharded embeddings: creating the row ranges on the
+shards, the forward pass (check ids, deduplicate them, send each shard only
+the ids it owns, pool the returned rows locally), and fetching the table.
+Inside a ``dist_autograd`` context the forward is differentiable: backward
+sends each shard a row-sparse gradient of just the rows it served, and
+``DistributedOptimizer`` over ``remote_parameters()`` updates only those rows.
+"""
+
+import itertools
+import uuid
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed.rpc as rpc
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.rpc import RRef
+
+from . import hosted
+from .placement import RowRange, split_rows
+
+_MODES = ("sum", "mean")
+_default_seeds = itertools.count()
+
+
+class ShardedEmbeddingBag(nn.Module):
+    """Like ``nn.EmbeddingBag(num_embeddings, embedding_dim, mode=...)``, with its rows on ``shards``.
+
+    ``shards`` are RPC peer names; rows are split into one contiguous range
+    per shard.  Rows start N(0, 1) from ``seed``, drawn on the shards, or
+    from ``_weight`` (a full table, sent to the shards once).
+
+    ``forward(input, offsets=None, per_sample_weights=None)`` takes the
+    arguments of ``nn.EmbeddingBag``: a 2-D ``(bags, ids per bag)`` tensor,
+    or 1-D ids with ``offsets``.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, mode: str = "sum", *,
+                 shards: Sequence[str], name: Optional[str] = None, seed: Optional[int] = None,
+                 dtype: torch.dtype = torch.float32, _weight: Optional[Tensor] = None):
+        super().__init__()
+        if mode not in _MODES:
+            raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+        if num_embeddings <= 0 or embedding_dim <= 0:
+            raise ValueError(f"num_embeddings and embedding_dim must be positive, got "
+                             f"{num_embeddings} and {embedding_dim}")
+        if _weight is not None and tuple(_weight.shape) != (num_embeddings, embedding_dim):
+            raise ValueError(f"_weight has shape {list(_weight.shape)}, expected [{num_embeddings}, {embedding_dim}]")
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.mode = mode
+        self.name = name or f"embedding-{uuid.uuid4().hex[:8]}"
+        self.ranges: List[RowRange] = split_rows(num_embeddings, list(shards))
+        seed = next(_default_seeds) if seed is None else seed
+        futures = []
+        for rows in self.ranges:
+            part = f"{self.name}[{rows.start}:{rows.stop}]"
+            if _weight is None:
+                futures.append(rpc.rpc_async(rows.shard, hosted.host_rows, args=(
+                    part, rows.num_rows, embedding_dim, dtype, seed, rows.start)))
+            else:
+                futures.append(rpc.rpc_async(rows.shard, hosted.host_tensor, args=(
+                    part, _weight[rows.start:rows.stop].to(dtype))))
+        self._shard_rrefs: List[RRef] = [future.wait() for future in futures]
+        self.register_buffer("_range_starts", torch.tensor([r.start for r in self.ranges], dtype=torch.long),
+                             persistent=False)
+
+    @classmethod
+    def from_pretrained(cls, weight: Tensor, mode: str = "sum", *, shards: Sequence[str],
+                        name: Optional[str] = None) -> "ShardedEmbeddingBag":
+        """A sharded table holding a copy of ``weight`` (rows x dim)."""
+        if weight.dim() != 2:
+            raise ValueError(f"weight must be 2-D (rows x dim), got shape {list(weight.shape)}")
+        return cls(weight.size(0), weight.size(1), mode, shards=shards, name=name, dtype=weight.dtype,
+                   _weight=weight.detach())
+
+    def remote_parameters(self) -> List[RRef]:
+        """RRefs to the row ranges, for ``DistributedOptimizer``."""
+        return list(self._shard_rrefs)
+
+    def forward(self, input: Tensor, offsets: Optional[Tensor] = None,
+                per_sample_weights: Optional[Tensor] = None) -> Tensor:
+        ids = self._check_ids(input)
+        unique_ids, inverse = torch.unique(ids.reshape(-1), sorted=True, return_inverse=True)
+        # Sorted unique ids split into consecutive runs, one per shard's row range.
+        bounds = torch.searchsorted(unique_ids, self._range_starts).tolist() + [unique_ids.numel()]
+        pending = []
+        for index, rows in enumerate(self.ranges):
+            lo, hi = bounds[index], bounds[index + 1]
+            if hi > lo:
+                local = unique_ids[lo:hi] - rows.start
+                pending.append(rpc.rpc_async(rows.shard, hosted.lookup_rows, args=(self._shard_rrefs[index], local)))
+        if pending:
+            unique_rows = torch.cat([future.wait() for future in pending])
+        else:
+            unique_rows = torch.empty(0, self.embedding_dim)
+        return F.embedding_bag(inverse.view(ids.shape), unique_rows, offsets, mode=self.mode,
+                               per_sample_weights=per_sample_weights)
+
+    def _check_ids(self, input: Tensor) -> Tensor:
+        if input.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"ids must be an integer tensor (int64 or int32), got {input.dtype}")
+        if input.numel() > 0:
+            low, high = int(input.min()), int(input.max())
+            bad = low if low < 0 else high if high >= self.num_embeddings else None
+            if bad is not None:
+                raise IndexError(f"{self.name}: id {bad} is out of range for a table of "
+                                 f"{self.num_embeddings} rows")
+        return input.long()
+
+    def fetch_weight(self) -> Tensor:
+        """The whole table as it is now on the shards (a local copy)."""
+        futures = [rpc.rpc_async(r.owner(), hosted.values, args=([r],)) for r in self._shard_rrefs]
+        return torch.cat([future.wait()[0] for future in futures])
+
+    def extra_repr(self) -> str:
+        shards = ", ".join(f"{r.shard}[{r.start}:{r.stop}]" for r in self.ranges)
+        return f"{self.num_embeddings}, {self.embedding_dim}, mode={self.mode!r}, shards=({shards})"

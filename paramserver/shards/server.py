@@ -1,0 +1,74 @@
+"""The shard server process: an RPC peer that owns parameter shards.
+
+Owns a shard server's life: join the data plane, serve (hosting tensors and
+running optimizer steps happen in RPC threads, see ``hosted`` and
+``paramserver.optim.owner``), and leave when asked, by an RPC
+(``request_stop``) or by SIGTERM/SIGINT.  ``run_shard_server`` is a plain
+function, so tests can start it with ``torch.multiprocessing`` and the
+``ps-server`` command can supervise it.
+"""
+
+import datetime
+import logging
+import signal
+import threading
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch.distributed.rpc as rpc
+
+from .peer import PeerOptions, join, leave
+
+logger = logging.getLogger(__name__)
+
+_stop_requested = threading.Event()
+_stop_graceful = [True]
+
+
+@dataclass(frozen=True)
+class ShardServerOptions:
+    """A shard server's settings.  ``peer.intra_op_threads`` defaults to 1 here."""
+
+    peer: PeerOptions = field(default_factory=lambda: PeerOptions(intra_op_threads=1))
+    shutdown_timeout: datetime.timedelta = datetime.timedelta(seconds=60)
+
+
+def request_stop(graceful: bool = True) -> None:
+    """RPC target (or local call): ask this shard server to leave.
+
+    Graceful: it waits for every peer to leave and for outstanding work;
+    otherwise it leaves at once (for when some peer is known to be gone).
+    """
+    _stop_graceful[0] = graceful
+    _stop_requested.set()
+
+
+def run_shard_server(name: str, rank: int, world_size: int, init_method: str,
+                     options: Optional[ShardServerOptions] = None) -> None:
+    """Join as RPC peer ``name``, serve until asked to stop, leave.  Returns normally on a clean stop."""
+    options = options or ShardServerOptions()
+    _stop_requested.clear()
+    _stop_graceful[0] = True
+    previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        join(name, rank, world_size, init_method, options.peer)
+        logger.info("shard %s serving (rank %d of %d)", name, rank, world_size)
+        _stop_requested.wait()
+        graceful = _stop_graceful[0]
+        logger.info("shard %s leaving (%s)", name, "graceful" if graceful else "immediately")
+        leave(graceful=graceful, timeout=options.shutdown_timeout if graceful else None)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _on_signal(signum, _frame) -> None:
+    logger.info("shard server got %s", signal.Signals(signum).name)
+    request_stop(graceful=False)
+
+
+def stop_shards(names, graceful: bool = True) -> None:
+    """Ask the named shard servers to leave (called from a trainer or driver)."""
+    futures = [rpc.rpc_async(name, request_stop, args=(graceful,)) for name in names]
+    for future in futures:
+        future.wait()
