@@ -65,8 +65,27 @@ def check_gradient_shapes(names: List[str], params: List[Tensor], gradients: Lis
                         names[i], list(gradient.shape), list(params[i].shape)))
 
 
+@torch.jit.script
+def check_state_shapes(names: List[str], params: List[Tensor], state: Dict[int, Dict[str, Tensor]]) -> None:
+    """Raise ``ValueError`` unless every entry of a per-element optimizer state fits its parameter
+    (scalars such as a step count are free)."""
+    for i, entry in state.items():
+        if i < 0 or i >= len(params):
+            raise ValueError("optimizer state for parameter index {} out of range for {} parameters".format(
+                i, len(params)))
+        for key, value in entry.items():
+            if value.dim() > 0 and value.shape != params[i].shape:
+                raise ValueError("optimizer state '{}' of parameter {} has shape {} but the parameter has shape {}"
+                                 .format(key, names[i], list(value.shape), list(params[i].shape)))
+
+
 class _ScriptedStep(nn.Module):
-    """Compiled with TorchScript: one functional optimizer and its step from a context."""
+    """Compiled with TorchScript: one functional optimizer and its step from a context.
+
+    (A script object's state can only be changed through compiled methods:
+    reading ``module.optim`` from Python yields a copy.  The subclasses below
+    add the state methods for the two kinds of functional classes.)
+    """
 
     def __init__(self, functional_cls, params: List[Tensor], names: List[str], args, kwargs):
         super().__init__()
@@ -79,6 +98,55 @@ class _ScriptedStep(nn.Module):
         gradients = context_gradients(context_id, self.params)
         check_gradient_shapes(self.names, self.params, gradients)
         self.optim.step(gradients)
+
+
+class _ScriptedStepWithStateDict(_ScriptedStep):
+    """For functional classes with ``state_dict()`` / ``load_state_dict()`` (ours)."""
+
+    @torch.jit.export
+    def optimizer_state(self) -> Dict[int, Dict[str, Tensor]]:
+        return self.optim.state_dict()
+
+    @torch.jit.export
+    def load_optimizer_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
+        self.optim.load_state_dict(state)
+
+
+class _ScriptedStepWithStateAttribute(_ScriptedStep):
+    """For PyTorch's functional classes, which keep ``state: Dict[param, Dict[str, Tensor]]``."""
+
+    @torch.jit.export
+    def optimizer_state(self) -> Dict[int, Dict[str, Tensor]]:
+        state: Dict[int, Dict[str, Tensor]] = {}
+        for i in range(len(self.params)):
+            param = self.params[i]
+            if param in self.optim.state:
+                entry: Dict[str, Tensor] = {}
+                for key, value in self.optim.state[param].items():
+                    entry[key] = value.clone()
+                state[i] = entry
+        return state
+
+    @torch.jit.export
+    def load_optimizer_state(self, state: Dict[int, Dict[str, Tensor]]) -> None:
+        check_state_shapes(self.names, self.params, state)
+        restored: Dict[Tensor, Dict[str, Tensor]] = {}
+        for i, entry in state.items():
+            copied: Dict[str, Tensor] = {}
+            for key, value in entry.items():
+                copied[key] = value.clone()
+            restored[self.params[i]] = copied
+        self.optim.state = restored
+
+
+def _compile_step(functional_cls, params: List[Tensor], names: List[str], args, kwargs):
+    """The most capable compiled step module ``functional_cls`` supports."""
+    if hasattr(functional_cls, "state_dict") and hasattr(functional_cls, "load_state_dict"):
+        return torch.jit.script(_ScriptedStepWithStateDict(functional_cls, params, names, args, kwargs))
+    try:
+        return torch.jit.script(_ScriptedStepWithStateAttribute(functional_cls, params, names, args, kwargs))
+    except RuntimeError:  # no ``state`` attribute of that type: steps only
+        return torch.jit.script(_ScriptedStep(functional_cls, params, names, args, kwargs))
 
 
 class _PythonStep:
@@ -130,7 +198,7 @@ class OwnerOptimizer:
         self.names = list(names)
         if functional_cls is not None:
             with _compile_lock:
-                self._impl = torch.jit.script(_ScriptedStep(functional_cls, self.params, self.names, args, kwargs))
+                self._impl = _compile_step(functional_cls, self.params, self.names, args, kwargs)
         else:
             self._impl = _PythonStep(optimizer_cls, self.params, self.names, args, kwargs)
         self._locks = [lock for _, lock in sorted({_lock_for(p) for p in self.params}, key=lambda e: e[0])]
@@ -158,37 +226,30 @@ class OwnerOptimizer:
             if not self.is_scripted:
                 state = self._impl.optim.state_dict()["state"]
                 return {i: {k: _copy(v) for k, v in entry.items()} for i, entry in state.items()}
-            optim = self._impl.optim
-            if hasattr(optim, "state_dict"):
-                return optim.state_dict()
-            if hasattr(optim, "state"):  # PyTorch's functional optimizers: {param: {name: tensor}}
-                by_param = optim.state
-                return {i: {k: _copy(v) for k, v in by_param[p].items()}
-                        for i, p in enumerate(self.params) if p in by_param}
-            raise NotImplementedError(f"{self.functional_cls.__qualname__} exposes no optimizer state")
+            return self._scripted_state_method("optimizer_state")()
 
     def load_state_dict(self, state: StateDict) -> None:
         with self._locked():
-            for index in state:
-                if not 0 <= index < len(self.params):
-                    raise ValueError(f"optimizer state for parameter index {index}, but this owner holds "
-                                     f"{len(self.params)} of the optimizer's parameters")
             if not self.is_scripted:
+                try:
+                    check_state_shapes(self.names, self.params, state)
+                except torch.jit.Error as error:
+                    reraise_script_error(error)
                 full = self._impl.optim.state_dict()
                 full["state"] = {i: dict(entry) for i, entry in state.items()}
                 self._impl.optim.load_state_dict(full)
                 return
-            optim = self._impl.optim
+            load = self._scripted_state_method("load_optimizer_state")
             try:
-                if hasattr(optim, "load_state_dict"):
-                    optim.load_state_dict(state)
-                elif hasattr(optim, "state"):
-                    optim.state = {self.params[i]: {k: _copy(v) for k, v in entry.items()}
-                                   for i, entry in state.items()}
-                else:
-                    raise NotImplementedError(f"{self.functional_cls.__qualname__} exposes no optimizer state")
+                load(state)
             except torch.jit.Error as error:
                 reraise_script_error(error)
+
+    def _scripted_state_method(self, name: str):
+        if not hasattr(self._impl, name):
+            raise NotImplementedError(f"{self.functional_cls.__qualname__} exposes no optimizer state "
+                                      "(give it state_dict() and load_state_dict())")
+        return getattr(self._impl, name)
 
 
 def _copy(value):

@@ -12,6 +12,7 @@ import datetime
 import logging
 import signal
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -21,6 +22,7 @@ from .peer import PeerOptions, join, leave
 
 logger = logging.getLogger(__name__)
 
+_ANSWER_GRACE = datetime.timedelta(seconds=0.2)
 _stop_requested = threading.Event()
 _stop_graceful = [True]
 
@@ -56,6 +58,8 @@ def run_shard_server(name: str, rank: int, world_size: int, init_method: str,
         _stop_requested.wait()
         graceful = _stop_graceful[0]
         logger.info("shard %s leaving (%s)", name, "graceful" if graceful else "immediately")
+        if not graceful:
+            time.sleep(_ANSWER_GRACE.total_seconds())  # let the answer to request_stop leave first
         leave(graceful=graceful, timeout=options.shutdown_timeout if graceful else None)
     finally:
         for sig, handler in previous.items():
@@ -68,7 +72,15 @@ def _on_signal(signum, _frame) -> None:
 
 
 def stop_shards(names, graceful: bool = True) -> None:
-    """Ask the named shard servers to leave (called from a trainer or driver)."""
+    """Ask the named shard servers to leave (called from a trainer or driver).
+
+    Not graceful: a shard that is gone already, or leaves before its answer
+    arrives, counts as stopped.
+    """
     futures = [rpc.rpc_async(name, request_stop, args=(graceful,)) for name in names]
     for future in futures:
-        future.wait()
+        try:
+            future.wait()
+        except RuntimeError:
+            if graceful:
+                raise
