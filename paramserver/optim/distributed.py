@@ -52,19 +52,33 @@ def _cause_message(error: BaseException) -> str:
         text = f"{kind}: {body}"
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     matches = [m for m in map(_ERROR_LINE.match, lines) if m]
-    if matches:
-        return f"{matches[-1].group(1)}: {matches[-1].group(2)}"
-    return lines[0] if lines else type(error).__name__
+    if not matches:
+        return lines[0] if lines else type(error).__name__
+    kind, message = matches[-1].group(1), matches[-1].group(2)
+    # A Python error raised under TorchScript reads "RuntimeError: ValueError: ...".
+    inner = _ERROR_LINE.match(message)
+    while inner:
+        kind, message = inner.group(1), inner.group(2)
+        inner = _ERROR_LINE.match(message)
+    return f"{kind}: {message}"
+
+
+# Errors that mean "bad input" keep their type across the RPC boundary.
+_INPUT_ERRORS = {cls.__name__: cls for cls in (ValueError, TypeError, IndexError, KeyError, NotImplementedError)}
 
 
 def _raise_for_failures(failures: List[tuple], action: str) -> None:
     if not failures:
         return
-    message = "; ".join(f"{action} failed on owner {name!r}: {_cause_message(error)}" for name, error in failures)
+    causes = [(name, _cause_message(error)) for name, error in failures]
+    message = "; ".join(f"{action} failed on owner {name!r}: {cause}" for name, cause in causes)
     first = failures[0][1]
-    # Bad input keeps its type (ValueError...); a lost or broken owner is an OwnerFailedError.
-    if isinstance(first, (ValueError, TypeError, IndexError, KeyError, NotImplementedError)):
-        raise type(first)(message) from first
+    # Bad input keeps its type (ValueError...); a lost or broken owner is an
+    # OwnerFailedError.  (TorchScript RPCs deliver every error as a
+    # RuntimeError whose text starts with the original type.)
+    kind = type(first).__name__ if type(first).__name__ in _INPUT_ERRORS else causes[0][1].split(":", 1)[0]
+    if kind in _INPUT_ERRORS:
+        raise _INPUT_ERRORS[kind](message) from first
     raise OwnerFailedError(message) from first
 
 
@@ -118,7 +132,9 @@ class DistributedOptimizer:
             for name, entries in self._by_owner.items()
         }
         created = _wait_all(futures, "creating the optimizer")
-        self._owner_optimizers: Dict[str, RRef] = {name: created[name] for name in self._by_owner}
+        # An RRef per owner keeps its optimizer alive; the handle names it in RPCs.
+        self._owner_optimizers: Dict[str, RRef] = {name: created[name][0] for name in self._by_owner}
+        self._handles: Dict[str, int] = {name: created[name][1] for name in self._by_owner}
 
     @property
     def remote_optimizers(self) -> List[RRef]:
@@ -129,6 +145,12 @@ class DistributedOptimizer:
     def owners(self) -> List[str]:
         return list(self._owner_optimizers)
 
+    def _on_every_owner(self, function, action: str, extra_args=None) -> Dict[str, Any]:
+        """Call ``function(handle, *extra_args[owner])`` on every owner at once; results by owner."""
+        futures = {name: rpc.rpc_async(name, function, args=(handle,) + tuple((extra_args or {}).get(name, ())))
+                   for name, handle in self._handles.items()}
+        return _wait_all(futures, action)
+
     def step(self, context_id: int) -> None:
         """Apply one step on every owner, concurrently, with the gradients of ``context_id``.
 
@@ -137,9 +159,8 @@ class DistributedOptimizer:
         failed owner; an owner that refused a gradient changed nothing.
         """
         dist_autograd._is_valid_context(context_id)
-        futures = {name: rpc.rpc_async(name, owner.remote_step, args=(ref, context_id))
-                   for name, ref in self._owner_optimizers.items()}
-        _wait_all(futures, "DistributedOptimizer.step")
+        self._on_every_owner(owner.remote_step, "DistributedOptimizer.step",
+                             {name: (context_id,) for name in self._handles})
 
     def state_dict(self) -> Dict[str, Any]:
         """Every owner's optimizer state: ``{"optimizer": name, "state": {index: {name: tensor}}}``.
@@ -147,9 +168,7 @@ class DistributedOptimizer:
         Indices are positions in the ``params_rref`` list this optimizer was
         built with, as in ``torch.optim.Optimizer.state_dict``.
         """
-        futures = {name: rpc.rpc_async(name, owner.remote_state_dict, args=(ref,))
-                   for name, ref in self._owner_optimizers.items()}
-        per_owner = _wait_all(futures, "gathering optimizer state")
+        per_owner = self._on_every_owner(owner.remote_state_dict, "gathering optimizer state")
         state: Dict[int, Dict[str, torch.Tensor]] = {}
         for name, local_state in per_owner.items():
             entries = self._by_owner[name]
@@ -179,12 +198,10 @@ class DistributedOptimizer:
             raise
 
     def _load_per_owner(self, state: Mapping[int, Dict[str, torch.Tensor]]) -> None:
-        futures = {}
-        for name, entries in self._by_owner.items():
-            local = {local_index: state[index] for local_index, (index, _) in enumerate(entries) if index in state}
-            futures[name] = rpc.rpc_async(name, owner.remote_load_state_dict,
-                                          args=(self._owner_optimizers[name], local))
-        _wait_all(futures, "restoring optimizer state")
+        per_owner = {name: ({local_index: state[index] for local_index, (index, _) in enumerate(entries)
+                             if index in state},)
+                     for name, entries in self._by_owner.items()}
+        self._on_every_owner(owner.remote_load_state_dict, "restoring optimizer state", per_owner)
 
 
 def _class_name(cls) -> str:

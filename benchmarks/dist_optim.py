@@ -1,0 +1,242 @@
+"""How fast is a DistributedOptimizer step?  Side by side, in one run, on loopback.
+
+What it measures
+    (1) Step latency, one trainer: ``paramserver.optim.DistributedOptimizer``
+        vs ``torch.distributed.optim.DistributedOptimizer``, the same optimizer
+        class (SGD, momentum 0.9) over the same 64 parameters of 256x256
+        float32 spread over 4 shard processes (16 each), stepping the same
+        gradients (one dist_autograd context).  Target: ours at least 1.5x
+        faster.
+    (2) Updates per second, 4 trainers stepping the same 2 shards at once (the
+        same 64 parameters, 32 per shard): the scripted path (SGD through its
+        TorchScript functional form) vs the Python-optimizer path (the same
+        SGD as a class with no functional form, which owners run as a Python
+        optimizer).  Target: at least 1.5x.
+    (3) An embedding step: a ``ShardedEmbeddingBag`` of 10,000,000 x 16 over 4
+        shards, ``DistributedOptimizer(QHM)``; a step whose gradient touches
+        1,000 rows (row-sparse, as the sharded lookup produces) vs a step with
+        a dense gradient of the whole table.  Target: at least 100x.
+
+How to run
+    ``.venv/bin/python benchmarks/dist_optim.py [--quick] [--rounds N]``.
+    ``--quick`` is a smoke run (few rounds, a 1M-row table).  Processes are
+    spawned on this machine (4 shards plus 1 or 4 trainers); shard servers
+    run one intra-op thread each, as ``ps-server`` starts them.  Progress goes
+    to stderr, the results to stdout as a markdown table.
+
+How to read it
+    Contestants alternate (ours, reference, ours, ...) so drifting load hits
+    both alike; latencies are medians, ratios are ratios of medians, and (2)
+    repeats its two phases alternately and reports the median rate of each.
+    Each target says PASS or BELOW; the script exits 0 either way.  This
+    machine is shared and noisy: compare runs, not digits.
+"""
+
+import argparse
+import datetime
+import statistics
+import sys
+import time
+import warnings
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+from torch.distributed.optim import DistributedOptimizer as TorchDistributedOptimizer
+
+from paramserver.optim import QHM, DistributedOptimizer
+from paramserver.shards import ShardedEmbeddingBag, gather, place_parameters
+from paramserver.shards.local import run_local_cluster, shard_names
+
+NUM_PARAMS, PARAM_SHAPE = 64, (256, 256)
+TRAINERS = 4
+TOUCHED_ROWS = 1000
+
+
+class SGDWithoutFunctionalForm(torch.optim.SGD):
+    """SGD's math, absent from functional_optim_map: owners run it as a Python optimizer."""
+
+
+def progress(message: str) -> None:
+    print(f"[dist_optim] {message}", file=sys.stderr, flush=True)
+
+
+def verdict(ratio: float, target: float) -> str:
+    return f">= {target:g}x {'PASS' if ratio >= target else 'BELOW'}"
+
+
+def quiet() -> None:
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", message="You are using a Backend")
+    warnings.filterwarnings("ignore", message=".*has no functional .TorchScript. form")
+
+
+def backward_all(params):
+    """Enter a dist_autograd context holding a gradient for every parameter.
+
+    Returns ``(context, context_id)``; the caller exits the context."""
+    context = dist_autograd.context()
+    context_id = context.__enter__()
+    values = gather(params)
+    dist_autograd.backward(context_id, [sum((v * v).sum() for v in values)])
+    return context, context_id
+
+
+def time_step(optimizer, context_id) -> float:
+    started = time.perf_counter()
+    optimizer.step(context_id)
+    return time.perf_counter() - started
+
+
+# (1) -------------------------------------------------------------------------
+
+def latency_case(rounds: int) -> List[str]:
+    torch.manual_seed(0)
+    shards = shard_names(4)
+    params = list(place_parameters([(f"p{i}", torch.randn(*PARAM_SHAPE) * 0.01) for i in range(NUM_PARAMS)],
+                                   shards, prefix="latency.").values())
+    ours = DistributedOptimizer(torch.optim.SGD, params, lr=1e-6, momentum=0.9)
+    theirs = TorchDistributedOptimizer(torch.optim.SGD, params, lr=1e-6, momentum=0.9)
+    context, context_id = backward_all(params)
+    samples = {"ours": [], "torch": []}
+    try:
+        for _ in range(5):  # warm-up: compile, first-step buffers
+            ours.step(context_id)
+            theirs.step(context_id)
+        for _ in range(rounds):
+            samples["ours"].append(time_step(ours, context_id))
+            samples["torch"].append(time_step(theirs, context_id))
+    finally:
+        context.__exit__(None, None, None)
+    ours_ms, torch_ms = (1e3 * statistics.median(samples[k]) for k in ("ours", "torch"))
+    ratio = torch_ms / ours_ms
+    return [f"| (1) step latency, 1 trainer, {NUM_PARAMS} x 256x256 over 4 shards, SGD momentum "
+            f"| {ours_ms:.2f} ms | {torch_ms:.2f} ms (torch.distributed.optim) | {ratio:.2f}x | {verdict(ratio, 1.5)} |"]
+
+
+# (2) -------------------------------------------------------------------------
+
+def concurrent_trainer(rank: int, steps: int, repeats: int) -> None:
+    quiet()
+    trainers = [f"trainer{i}" for i in range(TRAINERS)]
+    torch.manual_seed(0)
+    if rank == 0:
+        placed = place_parameters([(f"p{i}", torch.randn(*PARAM_SHAPE) * 0.01) for i in range(NUM_PARAMS)],
+                                  shard_names(2), prefix="concurrent.")
+        for name in trainers[1:]:
+            rpc.rpc_sync(name, _receive_params, args=(list(placed.values()),))
+        params = list(placed.values())
+    rpc.api._barrier(trainers)
+    if rank != 0:
+        params = _RECEIVED[0]
+    optimizers = {
+        "scripted": DistributedOptimizer(torch.optim.SGD, params, lr=1e-6, momentum=0.9),
+        "python": DistributedOptimizer(SGDWithoutFunctionalForm, params, lr=1e-6, momentum=0.9),
+    }
+    context, context_id = backward_all(params)
+    rates = {"scripted": [], "python": []}
+    try:
+        for path in ("scripted", "python"):  # warm-up
+            for _ in range(3):
+                optimizers[path].step(context_id)
+        for _ in range(repeats):
+            for path in ("scripted", "python"):
+                rpc.api._barrier(trainers)
+                started = time.perf_counter()
+                for _ in range(steps):
+                    optimizers[path].step(context_id)
+                rpc.api._barrier(trainers)
+                rates[path].append(TRAINERS * steps / (time.perf_counter() - started))
+    finally:
+        context.__exit__(None, None, None)
+    if rank == 0:
+        scripted, python = (statistics.median(rates[k]) for k in ("scripted", "python"))
+        ratio = scripted / python
+        emit([f"| (2) updates/s, {TRAINERS} trainers on 2 shards, {NUM_PARAMS} x 256x256, SGD momentum "
+              f"| {scripted:.0f} /s (scripted) | {python:.0f} /s (Python optimizer) | {ratio:.2f}x "
+              f"| {verdict(ratio, 1.5)} |"])
+
+
+_RECEIVED: list = []
+
+
+def _receive_params(params) -> None:
+    _RECEIVED.append(params)
+
+
+# (3) -------------------------------------------------------------------------
+
+def dense_lookup(table, rows):
+    """RPC target: rows of a hosted table with a dense backward (the whole range's gradient)."""
+    return torch.embedding(table.local_value(), rows, -1, False, False)
+
+
+def embedding_case(num_rows: int, rounds: int) -> List[str]:
+    torch.manual_seed(0)
+    table = ShardedEmbeddingBag(num_rows, 16, shards=shard_names(4), seed=0)
+    optimizer = DistributedOptimizer(QHM, table.remote_parameters(), lr=1e-3, momentum=0.9, nu=0.7)
+    ids = torch.randperm(num_rows)[:TOUCHED_ROWS].view(-1, 1)
+
+    def sparse_backward(context_id):
+        dist_autograd.backward(context_id, [table(ids).sum()])
+
+    def dense_backward(context_id):
+        rows = [rpc.rpc_sync(r.shard, dense_lookup, args=(rref, torch.tensor([0])))
+                for r, rref in zip(table.ranges, table.remote_parameters())]
+        dist_autograd.backward(context_id, [sum(part.sum() for part in rows)])
+
+    samples = {"sparse": [], "dense": []}
+    for round_index in range(rounds + 1):  # round 0 warms up (and creates the momentum buffers)
+        for kind, backward in (("sparse", sparse_backward), ("dense", dense_backward)):
+            with dist_autograd.context() as context_id:
+                backward(context_id)
+                elapsed = time_step(optimizer, context_id)
+            if round_index > 0:
+                samples[kind].append(elapsed)
+    sparse_ms, dense_ms = (1e3 * statistics.median(samples[k]) for k in ("sparse", "dense"))
+    ratio = dense_ms / sparse_ms
+    return [f"| (3) QHM step, {num_rows:,} x 16 table over 4 shards, {TOUCHED_ROWS:,} rows touched "
+            f"| {sparse_ms:.2f} ms (row-sparse) | {dense_ms:.1f} ms (dense gradient) | {ratio:.0f}x "
+            f"| {verdict(ratio, 100)} |"]
+
+
+# driver ----------------------------------------------------------------------
+
+def emit(rows: Sequence[str]) -> None:
+    for row in rows:
+        print(row, flush=True)
+
+
+def single_trainer(rounds: int, table_rows: int) -> None:
+    quiet()
+    progress(f"(1) step latency, {rounds} rounds")
+    emit(latency_case(rounds))
+    progress(f"(3) embedding step, {table_rows:,} rows")
+    emit(embedding_case(table_rows, max(3, rounds // 10)))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description="DistributedOptimizer vs references, on loopback.")
+    parser.add_argument("--quick", action="store_true", help="smoke run: few rounds, a 1M-row table")
+    parser.add_argument("--rounds", type=int, default=None, help="timed steps per contestant in (1) (default 200)")
+    args = parser.parse_args(argv)
+    rounds = args.rounds or (20 if args.quick else 200)
+    table_rows = 1_000_000 if args.quick else 10_000_000
+    print(f"# DistributedOptimizer benchmark: torch {torch.__version__}, loopback, "
+          f"{torch.get_num_threads()} cores visible\n")
+    print("| case | ours | reference | speedup | target |")
+    print("|---|---:|---:|---:|---|", flush=True)
+    timeout = datetime.timedelta(minutes=10)
+    run_local_cluster([(single_trainer, (rounds, table_rows))], num_shards=4, timeout=timeout)
+    progress(f"(2) {TRAINERS} concurrent trainers")
+    steps, repeats = (5, 2) if args.quick else (20, 5)
+    run_local_cluster([(concurrent_trainer, (rank, steps, repeats)) for rank in range(TRAINERS)],
+                      num_shards=2, timeout=timeout)
+    print("\nLatency: median over the rounds, one step = one RPC per shard, all shards at once. "
+          "Updates/s: steps completed by all trainers per second, median of the repeats.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
