@@ -35,9 +35,10 @@ class Child:
 class ChildProcessesFailed(RuntimeError):
     """Some child exited with an unexpected code or did not finish in time."""
 
-    def __init__(self, message: str, exit_codes: Dict[str, Optional[int]]):
+    def __init__(self, message: str, exit_codes: Dict[str, Optional[int]], pids: Dict[str, int]):
         super().__init__(message)
         self.exit_codes = exit_codes
+        self.pids = pids
 
 
 def run_children(children: Sequence[Child], timeout: datetime.timedelta,
@@ -76,5 +77,5 @@ def run_children(children: Sequence[Child], timeout: datetime.timedelta,
     problems += [f"{name} exited with {code}, expected {expected[name]}"
                  for name, code in codes.items() if name not in timed_out and code != expected[name]]
     if problems:
-        raise ChildProcessesFailed("; ".join(problems), codes)
+        raise ChildProcessesFailed("; ".join(problems), codes, {name: p.pid for name, p in processes.items()})
     return codes

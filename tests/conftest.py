@@ -1,5 +1,8 @@
-"""Shared pytest fixtures for paramserver's tests: deterministic seeds and
-the two ways a functional optimizer runs (eager Python, compiled TorchScript)."""
+"""Shared pytest fixtures for paramserver's tests: deterministic seeds, the
+two ways a functional optimizer runs (eager Python, compiled TorchScript),
+and a guard that no test leaves a child process behind."""
+
+import multiprocessing
 
 import pytest
 import torch
@@ -10,6 +13,17 @@ from paramserver.optim import ScriptedOptimizer
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _no_child_left_behind():
+    """Fail a test that leaves a child process running (and end that child, by pid)."""
+    yield
+    leftovers = multiprocessing.active_children()
+    for child in leftovers:
+        child.kill()
+        child.join(10)
+    assert not leftovers, f"child processes left running: {[c.name for c in leftovers]}"
 
 
 @pytest.fixture(params=["eager", "scripted"])

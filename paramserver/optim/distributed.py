@@ -162,6 +162,12 @@ class DistributedOptimizer:
         self._on_every_owner(owner.remote_step, "DistributedOptimizer.step",
                              {name: (context_id,) for name in self._handles})
 
+    def owner_step_stats(self) -> Dict[str, Dict[str, float]]:
+        """Per owner: steps applied there and the seconds they took on the owner
+        (``steps``, ``total_seconds``, ``last_seconds``), to tell the owners'
+        work from the network's share of a step's latency."""
+        return self._on_every_owner(owner.remote_step_stats, "reading step statistics")
+
     def state_dict(self) -> Dict[str, Any]:
         """Every owner's optimizer state: ``{"optimizer": name, "state": {index: {name: tensor}}}``.
 

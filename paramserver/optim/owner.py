@@ -24,6 +24,7 @@ This module never sends RPCs.
 
 import itertools
 import threading
+import time
 import weakref
 from contextlib import contextmanager
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -202,6 +203,9 @@ class OwnerOptimizer:
         else:
             self._impl = _PythonStep(optimizer_cls, self.params, self.names, args, kwargs)
         self._locks = [lock for _, lock in sorted({_lock_for(p) for p in self.params}, key=lambda e: e[0])]
+        self.steps = 0
+        self.step_seconds_total = 0.0
+        self.last_step_seconds = 0.0
 
     @property
     def is_scripted(self) -> bool:
@@ -220,10 +224,19 @@ class OwnerOptimizer:
 
     def step(self, context_id: int) -> None:
         with self._locked():
+            started = time.perf_counter()
             try:
                 self._impl.step(context_id)
             except torch.jit.Error as error:
                 reraise_script_error(error)
+            elapsed = time.perf_counter() - started
+            self.steps += 1
+            self.step_seconds_total += elapsed
+            self.last_step_seconds = elapsed
+
+    def step_stats(self) -> Dict[str, float]:
+        """Steps applied here, and seconds spent applying them (locks held, waiting excluded)."""
+        return {"steps": self.steps, "total_seconds": self.step_seconds_total, "last_seconds": self.last_step_seconds}
 
     def state_dict(self) -> StateDict:
         """``{local parameter index: {name: tensor}}`` (copies)."""
@@ -329,6 +342,11 @@ _library.impl("owner_step", _owner_step_kernel, "CompositeExplicitAutograd")
 def remote_step(handle: int, context_id: int) -> int:
     """RPC target: one step of an OwnerOptimizer with the gradients of ``context_id``."""
     return torch.ops.paramserver.owner_step(handle, context_id)
+
+
+def remote_step_stats(handle: int) -> Dict[str, float]:
+    """RPC target: the OwnerOptimizer's step counters."""
+    return _lookup(handle).step_stats()
 
 
 def remote_state_dict(handle: int) -> StateDict:

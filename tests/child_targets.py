@@ -1,0 +1,12 @@
+"""Child-process targets for the process-launcher tests (stdlib only, so children start fast)."""
+
+import sys
+import time
+
+
+def exit_with(code: int) -> None:
+    sys.exit(code)
+
+
+def sleep_for(seconds: float) -> None:
+    time.sleep(seconds)
