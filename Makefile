@@ -28,6 +28,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/optim_step.py
+	$(PY) benchmarks/dist_optim.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

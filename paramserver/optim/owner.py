@@ -23,6 +23,7 @@ This module never sends RPCs.
 """
 
 import itertools
+import logging
 import threading
 import time
 import weakref
@@ -38,6 +39,8 @@ from ..shards.hosted import name_of
 from .scripted import reraise_script_error
 
 StateDict = Dict[int, Dict[str, Tensor]]
+
+logger = logging.getLogger(__name__)
 
 
 @torch.jit.script
@@ -307,6 +310,9 @@ def remote_new_owner_optimizer(optimizer_cls, functional_cls, param_rrefs: List[
             owner_optimizer.handle = next(_handles)
             _by_request[key] = owner_optimizer
             _by_handle[owner_optimizer.handle] = owner_optimizer
+            logger.info("optimizer %d: %s over %d parameters (%s)", owner_optimizer.handle,
+                        optimizer_cls.__qualname__, len(params),
+                        "TorchScript" if functional_cls is not None else "Python, under a lock")
     return RRef(owner_optimizer), owner_optimizer.handle
 
 
@@ -331,7 +337,11 @@ _library.define("owner_step(int handle, int context_id) -> int")
 
 def _owner_step_kernel(handle: int, context_id: int) -> int:
     owner_optimizer = _lookup(handle)
-    owner_optimizer.step(context_id)
+    try:
+        owner_optimizer.step(context_id)
+    except ValueError as error:
+        logger.warning("optimizer %d refused a step: %s", handle, error)
+        raise
     return len(owner_optimizer.params)
 
 

@@ -10,6 +10,7 @@ function, so tests can start it with ``torch.multiprocessing`` and the
 
 import datetime
 import logging
+import os
 import signal
 import threading
 import time
@@ -22,6 +23,7 @@ from .peer import PeerOptions, join, leave
 
 logger = logging.getLogger(__name__)
 
+LOG_LEVEL_ENV = "PARAMSERVER_LOG_LEVEL"
 _ANSWER_GRACE = datetime.timedelta(seconds=0.2)
 _stop_requested = threading.Event()
 _stop_graceful = [True]
@@ -49,6 +51,7 @@ def run_shard_server(name: str, rank: int, world_size: int, init_method: str,
                      options: Optional[ShardServerOptions] = None) -> None:
     """Join as RPC peer ``name``, serve until asked to stop, leave.  Returns normally on a clean stop."""
     options = options or ShardServerOptions()
+    _configure_logging(name)
     _stop_requested.clear()
     _stop_graceful[0] = True
     previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -64,6 +67,14 @@ def run_shard_server(name: str, rank: int, world_size: int, init_method: str,
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _configure_logging(name: str) -> None:
+    """One readable line per event, to stderr, unless the process set up logging itself."""
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(level=os.environ.get(LOG_LEVEL_ENV, "INFO").upper(),
+                            format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
 
 
 def _on_signal(signum, _frame) -> None:
