@@ -23,7 +23,6 @@ import torch.distributed.rpc as rpc
 from torch.distributed.rpc import RRef
 
 from . import owner
-from .registry import functional_optim_map
 
 
 class OwnerFailedError(RuntimeError):
@@ -98,10 +97,10 @@ class DistributedOptimizer:
 
     ``DistributedOptimizer(QHM, remote_params, lr=1.0, momentum=0.9, nu=0.7)``
     then ``step(context_id)`` inside ``dist_autograd.context()``, exactly as
-    with ``torch.distributed.optim.DistributedOptimizer``.  Each owner builds
-    the class's functional (TorchScript) form from ``functional_optim_map``
-    and steps it without the GIL; a class with no functional form runs as a
-    Python optimizer on the owner (with a warning).  Trainers asking for the
+    with ``torch.distributed.optim.DistributedOptimizer``.  Each owner looks
+    the class up in its ``functional_optim_map``, builds the functional
+    (TorchScript) form and steps it without the GIL; a class with no
+    functional form runs as a Python optimizer on the owner (with a warning).  Trainers asking for the
     same optimizer over the same parameters share one owner-side optimizer
     and its state.
     """
@@ -110,31 +109,31 @@ class DistributedOptimizer:
         if not params_rref:
             raise ValueError("DistributedOptimizer got an empty parameter list")
         self.optimizer_class = optimizer_class
-        functional_cls = functional_optim_map.get(optimizer_class) if torch.jit._state._enabled else None
-        self.is_functional_optim = functional_cls is not None
-        if functional_cls is None:
-            name = getattr(optimizer_class, "__qualname__", repr(optimizer_class))
-            warnings.warn(
-                f"{name} has no functional (TorchScript) form, so DistributedOptimizer runs it as a "
-                f"Python optimizer on each owner, holding the GIL and serialized by a lock. Give it one "
-                f"with paramserver.optim.register_functional_optim({name}, <TorchScript class>).",
-                stacklevel=2)
         # owner name -> [(index in params_rref, rref)], in first-seen order.
         self._by_owner: "OrderedDict[str, List[tuple]]" = OrderedDict()
         for index, rref in enumerate(params_rref):
             self._by_owner.setdefault(rref.owner().name, []).append((index, rref))
         self.num_params = len(params_rref)
         futures = {
-            name: rpc.rpc_async(
-                name, owner.remote_new_owner_optimizer,
-                args=(optimizer_class, functional_cls, [r for _, r in entries], [i for i, _ in entries],
-                      args, kwargs))
+            name: rpc.rpc_async(name, owner.remote_new_owner_optimizer,
+                                args=(optimizer_class, [r for _, r in entries], [i for i, _ in entries], args, kwargs))
             for name, entries in self._by_owner.items()
         }
         created = _wait_all(futures, "creating the optimizer")
         # An RRef per owner keeps its optimizer alive; the handle names it in RPCs.
         self._owner_optimizers: Dict[str, RRef] = {name: created[name][0] for name in self._by_owner}
         self._handles: Dict[str, int] = {name: created[name][1] for name in self._by_owner}
+        python_owners = [name for name in self._by_owner if not created[name][2]]
+        self.is_functional_optim = not python_owners
+        if python_owners:
+            name = getattr(optimizer_class, "__qualname__", repr(optimizer_class))
+            warnings.warn(
+                f"{name} has no functional (TorchScript) form on {', '.join(map(repr, python_owners))}, so "
+                f"DistributedOptimizer runs it there as a Python optimizer, holding the GIL and serialized by "
+                f"a lock. Give it one with paramserver.optim.register_functional_optim({name}, "
+                f"<TorchScript class>) in a module the owners import (the optimizer class's own module is "
+                f"imported there).",
+                stacklevel=2)
 
     @property
     def remote_optimizers(self) -> List[RRef]:

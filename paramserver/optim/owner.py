@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from torch.distributed.rpc import RRef
 
 from ..shards.hosted import name_of
+from .registry import functional_optim_map
 from .scripted import reraise_script_error
 
 StateDict = Dict[int, Dict[str, Tensor]]
@@ -293,10 +294,12 @@ def _parameter_name(param: Tensor, index: int) -> str:
     return repr(hosted) if hosted is not None else f"#{index} of the optimizer"
 
 
-def remote_new_owner_optimizer(optimizer_cls, functional_cls, param_rrefs: List[RRef],
-                               indices: List[int], args: tuple, kwargs: dict) -> Tuple[RRef, int]:
+def remote_new_owner_optimizer(optimizer_cls, param_rrefs: List[RRef], indices: List[int], args: tuple,
+                               kwargs: dict) -> Tuple[RRef, int, bool]:
     """RPC target: the OwnerOptimizer for these parameters (shared when it exists):
-    an RRef that keeps it alive, and the handle that steps use."""
+    an RRef that keeps it alive, the handle that steps use, and whether it
+    runs compiled (this owner's ``functional_optim_map`` has the class)."""
+    functional_cls = functional_optim_map.get(optimizer_cls) if torch.jit._state._enabled else None
     params = [rref.local_value() for rref in param_rrefs]
     for index, param in zip(indices, params):
         if not isinstance(param, Tensor):
@@ -313,7 +316,7 @@ def remote_new_owner_optimizer(optimizer_cls, functional_cls, param_rrefs: List[
             logger.info("optimizer %d: %s over %d parameters (%s)", owner_optimizer.handle,
                         optimizer_cls.__qualname__, len(params),
                         "TorchScript" if functional_cls is not None else "Python, under a lock")
-    return RRef(owner_optimizer), owner_optimizer.handle
+    return RRef(owner_optimizer), owner_optimizer.handle, owner_optimizer.is_scripted
 
 
 def _lookup(handle: int) -> OwnerOptimizer:
