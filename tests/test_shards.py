@@ -92,6 +92,10 @@ def trainer_embedding_rejects_out_of_range_ids():
             sharded(torch.tensor([[0, bad]]))
     with pytest.raises(TypeError, match="integer tensor"):
         sharded(torch.tensor([[0.0, 1.0]]))
+    with pytest.raises(ValueError, match="need offsets"):
+        sharded(torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="offsets must be None"):
+        sharded(torch.tensor([[0, 1]]), torch.tensor([0]))
     assert torch.equal(sharded.fetch_weight(), before)
     # Rows drawn on the shards from the seed: same seed, same table.
     assert torch.equal(ShardedEmbeddingBag(ROWS, DIM, shards=shard_names(2), seed=3).fetch_weight(), before)
@@ -149,3 +153,28 @@ def trainer_placed_module_trains_like_local():
 
 def test_placed_module_is_balanced_and_trains_like_local():
     run_cluster([(trainer_placed_module_trains_like_local, ())], num_shards=4)
+
+
+def trainer_terminates_shard():
+    import os
+    import signal
+    import time
+
+    from dataplane import owner_pid
+    from paramserver.shards import leave
+    pid = rpc.rpc_sync("shard0", owner_pid)
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{pid}/status") and time.monotonic() < deadline:
+        with open(f"/proc/{pid}/status") as status:
+            if "State:\tZ" in status.read():  # exited, waiting to be reaped by the test
+                break
+        time.sleep(0.05)
+    else:
+        assert not os.path.exists(f"/proc/{pid}"), "shard0 did not leave within 10 s of SIGTERM"
+    leave(graceful=False)
+
+
+def test_sigterm_makes_a_shard_server_leave_cleanly():
+    # Exit code 0 for the shard (asserted by run_cluster): it left, it did not die.
+    run_cluster([(trainer_terminates_shard, ())], num_shards=1)

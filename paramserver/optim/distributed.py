@@ -100,9 +100,9 @@ class DistributedOptimizer:
     with ``torch.distributed.optim.DistributedOptimizer``.  Each owner looks
     the class up in its ``functional_optim_map``, builds the functional
     (TorchScript) form and steps it without the GIL; a class with no
-    functional form runs as a Python optimizer on the owner (with a warning).  Trainers asking for the
-    same optimizer over the same parameters share one owner-side optimizer
-    and its state.
+    functional form runs as a Python optimizer on the owner (with a
+    warning).  Trainers asking for the same optimizer over the same
+    parameters share one owner-side optimizer and its state.
     """
 
     def __init__(self, optimizer_class, params_rref: List[RRef], *args, **kwargs):

@@ -51,6 +51,7 @@ class ShardedEmbeddingBag(nn.Module):
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.mode = mode
+        self.dtype = dtype
         self.name = name or f"embedding-{uuid.uuid4().hex[:8]}"
         self.ranges: List[RowRange] = split_rows(num_embeddings, list(shards))
         seed = next(_default_seeds) if seed is None else seed
@@ -61,8 +62,9 @@ class ShardedEmbeddingBag(nn.Module):
                 futures.append(rpc.rpc_async(rows.shard, hosted.host_rows, args=(
                     part, rows.num_rows, embedding_dim, dtype, seed, rows.start)))
             else:
+                # A compact copy: RPC would send a view's whole storage.
                 futures.append(rpc.rpc_async(rows.shard, hosted.host_tensor, args=(
-                    part, _weight[rows.start:rows.stop].to(dtype))))
+                    part, _weight[rows.start:rows.stop].to(dtype).clone())))
         self._shard_rrefs: List[RRef] = [future.wait() for future in futures]
         self.register_buffer("_range_starts", torch.tensor([r.start for r in self.ranges], dtype=torch.long),
                              persistent=False)
@@ -82,7 +84,7 @@ class ShardedEmbeddingBag(nn.Module):
 
     def forward(self, input: Tensor, offsets: Optional[Tensor] = None,
                 per_sample_weights: Optional[Tensor] = None) -> Tensor:
-        ids = self._check_ids(input)
+        ids = self._check_ids(input, offsets)
         unique_ids, inverse = torch.unique(ids.reshape(-1), sorted=True, return_inverse=True)
         # Sorted unique ids split into consecutive runs, one per shard's row range.
         bounds = torch.searchsorted(unique_ids, self._range_starts).tolist() + [unique_ids.numel()]
@@ -95,13 +97,20 @@ class ShardedEmbeddingBag(nn.Module):
         if pending:
             unique_rows = torch.cat([future.wait() for future in pending])
         else:
-            unique_rows = torch.empty(0, self.embedding_dim)
+            unique_rows = torch.empty(0, self.embedding_dim, dtype=self.dtype)
         return F.embedding_bag(inverse.view(ids.shape), unique_rows, offsets, mode=self.mode,
                                per_sample_weights=per_sample_weights)
 
-    def _check_ids(self, input: Tensor) -> Tensor:
+    def _check_ids(self, input: Tensor, offsets: Optional[Tensor]) -> Tensor:
+        """Everything that can be checked before sending anything."""
         if input.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"ids must be an integer tensor (int64 or int32), got {input.dtype}")
+        if input.dim() == 2 and offsets is not None:
+            raise ValueError("offsets must be None when ids are 2-D (one bag per row)")
+        if input.dim() == 1 and offsets is None:
+            raise ValueError("1-D ids need offsets (the start of each bag)")
+        if input.dim() not in (1, 2):
+            raise ValueError(f"ids must be 1-D (with offsets) or 2-D, got shape {list(input.shape)}")
         if input.numel() > 0:
             low, high = int(input.min()), int(input.max())
             bad = low if low < 0 else high if high >= self.num_embeddings else None
