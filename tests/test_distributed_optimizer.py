@@ -5,6 +5,7 @@ concurrent trainers."""
 import datetime
 import os
 import signal
+import threading
 import time
 import warnings
 
@@ -223,13 +224,16 @@ def trainer_concurrent(rank, num_trainers, steps):
 
 
 _SHARED = {}
+_SHARED_LOCK = threading.Lock()
 
 
 def _shared_param(key):
-    """RPC target: one zero-initialized parameter per key on this owner, the same for every caller."""
-    if key not in _SHARED:
-        _SHARED[key] = torch.zeros(256, 256, requires_grad=True)
-    return _SHARED[key]
+    """RPC target: one zero-initialized parameter per key on this owner, the same for every caller
+    (callers arrive concurrently, in several RPC threads)."""
+    with _SHARED_LOCK:
+        if key not in _SHARED:
+            _SHARED[key] = torch.zeros(256, 256, requires_grad=True)
+        return _SHARED[key]
 
 
 def test_concurrent_trainers_lose_no_update():
