@@ -40,6 +40,16 @@ def test_child_names_must_be_unique_and_ports_are_free():
     assert 0 < free_port() < 65536
 
 
+def test_the_step_rpc_and_the_lookups_are_torchscript_calls():
+    # No pickling and no Python on the way in or out of these RPCs.
+    import torch
+
+    from paramserver.optim import owner
+    from paramserver.shards import hosted
+    for function in (owner.remote_step, hosted.lookup_rows, hosted.gather):
+        assert isinstance(function, torch.jit.ScriptFunction), function
+
+
 def test_peer_options_reject_nonsense():
     with pytest.raises(ValueError, match="rpc_timeout must be positive"):
         PeerOptions(rpc_timeout=datetime.timedelta(0))
