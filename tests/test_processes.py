@@ -1,5 +1,4 @@
-"""The child-process launcher: exit codes checked, hangs killed, nothing left behind;
-and how owners' errors are reported after crossing an RPC boundary."""
+"""The child-process launcher: exit codes checked, hangs killed, nothing left behind."""
 
 import datetime
 import os
@@ -7,9 +6,7 @@ import os
 import pytest
 
 from child_targets import exit_with, sleep_for
-from paramserver.optim.distributed import _cause_message
 from paramserver.processes import Child, ChildProcessesFailed, free_port, run_children
-from paramserver.shards import PeerOptions
 
 SHORT = datetime.timedelta(seconds=20)
 
@@ -38,40 +35,3 @@ def test_child_names_must_be_unique_and_ports_are_free():
     with pytest.raises(ValueError, match="unique"):
         run_children([Child("a", exit_with, (0,)), Child("a", exit_with, (0,))], SHORT)
     assert 0 < free_port() < 65536
-
-
-def test_the_step_rpc_and_the_lookups_are_torchscript_calls():
-    # No pickling and no Python on the way in or out of these RPCs.
-    import torch
-
-    from paramserver.optim import owner
-    from paramserver.shards import hosted
-    for function in (owner.remote_step, hosted.lookup_rows, hosted.gather):
-        assert isinstance(function, torch.jit.ScriptFunction), function
-
-
-def test_peer_options_reject_nonsense():
-    with pytest.raises(ValueError, match="rpc_timeout must be positive"):
-        PeerOptions(rpc_timeout=datetime.timedelta(0))
-    with pytest.raises(ValueError, match="num_worker_threads"):
-        PeerOptions(num_worker_threads=0)
-    with pytest.raises(ValueError, match="intra_op_threads"):
-        PeerOptions(intra_op_threads=0)
-
-
-@pytest.mark.parametrize("text, expected", [
-    # A Python RPC target's exception, as torch delivers it.
-    ("On WorkerInfo(id=1, name=shard0):\nValueError('gradient for parameter \\'w\\' has shape [3]')\n"
-     "Traceback (most recent call last):\n  File \"x.py\", line 1\nValueError: gradient",
-     "ValueError: gradient for parameter 'w' has shape [3]"),
-    # A Python error raised under TorchScript (our step RPC).
-    ("The following operation failed in the TorchScript interpreter.\nTraceback of TorchScript:\n"
-     "    return torch.ops.paramserver.owner_step(handle, context_id)\n"
-     "RuntimeError: ValueError: gradient for parameter 'w' has shape [3] but the parameter has shape [2]\n\nAt:\n",
-     "ValueError: gradient for parameter 'w' has shape [3] but the parameter has shape [2]"),
-    # A transport error.
-    ("eof (this error originated at tensorpipe/transport/shm/connection_impl.cc:259)",
-     "eof (this error originated at tensorpipe/transport/shm/connection_impl.cc:259)"),
-])
-def test_owner_errors_are_reduced_to_their_cause(text, expected):
-    assert _cause_message(RuntimeError(text)) == expected
