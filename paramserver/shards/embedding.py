@@ -62,7 +62,7 @@ class ShardedEmbeddingBag(nn.Module):
                 futures.append(rpc.rpc_async(rows.shard, hosted.host_rows, args=(
                     part, rows.num_rows, embedding_dim, dtype, seed, rows.start)))
             else:
-                # A compact copy: RPC would send a view's whole storage.
+                # Each shard gets a compact copy of just its rows.
                 futures.append(rpc.rpc_async(rows.shard, hosted.host_tensor, args=(
                     part, _weight[rows.start:rows.stop].to(dtype).clone())))
         self._shard_rrefs: List[RRef] = [future.wait() for future in futures]
