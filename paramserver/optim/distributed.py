@@ -140,10 +140,6 @@ class DistributedOptimizer:
         """RRefs to the owner-side optimizers, one per owner."""
         return list(self._owner_optimizers.values())
 
-    @property
-    def owners(self) -> List[str]:
-        return list(self._owner_optimizers)
-
     def _on_every_owner(self, function, action: str, extra_args=None) -> Dict[str, Any]:
         """Call ``function(handle, *extra_args[owner])`` on every owner at once; results by owner."""
         futures = {name: rpc.rpc_async(name, function, args=(handle,) + tuple((extra_args or {}).get(name, ())))

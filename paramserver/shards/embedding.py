@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.distributed.rpc import RRef
 
 from . import hosted
+from .client import fetch
 from .placement import RowRange, split_rows
 
 _MODES = ("sum", "mean")
@@ -121,8 +122,7 @@ class ShardedEmbeddingBag(nn.Module):
 
     def fetch_weight(self) -> Tensor:
         """The whole table as it is now on the shards (a local copy)."""
-        futures = [rpc.rpc_async(r.owner(), hosted.values, args=([r],)) for r in self._shard_rrefs]
-        return torch.cat([future.wait()[0] for future in futures])
+        return torch.cat(fetch(self._shard_rrefs))
 
     def extra_repr(self) -> str:
         shards = ", ".join(f"{r.shard}[{r.start}:{r.stop}]" for r in self.ranges)

@@ -75,12 +75,6 @@ def name_of(tensor: Tensor) -> Optional[str]:
         return _names_by_id.get(id(tensor))
 
 
-def hosted_tensors() -> Dict[str, Tensor]:
-    """A snapshot of everything hosted here, by name."""
-    with _lock:
-        return dict(_by_name.items())
-
-
 @torch.jit.script
 def lookup_rows(table: RRef[Tensor], rows: Tensor) -> Tensor:
     """Rows ``rows`` (local indices) of a hosted table; backward yields a row-sparse gradient."""
