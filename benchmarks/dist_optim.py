@@ -34,6 +34,7 @@ How to read it
 
 import argparse
 import datetime
+import os
 import statistics
 import sys
 import threading
@@ -254,6 +255,72 @@ def embedding_case(num_rows: int, blocks: int) -> List[str]:
             f"| {ratio:.0f}x ({owner_dense_ms / owner_sparse_ms:.0f}x on the owner) | {verdict(ratio, 100)} |"]
 
 
+# context: where a step's latency goes on this machine ------------------------
+
+def _python_noop(value: int) -> int:
+    """RPC target: nothing, through the Python-function path (pickled request and reply)."""
+    return value
+
+
+def _shard_cpu_ticks() -> int:
+    """RPC target: this process's CPU time so far, in clock ticks."""
+    with open("/proc/self/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def _fan_out(shards: Sequence[str], function, args) -> float:
+    started = time.perf_counter()
+    for future in [rpc.rpc_async(shard, function, args=args) for shard in shards]:
+        future.wait()
+    return time.perf_counter() - started
+
+
+def _owner_alone_ms(rounds: int) -> List[float]:
+    """One owner's step over 16 x 256x256 (SGD momentum), in this process on 1 thread: ours, torch's."""
+    from torch.distributed.optim.functional_sgd import _FunctionalSGD
+
+    from paramserver.optim import FunctionalSGD, ScriptedOptimizer
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        params = [torch.randn(*PARAM_SHAPE) for _ in range(NUM_PARAMS // 4)]
+        grads = [torch.randn(*PARAM_SHAPE) for _ in params]
+        ours = ScriptedOptimizer(FunctionalSGD, params, lr=1e-6, momentum=0.9)
+        theirs = torch.jit.script(_FunctionalSGD(params, lr=1e-6, momentum=0.9))
+        samples = {"ours": [], "torch": []}
+        for round_index in range(rounds + 3):
+            for name, optimizer in (("ours", ours), ("torch", theirs)):
+                started = time.perf_counter()
+                optimizer.step(grads)
+                if round_index >= 3:
+                    samples[name].append(time.perf_counter() - started)
+        return [1e3 * statistics.median(samples[k]) for k in ("ours", "torch")]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def context_trainer(rounds: int) -> None:
+    quiet()
+    shards = shard_names(4)
+    ticks_per_s = os.sysconf("SC_CLK_TCK")
+    before = [rpc.rpc_sync(shard, _shard_cpu_ticks) for shard in shards]
+    time.sleep(2.0)
+    after = [rpc.rpc_sync(shard, _shard_cpu_ticks) for shard in shards]
+    idle_cpu = statistics.median(100.0 * (b - a) / ticks_per_s / 2.0 for a, b in zip(before, after))
+    one = torch.ones(1)
+    builtin_ms, python_ms = (
+        1e3 * statistics.median(_fan_out(shards, function, args) for _ in range(rounds))
+        for function, args in ((torch.add, (one, one)), (_python_noop, (1,))))
+    ours_ms, torch_ms = _owner_alone_ms(rounds)
+    emit(["", "| where a step's time goes (same machine, same run) | value |", "|---|---:|",
+          f"| CPU used by an idle shard process (TensorPipe's shm transport polls) | {idle_cpu:.0f}% of a core |",
+          f"| no-op RPC to 4 shards at once, built-in op (no Python, like our step RPC) | {builtin_ms:.2f} ms |",
+          f"| no-op RPC to 4 shards at once, Python function | {python_ms:.2f} ms |",
+          f"| one owner's step alone, 16 x 256x256 SGD momentum, 1 thread: ours | {ours_ms:.2f} ms |",
+          f"| the same with torch's functional SGD (what torch.distributed.optim runs) | {torch_ms:.2f} ms |"])
+
+
 # driver ----------------------------------------------------------------------
 
 def emit(rows: Sequence[str]) -> None:
@@ -291,6 +358,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         steps, repeats = (5, 2) if args.quick else (20, 5)
         run_local_cluster([(concurrent_trainer, (rank, steps, repeats)) for rank in range(TRAINERS)],
                           num_shards=2, timeout=timeout)
+    progress("where the time goes")
+    run_local_cluster([(context_trainer, (rounds,))], num_shards=4, timeout=timeout)
     print("\nLatency: median over the rounds, one step = one RPC per shard, all shards at once. "
           "Updates/s: steps completed by all trainers per second, median of the repeats.")
     return 0
