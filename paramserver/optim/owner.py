@@ -328,7 +328,7 @@ def _lookup(handle: int) -> OwnerOptimizer:
 
 # The step RPC is a TorchScript function, so requests and replies are
 # TorchScript calls (ints in and out: no pickling, no Python on the way in or
-# out; about half the latency of a Python RPC).  It reaches the OwnerOptimizer
+# out; benchmarks/dist_optim.py prints what that saves).  It reaches the OwnerOptimizer
 # through a custom op with a Python kernel, which holds the GIL only to look
 # the handle up and take the locks: the step itself runs in TorchScript, which
 # releases the GIL.  The op returns the number of parameters it stepped; the
