@@ -1,8 +1,20 @@
 """paramserver: a parameter-server framework for PyTorch.
 
-This package root owns only the version and the public re-exports; every
-subsystem lives in its own subpackage (``paramserver.optim`` for the
-optimizers that shard servers run).
+This package root owns only the version and the public entry points;
+every subsystem lives in its own subpackage (``paramserver.optim`` for
+optimizers, ``paramserver.shards`` for the data plane,
+``paramserver.control`` for the gRPC control plane, ``paramserver.runtime``
+for the processes that join them).  ``connect`` is imported on first use,
+so ``import paramserver`` stays cheap.
 """
 
 __version__ = "0.1.0"
+
+__all__ = ["connect", "Cluster", "__version__"]
+
+
+def __getattr__(name):
+    if name in ("connect", "Cluster"):
+        from . import runtime
+        return getattr(runtime, name)
+    raise AttributeError(f"module 'paramserver' has no attribute {name!r}")

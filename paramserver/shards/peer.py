@@ -2,17 +2,28 @@
 
 Owns how a process (shard server, trainer, driver) becomes a torch RPC peer:
 the TensorPipe backend options (worker threads, default RPC timeout), the
-intra-op thread count, and the orderly way out.  It knows nothing of what
-peers host or compute.
+intra-op thread count, the network interface it listens on, and the orderly
+way out.  Groups come in two kinds: static (a fixed world size, everyone
+joins at once: local clusters, tests) and open (no world size: members join
+and leave at any time, meeting in a store the coordinator hosts; a member
+that died is dropped with ``forget``).  It knows nothing of what peers host
+or compute.
 """
 
 import datetime
+import fcntl
+import ipaddress
+import logging
 import os
+import socket
+import struct
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
 import torch
 import torch.distributed.rpc as rpc
+
+logger = logging.getLogger(__name__)
 
 #: Environment overrides for the defaults below.
 RPC_TIMEOUT_ENV = "PARAMSERVER_RPC_TIMEOUT"
@@ -69,15 +80,56 @@ class PeerOptions:
             raise ValueError(f"intra_op_threads must be at least 1, got {self.intra_op_threads}")
 
 
-def join(name: str, rank: int, world_size: int, init_method: str,
-         options: Optional[PeerOptions] = None) -> None:
-    """Become RPC peer ``name`` (``rank`` of ``world_size``), meeting the others at ``init_method``.
+#: TensorPipe's own variable naming the network interface to listen on.
+TENSORPIPE_INTERFACE_ENV = "TP_SOCKET_IFNAME"
+_SIOCGIFADDR = 0x8915
 
-    ``init_method`` is a ``tcp://HOST:PORT`` rendezvous (rank 0 hosts it).
+
+def interface_for(host: str) -> Optional[str]:
+    """The name of this machine's network interface holding IPv4 address ``host`` (or its
+    resolution), or ``None`` when none does."""
+    try:
+        address = socket.gethostbyname(host)
+    except OSError:
+        return None
+    if ipaddress.ip_address(address).is_loopback:
+        return "lo"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _index, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+            if socket.inet_ntoa(packed[20:24]) == address:
+                return name
+    return None
+
+
+def join(name: str, rank: int, world_size: Optional[int], init_method: str,
+         options: Optional[PeerOptions] = None, bind_host: Optional[str] = None) -> None:
+    """Become RPC peer ``name`` with ``rank``, meeting the others at ``init_method`` (``tcp://HOST:PORT``).
+
+    ``world_size``: the fixed size of a static group (rank 0 then hosts the
+    rendezvous), or ``None`` to join an open group whose store someone else
+    hosts (ranks must be unique and above 0).  ``bind_host``: listen only on
+    the interface holding this address (unless ``TP_SOCKET_IFNAME`` is set).
     """
     options = options or PeerOptions()
     if options.intra_op_threads is not None:
         torch.set_num_threads(options.intra_op_threads)
+    if bind_host and TENSORPIPE_INTERFACE_ENV not in os.environ:
+        interface = interface_for(bind_host)
+        if interface is None:
+            raise ValueError(f"no network interface of this machine has address {bind_host!r}")
+        os.environ[TENSORPIPE_INTERFACE_ENV] = interface
+    if world_size is None:
+        if rank < 1:
+            raise ValueError(f"rank {rank}: in an open group rank 0 is the store's host; use 1 or more")
+        # torch prefixes a process's store keys by how many times it called
+        # init_rpc; members of an open group must all use the first prefix,
+        # the one the coordinator's store upkeep knows.
+        with rpc._init_counter_lock:
+            rpc._init_counter = 0
     backend_options = rpc.TensorPipeRpcBackendOptions(
         init_method=init_method,
         num_worker_threads=options.num_worker_threads,
@@ -87,9 +139,38 @@ def join(name: str, rank: int, world_size: int, init_method: str,
     rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=backend_options)
 
 
+def is_open_group() -> bool:
+    agent = rpc.api._get_current_rpc_agent()
+    return not getattr(agent, "is_static_group", True)
+
+
+def forget(peer: str) -> bool:
+    """Drop ``peer`` (known to be dead) from this process's view of an open group.
+
+    Without this, leaving would wait on the dead peer.  Returns whether it was known.
+    """
+    if not rpc.api._is_current_rpc_agent_set():
+        return False
+    agent = rpc.api._get_current_rpc_agent()
+    try:
+        info = agent.get_worker_info(peer)
+    except RuntimeError:
+        return False
+    agent._update_group_membership(info, [], {}, False)
+    logger.info("forgot lost RPC peer %s", peer)
+    return True
+
+
 def leave(graceful: bool = True, timeout: Optional[datetime.timedelta] = None) -> None:
-    """Stop being a peer.  Graceful: wait until every peer leaves and all
-    outstanding work is done (bounded by ``timeout`` when given)."""
+    """Stop being a peer.  Graceful: in a static group, wait until every peer
+    leaves and all outstanding work is done (bounded by ``timeout`` when
+    given); in an open group, release the RRefs this process holds and tell
+    the others it left.  Not graceful: just stop."""
+    if graceful and rpc.api._is_current_rpc_agent_set() and is_open_group():
+        try:
+            rpc.api._delete_all_user_and_unforked_owner_rrefs()
+        except RuntimeError as error:  # an owner may be gone; its RRefs are moot
+            logger.warning("releasing RRefs before leaving: %s", error)
     if timeout is None:
         rpc.shutdown(graceful=graceful)
     else:

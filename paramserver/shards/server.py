@@ -15,7 +15,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch.distributed.rpc as rpc
 
@@ -47,17 +47,26 @@ def request_stop(graceful: bool = True) -> None:
     _stop_requested.set()
 
 
-def run_shard_server(name: str, rank: int, world_size: int, init_method: str,
-                     options: Optional[ShardServerOptions] = None) -> None:
-    """Join as RPC peer ``name``, serve until asked to stop, leave.  Returns normally on a clean stop."""
+def run_shard_server(name: str, rank: int, world_size: Optional[int], init_method: str,
+                     options: Optional[ShardServerOptions] = None, bind_host: Optional[str] = None,
+                     on_serving: Optional[Callable[[], None]] = None) -> None:
+    """Join as RPC peer ``name``, serve until asked to stop, leave.  Returns normally on a clean stop.
+
+    ``world_size`` ``None`` joins an open group (see ``peer.join``);
+    ``bind_host`` keeps the data plane on that address's interface;
+    ``on_serving()`` runs once peers can reach this shard.
+    """
     options = options or ShardServerOptions()
     _configure_logging(name)
     _stop_requested.clear()
     _stop_graceful[0] = True
     previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        join(name, rank, world_size, init_method, options.peer)
-        logger.info("shard %s serving (rank %d of %d)", name, rank, world_size)
+        join(name, rank, world_size, init_method, options.peer, bind_host=bind_host)
+        logger.info("shard %s serving (rank %d%s)", name, rank,
+                    f" of {world_size}" if world_size is not None else " in an open group")
+        if on_serving is not None:
+            on_serving()
         _stop_requested.wait()
         graceful = _stop_graceful[0]
         logger.info("shard %s leaving (%s)", name, "graceful" if graceful else "immediately")

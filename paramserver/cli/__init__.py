@@ -1,0 +1,7 @@
+"""The command-line tools: ``ps-server``, ``ps-worker``, ``ps-ctl``.
+
+One module per command, each with ``add_arguments(parser)``, ``run(args)``
+(returns the exit code) and ``main()``; ``common`` holds the options they
+share.  Commands parse and report; the work happens in
+``paramserver.runtime`` and ``paramserver.control``.
+"""

@@ -1,0 +1,67 @@
+"""Options every command shares: where the coordinator is, the token, TLS, logging.
+
+Owns parsing them and turning them into the objects the runtime takes
+(a token string, ``TlsFiles``), with errors that name the flag at fault.
+"""
+
+import argparse
+from typing import Optional
+
+from ..control import DEFAULT_PORT, TlsFiles, read_token_file
+from ..runtime.logs import configure_logging, default_log_level
+
+
+class UsageError(Exception):
+    """A command-line problem; the command prints it and exits 2."""
+
+
+def add_log_level(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-level", default=default_log_level(),
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="log verbosity (default: $PARAMSERVER_LOG_LEVEL or INFO)")
+
+
+def add_token_file(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--token-file", metavar="F",
+                        help="file holding the cluster token; every control-plane call carries it")
+
+
+def add_connect(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--connect", required=True, metavar="HOST:PORT",
+                        help=f"the coordinator (ps-server) to talk to; port {DEFAULT_PORT} by default")
+    add_token_file(parser)
+    parser.add_argument("--tls-ca", metavar="PEM",
+                        help="speak TLS, trusting this certificate (a self-signed server's own cert.pem)")
+
+
+def token_from(args) -> Optional[str]:
+    if not args.token_file:
+        return None
+    try:
+        return read_token_file(args.token_file)
+    except OSError as error:
+        raise UsageError(f"--token-file {args.token_file}: {error.strerror}") from error
+    except ValueError as error:
+        raise UsageError(f"--token-file: {error}") from error
+
+
+def coordinator_address(value: str) -> str:
+    """``HOST:PORT`` (``HOST`` alone means the default port)."""
+    if not value:
+        raise UsageError("--connect needs HOST:PORT")
+    if value.startswith("["):  # [IPv6]:port
+        return value if "]:" in value else f"{value}:{DEFAULT_PORT}"
+    host, sep, port = value.rpartition(":")
+    if not sep:
+        return f"{value}:{DEFAULT_PORT}"
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"--connect {value!r} is not HOST:PORT")
+    return value
+
+
+def client_tls(args) -> Optional[TlsFiles]:
+    return TlsFiles(ca=args.tls_ca) if args.tls_ca else None
+
+
+def setup_logging(process: str, args) -> None:
+    configure_logging(process, args.log_level)

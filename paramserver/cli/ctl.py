@@ -1,0 +1,87 @@
+"""``ps-ctl``: look at and steer a running cluster.
+
+    ps-ctl --connect HOST:PORT [--token-file F] [--tls-ca PEM] status [--json]
+    ps-ctl --connect HOST:PORT ... checkpoint
+    ps-ctl --connect HOST:PORT ... shutdown
+
+Exit codes: 0 done, 1 the coordinator refused or was unreachable, 2 bad flags.
+"""
+
+import argparse
+import json
+import sys
+
+from google.protobuf.json_format import MessageToDict
+
+from ..control import CoordinatorClient, pb
+from ..control.protocol import ROLE_NAMES
+from ..control.client import CoordinatorError
+from .common import UsageError, add_connect, add_log_level, client_tls, coordinator_address, setup_logging, token_from
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_connect(parser)
+    add_log_level(parser)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    status = commands.add_parser("status", help="members, their liveness and progress; the generation")
+    status.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    commands.add_parser("checkpoint", help="ask the cluster to write a checkpoint now")
+    commands.add_parser("shutdown", help="stop the workers, the shards and the server")
+
+
+def status_as_dict(response: pb.StatusResponse) -> dict:
+    """The JSON shape of ``status --json``: every field, names as in the proto, defaults included;
+    64-bit counters as JSON numbers (protobuf's JSON mapping would quote them)."""
+    status = MessageToDict(response, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    status["generation"] = response.generation
+    for key in ("shards", "workers", "clients"):
+        for entry, member in zip(status[key], getattr(response, key)):
+            entry.update(step=member.step, joined_generation=member.joined_generation,
+                         role=ROLE_NAMES[member.role])
+    return status
+
+
+def format_status(response: pb.StatusResponse) -> str:
+    lines = [f"generation {response.generation}{'  (shutting down)' if response.stopping else ''}"
+             f"   job {response.job or '-'}   store {response.store.host}:{response.store.port}"]
+    for title, members in (("shards", response.shards), ("workers", response.workers), ("clients", response.clients)):
+        lines.append(f"{title} ({sum(m.alive for m in members)} alive of {len(members)})")
+        for m in members:
+            figures = " ".join(f"{k}={v:.4g}" for k, v in sorted(m.metrics.items()))
+            lines.append(f"  {m.rpc_name:<10} {m.state:<7} {m.host:<15} pid {m.pid:<7} step {m.step:<7} "
+                         f"last heartbeat {m.seconds_since_heartbeat:5.1f} s ago  {figures}".rstrip())
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    setup_logging("ps-ctl", args)
+    try:
+        client = CoordinatorClient(coordinator_address(args.connect), token=token_from(args), tls=client_tls(args))
+    except UsageError as error:
+        print(f"ps-ctl: {error}", file=sys.stderr)
+        return 2
+    try:
+        if args.command == "status":
+            response = client.status()
+            print(json.dumps(status_as_dict(response)) if args.json else format_status(response))
+        elif args.command == "checkpoint":
+            print(f"checkpoint {client.checkpoint().checkpoint_id} started")
+        elif args.command == "shutdown":
+            client.shutdown("ps-ctl shutdown")
+            print(f"cluster at {client.address} is shutting down")
+    except CoordinatorError as error:
+        print(f"ps-ctl: {error}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="ps-ctl", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""``ps-server``: start a cluster's coordinator and its shard servers on this machine.
+
+    ps-server --shards 4 [--host H] [--port P] [--job JOB] [--job-config JSON]
+              [--token-file F] [--tls-cert C --tls-key K] [--heartbeat-timeout S]
+
+Prints ``ps-server ready at HOST:PORT (...)`` once every shard has joined;
+SIGTERM/SIGINT (or ``ps-ctl shutdown``) stops members, shards and itself.
+"""
+
+import argparse
+import datetime
+import json
+import sys
+
+from ..control import DEFAULT_PORT, CoordinatorSettings, TlsFiles
+from ..control.protocol import HEARTBEAT_INTERVAL
+from ..runtime.job import DEFAULT_JOB, JobError, pack_job
+from ..runtime.server import ServerOptions, serve
+from .common import UsageError, add_log_level, add_token_file, setup_logging, token_from
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shards", type=int, default=1, metavar="N", help="shard server processes to run (default 1)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on, for the coordinator, the store and the shards (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT,
+                        help=f"coordinator port (default {DEFAULT_PORT}; 0 picks a free one)")
+    parser.add_argument("--job", default=DEFAULT_JOB,
+                        help=f"what workers run: package.module:function or file.py:function (default {DEFAULT_JOB})")
+    parser.add_argument("--job-config", default="{}", metavar="JSON",
+                        help="keyword arguments for the job, a JSON object")
+    add_token_file(parser)
+    parser.add_argument("--tls-cert", metavar="PEM", help="serve TLS only, with this certificate")
+    parser.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
+    parser.add_argument("--heartbeat-timeout", type=float, default=None, metavar="SECONDS",
+                        help="declare a member dead after this long without a heartbeat "
+                             "(default 5, or $PARAMSERVER_HEARTBEAT_TIMEOUT)")
+    add_log_level(parser)
+
+
+def options_from(args) -> ServerOptions:
+    if args.shards < 1:
+        raise UsageError(f"--shards must be at least 1, got {args.shards}")
+    if not 0 <= args.port < 65536:
+        raise UsageError(f"--port must be 0-65535, got {args.port}")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise UsageError("--tls-cert and --tls-key go together")
+    try:
+        config = json.loads(args.job_config)
+    except json.JSONDecodeError as error:
+        raise UsageError(f"--job-config is not JSON: {error}") from error
+    if not isinstance(config, dict):
+        raise UsageError("--job-config must be a JSON object")
+    try:
+        job = pack_job(args.job, config)
+    except JobError as error:
+        raise UsageError(f"--job: {error}") from error
+    settings = dict(host=args.host, port=args.port, token=token_from(args), job=job,
+                    tls=TlsFiles(cert=args.tls_cert, key=args.tls_key) if args.tls_cert else None)
+    if args.heartbeat_timeout is not None:
+        timeout = datetime.timedelta(seconds=args.heartbeat_timeout)
+        if timeout <= HEARTBEAT_INTERVAL:
+            raise UsageError(f"--heartbeat-timeout must exceed the {HEARTBEAT_INTERVAL.total_seconds():.0f} s "
+                             f"heartbeat interval, got {args.heartbeat_timeout}")
+        settings["heartbeat_timeout"] = timeout
+    return ServerOptions(num_shards=args.shards, coordinator=CoordinatorSettings(**settings),
+                         log_level=args.log_level)
+
+
+def run(args) -> int:
+    setup_logging("ps-server", args)
+    try:
+        options = options_from(args)
+    except UsageError as error:
+        print(f"ps-server: {error}", file=sys.stderr)
+        return 2
+    try:
+        return serve(options)
+    except (OSError, ValueError) as error:
+        print(f"ps-server: {error}", file=sys.stderr)
+        return 1
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="ps-server", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,20 @@
+"""The control plane: a gRPC Coordinator that forms, watches and steers a cluster.
+
+Owns membership (join, leave, heartbeats, failure detection, generations),
+the job spec handed to workers, commands (stop, checkpoint, forget a lost
+peer), status, the data plane's rendezvous store, and the security of the
+gRPC port (token auth, TLS).  It never imports the data plane
+(``paramserver.shards``, ``paramserver.optim``): the two meet in
+``paramserver.runtime``.
+"""
+
+from .client import CoordinatorClient, CoordinatorError, CoordinatorUnavailable, HeartbeatLoop, NotAuthenticated
+from .protocol import DEFAULT_PORT, pb
+from .security import TlsFiles, read_token_file
+from .server import CoordinatorServer, CoordinatorSettings
+
+__all__ = [
+    "CoordinatorClient", "CoordinatorError", "CoordinatorUnavailable", "HeartbeatLoop", "NotAuthenticated",
+    "DEFAULT_PORT", "pb", "TlsFiles", "read_token_file",
+    "CoordinatorServer", "CoordinatorSettings",
+]

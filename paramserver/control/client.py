@@ -1,0 +1,208 @@
+"""Talking to the coordinator: joining, heartbeats, leaving, status and commands.
+
+Owns the client side of the control plane: the gRPC channel (plaintext or
+TLS, the token attached to every call), joining with bounded exponential
+backoff while the coordinator is unreachable, the heartbeat loop that
+hands commands to its owner, and errors that say in one line what went
+wrong.  What a member does with its assignment is the runtime's business.
+"""
+
+import datetime
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Callable, Iterable, Optional
+
+import grpc
+
+from .protocol import MAX_MESSAGE_BYTES, pb, pb_grpc
+from .security import TlsFiles, TokenClientInterceptor
+
+logger = logging.getLogger(__name__)
+
+CALL_TIMEOUT = datetime.timedelta(seconds=10)
+JOIN_RETRY_FOR = datetime.timedelta(seconds=30)
+JOIN_RETRY_FOR_ENV = "PARAMSERVER_JOIN_RETRY_FOR"
+
+
+class CoordinatorError(RuntimeError):
+    """A call to the coordinator failed; ``str()`` is one line saying why."""
+
+    def __init__(self, message: str, code: Optional[grpc.StatusCode] = None):
+        super().__init__(message)
+        self.code = code
+
+
+class CoordinatorUnavailable(CoordinatorError):
+    """The coordinator could not be reached (after retrying, where the call retries)."""
+
+
+class NotAuthenticated(CoordinatorError):
+    """The coordinator refused the token (or its absence)."""
+
+
+def _retry_for() -> datetime.timedelta:
+    value = os.environ.get(JOIN_RETRY_FOR_ENV)
+    return datetime.timedelta(seconds=float(value)) if value else JOIN_RETRY_FOR
+
+
+def _error_from(address: str, method: str, error: grpc.RpcError) -> CoordinatorError:
+    code = error.code()
+    details = error.details() or code.name
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return NotAuthenticated(f"coordinator {address} refused {method}: wrong or missing token ({details})", code)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return CoordinatorUnavailable(f"coordinator {address} unreachable for {method}: "
+                                      f"{details.splitlines()[0][:300]}", code)
+    return CoordinatorError(f"coordinator {address} refused {method}: {code.name}: {details}", code)
+
+
+class CoordinatorClient:
+    """One channel to the coordinator at ``address`` (``HOST:PORT``)."""
+
+    def __init__(self, address: str, token: Optional[str] = None, tls: Optional[TlsFiles] = None,
+                 call_timeout: datetime.timedelta = CALL_TIMEOUT):
+        self.address = address
+        self.call_timeout = call_timeout
+        options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+        if tls is not None:
+            channel = grpc.secure_channel(address, tls.channel_credentials(), options=options)
+        else:
+            channel = grpc.insecure_channel(address, options=options)
+        self._raw_channel = channel
+        if token:
+            channel = grpc.intercept_channel(channel, TokenClientInterceptor(token))
+        self.channel = channel
+        self._stub = pb_grpc.CoordinatorStub(channel)
+
+    def call(self, method: str, request, timeout: Optional[datetime.timedelta] = None):
+        """``method`` (a Coordinator RPC name) once; raises ``CoordinatorError`` subclasses."""
+        try:
+            return getattr(self._stub, method)(request, timeout=(timeout or self.call_timeout).total_seconds())
+        except grpc.RpcError as error:
+            raise _error_from(self.address, method, error) from None
+
+    def join(self, role: int, name: str, host: str,
+             retry_for: Optional[datetime.timedelta] = None) -> pb.Assignment:
+        """Join, retrying with exponential backoff (0.1 s doubling to 2 s) while unreachable."""
+        request = pb.JoinRequest(role=role, name=name, host=host, capabilities=local_capabilities())
+        deadline = time.monotonic() + (retry_for or _retry_for()).total_seconds()
+        delay = 0.1
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                return self.call("Join", request)
+            except CoordinatorUnavailable as error:
+                if time.monotonic() + delay > deadline:
+                    raise CoordinatorUnavailable(f"{error} (gave up after {attempts} attempts)", error.code) from None
+                logger.info("coordinator %s not reachable yet; retrying in %.1f s", self.address, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    def status(self) -> pb.StatusResponse:
+        return self.call("Status", pb.StatusRequest())
+
+    def checkpoint(self) -> pb.CheckpointResponse:
+        return self.call("Checkpoint", pb.CheckpointRequest())
+
+    def shutdown(self, reason: str = "") -> None:
+        self.call("Shutdown", pb.ShutdownRequest(reason=reason))
+
+    def leave(self, member_id: str, reason: str = "", step: int = 0, metrics=None) -> None:
+        self.call("Leave", pb.LeaveRequest(member_id=member_id, reason=reason[:512], step=step,
+                                            metrics=_finite(metrics or {})))
+
+    def close(self) -> None:
+        self._raw_channel.close()
+
+
+def local_capabilities() -> pb.Capabilities:
+    gpus = 0
+    try:  # the control plane does not need torch; report GPUs only when it is there
+        import torch
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:  # pragma: no cover
+        pass
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+    return pb.Capabilities(cpus=os.cpu_count() or 0, gpus=gpus, memory_bytes=memory, pid=os.getpid(),
+                           labels={"hostname": socket.gethostname()[:128]})
+
+
+def _finite(metrics):
+    return {key: float(value) for key, value in metrics.items() if value == value and abs(value) != float("inf")}
+
+
+class HeartbeatLoop:
+    """Send a heartbeat every ``interval`` in a thread; hand each command to ``on_command``.
+
+    ``progress()`` supplies ``(step, metrics)`` for each beat.  When the
+    coordinator is unreachable for longer than ``give_up_after``, or refuses
+    the member (declared dead, unknown), ``on_lost(reason)`` is called once
+    and the loop ends.
+    """
+
+    def __init__(self, client: CoordinatorClient, member_id: str, interval: datetime.timedelta,
+                 give_up_after: datetime.timedelta,
+                 progress: Callable[[], tuple],
+                 on_command: Callable[[pb.Command], None],
+                 on_lost: Callable[[str], None],
+                 on_shards: Optional[Callable[[Iterable[str]], None]] = None):
+        self._client = client
+        self._member_id = member_id
+        self._interval = interval
+        self._give_up_after = give_up_after
+        self._progress = progress
+        self._on_command = on_command
+        self._on_lost = on_lost
+        self._on_shards = on_shards
+        self._sequence = 0
+        self._stop = threading.Event()
+        self.generation = 0
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+
+    def start(self) -> "HeartbeatLoop":
+        self._thread.start()
+        return self
+
+    def beat(self) -> pb.HeartbeatResponse:
+        step, metrics = self._progress()
+        self._sequence += 1
+        response = self._client.call("Heartbeat", pb.HeartbeatRequest(
+            member_id=self._member_id, sequence=self._sequence, step=step, metrics=_finite(metrics)),
+            timeout=self._interval * 2)
+        self.generation = response.generation
+        if self._on_shards is not None:
+            self._on_shards(list(response.shards))
+        for command in response.commands:
+            self._on_command(command)
+        return response
+
+    def _run(self) -> None:
+        last_ok = time.monotonic()
+        first = True
+        while first or not self._stop.wait(self._interval.total_seconds()):
+            first = False
+            try:
+                self.beat()
+                last_ok = time.monotonic()
+            except CoordinatorUnavailable as error:
+                if time.monotonic() - last_ok > self._give_up_after.total_seconds():
+                    self._on_lost(f"lost the coordinator: {error}")
+                    return
+                logger.warning("heartbeat failed: %s", error)
+            except CoordinatorError as error:
+                self._on_lost(str(error))
+                return
+            except Exception as error:  # noqa: BLE001 - a failing command handler must not end heartbeats silently
+                logger.exception("heartbeat handling failed")
+                self._on_lost(f"heartbeat handling failed: {error}")
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(self._interval.total_seconds() * 3)

@@ -1,0 +1,269 @@
+"""Who is in the cluster: the membership table, generations and failure detection.
+
+Owns the coordinator's state about members, pure and in memory: joining
+(assigning RPC names and ranks, never reused), heartbeats (sequence checks,
+step and metrics), leaving, declaring members dead when heartbeats stop or
+when their process exits, the generation number (one more on every change),
+the commands waiting for each member, and the status snapshot.  It knows
+nothing of gRPC transport or of torch; a ``RequestError`` tells the service
+which status code to answer with.
+"""
+
+import datetime
+import itertools
+import logging
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+import grpc
+
+from .protocol import ROLE_NAMES, pb
+from .validation import RequestError
+
+logger = logging.getLogger(__name__)
+
+ALIVE, LEFT, DEAD, EXITED = "alive", "left", "dead", "exited"
+#: Members no longer alive that status keeps showing (oldest are dropped first).
+MAX_FORMER_MEMBERS = 256
+
+
+@dataclass
+class Member:
+    member_id: str
+    role: int
+    name: str
+    host: str
+    rpc_name: str
+    rpc_rank: int
+    index: int
+    pid: int
+    joined_generation: int
+    trainer_group: int
+    last_heartbeat: float
+    state: str = ALIVE
+    sequence: int = 0
+    step: int = 0
+    metrics: Dict[str, float] = field(default_factory=dict)
+    commands: List[pb.Command] = field(default_factory=list)
+    end_reason: str = ""
+
+    @property
+    def role_name(self) -> str:
+        return ROLE_NAMES[self.role]
+
+    def describe(self) -> str:
+        return f"{self.role_name} {self.rpc_name} ({self.name}@{self.host}, pid {self.pid})"
+
+
+def _precondition(message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.FAILED_PRECONDITION, message)
+
+
+class Membership:
+    """The membership table.  Thread-safe; ``clock`` is injectable for tests.
+
+    ``on_lost(member)`` runs (outside the lock) for each member declared
+    dead or found exited, after the survivors were told to forget it.
+    """
+
+    def __init__(self, heartbeat_timeout: datetime.timedelta,
+                 on_lost: Optional[Callable[[Member], None]] = None,
+                 clock: Callable[[], float] = time.monotonic):
+        if heartbeat_timeout.total_seconds() <= 0:
+            raise ValueError(f"heartbeat_timeout must be positive, got {heartbeat_timeout}")
+        self.heartbeat_timeout = heartbeat_timeout
+        self._on_lost = on_lost
+        self._clock = clock
+        self._changed = threading.Condition()
+        self._members: Dict[str, Member] = {}
+        self._generation = 0
+        self._ranks = itertools.count(1)  # rank 0 is the store's host, the coordinator
+        self._role_joins = {role: 0 for role in ROLE_NAMES}
+        self._stopping = False
+
+    # -- reading -------------------------------------------------------
+    @property
+    def generation(self) -> int:
+        with self._changed:
+            return self._generation
+
+    @property
+    def stopping(self) -> bool:
+        with self._changed:
+            return self._stopping
+
+    def alive(self, role: Optional[int] = None) -> List[Member]:
+        with self._changed:
+            return self._alive(role)
+
+    def _alive(self, role: Optional[int] = None) -> List[Member]:
+        return [m for m in self._members.values() if m.state == ALIVE and (role is None or m.role == role)]
+
+    def live_shard_names(self) -> List[str]:
+        with self._changed:
+            return self._live_shard_names()
+
+    def _live_shard_names(self) -> List[str]:
+        return sorted((m.rpc_name for m in self.serving_shards_locked()), key=_natural_key)
+
+    def serving_shards(self) -> List[Member]:
+        """Live shards that have heartbeated: their data plane is up (they beat only once it is)."""
+        with self._changed:
+            return self.serving_shards_locked()
+
+    def serving_shards_locked(self) -> List[Member]:
+        return [m for m in self._alive(pb.ROLE_SHARD) if m.sequence > 0]
+
+    def wait_until(self, predicate: Callable[["Membership"], bool], timeout: datetime.timedelta) -> bool:
+        """Block until ``predicate(self)`` holds (checked on every change) or ``timeout`` passes."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        with self._changed:
+            while True:
+                if predicate(self):
+                    return True
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._changed.wait(min(remaining, 0.5))
+
+    # -- changes -------------------------------------------------------
+    def join(self, request: pb.JoinRequest, trainer_group: int = 0) -> Member:
+        with self._changed:
+            if self._stopping:
+                raise _precondition("the cluster is shutting down and takes no new members")
+            index = self._role_joins[request.role]
+            rpc_name = self._rpc_name_for(request, index)
+            self._role_joins[request.role] += 1
+            self._generation += 1
+            member = Member(
+                member_id=secrets.token_hex(8), role=request.role, name=request.name, host=request.host,
+                rpc_name=rpc_name, rpc_rank=next(self._ranks), index=index, pid=request.capabilities.pid,
+                joined_generation=self._generation,
+                trainer_group=trainer_group if request.role == pb.ROLE_WORKER else 0,
+                last_heartbeat=self._clock())
+            self._members[member.member_id] = member
+            self._forget_oldest_former_members()
+            self._changed.notify_all()
+        logger.info("joined: %s, rank %d, generation %d", member.describe(), member.rpc_rank, member.joined_generation)
+        return member
+
+    def _rpc_name_for(self, request: pb.JoinRequest, index: int) -> str:
+        if request.role == pb.ROLE_SHARD:
+            # Shards keep the name they were started with, so a restarted shard is found again.
+            if any(m.rpc_name == request.name for m in self._alive()):
+                raise _precondition(f"a live member is already named {request.name!r}")
+            return request.name
+        # Workers and clients get a fresh name per join: a rejoining process is a new member.
+        return f"{ROLE_NAMES[request.role]}{index}"
+
+    def _known(self, member_id: str) -> Member:
+        member = self._members.get(member_id)
+        if member is None:
+            raise _precondition(f"unknown member_id {member_id[:64]!r}: join first")
+        if member.state != ALIVE:
+            raise _precondition(f"{member.describe()} is {member.state} ({member.end_reason}); join again")
+        return member
+
+    def heartbeat(self, request: pb.HeartbeatRequest) -> Tuple[int, List[pb.Command], List[str]]:
+        with self._changed:
+            member = self._known(request.member_id)
+            if request.sequence <= member.sequence:
+                raise _precondition(f"heartbeat out of order from {member.rpc_name}: sequence "
+                                    f"{request.sequence} after {member.sequence}")
+            member.sequence = request.sequence
+            member.last_heartbeat = self._clock()
+            member.step = request.step
+            member.metrics = dict(request.metrics)
+            commands, member.commands = member.commands, []
+            return self._generation, commands, self._live_shard_names()
+
+    def leave(self, request: pb.LeaveRequest) -> int:
+        with self._changed:
+            member = self._known(request.member_id)
+            member.step = request.step or member.step
+            member.metrics.update(request.metrics)
+            self._end(member, LEFT, request.reason or "left")
+            generation = self._generation
+        logger.info("left: %s at step %d, generation %d (%s)", member.describe(), member.step, generation,
+                    member.end_reason)
+        return generation
+
+    def sweep(self) -> List[Member]:
+        """Declare dead every member silent for longer than the heartbeat timeout."""
+        limit = self.heartbeat_timeout.total_seconds()
+        with self._changed:
+            now = self._clock()
+            lost = [m for m in self._alive() if now - m.last_heartbeat > limit]
+            for member in lost:
+                self._end(member, DEAD, f"no heartbeat for {now - member.last_heartbeat:.1f} s")
+        self._report_lost(lost)
+        return lost
+
+    def process_exited(self, rpc_name: str, exit_code: Optional[int]) -> Optional[Member]:
+        """The supervisor saw the process of ``rpc_name`` exit: it is gone now."""
+        with self._changed:
+            member = next((m for m in self._alive() if m.rpc_name == rpc_name), None)
+            if member is not None:
+                self._end(member, EXITED, f"process exited with code {exit_code}")
+        if member is not None:
+            self._report_lost([member])
+        return member
+
+    def _end(self, member: Member, state: str, reason: str) -> None:
+        member.state = state
+        member.end_reason = reason
+        member.commands = []
+        self._generation += 1
+        if state in (DEAD, EXITED):
+            # Its RPC peers must drop it, or the group waits on it forever.
+            for survivor in self._alive():
+                survivor.commands.append(pb.Command(kind=pb.Command.KIND_FORGET_PEER, peer=member.rpc_name))
+        self._changed.notify_all()
+
+    def _report_lost(self, lost: List[Member]) -> None:
+        for member in lost:
+            logger.warning("lost: %s is %s (%s); generation %d", member.describe(), member.state,
+                           member.end_reason, self.generation)
+            if self._on_lost is not None:
+                self._on_lost(member)
+
+    def stop_all(self) -> List[Member]:
+        """Ask every live member to stop; no one joins from now on.  Returns who was asked."""
+        with self._changed:
+            self._stopping = True
+            members = self._alive()
+            for member in members:
+                member.commands.append(pb.Command(kind=pb.Command.KIND_STOP))
+            self._changed.notify_all()
+        return members
+
+    def _forget_oldest_former_members(self) -> None:
+        former = [key for key, m in self._members.items() if m.state != ALIVE]
+        for key in former[:max(0, len(former) - MAX_FORMER_MEMBERS)]:
+            del self._members[key]
+
+    # -- status --------------------------------------------------------
+    def status(self) -> pb.StatusResponse:
+        with self._changed:
+            now = self._clock()
+            response = pb.StatusResponse(generation=self._generation, stopping=self._stopping)
+            lists = {pb.ROLE_SHARD: response.shards, pb.ROLE_WORKER: response.workers,
+                     pb.ROLE_CLIENT: response.clients}
+            for member in sorted(self._members.values(), key=lambda m: _natural_key(m.rpc_name)):
+                lists[member.role].add(
+                    member_id=member.member_id, role=member.role, name=member.name, rpc_name=member.rpc_name,
+                    host=member.host, alive=member.state == ALIVE, state=member.state, step=member.step,
+                    metrics=member.metrics, seconds_since_heartbeat=round(now - member.last_heartbeat, 3),
+                    joined_generation=member.joined_generation, trainer_group=member.trainer_group,
+                    pid=member.pid)
+            return response
+
+
+def _natural_key(name: str):
+    """``shard2`` before ``shard10``."""
+    head = name.rstrip("0123456789")
+    tail = name[len(head):]
+    return (head, int(tail) if tail else -1)

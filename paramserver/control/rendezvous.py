@@ -1,0 +1,90 @@
+"""The data plane's rendezvous: a c10d TCPStore that the coordinator hosts.
+
+Owns the store's life (bound to the coordinator's host only, on a port
+picked by the OS) and its upkeep when a member is lost.  torch RPC groups
+without a fixed world size keep their member list in this store and take a
+store "token" to join or leave; a member that dies without leaving stays
+listed, so every later join would try to reach it and fail while holding
+the token, and the whole group would stall.  ``remove_rpc_peer`` takes the
+member off that list (taking the token the same way torch does, or
+freeing it when the dead member died holding it), so the group heals.
+
+The key names below are torch's (``torch/distributed/rpc``): the first
+``init_rpc`` of a process prefixes its keys with ``rpc_prefix_0`` (the
+runtime makes every member join that way), the agent's names live under
+``names/``.
+"""
+
+import datetime
+import logging
+import socket
+import time
+
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+RPC_PREFIX = "rpc_prefix_0"
+_TOKEN_KEY = "RpcGroupManagementToken"
+_MEMBER_LIST_KEY = "_ALL_WORKER_INFOS"
+_NAMES_PREFIX = "names"
+
+
+class RendezvousStore:
+    """A TCPStore server listening on ``host`` (a port of 0 picks a free one)."""
+
+    def __init__(self, host: str, port: int = 0,
+                 timeout: datetime.timedelta = datetime.timedelta(seconds=30)):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        # Bind the listening socket ourselves: TCPStore would listen on every interface.
+        self._socket = socket.socket(family, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind((host, port))
+        self._socket.listen(512)
+        self.host = host
+        self.port = self._socket.getsockname()[1]
+        self.store = dist.TCPStore(host, self.port, is_master=True, wait_for_workers=False,
+                                   timeout=timeout, master_listen_fd=self._socket.fileno())
+        self._socket.detach()  # the store's server owns the descriptor now and closes it
+        self._rpc_store = dist.PrefixStore(RPC_PREFIX, self.store)
+        self._names = dist.PrefixStore(_NAMES_PREFIX, self._rpc_store)
+
+    def remove_rpc_peer(self, rpc_name: str, rank: int,
+                        timeout: datetime.timedelta = datetime.timedelta(seconds=10)) -> bool:
+        """Take a lost member off the RPC group's list; True when it was listed."""
+        my_token = f"Token_for_{rpc_name}_leave"
+        deadline = time.monotonic() + timeout.total_seconds()
+        dead_tokens = (f"Token_for_{rpc_name}_join", f"Token_for_{rpc_name}_leave")
+        while True:
+            holder = self._rpc_store.compare_set(_TOKEN_KEY, "", my_token).decode()
+            if holder == my_token:
+                break
+            if holder in dead_tokens:
+                logger.warning("RPC group: %s died holding the membership token; taking it over", rpc_name)
+                self._rpc_store.set(holder, "Done")
+                self._rpc_store.set(_TOKEN_KEY, my_token)
+                break
+            if time.monotonic() > deadline:
+                logger.error("RPC group: could not take the membership token from %s to remove %s", holder, rpc_name)
+                return False
+            time.sleep(0.05)
+        try:
+            if not self._names.check([_MEMBER_LIST_KEY]):
+                return False
+            listed = self._names.get(_MEMBER_LIST_KEY).decode()
+            entry = f"{rpc_name}-{rank},"
+            entries = [e + "," for e in listed.split(",") if e]
+            if entry not in entries:
+                return False
+            entries.remove(entry)
+            self._names.set(_MEMBER_LIST_KEY, "".join(entries))
+            logger.info("RPC group: removed lost member %s (rank %d)", rpc_name, rank)
+            return True
+        finally:
+            self._rpc_store.set(_TOKEN_KEY, "")
+            self._rpc_store.set(my_token, "Done")
+
+    def close(self) -> None:
+        self.store = None
+        self._rpc_store = None
+        self._names = None  # the last reference: the store's server stops and closes its socket

@@ -1,0 +1,137 @@
+"""The coordinator's gRPC server: the service, health, reflection, auth, TLS, failure detection.
+
+Owns putting the control plane on a port: the Coordinator service, the
+standard ``grpc.health.v1`` health service (NOT_SERVING until the cluster
+is ready, then SERVING), server reflection, the token interceptor, TLS,
+the rendezvous store, and the thread that declares silent members dead.
+What the cluster runs (shard processes, the job) is the runtime's business.
+"""
+
+import concurrent.futures
+import datetime
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from .membership import Member, Membership
+from .protocol import (DEFAULT_PORT, HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_ENV,
+                       MAX_MESSAGE_BYTES, SERVICE_NAME, pb)
+from .rendezvous import RendezvousStore
+from .security import TlsFiles, TokenAuthInterceptor
+from .service import CoordinatorService, ServiceSettings, generic_handler
+
+logger = logging.getLogger(__name__)
+
+_SWEEP_EVERY = datetime.timedelta(seconds=0.2)
+
+
+def _env_heartbeat_timeout() -> datetime.timedelta:
+    value = os.environ.get(HEARTBEAT_TIMEOUT_ENV)
+    return datetime.timedelta(seconds=float(value)) if value else HEARTBEAT_TIMEOUT
+
+
+def format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+@dataclass(frozen=True)
+class CoordinatorSettings:
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    token: Optional[str] = None
+    tls: Optional[TlsFiles] = None
+    job: Optional[pb.JobSpec] = None
+    heartbeat_interval: datetime.timedelta = HEARTBEAT_INTERVAL
+    heartbeat_timeout: datetime.timedelta = field(default_factory=_env_heartbeat_timeout)
+    max_workers: int = 32
+
+    def __post_init__(self):
+        if self.heartbeat_timeout <= self.heartbeat_interval:
+            raise ValueError(f"heartbeat timeout ({self.heartbeat_timeout.total_seconds()} s) must exceed the "
+                             f"heartbeat interval ({self.heartbeat_interval.total_seconds()} s)")
+
+
+class CoordinatorServer:
+    """Start with ``start()``; ``mark_ready()`` flips health to SERVING; ``stop()`` ends it."""
+
+    def __init__(self, settings: CoordinatorSettings,
+                 request_shutdown: Callable[[str], None],
+                 request_checkpoint: Optional[Callable[[], str]] = None):
+        self.settings = settings
+        self.store = RendezvousStore(settings.host)
+        self._janitor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rpc-group-janitor")
+        self.membership = Membership(settings.heartbeat_timeout, on_lost=self._remove_from_rpc_group)
+        self.service = CoordinatorService(
+            self.membership,
+            ServiceSettings(store=pb.StoreAddress(host=self.store.host, port=self.store.port), job=settings.job,
+                            heartbeat_interval=settings.heartbeat_interval,
+                            heartbeat_timeout=settings.heartbeat_timeout),
+            request_shutdown, request_checkpoint)
+        interceptors = [TokenAuthInterceptor(settings.token)] if settings.token else []
+        self._server = grpc.server(
+            concurrent.futures.ThreadPoolExecutor(settings.max_workers, thread_name_prefix="coordinator"),
+            interceptors=interceptors,
+            options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                     ("grpc.so_reuseport", 0)])
+        self._server.add_generic_rpc_handlers((generic_handler(self.service),))
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self._server)
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        address = format_address(settings.host, settings.port)
+        if settings.tls is not None:
+            self.port = self._server.add_secure_port(address, settings.tls.server_credentials())
+        else:
+            self.port = self._server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {address} (in use, or not an address of this machine)")
+        self.address = format_address(settings.host, self.port)
+        self._stopped = threading.Event()
+        self._sweeper = threading.Thread(target=self._sweep, name="failure-detector", daemon=True)
+
+    def start(self) -> "CoordinatorServer":
+        self._server.start()
+        self._sweeper.start()
+        logger.info("coordinator listening on %s (%s%s), store on %s:%d, heartbeat timeout %.1f s",
+                    self.address, "TLS" if self.settings.tls else "plaintext",
+                    ", token required" if self.settings.token else "", self.store.host, self.store.port,
+                    self.settings.heartbeat_timeout.total_seconds())
+        return self
+
+    def mark_ready(self) -> None:
+        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    def _set_health(self, status) -> None:
+        self.health.set("", status)
+        self.health.set(SERVICE_NAME, status)
+
+    def _sweep(self) -> None:
+        while not self._stopped.wait(_SWEEP_EVERY.total_seconds()):
+            self.membership.sweep()
+
+    def _remove_from_rpc_group(self, member: Member) -> None:
+        if not self._stopped.is_set():
+            self._janitor.submit(self._remove_quietly, member)
+
+    def _remove_quietly(self, member: Member) -> None:
+        try:
+            self.store.remove_rpc_peer(member.rpc_name, member.rpc_rank)
+        except Exception:  # noqa: BLE001 - upkeep must not kill the coordinator
+            logger.exception("could not remove %s from the RPC group's list", member.rpc_name)
+
+    def stop(self, grace: datetime.timedelta = datetime.timedelta(seconds=1)) -> None:
+        self._stopped.set()
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._server.stop(grace.total_seconds()).wait()
+        self._janitor.shutdown(wait=False, cancel_futures=True)
+        self.store.close()
+        logger.info("coordinator stopped")

@@ -1,0 +1,145 @@
+"""The Coordinator gRPC service: requests in, membership changes and answers out.
+
+Owns decoding each request (raw bytes, so that bytes that are no valid
+message get ``INVALID_ARGUMENT`` instead of a transport error), validating
+it, dispatching it to the membership table, and turning refusals into gRPC
+status codes.  One bad request never disturbs anyone else's: every failure
+is answered on that call alone.
+"""
+
+import datetime
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from .membership import Membership
+from .protocol import SERVICE_NAME, pb
+from .validation import RequestError, invalid, validate_heartbeat, validate_join, validate_leave, validate_shutdown
+
+logger = logging.getLogger(__name__)
+
+_DESCRIPTOR = pb.DESCRIPTOR.services_by_name["Coordinator"]
+
+
+@dataclass(frozen=True)
+class ServiceSettings:
+    """What the service hands out besides membership: the store, the job, heartbeat timing."""
+
+    store: pb.StoreAddress
+    job: Optional[pb.JobSpec]
+    heartbeat_interval: datetime.timedelta
+    heartbeat_timeout: datetime.timedelta
+
+
+class CoordinatorService:
+    """The handlers, callable without gRPC: ``handle(method, raw_bytes)``.
+
+    ``request_shutdown(reason)`` is called by the Shutdown RPC;
+    ``request_checkpoint()`` by Checkpoint (``None``: checkpoints are not
+    configured, and the call is refused).
+    """
+
+    def __init__(self, membership: Membership, settings: ServiceSettings,
+                 request_shutdown: Callable[[str], None],
+                 request_checkpoint: Optional[Callable[[], str]] = None):
+        self.membership = membership
+        self.settings = settings
+        self._request_shutdown = request_shutdown
+        self._request_checkpoint = request_checkpoint
+        self._handlers = {
+            "Join": (pb.JoinRequest, self.join),
+            "Heartbeat": (pb.HeartbeatRequest, self.heartbeat),
+            "Leave": (pb.LeaveRequest, self.leave),
+            "Status": (pb.StatusRequest, self.status),
+            "Checkpoint": (pb.CheckpointRequest, self.checkpoint),
+            "Shutdown": (pb.ShutdownRequest, self.shutdown),
+        }
+        missing = {m.name for m in _DESCRIPTOR.methods} - set(self._handlers)
+        assert not missing, f"no handler for {missing}"
+
+    def handle(self, method: str, raw: bytes):
+        """Decode, validate and answer one request; raises ``RequestError`` to refuse it."""
+        request_cls, handler = self._handlers[method]
+        try:
+            request = request_cls.FromString(raw)
+        except DecodeError as error:
+            raise invalid(f"{method}: the request is not a valid {request_cls.DESCRIPTOR.full_name} "
+                          f"message ({error})") from None
+        return handler(request)
+
+    # -- handlers ------------------------------------------------------
+    def join(self, request: pb.JoinRequest) -> pb.Assignment:
+        validate_join(request)
+        member = self.membership.join(request)
+        assignment = pb.Assignment(
+            member_id=member.member_id, rpc_name=member.rpc_name, rpc_rank=member.rpc_rank, index=member.index,
+            store=self.settings.store, generation=member.joined_generation,
+            trainer_group=member.trainer_group,
+            heartbeat_interval_ms=_ms(self.settings.heartbeat_interval),
+            heartbeat_timeout_ms=_ms(self.settings.heartbeat_timeout),
+            shards=self.membership.live_shard_names())
+        if request.role == pb.ROLE_WORKER and self.settings.job is not None:
+            assignment.job.CopyFrom(self.settings.job)
+        return assignment
+
+    def heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
+        validate_heartbeat(request)
+        generation, commands, shards = self.membership.heartbeat(request)
+        return pb.HeartbeatResponse(generation=generation, commands=commands, shards=shards)
+
+    def leave(self, request: pb.LeaveRequest) -> pb.LeaveResponse:
+        validate_leave(request)
+        return pb.LeaveResponse(generation=self.membership.leave(request))
+
+    def status(self, _request: pb.StatusRequest) -> pb.StatusResponse:
+        response = self.membership.status()
+        response.store.CopyFrom(self.settings.store)
+        response.job = self.settings.job.name if self.settings.job is not None else ""
+        return response
+
+    def checkpoint(self, _request: pb.CheckpointRequest) -> pb.CheckpointResponse:
+        if self._request_checkpoint is None:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               "this cluster has no checkpoint directory configured, so there is nowhere "
+                               "to write a checkpoint")
+        return pb.CheckpointResponse(checkpoint_id=self._request_checkpoint())
+
+    def shutdown(self, request: pb.ShutdownRequest) -> pb.ShutdownResponse:
+        validate_shutdown(request)
+        logger.info("shutdown requested over gRPC%s", f": {request.reason}" if request.reason else "")
+        # Answer first; the shutdown itself runs elsewhere.
+        threading.Thread(target=self._request_shutdown, args=(request.reason or "ps-ctl shutdown",),
+                         daemon=True).start()
+        return pb.ShutdownResponse()
+
+
+def _ms(delta: datetime.timedelta) -> int:
+    return int(delta.total_seconds() * 1000)
+
+
+def generic_handler(service: CoordinatorService) -> grpc.GenericRpcHandler:
+    """The service as gRPC method handlers that take the request's raw bytes."""
+    handlers = {}
+    for method in _DESCRIPTOR.methods:
+        response_cls = getattr(pb, method.output_type.name)
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            _answer(service, method.name), request_deserializer=None,
+            response_serializer=response_cls.SerializeToString)
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
+def _answer(service: CoordinatorService, method: str):
+    def answer(raw: bytes, context: grpc.ServicerContext):
+        try:
+            return service.handle(method, raw)
+        except RequestError as error:
+            logger.info("refused %s from %s: %s: %s", method, context.peer(), error.code.name, error.message)
+            context.abort(error.code, error.message)
+        except Exception as error:  # noqa: BLE001 - one bad call must not take the server down
+            logger.exception("%s failed", method)
+            context.abort(grpc.StatusCode.INTERNAL, f"{method} failed on the coordinator: {error}")
+    return answer

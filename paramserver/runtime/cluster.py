@@ -1,0 +1,100 @@
+"""``paramserver.connect``: a Python driver's handle on a running cluster.
+
+Owns the driver side: join the coordinator as a client, join the data plane
+under the assigned name, and offer the cluster's shards for placing
+parameters and sharded embeddings; ``close()`` (or leaving a ``with``
+block) releases what this process placed and leaves both planes.
+"""
+
+import datetime
+import logging
+from typing import List, Optional, Sequence
+
+from torch import Tensor, nn
+
+from ..control import TlsFiles, pb
+from ..shards import PlacedModule, ShardedEmbeddingBag, peer, place_parameters
+from .member import MemberSession
+
+logger = logging.getLogger(__name__)
+
+
+class Cluster:
+    """A connection to the cluster at ``address``; see ``connect``."""
+
+    def __init__(self, address: str, token: Optional[str] = None, tls: Optional[TlsFiles] = None,
+                 host: str = "127.0.0.1", name: Optional[str] = None,
+                 retry_for: Optional[datetime.timedelta] = None):
+        self._session = MemberSession(address, pb.ROLE_CLIENT, name=name, host=host, token=token, tls=tls,
+                                      retry_for=retry_for)
+        self.assignment = self._session.join()
+        try:
+            peer.join(self.assignment.rpc_name, self.assignment.rpc_rank, None, self._session.init_method,
+                      bind_host=host)
+        except Exception:
+            self._session.leave("could not join the data plane")
+            raise
+        self._session.start_heartbeats()
+        self._closed = False
+
+    @property
+    def name(self) -> str:
+        """This driver's RPC name."""
+        return self.assignment.rpc_name
+
+    @property
+    def shards(self) -> List[str]:
+        """RPC names of the live shards (refreshed with every heartbeat)."""
+        return self._session.shards
+
+    def status(self) -> pb.StatusResponse:
+        return self._session.client.status()
+
+    def place(self, module: nn.Module, name: Optional[str] = None) -> PlacedModule:
+        """``module`` with its parameters hosted on the shards (see ``PlacedModule``)."""
+        return PlacedModule(module, self._require_shards(), name=name)
+
+    def place_parameters(self, named_tensors, prefix: str = ""):
+        return place_parameters(named_tensors, self._require_shards(), prefix=prefix)
+
+    def embedding_bag(self, num_embeddings: int, embedding_dim: int, mode: str = "sum", **kwargs
+                      ) -> ShardedEmbeddingBag:
+        """A ``ShardedEmbeddingBag`` whose rows are split over the shards."""
+        return ShardedEmbeddingBag(num_embeddings, embedding_dim, mode, shards=self._require_shards(), **kwargs)
+
+    def embedding_bag_from_pretrained(self, weight: Tensor, mode: str = "sum", **kwargs) -> ShardedEmbeddingBag:
+        return ShardedEmbeddingBag.from_pretrained(weight, mode, shards=self._require_shards(), **kwargs)
+
+    def _require_shards(self) -> Sequence[str]:
+        shards = self.shards
+        if not shards:
+            raise RuntimeError(f"the cluster at {self._session.client.address} has no live shard")
+        return shards
+
+    def close(self) -> None:
+        """Release what this driver placed, leave the data plane and the cluster."""
+        if self._closed:
+            return
+        self._closed = True
+        peer.leave(graceful=True)
+        self._session.leave("closed")
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def connect(address: str, token: Optional[str] = None, *, tls_ca: Optional[str] = None,
+            host: str = "127.0.0.1", name: Optional[str] = None,
+            retry_for: Optional[datetime.timedelta] = None) -> Cluster:
+    """Connect this Python process to the cluster at ``address`` (``HOST:PORT`` of ps-server).
+
+    ``token``: the cluster token, if the server has one.  ``tls_ca``: PEM
+    file to trust when the server speaks TLS (its certificate, if
+    self-signed).  ``host``: this machine's address as the cluster's
+    members reach it (the data plane listens there).
+    """
+    tls = TlsFiles(ca=tls_ca) if tls_ca else None
+    return Cluster(address, token=token, tls=tls, host=host, name=name, retry_for=retry_for)

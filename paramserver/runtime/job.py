@@ -1,0 +1,127 @@
+"""Jobs: what workers run, how its code travels, and what it sees while running.
+
+Owns naming a job (``package.module:function`` or ``path/to/file.py:function``),
+packing it as cloudpickle bytes *by value* (so a worker needs no copy of the
+job's file, only the packages it imports), unpacking it on the worker, and
+``JobContext``, the job's view of the cluster (its RPC name, the live
+shards, its configuration, progress reporting, the stop request).
+"""
+
+import importlib
+import importlib.util
+import json
+import pathlib
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Tuple
+
+import cloudpickle
+
+from ..control.protocol import pb
+
+#: The job ``ps-server`` ships when given none.
+DEFAULT_JOB = "workers.regression:main"
+
+
+class JobError(ValueError):
+    """A job that cannot be found, packed or unpacked; the message says which and why."""
+
+
+def load_job(reference: str) -> Callable:
+    """The callable named by ``reference``: ``module:function`` or ``file.py:function``."""
+    module_part, sep, function_name = reference.rpartition(":")
+    if not sep or not module_part or not function_name:
+        raise JobError(f"job {reference!r} must look like package.module:function or path/to/file.py:function")
+    if module_part.endswith(".py"):
+        path = pathlib.Path(module_part)
+        if not path.is_file():
+            raise JobError(f"job file {path} does not exist")
+        module_name = f"paramserver_job_{path.stem}"
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception as error:
+            raise JobError(f"job file {path} failed to load: {type(error).__name__}: {error}") from error
+    else:
+        try:
+            module = importlib.import_module(module_part)
+        except ImportError as error:
+            raise JobError(f"job module {module_part!r} cannot be imported: {error}") from error
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise JobError(f"job {reference!r}: {module_part} has no callable named {function_name!r}")
+    return function
+
+
+def pack_job(reference: str, config: Dict[str, Any] = None) -> pb.JobSpec:
+    """Load the job and pickle it by value, with ``config`` (JSON-able keyword arguments)."""
+    function = load_job(reference)
+    module = sys.modules[function.__module__]
+    cloudpickle.register_pickle_by_value(module)
+    try:
+        code = cloudpickle.dumps(function)
+    finally:
+        cloudpickle.unregister_pickle_by_value(module)
+    try:
+        config_json = json.dumps(config or {})
+    except TypeError as error:
+        raise JobError(f"job config must be JSON: {error}") from error
+    return pb.JobSpec(name=reference, code=code, config_json=config_json)
+
+
+def unpack_job(spec: pb.JobSpec) -> Tuple[Callable, Dict[str, Any]]:
+    """The callable and its keyword arguments, from a job spec received from the coordinator."""
+    try:
+        function = cloudpickle.loads(spec.code)
+    except Exception as error:
+        raise JobError(f"job {spec.name!r} cannot be unpickled here ({type(error).__name__}: {error}); "
+                       "are its imports installed on this worker?") from error
+    try:
+        config = json.loads(spec.config_json or "{}")
+    except json.JSONDecodeError as error:
+        raise JobError(f"job {spec.name!r} has a config that is not JSON: {error}") from error
+    if not isinstance(config, dict):
+        raise JobError(f"job {spec.name!r}: config must be a JSON object, got {type(config).__name__}")
+    return function, config
+
+
+@dataclass
+class JobContext:
+    """What a running job knows of the cluster; passed as the job's first argument.
+
+    A job is ``def main(ctx: JobContext, **config) -> dict``.  It should call
+    ``report`` every step (heartbeats carry the latest figures to the
+    coordinator) and return soon after ``should_stop()`` turns true.
+    """
+
+    rpc_name: str
+    worker_index: int
+    generation: int
+    trainer_group: int
+    shards: List[str]
+    store_host: str
+    store_port: int
+    _stop: threading.Event = field(default_factory=threading.Event, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    step: int = 0
+    metrics: Dict[str, float] = field(default_factory=dict)
+
+    def report(self, step: int, **metrics: float) -> None:
+        """Record progress: the step reached and a few figures (loss, samples/s...)."""
+        with self._lock:
+            self.step = int(step)
+            self.metrics = {key: float(value) for key, value in metrics.items()}
+
+    def progress(self) -> Tuple[int, Dict[str, float]]:
+        with self._lock:
+            return self.step, dict(self.metrics)
+
+    def should_stop(self) -> bool:
+        """True once the coordinator asked this worker to stop (or was lost)."""
+        return self._stop.is_set()
+
+    def request_stop(self) -> None:
+        self._stop.set()

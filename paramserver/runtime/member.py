@@ -1,0 +1,96 @@
+"""A cluster member's session with the coordinator, and its RPC group upkeep.
+
+Owns the part every role shares: join the coordinator under a role, keep
+the assignment, send heartbeats with progress, act on commands (stop;
+forget a lost RPC peer, so that this process's view of the data plane
+stays whole), and leave.  What the member does in between (serve shards,
+run a job, drive) belongs to its caller.
+"""
+
+import datetime
+import logging
+import socket
+import threading
+from typing import Callable, Dict, List, Optional, Tuple
+
+from ..control import CoordinatorClient, CoordinatorError, HeartbeatLoop, TlsFiles, pb
+from ..shards import peer
+
+logger = logging.getLogger(__name__)
+
+
+class MemberSession:
+    """``join()``, then ``start_heartbeats(...)``, then ``leave(...)``."""
+
+    def __init__(self, address: str, role: int, name: Optional[str] = None, host: str = "127.0.0.1",
+                 token: Optional[str] = None, tls: Optional[TlsFiles] = None,
+                 retry_for: Optional[datetime.timedelta] = None):
+        self.client = CoordinatorClient(address, token=token, tls=tls)
+        self.role = role
+        self.name = name or socket.gethostname().split(".")[0][:64] or "member"
+        self.host = host
+        self._retry_for = retry_for
+        self.assignment: Optional[pb.Assignment] = None
+        self._shards: List[str] = []
+        self._shards_lock = threading.Lock()
+        self._heartbeats: Optional[HeartbeatLoop] = None
+        self.lost_reason: Optional[str] = None
+
+    def join(self) -> pb.Assignment:
+        self.assignment = self.client.join(self.role, self.name, self.host, retry_for=self._retry_for)
+        self._set_shards(self.assignment.shards)
+        logger.info("joined %s as %s (rank %d, generation %d)", self.client.address, self.assignment.rpc_name,
+                    self.assignment.rpc_rank, self.assignment.generation)
+        return self.assignment
+
+    @property
+    def init_method(self) -> str:
+        store = self.assignment.store
+        host = f"[{store.host}]" if ":" in store.host else store.host
+        return f"tcp://{host}:{store.port}"
+
+    @property
+    def shards(self) -> List[str]:
+        """RPC names of the live shards, as of the last heartbeat."""
+        with self._shards_lock:
+            return list(self._shards)
+
+    def _set_shards(self, shards) -> None:
+        with self._shards_lock:
+            self._shards = list(shards)
+
+    def start_heartbeats(self, progress: Callable[[], Tuple[int, Dict[str, float]]] = lambda: (0, {}),
+                         on_stop: Callable[[], None] = lambda: None,
+                         on_lost: Callable[[str], None] = lambda reason: None) -> None:
+        interval = datetime.timedelta(milliseconds=self.assignment.heartbeat_interval_ms)
+        timeout = datetime.timedelta(milliseconds=self.assignment.heartbeat_timeout_ms)
+
+        def on_command(command: pb.Command) -> None:
+            if command.kind == pb.Command.KIND_STOP:
+                logger.info("coordinator asked %s to stop", self.assignment.rpc_name)
+                on_stop()
+            elif command.kind == pb.Command.KIND_FORGET_PEER:
+                peer.forget(command.peer)
+            else:
+                logger.warning("ignoring command %s: not supported by this member",
+                               pb.Command.Kind.Name(command.kind))
+
+        def lost(reason: str) -> None:
+            self.lost_reason = reason
+            logger.error("%s: %s", self.assignment.rpc_name, reason)
+            on_lost(reason)
+
+        self._heartbeats = HeartbeatLoop(self.client, self.assignment.member_id, interval, give_up_after=timeout,
+                                         progress=progress, on_command=on_command, on_lost=lost,
+                                         on_shards=self._set_shards).start()
+
+    def leave(self, reason: str, step: int = 0, metrics: Optional[Dict[str, float]] = None) -> None:
+        """Stop heartbeats and tell the coordinator (unless it already declared us gone)."""
+        if self._heartbeats is not None:
+            self._heartbeats.stop()
+        if self.assignment is not None and self.lost_reason is None:
+            try:
+                self.client.leave(self.assignment.member_id, reason, step, metrics)
+            except CoordinatorError as error:
+                logger.warning("leaving the coordinator: %s", error)
+        self.client.close()

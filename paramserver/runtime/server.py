@@ -1,0 +1,99 @@
+"""``ps-server``'s process: the coordinator plus its supervised shard servers.
+
+Owns the server's life: start the coordinator, start the shards, announce
+readiness (one line on stdout with the address; health SERVING) once every
+shard has joined, then wait for a shutdown (SIGTERM/SIGINT or the Shutdown
+RPC) and drain in order: members are asked to stop and given a few seconds
+to leave, shards are stopped, the port closes.  The whole drain is bounded
+so the process is gone within 10 s, leaving no child behind.
+"""
+
+import datetime
+import logging
+import signal
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+from ..control import CoordinatorServer, CoordinatorSettings, TlsFiles, pb
+from ..control.server import format_address
+from .supervisor import ShardSupervisor
+
+logger = logging.getLogger(__name__)
+
+READY_TIMEOUT = datetime.timedelta(seconds=120)
+MEMBERS_LEAVE_WITHIN = datetime.timedelta(seconds=4)
+SHARDS_STOP_WITHIN = datetime.timedelta(seconds=3)
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    num_shards: int
+    coordinator: CoordinatorSettings
+    log_level: Optional[str] = None
+    ready_timeout: datetime.timedelta = READY_TIMEOUT
+
+
+class _Shutdown:
+    def __init__(self):
+        self.event = threading.Event()
+        self.reason = ""
+
+    def request(self, reason: str) -> None:
+        if not self.event.is_set():
+            self.reason = reason
+            logger.info("shutting down: %s", reason)
+            self.event.set()
+
+
+def serve(options: ServerOptions, announce=print) -> int:
+    """Run until shut down; returns the exit code (0 on a clean shutdown)."""
+    shutdown = _Shutdown()
+    previous = {sig: signal.signal(sig, lambda signum, _frame: shutdown.request(signal.Signals(signum).name))
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    coordinator = CoordinatorServer(options.coordinator, request_shutdown=shutdown.request).start()
+    supervisor = None
+    try:
+        tls = options.coordinator.tls
+        child_tls = TlsFiles(ca=tls.ca or tls.cert) if tls is not None else None
+        # Children dial the address the server listens on; a wildcard is reached through loopback.
+        host = options.coordinator.host
+        dial_host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+        supervisor = ShardSupervisor(
+            options.num_shards, format_address(dial_host, coordinator.port), dial_host,
+            on_exit=coordinator.membership.process_exited,
+            token=options.coordinator.token, tls=child_tls, log_level=options.log_level).start()
+        want = options.num_shards
+        all_joined = coordinator.membership.wait_until(
+            lambda m: len(m.serving_shards()) >= want or shutdown.event.is_set()
+            or not all(supervisor.alive().values()),
+            options.ready_timeout)
+        joined = len(coordinator.membership.serving_shards())
+        if shutdown.event.is_set():
+            return 0
+        if not all_joined or joined < want:
+            dead = [name for name, alive in supervisor.alive().items() if not alive]
+            logger.error("only %d of %d shards joined%s", joined, want,
+                         f"; exited: {', '.join(dead)}" if dead else
+                         f" within {options.ready_timeout.total_seconds():.0f} s")
+            return 1
+        coordinator.mark_ready()
+        announce(f"ps-server ready at {coordinator.address} ({want} shards, generation "
+                 f"{coordinator.membership.generation})", flush=True)
+        shutdown.event.wait()
+    finally:
+        asked = coordinator.membership.stop_all()
+        members = [m for m in asked if m.role != pb.ROLE_SHARD]
+        if members:
+            left = coordinator.membership.wait_until(
+                lambda m: not [x for x in m.alive() if x.role != pb.ROLE_SHARD], MEMBERS_LEAVE_WITHIN)
+            if not left:
+                logger.warning("members still running after %.0f s: %s", MEMBERS_LEAVE_WITHIN.total_seconds(),
+                               ", ".join(x.rpc_name for x in coordinator.membership.alive() if x.role != pb.ROLE_SHARD))
+        if supervisor is not None:
+            codes = supervisor.stop(SHARDS_STOP_WITHIN)
+            logger.info("shards stopped: %s", ", ".join(f"{name} exit {c}" for name, c in codes.items()))
+        coordinator.stop(datetime.timedelta(seconds=0.5))
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0

@@ -1,0 +1,40 @@
+"""A shard server process of ``ps-server``: coordinator member and data-plane owner.
+
+Owns the life of one supervised shard process: join the coordinator as a
+shard (its RPC name, rank and the store come back), heartbeat, serve
+parameters over torch RPC (``paramserver.shards.run_shard_server``) until
+told to stop (a STOP command, SIGTERM/SIGINT, or losing the coordinator),
+then leave.  Exit code 0 on a clean stop.
+"""
+
+import logging
+import os
+from typing import Optional
+
+from ..control import TlsFiles, pb
+from ..shards import ShardServerOptions, request_stop, run_shard_server
+from .logs import configure_logging
+from .member import MemberSession
+
+logger = logging.getLogger(__name__)
+
+
+def run_shard_member(address: str, name: str, host: str, token: Optional[str] = None,
+                     tls: Optional[TlsFiles] = None, log_level: Optional[str] = None) -> None:
+    """Process target: one shard server named ``name`` that joins the coordinator at ``address``."""
+    configure_logging(name, log_level)
+    session = MemberSession(address, pb.ROLE_SHARD, name=name, host=host, token=token, tls=tls)
+    assignment = session.join()
+
+    def serving() -> None:
+        # Heartbeats start once the data plane is up: the coordinator counts a
+        # shard as serving (hands it to workers, reports ready) from its first beat.
+        session.start_heartbeats(on_stop=lambda: request_stop(graceful=False),
+                                 on_lost=lambda reason: request_stop(graceful=False))
+
+    try:
+        run_shard_server(assignment.rpc_name, assignment.rpc_rank, None, session.init_method,
+                         ShardServerOptions(), bind_host=host, on_serving=serving)
+    finally:
+        session.leave("stopped")
+    logger.info("shard %s (pid %d) exits", assignment.rpc_name, os.getpid())

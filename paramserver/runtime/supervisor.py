@@ -1,0 +1,82 @@
+"""Starting and watching ``ps-server``'s shard processes.
+
+Owns the shard processes' lives: start N children with ``spawn``, notice at
+once when one exits (a thread waits on their sentinels) and report it, and
+stop them all on shutdown: SIGTERM, a bounded wait, then SIGKILL, and
+reap every one, so nothing outlives the server.
+"""
+
+import datetime
+import logging
+import multiprocessing
+import multiprocessing.connection
+import threading
+import time
+from typing import Callable, Dict, Optional
+
+from ..control import TlsFiles
+from .shard_process import run_shard_member
+
+logger = logging.getLogger(__name__)
+
+
+class ShardSupervisor:
+    """N shard processes named ``shard0..``; ``on_exit(name, exit_code)`` runs when one exits on its own."""
+
+    def __init__(self, num_shards: int, coordinator_address: str, host: str,
+                 on_exit: Callable[[str, Optional[int]], None],
+                 token: Optional[str] = None, tls: Optional[TlsFiles] = None, log_level: Optional[str] = None):
+        if num_shards < 1:
+            raise ValueError(f"--shards must be at least 1, got {num_shards}")
+        self._context = multiprocessing.get_context("spawn")
+        self._on_exit = on_exit
+        self._stopping = threading.Event()
+        self.processes: Dict[str, multiprocessing.Process] = {}
+        for index in range(num_shards):
+            name = f"shard{index}"
+            self.processes[name] = self._context.Process(
+                target=run_shard_member, name=name,
+                kwargs=dict(address=coordinator_address, name=name, host=host, token=token, tls=tls,
+                            log_level=log_level))
+        self._watcher = threading.Thread(target=self._watch, name="shard-supervisor", daemon=True)
+
+    def start(self) -> "ShardSupervisor":
+        for name, process in self.processes.items():
+            process.start()
+            logger.info("started %s (pid %d)", name, process.pid)
+        self._watcher.start()
+        return self
+
+    def _watch(self) -> None:
+        running = dict(self.processes)
+        while running and not self._stopping.is_set():
+            ready = multiprocessing.connection.wait([p.sentinel for p in running.values()], timeout=0.2)
+            for name, process in list(running.items()):
+                if process.sentinel in ready:
+                    process.join()
+                    del running[name]
+                    if not self._stopping.is_set():
+                        logger.error("shard process %s (pid %d) exited with code %s", name, process.pid,
+                                     process.exitcode)
+                        self._on_exit(name, process.exitcode)
+
+    def alive(self) -> Dict[str, bool]:
+        return {name: process.is_alive() for name, process in self.processes.items()}
+
+    def stop(self, timeout: datetime.timedelta = datetime.timedelta(seconds=3)) -> Dict[str, Optional[int]]:
+        """SIGTERM every shard, wait up to ``timeout``, SIGKILL the rest; returns exit codes."""
+        self._stopping.set()
+        for process in self.processes.values():
+            if process.is_alive():
+                process.terminate()
+        deadline = time.monotonic() + timeout.total_seconds()
+        for name, process in self.processes.items():
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                logger.warning("shard %s (pid %d) did not stop within %.0f s; killing it", name, process.pid,
+                               timeout.total_seconds())
+                process.kill()
+                process.join(5)
+        if self._watcher.is_alive():
+            self._watcher.join(1)
+        return {name: process.exitcode for name, process in self.processes.items()}

@@ -1,0 +1,121 @@
+"""``ps-worker``'s process: join the cluster, run the shipped job, leave.
+
+Owns a worker's life: join the coordinator (retrying while it is
+unreachable), unpack the job it hands out, join the data plane under the
+assigned RPC name, heartbeat the job's progress while it runs, and leave
+both planes when it returns.  A stop command (or losing the coordinator)
+asks the job to stop; a job that ignores the request is ended after a
+grace period.  Exit codes: 0 done, 1 the job or the cluster failed,
+2 refused (wrong token, bad job).
+"""
+
+import datetime
+import logging
+import os
+import threading
+import traceback
+from dataclasses import dataclass
+from typing import Optional
+
+from ..control import CoordinatorError, CoordinatorUnavailable, NotAuthenticated, TlsFiles, pb
+from ..shards import peer
+from .job import JobContext, JobError, unpack_job
+from .member import MemberSession
+
+logger = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
+STOP_GRACE = datetime.timedelta(seconds=10)
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    address: str
+    host: str = "127.0.0.1"
+    token: Optional[str] = None
+    tls: Optional[TlsFiles] = None
+    retry_for: Optional[datetime.timedelta] = None
+    stop_grace: datetime.timedelta = STOP_GRACE
+
+
+def run_worker(options: WorkerOptions, say=print) -> int:
+    """Run one worker to completion; ``say`` prints the one-line outcome.  Returns the exit code."""
+    session = MemberSession(options.address, pb.ROLE_WORKER, host=options.host, token=options.token,
+                            tls=options.tls, retry_for=options.retry_for)
+    try:
+        assignment = session.join()
+    except NotAuthenticated as error:
+        say(f"ps-worker: {error}")
+        return EXIT_REFUSED
+    except CoordinatorUnavailable as error:
+        say(f"ps-worker: {error}")
+        return EXIT_FAILED
+    except CoordinatorError as error:
+        say(f"ps-worker: could not join: {error}")
+        return EXIT_FAILED
+    if not assignment.job.code:
+        session.leave("no job")
+        say(f"ps-worker: the cluster at {options.address} has no job to run")
+        return EXIT_REFUSED
+    try:
+        job, config = unpack_job(assignment.job)
+    except JobError as error:
+        session.leave(f"bad job: {error}")
+        say(f"ps-worker: {error}")
+        return EXIT_REFUSED
+
+    context = JobContext(rpc_name=assignment.rpc_name, worker_index=assignment.index,
+                         generation=assignment.generation, trainer_group=assignment.trainer_group,
+                         shards=list(assignment.shards), store_host=assignment.store.host,
+                         store_port=assignment.store.port)
+    watchdog = _StopWatchdog(context, options.stop_grace)
+    peer.join(assignment.rpc_name, assignment.rpc_rank, None, session.init_method, bind_host=options.host)
+    session.start_heartbeats(progress=context.progress, on_stop=watchdog.stop_requested,
+                             on_lost=lambda reason: watchdog.stop_requested())
+    logger.info("running job %s as %s with %s", assignment.job.name, assignment.rpc_name, config or "no config")
+    try:
+        result = job(context, **config)
+    except Exception as error:  # noqa: BLE001 - report the job's failure in one line, then leave
+        logger.error("job %s failed:\n%s", assignment.job.name, traceback.format_exc())
+        watchdog.done()
+        peer.leave(graceful=False)
+        session.leave(f"job failed: {type(error).__name__}: {error}"[:512], *context.progress())
+        say(f"ps-worker: job {assignment.job.name} failed: {type(error).__name__}: {error}")
+        return EXIT_FAILED
+    watchdog.done()
+    step, metrics = context.progress()
+    if isinstance(result, dict):
+        metrics.update({k: float(v) for k, v in result.items() if isinstance(v, (int, float))})
+    peer.leave(graceful=True)
+    if session.lost_reason is not None:
+        session.leave("")
+        say(f"ps-worker: {assignment.rpc_name} finished its job but {session.lost_reason}")
+        return EXIT_FAILED
+    session.leave("job finished", step, metrics)
+    summary = ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()))
+    say(f"ps-worker: {assignment.rpc_name} finished {assignment.job.name} at step {step}"
+        + (f" ({summary})" if summary else ""))
+    return EXIT_OK
+
+
+class _StopWatchdog:
+    """Pass a stop request to the job; end the process if the job ignores it for ``grace``."""
+
+    def __init__(self, context: JobContext, grace: datetime.timedelta):
+        self._context = context
+        self._grace = grace
+        self._finished = threading.Event()
+
+    def stop_requested(self) -> None:
+        if self._context.should_stop():
+            return
+        self._context.request_stop()
+        threading.Thread(target=self._enforce, name="stop-watchdog", daemon=True).start()
+
+    def _enforce(self) -> None:
+        if not self._finished.wait(self._grace.total_seconds()):
+            logger.error("the job did not stop within %.0f s of being asked; exiting", self._grace.total_seconds())
+            os._exit(EXIT_FAILED)
+
+    def done(self) -> None:
+        self._finished.set()

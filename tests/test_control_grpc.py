@@ -1,0 +1,145 @@
+"""The coordinator on a real gRPC port (in this process, no shards): the standard
+health client, reflection, token auth, TLS, bad bytes on the wire, failure detection."""
+
+import datetime
+import shutil
+import subprocess
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from paramserver.control import CoordinatorClient, CoordinatorServer, CoordinatorSettings, NotAuthenticated, TlsFiles
+from paramserver.control.client import CoordinatorError, CoordinatorUnavailable
+from paramserver.control.protocol import SERVICE_NAME, pb
+
+TOKEN = "s3cret-token"
+
+
+@pytest.fixture
+def start():
+    servers = []
+
+    def start_server(**settings):
+        settings.setdefault("port", 0)
+        server = CoordinatorServer(CoordinatorSettings(**settings), request_shutdown=lambda reason: None).start()
+        servers.append(server)
+        return server
+
+    yield start_server
+    for server in servers:
+        server.stop(datetime.timedelta(seconds=0))
+
+
+def health_of(channel, service=""):
+    return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+
+def test_health_answers_serving_once_ready_and_reflection_lists_services(start):
+    server = start()
+    with grpc.insecure_channel(server.address) as channel:
+        assert health_of(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
+        server.mark_ready()
+        assert health_of(channel) == health_pb2.HealthCheckResponse.SERVING
+        assert health_of(channel, SERVICE_NAME) == health_pb2.HealthCheckResponse.SERVING
+        responses = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+        names = {s.name for r in responses for s in r.list_services_response.service}
+    assert {SERVICE_NAME, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names
+
+
+def test_token_is_required_except_for_health(start):
+    server = start(token=TOKEN)
+    server.mark_ready()
+    for token in (None, "wrong"):
+        with pytest.raises(NotAuthenticated, match="wrong or missing token"):
+            CoordinatorClient(server.address, token=token).status()
+    with grpc.insecure_channel(server.address) as channel:
+        assert health_of(channel) == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as error:
+            list(reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
+        assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    client = CoordinatorClient(server.address, token=TOKEN)
+    assert client.status().generation == 0
+
+
+def test_garbage_on_the_wire_gets_invalid_argument_and_others_are_still_served(start):
+    server = start()
+    client = CoordinatorClient(server.address)
+    member = client.join(pb.ROLE_WORKER, "w", "127.0.0.1")
+    with grpc.insecure_channel(server.address) as channel:
+        for method, raw in (("Join", b"\xff\xfe\xfd"), ("Heartbeat", b"\x0a\x05ab"),
+                            ("Join", pb.JoinRequest(role=pb.ROLE_WORKER, name="a b", host="h").SerializeToString()),
+                            ("Heartbeat", b"\x12" + b"\x01" * 64)):
+            call = channel.unary_unary(f"/{SERVICE_NAME}/{method}")
+            with pytest.raises(grpc.RpcError) as error:
+                call(raw, timeout=5)
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, error.value.details())
+            assert error.value.details()
+        # A message far above any field limit (but under the transport's).
+        big = pb.HeartbeatRequest(member_id=member.member_id, sequence=1, metrics={f"m{i}": 1.0 for i in range(5000)})
+        with pytest.raises(grpc.RpcError) as error:
+            channel.unary_unary(f"/{SERVICE_NAME}/Heartbeat")(big.SerializeToString(), timeout=5)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "5000 entries" in error.value.details()
+    response = client.call("Heartbeat", pb.HeartbeatRequest(member_id=member.member_id, sequence=1, step=3))
+    assert response.generation == 1
+    with pytest.raises(CoordinatorError, match="FAILED_PRECONDITION.*out of order"):
+        client.call("Heartbeat", pb.HeartbeatRequest(member_id=member.member_id, sequence=1))
+    assert client.status().workers[0].step == 3
+
+
+def test_silent_member_is_marked_dead_within_the_timeout(start):
+    server = start(heartbeat_timeout=datetime.timedelta(seconds=1.5))
+    client = CoordinatorClient(server.address)
+    member = client.join(pb.ROLE_WORKER, "w", "127.0.0.1")
+    joined = time.monotonic()
+    while client.status().workers[0].alive:
+        assert time.monotonic() - joined < 3.0, "not declared dead within the timeout (+ sweep slack)"
+        time.sleep(0.05)
+    assert time.monotonic() - joined >= 1.5
+    status = client.status()
+    assert status.workers[0].state == "dead" and status.generation == 2
+    with pytest.raises(CoordinatorError, match="is dead"):
+        client.call("Heartbeat", pb.HeartbeatRequest(member_id=member.member_id, sequence=1))
+    assert client.join(pb.ROLE_WORKER, "w", "127.0.0.1").generation == 3  # rejoining: a new generation
+
+
+def test_unreachable_coordinator_is_retried_then_reported(start):
+    from paramserver.processes import free_port
+    client = CoordinatorClient(f"127.0.0.1:{free_port()}")
+    began = time.monotonic()
+    with pytest.raises(CoordinatorUnavailable, match="unreachable.*gave up after"):
+        client.join(pb.ROLE_WORKER, "w", "127.0.0.1", retry_for=datetime.timedelta(seconds=1))
+    assert time.monotonic() - began < 5
+
+
+@pytest.fixture(scope="module")
+def self_signed(tmp_path_factory):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed: cannot make a test certificate")
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    return TlsFiles(cert=str(cert), key=str(key), ca=str(cert))
+
+
+def test_tls_client_works_and_plaintext_is_refused(start, self_signed):
+    server = start(tls=self_signed, token=TOKEN)
+    server.mark_ready()
+    client = CoordinatorClient(server.address, token=TOKEN, tls=TlsFiles(ca=self_signed.ca))
+    assert client.join(pb.ROLE_WORKER, "w", "127.0.0.1").rpc_name == "worker0"
+    with grpc.secure_channel(server.address, TlsFiles(ca=self_signed.ca).channel_credentials()) as channel:
+        assert health_of(channel) == health_pb2.HealthCheckResponse.SERVING
+    plaintext = CoordinatorClient(server.address, token=TOKEN, call_timeout=datetime.timedelta(seconds=3))
+    with pytest.raises(CoordinatorUnavailable):
+        plaintext.status()
+    with grpc.insecure_channel(server.address) as channel:
+        with pytest.raises(grpc.RpcError) as error:
+            health_of(channel)
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE

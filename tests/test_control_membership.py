@@ -1,0 +1,155 @@
+"""The coordinator's pure logic: request validation and the membership table
+(generations, heartbeats in and out of order, failure detection, commands)."""
+
+import datetime
+
+import grpc
+import pytest
+
+from paramserver.control.membership import DEAD, EXITED, LEFT, Membership
+from paramserver.control.protocol import pb
+from paramserver.control.validation import RequestError, validate_heartbeat, validate_join, validate_leave
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def join_request(role=pb.ROLE_WORKER, name="host-a", host="127.0.0.1"):
+    return pb.JoinRequest(role=role, name=name, host=host, capabilities=pb.Capabilities(pid=42))
+
+
+@pytest.fixture
+def table():
+    clock = Clock()
+    lost = []
+    membership = Membership(datetime.timedelta(seconds=5), on_lost=lost.append, clock=clock)
+    membership.clock, membership.lost = clock, lost
+    return membership
+
+
+def beat(membership, member, sequence, step=0, **metrics):
+    return membership.heartbeat(pb.HeartbeatRequest(member_id=member.member_id, sequence=sequence, step=step,
+                                                    metrics=metrics))
+
+
+@pytest.mark.parametrize("request_, field", [
+    (join_request(role=pb.ROLE_UNSPECIFIED), "role"),
+    (join_request(name=""), "name is empty"),
+    (join_request(name="x" * 65), "name has 65 characters"),
+    (join_request(name="bad name"), "name 'bad name'"),
+    (join_request(host=""), "host is empty"),
+    (join_request(host="not a host!"), "host 'not a host!'"),
+])
+def test_malformed_join_names_the_field(request_, field):
+    with pytest.raises(RequestError) as error:
+        validate_join(request_)
+    assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in error.value.message
+
+
+def test_join_accepts_ip_addresses_and_host_names():
+    for host in ("127.0.0.1", "::1", "node-3.cluster.local"):
+        validate_join(join_request(host=host))
+
+
+@pytest.mark.parametrize("request_, field", [
+    (pb.HeartbeatRequest(sequence=1), "member_id is empty"),
+    (pb.HeartbeatRequest(member_id="m", sequence=0), "sequence"),
+    (pb.HeartbeatRequest(member_id="m", sequence=1, metrics={"loss": float("nan")}), "metrics['loss'] is nan"),
+    (pb.HeartbeatRequest(member_id="m", sequence=1, metrics={f"m{i}": 1.0 for i in range(33)}), "33 entries"),
+    (pb.HeartbeatRequest(member_id="m", sequence=1, metrics={"a b": 1.0}), "metrics key 'a b'"),
+])
+def test_malformed_heartbeat_names_the_field(request_, field):
+    with pytest.raises(RequestError) as error:
+        validate_heartbeat(request_)
+    assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in error.value.message
+
+
+def test_oversized_leave_reason_is_refused():
+    with pytest.raises(RequestError, match="reason has 600 characters"):
+        validate_leave(pb.LeaveRequest(member_id="m", reason="x" * 600))
+
+
+def test_join_assigns_unique_names_ranks_and_a_new_generation(table):
+    shard = table.join(join_request(pb.ROLE_SHARD, name="shard0"))
+    first = table.join(join_request())
+    second = table.join(join_request())
+    assert (shard.rpc_name, first.rpc_name, second.rpc_name) == ("shard0", "worker0", "worker1")
+    assert [m.rpc_rank for m in (shard, first, second)] == [1, 2, 3]
+    assert [m.joined_generation for m in (shard, first, second)] == [1, 2, 3]
+    assert table.generation == 3
+    with pytest.raises(RequestError) as error:
+        table.join(join_request(pb.ROLE_SHARD, name="shard0"))
+    assert error.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_shards_count_as_serving_from_their_first_heartbeat(table):
+    shard = table.join(join_request(pb.ROLE_SHARD, name="shard0"))
+    assert table.live_shard_names() == []
+    beat(table, shard, 1)
+    assert table.live_shard_names() == ["shard0"]
+
+
+def test_heartbeats_out_of_order_or_from_strangers_are_refused(table):
+    member = table.join(join_request())
+    generation, commands, _ = beat(table, member, 1, step=5, loss=0.5)
+    assert generation == 1 and commands == []
+    for stale in (1, 0):
+        with pytest.raises(RequestError, match="out of order") as error:
+            beat(table, member, stale) if stale else table.heartbeat(
+                pb.HeartbeatRequest(member_id=member.member_id, sequence=1))
+        assert error.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    beat(table, member, 3, step=7)  # gaps are fine
+    with pytest.raises(RequestError, match="unknown member_id") as error:
+        table.heartbeat(pb.HeartbeatRequest(member_id="nobody", sequence=1))
+    assert error.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    status = table.status()
+    assert status.workers[0].step == 7
+
+
+def test_silent_member_is_declared_dead_and_survivors_told_to_forget_it(table):
+    shard = table.join(join_request(pb.ROLE_SHARD, name="shard0"))
+    worker = table.join(join_request())
+    table.clock.now += 4.9
+    beat(table, shard, 1)
+    assert table.sweep() == []
+    table.clock.now += 0.2  # the worker: 5.1 s silent
+    lost = table.sweep()
+    assert [m.rpc_name for m in lost] == ["worker0"] and table.lost == lost
+    assert worker.state == DEAD and "no heartbeat for 5.1 s" in worker.end_reason
+    assert table.generation == 3
+    _, commands, _ = beat(table, shard, 2)
+    assert [(c.kind, c.peer) for c in commands] == [(pb.Command.KIND_FORGET_PEER, "worker0")]
+    with pytest.raises(RequestError, match="is dead"):
+        beat(table, worker, 1)
+    rejoined = table.join(join_request())
+    assert rejoined.rpc_name == "worker1" and rejoined.joined_generation == 4
+    status = table.status()
+    assert [(w.rpc_name, w.alive, w.state) for w in status.workers] == [("worker0", False, DEAD),
+                                                                       ("worker1", True, "alive")]
+
+
+def test_exited_process_is_gone_at_once(table):
+    shard = table.join(join_request(pb.ROLE_SHARD, name="shard3"))
+    assert table.process_exited("shard3", -9) is shard
+    assert shard.state == EXITED and "code -9" in shard.end_reason and table.lost == [shard]
+    assert table.process_exited("shard3", -9) is None
+
+
+def test_leave_and_stop(table):
+    worker = table.join(join_request())
+    other = table.join(join_request())
+    table.leave(pb.LeaveRequest(member_id=worker.member_id, reason="done", step=9, metrics={"loss": 0.1}))
+    assert worker.state == LEFT and worker.step == 9 and worker.metrics == {"loss": 0.1}
+    assert table.lost == []  # leaving is not being lost: nobody needs to forget it
+    assert table.stop_all() == [other]
+    _, commands, _ = beat(table, other, 1)
+    assert [c.kind for c in commands] == [pb.Command.KIND_STOP]
+    with pytest.raises(RequestError, match="shutting down"):
+        table.join(join_request())
