@@ -131,7 +131,7 @@ def test_silent_member_is_declared_dead_and_survivors_told_to_forget_it(table):
     rejoined = table.join(join_request())
     assert rejoined.rpc_name == "worker1" and rejoined.joined_generation == 4
     status = table.status()
-    assert [(w.rpc_name, w.alive, w.state) for w in status.workers] == [("worker0", False, DEAD),
+    assert [(w.name, w.alive, w.state) for w in status.workers] == [("worker0", False, DEAD),
                                                                        ("worker1", True, "alive")]
 
 

@@ -43,7 +43,7 @@ def legit_member_still_served():
     answer = SERVICE.handle("Heartbeat", pb.HeartbeatRequest(member_id=LEGIT.member_id, sequence=SEQUENCE[0])
                             .SerializeToString())
     assert isinstance(answer, pb.HeartbeatResponse)
-    assert any(w.rpc_name == LEGIT.rpc_name and w.alive for w in SERVICE.handle("Status", b"").workers)
+    assert any(w.name == LEGIT.rpc_name and w.alive for w in SERVICE.handle("Status", b"").workers)
 
 
 def answer_or_refusal(method, raw):

@@ -254,7 +254,7 @@ class Membership:
                      pb.ROLE_CLIENT: response.clients}
             for member in sorted(self._members.values(), key=lambda m: _natural_key(m.rpc_name)):
                 lists[member.role].add(
-                    member_id=member.member_id, role=member.role, name=member.name, rpc_name=member.rpc_name,
+                    member_id=member.member_id, role=member.role, name=member.rpc_name, joined_as=member.name,
                     host=member.host, alive=member.state == ALIVE, state=member.state, step=member.step,
                     metrics=member.metrics, seconds_since_heartbeat=round(now - member.last_heartbeat, 3),
                     joined_generation=member.joined_generation, trainer_group=member.trainer_group,

@@ -1,0 +1,121 @@
+"""Running the real console scripts (ps-server, ps-worker, ps-ctl) from tests.
+
+Every process started here is tracked and, when the test ends however it
+ends, killed by its pid and reaped; output goes to files, so no pipe fills.
+"""
+
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import time
+from typing import List
+
+BIN = pathlib.Path(sys.executable).parent
+
+
+class Commands:
+    def __init__(self, folder: pathlib.Path):
+        self.folder = folder
+        self.processes: List[subprocess.Popen] = []
+        self._count = 0
+
+    def start(self, command: str, *args: str) -> subprocess.Popen:
+        self._count += 1
+        stem = self.folder / f"{self._count:02d}-{command}"
+        stdout, stderr = open(f"{stem}.out", "w"), open(f"{stem}.err", "w")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        process = subprocess.Popen([str(BIN / command), *args], stdout=stdout, stderr=stderr, env=env,
+                                   start_new_session=True)
+        process.out_path, process.err_path = f"{stem}.out", f"{stem}.err"
+        self.processes.append(process)
+        return process
+
+    def run(self, command: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        process = self.start(command, *args)
+        code = process.wait(timeout)
+        return subprocess.CompletedProcess(process.args, code, output(process), errors(process))
+
+    def reap(self) -> List[str]:
+        """Kill (by pid) and reap whatever is still running; returns what was."""
+        leftovers = []
+        for process in self.processes:
+            if process.poll() is None:
+                leftovers.append(" ".join(process.args))
+                process.kill()
+            process.wait(10)
+        return leftovers
+
+
+def output(process) -> str:
+    return pathlib.Path(process.out_path).read_text()
+
+
+def errors(process) -> str:
+    return pathlib.Path(process.err_path).read_text()
+
+
+def wait_for_output(process, pattern: str, timeout: float) -> re.Match:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        match = re.search(pattern, output(process))
+        if match:
+            return match
+        if process.poll() is not None:
+            raise AssertionError(f"{process.args[0]} exited with {process.returncode} before printing "
+                                 f"{pattern!r}:\n{output(process)}\n{errors(process)[-3000:]}")
+        time.sleep(0.1)
+    raise AssertionError(f"{process.args[0]} did not print {pattern!r} within {timeout} s:\n{errors(process)[-3000:]}")
+
+
+def start_server(commands: Commands, *args: str, timeout: float = 90):
+    """ps-server on a free port; returns (process, address) once it said it is ready."""
+    server = commands.start("ps-server", "--port", "0", *args)
+    address = wait_for_output(server, r"ps-server ready at (\S+)", timeout).group(1)
+    return server, address
+
+
+def status(commands: Commands, address: str, *extra: str) -> dict:
+    result = commands.run("ps-ctl", "--connect", address, *extra, "status", "--json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def wait_for_status(commands, address, predicate, timeout: float, *extra: str) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        current = status(commands, address, *extra)
+        if predicate(current):
+            return current
+        if time.monotonic() > deadline:
+            raise AssertionError(f"status never matched within {timeout} s: {current}")
+        time.sleep(0.2)
+
+
+def terminate_within(process, seconds: float) -> float:
+    """SIGTERM ``process``; assert it exits 0 within ``seconds``; returns how long it took."""
+    began = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    code = process.wait(seconds)
+    took = time.monotonic() - began
+    assert code == 0, f"exit {code}:\n{errors(process)[-3000:]}"
+    return took
+
+
+def pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def job_config(**config) -> str:
+    return json.dumps(config)
+
+
+__all__ = ["Commands", "output", "errors", "wait_for_output", "start_server", "status", "wait_for_status",
+           "terminate_within", "pid_exists", "job_config"]

@@ -1,0 +1,105 @@
+"""End to end on loopback with the real commands: ps-server --shards 4, two
+ps-worker processes running the shipped job, ps-ctl status/shutdown, the
+standard health client, token refusals, a killed worker declared dead, a
+Python driver through paramserver.connect, and SIGTERM leaving no process
+behind."""
+
+import datetime
+import signal
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from commands import (Commands, errors, job_config, output, pid_exists, start_server, status, terminate_within,
+                      wait_for_status)
+from drivers import train_an_embedding_through_connect
+from paramserver.processes import Child, free_port, run_children
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture
+def commands(tmp_path):
+    runner = Commands(tmp_path)
+    yield runner
+    leftovers = runner.reap()
+    assert not leftovers, f"processes left running: {leftovers}"
+
+
+def test_cluster_forms_runs_two_workers_and_stops_on_sigterm(commands, tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("cluster-token-123\n")
+    (tmp_path / "wrong").write_text("not-it\n")
+    auth = ("--token-file", str(token_file))
+    server, address = start_server(commands, "--shards", "4", *auth, "--job-config", job_config(steps=60))
+
+    with grpc.insecure_channel(address) as channel:  # the standard health client needs no token
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    before = status(commands, address, *auth)
+    assert [(s["name"], s["alive"]) for s in before["shards"]] == [(f"shard{i}", True) for i in range(4)]
+    assert before["generation"] == 4 and before["workers"] == []
+
+    refused = commands.run("ps-ctl", "--connect", address, "status")
+    assert refused.returncode == 1 and "wrong or missing token" in refused.stderr
+    wrong = commands.run("ps-worker", "--connect", address, "--token-file", str(tmp_path / "wrong"))
+    assert wrong.returncode == 2 and "wrong or missing token" in wrong.stdout
+
+    workers = [commands.start("ps-worker", "--connect", address, *auth) for _ in range(2)]
+    for worker in workers:
+        assert worker.wait(120) == 0, errors(worker)[-3000:]
+        assert "finished workers.regression:main at step 60" in output(worker)
+    after = status(commands, address, *auth)
+    assert sorted((w["name"], w["state"], w["step"]) for w in after["workers"]) == [
+        ("worker0", "left", 60), ("worker1", "left", 60)]
+    for worker in after["workers"]:
+        assert worker["metrics"]["loss"] < worker["metrics"]["first_loss"] / 4, worker["metrics"]
+    assert after["generation"] == 8  # 4 shards + 2 joins + 2 leaves
+
+    shard_pids = [s["pid"] for s in after["shards"]]
+    assert terminate_within(server, 10) < 10
+    assert not [pid for pid in shard_pids if pid_exists(pid)]
+
+
+def test_killed_worker_is_declared_dead_and_the_cluster_goes_on(commands):
+    server, address = start_server(commands, "--shards", "2", "--heartbeat-timeout", "2",
+                                   "--job-config", job_config(steps=1_000_000))
+    doomed = commands.start("ps-worker", "--connect", address)
+    wait_for_status(commands, address, lambda s: s["workers"] and s["workers"][0]["step"] > 0, 60)
+    doomed.send_signal(signal.SIGKILL)
+    doomed.wait(10)
+    killed_at = time.monotonic()
+    dead = wait_for_status(commands, address, lambda s: s["workers"][0]["state"] == "dead", 10)
+    assert time.monotonic() - killed_at < 2 + 1.5  # the timeout, plus a heartbeat interval and the sweep
+    assert dead["generation"] == 4  # 2 shards, the worker's join, its death
+
+    # The data plane healed: a new worker joins (it would stall on the dead one otherwise) and trains.
+    survivor = commands.start("ps-worker", "--connect", address)
+    wait_for_status(commands, address,
+                    lambda s: len(s["workers"]) == 2 and s["workers"][1]["alive"] and s["workers"][1]["step"] > 0, 60)
+    shutdown = commands.run("ps-ctl", "--connect", address, "shutdown")
+    assert shutdown.returncode == 0, shutdown.stderr
+    assert survivor.wait(10) == 0, errors(survivor)[-3000:]
+    assert server.wait(10) == 0, errors(server)[-3000:]
+
+
+def test_unreachable_server_is_retried_then_reported(commands):
+    began = time.monotonic()
+    result = commands.run("ps-worker", "--connect", f"127.0.0.1:{free_port()}", "--retry-for", "1")
+    assert result.returncode == 1
+    assert "unreachable" in result.stdout and "gave up after" in result.stdout
+    assert len(result.stdout.strip().splitlines()) == 1
+    assert time.monotonic() - began < 30
+
+
+def test_python_driver_connects_places_parameters_and_trains(commands, tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("driver-token\n")
+    server, address = start_server(commands, "--shards", "2", "--token-file", str(token_file))
+    run_children([Child("driver", train_an_embedding_through_connect, (address, "driver-token"))],
+                 datetime.timedelta(seconds=90))
+    clients = status(commands, address, "--token-file", str(token_file))["clients"]
+    assert [(c["name"], c["state"]) for c in clients] == [("client0", "left")]
+    terminate_within(server, 10)
