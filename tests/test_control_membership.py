@@ -148,8 +148,10 @@ def test_leave_and_stop(table):
     table.leave(pb.LeaveRequest(member_id=worker.member_id, reason="done", step=9, metrics={"loss": 0.1}))
     assert worker.state == LEFT and worker.step == 9 and worker.metrics == {"loss": 0.1}
     assert table.lost == []  # leaving is not being lost: nobody needs to forget it
-    assert table.stop_all() == [other]
+    shard = table.join(join_request(pb.ROLE_SHARD, name="shard0"))
+    assert table.stop_members([pb.ROLE_WORKER, pb.ROLE_CLIENT]) == [other]
     _, commands, _ = beat(table, other, 1)
     assert [c.kind for c in commands] == [pb.Command.KIND_STOP]
+    assert beat(table, shard, 1)[1] == []  # shards are stopped last, separately
     with pytest.raises(RequestError, match="shutting down"):
         table.join(join_request())

@@ -230,11 +230,15 @@ class Membership:
             if self._on_lost is not None:
                 self._on_lost(member)
 
-    def stop_all(self) -> List[Member]:
-        """Ask every live member to stop; no one joins from now on.  Returns who was asked."""
+    def stop_members(self, roles) -> List[Member]:
+        """Ask the live members of ``roles`` to stop; no one joins from now on.  Returns who was asked.
+
+        Shutdown asks workers and clients first and shards last: a shard
+        leaving under a running worker would fail its steps.
+        """
         with self._changed:
             self._stopping = True
-            members = self._alive()
+            members = [m for m in self._alive() if m.role in roles]
             for member in members:
                 member.commands.append(pb.Command(kind=pb.Command.KIND_STOP))
             self._changed.notify_all()
@@ -258,7 +262,7 @@ class Membership:
                     host=member.host, alive=member.state == ALIVE, state=member.state, step=member.step,
                     metrics=member.metrics, seconds_since_heartbeat=round(now - member.last_heartbeat, 3),
                     joined_generation=member.joined_generation, trainer_group=member.trainer_group,
-                    pid=member.pid)
+                    pid=member.pid, reason=member.end_reason)
             return response
 
 

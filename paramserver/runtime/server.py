@@ -82,9 +82,8 @@ def serve(options: ServerOptions, announce=print) -> int:
                  f"{coordinator.membership.generation})", flush=True)
         shutdown.event.wait()
     finally:
-        asked = coordinator.membership.stop_all()
-        members = [m for m in asked if m.role != pb.ROLE_SHARD]
-        if members:
+        # Workers and drivers first (they need the shards until they are done), shards last.
+        if coordinator.membership.stop_members([pb.ROLE_WORKER, pb.ROLE_CLIENT]):
             left = coordinator.membership.wait_until(
                 lambda m: not [x for x in m.alive() if x.role != pb.ROLE_SHARD], MEMBERS_LEAVE_WITHIN)
             if not left:

@@ -9,6 +9,7 @@ then leave.  Exit code 0 on a clean stop.
 
 import logging
 import os
+import signal
 from typing import Optional
 
 from ..control import TlsFiles, pb
@@ -23,6 +24,9 @@ def run_shard_member(address: str, name: str, host: str, token: Optional[str] = 
                      tls: Optional[TlsFiles] = None, log_level: Optional[str] = None) -> None:
     """Process target: one shard server named ``name`` that joins the coordinator at ``address``."""
     configure_logging(name, log_level)
+    # SIGTERM means "stop" for the whole life of the process, not only while serving.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda _signum, _frame: request_stop(graceful=False))
     session = MemberSession(address, pb.ROLE_SHARD, name=name, host=host, token=token, tls=tls)
     assignment = session.join()
 
