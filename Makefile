@@ -19,7 +19,11 @@ $(PY):
 	# torch first, pinned: the local CPU build; an unpinned torch would pull CUDA wheels.
 	$(PIP) install --quiet $(TORCH_PIN)
 
-$(STAMP): $(PY) setup.cfg pyproject.toml
+# setup.py generates the gRPC stubs from protos/ at install time, so a changed
+# .proto re-runs the install too.
+PROTOS := $(shell find protos -name '*.proto')
+
+$(STAMP): $(PY) setup.cfg setup.py pyproject.toml $(PROTOS)
 	$(PIP) install --quiet $(TORCH_PIN) -e '.[test]'
 	touch $(STAMP)
 
@@ -32,3 +36,4 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+	find paramserver -name '*_pb2*.py*' -delete

@@ -119,3 +119,17 @@ def job_config(**config) -> str:
 
 __all__ = ["Commands", "output", "errors", "wait_for_output", "start_server", "status", "wait_for_status",
            "terminate_within", "pid_exists", "job_config"]
+
+
+def self_signed_certificate(folder: pathlib.Path):
+    """(cert.pem, key.pem) for 127.0.0.1/localhost, made by openssl; skips the test without it."""
+    import shutil
+
+    import pytest
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed: cannot make a test certificate")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    return cert, key

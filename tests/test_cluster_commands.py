@@ -13,8 +13,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from commands import (Commands, errors, job_config, output, pid_exists, start_server, status, terminate_within,
-                      wait_for_status)
+from commands import (Commands, errors, job_config, output, pid_exists, self_signed_certificate, start_server, status,
+                      terminate_within, wait_for_status)
 from drivers import train_an_embedding_through_connect
 from paramserver.processes import Child, free_port, run_children
 
@@ -44,7 +44,7 @@ def test_cluster_forms_runs_two_workers_and_stops_on_sigterm(commands, tmp_path)
     assert before["generation"] == 4 and before["workers"] == []
 
     refused = commands.run("ps-ctl", "--connect", address, "status")
-    assert refused.returncode == 1 and "wrong or missing token" in refused.stderr
+    assert refused.returncode == 1 and "wrong or missing token" in refused.stderr, refused.stderr
     wrong = commands.run("ps-worker", "--connect", address, "--token-file", str(tmp_path / "wrong"))
     assert wrong.returncode == 2 and "wrong or missing token" in wrong.stdout
 
@@ -104,4 +104,15 @@ def test_python_driver_connects_places_parameters_and_trains(commands, tmp_path)
                  datetime.timedelta(seconds=90))
     clients = status(commands, address, "--token-file", str(token_file))["clients"]
     assert [(c["name"], c["state"]) for c in clients] == [("client0", "left")]
+    terminate_within(server, 10)
+
+
+def test_tls_server_serves_tls_clients_only(commands, tmp_path):
+    cert, key = self_signed_certificate(tmp_path)
+    # The shard processes reach the coordinator over TLS too, or the server never gets ready.
+    server, address = start_server(commands, "--shards", "1", "--tls-cert", str(cert), "--tls-key", str(key))
+    shards = status(commands, address, "--tls-ca", str(cert))["shards"]
+    assert [(s["name"], s["alive"]) for s in shards] == [("shard0", True)]
+    plaintext = commands.run("ps-ctl", "--connect", address, "status")
+    assert plaintext.returncode == 1 and "unreachable" in plaintext.stderr
     terminate_within(server, 10)

@@ -2,8 +2,6 @@
 health client, reflection, token auth, TLS, bad bytes on the wire, failure detection."""
 
 import datetime
-import shutil
-import subprocess
 import time
 
 import grpc
@@ -11,6 +9,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from commands import self_signed_certificate
 from paramserver.control import CoordinatorClient, CoordinatorServer, CoordinatorSettings, NotAuthenticated, TlsFiles
 from paramserver.control.client import CoordinatorError, CoordinatorUnavailable
 from paramserver.control.protocol import SERVICE_NAME, pb
@@ -119,13 +118,7 @@ def test_unreachable_coordinator_is_retried_then_reported(start):
 
 @pytest.fixture(scope="module")
 def self_signed(tmp_path_factory):
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is not installed: cannot make a test certificate")
-    folder = tmp_path_factory.mktemp("tls")
-    cert, key = folder / "cert.pem", folder / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True, timeout=60)
+    cert, key = self_signed_certificate(tmp_path_factory.mktemp("tls"))
     return TlsFiles(cert=str(cert), key=str(key), ca=str(cert))
 
 

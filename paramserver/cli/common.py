@@ -5,7 +5,7 @@ Owns parsing them and turning them into the objects the runtime takes
 """
 
 import argparse
-from typing import Optional
+from typing import Callable, Optional
 
 from ..control import DEFAULT_PORT, TlsFiles, read_token_file
 from ..runtime.logs import configure_logging, default_log_level
@@ -65,3 +65,10 @@ def client_tls(args) -> Optional[TlsFiles]:
 
 def setup_logging(process: str, args) -> None:
     configure_logging(process, args.log_level)
+
+
+def command_main(prog: str, doc: str, add_arguments: Callable, run: Callable[..., int], argv=None) -> int:
+    """A command's ``main``: parse ``argv`` with its ``add_arguments``, then ``run``."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.strip().split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

@@ -13,10 +13,10 @@ import sys
 
 from google.protobuf.json_format import MessageToDict
 
-from ..control import CoordinatorClient, pb
+from ..control import CoordinatorClient, CoordinatorError, pb
 from ..control.protocol import ROLE_NAMES
-from ..control.client import CoordinatorError
-from .common import UsageError, add_connect, add_log_level, client_tls, coordinator_address, setup_logging, token_from
+from .common import (UsageError, add_connect, add_log_level, client_tls, command_main, coordinator_address,
+                     setup_logging, token_from)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,10 +78,4 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="ps-ctl", description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return command_main("ps-ctl", __doc__, add_arguments, run, argv)

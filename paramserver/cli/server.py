@@ -16,7 +16,7 @@ from ..control import DEFAULT_PORT, CoordinatorSettings, TlsFiles
 from ..control.protocol import HEARTBEAT_INTERVAL
 from ..runtime.job import DEFAULT_JOB, JobError, pack_job
 from ..runtime.server import ServerOptions, serve
-from .common import UsageError, add_log_level, add_token_file, setup_logging, token_from
+from .common import UsageError, add_log_level, add_token_file, command_main, setup_logging, token_from
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,10 +82,4 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="ps-server", description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return command_main("ps-server", __doc__, add_arguments, run, argv)

@@ -13,7 +13,8 @@ import datetime
 import sys
 
 from ..runtime.worker import EXIT_REFUSED, WorkerOptions, run_worker
-from .common import UsageError, add_connect, add_log_level, client_tls, coordinator_address, setup_logging, token_from
+from .common import (UsageError, add_connect, add_log_level, client_tls, command_main, coordinator_address,
+                     setup_logging, token_from)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,10 +39,4 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="ps-worker", description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return command_main("ps-worker", __doc__, add_arguments, run, argv)

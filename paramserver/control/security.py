@@ -38,7 +38,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
 
         def refuse(_request, context):
             context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          "missing or wrong cluster token (pass the cluster's --token-file)")
+                          "this cluster requires its token: pass --token-file (token= in Python)")
 
         self._refusal = grpc.unary_unary_rpc_method_handler(refuse)
         self._stream_refusal = grpc.stream_stream_rpc_method_handler(
