@@ -9,6 +9,7 @@ import os
 import pathlib
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -133,3 +134,29 @@ def self_signed_certificate(folder: pathlib.Path):
                     "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
                    check=True, capture_output=True, timeout=60)
     return cert, key
+
+
+def listening_addresses(pids) -> set:
+    """The local IP addresses on which processes ``pids`` listen for TCP (from /proc)."""
+    inodes = set()
+    for pid in pids:
+        for fd in pathlib.Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    addresses = set()
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        for line in pathlib.Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                raw = bytes.fromhex(fields[1].split(":")[0])
+                if width == 8:
+                    addresses.add(".".join(str(b) for b in reversed(raw)))
+                else:
+                    words = [raw[i:i + 4][::-1] for i in range(0, 16, 4)]
+                    address = socket.inet_ntop(socket.AF_INET6, b"".join(words))
+                    addresses.add(address.removeprefix("::ffff:"))  # IPv4 on an IPv6 socket
+    return addresses
