@@ -5,6 +5,7 @@ Python driver through paramserver.connect, and SIGTERM leaving no process
 behind."""
 
 import datetime
+import os
 import re
 import signal
 import time
@@ -45,6 +46,9 @@ def test_cluster_forms_runs_two_workers_and_stops_on_sigterm(commands, tmp_path)
     # The coordinator, its store and the shards' data plane listen on the given host only.
     assert listening_addresses([server.pid] + [s["pid"] for s in before["shards"]]) == {"127.0.0.1"}
 
+    checkpoint = commands.run("ps-ctl", "--connect", address, *auth, "checkpoint")
+    assert checkpoint.returncode == 1 and "FAILED_PRECONDITION" in checkpoint.stderr
+    assert "no checkpoint directory" in checkpoint.stderr
     refused = commands.run("ps-ctl", "--connect", address, "status")
     assert refused.returncode == 1 and "wrong or missing token" in refused.stderr, refused.stderr
     wrong = commands.run("ps-worker", "--connect", address, "--token-file", str(tmp_path / "wrong"))
@@ -117,4 +121,17 @@ def test_tls_server_serves_tls_clients_only(commands, tmp_path):
     assert [(s["name"], s["alive"]) for s in shards] == [("shard0", True)]
     plaintext = commands.run("ps-ctl", "--connect", address, "status")
     assert plaintext.returncode == 1 and "unreachable" in plaintext.stderr
+    terminate_within(server, 10)
+
+
+def test_an_exiting_shard_process_is_noticed_at_once(commands):
+    server, address = start_server(commands, "--shards", "2", "--heartbeat-timeout", "30")
+    shard1 = next(s for s in status(commands, address)["shards"] if s["name"] == "shard1")
+    os.kill(shard1["pid"], signal.SIGKILL)
+    # The supervisor sees the process end (the reason says so), not the 30 s heartbeat timeout.
+    after = wait_for_status(commands, address, lambda s: not s["shards"][1]["alive"], 10)
+    assert after["shards"][1]["state"] == "exited"
+    assert after["shards"][1]["reason"] == "process exited with code -9"
+    assert after["shards"][0]["alive"] and after["generation"] == 3
+    assert "shard process shard1" in errors(server) and "exited with code -9" in errors(server)
     terminate_within(server, 10)
