@@ -41,12 +41,20 @@ class Commands:
         return subprocess.CompletedProcess(process.args, code, output(process), errors(process))
 
     def reap(self) -> List[str]:
-        """Kill (by pid) and reap whatever is still running; returns what was."""
+        """Kill and reap whatever is still running; returns what was.
+
+        Each command runs in a session of its own (its pid is the group's id),
+        so killing the group also ends the children it started (ps-server's
+        shards) and nothing else.
+        """
         leftovers = []
         for process in self.processes:
             if process.poll() is None:
                 leftovers.append(" ".join(process.args))
-                process.kill()
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             process.wait(10)
         return leftovers
 
@@ -93,7 +101,7 @@ def wait_for_status(commands, address, predicate, timeout: float, *extra: str) -
             return current
         if time.monotonic() > deadline:
             raise AssertionError(f"status never matched within {timeout} s: {current}")
-        time.sleep(0.2)
+        time.sleep(0.5)
 
 
 def terminate_within(process, seconds: float) -> float:

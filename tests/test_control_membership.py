@@ -27,14 +27,14 @@ def join_request(role=pb.ROLE_WORKER, name="host-a", host="127.0.0.1"):
 def table():
     clock = Clock()
     lost = []
-    membership = Membership(datetime.timedelta(seconds=5), on_lost=lost.append, clock=clock)
+    membership = Membership(datetime.timedelta(seconds=5), on_gone=lost.append, clock=clock)
     membership.clock, membership.lost = clock, lost
     return membership
 
 
-def beat(membership, member, sequence, step=0, **metrics):
+def beat(membership, member, sequence, step=0, ready=False, **metrics):
     return membership.heartbeat(pb.HeartbeatRequest(member_id=member.member_id, sequence=sequence, step=step,
-                                                    metrics=metrics))
+                                                    ready=ready, metrics=metrics))
 
 
 @pytest.mark.parametrize("request_, field", [
@@ -89,10 +89,12 @@ def test_join_assigns_unique_names_ranks_and_a_new_generation(table):
     assert error.value.code == grpc.StatusCode.FAILED_PRECONDITION
 
 
-def test_shards_count_as_serving_from_their_first_heartbeat(table):
+def test_shards_count_as_serving_once_their_heartbeat_says_ready(table):
     shard = table.join(join_request(pb.ROLE_SHARD, name="shard0"))
-    assert table.live_shard_names() == []
     beat(table, shard, 1)
+    assert table.live_shard_names() == []
+    beat(table, shard, 2, ready=True)
+    beat(table, shard, 3)
     assert table.live_shard_names() == ["shard0"]
 
 
@@ -147,10 +149,12 @@ def test_leave_and_stop(table):
     other = table.join(join_request())
     table.leave(pb.LeaveRequest(member_id=worker.member_id, reason="done", step=9, metrics={"loss": 0.1}))
     assert worker.state == LEFT and worker.step == 9 and worker.metrics == {"loss": 0.1}
-    assert table.lost == []  # leaving is not being lost: nobody needs to forget it
+    assert table.lost == [worker]  # the store's list is checked for it all the same
+    _, commands, _ = beat(table, other, 1)
+    assert [(c.kind, c.peer) for c in commands] == [(pb.Command.KIND_FORGET_PEER, "worker0")]
     shard = table.join(join_request(pb.ROLE_SHARD, name="shard0"))
     assert table.stop_members([pb.ROLE_WORKER, pb.ROLE_CLIENT]) == [other]
-    _, commands, _ = beat(table, other, 1)
+    _, commands, _ = beat(table, other, 2)
     assert [c.kind for c in commands] == [pb.Command.KIND_STOP]
     assert beat(table, shard, 1)[1] == []  # shards are stopped last, separately
     with pytest.raises(RequestError, match="shutting down"):

@@ -5,6 +5,8 @@ INVALID_ARGUMENT / FAILED_PRECONDITION, and a legitimate member keeps
 being served afterwards."""
 
 import datetime
+import threading
+import time
 
 import grpc
 import pytest
@@ -117,10 +119,20 @@ def test_rendezvous_store_removes_a_lost_member_and_frees_its_token():
         names.set("_ALL_WORKER_INFOS", "shard0-1,worker0-2,worker1-3,")
         # worker0 died while joining, holding the group's token.
         rpc_store.set("RpcGroupManagementToken", "Token_for_worker0_join")
-        assert store.remove_rpc_peer("worker0", 2)
+        assert store.remove_rpc_peer("worker0", 2, takeover_after=datetime.timedelta(seconds=0.3))
         assert names.get("_ALL_WORKER_INFOS") == b"shard0-1,worker1-3,"
         assert rpc_store.get("RpcGroupManagementToken") == b""
         assert rpc_store.get("Token_for_worker0_join") == b"Done"  # whoever waited on it goes on
         assert not store.remove_rpc_peer("worker0", 2)
+
+        # Another member is joining: its token is waited for, never taken.
+        rpc_store.set("RpcGroupManagementToken", "Token_for_worker2_join")
+        release = threading.Timer(0.5, lambda: rpc_store.set("RpcGroupManagementToken", ""))
+        release.start()
+        began = time.monotonic()
+        assert store.remove_rpc_peer("worker1", 3, takeover_after=datetime.timedelta(seconds=0.1))
+        assert time.monotonic() - began >= 0.4
+        assert names.get("_ALL_WORKER_INFOS") == b"shard0-1,"
+        release.join()
     finally:
         store.close()

@@ -160,6 +160,8 @@ class HeartbeatLoop:
         self._on_lost = on_lost
         self._on_shards = on_shards
         self._sequence = 0
+        #: Sent with every beat: this member's data plane is up.
+        self.ready = False
         self._stop = threading.Event()
         self.generation = 0
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
@@ -172,7 +174,8 @@ class HeartbeatLoop:
         step, metrics = self._progress()
         self._sequence += 1
         response = self._client.call("Heartbeat", pb.HeartbeatRequest(
-            member_id=self._member_id, sequence=self._sequence, step=step, metrics=_finite(metrics)),
+            member_id=self._member_id, sequence=self._sequence, step=step, metrics=_finite(metrics),
+            ready=self.ready),
             timeout=self._interval * 2)
         self.generation = response.generation
         if self._on_shards is not None:

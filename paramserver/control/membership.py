@@ -44,6 +44,7 @@ class Member:
     trainer_group: int
     last_heartbeat: float
     state: str = ALIVE
+    ready: bool = False
     sequence: int = 0
     step: int = 0
     metrics: Dict[str, float] = field(default_factory=dict)
@@ -65,17 +66,20 @@ def _precondition(message: str) -> RequestError:
 class Membership:
     """The membership table.  Thread-safe; ``clock`` is injectable for tests.
 
-    ``on_lost(member)`` runs (outside the lock) for each member declared
-    dead or found exited, after the survivors were told to forget it.
+    ``on_gone(member)`` runs (outside the lock) for each member that ends,
+    however it ends (left, declared dead, process exited), after the
+    survivors were told to forget it: one that left cleanly has already
+    left the RPC group, and forgetting it again does nothing, but one that
+    left after a failure may not have.
     """
 
     def __init__(self, heartbeat_timeout: datetime.timedelta,
-                 on_lost: Optional[Callable[[Member], None]] = None,
+                 on_gone: Optional[Callable[[Member], None]] = None,
                  clock: Callable[[], float] = time.monotonic):
         if heartbeat_timeout.total_seconds() <= 0:
             raise ValueError(f"heartbeat_timeout must be positive, got {heartbeat_timeout}")
         self.heartbeat_timeout = heartbeat_timeout
-        self._on_lost = on_lost
+        self._on_gone = on_gone
         self._clock = clock
         self._changed = threading.Condition()
         self._members: Dict[str, Member] = {}
@@ -110,12 +114,12 @@ class Membership:
         return sorted((m.rpc_name for m in self.serving_shards_locked()), key=_natural_key)
 
     def serving_shards(self) -> List[Member]:
-        """Live shards that have heartbeated: their data plane is up (they beat only once it is)."""
+        """Live shards whose heartbeats say their data plane is up."""
         with self._changed:
             return self.serving_shards_locked()
 
     def serving_shards_locked(self) -> List[Member]:
-        return [m for m in self._alive(pb.ROLE_SHARD) if m.sequence > 0]
+        return [m for m in self._alive(pb.ROLE_SHARD) if m.ready]
 
     def wait_until(self, predicate: Callable[["Membership"], bool], timeout: datetime.timedelta) -> bool:
         """Block until ``predicate(self)`` holds (checked on every change) or ``timeout`` passes."""
@@ -174,6 +178,7 @@ class Membership:
                 raise _precondition(f"heartbeat out of order from {member.rpc_name}: sequence "
                                     f"{request.sequence} after {member.sequence}")
             member.sequence = request.sequence
+            member.ready = member.ready or request.ready
             member.last_heartbeat = self._clock()
             member.step = request.step
             member.metrics = dict(request.metrics)
@@ -189,6 +194,7 @@ class Membership:
             generation = self._generation
         logger.info("left: %s at step %d, generation %d (%s)", member.describe(), member.step, generation,
                     member.end_reason)
+        self._report_gone([member])
         return generation
 
     def sweep(self) -> List[Member]:
@@ -199,7 +205,7 @@ class Membership:
             lost = [m for m in self._alive() if now - m.last_heartbeat > limit]
             for member in lost:
                 self._end(member, DEAD, f"no heartbeat for {now - member.last_heartbeat:.1f} s")
-        self._report_lost(lost)
+        self._report_gone(lost)
         return lost
 
     def process_exited(self, rpc_name: str, exit_code: Optional[int]) -> Optional[Member]:
@@ -209,7 +215,7 @@ class Membership:
             if member is not None:
                 self._end(member, EXITED, f"process exited with code {exit_code}")
         if member is not None:
-            self._report_lost([member])
+            self._report_gone([member])
         return member
 
     def _end(self, member: Member, state: str, reason: str) -> None:
@@ -217,18 +223,19 @@ class Membership:
         member.end_reason = reason
         member.commands = []
         self._generation += 1
-        if state in (DEAD, EXITED):
-            # Its RPC peers must drop it, or the group waits on it forever.
-            for survivor in self._alive():
-                survivor.commands.append(pb.Command(kind=pb.Command.KIND_FORGET_PEER, peer=member.rpc_name))
+        # Its RPC peers must drop it, or the group waits on it forever (a no-op
+        # for a member that left the RPC group properly).
+        for survivor in self._alive():
+            survivor.commands.append(pb.Command(kind=pb.Command.KIND_FORGET_PEER, peer=member.rpc_name))
         self._changed.notify_all()
 
-    def _report_lost(self, lost: List[Member]) -> None:
-        for member in lost:
-            logger.warning("lost: %s is %s (%s); generation %d", member.describe(), member.state,
-                           member.end_reason, self.generation)
-            if self._on_lost is not None:
-                self._on_lost(member)
+    def _report_gone(self, gone: List[Member]) -> None:
+        for member in gone:
+            if member.state != LEFT:
+                logger.warning("lost: %s is %s (%s); generation %d", member.describe(), member.state,
+                               member.end_reason, self.generation)
+            if self._on_gone is not None:
+                self._on_gone(member)
 
     def stop_members(self, roles) -> List[Member]:
         """Ask the live members of ``roles`` to stop; no one joins from now on.  Returns who was asked.

@@ -39,7 +39,11 @@ class RendezvousStore:
         # Bind the listening socket ourselves: TCPStore would listen on every interface.
         self._socket = socket.socket(family, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._socket.bind((host, port))
+        try:
+            self._socket.bind((host, port))
+        except OSError as error:
+            self._socket.close()
+            raise OSError(f"cannot listen on {host} for the rendezvous store: {error.strerror}") from error
         self._socket.listen(512)
         self.host = host
         self.port = self._socket.getsockname()[1]
@@ -50,21 +54,29 @@ class RendezvousStore:
         self._names = dist.PrefixStore(_NAMES_PREFIX, self._rpc_store)
 
     def remove_rpc_peer(self, rpc_name: str, rank: int,
-                        timeout: datetime.timedelta = datetime.timedelta(seconds=10)) -> bool:
-        """Take a lost member off the RPC group's list; True when it was listed."""
-        my_token = f"Token_for_{rpc_name}_leave"
-        deadline = time.monotonic() + timeout.total_seconds()
-        dead_tokens = (f"Token_for_{rpc_name}_join", f"Token_for_{rpc_name}_leave")
+                        timeout: datetime.timedelta = datetime.timedelta(seconds=30),
+                        takeover_after: datetime.timedelta = datetime.timedelta(seconds=10)) -> bool:
+        """Take a lost member off the RPC group's list; True when it was listed.
+
+        When the member holds the group's token (it was joining or leaving),
+        it gets ``takeover_after`` to finish (a member declared dead may only
+        be slow); then the token is taken from it.
+        """
+        my_token = f"Token_for_{rpc_name}_removal"
+        began = time.monotonic()
+        its_tokens = (f"Token_for_{rpc_name}_join", f"Token_for_{rpc_name}_leave")
         while True:
             holder = self._rpc_store.compare_set(_TOKEN_KEY, "", my_token).decode()
             if holder == my_token:
                 break
-            if holder in dead_tokens:
-                logger.warning("RPC group: %s died holding the membership token; taking it over", rpc_name)
+            waited = time.monotonic() - began
+            if holder in its_tokens and waited > takeover_after.total_seconds():
+                logger.warning("RPC group: %s still holds the membership token after %.0f s; taking it over",
+                               rpc_name, waited)
                 self._rpc_store.set(holder, "Done")
                 self._rpc_store.set(_TOKEN_KEY, my_token)
                 break
-            if time.monotonic() > deadline:
+            if waited > timeout.total_seconds():
                 logger.error("RPC group: could not take the membership token from %s to remove %s", holder, rpc_name)
                 return False
             time.sleep(0.05)
@@ -78,7 +90,7 @@ class RendezvousStore:
                 return False
             entries.remove(entry)
             self._names.set(_MEMBER_LIST_KEY, "".join(entries))
-            logger.info("RPC group: removed lost member %s (rank %d)", rpc_name, rank)
+            logger.info("RPC group: removed %s (rank %d) from the store's member list", rpc_name, rank)
             return True
         finally:
             self._rpc_store.set(_TOKEN_KEY, "")

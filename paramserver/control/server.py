@@ -65,8 +65,7 @@ class CoordinatorServer:
                  request_checkpoint: Optional[Callable[[], str]] = None):
         self.settings = settings
         self.store = RendezvousStore(settings.host)
-        self._janitor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rpc-group-janitor")
-        self.membership = Membership(settings.heartbeat_timeout, on_lost=self._remove_from_rpc_group)
+        self.membership = Membership(settings.heartbeat_timeout, on_gone=self._remove_from_rpc_group)
         self.service = CoordinatorService(
             self.membership,
             ServiceSettings(store=pb.StoreAddress(host=self.store.host, port=self.store.port), job=settings.job,
@@ -88,12 +87,17 @@ class CoordinatorServer:
             self._server)
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         address = format_address(settings.host, settings.port)
-        if settings.tls is not None:
-            self.port = self._server.add_secure_port(address, settings.tls.server_credentials())
-        else:
-            self.port = self._server.add_insecure_port(address)
+        try:
+            if settings.tls is not None:
+                self.port = self._server.add_secure_port(address, settings.tls.server_credentials())
+            else:
+                self.port = self._server.add_insecure_port(address)
+        except RuntimeError:  # grpc's "Failed to bind"
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot listen on {address} (in use, or not an address of this machine)")
+            self.store.close()
+            raise OSError(f"cannot listen on {address}: the port is in use, or the host is not an address "
+                          "of this machine")
         self.address = format_address(settings.host, self.port)
         self._stopped = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep, name="failure-detector", daemon=True)
@@ -119,8 +123,10 @@ class CoordinatorServer:
             self.membership.sweep()
 
     def _remove_from_rpc_group(self, member: Member) -> None:
+        # In a daemon thread: it may wait for the group's token, and must never hold up an exit.
         if not self._stopped.is_set():
-            self._janitor.submit(self._remove_quietly, member)
+            threading.Thread(target=self._remove_quietly, args=(member,), name="rpc-group-upkeep",
+                             daemon=True).start()
 
     def _remove_quietly(self, member: Member) -> None:
         try:
@@ -132,6 +138,5 @@ class CoordinatorServer:
         self._stopped.set()
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self._server.stop(grace.total_seconds()).wait()
-        self._janitor.shutdown(wait=False, cancel_futures=True)
         self.store.close()
         logger.info("coordinator stopped")

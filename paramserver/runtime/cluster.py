@@ -28,13 +28,14 @@ class Cluster:
         self._session = MemberSession(address, pb.ROLE_CLIENT, name=name, host=host, token=token, tls=tls,
                                       retry_for=retry_for)
         self.assignment = self._session.join()
+        self._session.start_heartbeats()
         try:
             peer.join(self.assignment.rpc_name, self.assignment.rpc_rank, None, self._session.init_method,
                       bind_host=host)
         except Exception:
             self._session.leave("could not join the data plane")
             raise
-        self._session.start_heartbeats()
+        self._session.mark_ready()
         self._closed = False
 
     @property

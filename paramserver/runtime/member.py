@@ -84,6 +84,14 @@ class MemberSession:
                                          progress=progress, on_command=on_command, on_lost=lost,
                                          on_shards=self._set_shards).start()
 
+    def mark_ready(self) -> None:
+        """Tell the coordinator (with the next heartbeat, sent now) that this member's data plane is up."""
+        self._heartbeats.ready = True
+        try:
+            self._heartbeats.beat()
+        except CoordinatorError as error:  # the loop reports a lasting problem itself
+            logger.warning("heartbeat failed: %s", error)
+
     def leave(self, reason: str, step: int = 0, metrics: Optional[Dict[str, float]] = None) -> None:
         """Stop heartbeats and tell the coordinator (unless it already declared us gone)."""
         if self._heartbeats is not None:

@@ -29,16 +29,12 @@ def run_shard_member(address: str, name: str, host: str, token: Optional[str] = 
         signal.signal(sig, lambda _signum, _frame: request_stop(graceful=False))
     session = MemberSession(address, pb.ROLE_SHARD, name=name, host=host, token=token, tls=tls)
     assignment = session.join()
-
-    def serving() -> None:
-        # Heartbeats start once the data plane is up: the coordinator counts a
-        # shard as serving (hands it to workers, reports ready) from its first beat.
-        session.start_heartbeats(on_stop=lambda: request_stop(graceful=False),
-                                 on_lost=lambda reason: request_stop(graceful=False))
-
+    session.start_heartbeats(on_stop=lambda: request_stop(graceful=False),
+                             on_lost=lambda reason: request_stop(graceful=False))
     try:
+        # The coordinator hands this shard to workers once it says it is ready.
         run_shard_server(assignment.rpc_name, assignment.rpc_rank, None, session.init_method,
-                         ShardServerOptions(), bind_host=host, on_serving=serving)
+                         ShardServerOptions(), bind_host=host, on_serving=session.mark_ready)
     finally:
         session.leave("stopped")
     logger.info("shard %s (pid %d) exits", assignment.rpc_name, os.getpid())

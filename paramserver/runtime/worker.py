@@ -3,15 +3,16 @@
 Owns a worker's life: join the coordinator (retrying while it is
 unreachable), unpack the job it hands out, join the data plane under the
 assigned RPC name, heartbeat the job's progress while it runs, and leave
-both planes when it returns.  A stop command (or losing the coordinator)
-asks the job to stop; a job that ignores the request is ended after a
-grace period.  Exit codes: 0 done, 1 the job or the cluster failed,
+both planes when it returns.  A stop command, SIGTERM/SIGINT, or losing
+the coordinator asks the job to stop; a job that ignores the request is
+ended after a grace period.  Exit codes: 0 done, 1 the job or the cluster failed,
 2 refused (wrong token, bad job).
 """
 
 import datetime
 import logging
 import os
+import signal
 import threading
 import traceback
 from dataclasses import dataclass
@@ -53,6 +54,15 @@ def run_worker(options: WorkerOptions, say=print) -> int:
     except CoordinatorError as error:
         say(f"ps-worker: could not join: {error}")
         return EXIT_FAILED
+    context = JobContext(rpc_name=assignment.rpc_name, worker_index=assignment.index,
+                         generation=assignment.generation, trainer_group=assignment.trainer_group,
+                         shards=list(assignment.shards), store_host=assignment.store.host,
+                         store_port=assignment.store.port)
+    watchdog = _StopWatchdog(context, options.stop_grace)
+    # Heartbeats from the moment we joined: unpacking the job and joining the
+    # data plane can take seconds on a loaded machine.
+    session.start_heartbeats(progress=context.progress, on_stop=watchdog.stop_requested,
+                             on_lost=lambda reason: watchdog.stop_requested())
     if not assignment.job.code:
         session.leave("no job")
         say(f"ps-worker: the cluster at {options.address} has no job to run")
@@ -64,14 +74,17 @@ def run_worker(options: WorkerOptions, say=print) -> int:
         say(f"ps-worker: {error}")
         return EXIT_REFUSED
 
-    context = JobContext(rpc_name=assignment.rpc_name, worker_index=assignment.index,
-                         generation=assignment.generation, trainer_group=assignment.trainer_group,
-                         shards=list(assignment.shards), store_host=assignment.store.host,
-                         store_port=assignment.store.port)
-    watchdog = _StopWatchdog(context, options.stop_grace)
-    peer.join(assignment.rpc_name, assignment.rpc_rank, None, session.init_method, bind_host=options.host)
-    session.start_heartbeats(progress=context.progress, on_stop=watchdog.stop_requested,
-                             on_lost=lambda reason: watchdog.stop_requested())
+    try:
+        peer.join(assignment.rpc_name, assignment.rpc_rank, None, session.init_method, bind_host=options.host)
+    except Exception as error:  # noqa: BLE001 - say why in one line and leave the cluster
+        session.leave(f"could not join the data plane: {error}"[:512])
+        say(f"ps-worker: could not join the data plane at {session.init_method}: {error}")
+        return EXIT_FAILED
+    # SIGTERM/SIGINT (a scheduler, Ctrl-C) ask the job to stop, as the coordinator's STOP does.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: (logger.info("got %s", signal.Signals(signum).name),
+                                                   watchdog.stop_requested()))
+    session.mark_ready()
     logger.info("running job %s as %s with %s", assignment.job.name, assignment.rpc_name, config or "no config")
     try:
         result = job(context, **config)
@@ -86,7 +99,8 @@ def run_worker(options: WorkerOptions, say=print) -> int:
     step, metrics = context.progress()
     if isinstance(result, dict):
         metrics.update({k: float(v) for k, v in result.items() if isinstance(v, (int, float))})
-    peer.leave(graceful=True)
+    # Declared dead meanwhile: the cluster already dropped us from the RPC group.
+    peer.leave(graceful=session.lost_reason is None)
     if session.lost_reason is not None:
         session.leave("")
         say(f"ps-worker: {assignment.rpc_name} finished its job but {session.lost_reason}")
