@@ -162,6 +162,9 @@ class HeartbeatLoop:
         self._sequence = 0
         #: Sent with every beat: this member's data plane is up.
         self.ready = False
+        # Beats go one at a time (the loop's and ``beat()`` called by the owner),
+        # so sequence numbers reach the coordinator in order.
+        self._beat_lock = threading.Lock()
         self._stop = threading.Event()
         self.generation = 0
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
@@ -171,12 +174,14 @@ class HeartbeatLoop:
         return self
 
     def beat(self) -> pb.HeartbeatResponse:
+        """Send one heartbeat now and act on the answer (thread-safe)."""
         step, metrics = self._progress()
-        self._sequence += 1
-        response = self._client.call("Heartbeat", pb.HeartbeatRequest(
-            member_id=self._member_id, sequence=self._sequence, step=step, metrics=_finite(metrics),
-            ready=self.ready),
-            timeout=self._interval * 2)
+        with self._beat_lock:
+            self._sequence += 1
+            response = self._client.call("Heartbeat", pb.HeartbeatRequest(
+                member_id=self._member_id, sequence=self._sequence, step=step, metrics=_finite(metrics),
+                ready=self.ready),
+                timeout=self._interval * 2)
         self.generation = response.generation
         if self._on_shards is not None:
             self._on_shards(list(response.shards))

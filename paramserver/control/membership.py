@@ -178,7 +178,9 @@ class Membership:
                 raise _precondition(f"heartbeat out of order from {member.rpc_name}: sequence "
                                     f"{request.sequence} after {member.sequence}")
             member.sequence = request.sequence
-            member.ready = member.ready or request.ready
+            if request.ready and not member.ready:
+                member.ready = True
+                self._changed.notify_all()
             member.last_heartbeat = self._clock()
             member.step = request.step
             member.metrics = dict(request.metrics)
