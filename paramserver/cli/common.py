@@ -59,6 +59,17 @@ def coordinator_address(value: str) -> str:
     return value
 
 
+def data_plane_host(flag: str, value: str) -> str:
+    """An IPv4 address or a host name: what the data plane's interface lookup supports."""
+    if ":" in value:
+        raise UsageError(f"{flag} {value!r}: give an IPv4 address or a host name (the data plane binds IPv4 "
+                         "interfaces)")
+    if value in ("0.0.0.0", ""):
+        raise UsageError(f"{flag} {value!r}: give this machine's address, not a wildcard; the cluster's "
+                         "ports bind to that address only")
+    return value
+
+
 def client_tls(args) -> Optional[TlsFiles]:
     return TlsFiles(ca=args.tls_ca) if args.tls_ca else None
 

@@ -16,7 +16,8 @@ from ..control import DEFAULT_PORT, CoordinatorSettings, TlsFiles
 from ..control.protocol import HEARTBEAT_INTERVAL
 from ..runtime.job import DEFAULT_JOB, JobError, pack_job
 from ..runtime.server import ServerOptions, serve
-from .common import UsageError, add_log_level, add_token_file, command_main, setup_logging, token_from
+from .common import (UsageError, add_log_level, add_token_file, command_main, data_plane_host, setup_logging,
+                     token_from)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def options_from(args) -> ServerOptions:
+    data_plane_host("--host", args.host)
     if args.shards < 1:
         raise UsageError(f"--shards must be at least 1, got {args.shards}")
     if not 0 <= args.port < 65536:

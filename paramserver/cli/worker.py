@@ -14,7 +14,7 @@ import sys
 
 from ..runtime.worker import EXIT_REFUSED, WorkerOptions, run_worker
 from .common import (UsageError, add_connect, add_log_level, client_tls, command_main, coordinator_address,
-                     setup_logging, token_from)
+                     data_plane_host, setup_logging, token_from)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     setup_logging("ps-worker", args)
     try:
-        options = WorkerOptions(address=coordinator_address(args.connect), host=args.host, token=token_from(args),
+        options = WorkerOptions(address=coordinator_address(args.connect), host=data_plane_host("--host", args.host), token=token_from(args),
                                 tls=client_tls(args), retry_for=datetime.timedelta(seconds=args.retry_for))
     except UsageError as error:
         print(f"ps-worker: {error}", file=sys.stderr)

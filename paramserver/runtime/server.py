@@ -56,11 +56,10 @@ def serve(options: ServerOptions, announce=print) -> int:
     try:
         tls = options.coordinator.tls
         child_tls = TlsFiles(ca=tls.ca or tls.cert) if tls is not None else None
-        # Children dial the address the server listens on; a wildcard is reached through loopback.
+        # Shards listen on the server's host and dial the coordinator there.
         host = options.coordinator.host
-        dial_host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
         supervisor = ShardSupervisor(
-            options.num_shards, format_address(dial_host, coordinator.port), dial_host,
+            options.num_shards, format_address(host, coordinator.port), host,
             on_exit=coordinator.membership.process_exited,
             token=options.coordinator.token, tls=child_tls, log_level=options.log_level).start()
         want = options.num_shards
@@ -78,7 +77,7 @@ def serve(options: ServerOptions, announce=print) -> int:
                          f" within {options.ready_timeout.total_seconds():.0f} s")
             return 1
         coordinator.mark_ready()
-        announce(f"ps-server ready at {coordinator.address} ({want} shards, generation "
+        announce(f"ps-server ready at {coordinator.address} ({want} shard{'s' if want > 1 else ''}, generation "
                  f"{coordinator.membership.generation})", flush=True)
         shutdown.event.wait()
     finally:
