@@ -48,6 +48,8 @@ def format_status(response: pb.StatusResponse) -> str:
         lines.append(f"{title} ({sum(m.alive for m in members)} alive of {len(members)})")
         for m in members:
             figures = " ".join(f"{k}={v:.4g}" for k, v in sorted(m.metrics.items()))
+            if not m.alive and m.reason:
+                figures = f"{figures}  ({m.reason})".lstrip()
             lines.append(f"  {m.name:<10} {m.state:<7} {m.host:<15} pid {m.pid:<7} step {m.step:<7} "
                          f"last heartbeat {m.seconds_since_heartbeat:5.1f} s ago  {figures}".rstrip())
     return "\n".join(lines)

@@ -1,0 +1,91 @@
+"""The commands' argument handling, in process: every bad flag is refused naming
+the flag, and status renders as the JSON object and the table users read."""
+
+import argparse
+import json
+
+import pytest
+
+from paramserver.cli import ctl, server
+from paramserver.cli.common import UsageError, coordinator_address, data_plane_host
+from paramserver.control.protocol import pb
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("10.0.0.1:6000", "10.0.0.1:6000"), ("node-1", "node-1:50051"), ("[::1]:7000", "[::1]:7000"),
+    ("[::1]", "[::1]:50051"),
+])
+def test_coordinator_addresses(value, expected):
+    assert coordinator_address(value) == expected
+
+
+@pytest.mark.parametrize("value", ["", "host:", ":80", "host:http", "host:70000"])
+def test_bad_coordinator_addresses_are_refused(value):
+    with pytest.raises(UsageError, match="--connect"):
+        coordinator_address(value)
+
+
+def test_data_plane_host_refuses_wildcards_and_ipv6():
+    assert data_plane_host("--host", "10.1.2.3") == "10.1.2.3"
+    for value in ("0.0.0.0", "::1", "::"):
+        with pytest.raises(UsageError, match="--host"):
+            data_plane_host("--host", value)
+
+
+def server_args(*argv):
+    parser = argparse.ArgumentParser()
+    server.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--shards", "0"], "--shards must be at least 1"),
+    (["--port", "70000"], "--port must be 0-65535"),
+    (["--tls-cert", "c.pem"], "--tls-cert and --tls-key go together"),
+    (["--job-config", "{oops"], "--job-config is not JSON"),
+    (["--job-config", "[1]"], "--job-config must be a JSON object"),
+    (["--job", "no_such_module:main"], "--job: job module 'no_such_module' cannot be imported"),
+    (["--job", "workers.regression"], "must look like package.module:function"),
+    (["--heartbeat-timeout", "0.5"], "--heartbeat-timeout must exceed"),
+    (["--host", "0.0.0.0"], "not a wildcard"),
+])
+def test_server_flags_are_checked(argv, message):
+    with pytest.raises(UsageError, match=message):
+        server.options_from(server_args(*argv))
+
+
+def test_server_packs_the_job_with_its_config(tmp_path):
+    job_file = tmp_path / "myjob.py"
+    job_file.write_text("def main(ctx, steps=1):\n    return {'steps': steps}\n")
+    options = server.options_from(server_args("--shards", "3", "--job", f"{job_file}:main",
+                                              "--job-config", '{"steps": 7}', "--heartbeat-timeout", "4"))
+    assert options.num_shards == 3
+    assert options.coordinator.job.name == f"{job_file}:main"
+    assert json.loads(options.coordinator.job.config_json) == {"steps": 7}
+    assert options.coordinator.heartbeat_timeout.total_seconds() == 4
+
+
+def sample_status():
+    response = pb.StatusResponse(generation=12, job="workers.regression:main",
+                                 store=pb.StoreAddress(host="127.0.0.1", port=4000))
+    response.shards.add(name="shard0", role=pb.ROLE_SHARD, alive=True, state="alive", pid=10)
+    response.workers.add(name="worker0", role=pb.ROLE_WORKER, alive=False, state="dead", step=2**40,
+                         metrics={"loss": 0.25}, reason="no heartbeat for 5.1 s")
+    return response
+
+
+def test_status_json_has_plain_numbers_and_role_names():
+    status = ctl.status_as_dict(sample_status())
+    assert status["generation"] == 12
+    assert status["shards"][0] == {**status["shards"][0], "name": "shard0", "alive": True, "role": "shard"}
+    worker = status["workers"][0]
+    assert (worker["name"], worker["alive"], worker["step"], worker["metrics"]) == ("worker0", False, 2**40,
+                                                                                    {"loss": 0.25})
+    assert status["clients"] == []
+    json.dumps(status)
+
+
+def test_status_table_lists_every_member():
+    table = ctl.format_status(sample_status())
+    assert "generation 12" in table and "shards (1 alive of 1)" in table and "workers (0 alive of 1)" in table
+    assert "worker0    dead" in table and "loss=0.25  (no heartbeat for 5.1 s)" in table
