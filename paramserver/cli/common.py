@@ -8,7 +8,7 @@ import argparse
 from typing import Callable, Optional
 
 from ..control import DEFAULT_PORT, TlsFiles, read_token_file
-from ..runtime.logs import configure_logging, default_log_level
+from ..logs import configure_logging, default_log_level
 
 
 class UsageError(Exception):

@@ -166,7 +166,6 @@ class HeartbeatLoop:
         # so sequence numbers reach the coordinator in order.
         self._beat_lock = threading.Lock()
         self._stop = threading.Event()
-        self.generation = 0
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
     def start(self) -> "HeartbeatLoop":
@@ -182,7 +181,6 @@ class HeartbeatLoop:
                 member_id=self._member_id, sequence=self._sequence, step=step, metrics=_finite(metrics),
                 ready=self.ready),
                 timeout=self._interval * 2)
-        self.generation = response.generation
         if self._on_shards is not None:
             self._on_shards(list(response.shards))
         for command in response.commands:

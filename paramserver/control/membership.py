@@ -111,14 +111,14 @@ class Membership:
             return self._live_shard_names()
 
     def _live_shard_names(self) -> List[str]:
-        return sorted((m.rpc_name for m in self.serving_shards_locked()), key=_natural_key)
+        return sorted((m.rpc_name for m in self._serving_shards()), key=_natural_key)
 
     def serving_shards(self) -> List[Member]:
         """Live shards whose heartbeats say their data plane is up."""
         with self._changed:
-            return self.serving_shards_locked()
+            return self._serving_shards()
 
-    def serving_shards_locked(self) -> List[Member]:
+    def _serving_shards(self) -> List[Member]:
         return [m for m in self._alive(pb.ROLE_SHARD) if m.ready]
 
     def wait_until(self, predicate: Callable[["Membership"], bool], timeout: datetime.timedelta) -> bool:

@@ -9,7 +9,6 @@ is answered on that call alone.
 
 import datetime
 import logging
-import threading
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -38,7 +37,8 @@ class ServiceSettings:
 class CoordinatorService:
     """The handlers, callable without gRPC: ``handle(method, raw_bytes)``.
 
-    ``request_shutdown(reason)`` is called by the Shutdown RPC;
+    ``request_shutdown(reason)`` is called by the Shutdown RPC and must
+    return at once (the caller drains the cluster elsewhere);
     ``request_checkpoint()`` by Checkpoint (``None``: checkpoints are not
     configured, and the call is refused).
     """
@@ -111,9 +111,7 @@ class CoordinatorService:
     def shutdown(self, request: pb.ShutdownRequest) -> pb.ShutdownResponse:
         validate_shutdown(request)
         logger.info("shutdown requested over gRPC%s", f": {request.reason}" if request.reason else "")
-        # Answer first; the shutdown itself runs elsewhere.
-        threading.Thread(target=self._request_shutdown, args=(request.reason or "ps-ctl shutdown",),
-                         daemon=True).start()
+        self._request_shutdown(request.reason or "ps-ctl shutdown")  # only flags it: the drain runs elsewhere
         return pb.ShutdownResponse()
 
 

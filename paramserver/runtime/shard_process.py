@@ -14,7 +14,7 @@ from typing import Optional
 
 from ..control import TlsFiles, pb
 from ..shards import ShardServerOptions, request_stop, run_shard_server
-from .logs import configure_logging
+from ..logs import configure_logging
 from .member import MemberSession
 
 logger = logging.getLogger(__name__)

@@ -77,7 +77,7 @@ def run_worker(options: WorkerOptions, say=print) -> int:
     try:
         peer.join(assignment.rpc_name, assignment.rpc_rank, None, session.init_method, bind_host=options.host)
     except Exception as error:  # noqa: BLE001 - say why in one line and leave the cluster
-        session.leave(f"could not join the data plane: {error}"[:512])
+        session.leave(f"could not join the data plane: {error}")
         say(f"ps-worker: could not join the data plane at {session.init_method}: {error}")
         return EXIT_FAILED
     # SIGTERM/SIGINT (a scheduler, Ctrl-C) ask the job to stop, as the coordinator's STOP does.
@@ -92,7 +92,7 @@ def run_worker(options: WorkerOptions, say=print) -> int:
         logger.error("job %s failed:\n%s", assignment.job.name, traceback.format_exc())
         watchdog.done()
         peer.leave(graceful=False)
-        session.leave(f"job failed: {type(error).__name__}: {error}"[:512], *context.progress())
+        session.leave(f"job failed: {type(error).__name__}: {error}", *context.progress())
         say(f"ps-worker: job {assignment.job.name} failed: {type(error).__name__}: {error}")
         return EXIT_FAILED
     watchdog.done()

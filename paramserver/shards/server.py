@@ -10,7 +10,6 @@ function, so tests can start it with ``torch.multiprocessing`` and the
 
 import datetime
 import logging
-import os
 import signal
 import threading
 import time
@@ -19,11 +18,11 @@ from typing import Callable, Optional
 
 import torch.distributed.rpc as rpc
 
+from ..logs import configure_logging
 from .peer import PeerOptions, join, leave
 
 logger = logging.getLogger(__name__)
 
-LOG_LEVEL_ENV = "PARAMSERVER_LOG_LEVEL"
 _ANSWER_GRACE = datetime.timedelta(seconds=0.2)
 _stop_requested = threading.Event()
 _stop_graceful = [True]
@@ -57,7 +56,7 @@ def run_shard_server(name: str, rank: int, world_size: Optional[int], init_metho
     ``on_serving()`` runs once peers can reach this shard.
     """
     options = options or ShardServerOptions()
-    _configure_logging(name)
+    configure_logging(name, replace=False)
     _stop_requested.clear()
     _stop_graceful[0] = True
     previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -76,14 +75,6 @@ def run_shard_server(name: str, rank: int, world_size: Optional[int], init_metho
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def _configure_logging(name: str) -> None:
-    """One readable line per event, to stderr, unless the process set up logging itself."""
-    root = logging.getLogger()
-    if not root.handlers:
-        logging.basicConfig(level=os.environ.get(LOG_LEVEL_ENV, "INFO").upper(),
-                            format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
 
 
 def _on_signal(signum, _frame) -> None:
