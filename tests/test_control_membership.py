@@ -100,7 +100,7 @@ def test_shards_count_as_serving_once_their_heartbeat_says_ready(table):
 
 def test_heartbeats_out_of_order_or_from_strangers_are_refused(table):
     member = table.join(join_request())
-    generation, commands, _ = beat(table, member, 1, step=5, loss=0.5)
+    generation, commands, _, _ = beat(table, member, 1, step=5, loss=0.5)
     assert generation == 1 and commands == []
     for stale in (1, 0):
         with pytest.raises(RequestError, match="out of order") as error:
@@ -126,7 +126,7 @@ def test_silent_member_is_declared_dead_and_survivors_told_to_forget_it(table):
     assert [m.rpc_name for m in lost] == ["worker0"] and table.lost == lost
     assert worker.state == DEAD and "no heartbeat for 5.1 s" in worker.end_reason
     assert table.generation == 3
-    _, commands, _ = beat(table, shard, 2)
+    _, commands, _, _ = beat(table, shard, 2)
     assert [(c.kind, c.peer) for c in commands] == [(pb.Command.KIND_FORGET_PEER, "worker0")]
     with pytest.raises(RequestError, match="is dead"):
         beat(table, worker, 1)
@@ -150,11 +150,11 @@ def test_leave_and_stop(table):
     table.leave(pb.LeaveRequest(member_id=worker.member_id, reason="done", step=9, metrics={"loss": 0.1}))
     assert worker.state == LEFT and worker.step == 9 and worker.metrics == {"loss": 0.1}
     assert table.lost == [worker]  # the store's list is checked for it all the same
-    _, commands, _ = beat(table, other, 1)
+    _, commands, _, _ = beat(table, other, 1)
     assert [(c.kind, c.peer) for c in commands] == [(pb.Command.KIND_FORGET_PEER, "worker0")]
     shard = table.join(join_request(pb.ROLE_SHARD, name="shard0"))
     assert table.stop_members([pb.ROLE_WORKER, pb.ROLE_CLIENT]) == [other]
-    _, commands, _ = beat(table, other, 2)
+    _, commands, _, _ = beat(table, other, 2)
     assert [c.kind for c in commands] == [pb.Command.KIND_STOP]
     assert beat(table, shard, 1)[1] == []  # shards are stopped last, separately
     with pytest.raises(RequestError, match="shutting down"):

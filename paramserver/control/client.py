@@ -13,7 +13,7 @@ import os
 import socket
 import threading
 import time
-from typing import Callable, Iterable, Optional
+from typing import Callable, Optional
 
 import grpc
 
@@ -139,7 +139,9 @@ def _finite(metrics):
 class HeartbeatLoop:
     """Send a heartbeat every ``interval`` in a thread; hand each command to ``on_command``.
 
-    ``progress()`` supplies ``(step, metrics)`` for each beat.  When the
+    ``progress()`` supplies ``(step, metrics)`` for each beat;
+    ``on_response(response)`` sees every answer (live shards, the trainer
+    group's view) before its commands are handled.  When the
     coordinator is unreachable for longer than ``give_up_after``, or refuses
     the member (declared dead, unknown), ``on_lost(reason)`` is called once
     and the loop ends.
@@ -150,7 +152,7 @@ class HeartbeatLoop:
                  progress: Callable[[], tuple],
                  on_command: Callable[[pb.Command], None],
                  on_lost: Callable[[str], None],
-                 on_shards: Optional[Callable[[Iterable[str]], None]] = None):
+                 on_response: Optional[Callable[[pb.HeartbeatResponse], None]] = None):
         self._client = client
         self._member_id = member_id
         self._interval = interval
@@ -158,7 +160,7 @@ class HeartbeatLoop:
         self._progress = progress
         self._on_command = on_command
         self._on_lost = on_lost
-        self._on_shards = on_shards
+        self._on_response = on_response
         self._sequence = 0
         #: Sent with every beat: this member's data plane is up.
         self.ready = False
@@ -181,8 +183,8 @@ class HeartbeatLoop:
                 member_id=self._member_id, sequence=self._sequence, step=step, metrics=_finite(metrics),
                 ready=self.ready),
                 timeout=self._interval * 2)
-        if self._on_shards is not None:
-            self._on_shards(list(response.shards))
+        if self._on_response is not None:
+            self._on_response(response)
         for command in response.commands:
             self._on_command(command)
         return response

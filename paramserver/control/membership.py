@@ -4,7 +4,9 @@ Owns the coordinator's state about members, pure and in memory: joining
 (assigning RPC names and ranks, never reused), heartbeats (sequence checks,
 step and metrics), leaving, declaring members dead when heartbeats stop or
 when their process exits, the generation number (one more on every change),
-the commands waiting for each member, and the status snapshot.  It knows
+the commands waiting for each member, and the status snapshot.  Which
+workers train together is ``groups.TrainerGroups``' policy, kept here in
+step with the members.  It knows
 nothing of gRPC transport or of torch; a ``RequestError`` tells the service
 which status code to answer with.
 """
@@ -20,6 +22,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import grpc
 
+from .groups import TrainerGroups
 from .protocol import ROLE_NAMES, pb
 from .validation import RequestError
 
@@ -75,7 +78,8 @@ class Membership:
 
     def __init__(self, heartbeat_timeout: datetime.timedelta,
                  on_gone: Optional[Callable[[Member], None]] = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 groups: Optional[TrainerGroups] = None):
         if heartbeat_timeout.total_seconds() <= 0:
             raise ValueError(f"heartbeat_timeout must be positive, got {heartbeat_timeout}")
         self.heartbeat_timeout = heartbeat_timeout
@@ -87,6 +91,7 @@ class Membership:
         self._ranks = itertools.count(1)  # rank 0 is the store's host, the coordinator
         self._role_joins = {role: 0 for role in ROLE_NAMES}
         self._stopping = False
+        self._groups = groups or TrainerGroups()
 
     # -- reading -------------------------------------------------------
     @property
@@ -134,7 +139,7 @@ class Membership:
                 self._changed.wait(min(remaining, 0.5))
 
     # -- changes -------------------------------------------------------
-    def join(self, request: pb.JoinRequest, trainer_group: int = 0) -> Member:
+    def join(self, request: pb.JoinRequest) -> Member:
         with self._changed:
             if self._stopping:
                 raise _precondition("the cluster is shutting down and takes no new members")
@@ -142,12 +147,15 @@ class Membership:
             rpc_name = self._rpc_name_for(request, index)
             self._role_joins[request.role] += 1
             self._generation += 1
+            is_worker = request.role == pb.ROLE_WORKER
             member = Member(
                 member_id=secrets.token_hex(8), role=request.role, name=request.name, host=request.host,
                 rpc_name=rpc_name, rpc_rank=next(self._ranks), index=index, pid=request.capabilities.pid,
                 joined_generation=self._generation,
-                trainer_group=trainer_group if request.role == pb.ROLE_WORKER else 0,
+                trainer_group=self._groups.assign() if is_worker else 0,
                 last_heartbeat=self._clock())
+            if is_worker:
+                self._groups.add(member.trainer_group, rpc_name, request.capabilities.gpus, self._clock())
             self._members[member.member_id] = member
             self._forget_oldest_former_members()
             self._changed.notify_all()
@@ -171,7 +179,10 @@ class Membership:
             raise _precondition(f"{member.describe()} is {member.state} ({member.end_reason}); join again")
         return member
 
-    def heartbeat(self, request: pb.HeartbeatRequest) -> Tuple[int, List[pb.Command], List[str]]:
+    def heartbeat(self, request: pb.HeartbeatRequest
+                  ) -> Tuple[int, List[pb.Command], List[str], Optional[pb.TrainerGroupView]]:
+        """Record a heartbeat; returns the generation, the member's commands, the live shards
+        and, for a worker, its trainer group's newest view."""
         with self._changed:
             member = self._known(request.member_id)
             if request.sequence <= member.sequence:
@@ -185,7 +196,9 @@ class Membership:
             member.step = request.step
             member.metrics = dict(request.metrics)
             commands, member.commands = member.commands, []
-            return self._generation, commands, self._live_shard_names()
+            view = self._groups.view(member.trainer_group, member.last_heartbeat) \
+                if member.role == pb.ROLE_WORKER else None
+            return self._generation, commands, self._live_shard_names(), view
 
     def leave(self, request: pb.LeaveRequest) -> int:
         with self._changed:
@@ -225,6 +238,8 @@ class Membership:
         member.end_reason = reason
         member.commands = []
         self._generation += 1
+        if member.role == pb.ROLE_WORKER:
+            self._groups.remove(member.trainer_group, member.rpc_name, self._clock())
         # Its RPC peers must drop it, or the group waits on it forever (a no-op
         # for a member that left the RPC group properly).
         for survivor in self._alive():
@@ -272,6 +287,7 @@ class Membership:
                     metrics=member.metrics, seconds_since_heartbeat=round(now - member.last_heartbeat, 3),
                     joined_generation=member.joined_generation, trainer_group=member.trainer_group,
                     pid=member.pid, reason=member.end_reason)
+            response.groups.extend(self._groups.views(now))
             return response
 
 

@@ -19,6 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from .groups import GROUP_SETTLE, TrainerGroups
 from .membership import Member, Membership
 from .protocol import (DEFAULT_PORT, HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_ENV,
                        MAX_MESSAGE_BYTES, SERVICE_NAME, pb)
@@ -50,6 +51,8 @@ class CoordinatorSettings:
     heartbeat_interval: datetime.timedelta = HEARTBEAT_INTERVAL
     heartbeat_timeout: datetime.timedelta = field(default_factory=_env_heartbeat_timeout)
     max_workers: int = 32
+    #: How long a trainer group's membership must stay unchanged before it forms (when not full).
+    group_settle: datetime.timedelta = GROUP_SETTLE
 
     def __post_init__(self):
         if self.heartbeat_timeout <= self.heartbeat_interval:
@@ -65,7 +68,9 @@ class CoordinatorServer:
                  request_checkpoint: Optional[Callable[[], str]] = None):
         self.settings = settings
         self.store = RendezvousStore(settings.host)
-        self.membership = Membership(settings.heartbeat_timeout, on_gone=self._remove_from_rpc_group)
+        groups = TrainerGroups(settings.job.group_size if settings.job is not None else 0, settings.group_settle)
+        self.membership = Membership(settings.heartbeat_timeout, on_gone=self._remove_from_rpc_group,
+                                     groups=groups)
         self.service = CoordinatorService(
             self.membership,
             ServiceSettings(store=pb.StoreAddress(host=self.store.host, port=self.store.port), job=settings.job,

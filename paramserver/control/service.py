@@ -88,8 +88,8 @@ class CoordinatorService:
 
     def heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
         validate_heartbeat(request)
-        generation, commands, shards = self.membership.heartbeat(request)
-        return pb.HeartbeatResponse(generation=generation, commands=commands, shards=shards)
+        generation, commands, shards, view = self.membership.heartbeat(request)
+        return pb.HeartbeatResponse(generation=generation, commands=commands, shards=shards, group=view)
 
     def leave(self, request: pb.LeaveRequest) -> pb.LeaveResponse:
         validate_leave(request)

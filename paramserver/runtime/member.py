@@ -61,7 +61,9 @@ class MemberSession:
 
     def start_heartbeats(self, progress: Callable[[], Tuple[int, Dict[str, float]]] = lambda: (0, {}),
                          on_stop: Callable[[], None] = lambda: None,
-                         on_lost: Callable[[str], None] = lambda reason: None) -> None:
+                         on_lost: Callable[[str], None] = lambda reason: None,
+                         on_group: Callable[[pb.TrainerGroupView], None] = lambda view: None) -> None:
+        """Heartbeat every interval from now on; ``on_group`` gets each answer's trainer-group view."""
         interval = datetime.timedelta(milliseconds=self.assignment.heartbeat_interval_ms)
         timeout = datetime.timedelta(milliseconds=self.assignment.heartbeat_timeout_ms)
 
@@ -75,6 +77,11 @@ class MemberSession:
                 logger.warning("ignoring command %s: not supported by this member",
                                pb.Command.Kind.Name(command.kind))
 
+        def on_response(response: pb.HeartbeatResponse) -> None:
+            self._set_shards(response.shards)
+            if response.HasField("group"):
+                on_group(response.group)
+
         def lost(reason: str) -> None:
             self.lost_reason = reason
             logger.error("%s: %s", self.assignment.rpc_name, reason)
@@ -82,15 +89,19 @@ class MemberSession:
 
         self._heartbeats = HeartbeatLoop(self.client, self.assignment.member_id, interval, give_up_after=timeout,
                                          progress=progress, on_command=on_command, on_lost=lost,
-                                         on_shards=self._set_shards).start()
+                                         on_response=on_response).start()
 
-    def mark_ready(self) -> None:
-        """Tell the coordinator (with the next heartbeat, sent now) that this member's data plane is up."""
-        self._heartbeats.ready = True
+    def beat_now(self) -> None:
+        """Send a heartbeat now (to hear of a change sooner than the next beat)."""
         try:
             self._heartbeats.beat()
         except CoordinatorError as error:  # the loop reports a lasting problem itself
             logger.warning("heartbeat failed: %s", error)
+
+    def mark_ready(self) -> None:
+        """Tell the coordinator (with the next heartbeat, sent now) that this member's data plane is up."""
+        self._heartbeats.ready = True
+        self.beat_now()
 
     def leave(self, reason: str, step: int = 0, metrics: Optional[Dict[str, float]] = None) -> None:
         """Stop heartbeats and tell the coordinator (unless it already declared us gone)."""

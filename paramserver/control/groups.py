@@ -1,0 +1,100 @@
+"""Trainer groups: which workers train together, and when a group re-forms.
+
+Owns the coordinator's policy for trainer groups, pure and in memory (the
+membership table calls it under its own lock): assigning each joining
+worker to a group, and publishing each group's *views*.  A view is one
+generation of a group: its live workers in rank order and the backend
+their DDP process group uses.  A new generation is published when the
+group's live workers differ from the last view's, once they have stayed
+the same for ``settle`` (so workers started together form one group
+instead of a chain of growing ones), or at once when the group is full.
+
+Ranks keep their order across generations: survivors first, in their old
+order, then newcomers in join order.  So rank 0 of a new view already
+trained in the last one whenever anyone did, and can hand its state on.
+It knows nothing of torch or gRPC transport; the workers form the process
+groups themselves (``paramserver.ddp.group``).
+"""
+
+import datetime
+import logging
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from .protocol import pb
+
+logger = logging.getLogger(__name__)
+
+#: How long a group's membership must stay unchanged before a view that is
+#: not full is published.
+GROUP_SETTLE = datetime.timedelta(seconds=2)
+
+GLOO, NCCL = "gloo", "nccl"
+
+
+@dataclass
+class _Group:
+    live: Dict[str, int] = field(default_factory=dict)  # RPC name -> GPUs, in join order
+    changed_at: float = 0.0
+    view: Optional[pb.TrainerGroupView] = None
+
+
+class TrainerGroups:
+    """Groups of ``group_size`` workers (0: one group of every worker)."""
+
+    def __init__(self, group_size: int = 0, settle: datetime.timedelta = GROUP_SETTLE):
+        if group_size < 0:
+            raise ValueError(f"group_size must be 0 (one group) or positive, got {group_size}")
+        if settle.total_seconds() < 0:
+            raise ValueError(f"settle must not be negative, got {settle}")
+        self.group_size = group_size
+        self.settle = settle
+        self._groups: Dict[int, _Group] = {}
+
+    def assign(self) -> int:
+        """The group a new worker joins: the lowest-numbered one with room."""
+        if self.group_size == 0:
+            return 0
+        group = 0
+        while len(self._groups.get(group, _Group()).live) >= self.group_size:
+            group += 1
+        return group
+
+    def add(self, group: int, rpc_name: str, gpus: int, now: float) -> None:
+        state = self._groups.setdefault(group, _Group())
+        state.live[rpc_name] = gpus
+        state.changed_at = now
+
+    def remove(self, group: int, rpc_name: str, now: float) -> None:
+        state = self._groups.get(group)
+        if state is not None and state.live.pop(rpc_name, None) is not None:
+            state.changed_at = now
+
+    def view(self, group: int, now: float) -> Optional[pb.TrainerGroupView]:
+        """The newest view of ``group``, publishing a new generation first when one is due."""
+        state = self._groups.get(group)
+        if state is None:
+            return None
+        if self._due(state, now):
+            previous = list(state.view.members) if state.view is not None else []
+            members = [name for name in previous if name in state.live]
+            members += [name for name in state.live if name not in members]
+            backend = NCCL if all(state.live[name] > 0 for name in members) else GLOO
+            state.view = pb.TrainerGroupView(
+                group=group, generation=(state.view.generation if state.view is not None else 0) + 1,
+                members=members, backend=backend)
+            logger.info("trainer group %d: generation %d formed by %s (%s)", group, state.view.generation,
+                        ", ".join(members), backend)
+        return state.view
+
+    def _due(self, state: _Group, now: float) -> bool:
+        if not state.live:
+            return False
+        if state.view is not None and set(state.view.members) == set(state.live):
+            return False
+        full = self.group_size > 0 and len(state.live) >= self.group_size
+        return full or now - state.changed_at >= self.settle.total_seconds()
+
+    def views(self, now: float) -> List[pb.TrainerGroupView]:
+        """The newest view of every group, by group number."""
+        return [view for view in (self.view(group, now) for group in sorted(self._groups)) if view is not None]

@@ -1,0 +1,98 @@
+"""The coordinator's trainer-group policy (pure): assigning workers to groups,
+publishing views (settling, full groups at once), rank order across
+generations, backends; and the views reaching workers through membership."""
+
+import datetime
+
+import pytest
+
+from paramserver.control.groups import TrainerGroups
+from paramserver.control.membership import Membership
+from paramserver.control.protocol import pb
+
+SETTLE = datetime.timedelta(seconds=2)
+
+
+def members(view):
+    return list(view.members) if view is not None else None
+
+
+def test_one_group_of_everyone_forms_after_settling():
+    groups = TrainerGroups(0, SETTLE)
+    for t, name in [(0.0, "worker0"), (1.0, "worker1")]:
+        assert groups.assign() == 0
+        groups.add(0, name, gpus=0, now=t)
+    assert groups.view(0, now=2.9) is None  # changed 1.9 s ago: still settling
+    view = groups.view(0, now=3.0)
+    assert (view.generation, members(view), view.backend) == (1, ["worker0", "worker1"], "gloo")
+    assert groups.view(0, now=100.0).generation == 1  # nothing changed: no new generation
+
+
+def test_full_groups_form_at_once_and_newcomers_fill_the_next():
+    groups = TrainerGroups(2, SETTLE)
+    assert [groups.assign() for _ in range(1)] == [0]
+    groups.add(0, "worker0", 0, 0.0)
+    assert groups.view(0, 0.1) is None
+    groups.add(groups.assign(), "worker1", 0, 0.2)
+    assert members(groups.view(0, 0.2)) == ["worker0", "worker1"]  # full: no settling
+    assert groups.assign() == 1
+    groups.add(1, "worker2", 0, 0.3)
+    assert groups.view(1, 0.3) is None
+    assert members(groups.view(1, 2.4)) == ["worker2"]  # not full: after settling
+    assert [v.group for v in groups.views(3.0)] == [0, 1]
+
+
+def test_survivors_keep_their_order_and_newcomers_come_last():
+    groups = TrainerGroups(0, SETTLE)
+    for name in ("worker0", "worker1", "worker2"):
+        groups.add(0, name, 0, 0.0)
+    assert members(groups.view(0, 5.0)) == ["worker0", "worker1", "worker2"]
+    groups.remove(0, "worker0", 6.0)
+    groups.add(0, "worker3", 0, 6.5)
+    view = groups.view(0, 9.0)
+    assert (view.generation, members(view)) == (2, ["worker1", "worker2", "worker3"])
+
+
+def test_nccl_only_when_every_member_has_a_gpu():
+    groups = TrainerGroups(2, SETTLE)
+    groups.add(0, "worker0", 1, 0.0)
+    groups.add(0, "worker1", 2, 0.0)
+    assert groups.view(0, 0.0).backend == "nccl"
+    groups.remove(0, "worker1", 1.0)
+    groups.add(0, "worker2", 0, 1.0)
+    assert groups.view(0, 1.0).backend == "gloo"
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="group_size"):
+        TrainerGroups(-1)
+    with pytest.raises(ValueError, match="settle"):
+        TrainerGroups(0, datetime.timedelta(seconds=-1))
+
+
+class Clock:
+    now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_workers_hear_their_group_view_in_heartbeats_and_status_lists_it():
+    clock = Clock()
+    table = Membership(datetime.timedelta(seconds=5), clock=clock, groups=TrainerGroups(2, SETTLE))
+    join = lambda gpus=0: table.join(pb.JoinRequest(role=pb.ROLE_WORKER, name="h", host="127.0.0.1",  # noqa: E731
+                                                    capabilities=pb.Capabilities(pid=1, gpus=gpus)))
+    a, b, c = join(), join(), join()
+    assert (a.trainer_group, b.trainer_group, c.trainer_group) == (0, 0, 1)
+    view = table.heartbeat(pb.HeartbeatRequest(member_id=a.member_id, sequence=1))[3]
+    assert (view.group, view.generation, members(view)) == (0, 1, ["worker0", "worker1"])
+    shard = table.join(pb.JoinRequest(role=pb.ROLE_SHARD, name="shard0", host="127.0.0.1"))
+    assert table.heartbeat(pb.HeartbeatRequest(member_id=shard.member_id, sequence=1))[3] is None
+    # worker1 leaves: its group re-forms (after settling) without it.
+    table.leave(pb.LeaveRequest(member_id=b.member_id, reason="done"))
+    clock.now += 3
+    view = table.heartbeat(pb.HeartbeatRequest(member_id=a.member_id, sequence=2))[3]
+    assert (view.generation, members(view)) == (2, ["worker0"])
+    assert [(v.group, list(v.members)) for v in table.status().groups] == [(0, ["worker0"]), (1, ["worker2"])]
+    # The next worker fills the free place in group 0.
+    assert join().trainer_group == 0
