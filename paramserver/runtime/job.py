@@ -4,9 +4,10 @@ Owns naming a job (``package.module:function`` or ``path/to/file.py:function``),
 packing it as cloudpickle bytes *by value* (so a worker needs no copy of the
 job's file, only the packages it imports), unpacking it on the worker, and
 ``JobContext``, the job's view of the cluster (its RPC name, the live
-shards, its configuration, progress reporting, the stop request).
+shards, its trainer group's views, progress reporting, the stop request).
 """
 
+import datetime
 import importlib
 import importlib.util
 import json
@@ -14,14 +15,17 @@ import pathlib
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import cloudpickle
 
 from ..control.protocol import pb
 
 #: The job ``ps-server`` ships when given none.
-DEFAULT_JOB = "workers.regression:main"
+DEFAULT_JOB = "workers.ctr:main"
+#: How long a job waits for its trainer group to form before giving up.
+GROUP_WAIT = datetime.timedelta(seconds=120)
+_GROUP_POLL = datetime.timedelta(seconds=0.25)
 
 
 class JobError(ValueError):
@@ -56,8 +60,13 @@ def load_job(reference: str) -> Callable:
     return function
 
 
-def pack_job(reference: str, config: Dict[str, Any] = None) -> pb.JobSpec:
-    """Load the job and pickle it by value, with ``config`` (JSON-able keyword arguments)."""
+def pack_job(reference: str, config: Dict[str, Any] = None, group_size: int = 0) -> pb.JobSpec:
+    """Load the job and pickle it by value, with ``config`` (JSON-able keyword arguments).
+
+    ``group_size``: workers per trainer group (0: one group of every worker).
+    """
+    if group_size < 0:
+        raise JobError(f"group_size must be 0 (one group of every worker) or positive, got {group_size}")
     function = load_job(reference)
     module = sys.modules[function.__module__]
     cloudpickle.register_pickle_by_value(module)
@@ -69,7 +78,7 @@ def pack_job(reference: str, config: Dict[str, Any] = None) -> pb.JobSpec:
         config_json = json.dumps(config or {})
     except TypeError as error:
         raise JobError(f"job config must be JSON: {error}") from error
-    return pb.JobSpec(name=reference, code=code, config_json=config_json)
+    return pb.JobSpec(name=reference, code=code, config_json=config_json, group_size=group_size)
 
 
 def unpack_job(spec: pb.JobSpec) -> Tuple[Callable, Dict[str, Any]]:
@@ -95,6 +104,7 @@ class JobContext:
     A job is ``def main(ctx: JobContext, **config) -> dict``.  It should call
     ``report`` every step (heartbeats carry the latest figures to the
     coordinator) and return soon after ``should_stop()`` turns true.
+    ``join_trainer_group()`` forms the DDP process group of its trainer group.
     """
 
     rpc_name: str
@@ -108,6 +118,10 @@ class JobContext:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     step: int = 0
     metrics: Dict[str, float] = field(default_factory=dict)
+    #: Asks the coordinator for news now (a heartbeat); set by the worker runtime.
+    refresh: Callable[[], None] = field(default=lambda: None, repr=False)
+    _group_view: Optional[pb.TrainerGroupView] = field(default=None, repr=False)
+    _group_changed: threading.Condition = field(default_factory=threading.Condition, repr=False)
 
     def report(self, step: int, **metrics: float) -> None:
         """Record progress: the step reached and a few figures (loss, samples/s...)."""
@@ -125,3 +139,50 @@ class JobContext:
 
     def request_stop(self) -> None:
         self._stop.set()
+        with self._group_changed:
+            self._group_changed.notify_all()
+
+    # -- trainer group -------------------------------------------------
+    def set_group_view(self, view: pb.TrainerGroupView) -> None:
+        """A view of this worker's trainer group arrived (kept when newer than the last)."""
+        with self._group_changed:
+            if self._group_view is None or view.generation > self._group_view.generation:
+                self._group_view = view
+                self._group_changed.notify_all()
+
+    def group_view(self) -> Optional[pb.TrainerGroupView]:
+        """The newest view of this worker's trainer group heard of (``None`` before it formed)."""
+        with self._group_changed:
+            return self._group_view
+
+    def wait_for_group_view(self, newer_than: int = 0,
+                            timeout: datetime.timedelta = GROUP_WAIT) -> Optional[pb.TrainerGroupView]:
+        """Block until a view newer than generation ``newer_than`` that includes this worker arrives.
+
+        Returns ``None`` when the worker is asked to stop meanwhile; raises
+        ``TimeoutError`` after ``timeout``.
+        """
+        deadline = datetime.datetime.now() + timeout
+        while not self.should_stop():
+            with self._group_changed:
+                view = self._group_view
+                if view is not None and view.generation > newer_than and self.rpc_name in view.members:
+                    return view
+                self._group_changed.wait(_GROUP_POLL.total_seconds())
+            if datetime.datetime.now() > deadline:
+                raise TimeoutError(f"{self.rpc_name}: trainer group {self.trainer_group} did not form "
+                                   f"within {timeout.total_seconds():.0f} s (newest view: "
+                                   f"{_describe(self.group_view())})")
+            self.refresh()
+        return None
+
+    def join_trainer_group(self, timeout: datetime.timedelta = GROUP_WAIT):
+        """Join this worker's trainer group: a ``paramserver.ddp.TrainerGroup`` (blocks until it forms)."""
+        from ..ddp.group import TrainerGroup  # the data plane's DDP side; torch is loaded by now
+        return TrainerGroup.join(self, timeout=timeout)
+
+
+def _describe(view: Optional[pb.TrainerGroupView]) -> str:
+    if view is None:
+        return "none yet"
+    return f"generation {view.generation} of {', '.join(view.members) or 'nobody'}"

@@ -15,8 +15,9 @@ import os
 import signal
 import threading
 import traceback
-from dataclasses import dataclass
-from typing import Optional
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
 
 from ..control import CoordinatorError, CoordinatorUnavailable, NotAuthenticated, TlsFiles, pb
 from ..shards import peer
@@ -37,6 +38,8 @@ class WorkerOptions:
     tls: Optional[TlsFiles] = None
     retry_for: Optional[datetime.timedelta] = None
     stop_grace: datetime.timedelta = STOP_GRACE
+    #: Job arguments set by this worker's flags, over the job spec's (``--comm-hook``...).
+    config_overrides: Dict[str, Any] = field(default_factory=dict)
 
 
 def run_worker(options: WorkerOptions, say=print) -> int:
@@ -61,14 +64,16 @@ def run_worker(options: WorkerOptions, say=print) -> int:
     watchdog = _StopWatchdog(context, options.stop_grace)
     # Heartbeats from the moment we joined: unpacking the job and joining the
     # data plane can take seconds on a loaded machine.
+    context.refresh = session.beat_now
     session.start_heartbeats(progress=context.progress, on_stop=watchdog.stop_requested,
-                             on_lost=lambda reason: watchdog.stop_requested())
+                             on_lost=lambda reason: watchdog.stop_requested(), on_group=context.set_group_view)
     if not assignment.job.code:
         session.leave("no job")
         say(f"ps-worker: the cluster at {options.address} has no job to run")
         return EXIT_REFUSED
     try:
         job, config = unpack_job(assignment.job)
+        config.update(_accepted(job, assignment.job.name, options.config_overrides))
     except JobError as error:
         session.leave(f"bad job: {error}")
         say(f"ps-worker: {error}")
@@ -110,6 +115,17 @@ def run_worker(options: WorkerOptions, say=print) -> int:
     say(f"ps-worker: {assignment.rpc_name} finished {assignment.job.name} at step {step}"
         + (f" ({summary})" if summary else ""))
     return EXIT_OK
+
+
+def _accepted(job, name: str, overrides: Dict[str, Any]) -> Dict[str, Any]:
+    """``overrides``, once the job is known to take each of them."""
+    parameters = inspect.signature(job).parameters
+    if any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
+        return overrides
+    unknown = sorted(set(overrides) - set(parameters))
+    if unknown:
+        raise JobError(f"job {name!r} takes no {', '.join(unknown)} argument (set by this worker's flags)")
+    return overrides
 
 
 class _StopWatchdog:

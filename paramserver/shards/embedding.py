@@ -10,7 +10,7 @@ sends each shard a row-sparse gradient of just the rows it served, and
 
 import itertools
 import uuid
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed.rpc as rpc
@@ -30,8 +30,13 @@ class ShardedEmbeddingBag(nn.Module):
     """Like ``nn.EmbeddingBag(num_embeddings, embedding_dim, mode=...)``, with its rows on ``shards``.
 
     ``shards`` are RPC peer names; rows are split into one contiguous range
-    per shard.  Rows start N(0, 1) from ``seed``, drawn on the shards, or
-    from ``_weight`` (a full table, sent to the shards once).
+    per shard (give one shard to keep a small table whole).  Rows start
+    N(0, 1) from ``seed``, drawn on the shards, or from ``_weight`` (a full
+    table, sent to the shards once).  ``shared=True`` (with a ``name``)
+    makes every trainer that builds the same table use one copy on the
+    shards: the first creates it, the others find it by name.  ``init_std``
+    scales the initial rows (recommendation models often start near zero,
+    so that rows of ids never seen add no noise).
 
     ``forward(input, offsets=None, per_sample_weights=None)`` takes the
     arguments of ``nn.EmbeddingBag``: a 2-D ``(bags, ids per bag)`` tensor,
@@ -40,7 +45,8 @@ class ShardedEmbeddingBag(nn.Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, mode: str = "sum", *,
                  shards: Sequence[str], name: Optional[str] = None, seed: Optional[int] = None,
-                 dtype: torch.dtype = torch.float32, _weight: Optional[Tensor] = None):
+                 dtype: torch.dtype = torch.float32, shared: bool = False, init_std: float = 1.0,
+                 _weight: Optional[Tensor] = None):
         super().__init__()
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
@@ -49,6 +55,8 @@ class ShardedEmbeddingBag(nn.Module):
                              f"{num_embeddings} and {embedding_dim}")
         if _weight is not None and tuple(_weight.shape) != (num_embeddings, embedding_dim):
             raise ValueError(f"_weight has shape {list(_weight.shape)}, expected [{num_embeddings}, {embedding_dim}]")
+        if shared and (name is None or _weight is not None):
+            raise ValueError("a shared table needs a name (how other trainers find it) and no _weight")
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.mode = mode
@@ -61,7 +69,7 @@ class ShardedEmbeddingBag(nn.Module):
             part = f"{self.name}[{rows.start}:{rows.stop}]"
             if _weight is None:
                 futures.append(rpc.rpc_async(rows.shard, hosted.host_rows, args=(
-                    part, rows.num_rows, embedding_dim, dtype, seed, rows.start)))
+                    part, rows.num_rows, embedding_dim, dtype, seed, rows.start, shared, init_std)))
             else:
                 # Each shard gets a compact copy of just its rows.
                 futures.append(rpc.rpc_async(rows.shard, hosted.host_tensor, args=(
@@ -85,6 +93,16 @@ class ShardedEmbeddingBag(nn.Module):
 
     def forward(self, input: Tensor, offsets: Optional[Tensor] = None,
                 per_sample_weights: Optional[Tensor] = None) -> Tensor:
+        return self.start(input, offsets, per_sample_weights)()
+
+    def start(self, input: Tensor, offsets: Optional[Tensor] = None,
+              per_sample_weights: Optional[Tensor] = None) -> Callable[[], Tensor]:
+        """The forward pass in two halves: send the lookups now, pool when the returned function is called.
+
+        Starting every table's lookups before finishing any overlaps their
+        round trips (the forward of a model with many tables waits about
+        one round trip instead of one per table).
+        """
         ids = self._check_ids(input, offsets)
         unique_ids, inverse = torch.unique(ids.reshape(-1), sorted=True, return_inverse=True)
         # Sorted unique ids split into consecutive runs, one per shard's row range.
@@ -95,12 +113,15 @@ class ShardedEmbeddingBag(nn.Module):
             if hi > lo:
                 local = unique_ids[lo:hi] - rows.start
                 pending.append(rpc.rpc_async(rows.shard, hosted.lookup_rows, args=(self._shard_rrefs[index], local)))
-        if pending:
-            unique_rows = torch.cat([future.wait() for future in pending])
-        else:
-            unique_rows = torch.empty(0, self.embedding_dim, dtype=self.dtype)
-        return F.embedding_bag(inverse.view(ids.shape), unique_rows, offsets, mode=self.mode,
-                               per_sample_weights=per_sample_weights)
+
+        def finish() -> Tensor:
+            if pending:
+                unique_rows = torch.cat([future.wait() for future in pending])
+            else:
+                unique_rows = torch.empty(0, self.embedding_dim, dtype=self.dtype)
+            return F.embedding_bag(inverse.view(ids.shape), unique_rows, offsets, mode=self.mode,
+                                   per_sample_weights=per_sample_weights)
+        return finish
 
     def _check_ids(self, input: Tensor, offsets: Optional[Tensor]) -> Tensor:
         """Everything that can be checked before sending anything."""

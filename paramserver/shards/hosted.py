@@ -9,7 +9,10 @@ send/receive pair, so a backward pass delivers gradients back here: dense
 for dense parameters, row-sparse COO for embedding rows.
 
 A hosted tensor lives as long as some RRef to it does; the name index
-holds it weakly.  Optimizer state is not kept here (see
+holds it weakly.  A *shared* table (``host_rows(..., shared=True)``) is
+created by the first caller and found by name by the others, and lives
+as long as the shard: it is the model the shard serves, whichever worker
+asked for it first.  Optimizer state is not kept here (see
 ``paramserver.optim.owner``).
 """
 
@@ -24,15 +27,20 @@ from torch.distributed.rpc import RRef
 _lock = threading.Lock()
 _by_name: "weakref.WeakValueDictionary[str, Tensor]" = weakref.WeakValueDictionary()
 _names_by_id: Dict[int, str] = {}
+_shared: Dict[str, Tensor] = {}
 
 
 def _register(name: str, tensor: Tensor) -> Tensor:
     with _lock:
-        if name in _by_name:
-            raise ValueError(f"a tensor named {name!r} is already hosted here")
-        _by_name[name] = tensor
-        _names_by_id[id(tensor)] = name
-        weakref.finalize(tensor, _forget, id(tensor))
+        return _register_locked(name, tensor)
+
+
+def _register_locked(name: str, tensor: Tensor) -> Tensor:
+    if name in _by_name:
+        raise ValueError(f"a tensor named {name!r} is already hosted here")
+    _by_name[name] = tensor
+    _names_by_id[id(tensor)] = name
+    weakref.finalize(tensor, _forget, id(tensor))
     return tensor
 
 
@@ -53,20 +61,32 @@ def host_tensor(name: str, value: Tensor) -> RRef:
 
 
 def host_rows(name: str, num_rows: int, embedding_dim: int, dtype: torch.dtype, seed: int,
-              start_row: int) -> RRef:
-    """Host ``num_rows`` embedding rows, initialized N(0, 1) like ``nn.EmbeddingBag``.
+              start_row: int, shared: bool = False, init_std: float = 1.0) -> RRef:
+    """Host ``num_rows`` embedding rows, initialized N(0, init_std²) (N(0, 1) like ``nn.EmbeddingBag``).
 
     Each row's values come from ``(seed, start_row)``, drawn here, so a big
-    table never crosses the network to be created.  Called by RPC; returns
-    the RRef that the caller keeps.
+    table never crosses the network to be created.  With ``shared``, a table
+    already hosted under ``name`` (by another trainer) is reused when its
+    shape and dtype match, and kept for the shard's lifetime.  Called by
+    RPC; returns the RRef that the caller keeps.
     """
     if num_rows <= 0 or embedding_dim <= 0:
         raise ValueError(f"table {name!r}: rows and embedding_dim must be positive, "
                          f"got {num_rows} x {embedding_dim}")
-    generator = torch.Generator().manual_seed((seed * 0x9E3779B97F4A7C15 + start_row) % 2**63)
-    rows = torch.empty(num_rows, embedding_dim, dtype=dtype)
-    rows.normal_(generator=generator)
-    return RRef(_register(name, rows.requires_grad_(True)))
+    with _lock:  # one creator wins; the others find its table
+        existing = _shared.get(name) if shared else None
+        if existing is not None:
+            if tuple(existing.shape) != (num_rows, embedding_dim) or existing.dtype != dtype:
+                raise ValueError(f"shared table {name!r} is hosted here as {list(existing.shape)} "
+                                 f"{existing.dtype}, asked for [{num_rows}, {embedding_dim}] {dtype}")
+            return RRef(existing)
+        generator = torch.Generator().manual_seed((seed * 0x9E3779B97F4A7C15 + start_row) % 2**63)
+        rows = torch.empty(num_rows, embedding_dim, dtype=dtype)
+        rows.normal_(0.0, init_std, generator=generator)
+        _register_locked(name, rows.requires_grad_(True))
+        if shared:
+            _shared[name] = rows
+    return RRef(rows)
 
 
 def name_of(tensor: Tensor) -> Optional[str]:

@@ -1,0 +1,120 @@
+"""A worker's trainer group: the DDP process group behind one coordinator view.
+
+Owns turning the views the coordinator publishes (``TrainerGroupView``:
+a generation, its members in rank order, the backend) into a
+``torch.distributed`` process group, and re-forming it when a newer view
+comes: every generation rendezvouses under its own key prefix in the
+coordinator's c10d store (``trainer_group/<group>/<generation>/``), so
+stale members of an old generation never meet new ones.  Members agree on
+*when* to re-form with one small all-reduce per step (``agree``): all of
+them switch at the same step, none is left waiting in a collective of the
+old group.
+
+It knows nothing of gRPC: the view source is any object with the
+``JobContext`` members it uses (``rpc_name``, ``trainer_group``,
+``store_host``/``store_port``, ``group_view()``, ``wait_for_group_view()``).
+What is trained and how state moves is ``replica``'s business.
+"""
+
+import datetime
+import logging
+from typing import Tuple
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+#: How long a collective of the group may wait for a member before failing.
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
+#: How long forming a generation waits for all its members to arrive.
+FORM_TIMEOUT = datetime.timedelta(seconds=120)
+STORE_PREFIX = "trainer_group"
+
+
+class GroupStopped(RuntimeError):
+    """The worker was asked to stop while waiting for its trainer group."""
+
+
+def device_for(backend: str, worker_index: int) -> torch.device:
+    """Where a member keeps its dense replica: a GPU under nccl (one per worker on a host), else the CPU."""
+    if backend == "nccl":
+        return torch.device("cuda", worker_index % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+class TrainerGroup:
+    """This worker's membership in its trainer group; ``join`` forms the first generation."""
+
+    def __init__(self, source, timeout: datetime.timedelta = FORM_TIMEOUT,
+                 collective_timeout: datetime.timedelta = COLLECTIVE_TIMEOUT):
+        self._source = source
+        self._timeout = timeout
+        self._collective_timeout = collective_timeout
+        self._store = dist.TCPStore(source.store_host, source.store_port, is_master=False, timeout=timeout)
+        self.view = None
+        self.rank = -1
+        self.world_size = 0
+        self.device = torch.device("cpu")
+
+    @classmethod
+    def join(cls, source, timeout: datetime.timedelta = FORM_TIMEOUT) -> "TrainerGroup":
+        """Wait for the first view that includes this worker and form its process group."""
+        group = cls(source, timeout)
+        view = source.wait_for_group_view(0, timeout)
+        if view is None:
+            raise GroupStopped(f"{source.rpc_name} was asked to stop before its trainer group formed")
+        group._form(view)
+        return group
+
+    @property
+    def generation(self) -> int:
+        return self.view.generation
+
+    @property
+    def backend(self) -> str:
+        return self.view.backend
+
+    @property
+    def members(self):
+        return list(self.view.members)
+
+    def _form(self, view) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        name = self._source.rpc_name
+        rank = list(view.members).index(name)
+        prefix = f"{STORE_PREFIX}/{view.group}/{view.generation}/"
+        logger.info("%s: forming trainer group %d generation %d as rank %d of %d (%s): %s", name, view.group,
+                    view.generation, rank, len(view.members), view.backend, ", ".join(view.members))
+        self.device = device_for(view.backend, self._source.worker_index)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        dist.init_process_group(view.backend, store=dist.PrefixStore(prefix, self._store), rank=rank,
+                                world_size=len(view.members), timeout=self._collective_timeout)
+        self.view, self.rank, self.world_size = view, rank, len(view.members)
+
+    def agree(self, want_stop: bool = False) -> Tuple[bool, bool]:
+        """Collective, once per step: (a member heard of a newer view, a member wants to stop)."""
+        newest = self._source.group_view()
+        heard = newest.generation if newest is not None else 0
+        flags = torch.tensor([heard, int(want_stop)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        newest_heard, stop = flags.tolist()
+        return newest_heard > self.generation, bool(stop)
+
+    def reform(self) -> None:
+        """Form the newest generation that includes this worker (every member calls it at the same step)."""
+        view = self._source.wait_for_group_view(self.generation, self._timeout)
+        if view is None:
+            raise GroupStopped(f"{self._source.rpc_name} was asked to stop while its trainer group re-formed")
+        self._form(view)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._store = None
+
+    def describe(self) -> str:
+        return (f"trainer group {self.view.group} generation {self.generation}, rank {self.rank} of "
+                f"{self.world_size} ({self.backend} on {self.device})")
