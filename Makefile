@@ -1,5 +1,5 @@
-# Two entry points: `make test` and (later) `make demo`. Both build .venv on
-# first use; later runs reuse it and start within seconds.
+# Two entry points: `make demo` and `make test`. Both build .venv on first
+# use; later runs reuse it and start within seconds.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -9,7 +9,7 @@ TORCH_PIN := torch==2.13.0
 # current setup.cfg; editing setup.cfg re-runs the install.
 STAMP  := $(VENV)/.installed
 
-.PHONY: test venv bench clean
+.PHONY: demo test venv bench clean
 
 venv: $(STAMP)
 
@@ -26,6 +26,11 @@ PROTOS := $(shell find protos -name '*.proto')
 $(STAMP): $(PY) setup.cfg setup.py pyproject.toml $(PROTOS)
 	$(PIP) install --quiet $(TORCH_PIN) -e '.[test]'
 	touch $(STAMP)
+
+# The main job on a local cluster: ps-server --shards 4, two ps-workers in one
+# trainer group with the PowerSGD hook; ends with a one-line JSON summary.
+demo: $(STAMP)
+	$(VENV)/bin/ps-demo $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -35,7 +35,8 @@ def test_cluster_forms_runs_two_workers_and_stops_on_sigterm(commands, tmp_path)
     token_file.write_text("cluster-token-123\n")
     (tmp_path / "wrong").write_text("not-it\n")
     auth = ("--token-file", str(token_file))
-    server, address = start_server(commands, "--shards", "4", *auth, "--job-config", job_config(steps=60))
+    server, address = start_server(commands, "--shards", "4", *auth, "--job", "workers.regression:main",
+                                   "--job-config", job_config(steps=60))
 
     with grpc.insecure_channel(address) as channel:  # the standard health client needs no token
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
@@ -73,7 +74,7 @@ def test_cluster_forms_runs_two_workers_and_stops_on_sigterm(commands, tmp_path)
 def test_killed_worker_is_declared_dead_and_the_cluster_goes_on(commands):
     # 3 s, not the default 5: quick, yet no false deaths with 5 busy processes on 2 cores.
     server, address = start_server(commands, "--shards", "2", "--heartbeat-timeout", "3",
-                                   "--job-config", job_config(steps=1_000_000))
+                                   "--job", "workers.regression:main", "--job-config", job_config(steps=1_000_000))
     doomed = commands.start("ps-worker", "--connect", address)
     wait_for_status(commands, address, lambda s: s["workers"] and s["workers"][0]["step"] > 0, 60)
     doomed.send_signal(signal.SIGKILL)

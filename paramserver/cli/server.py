@@ -1,6 +1,6 @@
 """``ps-server``: start a cluster's coordinator and its shard servers on this machine.
 
-    ps-server --shards 4 [--host H] [--port P] [--job JOB] [--job-config JSON]
+    ps-server --shards 4 [--host H] [--port P] [--job JOB] [--job-config JSON] [--group-size N]
               [--token-file F] [--tls-cert C --tls-key K] [--heartbeat-timeout S]
 
 Prints ``ps-server ready at HOST:PORT (...)`` once every shard has joined;
@@ -30,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"what workers run: package.module:function or file.py:function (default {DEFAULT_JOB})")
     parser.add_argument("--job-config", default="{}", metavar="JSON",
                         help="keyword arguments for the job, a JSON object")
+    parser.add_argument("--group-size", type=int, default=0, metavar="N",
+                        help="workers per trainer group, each one DDP process group (default 0: every worker "
+                             "in one group)")
     add_token_file(parser)
     parser.add_argument("--tls-cert", metavar="PEM", help="serve TLS only, with this certificate")
     parser.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
@@ -53,8 +56,10 @@ def options_from(args) -> ServerOptions:
         raise UsageError(f"--job-config is not JSON: {error}") from error
     if not isinstance(config, dict):
         raise UsageError("--job-config must be a JSON object")
+    if args.group_size < 0:
+        raise UsageError(f"--group-size must be 0 (one group of every worker) or positive, got {args.group_size}")
     try:
-        job = pack_job(args.job, config)
+        job = pack_job(args.job, config, group_size=args.group_size)
     except JobError as error:
         raise UsageError(f"--job: {error}") from error
     settings = dict(host=args.host, port=args.port, token=token_from(args), job=job,
@@ -85,3 +90,7 @@ def run(args) -> int:
 
 def main(argv=None) -> int:
     return command_main("ps-server", __doc__, add_arguments, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

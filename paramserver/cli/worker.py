@@ -1,15 +1,18 @@
 """``ps-worker``: join a cluster and run its job.
 
     ps-worker --connect HOST:PORT [--token-file F] [--tls-ca PEM] [--host H]
+              [--comm-hook NAME [--comm-hook-option KEY=VALUE ...]]
 
 Retries an unreachable coordinator with bounded backoff (``--retry-for``),
 then exits non-zero with a one-line reason.  Exit codes: 0 the job
 finished, 1 it or the cluster failed, 2 refused (wrong token, bad job,
-bad flags).
+bad flags).  ``--comm-hook`` overrides the job's ``hook`` (the DDP comm
+hook of its trainer group: every member of a group must use the same).
 """
 
 import argparse
 import datetime
+import json
 import sys
 
 from ..runtime.worker import EXIT_REFUSED, WorkerOptions, run_worker
@@ -24,19 +27,51 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default 127.0.0.1)")
     parser.add_argument("--retry-for", type=float, default=30.0, metavar="SECONDS",
                         help="keep trying an unreachable coordinator this long (default 30)")
+    parser.add_argument("--comm-hook", metavar="NAME",
+                        help="DDP comm hook for the job's trainer group (allreduce, fp16, bf16, powersgd, "
+                             "batched_powersgd, fp16_powersgd, bf16_powersgd, noop); default: the job's")
+    parser.add_argument("--comm-hook-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="an option of the comm hook (rank=2, start_iter=10...); repeatable")
     add_log_level(parser)
 
 
 def run(args) -> int:
     setup_logging("ps-worker", args)
     try:
-        options = WorkerOptions(address=coordinator_address(args.connect), host=data_plane_host("--host", args.host), token=token_from(args),
-                                tls=client_tls(args), retry_for=datetime.timedelta(seconds=args.retry_for))
+        options = WorkerOptions(address=coordinator_address(args.connect), host=data_plane_host("--host", args.host),
+                                token=token_from(args), tls=client_tls(args),
+                                retry_for=datetime.timedelta(seconds=args.retry_for),
+                                config_overrides=hook_overrides(args.comm_hook, args.comm_hook_option))
     except UsageError as error:
         print(f"ps-worker: {error}", file=sys.stderr)
         return EXIT_REFUSED
     return run_worker(options, say=lambda line: print(line, flush=True))
 
 
+def hook_overrides(hook, options) -> dict:
+    """The job arguments that ``--comm-hook`` and ``--comm-hook-option`` set."""
+    if options and not hook:
+        raise UsageError("--comm-hook-option needs --comm-hook")
+    if not hook:
+        return {}
+    from ..ddp.hooks import HOOK_NAMES
+    if hook not in HOOK_NAMES:
+        raise UsageError(f"--comm-hook {hook!r}: choose one of {', '.join(HOOK_NAMES)}")
+    parsed = {}
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--comm-hook-option {option!r} is not KEY=VALUE")
+        try:
+            parsed[key] = json.loads(value)
+        except json.JSONDecodeError:
+            parsed[key] = value
+    return {"hook": hook, "hook_options": parsed}
+
+
 def main(argv=None) -> int:
     return command_main("ps-worker", __doc__, add_arguments, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,227 @@
+"""``ps-demo``: the main job on a local cluster, start to finish, in one command.
+
+    ps-demo [--shards 4] [--workers 2] [--hook powersgd] [--steps N] [--job-config JSON] [--log-dir D]
+
+Starts ``ps-server --shards N`` (the coordinator and its shard servers) and
+``--workers`` ``ps-worker --connect`` processes that form one trainer group
+with the chosen comm hook and train the default CTR job; shows their
+progress from the coordinator's status (a bar on a terminal, plain lines
+otherwise); and ends by printing one line of JSON on stdout: steps,
+samples_per_s (all workers together), auc and oracle_auc (held out),
+hook, bytes_per_step (what the hook all-reduced per step), loss, seconds.
+Every process it started is stopped and reaped however it ends; their
+logs stay in ``--log-dir`` (a temporary folder by default).  ``make demo``
+runs it.  Exit code 0 when every process finished cleanly.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional
+
+from ..control import CoordinatorClient, CoordinatorError
+from .common import UsageError, command_main
+from .progress import Progress
+
+READY_WITHIN = 120.0
+SERVER_STOPS_WITHIN = 20.0
+_POLL = 0.5
+
+
+class DemoFailed(RuntimeError):
+    """A process of the demo failed; the message says which and where its log is."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shards", type=int, default=4, help="shard servers (default 4)")
+    parser.add_argument("--workers", type=int, default=2, help="workers, all in one trainer group (default 2)")
+    parser.add_argument("--hook", default="powersgd", help="DDP comm hook of the trainer group (default powersgd)")
+    parser.add_argument("--hook-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="an option of the comm hook (rank=2...); repeatable")
+    parser.add_argument("--steps", type=int, default=None, help="training steps (default: the job's, 1500)")
+    parser.add_argument("--job", default="workers.ctr:main", help="the job (default workers.ctr:main)")
+    parser.add_argument("--job-config", default="{}", metavar="JSON", help="more keyword arguments for the job")
+    parser.add_argument("--log-dir", help="where the processes' logs go (default: a new temporary folder)")
+    parser.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS",
+                        help="give up (and stop everything) after this long (default 900)")
+
+
+class _Processes:
+    """The demo's children: each in a session of its own, logging to files, all reaped at the end."""
+
+    def __init__(self, log_dir: pathlib.Path):
+        self.log_dir = log_dir
+        self.started: Dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, module: str, *args: str) -> subprocess.Popen:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        with open(self.log_dir / f"{name}.out", "w") as out, open(self.log_dir / f"{name}.log", "w") as err:
+            process = subprocess.Popen([sys.executable, "-m", module, *args], stdout=out, stderr=err, env=env,
+                                       stdin=subprocess.DEVNULL, start_new_session=True)
+        self.started[name] = process
+        return process
+
+    def tail(self, name: str, lines: int = 15) -> str:
+        text = []
+        for suffix in (".out", ".log"):
+            path = self.log_dir / f"{name}{suffix}"
+            if path.exists():
+                text += path.read_text(errors="replace").splitlines()
+        return "\n".join("    " + line for line in text[-lines:])
+
+    def failure(self, name: str, what: str) -> DemoFailed:
+        return DemoFailed(f"{name} {what}; its log ({self.log_dir / name}.log) ends:\n{self.tail(name)}")
+
+    def reap(self) -> None:
+        for process in self.started.values():
+            if process.poll() is None:
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)  # its session: ps-server's shards go too
+                except ProcessLookupError:
+                    pass
+        for process in self.started.values():
+            process.wait(10)
+
+
+def _wait_for_ready(processes: _Processes, server: subprocess.Popen) -> str:
+    deadline = time.monotonic() + READY_WITHIN
+    out = processes.log_dir / "ps-server.out"
+    while time.monotonic() < deadline:
+        for line in out.read_text().splitlines():
+            if line.startswith("ps-server ready at "):
+                return line.split()[3]
+        if server.poll() is not None:
+            raise processes.failure("ps-server", f"exited with code {server.returncode} before it was ready")
+        time.sleep(0.1)
+    raise processes.failure("ps-server", f"was not ready within {READY_WITHIN:.0f} s")
+
+
+def _figures(workers) -> Dict[str, float]:
+    """The group's figures from its workers' reports: rank 0 evaluates, every worker counts its samples."""
+    figures: Dict[str, float] = {}
+    for worker in workers:
+        for key in ("auc", "oracle_auc", "bytes_per_step", "loss"):
+            if key in worker.metrics:
+                figures[key] = worker.metrics[key]
+    figures["samples_per_s"] = sum(w.metrics.get("samples_per_s", 0.0) for w in workers)
+    return figures
+
+
+def _shown(figures: Dict[str, float], hook: str) -> Dict[str, str]:
+    shown = {}
+    if "loss" in figures:
+        shown["loss"] = f"{figures['loss']:.4f}"
+    if "auc" in figures:
+        shown["auc"] = f"{figures['auc']:.4f} (oracle {figures.get('oracle_auc', float('nan')):.4f})"
+    shown["samples/s"] = f"{figures['samples_per_s']:,.0f}"
+    if "bytes_per_step" in figures:
+        shown[hook] = f"{figures['bytes_per_step'] / 1024:,.1f} KiB/step"
+    return shown
+
+
+def run_demo(args, processes: _Processes) -> dict:
+    config = json.loads(args.job_config)
+    if args.steps is not None:
+        config["steps"] = args.steps
+    total = int(config.get("steps", 1500))
+    began = time.monotonic()
+    server = processes.start("ps-server", "paramserver.cli.server", "--shards", str(args.shards), "--port", "0",
+                             "--group-size", str(args.workers), "--job", args.job,
+                             "--job-config", json.dumps(config))
+    address = _wait_for_ready(processes, server)
+    print(f"ps-demo: cluster ready at {address} ({args.shards} shards); starting {args.workers} workers with the "
+          f"{args.hook} hook; logs in {processes.log_dir}", file=sys.stderr, flush=True)
+    hook_flags = ["--comm-hook", args.hook] + [f for option in args.hook_option for f in ("--comm-hook-option", option)]
+    workers = [processes.start(f"ps-worker{i}", "paramserver.cli.worker", "--connect", address, *hook_flags)
+               for i in range(args.workers)]
+    client = CoordinatorClient(address)
+    progress = Progress(total, "ps-demo")
+    deadline = began + args.timeout
+    try:
+        members = []
+        while any(w.poll() is None for w in workers):
+            if time.monotonic() > deadline:
+                raise DemoFailed(f"the workers did not finish within {args.timeout:.0f} s")
+            if server.poll() is not None:
+                raise processes.failure("ps-server", f"exited with code {server.returncode} during training")
+            try:
+                members = list(client.status().workers)
+            except CoordinatorError:
+                pass  # shown again at the next poll
+            if members:
+                progress.update(min(m.step for m in members), _shown(_figures(members), args.hook))
+            time.sleep(_POLL)
+        for index, worker in enumerate(workers):
+            if worker.returncode != 0:
+                raise processes.failure(f"ps-worker{index}", f"exited with code {worker.returncode}")
+        members = list(client.status().workers)
+        figures = _figures(members)
+        steps = min(m.step for m in members)
+        progress.update(steps, _shown(figures, args.hook), force=True)
+    finally:
+        progress.close()
+        client.close()
+    server.send_signal(signal.SIGTERM)
+    try:
+        code = server.wait(SERVER_STOPS_WITHIN)
+    except subprocess.TimeoutExpired:
+        raise processes.failure("ps-server", f"did not stop within {SERVER_STOPS_WITHIN:.0f} s of SIGTERM") from None
+    if code != 0:
+        raise processes.failure("ps-server", f"exited with code {code} when stopped")
+    summary = {"steps": steps, "samples_per_s": round(figures["samples_per_s"], 1),
+               "auc": round(figures.get("auc", float("nan")), 4),
+               "oracle_auc": round(figures.get("oracle_auc", float("nan")), 4),
+               "hook": args.hook, "bytes_per_step": int(figures.get("bytes_per_step", 0)),
+               "loss": round(figures.get("loss", float("nan")), 4), "workers": args.workers, "shards": args.shards,
+               "seconds": round(time.monotonic() - began, 1)}
+    return summary
+
+
+def _check(args) -> None:
+    if args.shards < 1 or args.workers < 1:
+        raise UsageError("--shards and --workers must be at least 1")
+    if args.steps is not None and args.steps < 1:
+        raise UsageError(f"--steps must be at least 1, got {args.steps}")
+    try:
+        config = json.loads(args.job_config)
+    except json.JSONDecodeError as error:
+        raise UsageError(f"--job-config is not JSON: {error}") from error
+    if not isinstance(config, dict):
+        raise UsageError("--job-config must be a JSON object")
+
+
+def run(args) -> int:
+    try:
+        _check(args)
+    except UsageError as error:
+        print(f"ps-demo: {error}", file=sys.stderr)
+        return 2
+    log_dir = pathlib.Path(args.log_dir or tempfile.mkdtemp(prefix="ps-demo-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    processes = _Processes(log_dir)
+    try:
+        summary = run_demo(args, processes)
+    except DemoFailed as error:
+        print(f"ps-demo: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("ps-demo: interrupted; stopping the cluster", file=sys.stderr)
+        return 130
+    finally:
+        processes.reap()
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    return command_main("ps-demo", __doc__, add_arguments, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

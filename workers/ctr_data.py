@@ -1,0 +1,125 @@
+"""Synthetic click-through data with a planted ground-truth model, and AUC.
+
+Owns the default job's data: categorical features whose ids follow a
+skewed (Zipf) frequency, dense features, and labels drawn from a known
+logistic model over both (a per-id effect for every categorical feature,
+a pairwise interaction between the first two, a linear and a nonlinear
+dense term).  Because the true click probability of every sample is
+known, so is the best AUC any model can reach on held-out data (the
+*oracle* AUC): a trained model is judged against it.
+
+Batches are pure functions of ``(seed, stream, index)``: a worker's data
+position is just the number of batches it has read, and the held-out set
+is the same for everyone.  Nothing is downloaded.
+"""
+
+import math
+from dataclasses import dataclass, field
+from typing import List, Tuple
+
+import torch
+from torch import Tensor
+
+HOLDOUT_STREAM = 1_000_003  # a stream number no worker reads
+
+
+@dataclass(frozen=True)
+class CTRSpec:
+    """The shape of the data: vocabulary sizes, bag sizes, dense features, skew and signal strength."""
+
+    vocab_sizes: Tuple[int, ...] = (100_000, 20_000, 10_000, 5_000, 1_000, 500, 100, 20)
+    #: Ids per sample for each categorical feature (1: one-hot; more: a multi-hot bag, mean-pooled).
+    bag_sizes: Tuple[int, ...] = (1, 1, 1, 3, 1, 1, 1, 1)
+    num_dense: int = 13
+    zipf_exponent: float = 1.4
+    #: Standard deviation of each id's planted effect on the logit.
+    id_effect: float = 0.5
+    interaction_dim: int = 4
+    interaction_scale: float = 0.5
+    dense_scale: float = 0.3
+    base_logit: float = -1.0
+
+    def __post_init__(self):
+        if len(self.vocab_sizes) != len(self.bag_sizes):
+            raise ValueError(f"vocab_sizes ({len(self.vocab_sizes)}) and bag_sizes ({len(self.bag_sizes)}) "
+                             "must have one entry per categorical feature")
+        if min(self.vocab_sizes) < 2 or min(self.bag_sizes) < 1:
+            raise ValueError("every feature needs at least 2 ids and bags of at least 1 id")
+        if len(self.vocab_sizes) < 2:
+            raise ValueError("the planted interaction needs at least 2 categorical features")
+
+
+@dataclass
+class Batch:
+    ids: List[Tensor]     # one (batch, bag size) int64 tensor per categorical feature
+    dense: Tensor         # (batch, num_dense) float32
+    labels: Tensor        # (batch,) float32, 0 or 1
+    true_logits: Tensor   # (batch,) the planted model's logit for each sample
+
+    def __len__(self) -> int:
+        return self.labels.numel()
+
+
+@dataclass
+class PlantedCTR:
+    """The ground truth: drawn once from ``seed``; ``batch(stream, index, size)`` samples from it."""
+
+    spec: CTRSpec = field(default_factory=CTRSpec)
+    seed: int = 0
+
+    def __post_init__(self):
+        g = torch.Generator().manual_seed(self.seed)
+        spec = self.spec
+        self.effects = [torch.randn(v, generator=g) * spec.id_effect for v in spec.vocab_sizes]
+        self.interaction = [torch.randn(v, spec.interaction_dim, generator=g) * math.sqrt(spec.interaction_scale)
+                            for v in spec.vocab_sizes[:2]]
+        self.dense_weights = torch.randn(spec.num_dense, generator=g) * spec.dense_scale
+        # Frequent ids are scattered over the id space, not bunched at the start of the table.
+        self._rank_to_id = [torch.randperm(v, generator=g) for v in spec.vocab_sizes]
+        self._cdfs = []
+        for v in spec.vocab_sizes:
+            weights = torch.arange(1, v + 1, dtype=torch.float64).pow(-spec.zipf_exponent)
+            self._cdfs.append(torch.cumsum(weights / weights.sum(), 0))
+
+    def batch(self, stream: int, index: int, size: int) -> Batch:
+        """Batch ``index`` of ``stream`` (a worker's number; ``HOLDOUT_STREAM`` for held-out data)."""
+        g = torch.Generator().manual_seed(hash((self.seed, stream, index)) % 2**62)
+        ids = []
+        for cdf, rank_to_id, bag in zip(self._cdfs, self._rank_to_id, self.spec.bag_sizes):
+            uniform = torch.rand(size, bag, generator=g, dtype=torch.float64)
+            ranks = torch.searchsorted(cdf, uniform).clamp_(max=cdf.numel() - 1)
+            ids.append(rank_to_id[ranks])
+        dense = torch.randn(size, self.spec.num_dense, generator=g)
+        logits = self.logits(ids, dense)
+        labels = torch.bernoulli(torch.sigmoid(logits), generator=g)
+        return Batch(ids=ids, dense=dense, labels=labels, true_logits=logits)
+
+    def logits(self, ids: List[Tensor], dense: Tensor) -> Tensor:
+        """The planted model's logit for each sample."""
+        logit = torch.full((dense.size(0),), self.spec.base_logit)
+        for effect, feature_ids in zip(self.effects, ids):
+            logit += effect[feature_ids].mean(1)
+        left, right = (table[feature_ids].mean(1) for table, feature_ids in zip(self.interaction, ids))
+        logit += (left * right).sum(1)
+        logit += dense @ self.dense_weights + 0.5 * torch.relu(dense[:, 0]) * dense[:, 1]
+        return logit
+
+    def holdout(self, size: int, batch_size: int = 4096) -> List[Batch]:
+        """The held-out set: the same ``size`` samples for every worker, in batches."""
+        return [self.batch(HOLDOUT_STREAM, index, min(batch_size, size - start))
+                for index, start in enumerate(range(0, size, batch_size))]
+
+
+def auc(scores: Tensor, labels: Tensor) -> float:
+    """Area under the ROC curve (the Mann-Whitney statistic; tied scores share their mean rank)."""
+    scores, labels = scores.detach().reshape(-1).double(), labels.detach().reshape(-1).double()
+    positives = labels.sum().item()
+    negatives = labels.numel() - positives
+    if positives == 0 or negatives == 0:
+        raise ValueError(f"AUC needs both classes, got {positives:.0f} positives and {negatives:.0f} negatives")
+    order = torch.argsort(scores)
+    _, inverse, counts = torch.unique(scores[order], return_inverse=True, return_counts=True)
+    ends = torch.cumsum(counts, 0).double()
+    mean_ranks = (ends - (counts.double() - 1) / 2)[inverse]  # 1-based mean rank of each tie block
+    rank_sum = (mean_ranks * labels[order]).sum().item()
+    return (rank_sum - positives * (positives + 1) / 2) / (positives * negatives)
