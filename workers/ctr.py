@@ -115,12 +115,14 @@ def main(ctx, steps: int = 1500, batch_size: int = 1024, hook: str = "powersgd",
         samples += len(batch)
         losses.append(loss.item())
         step = replica.step
-        if group.rank == 0 and (step % eval_every == 0 or step == steps):
-            figures["auc"] = held_out_auc(tables, tower, holdout, group.device)
-        if step % log_every == 0 or step == steps:
+        reporting = step % log_every == 0 or step == steps
+        if reporting:  # throughput before this step's evaluation, so that the last one is not counted
             figures.update(loss=sum(losses) / len(losses), samples_per_s=samples / (time.monotonic() - started),
                            bytes_per_step=replica.bytes_per_step)
             losses.clear()
+        if group.rank == 0 and (step % eval_every == 0 or step == steps):
+            figures["auc"] = held_out_auc(tables, tower, holdout, group.device)
+        if reporting:
             ctx.report(step, **figures)
             logger.info("%s step %d/%d: loss %.4f%s, %.0f samples/s, %s %d bytes/step", ctx.rpc_name, step, steps,
                         figures["loss"], f", held-out AUC {figures['auc']:.4f} (oracle {oracle_auc:.4f})"
