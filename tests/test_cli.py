@@ -3,10 +3,11 @@ the flag, and status renders as the JSON object and the table users read."""
 
 import argparse
 import json
+import re
 
 import pytest
 
-from paramserver.cli import ctl, server
+from paramserver.cli import ctl, server, worker
 from paramserver.cli.common import UsageError, coordinator_address, data_plane_host
 from paramserver.control.protocol import pb
 
@@ -47,6 +48,7 @@ def server_args(*argv):
     (["--job", "no_such_module:main"], "--job: job module 'no_such_module' cannot be imported"),
     (["--job", "workers.regression"], "must look like package.module:function"),
     (["--heartbeat-timeout", "0.5"], "--heartbeat-timeout must exceed"),
+    (["--group-size", "-1"], "--group-size must be 0"),
     (["--host", "0.0.0.0"], "not a wildcard"),
 ])
 def test_server_flags_are_checked(argv, message):
@@ -89,3 +91,29 @@ def test_status_table_lists_every_member():
     table = ctl.format_status(sample_status())
     assert "generation 12" in table and "shards (1 alive of 1)" in table and "workers (0 alive of 1)" in table
     assert "worker0    dead" in table and "loss=0.25  (no heartbeat for 5.1 s)" in table
+
+
+def test_server_ships_the_group_size_with_the_job():
+    options = server.options_from(server_args("--shards", "2", "--group-size", "3"))
+    assert options.coordinator.job.group_size == 3
+    assert options.coordinator.job.name == "workers.ctr:main"
+
+
+@pytest.mark.parametrize("hook, options, expected", [
+    (None, [], {}),
+    ("powersgd", ["rank=2", "start_iter=10", "error_feedback=false"],
+     {"hook": "powersgd", "hook_options": {"rank": 2, "start_iter": 10, "error_feedback": False}}),
+    ("bf16", [], {"hook": "bf16", "hook_options": {}}),
+])
+def test_worker_hook_flags_become_job_arguments(hook, options, expected):
+    assert worker.hook_overrides(hook, options) == expected
+
+
+@pytest.mark.parametrize("hook, options, message", [
+    ("gzip", [], "--comm-hook 'gzip': choose one of allreduce, fp16, bf16"),
+    (None, ["rank=2"], "--comm-hook-option needs --comm-hook"),
+    ("powersgd", ["rank"], "--comm-hook-option 'rank' is not KEY=VALUE"),
+])
+def test_worker_hook_flags_are_checked(hook, options, message):
+    with pytest.raises(UsageError, match=re.escape(message)):
+        worker.hook_overrides(hook, options)

@@ -101,6 +101,30 @@ def trainer_embedding_rejects_out_of_range_ids():
     assert torch.equal(ShardedEmbeddingBag(ROWS, DIM, shards=shard_names(2), seed=3).fetch_weight(), before)
 
 
+def trainer_shared_tables_are_one_table():
+    shards = shard_names(2)
+    first = ShardedEmbeddingBag(ROWS, DIM, shards=shards, name="shared", seed=1, shared=True, init_std=0.01)
+    second = ShardedEmbeddingBag(ROWS, DIM, shards=shards, name="shared", seed=99, shared=True, init_std=0.01)
+    weight = first.fetch_weight()
+    assert torch.equal(second.fetch_weight(), weight)  # found by name: the second seed is not used
+    assert 0.005 < weight.std().item() < 0.02
+    ids = torch.tensor([[0, 5, 102]])
+    optimizer = DistributedOptimizer(QHM, first.remote_parameters(), lr=1.0, momentum=0.0, nu=1.0)
+    with dist_autograd.context() as context_id:
+        dist_autograd.backward(context_id, [first(ids).sum()])
+        optimizer.step(context_id)
+    assert torch.equal(second.fetch_weight(), first.fetch_weight())  # an update through one is seen by the other
+    assert torch.equal(second.start(ids)(), second(ids))  # the two halves of a lookup are the forward
+    with pytest.raises(Exception, match="shared table 'shared.* is hosted here as"):
+        ShardedEmbeddingBag(ROWS, DIM + 1, shards=shards, name="shared", shared=True)
+    with pytest.raises(ValueError, match="a shared table needs a name"):
+        ShardedEmbeddingBag(ROWS, DIM, shards=shards, shared=True)
+
+
+def test_shared_tables_are_created_once_and_found_by_name():
+    run_cluster([(trainer_shared_tables_are_one_table, ())], num_shards=2)
+
+
 def test_sharded_embedding_bag_matches_local_embedding_bag():
     run_cluster([(trainer_embedding_matches_local, ())], num_shards=4)
 

@@ -12,8 +12,10 @@ model's (the best any model can do).
 
 Each worker logs a plain line every ``log_every`` steps and reports its
 figures to the coordinator (``ps-ctl status`` and ``ps-demo`` show them).
-Returns the final figures: steps, loss, auc and oracle_auc (rank 0 of the
-group evaluates), samples_per_s, bytes_per_step.
+Returns the final figures: steps, loss (and first_loss: the first log
+window's), auc and oracle_auc (rank 0 of the group evaluates),
+samples_per_s, bytes_per_step, and a checksum of the dense replica, equal
+on every member of a group.
 
 The sparse learning rate looks large because the loss is a batch mean: a
 row's gradient is its samples' share of 1/batch_size.  The defaults were
@@ -119,6 +121,7 @@ def main(ctx, steps: int = 1500, batch_size: int = 1024, hook: str = "powersgd",
         if reporting:  # throughput before this step's evaluation, so that the last one is not counted
             figures.update(loss=sum(losses) / len(losses), samples_per_s=samples / (time.monotonic() - started),
                            bytes_per_step=replica.bytes_per_step)
+            figures.setdefault("first_loss", figures["loss"])
             losses.clear()
         if group.rank == 0 and (step % eval_every == 0 or step == steps):
             figures["auc"] = held_out_auc(tables, tower, holdout, group.device)
@@ -128,5 +131,7 @@ def main(ctx, steps: int = 1500, batch_size: int = 1024, hook: str = "powersgd",
                         figures["loss"], f", held-out AUC {figures['auc']:.4f} (oracle {oracle_auc:.4f})"
                         if "auc" in figures else "", figures["samples_per_s"], hook, replica.bytes_per_step)
     group.close()
+    # Equal on every member of the group: DDP keeps the replicas identical.
+    checksum = sum(float(p.detach().double().sum()) for p in tower.parameters())
     return dict(figures, steps=replica.step, group_rank=group.rank, group_size=group.world_size,
-                reformations=replica.reformations)
+                reformations=replica.reformations, replica_checksum=checksum)

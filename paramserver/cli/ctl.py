@@ -52,6 +52,9 @@ def format_status(response: pb.StatusResponse) -> str:
                 figures = f"{figures}  ({m.reason})".lstrip()
             lines.append(f"  {m.name:<10} {m.state:<7} {m.host:<15} pid {m.pid:<7} step {m.step:<7} "
                          f"last heartbeat {m.seconds_since_heartbeat:5.1f} s ago  {figures}".rstrip())
+    for view in response.groups:
+        lines.append(f"trainer group {view.group}: generation {view.generation}, {view.backend}, "
+                     f"ranks {', '.join(view.members) or '-'}")
     return "\n".join(lines)
 
 

@@ -10,7 +10,8 @@ otherwise); and ends by printing one line of JSON on stdout: steps,
 samples_per_s (all workers together), auc and oracle_auc (held out),
 hook, bytes_per_step (what the hook all-reduced per step), loss, seconds.
 Every process it started is stopped and reaped however it ends; their
-logs stay in ``--log-dir`` (a temporary folder by default).  ``make demo``
+logs stay in ``--log-dir`` (a temporary folder by default), with
+``pids.json`` naming every process it started.  ``make demo``
 runs it.  Exit code 0 when every process finished cleanly.
 """
 
@@ -65,6 +66,7 @@ class _Processes:
             process = subprocess.Popen([sys.executable, "-m", module, *args], stdout=out, stderr=err, env=env,
                                        stdin=subprocess.DEVNULL, start_new_session=True)
         self.started[name] = process
+        (self.log_dir / "pids.json").write_text(json.dumps({n: p.pid for n, p in self.started.items()}))
         return process
 
     def tail(self, name: str, lines: int = 15) -> str:
@@ -106,7 +108,7 @@ def _figures(workers) -> Dict[str, float]:
     """The group's figures from its workers' reports: rank 0 evaluates, every worker counts its samples."""
     figures: Dict[str, float] = {}
     for worker in workers:
-        for key in ("auc", "oracle_auc", "bytes_per_step", "loss"):
+        for key in ("auc", "oracle_auc", "bytes_per_step", "loss", "first_loss"):
             if key in worker.metrics:
                 figures[key] = worker.metrics[key]
     figures["samples_per_s"] = sum(w.metrics.get("samples_per_s", 0.0) for w in workers)
@@ -178,7 +180,9 @@ def run_demo(args, processes: _Processes) -> dict:
                "auc": round(figures.get("auc", float("nan")), 4),
                "oracle_auc": round(figures.get("oracle_auc", float("nan")), 4),
                "hook": args.hook, "bytes_per_step": int(figures.get("bytes_per_step", 0)),
-               "loss": round(figures.get("loss", float("nan")), 4), "workers": args.workers, "shards": args.shards,
+               "loss": round(figures.get("loss", float("nan")), 4),
+               "first_loss": round(figures.get("first_loss", float("nan")), 4), "workers": args.workers,
+               "shards": args.shards,
                "seconds": round(time.monotonic() - began, 1)}
     return summary
 

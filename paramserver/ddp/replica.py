@@ -81,15 +81,20 @@ class DenseReplica:
         return self.ddp(*args, **kwargs)
 
     def sync_point(self, want_stop: bool = False) -> bool:
-        """Start of a step, on every member: re-form if the group changed; False when the group stops."""
-        newer, stop = self.group.agree(want_stop)
-        if stop:
-            return False
-        if newer:
+        """Start of a step, on every member: re-form if the group changed; False when the group stops.
+
+        After re-forming it agrees again, in the new group: a member that
+        just joined starts with this agreement, so everyone must.
+        """
+        while True:
+            newer, stop = self.group.agree(want_stop)
+            if stop:
+                return False
+            if not newer:
+                return True
             self.group.reform()
             self.reformations += 1
             self._form()
-        return True
 
     def finish_step(self, context_id: Optional[int] = None) -> None:
         """Apply the local optimizer to the averaged gradients and count the step.

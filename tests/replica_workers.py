@@ -1,0 +1,97 @@
+"""Bodies of the trainer-group tests' spawned members (``test_dense_replica``).
+
+A ``StoreViews`` source plays the coordinator: views of the group live in
+the test's c10d store under ``views/latest`` (a pickled list of member
+names and a generation), so a member that arrives late can publish the
+next generation itself, as the coordinator would on its join.  Each member
+trains a small MLP on its own seeded batches in a ``DenseReplica`` and
+writes its final parameters, step and re-formation count to a file.
+"""
+
+import datetime
+import pickle
+import warnings
+import zlib
+
+import torch
+from torch import nn
+
+from paramserver.control.protocol import pb
+from paramserver.ddp import DenseReplica, TrainerGroup
+from paramserver.optim import QHM
+
+TIMEOUT = datetime.timedelta(seconds=60)
+IN, OUT = 6, 1
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(IN, 8), nn.Tanh(), nn.Linear(8, OUT))
+
+
+def batch(name: str, step: int):
+    generator = torch.Generator().manual_seed(zlib.crc32(f"{name}/{step}".encode()))
+    inputs = torch.randn(16, IN, generator=generator)
+    return inputs, inputs.sum(1, keepdim=True).sin()
+
+
+def make_optimizer(params):
+    return QHM(params, lr=0.1, momentum=0.9, nu=0.7)
+
+
+class StoreViews:
+    """The JobContext members TrainerGroup uses, with views kept in a c10d store."""
+
+    def __init__(self, name: str, index: int, port: int):
+        self.rpc_name, self.worker_index, self.trainer_group = name, index, 0
+        self.store_host, self.store_port = "127.0.0.1", port
+        self._store = torch.distributed.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
+
+    def publish(self, generation: int, members) -> None:
+        self._store.set("views/latest", pickle.dumps((generation, list(members))))
+
+    def group_view(self):
+        if not self._store.check(["views/latest"]):
+            return None
+        generation, members = pickle.loads(self._store.get("views/latest"))
+        return pb.TrainerGroupView(group=0, generation=generation, members=members, backend="gloo")
+
+    def wait_for_group_view(self, newer_than: int, timeout: datetime.timedelta):
+        self._store.wait(["views/latest"], timeout)
+        view = self.group_view()
+        while view.generation <= newer_than or self.rpc_name not in view.members:
+            self._store.wait(["views/latest"], timeout)
+            view = self.group_view()
+        return view
+
+
+def train(name: str, index: int, port: int, steps: int, hook: str, result_path: str,
+          publish=None, late_member_at: int = 0, late: bool = False) -> None:
+    """Train ``steps`` steps in the group; ``publish=(generation, members)`` announces a view first.
+
+    ``late_member_at``: a member there from the start waits at that step
+    until a ``late`` member has announced itself; the late one waits until
+    the others reached it, then announces its view.
+    """
+    warnings.filterwarnings("ignore")
+    source = StoreViews(name, index, port)
+    if late:
+        source._store.wait([f"step/{late_member_at}"], TIMEOUT)
+    if publish is not None:
+        source.publish(*publish)
+    if late:
+        source._store.set("late/published", "yes")
+    replica = DenseReplica(TrainerGroup.join(source, TIMEOUT), model(), make_optimizer, hook=hook)
+    while replica.step < steps and replica.sync_point():
+        inputs, target = batch(name, replica.step)
+        loss = (replica(inputs) - target).pow(2).mean()
+        loss.backward()
+        replica.finish_step()
+        if late_member_at and not late and replica.step == late_member_at:
+            source._store.set(f"step/{late_member_at}", "reached")
+            source._store.wait(["late/published"], TIMEOUT)
+    replica.group.close()
+    with open(result_path, "wb") as file:
+        pickle.dump({"step": replica.step, "reformations": replica.reformations,
+                     "state": {k: v.clone() for k, v in replica.module.state_dict().items()},
+                     "bytes_per_step": replica.bytes_per_step}, file)

@@ -1,0 +1,80 @@
+"""The default job through the real commands: ``ps-demo`` end to end with few
+steps (it learns, prints its JSON summary, leaves no process), a worker that
+joins a running trainer group through the coordinator, and workers that
+disagree on the comm hook.  A small planted problem keeps each run short."""
+
+import json
+import re
+
+import pytest
+
+from commands import Commands, errors, job_config, output, pid_exists, start_server, status, wait_for_status
+
+pytestmark = pytest.mark.timeout(300)
+
+SMALL = dict(spec={"vocab_sizes": [2000, 500, 200, 50], "bag_sizes": [1, 2, 1, 1], "num_dense": 4},
+             batch_size=256, holdout_size=4096, log_every=10, eval_every=20, row_wise_min_rows=1000,
+             sparse_lr=64.0)
+
+
+@pytest.fixture
+def commands(tmp_path):
+    runner = Commands(tmp_path)
+    yield runner
+    leftovers = runner.reap()
+    assert not leftovers, f"processes left running: {leftovers}"
+
+
+def test_demo_trains_the_main_job_and_prints_its_summary(commands, tmp_path):
+    logs = tmp_path / "demo-logs"
+    demo = commands.run("ps-demo", "--shards", "2", "--workers", "2", "--hook", "powersgd", "--steps", "60",
+                        "--job-config", job_config(**SMALL), "--log-dir", str(logs), timeout=280)
+    assert demo.returncode == 0, demo.stderr[-3000:]
+    summary = json.loads(demo.stdout.strip().splitlines()[-1])
+    assert {"steps", "samples_per_s", "auc", "oracle_auc", "hook", "bytes_per_step"} <= set(summary)
+    assert summary["steps"] == 60 and summary["hook"] == "powersgd" and summary["samples_per_s"] > 0
+    assert summary["loss"] < summary["first_loss"], summary
+    assert 0.6 < summary["auc"] <= summary["oracle_auc"] + 0.02, summary
+    assert 0 < summary["bytes_per_step"], summary
+    assert re.search(r"ps-demo: step \d+/60", demo.stderr)  # plain progress lines when not on a terminal
+    pids = json.loads((logs / "pids.json").read_text())
+    assert sorted(pids) == ["ps-server", "ps-worker0", "ps-worker1"]
+    assert not [name for name, pid in pids.items() if pid_exists(pid)]
+
+
+def test_a_worker_joining_later_is_taken_into_the_running_group(commands):
+    server, address = start_server(commands, "--shards", "2", "--job-config",
+                                   job_config(**dict(SMALL, steps=1_000_000, eval_every=1_000_000)))
+    first = commands.start("ps-worker", "--connect", address, "--comm-hook", "allreduce")
+    wait_for_status(commands, address, lambda s: s["workers"] and s["workers"][0]["step"] >= 20, 120)
+    late = commands.start("ps-worker", "--connect", address, "--comm-hook", "allreduce")
+    both = wait_for_status(commands, address, lambda s: len(s["workers"]) == 2 and all(
+        w["alive"] and w["step"] > 0 for w in s["workers"]) and s["groups"][0]["generation"] == "2", 120)
+    assert both["groups"][0]["members"] == ["worker0", "worker1"]
+    # SIGTERM on one member stops the group: both leave at the same step.
+    late.terminate()
+    for worker in (first, late):
+        assert worker.wait(60) == 0, errors(worker)[-3000:]
+    workers = status(commands, address)["workers"]
+    assert [(w["name"], w["state"]) for w in workers] == [("worker0", "left"), ("worker1", "left")]
+    assert workers[0]["step"] == workers[1]["step"] > 20
+    metrics = [w["metrics"] for w in workers]
+    assert (metrics[0]["reformations"], metrics[1]["reformations"]) == (1, 0)
+    assert metrics[0]["replica_checksum"] == metrics[1]["replica_checksum"]  # one replica, twice
+    assert "trainer group 0: generation 2 formed by worker0, worker1" in errors(server)
+    commands.run("ps-ctl", "--connect", address, "shutdown")
+    assert server.wait(30) == 0, errors(server)[-3000:]
+
+
+def test_workers_with_different_comm_hooks_are_refused(commands):
+    server, address = start_server(commands, "--shards", "1", "--group-size", "2",
+                                   "--job-config", job_config(**SMALL))
+    workers = [commands.start("ps-worker", "--connect", address, "--comm-hook", hook) for hook in ("allreduce", "bf16")]
+    for worker in workers:
+        assert worker.wait(120) == 1, errors(worker)[-3000:]
+        assert re.search(r"HookMismatch: trainer group members use different comm hooks: "
+                         r"worker0: (allreduce|bf16); worker1: (allreduce|bf16)", output(worker)), output(worker)
+    groups = status(commands, address)["groups"]
+    assert groups[0]["members"] == ["worker0", "worker1"]
+    commands.run("ps-ctl", "--connect", address, "shutdown")
+    assert server.wait(30) == 0
