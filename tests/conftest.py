@@ -7,6 +7,8 @@ import multiprocessing
 import pytest
 import torch
 
+from commands import Commands
+
 from paramserver.optim import ScriptedOptimizer
 
 
@@ -24,6 +26,15 @@ def _no_child_left_behind():
         child.kill()
         child.join(10)
     assert not leftovers, f"child processes left running: {[c.name for c in leftovers]}"
+
+
+@pytest.fixture
+def commands(tmp_path):
+    """Run the real console scripts; whatever is still running at the end is killed and fails the test."""
+    runner = Commands(tmp_path)
+    yield runner
+    leftovers = runner.reap()
+    assert not leftovers, f"processes left running: {leftovers}"
 
 
 @pytest.fixture(params=["eager", "scripted"])

@@ -224,17 +224,25 @@ def check_error_feedback_tracks_the_summed_average():
         (drift(with_feedback, gradients), drift(without, gradients))
 
 
+def train_a_few_steps(model: DistributedDataParallel, hook_name: str, options: dict, in_features: int,
+                      lr: float, steps: int = 4):
+    """Register the hook and take a few SGD steps on this rank's own random batches; returns the hook state."""
+    state, hook = comm_hook(hook_name, **options)
+    model.register_comm_hook(state, hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for step in range(steps):
+        optimizer.zero_grad()
+        data = torch.Generator().manual_seed(10 * step + dist.get_rank())
+        model(torch.randn(8, in_features, generator=data)).pow(2).mean().backward()
+        optimizer.step()
+    return state
+
+
 def check_batched_powersgd_on_tiny_and_odd_buckets():
     # A tiny real model: torch's batched_powerSGD_hook raises AssertionError on it.
     model = DistributedDataParallel(torch.nn.Linear(4, 3))
-    state, hook = comm_hook("batched_powersgd", rank=1, start_iter=2, min_compression_rate=0)
-    model.register_comm_hook(state, hook)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(4):
-        optimizer.zero_grad()
-        data = torch.Generator().manual_seed(10 * step + dist.get_rank())
-        model(torch.randn(8, 4, generator=data)).pow(2).mean().backward()
-        optimizer.step()
+    state = train_a_few_steps(model, "batched_powersgd", dict(rank=1, start_iter=2, min_compression_rate=0),
+                              in_features=4, lr=0.1)
     assert state.last_step_bytes == 2 * 4 * 1 * FLOAT_BYTES, state.last_step_bytes  # 15 elements: a 4 x 4 square
     assert_same_on_every_rank(torch.cat([p.detach().reshape(-1) for p in model.parameters()]), "tiny model")
     # Odd sizes at full rank (the square's side): the average, closely.
@@ -280,14 +288,7 @@ def check_plain_ddp_replicas_stay_identical():
             torch.nn.Linear(600, 600), torch.nn.ReLU(), torch.nn.Linear(600, 600), torch.nn.ReLU(),
             torch.nn.Linear(600, 4)), bucket_cap_mb=1)
         options = dict(rank=2, start_iter=2, min_compression_rate=0) if "powersgd" in name else {}
-        state, hook = comm_hook(name, **options)
-        model.register_comm_hook(state, hook)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        for step in range(4):
-            optimizer.zero_grad()
-            data = torch.Generator().manual_seed(10 * step + dist.get_rank())
-            model(torch.randn(8, 600, generator=data)).pow(2).mean().backward()
-            optimizer.step()
+        state = train_a_few_steps(model, name, options, in_features=600, lr=0.01)
         weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         assert torch.isfinite(weights).all(), name
         if name == "noop":  # no communication: the replicas drift apart, by design

@@ -14,20 +14,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from commands import (Commands, errors, job_config, listening_addresses, output, pid_exists, self_signed_certificate,
+from commands import (errors, job_config, listening_addresses, output, pid_exists, self_signed_certificate,
                       start_server, status, terminate_within, wait_for_status)
 from drivers import train_an_embedding_through_connect
 from paramserver.processes import Child, free_port, run_children
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture
-def commands(tmp_path):
-    runner = Commands(tmp_path)
-    yield runner
-    leftovers = runner.reap()
-    assert not leftovers, f"processes left running: {leftovers}"
 
 
 def test_cluster_forms_runs_two_workers_and_stops_on_sigterm(commands, tmp_path):

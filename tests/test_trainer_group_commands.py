@@ -8,21 +8,13 @@ import re
 
 import pytest
 
-from commands import Commands, errors, job_config, output, pid_exists, start_server, status, wait_for_status
+from commands import errors, job_config, output, pid_exists, start_server, status, wait_for_status
 
 pytestmark = pytest.mark.timeout(300)
 
 SMALL = dict(spec={"vocab_sizes": [2000, 500, 200, 50], "bag_sizes": [1, 2, 1, 1], "num_dense": 4},
              batch_size=256, holdout_size=4096, log_every=10, eval_every=20, row_wise_min_rows=1000,
              sparse_lr=64.0)
-
-
-@pytest.fixture
-def commands(tmp_path):
-    runner = Commands(tmp_path)
-    yield runner
-    leftovers = runner.reap()
-    assert not leftovers, f"processes left running: {leftovers}"
 
 
 def test_demo_trains_the_main_job_and_prints_its_summary(commands, tmp_path):

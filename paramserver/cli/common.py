@@ -5,6 +5,7 @@ Owns parsing them and turning them into the objects the runtime takes
 """
 
 import argparse
+import json
 from typing import Callable, Optional
 
 from ..control import DEFAULT_PORT, TlsFiles, read_token_file
@@ -68,6 +69,17 @@ def data_plane_host(flag: str, value: str) -> str:
         raise UsageError(f"{flag} {value!r}: give this machine's address, not a wildcard; the cluster's "
                          "ports bind to that address only")
     return value
+
+
+def job_config_from(value: str) -> dict:
+    """``--job-config``: a JSON object of the job's keyword arguments."""
+    try:
+        config = json.loads(value)
+    except json.JSONDecodeError as error:
+        raise UsageError(f"--job-config is not JSON: {error}") from error
+    if not isinstance(config, dict):
+        raise UsageError("--job-config must be a JSON object")
+    return config
 
 
 def client_tls(args) -> Optional[TlsFiles]:

@@ -27,7 +27,7 @@ import time
 from typing import Dict, List, Optional
 
 from ..control import CoordinatorClient, CoordinatorError
-from .common import UsageError, command_main
+from .common import UsageError, command_main, job_config_from
 from .progress import Progress
 
 READY_WITHIN = 120.0
@@ -127,10 +127,7 @@ def _shown(figures: Dict[str, float], hook: str) -> Dict[str, str]:
     return shown
 
 
-def run_demo(args, processes: _Processes) -> dict:
-    config = json.loads(args.job_config)
-    if args.steps is not None:
-        config["steps"] = args.steps
+def run_demo(args, config: dict, processes: _Processes) -> dict:
     total = int(config.get("steps", 1500))
     began = time.monotonic()
     server = processes.start("ps-server", "paramserver.cli.server", "--shards", str(args.shards), "--port", "0",
@@ -187,22 +184,21 @@ def run_demo(args, processes: _Processes) -> dict:
     return summary
 
 
-def _check(args) -> None:
+def _job_config(args) -> dict:
+    """The job's arguments from the flags (checked)."""
     if args.shards < 1 or args.workers < 1:
         raise UsageError("--shards and --workers must be at least 1")
     if args.steps is not None and args.steps < 1:
         raise UsageError(f"--steps must be at least 1, got {args.steps}")
-    try:
-        config = json.loads(args.job_config)
-    except json.JSONDecodeError as error:
-        raise UsageError(f"--job-config is not JSON: {error}") from error
-    if not isinstance(config, dict):
-        raise UsageError("--job-config must be a JSON object")
+    config = job_config_from(args.job_config)
+    if args.steps is not None:
+        config["steps"] = args.steps
+    return config
 
 
 def run(args) -> int:
     try:
-        _check(args)
+        config = _job_config(args)
     except UsageError as error:
         print(f"ps-demo: {error}", file=sys.stderr)
         return 2
@@ -210,7 +206,7 @@ def run(args) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     processes = _Processes(log_dir)
     try:
-        summary = run_demo(args, processes)
+        summary = run_demo(args, config, processes)
     except DemoFailed as error:
         print(f"ps-demo: {error}", file=sys.stderr)
         return 1

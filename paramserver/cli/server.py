@@ -9,15 +9,14 @@ SIGTERM/SIGINT (or ``ps-ctl shutdown``) stops members, shards and itself.
 
 import argparse
 import datetime
-import json
 import sys
 
 from ..control import DEFAULT_PORT, CoordinatorSettings, TlsFiles
 from ..control.protocol import HEARTBEAT_INTERVAL
 from ..runtime.job import DEFAULT_JOB, JobError, pack_job
 from ..runtime.server import ServerOptions, serve
-from .common import (UsageError, add_log_level, add_token_file, command_main, data_plane_host, setup_logging,
-                     token_from)
+from .common import (UsageError, add_log_level, add_token_file, command_main, data_plane_host, job_config_from,
+                     setup_logging, token_from)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,12 +49,7 @@ def options_from(args) -> ServerOptions:
         raise UsageError(f"--port must be 0-65535, got {args.port}")
     if bool(args.tls_cert) != bool(args.tls_key):
         raise UsageError("--tls-cert and --tls-key go together")
-    try:
-        config = json.loads(args.job_config)
-    except json.JSONDecodeError as error:
-        raise UsageError(f"--job-config is not JSON: {error}") from error
-    if not isinstance(config, dict):
-        raise UsageError("--job-config must be a JSON object")
+    config = job_config_from(args.job_config)
     if args.group_size < 0:
         raise UsageError(f"--group-size must be 0 (one group of every worker) or positive, got {args.group_size}")
     try:
