@@ -31,7 +31,7 @@ import torch
 import torch.distributed.autograd as dist_autograd
 from torch import nn
 
-from paramserver.ddp import DenseReplica
+from paramserver.ddp import DenseReplica, GroupStopped
 from paramserver.optim import QHM, DistributedOptimizer
 from paramserver.shards import ShardedEmbeddingBag, plan_dense
 from workers.ctr_data import Batch, CTRSpec, PlantedCTR, auc
@@ -90,7 +90,11 @@ def main(ctx, steps: int = 1500, batch_size: int = 1024, hook: str = "powersgd",
                       seed=seed)
     holdout = data.holdout(holdout_size)
     oracle_auc = auc(torch.cat([b.true_logits for b in holdout]), torch.cat([b.labels for b in holdout]))
-    group = ctx.join_trainer_group()
+    try:
+        group = ctx.join_trainer_group()
+    except GroupStopped:  # asked to stop before the group formed: nothing trained, nothing to report
+        logger.info("%s: stopped before its trainer group formed", ctx.rpc_name)
+        return {"steps": 0, "oracle_auc": oracle_auc}
     tables = build_tables(data.spec, ctx.shards, embedding_dim, row_wise_min_rows, table_name, seed, init_std)
     sparse_optimizer = DistributedOptimizer(QHM, [r for t in tables for r in t.remote_parameters()],
                                             lr=sparse_lr, momentum=momentum, nu=nu)
