@@ -1,8 +1,9 @@
 """The default job: a CTR-style hybrid model, the classic parameter-server workload.
 
 Sparse part: one ``ShardedEmbeddingBag`` per categorical feature, living on
-the shards and shared by every worker (small tables whole on one shard,
-tables of ``row_wise_min_rows`` or more split by rows over all shards),
+the shards and shared by every worker (tables whole on one shard, placed by
+size, unless they have ``row_wise_min_rows`` or more: those are split by
+rows over all shards; splitting a small table only adds messages),
 updated there by ``DistributedOptimizer(QHM)``.  Dense part: an MLP over
 the pooled embeddings and the dense features, replicated in the worker's
 trainer group (``DenseReplica``: DDP with the chosen comm hook) and
@@ -83,7 +84,7 @@ POWERSGD_DEFAULTS = {"start_iter": 10}
 def main(ctx, steps: int = 1500, batch_size: int = 1024, hook: str = "powersgd",
          hook_options: Optional[Dict] = None, embedding_dim: int = 16, hidden: Sequence[int] = (128, 64),
          sparse_lr: float = 128.0, dense_lr: float = 0.5, momentum: float = 0.9, nu: float = 0.7,
-         init_std: float = 0.01, row_wise_min_rows: int = 50_000, holdout_size: int = 20_000,
+         init_std: float = 0.01, row_wise_min_rows: int = 1_000_000, holdout_size: int = 20_000,
          eval_every: int = 500, log_every: int = 100, seed: int = 0, spec: Optional[Dict] = None,
          table_name: str = "ctr") -> dict:
     data = PlantedCTR(CTRSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in (spec or {}).items()}),

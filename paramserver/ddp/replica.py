@@ -11,9 +11,11 @@ a fresh comm-hook state: PowerSGD's error memory belongs to one rank's
 gradients and its Q memory must be equal on every rank, so neither can be
 carried over to a group with other members.
 
-The training loop calls ``sync_point()`` at the start of every step; it
-is where the group agrees to re-form or to stop, all members at the same
-step.
+The training loop calls ``sync_point()`` at the start of every step; every
+``agree_every`` steps it is where the group agrees to re-form or to stop.
+All members hold the same step count (a newcomer takes rank 0's), so they
+agree on the same steps, and a change takes effect within ``agree_every``
+steps.
 """
 
 import logging
@@ -45,13 +47,17 @@ class DenseReplica:
 
     def __init__(self, group: TrainerGroup, module: nn.Module,
                  make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
-                 hook: str = "allreduce", hook_options: Optional[Dict[str, Any]] = None):
+                 hook: str = "allreduce", hook_options: Optional[Dict[str, Any]] = None,
+                 agree_every: int = 10):
+        if agree_every < 1:
+            raise ValueError(f"agree_every must be at least 1, got {agree_every}")
         self.group = group
         self.module = module.to(group.device)
         self.optimizer = make_optimizer(self.module.parameters())
         self.hook = hook
         self.hook_options = dict(hook_options or {})
         self.step = 0
+        self.agree_every = agree_every
         self.reformations = 0
         self._form()
 
@@ -86,6 +92,8 @@ class DenseReplica:
         After re-forming it agrees again, in the new group: a member that
         just joined starts with this agreement, so everyone must.
         """
+        if self.step % self.agree_every:
+            return True
         while True:
             newer, stop = self.group.agree(want_stop)
             if stop:
