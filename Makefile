@@ -38,6 +38,8 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/optim_step.py
 	$(PY) benchmarks/dist_optim.py
+	$(PY) benchmarks/comm_hooks.py
+	$(PY) benchmarks/end_to_end.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -32,7 +32,7 @@ from .progress import Progress
 
 READY_WITHIN = 120.0
 SERVER_STOPS_WITHIN = 20.0
-_POLL = 0.5
+_POLL = 1.0  # status polls: a progress display needs no more, and each costs the busy cluster CPU
 
 
 class DemoFailed(RuntimeError):
