@@ -9,6 +9,7 @@ writes its final parameters, step and re-formation count to a file.
 """
 
 import datetime
+import faulthandler
 import pickle
 import warnings
 import zlib
@@ -74,6 +75,7 @@ def train(name: str, index: int, port: int, steps: int, hook: str, result_path: 
     the others reached it, then announces its view.
     """
     warnings.filterwarnings("ignore")
+    faulthandler.dump_traceback_later(75, exit=True)  # a hang shows where, before the test's 90 s deadline
     source = StoreViews(name, index, port)
     if late:
         source._store.wait([f"step/{late_member_at}"], TIMEOUT)
@@ -90,7 +92,7 @@ def train(name: str, index: int, port: int, steps: int, hook: str, result_path: 
         if late_member_at and not late and replica.step == late_member_at:
             source._store.set(f"step/{late_member_at}", "reached")
             source._store.wait(["late/published"], TIMEOUT)
-    replica.group.close()
+    replica.close()
     with open(result_path, "wb") as file:
         pickle.dump({"step": replica.step, "reformations": replica.reformations,
                      "state": {k: v.clone() for k, v in replica.module.state_dict().items()},

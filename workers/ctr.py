@@ -135,7 +135,7 @@ def main(ctx, steps: int = 1500, batch_size: int = 1024, hook: str = "powersgd",
             logger.info("%s step %d/%d: loss %.4f%s, %.0f samples/s, %s %d bytes/step", ctx.rpc_name, step, steps,
                         figures["loss"], f", held-out AUC {figures['auc']:.4f} (oracle {oracle_auc:.4f})"
                         if "auc" in figures else "", figures["samples_per_s"], hook, replica.bytes_per_step)
-    group.close()
+    replica.close()
     # Equal on every member of the group: DDP keeps the replicas identical.
     checksum = sum(float(p.detach().double().sum()) for p in tower.parameters())
     return dict(figures, steps=replica.step, group_rank=group.rank, group_size=group.world_size,

@@ -18,6 +18,7 @@ agree on the same steps, and a change takes effect within ``agree_every``
 steps.
 """
 
+import gc
 import logging
 from typing import Any, Callable, Dict, Iterable, Optional
 
@@ -118,6 +119,16 @@ class DenseReplica:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
 
+    def close(self) -> None:
+        """Leave the group: DDP (its reducer and hook) goes first, while its process group still exists."""
+        self._bytes_when_closed = self.bytes_per_step
+        self.ddp = None
+        self.hook_state = None
+        gc.collect()
+        self.group.close()
+
     @property
     def bytes_per_step(self) -> int:
+        if self.hook_state is None:  # closed
+            return self._bytes_when_closed
         return int(self.hook_state.last_step_bytes)
