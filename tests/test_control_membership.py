@@ -159,3 +159,28 @@ def test_leave_and_stop(table):
     assert beat(table, shard, 1)[1] == []  # shards are stopped last, separately
     with pytest.raises(RequestError, match="shutting down"):
         table.join(join_request())
+
+
+def test_a_restarted_shard_joins_once_every_survivor_dropped_the_lost_one(table):
+    worker = table.join(join_request())
+    table.join(join_request(pb.ROLE_SHARD, name="shard1"))
+    table.process_exited("shard1", -9)
+    with pytest.raises(RequestError) as refused:  # the worker has not heard FORGET_PEER yet
+        table.join(join_request(pb.ROLE_SHARD, name="shard1"))
+    assert refused.value.code == grpc.StatusCode.UNAVAILABLE and "previous shard1" in refused.value.message
+    _, commands, _, _ = beat(table, worker, 1)
+    assert [(c.kind, c.peer) for c in commands] == [(pb.Command.KIND_FORGET_PEER, "shard1")]
+    again = table.join(join_request(pb.ROLE_SHARD, name="shard1"))
+    assert again.rpc_name == "shard1" and again.state == "alive"
+
+
+def test_checkpoint_requests_reach_live_workers_only(table):
+    workers = [table.join(join_request()) for _ in range(2)]
+    table.join(join_request(pb.ROLE_SHARD, name="shard0"))
+    table.leave(pb.LeaveRequest(member_id=workers[1].member_id))
+    assert table.command(pb.ROLE_WORKER, pb.Command(kind=pb.Command.KIND_CHECKPOINT, checkpoint_id="1")) == 1
+    _, commands, _, _ = beat(table, workers[0], 1)
+    assert [(c.kind, c.checkpoint_id) for c in commands if c.kind != pb.Command.KIND_FORGET_PEER] == [
+        (pb.Command.KIND_CHECKPOINT, "1")]
+    with pytest.raises(RequestError, match="is left"):
+        table.live_member(workers[1].member_id)

@@ -96,3 +96,16 @@ def test_workers_hear_their_group_view_in_heartbeats_and_status_lists_it():
     assert [(v.group, list(v.members)) for v in table.status().groups] == [(0, ["worker0"]), (1, ["worker2"])]
     # The next worker fills the free place in group 0.
     assert join().trainer_group == 0
+
+
+def test_a_broken_generation_is_replaced_at_once_by_the_same_members():
+    groups = TrainerGroups(0, SETTLE)
+    for name in ("worker0", "worker1"):
+        groups.add(0, name, 0, 0.0)
+    assert groups.view(0, 5.0).generation == 1
+    groups.regroup(0, 1, 6.0)
+    groups.regroup(0, 1, 6.1)  # the other member says so too: still one new generation
+    view = groups.view(0, 6.1)
+    assert (view.generation, members(view)) == (2, ["worker0", "worker1"])
+    groups.regroup(0, 1, 7.0)  # a late report about generation 1 changes nothing
+    assert groups.view(0, 7.0).generation == 2

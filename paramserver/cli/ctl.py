@@ -1,7 +1,7 @@
 """``ps-ctl``: look at and steer a running cluster.
 
     ps-ctl --connect HOST:PORT [--token-file F] [--tls-ca PEM] status [--json]
-    ps-ctl --connect HOST:PORT ... checkpoint
+    ps-ctl --connect HOST:PORT ... checkpoint [--timeout S]
     ps-ctl --connect HOST:PORT ... shutdown
 
 Exit codes: 0 done, 1 the coordinator refused or was unreachable, 2 bad flags.
@@ -25,7 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     status = commands.add_parser("status", help="members, their liveness and progress; the generation")
     status.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    commands.add_parser("checkpoint", help="ask the cluster to write a checkpoint now")
+    checkpoint = commands.add_parser("checkpoint", help="write a checkpoint now; waits until it is committed")
+    checkpoint.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS",
+                            help="give up after this long (default 120)")
     commands.add_parser("shutdown", help="stop the workers, the shards and the server")
 
 
@@ -70,7 +72,11 @@ def run(args) -> int:
             response = client.status()
             print(json.dumps(status_as_dict(response)) if args.json else format_status(response))
         elif args.command == "checkpoint":
-            print(f"checkpoint {client.checkpoint().checkpoint_id} started")
+            if not 0 < args.timeout <= 3600:
+                print(f"ps-ctl: --timeout must be 0-3600 seconds, got {args.timeout}", file=sys.stderr)
+                return 2
+            done = client.checkpoint(args.timeout)
+            print(f"checkpoint {done.checkpoint_id} written at step {done.step}: {done.directory}")
         elif args.command == "shutdown":
             client.shutdown("ps-ctl shutdown")
             print(f"cluster at {client.address} is shutting down")

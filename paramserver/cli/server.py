@@ -1,6 +1,7 @@
 """``ps-server``: start a cluster's coordinator and its shard servers on this machine.
 
     ps-server --shards 4 [--host H] [--port P] [--job JOB] [--job-config JSON] [--group-size N]
+              [--checkpoint-dir D [--checkpoint-every STEPS|SECONDSs] [--checkpoint-keep K]] [--restore D]
               [--token-file F] [--tls-cert C --tls-key K] [--heartbeat-timeout S]
 
 Prints ``ps-server ready at HOST:PORT (...)`` once every shard has joined;
@@ -9,9 +10,12 @@ SIGTERM/SIGINT (or ``ps-ctl shutdown``) stops members, shards and itself.
 
 import argparse
 import datetime
+import math
 import sys
+from typing import Optional
 
 from ..control import DEFAULT_PORT, CoordinatorSettings, TlsFiles
+from ..control.checkpoints import CheckpointOptions
 from ..control.protocol import HEARTBEAT_INTERVAL
 from ..runtime.job import DEFAULT_JOB, JobError, pack_job
 from ..runtime.server import ServerOptions, serve
@@ -32,6 +36,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-size", type=int, default=0, metavar="N",
                         help="workers per trainer group, each one DDP process group (default 0: every worker "
                              "in one group)")
+    parser.add_argument("--checkpoint-dir", metavar="DIR",
+                        help="write checkpoints under DIR (one path every member reaches); a shard process "
+                             "that dies is restarted from the newest one")
+    parser.add_argument("--checkpoint-every", metavar="N|Ns", default=None,
+                        help="checkpoint every N training steps (500) or every N seconds (300s)")
+    parser.add_argument("--checkpoint-keep", type=int, default=3, metavar="K",
+                        help="complete checkpoints to keep (default 3); older ones are deleted")
+    parser.add_argument("--restore", metavar="DIR",
+                        help="start from a checkpoint: a checkpoint directory, or a checkpoint root (its newest "
+                             "valid checkpoint); the number of shards may differ from the one that wrote it")
     add_token_file(parser)
     parser.add_argument("--tls-cert", metavar="PEM", help="serve TLS only, with this certificate")
     parser.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
@@ -57,7 +71,8 @@ def options_from(args) -> ServerOptions:
     except JobError as error:
         raise UsageError(f"--job: {error}") from error
     settings = dict(host=args.host, port=args.port, token=token_from(args), job=job,
-                    tls=TlsFiles(cert=args.tls_cert, key=args.tls_key) if args.tls_cert else None)
+                    tls=TlsFiles(cert=args.tls_cert, key=args.tls_key) if args.tls_cert else None,
+                    checkpoints=checkpoint_options_from(args))
     if args.heartbeat_timeout is not None:
         timeout = datetime.timedelta(seconds=args.heartbeat_timeout)
         if timeout <= HEARTBEAT_INTERVAL:
@@ -66,6 +81,32 @@ def options_from(args) -> ServerOptions:
         settings["heartbeat_timeout"] = timeout
     return ServerOptions(num_shards=args.shards, coordinator=CoordinatorSettings(**settings),
                          log_level=args.log_level)
+
+
+def checkpoint_options_from(args) -> Optional[CheckpointOptions]:
+    if args.checkpoint_keep < 1:
+        raise UsageError(f"--checkpoint-keep must be at least 1, got {args.checkpoint_keep}")
+    if not args.checkpoint_dir and not args.restore:
+        if args.checkpoint_every is not None:
+            raise UsageError("--checkpoint-every needs --checkpoint-dir")
+        return None
+    every_steps, every_seconds = 0, 0.0
+    if args.checkpoint_every is not None:
+        text = args.checkpoint_every.strip()
+        try:
+            if text.endswith("s"):
+                every_seconds = float(text[:-1])
+                valid = every_seconds > 0 and math.isfinite(every_seconds)
+            else:
+                every_steps = int(text)
+                valid = every_steps > 0
+        except ValueError:
+            valid = False
+        if not valid:
+            raise UsageError(f"--checkpoint-every must be a positive number of steps (500) or seconds (300s), "
+                             f"got {args.checkpoint_every!r}")
+    return CheckpointOptions(directory=args.checkpoint_dir, every_steps=every_steps, every_seconds=every_seconds,
+                             keep=args.checkpoint_keep, restore=args.restore)
 
 
 def run(args) -> int:

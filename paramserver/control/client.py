@@ -106,8 +106,13 @@ class CoordinatorClient:
     def status(self) -> pb.StatusResponse:
         return self.call("Status", pb.StatusRequest())
 
-    def checkpoint(self) -> pb.CheckpointResponse:
-        return self.call("Checkpoint", pb.CheckpointRequest())
+    def checkpoint(self, timeout_seconds: float = 120.0) -> pb.CheckpointResponse:
+        """Ask for a checkpoint and wait (up to ``timeout_seconds``) until it is committed."""
+        return self.call("Checkpoint", pb.CheckpointRequest(timeout_seconds=timeout_seconds),
+                         timeout=datetime.timedelta(seconds=timeout_seconds + 5))
+
+    def commit_checkpoint(self, request: pb.CommitCheckpointRequest) -> pb.CommitCheckpointResponse:
+        return self.call("CommitCheckpoint", request)
 
     def shutdown(self, reason: str = "") -> None:
         self.call("Shutdown", pb.ShutdownRequest(reason=reason))
@@ -164,6 +169,8 @@ class HeartbeatLoop:
         self._sequence = 0
         #: Sent with every beat: this member's data plane is up.
         self.ready = False
+        #: Sent with every beat: this generation of the member's trainer group broke (0: none).
+        self.regroup_generation = 0
         # Beats go one at a time (the loop's and ``beat()`` called by the owner),
         # so sequence numbers reach the coordinator in order.
         self._beat_lock = threading.Lock()
@@ -181,7 +188,7 @@ class HeartbeatLoop:
             self._sequence += 1
             response = self._client.call("Heartbeat", pb.HeartbeatRequest(
                 member_id=self._member_id, sequence=self._sequence, step=step, metrics=_finite(metrics),
-                ready=self.ready),
+                ready=self.ready, regroup_generation=self.regroup_generation),
                 timeout=self._interval * 2)
         if self._on_response is not None:
             self._on_response(response)

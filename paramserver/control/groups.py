@@ -37,6 +37,7 @@ class _Group:
     live: Dict[str, int] = field(default_factory=dict)  # RPC name -> GPUs, in join order
     changed_at: float = 0.0
     view: Optional[pb.TrainerGroupView] = None
+    regroup: bool = False  # the current view broke: publish the next one even if its members are the same
 
 
 class TrainerGroups:
@@ -70,6 +71,14 @@ class TrainerGroups:
         if state is not None and state.live.pop(rpc_name, None) is not None:
             state.changed_at = now
 
+    def regroup(self, group: int, generation: int, now: float) -> None:
+        """A member says ``generation`` of ``group`` broke: the next view is due at once, even with the
+        same members (asked again for a generation already replaced, it does nothing)."""
+        state = self._groups.get(group)
+        if state is not None and state.view is not None and state.view.generation == generation:
+            state.regroup = True
+            state.changed_at = now
+
     def view(self, group: int, now: float) -> Optional[pb.TrainerGroupView]:
         """The newest view of ``group``, publishing a new generation first when one is due."""
         state = self._groups.get(group)
@@ -83,6 +92,7 @@ class TrainerGroups:
             state.view = pb.TrainerGroupView(
                 group=group, generation=(state.view.generation if state.view is not None else 0) + 1,
                 members=members, backend=backend)
+            state.regroup = False
             logger.info("trainer group %d: generation %d formed by %s (%s)", group, state.view.generation,
                         ", ".join(members), backend)
         return state.view
@@ -90,6 +100,8 @@ class TrainerGroups:
     def _due(self, state: _Group, now: float) -> bool:
         if not state.live:
             return False
+        if state.regroup:
+            return True
         if state.view is not None and set(state.view.members) == set(state.live):
             return False
         full = self.group_size > 0 and len(state.live) >= self.group_size

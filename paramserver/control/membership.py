@@ -167,6 +167,12 @@ class Membership:
             # Shards keep the name they were started with, so a restarted shard is found again.
             if any(m.rpc_name == request.name for m in self._alive()):
                 raise _precondition(f"a live member is already named {request.name!r}")
+            # ... once every survivor has dropped the lost one from its RPC group (a peer that still
+            # knows the old one would never learn the new one): the joiner retries meanwhile.
+            if any(c.kind == pb.Command.KIND_FORGET_PEER and c.peer == request.name
+                   for m in self._alive() for c in m.commands):
+                raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                                   f"members are still dropping the previous {request.name}; join again shortly")
             return request.name
         # Workers and clients get a fresh name per join: a rejoining process is a new member.
         return f"{ROLE_NAMES[request.role]}{index}"
@@ -196,6 +202,8 @@ class Membership:
             member.step = request.step
             member.metrics = dict(request.metrics)
             commands, member.commands = member.commands, []
+            if member.role == pb.ROLE_WORKER and request.regroup_generation:
+                self._groups.regroup(member.trainer_group, request.regroup_generation, member.last_heartbeat)
             view = self._groups.view(member.trainer_group, member.last_heartbeat) \
                 if member.role == pb.ROLE_WORKER else None
             return self._generation, commands, self._live_shard_names(), view
@@ -267,6 +275,19 @@ class Membership:
                 member.commands.append(pb.Command(kind=pb.Command.KIND_STOP))
             self._changed.notify_all()
         return members
+
+    def command(self, role: int, command: pb.Command) -> int:
+        """Queue ``command`` for every live member of ``role`` (sent with their next heartbeat answer)."""
+        with self._changed:
+            members = self._alive(role)
+            for member in members:
+                member.commands.append(command)
+        return len(members)
+
+    def live_member(self, member_id: str) -> Member:
+        """The live member ``member_id`` (``RequestError`` for an unknown or former one)."""
+        with self._changed:
+            return self._known(member_id)
 
     def _forget_oldest_former_members(self) -> None:
         former = [key for key, m in self._members.items() if m.state != ALIVE]

@@ -19,6 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from .checkpoints import CheckpointCoordinator, CheckpointOptions
 from .groups import GROUP_SETTLE, TrainerGroups
 from .membership import Member, Membership
 from .protocol import (DEFAULT_PORT, HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_ENV,
@@ -53,6 +54,8 @@ class CoordinatorSettings:
     max_workers: int = 32
     #: How long a trainer group's membership must stay unchanged before it forms (when not full).
     group_settle: datetime.timedelta = GROUP_SETTLE
+    #: Where and how often to checkpoint, and what to restore from (``None``: no checkpoints).
+    checkpoints: Optional[CheckpointOptions] = None
 
     def __post_init__(self):
         if self.heartbeat_timeout <= self.heartbeat_interval:
@@ -63,20 +66,22 @@ class CoordinatorSettings:
 class CoordinatorServer:
     """Start with ``start()``; ``mark_ready()`` flips health to SERVING; ``stop()`` ends it."""
 
-    def __init__(self, settings: CoordinatorSettings,
-                 request_shutdown: Callable[[str], None],
-                 request_checkpoint: Optional[Callable[[], str]] = None):
+    def __init__(self, settings: CoordinatorSettings, request_shutdown: Callable[[str], None]):
         self.settings = settings
         self.store = RendezvousStore(settings.host)
         groups = TrainerGroups(settings.job.group_size if settings.job is not None else 0, settings.group_settle)
         self.membership = Membership(settings.heartbeat_timeout, on_gone=self._remove_from_rpc_group,
                                      groups=groups)
+        self.checkpoints = None
+        if settings.checkpoints is not None:
+            self.checkpoints = CheckpointCoordinator.from_options(
+                settings.checkpoints, lambda command: self.membership.command(pb.ROLE_WORKER, command))
         self.service = CoordinatorService(
             self.membership,
             ServiceSettings(store=pb.StoreAddress(host=self.store.host, port=self.store.port), job=settings.job,
                             heartbeat_interval=settings.heartbeat_interval,
                             heartbeat_timeout=settings.heartbeat_timeout),
-            request_shutdown, request_checkpoint)
+            request_shutdown, self.checkpoints)
         interceptors = [TokenAuthInterceptor(settings.token)] if settings.token else []
         self._server = grpc.server(
             concurrent.futures.ThreadPoolExecutor(settings.max_workers, thread_name_prefix="coordinator"),
@@ -110,6 +115,8 @@ class CoordinatorServer:
     def start(self) -> "CoordinatorServer":
         self._server.start()
         self._sweeper.start()
+        if self.checkpoints is not None:
+            self.checkpoints.start()
         logger.info("coordinator listening on %s (%s%s), store on %s:%d, heartbeat timeout %.1f s",
                     self.address, "TLS" if self.settings.tls else "plaintext",
                     ", token required" if self.settings.token else "", self.store.host, self.store.port,
@@ -141,6 +148,8 @@ class CoordinatorServer:
 
     def stop(self, grace: datetime.timedelta = datetime.timedelta(seconds=1)) -> None:
         self._stopped.set()
+        if self.checkpoints is not None:
+            self.checkpoints.stop()
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self._server.stop(grace.total_seconds()).wait()
         self.store.close()

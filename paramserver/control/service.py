@@ -10,16 +10,23 @@ is answered on that call alone.
 import datetime
 import logging
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from .membership import Membership
 from .protocol import SERVICE_NAME, pb
-from .validation import RequestError, invalid, validate_heartbeat, validate_join, validate_leave, validate_shutdown
+from .validation import (RequestError, check_member_id, invalid, validate_heartbeat, validate_join, validate_leave,
+                         validate_shutdown)
+
+if TYPE_CHECKING:  # the checkpoint side loads torch; it is only imported by a server that keeps checkpoints
+    from .checkpoints import CheckpointCoordinator
 
 logger = logging.getLogger(__name__)
+
+#: How long the Checkpoint call waits for the checkpoint unless told (as ``checkpoints.DEFAULT_WAIT``).
+DEFAULT_CHECKPOINT_WAIT = datetime.timedelta(seconds=120)
 
 _DESCRIPTOR = pb.DESCRIPTOR.services_by_name["Coordinator"]
 
@@ -39,23 +46,24 @@ class CoordinatorService:
 
     ``request_shutdown(reason)`` is called by the Shutdown RPC and must
     return at once (the caller drains the cluster elsewhere);
-    ``request_checkpoint()`` by Checkpoint (``None``: checkpoints are not
-    configured, and the call is refused).
+    ``checkpoints`` takes Checkpoint and CommitCheckpoint (``None``:
+    checkpoints are not configured, and both are refused).
     """
 
     def __init__(self, membership: Membership, settings: ServiceSettings,
                  request_shutdown: Callable[[str], None],
-                 request_checkpoint: Optional[Callable[[], str]] = None):
+                 checkpoints: Optional["CheckpointCoordinator"] = None):
         self.membership = membership
         self.settings = settings
         self._request_shutdown = request_shutdown
-        self._request_checkpoint = request_checkpoint
+        self.checkpoints = checkpoints
         self._handlers = {
             "Join": (pb.JoinRequest, self.join),
             "Heartbeat": (pb.HeartbeatRequest, self.heartbeat),
             "Leave": (pb.LeaveRequest, self.leave),
             "Status": (pb.StatusRequest, self.status),
             "Checkpoint": (pb.CheckpointRequest, self.checkpoint),
+            "CommitCheckpoint": (pb.CommitCheckpointRequest, self.commit_checkpoint),
             "Shutdown": (pb.ShutdownRequest, self.shutdown),
         }
         missing = {m.name for m in _DESCRIPTOR.methods} - set(self._handlers)
@@ -82,6 +90,8 @@ class CoordinatorService:
             heartbeat_interval_ms=_ms(self.settings.heartbeat_interval),
             heartbeat_timeout_ms=_ms(self.settings.heartbeat_timeout),
             shards=self.membership.live_shard_names())
+        if self.checkpoints is not None:
+            assignment.checkpoint.CopyFrom(self.checkpoints.settings())
         if request.role == pb.ROLE_WORKER and self.settings.job is not None:
             assignment.job.CopyFrom(self.settings.job)
         return assignment
@@ -101,12 +111,31 @@ class CoordinatorService:
         response.job = self.settings.job.name if self.settings.job is not None else ""
         return response
 
-    def checkpoint(self, _request: pb.CheckpointRequest) -> pb.CheckpointResponse:
-        if self._request_checkpoint is None:
+    def checkpoint(self, request: pb.CheckpointRequest) -> pb.CheckpointResponse:
+        """Ask trainer group 0 for a checkpoint and answer once it is committed."""
+        checkpoints = self._checkpoints()
+        if not (0 <= request.timeout_seconds <= 3600):  # NaN fails this too
+            raise invalid(f"timeout_seconds must be 0-3600, got {request.timeout_seconds}")
+        timeout = (datetime.timedelta(seconds=request.timeout_seconds) if request.timeout_seconds
+                   else DEFAULT_CHECKPOINT_WAIT)
+        checkpoint = checkpoints.wait(checkpoints.request("ps-ctl checkpoint"), timeout)
+        return pb.CheckpointResponse(checkpoint_id=checkpoint.id, step=checkpoint.step,
+                                     directory=str(checkpoint.path))
+
+    def commit_checkpoint(self, request: pb.CommitCheckpointRequest) -> pb.CommitCheckpointResponse:
+        checkpoints = self._checkpoints()
+        check_member_id(request.member_id)
+        writer = self.membership.live_member(request.member_id)
+        if writer.role != pb.ROLE_WORKER:
+            raise invalid(f"{writer.describe()} is no trainer: only a trainer commits checkpoints")
+        return pb.CommitCheckpointResponse(checkpoint_id=checkpoints.commit(writer.rpc_name, request).id)
+
+    def _checkpoints(self) -> "CheckpointCoordinator":
+        if self.checkpoints is None:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
-                               "this cluster has no checkpoint directory configured, so there is nowhere "
-                               "to write a checkpoint")
-        return pb.CheckpointResponse(checkpoint_id=self._request_checkpoint())
+                               "this cluster has no checkpoint directory configured (ps-server "
+                               "--checkpoint-dir), so there is nowhere to write a checkpoint")
+        return self.checkpoints
 
     def shutdown(self, request: pb.ShutdownRequest) -> pb.ShutdownResponse:
         validate_shutdown(request)

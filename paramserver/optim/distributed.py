@@ -175,7 +175,7 @@ class DistributedOptimizer:
             entries = self._by_owner[name]
             for local_index, entry in local_state.items():
                 state[entries[local_index][0]] = entry
-        return {"optimizer": _class_name(self.optimizer_class), "state": dict(sorted(state.items()))}
+        return {"optimizer": owner.class_name(self.optimizer_class), "state": dict(sorted(state.items()))}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore a ``state_dict()`` on every owner; all or nothing.
@@ -183,7 +183,7 @@ class DistributedOptimizer:
         An owner that refuses its part (a shape that does not fit, ...) makes
         every owner return to the state it had before, and the error names it.
         """
-        expected = _class_name(self.optimizer_class)
+        expected = owner.class_name(self.optimizer_class)
         if state_dict.get("optimizer") != expected:
             raise ValueError(f"state dict is for optimizer {state_dict.get('optimizer')!r}, not {expected!r}")
         state = state_dict.get("state", {})
@@ -203,7 +203,3 @@ class DistributedOptimizer:
                              if index in state},)
                      for name, entries in self._by_owner.items()}
         self._on_every_owner(owner.remote_load_state_dict, "restoring optimizer state", per_owner)
-
-
-def _class_name(cls) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"

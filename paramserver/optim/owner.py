@@ -35,6 +35,7 @@ import torch.distributed.autograd as dist_autograd
 from torch import Tensor, nn
 from torch.distributed.rpc import RRef
 
+from ..shards import hosted
 from ..shards.hosted import name_of
 from .registry import functional_optim_map
 from .scripted import reraise_script_error
@@ -245,10 +246,27 @@ class OwnerOptimizer:
     def state_dict(self) -> StateDict:
         """``{local parameter index: {name: tensor}}`` (copies)."""
         with self._locked():
-            if not self.is_scripted:
-                state = self._impl.optim.state_dict()["state"]
-                return {i: {k: _copy(v) for k, v in entry.items()} for i, entry in state.items()}
-            return self._scripted_state_method("optimizer_state")()
+            return self._state_locked()
+
+    def _state_locked(self) -> StateDict:
+        if not self.is_scripted:
+            state = self._impl.optim.state_dict()["state"]
+            return {i: {k: _copy(v) for k, v in entry.items()} for i, entry in state.items()}
+        return self._scripted_state_method("optimizer_state")()
+
+    def snapshot(self) -> Tuple[List[Tensor], StateDict]:
+        """Copies of the parameters and of their state, taken together between two steps."""
+        with self._locked():
+            values = [param.detach().clone() for param in self.params]
+            try:
+                state = self._state_locked()
+            except NotImplementedError:  # a class without state methods: values only
+                state = {}
+            return values, state
+
+    @property
+    def class_name(self) -> str:
+        return class_name(self.optimizer_cls)
 
     def load_state_dict(self, state: StateDict) -> None:
         with self._locked():
@@ -272,6 +290,17 @@ class OwnerOptimizer:
             raise NotImplementedError(f"{self.functional_cls.__qualname__} exposes no optimizer state "
                                       "(give it state_dict() and load_state_dict())")
         return getattr(self._impl, name)
+
+
+def class_name(cls) -> str:
+    """How checkpoints name an optimizer class (``module.QualName``)."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def live_optimizers() -> List[OwnerOptimizer]:
+    """Every OwnerOptimizer alive on this owner, oldest first."""
+    with _registry_guard:
+        return sorted(_by_handle.values(), key=lambda o: o.handle)
 
 
 def _copy(value):
@@ -316,7 +345,25 @@ def remote_new_owner_optimizer(optimizer_cls, param_rrefs: List[RRef], indices: 
             logger.info("optimizer %d: %s over %d parameters (%s)", owner_optimizer.handle,
                         optimizer_cls.__qualname__, len(params),
                         "TorchScript" if functional_cls is not None else "Python, under a lock")
+            _restore_state(owner_optimizer)
     return RRef(owner_optimizer), owner_optimizer.handle, owner_optimizer.is_scripted
+
+
+def _restore_state(owner_optimizer: OwnerOptimizer) -> None:
+    """A shard started from a checkpoint: the state its parameters had there follows them here."""
+    source = hosted.restore_source
+    if source is None:
+        return
+    state = {}
+    for index, param in enumerate(owner_optimizer.params):
+        name = name_of(param)
+        entry = source.optimizer_state(name, owner_optimizer.class_name) if name is not None else None
+        if entry:
+            state[index] = entry
+    if state:
+        owner_optimizer.load_state_dict(state)
+        logger.info("optimizer %d: state of %d of its %d parameters restored from the checkpoint",
+                    owner_optimizer.handle, len(state), len(owner_optimizer.params))
 
 
 def _lookup(handle: int) -> OwnerOptimizer:

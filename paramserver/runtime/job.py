@@ -122,6 +122,21 @@ class JobContext:
     refresh: Callable[[], None] = field(default=lambda: None, repr=False)
     _group_view: Optional[pb.TrainerGroupView] = field(default=None, repr=False)
     _group_changed: threading.Condition = field(default_factory=threading.Condition, repr=False)
+    #: Where checkpoints go and what to restore from (an empty ``directory``: none configured).
+    checkpoint: pb.CheckpointSettings = field(default_factory=pb.CheckpointSettings)
+    #: Commits a written checkpoint at the coordinator (returns its id); set by the worker runtime.
+    commit_checkpoint: Callable[[pb.CommitCheckpointRequest], str] = field(default=None, repr=False)
+    #: The shards serving now, as of the last heartbeat (``shards`` is the list at join); set by the runtime.
+    live_shards: Callable[[], List[str]] = field(default=None, repr=False)
+    #: Tells the coordinator that a generation of this worker's trainer group broke (a new one is due).
+    request_regroup: Callable[[int], None] = field(default=lambda generation: None, repr=False)
+    #: The member id the coordinator knows this worker by (commits carry it).
+    member_id: str = ""
+    _checkpoint_request: int = 0
+
+    def __post_init__(self):
+        if self.live_shards is None:
+            self.live_shards = lambda: list(self.shards)
 
     def report(self, step: int, **metrics: float) -> None:
         """Record progress: the step reached and a few figures (loss, samples/s...)."""
@@ -141,6 +156,17 @@ class JobContext:
         self._stop.set()
         with self._group_changed:
             self._group_changed.notify_all()
+
+    # -- checkpoints ---------------------------------------------------
+    def request_checkpoint(self, number: int) -> None:
+        """The coordinator asked for checkpoint request ``number`` (its KIND_CHECKPOINT command)."""
+        with self._lock:
+            self._checkpoint_request = max(self._checkpoint_request, number)
+
+    def checkpoint_request(self) -> int:
+        """The newest checkpoint request heard of (0: none)."""
+        with self._lock:
+            return self._checkpoint_request
 
     # -- trainer group -------------------------------------------------
     def set_group_view(self, view: pb.TrainerGroupView) -> None:

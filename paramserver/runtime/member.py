@@ -62,8 +62,10 @@ class MemberSession:
     def start_heartbeats(self, progress: Callable[[], Tuple[int, Dict[str, float]]] = lambda: (0, {}),
                          on_stop: Callable[[], None] = lambda: None,
                          on_lost: Callable[[str], None] = lambda reason: None,
-                         on_group: Callable[[pb.TrainerGroupView], None] = lambda view: None) -> None:
-        """Heartbeat every interval from now on; ``on_group`` gets each answer's trainer-group view."""
+                         on_group: Callable[[pb.TrainerGroupView], None] = lambda view: None,
+                         on_checkpoint: Optional[Callable[[int], None]] = None) -> None:
+        """Heartbeat every interval from now on; ``on_group`` gets each answer's trainer-group view,
+        ``on_checkpoint`` each checkpoint request's number (members without it ignore requests)."""
         interval = datetime.timedelta(milliseconds=self.assignment.heartbeat_interval_ms)
         timeout = datetime.timedelta(milliseconds=self.assignment.heartbeat_timeout_ms)
 
@@ -73,6 +75,11 @@ class MemberSession:
                 on_stop()
             elif command.kind == pb.Command.KIND_FORGET_PEER:
                 peer.forget(command.peer)
+            elif command.kind == pb.Command.KIND_CHECKPOINT and on_checkpoint is not None:
+                try:
+                    on_checkpoint(int(command.checkpoint_id))
+                except ValueError:
+                    logger.warning("ignoring a checkpoint request numbered %r", command.checkpoint_id[:64])
             else:
                 logger.warning("ignoring command %s: not supported by this member",
                                pb.Command.Kind.Name(command.kind))
@@ -97,6 +104,11 @@ class MemberSession:
             self._heartbeats.beat()
         except CoordinatorError as error:  # the loop reports a lasting problem itself
             logger.warning("heartbeat failed: %s", error)
+
+    def request_regroup(self, generation: int) -> None:
+        """Tell the coordinator (now) that ``generation`` of this worker's trainer group broke."""
+        self._heartbeats.regroup_generation = generation
+        self.beat_now()
 
     def mark_ready(self) -> None:
         """Tell the coordinator (with the next heartbeat, sent now) that this member's data plane is up."""

@@ -61,7 +61,10 @@ def serve(options: ServerOptions, announce=print) -> int:
         supervisor = ShardSupervisor(
             options.num_shards, format_address(host, coordinator.port), host,
             on_exit=coordinator.membership.process_exited,
-            token=options.coordinator.token, tls=child_tls, log_level=options.log_level).start()
+            token=options.coordinator.token, tls=child_tls, log_level=options.log_level,
+            # A lost shard comes back from the newest checkpoint; with none configured it stays lost
+            # (a restart would silently serve freshly initialized tables).
+            restart=coordinator.checkpoints is not None).start()
         want = options.num_shards
         all_joined = coordinator.membership.wait_until(
             lambda m: len(m.serving_shards()) >= want or shutdown.event.is_set()

@@ -1,7 +1,8 @@
 """A shard server process of ``ps-server``: coordinator member and data-plane owner.
 
 Owns the life of one supervised shard process: join the coordinator as a
-shard (its RPC name, rank and the store come back), heartbeat, serve
+shard (its RPC name, rank, the store and the checkpoint to restore from
+come back), heartbeat, serve
 parameters over torch RPC (``paramserver.shards.run_shard_server``) until
 told to stop (a STOP command, SIGTERM/SIGINT, or losing the coordinator),
 then leave.  Exit code 0 on a clean stop, at once: the process skips the
@@ -16,7 +17,8 @@ import sys
 from typing import Optional
 
 from ..control import TlsFiles, pb
-from ..shards import ShardServerOptions, request_stop, run_shard_server
+from ..shards import ShardServerOptions, hosted, request_stop, run_shard_server
+from ..shards.snapshot import CheckpointSource
 from ..logs import configure_logging
 from .member import MemberSession
 
@@ -33,6 +35,11 @@ def run_shard_member(address: str, name: str, host: str, token: Optional[str] = 
         signal.signal(sig, lambda _signum, _frame: request_stop(graceful=False))
     session = MemberSession(address, pb.ROLE_SHARD, name=name, host=host, token=token, tls=tls)
     assignment = session.join()
+    if assignment.checkpoint.restore_from:
+        # Tables that trainers ask for come from the checkpoint (rows cut to this shard's ranges).
+        hosted.restore_source = CheckpointSource.open(assignment.checkpoint.restore_from)
+        logger.info("shard %s restores its tables from %s (step %d)", assignment.rpc_name,
+                    assignment.checkpoint.restore_from, assignment.checkpoint.restore_step)
     session.start_heartbeats(on_stop=lambda: request_stop(graceful=False),
                              on_lost=lambda reason: request_stop(graceful=False))
     try:

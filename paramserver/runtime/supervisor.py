@@ -1,9 +1,12 @@
-"""Starting and watching ``ps-server``'s shard processes.
+"""Starting, watching and restarting ``ps-server``'s shard processes.
 
 Owns the shard processes' lives: start N children with ``spawn``, notice at
-once when one exits (a thread waits on their sentinels) and report it, and
-stop them all on shutdown: SIGTERM, a bounded wait, then SIGKILL, and
-reap every one, so nothing outlives the server.
+once when one exits (a thread waits on their sentinels) and report it,
+start a new process under the same name in its place (it joins the
+coordinator again and restores its tables from the newest checkpoint; a
+bounded number of times per shard), and stop them all on shutdown:
+SIGTERM, a bounded wait, then SIGKILL, and reap every one, so nothing
+outlives the server.
 """
 
 import datetime
@@ -20,25 +23,37 @@ from .shard_process import run_shard_member
 logger = logging.getLogger(__name__)
 
 
+#: How many times one shard is restarted before the supervisor gives up on it.
+MAX_RESTARTS = 3
+
+
 class ShardSupervisor:
-    """N shard processes named ``shard0..``; ``on_exit(name, exit_code)`` runs when one exits on its own."""
+    """N shard processes named ``shard0..``; ``on_exit(name, exit_code)`` runs when one exits on its own.
+
+    With ``restart``, a shard that exits on its own is started again
+    (``MAX_RESTARTS`` times at most); the count is in ``restarts``.
+    """
 
     def __init__(self, num_shards: int, coordinator_address: str, host: str,
                  on_exit: Callable[[str, Optional[int]], None],
-                 token: Optional[str] = None, tls: Optional[TlsFiles] = None, log_level: Optional[str] = None):
+                 token: Optional[str] = None, tls: Optional[TlsFiles] = None, log_level: Optional[str] = None,
+                 restart: bool = False, max_restarts: int = MAX_RESTARTS):
         if num_shards < 1:
             raise ValueError(f"--shards must be at least 1, got {num_shards}")
         self._context = multiprocessing.get_context("spawn")
         self._on_exit = on_exit
         self._stopping = threading.Event()
-        self.processes: Dict[str, multiprocessing.Process] = {}
-        for index in range(num_shards):
-            name = f"shard{index}"
-            self.processes[name] = self._context.Process(
-                target=run_shard_member, name=name,
-                kwargs=dict(address=coordinator_address, name=name, host=host, token=token, tls=tls,
-                            log_level=log_level))
+        self._lock = threading.Lock()
+        self._restart = restart
+        self._max_restarts = max_restarts
+        self._kwargs = dict(address=coordinator_address, host=host, token=token, tls=tls, log_level=log_level)
+        self.restarts: Dict[str, int] = {}
+        self.processes: Dict[str, multiprocessing.Process] = {
+            f"shard{index}": self._new_process(f"shard{index}") for index in range(num_shards)}
         self._watcher = threading.Thread(target=self._watch, name="shard-supervisor", daemon=True)
+
+    def _new_process(self, name: str) -> multiprocessing.Process:
+        return self._context.Process(target=run_shard_member, name=name, kwargs=dict(self._kwargs, name=name))
 
     def start(self) -> "ShardSupervisor":
         for name, process in self.processes.items():
@@ -59,13 +74,36 @@ class ShardSupervisor:
                         logger.error("shard process %s (pid %d) exited with code %s", name, process.pid,
                                      process.exitcode)
                         self._on_exit(name, process.exitcode)
+                        replacement = self._replace(name)
+                        if replacement is not None:
+                            running[name] = replacement
+
+    def _replace(self, name: str) -> Optional[multiprocessing.Process]:
+        """Start ``name`` again, unless restarts are off, used up, or the server is stopping."""
+        count = self.restarts.get(name, 0)
+        if not self._restart:
+            return None
+        if count >= self._max_restarts:
+            logger.error("shard %s exited %d times; not restarting it again", name, count + 1)
+            return None
+        with self._lock:
+            if self._stopping.is_set():
+                return None
+            process = self._new_process(name)
+            process.start()
+            self.processes[name] = process
+            self.restarts[name] = count + 1
+        logger.warning("restarted %s (pid %d; restart %d of at most %d)", name, process.pid, count + 1,
+                       self._max_restarts)
+        return process
 
     def alive(self) -> Dict[str, bool]:
         return {name: process.is_alive() for name, process in self.processes.items()}
 
     def stop(self, timeout: datetime.timedelta = datetime.timedelta(seconds=3)) -> Dict[str, Optional[int]]:
         """SIGTERM every shard, wait up to ``timeout``, SIGKILL the rest; returns exit codes."""
-        self._stopping.set()
+        with self._lock:  # no restart starts after this
+            self._stopping.set()
         for process in self.processes.values():
             if process.is_alive():
                 process.terminate()

@@ -60,13 +60,18 @@ def run_worker(options: WorkerOptions, say=print) -> int:
     context = JobContext(rpc_name=assignment.rpc_name, worker_index=assignment.index,
                          generation=assignment.generation, trainer_group=assignment.trainer_group,
                          shards=list(assignment.shards), store_host=assignment.store.host,
-                         store_port=assignment.store.port)
+                         store_port=assignment.store.port, checkpoint=assignment.checkpoint,
+                         member_id=assignment.member_id)
+    context.commit_checkpoint = lambda request: session.client.commit_checkpoint(request).checkpoint_id
+    context.request_regroup = session.request_regroup
+    context.live_shards = lambda: session.shards
     watchdog = _StopWatchdog(context, options.stop_grace)
     # Heartbeats from the moment we joined: unpacking the job and joining the
     # data plane can take seconds on a loaded machine.
     context.refresh = session.beat_now
     session.start_heartbeats(progress=context.progress, on_stop=watchdog.stop_requested,
-                             on_lost=lambda reason: watchdog.stop_requested(), on_group=context.set_group_view)
+                             on_lost=lambda reason: watchdog.stop_requested(), on_group=context.set_group_view,
+                             on_checkpoint=context.request_checkpoint)
     if not assignment.job.code:
         session.leave("no job")
         say(f"ps-worker: the cluster at {options.address} has no job to run")

@@ -12,13 +12,15 @@ A hosted tensor lives as long as some RRef to it does; the name index
 holds it weakly.  A *shared* table (``host_rows(..., shared=True)``) is
 created by the first caller and found by name by the others, and lives
 as long as the shard: it is the model the shard serves, whichever worker
-asked for it first.  Optimizer state is not kept here (see
+asked for it first.  When the shard was started from a checkpoint
+(``restore_source``, see ``snapshot``), a shared table's rows come from
+it instead of the seed.  Optimizer state is not kept here (see
 ``paramserver.optim.owner``).
 """
 
 import threading
 import weakref
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Protocol
 
 import torch
 from torch import Tensor
@@ -28,6 +30,18 @@ _lock = threading.Lock()
 _by_name: "weakref.WeakValueDictionary[str, Tensor]" = weakref.WeakValueDictionary()
 _names_by_id: Dict[int, str] = {}
 _shared: Dict[str, Tensor] = {}
+
+
+class RestoreSource(Protocol):
+    """Where a restarted or resharded shard finds the values it hosted before (``snapshot.CheckpointSource``)."""
+
+    def rows(self, name: str, num_rows: int, embedding_dim: int, dtype: torch.dtype) -> Optional[Tensor]: ...
+
+    def optimizer_state(self, name: str, optimizer: str) -> Optional[Dict[str, Tensor]]: ...
+
+
+#: Set once, before serving, by a shard started from a checkpoint.
+restore_source: Optional[RestoreSource] = None
 
 
 def _register(name: str, tensor: Tensor) -> Tensor:
@@ -80,13 +94,22 @@ def host_rows(name: str, num_rows: int, embedding_dim: int, dtype: torch.dtype, 
                 raise ValueError(f"shared table {name!r} is hosted here as {list(existing.shape)} "
                                  f"{existing.dtype}, asked for [{num_rows}, {embedding_dim}] {dtype}")
             return RRef(existing)
-        generator = torch.Generator().manual_seed((seed * 0x9E3779B97F4A7C15 + start_row) % 2**63)
-        rows = torch.empty(num_rows, embedding_dim, dtype=dtype)
-        rows.normal_(0.0, init_std, generator=generator)
+        rows = restore_source.rows(name, num_rows, embedding_dim, dtype) \
+            if shared and restore_source is not None else None
+        if rows is None:
+            generator = torch.Generator().manual_seed((seed * 0x9E3779B97F4A7C15 + start_row) % 2**63)
+            rows = torch.empty(num_rows, embedding_dim, dtype=dtype)
+            rows.normal_(0.0, init_std, generator=generator)
         _register_locked(name, rows.requires_grad_(True))
         if shared:
             _shared[name] = rows
     return RRef(rows)
+
+
+def shared_tables() -> Dict[str, Tensor]:
+    """The shared tables hosted here, by name (what a checkpoint of this shard holds)."""
+    with _lock:
+        return dict(_shared)
 
 
 def name_of(tensor: Tensor) -> Optional[str]:

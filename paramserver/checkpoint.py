@@ -1,0 +1,349 @@
+"""Sharded, atomic checkpoints: the files, the manifest, and finding the newest whole checkpoint.
+
+Owns the storage side of checkpoints, for every role that writes or reads
+one (shards, trainers, the coordinator): writing a file atomically (to a
+temporary name in the same directory, counted and hashed on the way,
+flushed, fsynced, renamed, the directory fsynced), loading it after
+checking its size and sha256, the manifest (``MANIFEST.json``, written
+last: a checkpoint directory without one is an interrupted checkpoint and
+never counts), keeping the newest ``keep`` checkpoints, and refusing a
+corrupt or truncated one with a message naming the file, in favour of the
+previous one.  Also the pure tensor logic of resharding: naming row ranges
+(``table[start:stop]``) and cutting any row range out of the ranges a
+checkpoint holds.
+
+It knows nothing of processes, ``torch.distributed`` or gRPC, nor of who
+wrote what: ``paramserver.shards.snapshot`` and
+``paramserver.runtime.checkpointing`` decide what goes in the files.
+"""
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import pathlib
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import BinaryIO, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "MANIFEST.json"
+CHECKPOINT_PREFIX = "ckpt-"
+FORMAT = 1
+_HASH_CHUNK = 1 << 20
+PathLike = Union[str, pathlib.Path]
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """One file of a checkpoint as its writer measured it."""
+
+    name: str
+    bytes: int
+    sha256: str
+
+    def to_json(self) -> Dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Dict) -> "FileRecord":
+        return cls(name=str(data["name"]), bytes=int(data["bytes"]), sha256=str(data["sha256"]))
+
+
+class CorruptCheckpoint(ValueError):
+    """A checkpoint file that is missing, truncated, altered or unreadable; the message names it."""
+
+
+class _HashingWriter:
+    """A write-only stream that counts and hashes what goes through it (enough of a file for ``torch.save``)."""
+
+    def __init__(self, file: BinaryIO):
+        self._file = file
+        self.sha256 = hashlib.sha256()
+        self.bytes = 0
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.sha256.update(view)
+        self.bytes += len(view)
+        self._file.write(view)
+        return len(view)
+
+    def tell(self) -> int:
+        return self.bytes
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False  # a seek would rewrite bytes already hashed
+
+
+def atomic_write(path: PathLike, write: Callable[[BinaryIO], None]) -> FileRecord:
+    """Write ``path`` through ``write(file)`` so that it appears whole or not at all; returns its record.
+
+    On any error the temporary file is removed and whatever was at ``path`` before is left as it was.
+    """
+    path = pathlib.Path(path)
+    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
+    try:
+        with os.fdopen(descriptor, "wb") as file:
+            writer = _HashingWriter(file)
+            write(writer)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+    descriptor = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+    return FileRecord(name=path.name, bytes=writer.bytes, sha256=writer.sha256.hexdigest())
+
+
+def save_tensors(path: PathLike, obj) -> FileRecord:
+    """``torch.save(obj)`` to ``path``, atomically."""
+    return atomic_write(path, lambda file: torch.save(obj, file))
+
+
+def verify_file(path: PathLike, record: FileRecord, check_sha256: bool = True) -> None:
+    """``CorruptCheckpoint`` unless ``path`` has the recorded size (and sha256)."""
+    path = pathlib.Path(path)
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise CorruptCheckpoint(f"{path}: missing") from None
+    if size != record.bytes:
+        raise CorruptCheckpoint(f"{path}: size {size} bytes, expected {record.bytes} (truncated or replaced)")
+    if not check_sha256:
+        return
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for chunk in iter(lambda: file.read(_HASH_CHUNK), b""):
+            digest.update(chunk)
+    if digest.hexdigest() != record.sha256:
+        raise CorruptCheckpoint(f"{path}: sha256 mismatch: {digest.hexdigest()[:16]}..., expected "
+                                f"{record.sha256[:16]}... (the file was altered)")
+
+
+def load_tensors(path: PathLike, record: Optional[FileRecord] = None, mmap: bool = False):
+    """What ``save_tensors`` wrote (tensors and plain data only), checked against ``record`` first."""
+    if record is not None:
+        verify_file(path, record)
+    try:
+        return torch.load(path, weights_only=True, mmap=mmap)
+    except Exception as error:  # noqa: BLE001 - any unreadable file is a corrupt checkpoint
+        raise CorruptCheckpoint(f"{path}: not loadable: {type(error).__name__}: {error}") from error
+
+
+@dataclass
+class Checkpoint:
+    """A committed checkpoint: its directory and its manifest."""
+
+    path: pathlib.Path
+    manifest: Dict
+
+    @property
+    def id(self) -> str:
+        return self.path.name
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+    @property
+    def files(self) -> List[FileRecord]:
+        return [FileRecord.from_json(entry) for entry in self.manifest["files"]]
+
+    def file(self, name: str) -> pathlib.Path:
+        return self.path / name
+
+    def verify(self) -> None:
+        """``CorruptCheckpoint`` naming the first file that is missing or differs from the manifest."""
+        for record in self.files:
+            verify_file(self.file(record.name), record)
+
+
+def read_manifest(directory: PathLike) -> Checkpoint:
+    """The checkpoint in ``directory`` as its manifest says (files not checked).
+
+    ``FileNotFoundError`` when there is no manifest (an interrupted checkpoint),
+    ``CorruptCheckpoint`` when it is not JSON or lacks a field.
+    """
+    path = pathlib.Path(directory) / MANIFEST
+    try:
+        checkpoint = Checkpoint(path.parent, json.loads(path.read_text()))
+        _ = (checkpoint.step, checkpoint.files, float(checkpoint.manifest.get("created_unix", 0.0)))
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise CorruptCheckpoint(f"{path}: not a valid manifest: {type(error).__name__}: {error}") from None
+    return checkpoint
+
+
+def _newest_first_key(checkpoint: Checkpoint) -> Tuple[int, float, str]:
+    return (checkpoint.step, float(checkpoint.manifest.get("created_unix", 0.0)), checkpoint.id)
+
+
+def _step_from_name(name: str) -> int:
+    match = re.match(rf"{CHECKPOINT_PREFIX}(\d+)", name)
+    return int(match.group(1)) if match else -1
+
+
+class CheckpointStore:
+    """Checkpoints under ``root``, one directory each (``ckpt-<step>``); the newest ``keep`` are kept."""
+
+    def __init__(self, root: PathLike, keep: int = 3):
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, got {keep}")
+        self.root = pathlib.Path(root)
+        self.keep = keep
+
+    def new_directory(self, step: int) -> pathlib.Path:
+        """A new, empty directory for the checkpoint of ``step`` (never one used before)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        base = f"{CHECKPOINT_PREFIX}{step:010d}"
+        for attempt in range(10_000):
+            with contextlib.suppress(FileExistsError):
+                directory = self.root / (base if attempt == 0 else f"{base}-{attempt}")
+                directory.mkdir()
+                return directory
+        raise FileExistsError(f"no free checkpoint directory name for step {step} under {self.root}")
+
+    def commit(self, directory: PathLike, files: Sequence[FileRecord], step: int, info: Dict) -> Checkpoint:
+        """Check the files are there with their sizes, then write the manifest (last), then prune."""
+        directory = pathlib.Path(directory)
+        for record in files:
+            verify_file(directory / record.name, record, check_sha256=False)
+        manifest = {"format": FORMAT, "id": directory.name, "step": step, "created_unix": time.time(),
+                    "files": [record.to_json() for record in files], "info": info}
+        atomic_write(directory / MANIFEST, lambda file: file.write(json.dumps(manifest, indent=1).encode()))
+        self.prune()
+        return Checkpoint(directory, manifest)
+
+    def _directories(self) -> List[pathlib.Path]:
+        if not self.root.is_dir():
+            return []
+        return [p for p in self.root.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)]
+
+    def _with_manifest(self) -> List[Tuple[pathlib.Path, Union[Checkpoint, CorruptCheckpoint]]]:
+        """Every directory with a manifest, newest first, with its checkpoint or why the manifest is bad."""
+        entries = []
+        for directory in self._directories():
+            try:
+                entries.append((directory, read_manifest(directory)))
+            except FileNotFoundError:
+                logger.debug("skipping %s: no %s (an interrupted checkpoint)", directory, MANIFEST)
+            except CorruptCheckpoint as error:
+                entries.append((directory, error))
+        return sorted(entries, reverse=True, key=lambda entry: _newest_first_key(entry[1])
+                      if isinstance(entry[1], Checkpoint) else (_step_from_name(entry[0].name), 0.0, entry[0].name))
+
+    def complete(self) -> List[Checkpoint]:
+        """Checkpoints with a readable manifest, newest first (their files not checked)."""
+        return sorted((c for _, c in self._with_manifest() if isinstance(c, Checkpoint)), key=_newest_first_key,
+                      reverse=True)
+
+    def newest_valid(self, log: Callable[[str], None] = logger.warning) -> Optional[Checkpoint]:
+        """The newest checkpoint whose files all check out; each one refused is logged, naming the file."""
+        for directory, checkpoint in self._with_manifest():
+            try:
+                if isinstance(checkpoint, CorruptCheckpoint):
+                    raise checkpoint
+                checkpoint.verify()
+                return checkpoint
+            except CorruptCheckpoint as error:
+                log(f"refusing checkpoint {directory}: {error}; trying the previous one")
+        return None
+
+    def prune(self) -> None:
+        """Keep the newest ``keep`` complete checkpoints; delete older ones, and any other directory
+        (no manifest, or an unreadable one) older than the newest complete checkpoint."""
+        complete = self.complete()
+        if not complete:
+            return
+        kept = {c.path for c in complete[:self.keep]}
+        doomed = [c.path for c in complete[self.keep:]]
+        newest_step = complete[0].step
+        doomed += [d for d in self._directories() if d not in kept and d not in doomed
+                   and d not in {c.path for c in complete} and _step_from_name(d.name) < newest_step]
+        for directory in doomed:
+            shutil.rmtree(directory, ignore_errors=True)
+            logger.info("deleted old checkpoint directory %s", directory)
+
+
+def open_checkpoint(path: PathLike, log: Callable[[str], None] = logger.warning) -> Checkpoint:
+    """The checkpoint directory ``path`` (checked), or the newest valid checkpoint under the root ``path``."""
+    path = pathlib.Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"no checkpoint at {path}: no such directory")
+    if (path / MANIFEST).exists():
+        checkpoint = read_manifest(path)
+        checkpoint.verify()
+        return checkpoint
+    if path.name.startswith(CHECKPOINT_PREFIX):
+        raise FileNotFoundError(f"checkpoint {path} is incomplete: it has no {MANIFEST}")
+    checkpoint = CheckpointStore(path).newest_valid(log)
+    if checkpoint is None:
+        raise FileNotFoundError(f"no valid checkpoint under {path} (a checkpoint directory has a {MANIFEST})")
+    return checkpoint
+
+
+# -- resharding: row ranges -------------------------------------------------------
+_RANGE = re.compile(r"^(.+)\[(\d+):(\d+)\]$")
+
+
+def range_name(table: str, start: int, stop: int) -> str:
+    """How the rows ``start:stop`` of ``table`` are named in a checkpoint: ``"table[start:stop]"``."""
+    return f"{table}[{start}:{stop}]"
+
+
+def parse_range_name(name: str) -> Optional[Tuple[str, int, int]]:
+    """``"t[0:5]"`` -> ``("t", 0, 5)``; ``None`` for a name that is no row range."""
+    match = _RANGE.match(name)
+    if not match:
+        return None
+    start, stop = int(match.group(2)), int(match.group(3))
+    return (match.group(1), start, stop) if start < stop else None
+
+
+def assemble_rows(pieces: Sequence[Tuple[int, int, Tensor]], start: int, stop: int, what: str) -> Tensor:
+    """A new tensor of rows ``start:stop`` copied out of ``pieces`` (``(piece_start, piece_stop, rows)``,
+    in any order; rows are the first dimension).  ``ValueError`` naming ``what`` and the first rows missing."""
+    if start >= stop:
+        raise ValueError(f"{what}: empty row range {start}:{stop}")
+    for a, b, rows in pieces:
+        if rows.dim() == 0 or rows.shape[0] != b - a:
+            raise ValueError(f"{what}: piece {a}:{b} holds a tensor of shape {tuple(rows.shape)}, not {b - a} rows")
+    covering = sorted(((a, b, rows) for a, b, rows in pieces if a < stop and b > start), key=lambda p: p[0])
+    if not covering:
+        raise ValueError(f"{what}: the checkpoint holds none of rows {start}:{stop}")
+    first = covering[0][2]
+    out = torch.empty((stop - start,) + tuple(first.shape[1:]), dtype=first.dtype)
+    reached = start
+    for a, b, rows in covering:
+        if a > reached:
+            break
+        if b > reached:
+            high = min(b, stop)
+            out[reached - start:high - start] = rows[reached - a:high - a]
+            reached = high
+    if reached < stop:
+        gap_end = next((a for a, _, _ in covering if a > reached), stop)
+        raise ValueError(f"{what}: the checkpoint lacks rows {reached}:{gap_end}")
+    return out

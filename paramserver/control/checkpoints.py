@@ -1,0 +1,199 @@
+"""The coordinator's side of checkpoints: asking for them, committing them, and knowing the newest.
+
+Owns when a checkpoint is taken (``ps-ctl checkpoint``, every N seconds;
+every N steps is counted by the trainers themselves, who all hold the same
+step), how the request reaches the trainers (a ``KIND_CHECKPOINT`` command
+with the request's number: trainer group 0 agrees on a step, pauses, its
+rank 0 has every shard write its part and writes the dense part), and the
+commit: the coordinator checks the files its writers report and writes
+the manifest *last* (``paramserver.checkpoint.CheckpointStore.commit``),
+so a checkpoint without a manifest never counts.  It also answers what a
+(re)starting member restores from: the newest committed checkpoint, or
+the one the server was started from.
+
+It knows nothing of torch's distributed packages; the files are the
+writers' business.
+"""
+
+import datetime
+import json
+import logging
+import pathlib
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional
+
+import grpc
+
+from ..checkpoint import Checkpoint, CheckpointStore, CorruptCheckpoint, FileRecord, open_checkpoint
+from .protocol import pb
+from .validation import RequestError, invalid
+
+logger = logging.getLogger(__name__)
+
+MAX_FILES = 4096
+MAX_INFO_CHARS = 64 * 1024
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """``ps-server``'s checkpoint flags.
+
+    ``directory``: the root (``None``: the root of ``restore``).
+    ``restore``: a checkpoint directory, or a root whose newest valid
+    checkpoint is used.  ``keep``: complete checkpoints kept.
+    """
+
+    directory: Optional[str] = None
+    every_steps: int = 0
+    every_seconds: float = 0.0
+    keep: int = 3
+    restore: Optional[str] = None
+
+
+class CheckpointCoordinator:
+    """Checkpoints of one cluster under ``store``'s root.
+
+    ``command_workers(command)`` queues a command for every live worker
+    (the membership table does it); ``every_seconds`` asks for one on a
+    timer; ``restored`` is the checkpoint the cluster started from.
+    """
+
+    def __init__(self, store: CheckpointStore, command_workers: Callable[[pb.Command], int],
+                 every_steps: int = 0, every_seconds: float = 0.0, restored: Optional[Checkpoint] = None):
+        if every_steps < 0 or every_seconds < 0:
+            raise ValueError("checkpoint intervals must not be negative")
+        self.store = store
+        self._command_workers = command_workers
+        self.every_steps = every_steps
+        self.every_seconds = every_seconds
+        self.restored = restored
+        self._changed = threading.Condition()
+        self._requests = 0
+        self._answered: Dict[int, Checkpoint] = {}  # request number -> the checkpoint that answered it
+        self._newest: Optional[Checkpoint] = restored
+        self._stopped = threading.Event()
+        self._timer: Optional[threading.Thread] = None
+
+    @classmethod
+    def from_options(cls, options: CheckpointOptions,
+                     command_workers: Callable[[pb.Command], int]) -> "CheckpointCoordinator":
+        """Open the restore point (``FileNotFoundError`` / ``CorruptCheckpoint`` naming what is wrong)."""
+        restored = open_checkpoint(options.restore) if options.restore else None
+        if restored is not None:
+            logger.info("restoring from checkpoint %s (step %d)", restored.path, restored.step)
+        root = options.directory or (str(restored.path.parent) if restored is not None else None)
+        if root is None:
+            raise ValueError("checkpoints need a directory (--checkpoint-dir) or a checkpoint to restore")
+        return cls(CheckpointStore(root, keep=options.keep), command_workers, every_steps=options.every_steps,
+                   every_seconds=options.every_seconds, restored=restored)
+
+    # -- what members are told ----------------------------------------
+    @property
+    def newest(self) -> Optional[Checkpoint]:
+        with self._changed:
+            return self._newest
+
+    def settings(self) -> pb.CheckpointSettings:
+        """For a joining member: where checkpoints go, how often, and what to restore from now."""
+        newest = self.newest
+        settings = pb.CheckpointSettings(directory=str(self.store.root), every_steps=self.every_steps)
+        if newest is not None:
+            settings.restore_from = str(newest.path)
+            settings.restore_step = newest.step
+        return settings
+
+    # -- requests -----------------------------------------------------
+    def request(self, reason: str) -> int:
+        """Ask the trainers for a checkpoint; returns the request's number."""
+        with self._changed:
+            self._requests += 1
+            number = self._requests
+        told = self._command_workers(pb.Command(kind=pb.Command.KIND_CHECKPOINT, checkpoint_id=str(number)))
+        logger.info("checkpoint %d requested (%s); told %d worker%s", number, reason, told, "" if told == 1 else "s")
+        return number
+
+    def wait(self, number: int, timeout: datetime.timedelta) -> Checkpoint:
+        """The checkpoint that answers request ``number``; ``RequestError`` when none comes in time."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        with self._changed:
+            while number not in self._answered:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._stopped.is_set():
+                    raise RequestError(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"checkpoint request {number} was not written within {timeout.total_seconds():.0f} s: "
+                        "no trainer group 0 is training (checkpoints are taken by its rank 0 at a step "
+                        "boundary), or it is stuck")
+                self._changed.wait(min(remaining, 0.5))
+            return self._answered[number]
+
+    # -- commits ------------------------------------------------------
+    def commit(self, writer: str, request: pb.CommitCheckpointRequest) -> Checkpoint:
+        """Check what ``writer`` reports, write the manifest, prune; answer the requests it covers."""
+        directory = self._inside_root(request.directory)
+        files = [_file_record(f) for f in request.files]
+        if not files:
+            raise invalid("files is empty: a checkpoint has at least the dense part")
+        if len(files) > MAX_FILES:
+            raise invalid(f"files has {len(files)} entries, at most {MAX_FILES} allowed")
+        if len(request.info_json) > MAX_INFO_CHARS:
+            raise invalid(f"info_json has {len(request.info_json)} characters, at most {MAX_INFO_CHARS} allowed")
+        try:
+            info = json.loads(request.info_json or "{}")
+        except json.JSONDecodeError as error:
+            raise invalid(f"info_json is not JSON: {error}") from None
+        if not isinstance(info, dict):
+            raise invalid("info_json must be a JSON object")
+        info.update(writer=writer, request=request.request)
+        try:
+            checkpoint = self.store.commit(directory, files, request.step, info)
+        except (CorruptCheckpoint, OSError) as error:
+            logger.error("checkpoint in %s from %s refused: %s", directory, writer, error)
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"checkpoint refused: {error}") from None
+        with self._changed:
+            self._newest = checkpoint
+            # A request is answered by the first checkpoint committed after it.
+            for number in range(1, self._requests + 1):
+                self._answered.setdefault(number, checkpoint)
+            self._changed.notify_all()
+        size = sum(f.bytes for f in files)
+        logger.info("checkpoint %s committed at step %d by %s: %d files, %.1f MB", checkpoint.id, checkpoint.step,
+                    writer, len(files), size / 1e6)
+        return checkpoint
+
+    def _inside_root(self, directory: str) -> pathlib.Path:
+        if not directory:
+            raise invalid("directory is empty")
+        path = pathlib.Path(directory).resolve()
+        root = self.store.root.resolve()
+        if path.parent != root:
+            raise invalid(f"directory {directory[:300]!r} is not a checkpoint directory directly inside "
+                          f"this cluster's checkpoint root {str(root)!r}")
+        return path
+
+    # -- the timer ----------------------------------------------------
+    def start(self) -> "CheckpointCoordinator":
+        if self.every_seconds > 0:
+            self._timer = threading.Thread(target=self._every_seconds, name="checkpoint-timer", daemon=True)
+            self._timer.start()
+        return self
+
+    def _every_seconds(self) -> None:
+        while not self._stopped.wait(self.every_seconds):
+            self.request(f"every {self.every_seconds:g} s")
+
+    def stop(self) -> None:
+        self._stopped.set()
+        with self._changed:
+            self._changed.notify_all()
+
+
+def _file_record(message: pb.CheckpointFile) -> FileRecord:
+    name = message.name
+    if not name or "/" in name or "\\" in name or name in (".", "..") or len(name) > 255:
+        raise invalid(f"file name {name[:300]!r} must be a plain file name inside the checkpoint's directory")
+    if len(message.sha256) != 64 or any(c not in "0123456789abcdef" for c in message.sha256):
+        raise invalid(f"file {name!r}: sha256 must be 64 lowercase hex digits")
+    return FileRecord(name=name, bytes=message.bytes, sha256=message.sha256)

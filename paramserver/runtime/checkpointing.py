@@ -1,0 +1,148 @@
+"""A trainer group's side of checkpoints: when trainer group 0 writes one, writing it, starting from one.
+
+Owns the trainer side of ``paramserver.checkpoint``: trainer group 0
+checkpoints every ``every_steps`` steps (every member holds the same step,
+so all decide alike without a message) and when the coordinator asks
+(``KIND_CHECKPOINT``: members agree on it at a sync point, so all act at
+the same step).  All members of the group then pause at that step
+boundary, with no sparse step in flight, while rank 0 has every shard write
+its part (``paramserver.shards.snapshot``), writes the dense part (the
+replica, its optimizer, every member's comm-hook state and data position)
+and commits the checkpoint at the coordinator, which writes the manifest.
+A checkpoint that fails (a shard lost while writing) is logged and left
+uncommitted; training goes on.
+
+``restore_point(ctx)`` is the dense part of the checkpoint the cluster
+starts from, for ``DenseReplica(..., initial=...)``.
+"""
+
+import json
+import logging
+import pathlib
+import pickle
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+
+from ..checkpoint import CheckpointStore, load_tensors, read_manifest, save_tensors
+from ..control import pb
+from ..shards import snapshot
+
+logger = logging.getLogger(__name__)
+
+DENSE_PART = "dense.pt"
+FORMAT = 1
+
+
+def restore_point(ctx) -> Optional[Dict[str, Any]]:
+    """The dense part of the checkpoint the cluster starts from (``None``: a fresh model).
+
+    ``{"step", "module", "optimizer", "hook", "hook_states", "data_positions", ...}``;
+    ``hook_states`` are pickled per rank of the group that wrote it.
+    """
+    path = ctx.checkpoint.restore_from
+    if not path:
+        return None
+    checkpoint = read_manifest(pathlib.Path(path))
+    record = next((f for f in checkpoint.files if f.name == DENSE_PART), None)
+    if record is None:
+        raise FileNotFoundError(f"checkpoint {path} has no {DENSE_PART}")
+    part = load_tensors(checkpoint.file(DENSE_PART), record)
+    logger.info("%s starts from checkpoint %s at step %d", ctx.rpc_name, checkpoint.id, part["step"])
+    return part
+
+
+class TrainerCheckpoints:
+    """Checkpoints of ``replica``'s trainer group, for the job running in ``ctx``.
+
+    Call ``pending()`` for ``replica.sync_point(..., checkpoint_request=...)``
+    and ``after_step()`` after every ``replica.finish_step()``, on every
+    member.  ``every_steps`` overrides the cluster's ``--checkpoint-every``.
+    """
+
+    def __init__(self, ctx, replica, every_steps: Optional[int] = None):
+        self.ctx = ctx
+        self.replica = replica
+        self.enabled = bool(ctx.checkpoint.directory) and ctx.trainer_group == 0
+        self.every_steps = ctx.checkpoint.every_steps if every_steps is None else every_steps
+        self._done_request = 0
+        self._last_step = replica.step  # a restored run does not write its starting point again
+        self.written: List[str] = []
+
+    def pending(self) -> int:
+        """The checkpoint request this member heard of and the group has not served yet (0: none)."""
+        heard = self.ctx.checkpoint_request()
+        return heard if heard > self._done_request else 0
+
+    def after_step(self) -> None:
+        """Write a checkpoint now if one is due (collective over the group)."""
+        if not self.enabled:
+            return
+        step = self.replica.step
+        agreed = self.replica.agreed_checkpoint_request
+        by_steps = self.every_steps > 0 and step % self.every_steps == 0
+        if not (by_steps or agreed > self._done_request) or step == self._last_step:
+            return
+        self._done_request = max(self._done_request, agreed)
+        self._last_step = step
+        self.write(agreed if agreed else 0)
+
+    def write(self, request: int = 0) -> Optional[str]:
+        """Every member: pause here while rank 0 writes and commits; returns the checkpoint's id on rank 0."""
+        group = self.replica.group
+        mine = {"rpc_name": self.ctx.rpc_name, "worker_index": self.ctx.worker_index, "position": self.replica.step,
+                "hook_state": pickle.dumps(self.replica.hook_state)}
+        members: List[Optional[Dict]] = [None] * group.world_size
+        dist.all_gather_object(members, mine)
+        outcome = [None]
+        if group.rank == 0:
+            outcome[0] = self._write_on_rank0(members, request)
+        dist.broadcast_object_list(outcome, src=0, device=group.device)  # everyone waits for the shards' parts
+        if outcome[0] is not None:
+            self.written.append(outcome[0])
+        return outcome[0]
+
+    def _write_on_rank0(self, members: List[Dict], request: int) -> Optional[str]:
+        step = self.replica.step
+        started = time.monotonic()
+        try:
+            directory = CheckpointStore(self.ctx.checkpoint.directory).new_directory(step)
+            shards = list(self.ctx.shards)
+            futures = [rpc.rpc_async(shard, snapshot.remote_write_part, args=(str(directory),)) for shard in shards]
+            files = [pb.CheckpointFile(**future.wait()) for future in futures]
+            dense = save_tensors(directory / DENSE_PART, {
+                "format": FORMAT, "step": step, "module": self.replica.module.state_dict(),
+                "optimizer": self.replica.optimizer.state_dict(), "hook": self.replica.hook,
+                "hook_options": self.replica.hook_options,
+                "hook_states": [m["hook_state"] for m in members],
+                "data_positions": {m["worker_index"]: m["position"] for m in members},
+                "members": [m["rpc_name"] for m in members]})
+            files.append(pb.CheckpointFile(**dense.to_json()))
+            info = {"shards": shards, "group_members": [m["rpc_name"] for m in members],
+                    "data_positions": {str(m["worker_index"]): m["position"] for m in members},
+                    "hook": self.replica.hook}
+            checkpoint_id = self.ctx.commit_checkpoint(pb.CommitCheckpointRequest(
+                member_id=self.ctx.member_id, request=request, directory=str(directory), step=step, files=files,
+                info_json=json.dumps(info)))
+        except Exception as error:  # noqa: BLE001 - a failed checkpoint must not end the training
+            logger.error("%s: checkpoint at step %d failed, not committed: %s: %s", self.ctx.rpc_name, step,
+                         type(error).__name__, error)
+            return None
+        logger.info("%s: checkpoint %s written at step %d in %.2f s (%d shards)", self.ctx.rpc_name, checkpoint_id,
+                    step, time.monotonic() - started, len(shards))
+        return checkpoint_id
+
+
+def hook_state_for(initial: Optional[Dict[str, Any]], rank: int, world_size: int):
+    """This rank's comm-hook state from a restore point, when the group that wrote it had the same size."""
+    if not initial or len(initial.get("hook_states", [])) != world_size:
+        return None
+    return pickle.loads(initial["hook_states"][rank])
+
+
+def load_module_state(module: torch.nn.Module, initial: Optional[Dict[str, Any]]) -> None:
+    if initial:
+        module.load_state_dict(initial["module"])
