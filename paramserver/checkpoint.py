@@ -63,7 +63,7 @@ class CorruptCheckpoint(ValueError):
 
 
 class _HashingWriter:
-    """A write-only stream that counts and hashes what goes through it (enough of a file for ``torch.save``)."""
+    """A write-only, unseekable stream that counts and hashes what goes through it (enough for ``torch.save``)."""
 
     def __init__(self, file: BinaryIO):
         self._file = file
@@ -82,12 +82,6 @@ class _HashingWriter:
 
     def flush(self) -> None:
         self._file.flush()
-
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False  # a seek would rewrite bytes already hashed
 
 
 def atomic_write(path: PathLike, write: Callable[[BinaryIO], None]) -> FileRecord:
@@ -196,13 +190,16 @@ def read_manifest(directory: PathLike) -> Checkpoint:
     return checkpoint
 
 
-def _newest_first_key(checkpoint: Checkpoint) -> Tuple[int, float, str]:
-    return (checkpoint.step, float(checkpoint.manifest.get("created_unix", 0.0)), checkpoint.id)
-
-
 def _step_from_name(name: str) -> int:
     match = re.match(rf"{CHECKPOINT_PREFIX}(\d+)", name)
     return int(match.group(1)) if match else -1
+
+
+def _age(directory: pathlib.Path, parsed: Union[Checkpoint, CorruptCheckpoint]) -> Tuple[int, float, str]:
+    """Orders checkpoints oldest to newest: (step, created_unix, name); an unreadable manifest by its name's step."""
+    if isinstance(parsed, Checkpoint):
+        return (parsed.step, float(parsed.manifest.get("created_unix", 0.0)), directory.name)
+    return (_step_from_name(directory.name), 0.0, directory.name)
 
 
 class CheckpointStore:
@@ -251,13 +248,11 @@ class CheckpointStore:
                 logger.debug("skipping %s: no %s (an interrupted checkpoint)", directory, MANIFEST)
             except CorruptCheckpoint as error:
                 entries.append((directory, error))
-        return sorted(entries, reverse=True, key=lambda entry: _newest_first_key(entry[1])
-                      if isinstance(entry[1], Checkpoint) else (_step_from_name(entry[0].name), 0.0, entry[0].name))
+        return sorted(entries, key=lambda entry: _age(*entry), reverse=True)
 
     def complete(self) -> List[Checkpoint]:
         """Checkpoints with a readable manifest, newest first (their files not checked)."""
-        return sorted((c for _, c in self._with_manifest() if isinstance(c, Checkpoint)), key=_newest_first_key,
-                      reverse=True)
+        return [checkpoint for _, checkpoint in self._with_manifest() if isinstance(checkpoint, Checkpoint)]
 
     def newest_valid(self, log: Callable[[str], None] = logger.warning) -> Optional[Checkpoint]:
         """The newest checkpoint whose files all check out; each one refused is logged, naming the file."""
@@ -277,11 +272,10 @@ class CheckpointStore:
         complete = self.complete()
         if not complete:
             return
-        kept = {c.path for c in complete[:self.keep]}
+        complete_paths = {c.path for c in complete}
         doomed = [c.path for c in complete[self.keep:]]
-        newest_step = complete[0].step
-        doomed += [d for d in self._directories() if d not in kept and d not in doomed
-                   and d not in {c.path for c in complete} and _step_from_name(d.name) < newest_step]
+        doomed += [d for d in self._directories()
+                   if d not in complete_paths and _step_from_name(d.name) < complete[0].step]
         for directory in doomed:
             shutil.rmtree(directory, ignore_errors=True)
             logger.info("deleted old checkpoint directory %s", directory)

@@ -2,14 +2,18 @@
 manifest written last, refusing corrupt checkpoints by file name in favour
 of the previous one, pruning, and cutting row ranges for resharding."""
 
+import hashlib
+import io
 import json
 import os
 
 import pytest
 import torch
 
-from paramserver.checkpoint import (MANIFEST, CheckpointStore, CorruptCheckpoint, assemble_rows, atomic_write,
-                                    load_tensors, open_checkpoint, parse_range_name, range_name, save_tensors)
+from paramserver import checkpoint as checkpoint_module
+from paramserver.checkpoint import (MANIFEST, CheckpointStore, CorruptCheckpoint, FileRecord, assemble_rows,
+                                    atomic_write, load_tensors, open_checkpoint, parse_range_name, range_name,
+                                    save_tensors)
 
 
 def write_checkpoint(store, step, value):
@@ -18,30 +22,86 @@ def write_checkpoint(store, step, value):
     return store.commit(directory, [record], step, {"note": value})
 
 
-def test_an_interrupted_write_leaves_the_old_file_whole_and_no_temporary(tmp_path):
+def half_then_fail(file):
+    file.write(b"new")
+    raise RuntimeError("disk gone")
+
+
+def temporaries(root):
+    return [name for _, _, names in os.walk(root) for name in names if ".tmp-" in name]
+
+
+def test_atomic_write_replaces_the_file_and_records_what_it_wrote(tmp_path):
     target = tmp_path / "file.bin"
     target.write_bytes(b"old contents")
 
-    def half_then_fail(file):
-        file.write(b"new")
-        raise RuntimeError("disk gone")
+    def write(file):
+        file.write(b"new ")
+        assert [n for n in os.listdir(tmp_path) if n.startswith(".file.bin.tmp-")]  # written aside...
+        assert target.read_bytes() == b"old contents"  # ...until it is whole
+        file.write(memoryview(b"contents!"))
+    record = atomic_write(target, write)
+    assert target.read_bytes() == b"new contents!"
+    assert record == FileRecord("file.bin", 13, hashlib.sha256(b"new contents!").hexdigest())
+    assert FileRecord.from_json(json.loads(json.dumps(record.to_json()))) == record
+    assert temporaries(tmp_path) == []
+
+
+def test_an_interrupted_write_leaves_the_old_file_whole_and_no_temporary(tmp_path):
+    target = tmp_path / "file.bin"
+    target.write_bytes(b"old contents")
     with pytest.raises(RuntimeError, match="disk gone"):
         atomic_write(target, half_then_fail)
     assert target.read_bytes() == b"old contents" and os.listdir(tmp_path) == ["file.bin"]
 
 
+def test_a_crash_while_writing_a_checkpoint_leaves_the_previous_one_in_use(tmp_path, monkeypatch):
+    store = CheckpointStore(tmp_path, keep=5)
+    previous = write_checkpoint(store, 10, 1.0)
+    directory = store.new_directory(20)
+    record = save_tensors(directory / "part.pt", {"value": torch.zeros(4, 3)})
+
+    def crash(*_):
+        raise OSError("power lost")
+    monkeypatch.setattr(checkpoint_module.os, "replace", crash)  # the manifest never lands
+    with pytest.raises(OSError, match="power lost"):
+        store.commit(directory, [record], 20, {})
+    with pytest.raises(RuntimeError, match="disk gone"):  # nor does a file that failed midway
+        atomic_write(directory / "other.pt", half_then_fail)
+    monkeypatch.undo()
+    assert not (directory / MANIFEST).exists() and temporaries(tmp_path) == []
+    refusals = []
+    chosen = store.newest_valid(refusals.append)
+    assert chosen.path == previous.path and refusals == []
+    assert torch.equal(load_tensors(chosen.file("part.pt"), chosen.files[0])["value"], torch.ones(4, 3))
+
+
 def test_save_and_load_round_trip_with_size_and_hash(tmp_path):
-    obj = {"t": torch.arange(10.0), "nested": {"n": 3, "b": b"\x00x"}}
+    obj = {"t": torch.arange(10.0), "m": torch.randn(3, 4, dtype=torch.float16), "nested": {"n": 3, "l": [1, "a"]}}
     record = save_tensors(tmp_path / "a.pt", obj)
     assert record.name == "a.pt" and record.bytes == (tmp_path / "a.pt").stat().st_size and len(record.sha256) == 64
+    reference = io.BytesIO()
+    torch.save(obj, reference)
+    assert record.bytes == len(reference.getvalue())
     for mmap in (False, True):
         loaded = load_tensors(tmp_path / "a.pt", record, mmap=mmap)
-        assert torch.equal(loaded["t"], obj["t"]) and loaded["nested"] == obj["nested"]
+        assert torch.equal(loaded["t"], obj["t"]) and torch.equal(loaded["m"], obj["m"])
+        assert loaded["nested"] == obj["nested"]
+    assert torch.equal(load_tensors(tmp_path / "a.pt")["t"], obj["t"])  # no record: not checked
+
+
+def test_an_unloadable_file_is_a_corrupt_checkpoint_naming_it(tmp_path):
+    path = tmp_path / "junk.pt"
+    record = atomic_write(path, lambda file: file.write(b"not a torch file"))
+    with pytest.raises(CorruptCheckpoint, match=rf"{path}: not loadable"):
+        load_tensors(path, record)
+    with pytest.raises(CorruptCheckpoint, match=rf"{tmp_path / 'gone.pt'}: missing"):
+        load_tensors(tmp_path / "gone.pt", record)
 
 
 @pytest.mark.parametrize("damage, message", [
-    (lambda data: data[:-10], "bytes, the manifest says"),
-    (lambda data: data[:100] + bytes([data[100] ^ 1]) + data[101:], "sha256"),
+    (lambda data: data[:-10], "bytes, expected"),
+    (lambda data: data[:100] + bytes([data[100] ^ 1]) + data[101:], "sha256 mismatch"),
 ])
 def test_a_damaged_newest_checkpoint_is_refused_by_file_name_and_the_previous_used(tmp_path, damage, message):
     store = CheckpointStore(tmp_path, keep=5)
@@ -49,74 +109,137 @@ def test_a_damaged_newest_checkpoint_is_refused_by_file_name_and_the_previous_us
     newest = write_checkpoint(store, 20, 2.0)
     part = newest.file("part.pt")
     part.write_bytes(damage(part.read_bytes()))
+    with pytest.raises(CorruptCheckpoint, match=rf"{part}: .*{message}"):
+        load_tensors(part, newest.files[0])
     refusals = []
     chosen = store.newest_valid(refusals.append)
     assert chosen.step == 10
     assert len(refusals) == 1 and str(part) in refusals[0] and message in refusals[0]
+    assert refusals[0].startswith(f"refusing checkpoint {newest.path}: ") and "trying the previous one" in refusals[0]
     with pytest.raises(CorruptCheckpoint, match=str(part)):
         open_checkpoint(newest.path)
     assert open_checkpoint(tmp_path, refusals.append).step == 10
 
 
-def test_a_garbage_manifest_is_refused_and_a_directory_without_one_skipped(tmp_path):
+@pytest.mark.parametrize("manifest", ["{not json", '{"step": 20}', '{"step": "x", "files": []}', "[]"])
+def test_a_garbage_manifest_is_refused_and_a_directory_without_one_skipped(tmp_path, manifest):
     store = CheckpointStore(tmp_path, keep=5)
     write_checkpoint(store, 10, 1.0)
-    (write_checkpoint(store, 20, 2.0).path / MANIFEST).write_text("{not json")
-    store.new_directory(30)  # a crash before the manifest: incomplete
+    (write_checkpoint(store, 20, 2.0).path / MANIFEST).write_text(manifest)
+    store.new_directory(30)  # a crash before the manifest: incomplete, skipped without a word
     refusals = []
     assert store.newest_valid(refusals.append).step == 10
-    assert len(refusals) == 1 and "ckpt-0000000020" in refusals[0] and "not a valid manifest" in refusals[0]
+    assert [c.step for c in store.complete()] == [10]
+    assert len(refusals) == 1 and f"ckpt-0000000020/{MANIFEST}" in refusals[0] and "not a valid manifest" in refusals[0]
 
 
-def test_commit_refuses_missing_or_short_files_and_writes_no_manifest(tmp_path):
+def test_commit_refuses_missing_or_wrongly_sized_files_and_writes_no_manifest(tmp_path):
     store = CheckpointStore(tmp_path)
     directory = store.new_directory(5)
     record = save_tensors(directory / "part.pt", {"x": torch.zeros(3)})
-    with pytest.raises(CorruptCheckpoint, match="other.pt: missing"):
-        store.commit(directory, [record, record.__class__("other.pt", 1, "0" * 64)], 5, {})
-    with pytest.raises(CorruptCheckpoint, match="its writer reported"):
-        store.commit(directory, [record.__class__("part.pt", record.bytes + 1, record.sha256)], 5, {})
+    with pytest.raises(CorruptCheckpoint, match=rf"{directory / 'other.pt'}: missing"):
+        store.commit(directory, [record, FileRecord("other.pt", 1, "0" * 64)], 5, {})
+    with pytest.raises(CorruptCheckpoint, match=rf"part.pt: size {record.bytes} bytes, expected {record.bytes + 1}"):
+        store.commit(directory, [FileRecord("part.pt", record.bytes + 1, record.sha256)], 5, {})
     assert not (directory / MANIFEST).exists() and store.complete() == []
     checkpoint = store.commit(directory, [record], 5, {"k": 1})
-    assert json.loads((directory / MANIFEST).read_text())["info"] == {"k": 1} and checkpoint.step == 5
+    manifest = json.loads((directory / MANIFEST).read_text())
+    assert manifest["info"] == {"k": 1} and manifest["format"] == 1 and manifest["id"] == directory.name
+    assert checkpoint.step == 5 and checkpoint.id == directory.name and checkpoint.files == [record]
+    assert store.complete()[0].manifest == manifest
 
 
-def test_directories_are_never_reused_and_pruning_keeps_the_newest(tmp_path):
-    store = CheckpointStore(tmp_path, keep=2)
+def test_keep_must_be_positive(tmp_path):
+    with pytest.raises(ValueError, match="keep must be at least 1, got 0"):
+        CheckpointStore(tmp_path, keep=0)
+
+
+def test_directories_are_never_reused(tmp_path):
+    store = CheckpointStore(tmp_path / "new" / "root")
     assert store.new_directory(7).name == "ckpt-0000000007"
     assert store.new_directory(7).name == "ckpt-0000000007-1"
-    for step in (10, 20, 30):
+    assert store.new_directory(7).name == "ckpt-0000000007-2"
+    assert write_checkpoint(store, 8, 0.0).id == "ckpt-0000000008"
+    assert store.new_directory(8).name == "ckpt-0000000008-1"
+
+
+def test_pruning_keeps_the_newest_and_incomplete_ones_newer_than_them(tmp_path):
+    store = CheckpointStore(tmp_path, keep=2)
+    older_incomplete = store.new_directory(5)
+    (older_incomplete / ".part.pt.tmp-abc").write_bytes(b"half")
+    for step in (10, 20):
         write_checkpoint(store, step, step)
+    middle_incomplete = store.new_directory(25)
+    unreadable = store.new_directory(26)
+    (unreadable / MANIFEST).write_text("{half a manif")
+    write_checkpoint(store, 30, 30)
     newer_incomplete = store.new_directory(40)
     assert [c.step for c in store.complete()] == [30, 20]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-0000000020", "ckpt-0000000030", newer_incomplete.name]
+    assert not any(d.exists() for d in (older_incomplete, middle_incomplete, unreadable))
+
+
+def test_the_newest_of_one_step_is_the_later_one(tmp_path):
+    store = CheckpointStore(tmp_path)
+    first, second = write_checkpoint(store, 10, 1.0), write_checkpoint(store, 10, 2.0)
+    assert second.id == "ckpt-0000000010-1" and store.newest_valid().path == second.path
+    assert [c.path for c in store.complete()] == [second.path, first.path]
+
+
+def test_open_checkpoint_on_a_root_and_on_a_directory(tmp_path):
+    store = CheckpointStore(tmp_path / "root")
+    with pytest.raises(FileNotFoundError, match=rf"no checkpoint at {tmp_path / 'root'}"):
+        open_checkpoint(tmp_path / "root")
+    older = write_checkpoint(store, 10, 1.0)
+    newest = write_checkpoint(store, 20, 2.0)
+    assert open_checkpoint(store.root).path == newest.path
+    assert open_checkpoint(str(older.path)).step == 10
+    incomplete = store.new_directory(30)
+    with pytest.raises(FileNotFoundError, match=rf"{incomplete} is incomplete"):
+        open_checkpoint(incomplete)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=rf"no valid checkpoint under {tmp_path / 'empty'}"):
+        open_checkpoint(tmp_path / "empty")
 
 
 def test_range_names_round_trip_and_odd_names_are_no_ranges():
-    assert parse_range_name(range_name("ctr.feature0", 0, 50)) == ("ctr.feature0", 0, 50)
+    assert range_name("ctr.feature0", 0, 50000) == "ctr.feature0[0:50000]"
+    assert parse_range_name("ctr.feature0[0:50000]") == ("ctr.feature0", 0, 50000)
+    assert parse_range_name(range_name("t", 7, 9)) == ("t", 7, 9)
     assert parse_range_name("a[b][3:9]") == ("a[b]", 3, 9)
-    for name in ("plain", "t[5:5]", "t[9:3]", "[0:4]", "t[-1:4]"):
-        assert parse_range_name(name) is None
+    for name in ("plain", "t[5:5]", "t[9:3]", "[0:4]", "t[-1:4]", "t[0:4]x", "t[0:]", "t[a:4]"):
+        assert parse_range_name(name) is None, name
 
 
-@pytest.mark.parametrize("written, wanted", [(4, 2), (2, 4), (3, 1), (1, 3)])
+def split(rows, parts):
+    bounds = [round(i * rows / parts) for i in range(parts + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+@pytest.mark.parametrize("written, wanted", [(4, 2), (2, 4), (3, 1), (1, 3), (3, 7)])
 def test_rows_written_in_some_ranges_are_cut_into_others(written, wanted):
     table = torch.randn(103, 5)
-    momentum = torch.randn(103)
-
-    def ranges(parts):
-        bounds = [round(i * 103 / parts) for i in range(parts + 1)]
-        return list(zip(bounds[:-1], bounds[1:]))
-    pieces = [(a, b, table[a:b].clone()) for a, b in reversed(ranges(written))]  # in any order
-    state = [(a, b, momentum[a:b].clone()) for a, b in ranges(written)]
-    for a, b in ranges(wanted):
-        assert torch.equal(assemble_rows(pieces, a, b, "t"), table[a:b])
-        assert torch.equal(assemble_rows(state, a, b, "m"), momentum[a:b])
+    momentum = torch.randn(103)  # 1-D state: rows are its only dimension
+    pieces = [(a, b, table[a:b].clone()) for a, b in reversed(split(103, written))]  # in any order
+    state = [(a, b, momentum[a:b].clone()) for a, b in split(103, written)]
+    ranges = split(103, wanted)
+    resharded = [assemble_rows(pieces, a, b, "t") for a, b in ranges]
+    assert torch.equal(torch.cat(resharded), table) and all(r.is_contiguous() for r in resharded)
+    assert torch.equal(torch.cat([assemble_rows(state, a, b, "m") for a, b in ranges]), momentum)
+    whole = assemble_rows(pieces, 0, 103, "t")
+    whole[0] += 1  # a copy, not a view of a piece
+    assert torch.equal(pieces[-1][2], table[:pieces[-1][1]])
 
 
 def test_missing_rows_are_named():
-    pieces = [(0, 10, torch.zeros(10, 2)), (20, 30, torch.zeros(10, 2))]
-    with pytest.raises(ValueError, match="table t: the checkpoint lacks rows 10:25"):
+    pieces = [(20, 30, torch.zeros(10, 2)), (0, 10, torch.zeros(10, 2))]
+    with pytest.raises(ValueError, match="table t: the checkpoint lacks rows 10:20"):
         assemble_rows(pieces, 5, 25, "table t")
+    with pytest.raises(ValueError, match="table t: the checkpoint lacks rows 30:35"):
+        assemble_rows(pieces, 25, 35, "table t")
+    with pytest.raises(ValueError, match="table t: the checkpoint lacks rows 10:12"):
+        assemble_rows(pieces + [(12, 20, torch.zeros(8, 2))], 0, 30, "table t")
     with pytest.raises(ValueError, match="holds none of rows 40:50"):
         assemble_rows(pieces, 40, 50, "table t")
+    with pytest.raises(ValueError, match=r"table t: piece 0:10 holds a tensor of shape \(9, 2\), not 10 rows"):
+        assemble_rows([(0, 10, torch.zeros(9, 2))], 0, 5, "table t")
