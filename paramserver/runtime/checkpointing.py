@@ -3,8 +3,8 @@
 Owns the trainer side of ``paramserver.checkpoint``: trainer group 0
 checkpoints every ``every_steps`` steps (every member holds the same step,
 so all decide alike without a message) and when the coordinator asks
-(``KIND_CHECKPOINT``: members agree on it at a sync point, so all act at
-the same step).  All members of the group then pause at that step
+(``KIND_CHECKPOINT``: members agree on it with one small all-reduce every
+``agree_every`` steps, so all act at the same step).  All members of the group then pause at that step
 boundary, with no sparse step in flight, while rank 0 has every shard write
 its part (``paramserver.shards.snapshot``), writes the dense part (the
 replica, its optimizer, every member's comm-hook state and data position)
@@ -58,9 +58,9 @@ def restore_point(ctx) -> Optional[Dict[str, Any]]:
 class TrainerCheckpoints:
     """Checkpoints of ``replica``'s trainer group, for the job running in ``ctx``.
 
-    Call ``pending()`` for ``replica.sync_point(..., checkpoint_request=...)``
-    and ``after_step()`` after every ``replica.finish_step()``, on every
-    member.  ``every_steps`` overrides the cluster's ``--checkpoint-every``.
+    Call ``after_step()`` after every ``replica.finish_step()``, on every
+    member (it is a collective on some steps).  ``every_steps`` overrides
+    the cluster's ``--checkpoint-every``.
     """
 
     def __init__(self, ctx, replica, every_steps: Optional[int] = None):
@@ -82,13 +82,17 @@ class TrainerCheckpoints:
         if not self.enabled:
             return
         step = self.replica.step
-        agreed = self.replica.agreed_checkpoint_request
+        agreed = 0
+        if step % self.replica.agree_every == 0:  # the same steps on every member
+            flag = torch.tensor([self.pending()], dtype=torch.int64, device=self.replica.group.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            agreed = int(flag.item())
+            # A member that had not heard of the request yet counts it served too.
+            self._done_request = max(self._done_request, agreed)
         by_steps = self.every_steps > 0 and step % self.every_steps == 0
-        if not (by_steps or agreed > self._done_request) or step == self._last_step:
-            return
-        self._done_request = max(self._done_request, agreed)
-        self._last_step = step
-        self.write(agreed if agreed else 0)
+        if (by_steps or agreed) and step != self._last_step:
+            self._last_step = step
+            self.write(agreed)
 
     def write(self, request: int = 0) -> Optional[str]:
         """Every member: pause here while rank 0 writes and commits; returns the checkpoint's id on rank 0."""
