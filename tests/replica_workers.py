@@ -3,14 +3,19 @@
 A ``StoreViews`` source plays the coordinator: views of the group live in
 the test's c10d store under ``views/latest`` (a pickled list of member
 names and a generation), so a member that arrives late can publish the
-next generation itself, as the coordinator would on its join.  Each member
-trains a small MLP on its own seeded batches in a ``DenseReplica`` and
-writes its final parameters, step and re-formation count to a file.
+next generation itself, as the coordinator would on its join (and a
+member about to be lost publishes the one without it, as the coordinator
+would on declaring it dead).  Each member trains a small MLP on its own
+seeded batches in a ``DenseReplica``, recovering from failed collectives
+as the CTR job does, and writes its final parameters, step and
+re-formation counts to a file.
 """
 
 import datetime
 import faulthandler
+import os
 import pickle
+import signal
 import warnings
 import zlib
 
@@ -67,12 +72,16 @@ class StoreViews:
 
 
 def train(name: str, index: int, port: int, steps: int, hook: str, result_path: str,
-          publish=None, late_member_at: int = 0, late: bool = False) -> None:
+          publish=None, late_member_at: int = 0, late: bool = False, lost_at: int = 0,
+          lost: bool = False) -> None:
     """Train ``steps`` steps in the group; ``publish=(generation, members)`` announces a view first.
 
     ``late_member_at``: a member there from the start waits at that step
     until a ``late`` member has announced itself; the late one waits until
-    the others reached it, then announces its view.
+    the others reached it, then announces its view.  ``lost_at``: the
+    ``lost`` member waits there until every member finished that many
+    steps, publishes the next view without itself and SIGKILLs itself; the
+    others' next step fails and they recover.
     """
     warnings.filterwarnings("ignore")
     faulthandler.dump_traceback_later(75, exit=True)  # a hang shows where, before the test's 90 s deadline
@@ -86,14 +95,28 @@ def train(name: str, index: int, port: int, steps: int, hook: str, result_path: 
     replica = DenseReplica(TrainerGroup.join(source, TIMEOUT), model(), make_optimizer, hook=hook)
     while replica.step < steps and replica.sync_point():
         inputs, target = batch(name, replica.step)
-        loss = (replica(inputs) - target).pow(2).mean()
-        loss.backward()
+        try:
+            loss = (replica(inputs) - target).pow(2).mean()
+            loss.backward()
+        except RuntimeError as error:
+            if not replica.collective_failed(error):
+                raise
+            assert replica.recover(error)
+            continue
         replica.finish_step()
         if late_member_at and not late and replica.step == late_member_at:
             source._store.set(f"step/{late_member_at}", "reached")
             source._store.wait(["late/published"], TIMEOUT)
+        if lost_at and replica.step == lost_at:
+            source._store.set(f"lost_at/{name}", "reached")
+            if lost:
+                survivors = [member for member in replica.group.members if member != name]
+                source._store.wait([f"lost_at/{member}" for member in survivors], TIMEOUT)
+                source.publish(replica.group.generation + 1, survivors)
+                os.kill(os.getpid(), signal.SIGKILL)
     replica.close()
     with open(result_path, "wb") as file:
-        pickle.dump({"step": replica.step, "reformations": replica.reformations,
+        pickle.dump({"step": replica.step, "reformations": replica.reformations, "recoveries": replica.recoveries,
+                     "steps_skipped": replica.steps_skipped,
                      "state": {k: v.clone() for k, v in replica.module.state_dict().items()},
                      "bytes_per_step": replica.bytes_per_step}, file)

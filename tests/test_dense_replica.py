@@ -1,17 +1,21 @@
 """Trainer groups on the worker side, without a coordinator (``replica_workers``
 plays its part through the store): a DDP replica trained in a group equals
 local training on every member's batches, a member arriving mid-run is
-taken in at the next generation with rank 0's state and step, and members
-configured with different comm hooks are refused with a message naming them."""
+taken in at the next generation with rank 0's state and step, a group that
+loses a member (SIGKILL) re-forms without it and goes on as local training
+on the survivors' batches from that step, and members configured with
+different comm hooks are refused with a message naming them."""
 
 import datetime
 import pickle
+import signal
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import replica_workers as rw
+from paramserver.ddp.replica import state_source
 from paramserver.processes import Child, ChildProcessesFailed, run_children
 
 TIMEOUT = datetime.timedelta(seconds=90)
@@ -30,13 +34,15 @@ def results(tmp_path, names):
     return {name: pickle.loads((tmp_path / f"{name}.pkl").read_bytes()) for name in names}
 
 
-def local_training(names, steps):
-    """The same training in one process: the mean of every member's batch gradient per step."""
+def local_training(names, steps, lost=None, lost_at=0):
+    """The same training in one process: the mean of every member's batch gradient per step
+    (from step ``lost_at`` on, without member ``lost``)."""
     module = rw.model()
     optimizer = rw.make_optimizer(module.parameters())
     for step in range(steps):
+        members = [n for n in names if not (n == lost and step >= lost_at)]
         optimizer.zero_grad()
-        loss = sum((module(x) - y).pow(2).mean() for x, y in (rw.batch(n, step) for n in names)) / len(names)
+        loss = sum((module(x) - y).pow(2).mean() for x, y in (rw.batch(n, step) for n in members)) / len(members)
         loss.backward()
         optimizer.step()
     return module.state_dict()
@@ -76,6 +82,34 @@ def test_a_late_member_joins_at_the_next_generation_with_rank_0s_state(tmp_path,
     for key, value in got["worker0"]["state"].items():
         assert torch.equal(got["worker1"]["state"][key], value)
         assert torch.equal(got["worker2"]["state"][key], value)
+
+
+@pytest.mark.parametrize("lost_at", [5, 10], ids=["in-backward", "in-agreement"])
+def test_a_group_that_loses_a_member_re_forms_and_trains_on_without_it(tmp_path, store, lost_at):
+    """worker2 is SIGKILLed once all three finished ``lost_at`` steps: the survivors' next collective
+    fails (DDP's all-reduce in backward at step 5; the agreement at step 10), they re-form, redo that
+    step with the same batches and end equal to local training: a gradient applied twice, or a step's
+    gradient left over, would show."""
+    names, steps = ["worker0", "worker1", "worker2"], 20
+    children = [Child(name, rw.train, (name, index, store.port, steps, "allreduce", str(tmp_path / f"{name}.pkl"),
+                                       (1, names) if index == 0 else None),
+                      dict(lost_at=lost_at, lost=name == "worker2"))
+                for index, name in enumerate(names)]
+    run_children(children, TIMEOUT, expected_exit_codes={"worker2": -signal.SIGKILL})
+    got = results(tmp_path, names[:2])
+    expected = local_training(names, steps, lost="worker2", lost_at=lost_at)
+    for name in names[:2]:
+        assert (got[name]["step"], got[name]["recoveries"], got[name]["steps_skipped"]) == (steps, 1, 0)
+        for key, value in expected.items():
+            torch.testing.assert_close(got[name]["state"][key], value, atol=1e-6, rtol=1e-6)
+            assert torch.equal(got[name]["state"][key], got["worker0"]["state"][key])
+
+
+def test_the_state_comes_from_the_member_furthest_ahead_ties_to_the_lowest_rank():
+    assert state_source([0, 0, 0]) == 0
+    assert state_source([7, 8, 8]) == 1  # rank 1 finished step 7 before the loss, rank 0 failed in it
+    assert state_source([0, 50]) == 1  # never back to step 0, whatever the ranks
+    assert state_source([3]) == 0
 
 
 def test_members_with_different_hooks_are_refused_naming_them(tmp_path, store):

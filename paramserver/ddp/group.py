@@ -8,11 +8,14 @@ coordinator's c10d store (``trainer_group/<group>/<generation>/``), so
 stale members of an old generation never meet new ones.  Members agree on
 *when* to re-form with one small all-reduce per step (``agree``): all of
 them switch at the same step, none is left waiting in a collective of the
-old group.
+old group.  When a collective fails instead (a member was lost), each
+member that saw it drops the broken process group at once and forms the
+next generation the coordinator publishes (``reform(after_failure=True)``).
 
 It knows nothing of gRPC: the view source is any object with the
 ``JobContext`` members it uses (``rpc_name``, ``trainer_group``,
-``store_host``/``store_port``, ``group_view()``, ``wait_for_group_view()``).
+``store_host``/``store_port``, ``group_view()``, ``wait_for_group_view()``,
+and ``request_regroup()`` if it has one).
 What is trained and how state moves is ``replica``'s business.
 """
 
@@ -22,6 +25,12 @@ from typing import Tuple
 
 import torch
 import torch.distributed as dist
+# Imported before any process group exists: its functions take ``group=group.WORLD``
+# as a default argument, evaluated on import.  Imported later (DDP's constructor
+# imports it), the defaults would keep the first generation's process group, and
+# its connections, alive after it is destroyed, and members still waiting in one
+# of its collectives after a failure would wait for the timeout instead of failing.
+import torch.distributed.nn  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +38,10 @@ logger = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 #: How long forming a generation waits for all its members to arrive.
 FORM_TIMEOUT = datetime.timedelta(seconds=120)
+#: After a failed collective, how long to wait for the coordinator's next view
+#: (it comes once the lost member is declared dead) before asking for one with
+#: the same members (nobody was lost: a collective timed out).
+REGROUP_AFTER = datetime.timedelta(seconds=20)
 STORE_PREFIX = "trainer_group"
 
 
@@ -80,19 +93,25 @@ class TrainerGroup:
         return list(self.view.members)
 
     def _form(self, view) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        """Form ``view``'s process group.  The view is this member's from then on, even if forming fails:
+        the next attempt waits for a newer one."""
+        self._drop_process_group()
         name = self._source.rpc_name
         rank = list(view.members).index(name)
         prefix = f"{STORE_PREFIX}/{view.group}/{view.generation}/"
         logger.info("%s: forming trainer group %d generation %d as rank %d of %d (%s): %s", name, view.group,
                     view.generation, rank, len(view.members), view.backend, ", ".join(view.members))
+        self.view, self.rank, self.world_size = view, rank, len(view.members)
         self.device = device_for(view.backend, self._source.worker_index)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         dist.init_process_group(view.backend, store=dist.PrefixStore(prefix, self._store), rank=rank,
                                 world_size=len(view.members), timeout=self._collective_timeout)
-        self.view, self.rank, self.world_size = view, rank, len(view.members)
+
+    @staticmethod
+    def _drop_process_group() -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     def agree(self, want_stop: bool = False) -> Tuple[bool, bool]:
         """Collective, once per step: (a member heard of a newer view, a member wants to stop)."""
@@ -103,16 +122,37 @@ class TrainerGroup:
         newest_heard, stop = flags.tolist()
         return newest_heard > self.generation, bool(stop)
 
-    def reform(self) -> None:
-        """Form the newest generation that includes this worker (every member calls it at the same step)."""
-        view = self._source.wait_for_group_view(self.generation, self._timeout)
+    def reform(self, after_failure: bool = False) -> None:
+        """Form the newest generation that includes this worker.
+
+        Members call it at the step they agreed on, or once a collective of
+        this generation failed (``after_failure``): then its process group
+        goes first, so that members still waiting in one of its collectives
+        fail too, and if no newer view comes within ``REGROUP_AFTER`` the
+        coordinator is asked for one.  Raises ``GroupStopped`` if the worker
+        is asked to stop meanwhile, ``TimeoutError`` if no view comes.
+        """
+        if after_failure:
+            self._drop_process_group()
+            view = self._wait_for_view_after_failure()
+        else:
+            view = self._source.wait_for_group_view(self.generation, self._timeout)
         if view is None:
             raise GroupStopped(f"{self._source.rpc_name} was asked to stop while its trainer group re-formed")
         self._form(view)
 
+    def _wait_for_view_after_failure(self):
+        try:
+            return self._source.wait_for_group_view(self.generation, min(REGROUP_AFTER, self._timeout))
+        except TimeoutError:
+            logger.warning("%s: no new view of trainer group %d within %.0f s of a failed collective; asking for "
+                           "generation %d to be replaced", self._source.rpc_name, self.view.group,
+                           min(REGROUP_AFTER, self._timeout).total_seconds(), self.generation)
+        getattr(self._source, "request_regroup", lambda generation: None)(self.generation)
+        return self._source.wait_for_group_view(self.generation, self._timeout)
+
     def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self._drop_process_group()
         self._store = None
 
     def describe(self) -> str:

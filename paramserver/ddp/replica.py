@@ -3,24 +3,42 @@
 Owns one worker's replica of the dense layers: the module on the group's
 device wrapped in ``DistributedDataParallel`` with the chosen comm hook,
 its local optimizer, and the step counter, and keeping all of them equal
-across the group's members when the group (re-)forms: DDP's constructor
-copies rank 0's parameters and buffers to everyone, and ``_share_state``
-copies rank 0's optimizer state and step (rank 0 of a new view is a member
-that trained in the last one, whenever one did).  A re-formed group starts
-a fresh comm-hook state: PowerSGD's error memory belongs to one rank's
-gradients and its Q memory must be equal on every rank, so neither can be
-carried over to a group with other members.
+across the group's members when the group (re-)forms: ``_share_state``
+copies the parameters, buffers, optimizer state and step of the member
+furthest ahead (ties: the lowest rank; a newcomer is at step 0, so in a
+group that only grew that is rank 0) to everyone, before DDP's constructor
+copies rank 0's (equal by then).  A re-formed group starts a fresh
+comm-hook state: PowerSGD's error memory belongs to one rank's gradients
+and its Q memory must be equal on every rank, so neither can be carried
+over to a group with other members.
 
 The training loop calls ``sync_point()`` at the start of every step; every
 ``agree_every`` steps it is where the group agrees to re-form or to stop.
-All members hold the same step count (a newcomer takes rank 0's), so they
-agree on the same steps, and a change takes effect within ``agree_every``
-steps.
+All members hold the same step count (a newcomer takes the group's), so
+they agree on the same steps, and a change takes effect within
+``agree_every`` steps.
+
+Surviving a lost member: its peers' next collective fails (in DDP's
+all-reduce during backward, or in the agreement).  The training loop asks
+``collective_failed(error)`` and calls ``recover(error)``: the broken
+process group goes, the coordinator's next view (without the lost member)
+is formed, and state is shared again.  No update is applied twice: a
+step's updates (the sparse step on the shards, then the dense one) are
+applied only after its backward pass, so a member whose step failed
+applied nothing of it and redoes it with the same batch; a member whose
+all-reduce had completed before the loss finished its step, and is then
+one step ahead: the others take its state (its dense update already
+averaged their gradients of that step), skip that batch, and their sparse
+gradients of it are dropped (counted in ``steps_skipped``).
 """
 
+import functools
 import gc
 import logging
-from typing import Any, Callable, Dict, Iterable, Optional
+import pickle
+import time
+import traceback
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -28,14 +46,34 @@ import torch.distributed.autograd as dist_autograd
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .group import TrainerGroup
+from .group import GroupStopped, TrainerGroup
 from .hooks import comm_hook
 
 logger = logging.getLogger(__name__)
 
+#: Re-formations after failed collectives in a row (no step completed between
+#: them) before the replica gives up.
+MAX_RECOVERIES = 3
+
 
 class HookMismatch(ValueError):
     """Members of one trainer group were configured with different comm hooks."""
+
+
+class GroupLost(RuntimeError):
+    """The trainer group could not be re-formed after a failed collective."""
+
+
+def state_source(steps: List[int]) -> int:
+    """The rank whose state a (re-)formed group takes: the member furthest ahead, ties to the lowest rank."""
+    return max(range(len(steps)), key=lambda rank: (steps[rank], -rank))
+
+
+def from_backend(error: BaseException) -> bool:
+    """Whether ``error`` was raised by the collectives' backend (through DDP or distributed autograd,
+    which raise it again as a plain RuntimeError with its message)."""
+    text = str(error)
+    return isinstance(error, dist.DistError) or "gloo" in text or "NCCL" in text
 
 
 class DenseReplica:
@@ -44,12 +82,15 @@ class DenseReplica:
     Call it like the module (it runs the DDP wrapper).  ``step`` counts the
     group's completed steps (advance it with ``finish_step()``);
     ``bytes_per_step`` is what the hook measured in the last backward pass.
+    ``reformations`` counts agreed re-formations, ``recoveries`` those after
+    a failed collective, ``steps_skipped`` the steps this member took from
+    another instead of training them (on joining, or after a failure).
     """
 
     def __init__(self, group: TrainerGroup, module: nn.Module,
                  make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
                  hook: str = "allreduce", hook_options: Optional[Dict[str, Any]] = None,
-                 agree_every: int = 10):
+                 agree_every: int = 10, initial: Optional[Dict[str, Any]] = None):
         if agree_every < 1:
             raise ValueError(f"agree_every must be at least 1, got {agree_every}")
         self.group = group
@@ -60,29 +101,89 @@ class DenseReplica:
         self.step = 0
         self.agree_every = agree_every
         self.reformations = 0
+        self.recoveries = 0
+        self.steps_skipped = 0
+        self._failures_in_a_row = 0
+        self._hook_failure: Optional[str] = None
+        self._restored_hook_states: Optional[List[bytes]] = None
+        if initial:
+            self._restore(initial)
         self._form()
 
+    def _restore(self, initial: Dict[str, Any]) -> None:
+        """Start from a checkpoint's dense part: module, optimizer and step now, the hook state at forming."""
+        self.module.load_state_dict(initial["module"])
+        self.optimizer.load_state_dict(initial["optimizer"])
+        self.step = int(initial["step"])
+        if (initial.get("hook"), initial.get("hook_options", {})) == (self.hook, self.hook_options):
+            self._restored_hook_states = list(initial.get("hook_states") or [])
+        else:
+            logger.warning("the checkpoint's comm hook was %s %s, this run's is %s %s: the hook starts afresh",
+                           initial.get("hook"), initial.get("hook_options") or "", self.hook, self.hook_options or "")
+
     def _form(self) -> None:
+        source = self._share_state()
         device_ids = [self.group.device] if self.group.device.type == "cuda" else None
         self.ddp = DistributedDataParallel(self.module, device_ids=device_ids)
         self.hook_state, hook = comm_hook(self.hook, None, **self.hook_options)
-        self.ddp.register_comm_hook(self.hook_state, hook)
-        self._share_state()
-        logger.info("dense replica in %s at step %d, comm hook %s", self.group.describe(), self.step, self.hook)
+        self._restore_hook_state()
+        self.ddp.register_comm_hook(self.hook_state, self._watched(hook))
+        self._hook_failure = None
+        logger.info("dense replica in %s at step %d (state of %s), comm hook %s", self.group.describe(), self.step,
+                    source, self.hook)
 
-    def _share_state(self) -> None:
-        mine = {"hook": self.hook, "hook_options": self.hook_options, "rpc_name": self.group.members[self.group.rank]}
-        hooks = [None] * self.group.world_size
-        dist.all_gather_object(hooks, mine)
-        differing = [h for h in hooks if (h["hook"], h["hook_options"]) != (hooks[0]["hook"], hooks[0]["hook_options"])]
+    def _restore_hook_state(self) -> None:
+        """At the first forming after a restore: this rank's hook state, when the group has the checkpoint's size
+        (a hook's memory belongs to one rank's gradients: with another number of members it starts afresh)."""
+        states, self._restored_hook_states = self._restored_hook_states, None
+        if not states:
+            return
+        if len(states) != self.group.world_size:
+            logger.warning("the checkpoint's trainer group had %d members, this one %d: the comm hook starts afresh",
+                           len(states), self.group.world_size)
+            return
+        self.hook_state.load_state_dict(pickle.loads(states[self.group.rank]).state_dict())
+
+    def _share_state(self) -> str:
+        """Every member takes the state of the one furthest ahead (``state_source``); returns its name."""
+        mine = {"hook": self.hook, "hook_options": self.hook_options, "rpc_name": self.group.members[self.group.rank],
+                "step": self.step}
+        members = [None] * self.group.world_size
+        dist.all_gather_object(members, mine)
+        differing = [m for m in members
+                     if (m["hook"], m["hook_options"]) != (members[0]["hook"], members[0]["hook_options"])]
         if differing:
             raise HookMismatch("trainer group members use different comm hooks: " + "; ".join(
-                f"{h['rpc_name']}: {h['hook']} {h['hook_options'] or ''}".strip() for h in hooks))
-        state = [{"step": self.step, "optimizer": self.optimizer.state_dict()}]
-        dist.broadcast_object_list(state, src=0, device=self.group.device)
-        if self.group.rank != 0:
+                f"{m['rpc_name']}: {m['hook']} {m['hook_options'] or ''}".strip() for m in members))
+        source = state_source([m["step"] for m in members])
+        state = [{"step": self.step, "module": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+                 if self.group.rank == source else None]
+        dist.broadcast_object_list(state, src=source, device=self.group.device)
+        if self.group.rank != source:
+            self.steps_skipped += max(0, state[0]["step"] - self.step)
             self.step = state[0]["step"]
+            self.module.load_state_dict(state[0]["module"])
             self.optimizer.load_state_dict(state[0]["optimizer"])
+        return members[source]["rpc_name"]
+
+    def _watched(self, hook):
+        """``hook``, noting when its collectives fail (``collective_failed`` reads the note)."""
+        @functools.wraps(hook)
+        def watched(state, bucket):
+            try:
+                return hook(state, bucket).then(self._check_reduced)
+            except Exception as error:  # noqa: BLE001 - noted, then raised again
+                self._hook_failure = str(error)
+                raise
+        return watched
+
+    def _check_reduced(self, future):
+        try:
+            return future.value()
+        except Exception as error:  # noqa: BLE001 - noted, then raised again
+            # Only the message is kept: the error's frames hold the broken group's work.
+            self._hook_failure = str(error)
+            raise
 
     def __call__(self, *args, **kwargs):
         return self.ddp(*args, **kwargs)
@@ -91,19 +192,68 @@ class DenseReplica:
         """Start of a step, on every member: re-form if the group changed; False when the group stops.
 
         After re-forming it agrees again, in the new group: a member that
-        just joined starts with this agreement, so everyone must.
+        just joined starts with this agreement, so everyone must.  A failed
+        agreement is recovered from (``recover``) like a failed step.
         """
-        if self.step % self.agree_every:
-            return True
+        while self.step % self.agree_every == 0:
+            try:
+                newer, stop = self.group.agree(want_stop)
+                if stop:
+                    return False
+                if not newer:
+                    return True
+                self._drop_ddp()
+                self.group.reform()
+                self.reformations += 1
+                self._form()
+            except GroupStopped:
+                raise
+            except RuntimeError as error:  # a collective (or forming the next generation) failed
+                if not self.recover(error):
+                    return False
+        return True
+
+    def collective_failed(self, error: BaseException) -> bool:
+        """Whether ``error``, raised by a training step, means a collective of the group failed:
+        the comm hook saw its all-reduce fail, or the backend raised it."""
+        return self._hook_failure is not None or from_backend(error)
+
+    def recover(self, error: BaseException) -> bool:
+        """Re-form the group after a collective of it failed; False if the worker was asked to stop meanwhile.
+
+        Waits for the coordinator's next view (the lost member declared
+        dead), forms it and shares state (from the member furthest ahead).
+        The step that failed was not applied: the training loop redoes the
+        step ``self.step`` says.  Raises ``GroupLost`` when no new view comes
+        in time, or after ``MAX_RECOVERIES`` attempts without a completed
+        step between them.
+        """
+        started, failed_step = time.monotonic(), self.step
+        self.optimizer.zero_grad(set_to_none=True)  # local gradients of the failed step (outside dist_autograd)
+        logger.warning("%s: a collective failed at step %d in %s; re-forming: %s", self.group.members[self.group.rank],
+                       failed_step, self.group.describe(), _first_line(self._hook_failure or str(error)))
         while True:
-            newer, stop = self.group.agree(want_stop)
-            if stop:
+            traceback.clear_frames(error.__traceback__)  # its frames may hold the broken group's work
+            self._failures_in_a_row += 1
+            if self._failures_in_a_row > MAX_RECOVERIES:
+                raise GroupLost(f"trainer group {self.group.view.group} failed {MAX_RECOVERIES} times in a row without "
+                                f"completing a step (last: {_first_line(str(error))})") from error
+            self._drop_ddp()
+            try:
+                self.group.reform(after_failure=True)
+                self._form()
+                break
+            except GroupStopped:
                 return False
-            if not newer:
-                return True
-            self.group.reform()
-            self.reformations += 1
-            self._form()
+            except TimeoutError as timeout:
+                raise GroupLost(f"trainer group {self.group.view.group} did not re-form after a failed collective "
+                                f"at step {failed_step}: {timeout}") from timeout
+            except RuntimeError as again:  # a member was lost while forming too
+                error = again
+        self.recoveries += 1
+        logger.info("re-formed in %.1f s after a failed collective at step %d: %s, at step %d",
+                    time.monotonic() - started, failed_step, self.group.describe(), self.step)
+        return True
 
     def finish_step(self, context_id: Optional[int] = None) -> None:
         """Apply the local optimizer to the averaged gradients and count the step.
@@ -118,17 +268,27 @@ class DenseReplica:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        self._failures_in_a_row = 0
 
     def close(self) -> None:
         """Leave the group: DDP (its reducer and hook) goes first, while its process group still exists."""
         self._bytes_when_closed = self.bytes_per_step
-        self.ddp = None
+        self._drop_ddp()
         self.hook_state = None
-        gc.collect()
         self.group.close()
+
+    def _drop_ddp(self) -> None:
+        """DDP (its reducer and hook) goes before its process group: destroyed the other way round, a member
+        hung in DDP's destructor."""
+        self.ddp = None
+        gc.collect()
 
     @property
     def bytes_per_step(self) -> int:
         if self.hook_state is None:  # closed
             return self._bytes_when_closed
         return int(self.hook_state.last_step_bytes)
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else "no message"
