@@ -1,0 +1,115 @@
+"""Checkpoints through the real commands: the default job writes them every N
+steps and on ``ps-ctl checkpoint``; a restored run continues the same
+trajectory as an undisturbed one, also on another number of shards (2 -> 4
+and 4 -> 2: rows and their optimizer state re-placed); a corrupt checkpoint
+is refused, naming the file, and the previous one is used."""
+
+import json
+import pathlib
+import re
+import shutil
+
+import pytest
+import torch
+
+from commands import errors, job_config, output, start_server, wait_for_status
+from paramserver.checkpoint import MANIFEST, assemble_rows, parse_range_name
+
+pytestmark = pytest.mark.timeout(400)
+
+# One worker: its sparse and dense steps are the whole, deterministic trajectory.
+SMALL = dict(spec={"vocab_sizes": [2000, 500, 200, 50], "bag_sizes": [1, 2, 1, 1], "num_dense": 4},
+             batch_size=256, holdout_size=2048, log_every=10, eval_every=1000, row_wise_min_rows=1000,
+             sparse_lr=64.0, hook="allreduce")
+
+
+def train(commands, shards: int, steps: int, *flags: str) -> str:
+    """Run one ps-server and one worker to ``steps``; returns the server's log."""
+    server, address = start_server(commands, "--shards", str(shards), "--job-config",
+                                   job_config(**dict(SMALL, steps=steps)), *flags)
+    worker = commands.start("ps-worker", "--connect", address)
+    assert worker.wait(240) == 0, errors(worker)[-3000:]
+    assert f"at step {steps}" in output(worker), output(worker)
+    commands.run("ps-ctl", "--connect", address, "shutdown")
+    assert server.wait(30) == 0, errors(server)[-3000:]
+    return errors(server)
+
+
+def model_at(checkpoint: pathlib.Path) -> dict:
+    """Everything a checkpoint holds, whole: dense parameters, every table and its optimizer state."""
+    manifest = json.loads((checkpoint / MANIFEST).read_text())
+    model = {f"dense.{k}": v for k, v in torch.load(checkpoint / "dense.pt", weights_only=True)["module"].items()}
+    pieces = {}
+    for record in manifest["files"]:
+        if record["name"].startswith("shard-"):
+            for name, entry in torch.load(checkpoint / record["name"], weights_only=True)["tables"].items():
+                table, start, stop = parse_range_name(name)
+                pieces.setdefault(table, []).append((start, stop, entry))
+    for table, parts in pieces.items():
+        rows = max(stop for _, stop, _ in parts)
+        model[table] = assemble_rows([(a, b, e["value"]) for a, b, e in parts], 0, rows, table)
+        model[f"{table}.momentum"] = assemble_rows([(a, b, e["state"]["momentum_buffer"]) for a, b, e in parts],
+                                                   0, rows, table)
+    return model
+
+
+def assert_same_model(restored: dict, straight: dict) -> None:
+    assert sorted(restored) == sorted(straight)
+    for name in straight:
+        difference = (restored[name] - straight[name]).abs().max().item()
+        assert difference <= 1e-6, f"{name} differs by {difference}"
+
+
+def test_a_restored_run_continues_the_same_trajectory_on_2_then_4_then_2_shards(commands, tmp_path):
+    straight, resumed, again = tmp_path / "straight", tmp_path / "resumed", tmp_path / "again"
+    log = train(commands, 2, 60, "--checkpoint-dir", str(straight), "--checkpoint-every", "20")
+    assert sorted(p.name for p in straight.iterdir()) == [f"ckpt-{s:010d}" for s in (20, 40, 60)]
+    assert re.search(r"checkpoint ckpt-0000000020 committed at step 20 by worker0: 3 files", log), log[-3000:]
+
+    # 2 -> 4 shards: from step 20 to 40 again.
+    log = train(commands, 4, 40, "--restore", str(straight / "ckpt-0000000020"), "--checkpoint-dir", str(resumed),
+                "--checkpoint-every", "20")
+    assert "restoring from checkpoint" in log
+    assert [p.name for p in resumed.iterdir()] == ["ckpt-0000000040"]  # not the starting point again
+    assert_same_model(model_at(resumed / "ckpt-0000000040"), model_at(straight / "ckpt-0000000040"))
+
+    # 4 -> 2 shards, restoring from a root: its newest checkpoint (step 40, written on 4 shards).
+    train(commands, 2, 60, "--restore", str(resumed), "--checkpoint-dir", str(again), "--checkpoint-every", "20")
+    assert_same_model(model_at(again / "ckpt-0000000060"), model_at(straight / "ckpt-0000000060"))
+    fresh = model_at(straight / "ckpt-0000000020")
+    assert (fresh["ctr.feature0"] - model_at(again / "ckpt-0000000060")["ctr.feature0"]).abs().max() > 1e-3
+
+
+def test_a_corrupt_checkpoint_is_refused_by_name_and_the_previous_one_used(commands, tmp_path):
+    root = tmp_path / "checkpoints"
+    train(commands, 2, 40, "--checkpoint-dir", str(root), "--checkpoint-every", "20")
+    newest = root / "ckpt-0000000040" / "shard-shard1.pt"
+    newest.write_bytes(newest.read_bytes()[:-100])  # truncated, as by a full disk
+    server, address = start_server(commands, "--shards", "2", "--restore", str(root),
+                                   "--job-config", job_config(**dict(SMALL, steps=30)))
+    assert re.search(rf"refusing checkpoint .*ckpt-0000000040.*{re.escape(str(newest))}", errors(server)), \
+        errors(server)[-3000:]
+    assert re.search(r"restoring from checkpoint .*ckpt-0000000020 \(step 20\)", errors(server))
+    worker = commands.start("ps-worker", "--connect", address)
+    assert worker.wait(240) == 0, errors(worker)[-3000:]
+    assert "starts from checkpoint ckpt-0000000020 at step 20" in errors(worker)
+    commands.run("ps-ctl", "--connect", address, "shutdown")
+    assert server.wait(30) == 0
+
+
+def test_ps_ctl_checkpoint_waits_for_the_checkpoint_and_names_it(commands, tmp_path):
+    root = tmp_path / "checkpoints"
+    server, address = start_server(commands, "--shards", "2", "--checkpoint-dir", str(root), "--job-config",
+                                   job_config(**dict(SMALL, steps=100_000)))
+    worker = commands.start("ps-worker", "--connect", address)
+    wait_for_status(commands, address, lambda s: s["workers"] and s["workers"][0]["step"] > 0, 120)
+    done = commands.run("ps-ctl", "--connect", address, "checkpoint", "--timeout", "120", timeout=150)
+    assert done.returncode == 0, done.stderr
+    match = re.match(r"checkpoint (ckpt-\d{10}) written at step (\d+): (.+)$", done.stdout.strip())
+    assert match, done.stdout
+    assert pathlib.Path(match.group(3)) == root / match.group(1) and (root / match.group(1) / MANIFEST).exists()
+    worker.terminate()
+    assert worker.wait(60) == 0, errors(worker)[-3000:]
+    commands.run("ps-ctl", "--connect", address, "shutdown")
+    assert server.wait(30) == 0
+    shutil.rmtree(root)
