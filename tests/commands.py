@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import List
+from typing import List, Optional
 
 BIN = pathlib.Path(sys.executable).parent
 
@@ -24,19 +24,23 @@ class Commands:
         self.processes: List[subprocess.Popen] = []
         self._count = 0
 
-    def start(self, command: str, *args: str) -> subprocess.Popen:
+    def start(self, command: str, *args: str, netns: Optional[str] = None) -> subprocess.Popen:
+        """``command`` with ``args``; in network namespace ``netns`` if given (``ip netns exec`` execs the
+        command itself, so the pid is still the command's)."""
         self._count += 1
         stem = self.folder / f"{self._count:02d}-{command}"
         stdout, stderr = open(f"{stem}.out", "w"), open(f"{stem}.err", "w")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        process = subprocess.Popen([str(BIN / command), *args], stdout=stdout, stderr=stderr, env=env,
+        prefix = ["ip", "netns", "exec", netns] if netns else []
+        process = subprocess.Popen([*prefix, str(BIN / command), *args], stdout=stdout, stderr=stderr, env=env,
                                    start_new_session=True)
         process.out_path, process.err_path = f"{stem}.out", f"{stem}.err"
         self.processes.append(process)
         return process
 
-    def run(self, command: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-        process = self.start(command, *args)
+    def run(self, command: str, *args: str, timeout: float = 60,
+            netns: Optional[str] = None) -> subprocess.CompletedProcess:
+        process = self.start(command, *args, netns=netns)
         code = process.wait(timeout)
         return subprocess.CompletedProcess(process.args, code, output(process), errors(process))
 
@@ -80,23 +84,23 @@ def wait_for_output(process, pattern: str, timeout: float) -> re.Match:
     raise AssertionError(f"{process.args[0]} did not print {pattern!r} within {timeout} s:\n{errors(process)[-3000:]}")
 
 
-def start_server(commands: Commands, *args: str, timeout: float = 90):
+def start_server(commands: Commands, *args: str, timeout: float = 90, netns: Optional[str] = None):
     """ps-server on a free port; returns (process, address) once it said it is ready."""
-    server = commands.start("ps-server", "--port", "0", *args)
+    server = commands.start("ps-server", "--port", "0", *args, netns=netns)
     address = wait_for_output(server, r"ps-server ready at (\S+)", timeout).group(1)
     return server, address
 
 
-def status(commands: Commands, address: str, *extra: str) -> dict:
-    result = commands.run("ps-ctl", "--connect", address, *extra, "status", "--json")
+def status(commands: Commands, address: str, *extra: str, netns: Optional[str] = None) -> dict:
+    result = commands.run("ps-ctl", "--connect", address, *extra, "status", "--json", netns=netns)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
 
-def wait_for_status(commands, address, predicate, timeout: float, *extra: str) -> dict:
+def wait_for_status(commands, address, predicate, timeout: float, *extra: str, netns: Optional[str] = None) -> dict:
     deadline = time.monotonic() + timeout
     while True:
-        current = status(commands, address, *extra)
+        current = status(commands, address, *extra, netns=netns)
         if predicate(current):
             return current
         if time.monotonic() > deadline:

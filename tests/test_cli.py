@@ -40,7 +40,9 @@ def server_args(*argv):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--shards", "0"], "--shards must be at least 1"),
+    (["--shards", "-1"], "--shards must be 0"),
+    (["--shard-prefix", "shard-a"], "--shard-prefix 'shard-a': a letter, then"),
+    (["--tls-ca", "ca.pem"], "--tls-ca is for --join"),
     (["--port", "70000"], "--port must be 0-65535"),
     (["--tls-cert", "c.pem"], "--tls-cert and --tls-key go together"),
     (["--job-config", "{oops"], "--job-config is not JSON"),
@@ -54,6 +56,32 @@ def server_args(*argv):
 def test_server_flags_are_checked(argv, message):
     with pytest.raises(UsageError, match=message):
         server.options_from(server_args(*argv))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--port", "5000"], "--join runs no coordinator: --port belongs on the coordinator's ps-server"),
+    (["--job-config", "{}", "--checkpoint-dir", "d", "--group-size", "2"],
+     "--group-size, --checkpoint-dir belong on"),
+    (["--shards", "0"], "--shards must be at least 1"),
+    (["--shard-prefix", "a.b"], "--shard-prefix 'a.b'"),
+    (["--host", "0.0.0.0"], "not a wildcard"),
+])
+def test_join_flags_are_checked(argv, message):
+    with pytest.raises(UsageError, match=re.escape(message)):
+        server.shard_host_options_from(server_args("--join", "127.0.0.1:5000", *argv))
+
+
+def test_a_joining_server_names_its_shards_after_the_address_facing_the_coordinator():
+    options = server.shard_host_options_from(server_args("--join", "127.0.0.1:5000", "--shards", "3"))
+    assert (options.coordinator, options.host, options.prefix, options.num_shards) == (
+        "127.0.0.1:5000", "127.0.0.1", "shard_127_0_0_1_", 3)
+    named = server.shard_host_options_from(server_args("--join", "127.0.0.1", "--shard-prefix", "rack7_"))
+    assert (named.coordinator, named.prefix) == ("127.0.0.1:50051", "rack7_")
+
+
+def test_a_coordinator_alone_has_no_shards_of_its_own():
+    options = server.options_from(server_args("--shards", "0"))
+    assert options.num_shards == 0 and options.coordinator.host == "127.0.0.1"
 
 
 def test_server_packs_the_job_with_its_config(tmp_path):

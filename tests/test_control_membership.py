@@ -184,3 +184,18 @@ def test_checkpoint_requests_reach_live_workers_only(table):
         (pb.Command.KIND_CHECKPOINT, "1")]
     with pytest.raises(RequestError, match="is left"):
         table.live_member(workers[1].member_id)
+
+
+def test_a_shard_name_in_use_waits_for_a_restart_on_the_same_host_and_is_refused_elsewhere(table):
+    table.join(join_request(role=pb.ROLE_SHARD, name="shard_h2_0", host="10.0.0.2"))
+    restarted = pb.JoinRequest(role=pb.ROLE_SHARD, name="shard_h2_0", host="10.0.0.2",
+                               capabilities=pb.Capabilities(pid=43))
+    with pytest.raises(RequestError) as again:  # its old process not declared dead yet: retried by the joiner
+        table.join(restarted)
+    assert again.value.code == grpc.StatusCode.UNAVAILABLE and "join again once it is gone" in again.value.message
+    with pytest.raises(RequestError) as clash:  # another host's shard with the same name is a mistake
+        table.join(join_request(role=pb.ROLE_SHARD, name="shard_h2_0", host="10.0.0.3"))
+    assert clash.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    table.clock.now += 6
+    table.sweep()  # the old one declared dead; its survivors (none here) told to forget it
+    assert table.join(restarted).rpc_name == "shard_h2_0"

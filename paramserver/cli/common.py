@@ -9,6 +9,7 @@ import json
 from typing import Callable, Optional
 
 from ..control import DEFAULT_PORT, TlsFiles, read_token_file
+from ..control.addresses import address_facing
 from ..logs import configure_logging, default_log_level
 
 
@@ -69,6 +70,17 @@ def data_plane_host(flag: str, value: str) -> str:
         raise UsageError(f"{flag} {value!r}: give this machine's address, not a wildcard; the cluster's "
                          "ports bind to that address only")
     return value
+
+
+def own_host(value: Optional[str], coordinator: str) -> str:
+    """``--host`` of a member: as given (checked), or the address of this machine's interface facing the
+    coordinator (so a member on another host never advertises 127.0.0.1)."""
+    if value is not None:
+        return data_plane_host("--host", value)
+    try:
+        return address_facing(coordinator)
+    except ValueError as error:
+        raise UsageError(f"--host not given and {error}; pass --host") from error
 
 
 def job_config_from(value: str) -> dict:

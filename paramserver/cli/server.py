@@ -1,16 +1,21 @@
-"""``ps-server``: start a cluster's coordinator and its shard servers on this machine.
+"""``ps-server``: start a cluster's coordinator and its shard servers on this machine, or add shards to one.
 
     ps-server --shards 4 [--host H] [--port P] [--job JOB] [--job-config JSON] [--group-size N]
               [--checkpoint-dir D [--checkpoint-every STEPS|SECONDSs] [--checkpoint-keep K]] [--restore D]
               [--token-file F] [--tls-cert C --tls-key K] [--heartbeat-timeout S]
+    ps-server --join HOST:PORT --shards 4 [--host H] [--shard-prefix P] [--token-file F] [--tls-ca PEM]
 
 Prints ``ps-server ready at HOST:PORT (...)`` once every shard has joined;
 SIGTERM/SIGINT (or ``ps-ctl shutdown``) stops members, shards and itself.
+With ``--join`` it runs no coordinator: its shards join the cluster whose
+coordinator is at HOST:PORT, it prints ``ps-server joined ...`` once they
+serve, and ends when they are stopped (SIGTERM, or the cluster's shutdown).
 """
 
 import argparse
 import datetime
 import math
+import re
 import sys
 from typing import Optional
 
@@ -19,14 +24,32 @@ from ..control.checkpoints import CheckpointOptions
 from ..control.protocol import HEARTBEAT_INTERVAL
 from ..runtime.job import DEFAULT_JOB, JobError, pack_job
 from ..runtime.server import ServerOptions, serve
-from .common import (UsageError, add_log_level, add_token_file, command_main, data_plane_host, job_config_from,
-                     setup_logging, token_from)
+from ..runtime.shard_host import ShardHostOptions, serve_shard_host
+from .common import (UsageError, add_log_level, add_token_file, command_main, coordinator_address, data_plane_host,
+                     job_config_from, own_host, setup_logging, token_from)
+
+
+#: Flags that configure the coordinator, refused with ``--join`` (which runs none), with their defaults.
+COORDINATOR_FLAGS = {"port": DEFAULT_PORT, "job": DEFAULT_JOB, "job_config": "{}", "group_size": 0,
+                     "checkpoint_dir": None, "checkpoint_every": None, "checkpoint_keep": 3, "restore": None,
+                     "tls_cert": None, "tls_key": None, "heartbeat_timeout": None}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shards", type=int, default=1, metavar="N", help="shard server processes to run (default 1)")
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="address to listen on, for the coordinator, the store and the shards (default 127.0.0.1)")
+    parser.add_argument("--shards", type=int, default=1, metavar="N",
+                        help="shard server processes to run on this host (default 1; 0: a coordinator only, "
+                             "whose shards other hosts add with --join)")
+    parser.add_argument("--host", default=None,
+                        help="address to listen on, for the coordinator, the store and the shards (default "
+                             "127.0.0.1; with --join: the address of the interface facing the coordinator)")
+    parser.add_argument("--join", metavar="HOST:PORT",
+                        help="run no coordinator: add this host's shards to the cluster whose ps-server is at "
+                             "HOST:PORT (takes --shards, --host, --shard-prefix, --token-file, --tls-ca)")
+    parser.add_argument("--shard-prefix", metavar="P",
+                        help="shard names are P0, P1, ... (default 'shard'; with --join 'shard_' and this host's "
+                             "address, e.g. shard_10_0_0_2_0): unique in the cluster")
+    parser.add_argument("--tls-ca", metavar="PEM",
+                        help="with --join: the coordinator speaks TLS; trust this certificate")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT,
                         help=f"coordinator port (default {DEFAULT_PORT}; 0 picks a free one)")
     parser.add_argument("--job", default=DEFAULT_JOB,
@@ -55,10 +78,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_log_level(parser)
 
 
-def options_from(args) -> ServerOptions:
-    data_plane_host("--host", args.host)
+def shard_prefix(value: str) -> str:
+    """``--shard-prefix``: the start of torch RPC names: no '.' (torch refuses them) and no '-' (an open RPC
+    group lists its members in its store as ``name-rank``, and cuts a name at its first '-')."""
+    if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]{0,50}", value):
+        raise UsageError(f"--shard-prefix {value!r}: a letter, then up to 50 letters, digits or '_'")
+    return value
+
+
+def shard_host_options_from(args) -> ShardHostOptions:
+    """``ps-server --join``'s options; the coordinator's own flags are refused, naming them."""
+    given = [f"--{name.replace('_', '-')}" for name, default in COORDINATOR_FLAGS.items()
+             if getattr(args, name) != default]
+    if given:
+        raise UsageError(f"--join runs no coordinator: {', '.join(given)} belong{'s' if len(given) == 1 else ''} "
+                         "on the coordinator's ps-server")
     if args.shards < 1:
         raise UsageError(f"--shards must be at least 1, got {args.shards}")
+    address = coordinator_address(args.join)
+    host = own_host(args.host, address)
+    prefix = shard_prefix(args.shard_prefix if args.shard_prefix is not None
+                          else "shard_" + re.sub(r"[^A-Za-z0-9]", "_", host) + "_")
+    return ShardHostOptions(coordinator=address, num_shards=args.shards, host=host, prefix=prefix,
+                            token=token_from(args), tls=TlsFiles(ca=args.tls_ca) if args.tls_ca else None,
+                            log_level=args.log_level)
+
+
+def options_from(args) -> ServerOptions:
+    if args.tls_ca:
+        raise UsageError("--tls-ca is for --join (trusting the coordinator); a coordinator takes --tls-cert and "
+                         "--tls-key")
+    if args.host is None:
+        args.host = "127.0.0.1"
+    data_plane_host("--host", args.host)
+    if args.shards < 0:
+        raise UsageError(f"--shards must be 0 (a coordinator only: shards come from ps-server --join) or more, "
+                         f"got {args.shards}")
+    prefix = shard_prefix(args.shard_prefix if args.shard_prefix is not None else "shard")
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port must be 0-65535, got {args.port}")
     if bool(args.tls_cert) != bool(args.tls_key):
@@ -80,7 +136,7 @@ def options_from(args) -> ServerOptions:
                              f"heartbeat interval, got {args.heartbeat_timeout}")
         settings["heartbeat_timeout"] = timeout
     return ServerOptions(num_shards=args.shards, coordinator=CoordinatorSettings(**settings),
-                         log_level=args.log_level)
+                         log_level=args.log_level, shard_prefix=prefix)
 
 
 def checkpoint_options_from(args) -> Optional[CheckpointOptions]:
@@ -112,12 +168,12 @@ def checkpoint_options_from(args) -> Optional[CheckpointOptions]:
 def run(args) -> int:
     setup_logging("ps-server", args)
     try:
-        options = options_from(args)
+        options = shard_host_options_from(args) if args.join else options_from(args)
     except UsageError as error:
         print(f"ps-server: {error}", file=sys.stderr)
         return 2
     try:
-        return serve(options)
+        return serve_shard_host(options) if args.join else serve(options)
     except (OSError, ValueError) as error:
         print(f"ps-server: {error}", file=sys.stderr)
         return 1

@@ -17,14 +17,14 @@ import sys
 
 from ..runtime.worker import EXIT_REFUSED, WorkerOptions, run_worker
 from .common import (UsageError, add_connect, add_log_level, client_tls, command_main, coordinator_address,
-                     data_plane_host, setup_logging, token_from)
+                     own_host, setup_logging, token_from)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_connect(parser)
-    parser.add_argument("--host", default="127.0.0.1",
+    parser.add_argument("--host", default=None,
                         help="this machine's address as the shards reach it; the data plane listens there "
-                             "(default 127.0.0.1)")
+                             "(default: the address of the interface facing the coordinator)")
     parser.add_argument("--retry-for", type=float, default=30.0, metavar="SECONDS",
                         help="keep trying an unreachable coordinator this long (default 30)")
     parser.add_argument("--comm-hook", metavar="NAME",
@@ -38,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     setup_logging("ps-worker", args)
     try:
-        options = WorkerOptions(address=coordinator_address(args.connect), host=data_plane_host("--host", args.host),
+        address = coordinator_address(args.connect)
+        options = WorkerOptions(address=address, host=own_host(args.host, address),
                                 token=token_from(args), tls=client_tls(args),
                                 retry_for=datetime.timedelta(seconds=args.retry_for),
                                 config_overrides=hook_overrides(args.comm_hook, args.comm_hook_option))

@@ -165,7 +165,14 @@ class Membership:
     def _rpc_name_for(self, request: pb.JoinRequest, index: int) -> str:
         if request.role == pb.ROLE_SHARD:
             # Shards keep the name they were started with, so a restarted shard is found again.
-            if any(m.rpc_name == request.name for m in self._alive()):
+            same_name = next((m for m in self._alive() if m.rpc_name == request.name), None)
+            if same_name is not None:
+                if same_name.host == request.host and same_name.pid != request.capabilities.pid:
+                    # Most likely its restarted process, on a host whose supervisor cannot report the old one's
+                    # exit here: it joins once the old one is declared dead.  The joiner retries meanwhile.
+                    raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                                       f"a live member on {request.host} is already named {request.name!r} (pid "
+                                       f"{same_name.pid}); join again once it is gone")
                 raise _precondition(f"a live member is already named {request.name!r}")
             # ... once every survivor has dropped the lost one from its RPC group (a peer that still
             # knows the old one would never learn the new one): the joiner retries meanwhile.
@@ -307,7 +314,7 @@ class Membership:
                     host=member.host, alive=member.state == ALIVE, state=member.state, step=member.step,
                     metrics=member.metrics, seconds_since_heartbeat=round(now - member.last_heartbeat, 3),
                     joined_generation=member.joined_generation, trainer_group=member.trainer_group,
-                    pid=member.pid, reason=member.end_reason)
+                    pid=member.pid, reason=member.end_reason, ready=member.ready)
             response.groups.extend(self._groups.views(now))
             return response
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import grpc
 from google.protobuf.message import DecodeError
 
+from .addresses import loopback_from_afar
 from .membership import Membership
 from .protocol import SERVICE_NAME, pb
 from .validation import (RequestError, check_member_id, invalid, validate_heartbeat, validate_join, validate_leave,
@@ -69,19 +70,27 @@ class CoordinatorService:
         missing = {m.name for m in _DESCRIPTOR.methods} - set(self._handlers)
         assert not missing, f"no handler for {missing}"
 
-    def handle(self, method: str, raw: bytes):
-        """Decode, validate and answer one request; raises ``RequestError`` to refuse it."""
+    def handle(self, method: str, raw: bytes, peer: str = ""):
+        """Decode, validate and answer one request; raises ``RequestError`` to refuse it.
+
+        ``peer``: where the call came from, as gRPC names it (``ipv4:10.0.0.3:51234``).
+        """
         request_cls, handler = self._handlers[method]
         try:
             request = request_cls.FromString(raw)
         except DecodeError as error:
             raise invalid(f"{method}: the request is not a valid {request_cls.DESCRIPTOR.full_name} "
                           f"message ({error})") from None
+        if method == "Join":
+            return self.join(request, peer)
         return handler(request)
 
     # -- handlers ------------------------------------------------------
-    def join(self, request: pb.JoinRequest) -> pb.Assignment:
+    def join(self, request: pb.JoinRequest, peer: str = "") -> pb.Assignment:
         validate_join(request)
+        unreachable = loopback_from_afar(request.host, peer)
+        if unreachable:
+            raise invalid(unreachable)
         member = self.membership.join(request)
         assignment = pb.Assignment(
             member_id=member.member_id, rpc_name=member.rpc_name, rpc_rank=member.rpc_rank, index=member.index,
@@ -109,6 +118,8 @@ class CoordinatorService:
         response = self.membership.status()
         response.store.CopyFrom(self.settings.store)
         response.job = self.settings.job.name if self.settings.job is not None else ""
+        if self.checkpoints is not None:
+            response.checkpoint.CopyFrom(self.checkpoints.settings())
         return response
 
     def checkpoint(self, request: pb.CheckpointRequest) -> pb.CheckpointResponse:
@@ -162,7 +173,7 @@ def generic_handler(service: CoordinatorService) -> grpc.GenericRpcHandler:
 def _answer(service: CoordinatorService, method: str):
     def answer(raw: bytes, context: grpc.ServicerContext):
         try:
-            return service.handle(method, raw)
+            return service.handle(method, raw, context.peer())
         except RequestError as error:
             logger.info("refused %s from %s: %s: %s", method, context.peer(), error.code.name, error.message)
             context.abort(error.code, error.message)

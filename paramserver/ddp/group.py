@@ -21,6 +21,7 @@ What is trained and how state moves is ``replica``'s business.
 
 import datetime
 import logging
+import os
 from typing import Tuple
 
 import torch
@@ -54,6 +55,22 @@ def device_for(backend: str, worker_index: int) -> torch.device:
     if backend == "nccl":
         return torch.device("cuda", worker_index % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+#: The data plane's interface (set by ``paramserver.shards.peer`` from the member's ``--host``) and the
+#: collectives backends' own variables for theirs.
+DATA_PLANE_INTERFACE_ENV = "TP_SOCKET_IFNAME"
+COLLECTIVE_INTERFACE_ENVS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def _collectives_on_data_plane_interface() -> None:
+    """Gloo and NCCL connect over the interface the data plane listens on, unless told otherwise: left to
+    themselves they use the address this machine's host name resolves to, which on a multi-homed host (or
+    in a network namespace) may not be the one the group's other members can reach."""
+    interface = os.environ.get(DATA_PLANE_INTERFACE_ENV)
+    if interface:
+        for variable in COLLECTIVE_INTERFACE_ENVS:
+            os.environ.setdefault(variable, interface)
 
 
 class TrainerGroup:
@@ -102,6 +119,7 @@ class TrainerGroup:
         logger.info("%s: forming trainer group %d generation %d as rank %d of %d (%s): %s", name, view.group,
                     view.generation, rank, len(view.members), view.backend, ", ".join(view.members))
         self.view, self.rank, self.world_size = view, rank, len(view.members)
+        _collectives_on_data_plane_interface()
         self.device = device_for(view.backend, self._source.worker_index)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)

@@ -108,7 +108,14 @@ class DenseReplica:
         self._restored_hook_states: Optional[List[bytes]] = None
         if initial:
             self._restore(initial)
-        self._form()
+        try:
+            self._form()
+        except HookMismatch:
+            # Every member refuses alike: leave the process group now, not in the interpreter's teardown
+            # (destroyed there, under load a member aborted: "terminate called without an active exception").
+            self._drop_ddp()
+            self.group.close()
+            raise
 
     def _restore(self, initial: Dict[str, Any]) -> None:
         """Start from a checkpoint's dense part: module, optimizer and step now, the hook state at forming."""

@@ -13,6 +13,7 @@ from typing import List, Optional, Sequence
 from torch import Tensor, nn
 
 from ..control import TlsFiles, pb
+from ..control.addresses import address_facing
 from ..shards import PlacedModule, ShardedEmbeddingBag, peer, place_parameters
 from .member import MemberSession
 
@@ -23,8 +24,9 @@ class Cluster:
     """A connection to the cluster at ``address``; see ``connect``."""
 
     def __init__(self, address: str, token: Optional[str] = None, tls: Optional[TlsFiles] = None,
-                 host: str = "127.0.0.1", name: Optional[str] = None,
+                 host: Optional[str] = None, name: Optional[str] = None,
                  retry_for: Optional[datetime.timedelta] = None):
+        host = host or address_facing(address)
         self._session = MemberSession(address, pb.ROLE_CLIENT, name=name, host=host, token=token, tls=tls,
                                       retry_for=retry_for)
         self.assignment = self._session.join()
@@ -88,14 +90,15 @@ class Cluster:
 
 
 def connect(address: str, token: Optional[str] = None, *, tls_ca: Optional[str] = None,
-            host: str = "127.0.0.1", name: Optional[str] = None,
+            host: Optional[str] = None, name: Optional[str] = None,
             retry_for: Optional[datetime.timedelta] = None) -> Cluster:
     """Connect this Python process to the cluster at ``address`` (``HOST:PORT`` of ps-server).
 
     ``token``: the cluster token, if the server has one.  ``tls_ca``: PEM
     file to trust when the server speaks TLS (its certificate, if
     self-signed).  ``host``: this machine's address as the cluster's
-    members reach it (the data plane listens there).
+    members reach it (the data plane listens there); by default the
+    address of the interface facing the coordinator.
     """
     tls = TlsFiles(ca=tls_ca) if tls_ca else None
     return Cluster(address, token=token, tls=tls, host=host, name=name, retry_for=retry_for)

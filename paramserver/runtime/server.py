@@ -4,7 +4,8 @@ Owns the server's life: start the coordinator, start the shards, announce
 readiness (one line on stdout with the address; health SERVING) once every
 shard has joined, then wait for a shutdown (SIGTERM/SIGINT or the Shutdown
 RPC) and drain in order: members are asked to stop and given a few seconds
-to leave, shards are stopped, the port closes.  The whole drain is bounded
+to leave, shards other hosts added are told to stop, this host's shards
+are stopped, the port closes.  The whole drain is bounded
 so the process is gone within 10 s, leaving no child behind.
 """
 
@@ -32,6 +33,7 @@ class ServerOptions:
     coordinator: CoordinatorSettings
     log_level: Optional[str] = None
     ready_timeout: datetime.timedelta = READY_TIMEOUT
+    shard_prefix: str = "shard"
 
 
 class _Shutdown:
@@ -58,13 +60,14 @@ def serve(options: ServerOptions, announce=print) -> int:
         child_tls = TlsFiles(ca=tls.ca or tls.cert) if tls is not None else None
         # Shards listen on the server's host and dial the coordinator there.
         host = options.coordinator.host
-        supervisor = ShardSupervisor(
-            options.num_shards, format_address(host, coordinator.port), host,
-            on_exit=coordinator.membership.process_exited,
-            token=options.coordinator.token, tls=child_tls, log_level=options.log_level,
-            # A lost shard comes back from the newest checkpoint; with none configured it stays lost
-            # (a restart would silently serve freshly initialized tables).
-            restart=coordinator.checkpoints is not None).start()
+        if options.num_shards:  # none: a coordinator only, whose shards other hosts add (ps-server --join)
+            supervisor = ShardSupervisor(
+                options.num_shards, format_address(host, coordinator.port), host,
+                on_exit=coordinator.membership.process_exited,
+                token=options.coordinator.token, tls=child_tls, log_level=options.log_level,
+                # A lost shard comes back from the newest checkpoint; with none configured it stays lost
+                # (a restart would silently serve freshly initialized tables).
+                restart=coordinator.checkpoints is not None, prefix=options.shard_prefix).start()
         want = options.num_shards
         all_joined = coordinator.membership.wait_until(
             lambda m: len(m.serving_shards()) >= want or shutdown.event.is_set()
@@ -80,7 +83,7 @@ def serve(options: ServerOptions, announce=print) -> int:
                          f" within {options.ready_timeout.total_seconds():.0f} s")
             return 1
         coordinator.mark_ready()
-        announce(f"ps-server ready at {coordinator.address} ({want} shard{'s' if want > 1 else ''}, generation "
+        announce(f"ps-server ready at {coordinator.address} ({want} shard{'' if want == 1 else 's'}, generation "
                  f"{coordinator.membership.generation})", flush=True)
         shutdown.event.wait()
     finally:
@@ -91,6 +94,7 @@ def serve(options: ServerOptions, announce=print) -> int:
             if not left:
                 logger.warning("members still running after %.0f s: %s", MEMBERS_LEAVE_WITHIN.total_seconds(),
                                ", ".join(x.rpc_name for x in coordinator.membership.alive() if x.role != pb.ROLE_SHARD))
+        _stop_remote_shards(coordinator.membership, set(supervisor.processes) if supervisor is not None else set())
         if supervisor is not None:
             codes = supervisor.stop(SHARDS_STOP_WITHIN)
             logger.info("shards stopped: %s", ", ".join(f"{name} exit {c}" for name, c in codes.items()))
@@ -98,3 +102,15 @@ def serve(options: ServerOptions, announce=print) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0
+
+
+def _stop_remote_shards(membership, local_names) -> None:
+    """Shards that other hosts added (``ps-server --join``) are told to stop and given a few seconds to leave;
+    their hosts' ps-servers then end too."""
+    remote = [m.rpc_name for m in membership.alive() if m.role == pb.ROLE_SHARD and m.rpc_name not in local_names]
+    if not remote:
+        return
+    membership.stop_members([pb.ROLE_SHARD])
+    if not membership.wait_until(lambda m: not [x for x in m.alive() if x.rpc_name in remote], SHARDS_STOP_WITHIN):
+        logger.warning("shards of other hosts still running after %.0f s: %s", SHARDS_STOP_WITHIN.total_seconds(),
+                       ", ".join(x.rpc_name for x in membership.alive() if x.rpc_name in remote))

@@ -28,16 +28,19 @@ MAX_RESTARTS = 3
 
 
 class ShardSupervisor:
-    """N shard processes named ``shard0..``; ``on_exit(name, exit_code)`` runs when one exits on its own.
+    """N shard processes named ``<prefix>0..`` (``shard0..``); ``on_exit(name, exit_code)`` runs when one exits
+    on its own.
 
-    With ``restart``, a shard that exits on its own is started again
-    (``MAX_RESTARTS`` times at most); the count is in ``restarts``.
+    With ``restart``, a shard that fails (exits with a code other than 0:
+    killed, crashed) is started again (``MAX_RESTARTS`` times at most); the
+    count is in ``restarts``.  Exit code 0 is a shard that left on purpose
+    (the coordinator stopped it, or was lost): it is not restarted.
     """
 
     def __init__(self, num_shards: int, coordinator_address: str, host: str,
                  on_exit: Callable[[str, Optional[int]], None],
                  token: Optional[str] = None, tls: Optional[TlsFiles] = None, log_level: Optional[str] = None,
-                 restart: bool = False, max_restarts: int = MAX_RESTARTS):
+                 restart: bool = False, max_restarts: int = MAX_RESTARTS, prefix: str = "shard"):
         if num_shards < 1:
             raise ValueError(f"--shards must be at least 1, got {num_shards}")
         self._context = multiprocessing.get_context("spawn")
@@ -49,7 +52,7 @@ class ShardSupervisor:
         self._kwargs = dict(address=coordinator_address, host=host, token=token, tls=tls, log_level=log_level)
         self.restarts: Dict[str, int] = {}
         self.processes: Dict[str, multiprocessing.Process] = {
-            f"shard{index}": self._new_process(f"shard{index}") for index in range(num_shards)}
+            f"{prefix}{index}": self._new_process(f"{prefix}{index}") for index in range(num_shards)}
         self._watcher = threading.Thread(target=self._watch, name="shard-supervisor", daemon=True)
 
     def _new_process(self, name: str) -> multiprocessing.Process:
@@ -71,10 +74,11 @@ class ShardSupervisor:
                     process.join()
                     del running[name]
                     if not self._stopping.is_set():
-                        logger.error("shard process %s (pid %d) exited with code %s", name, process.pid,
-                                     process.exitcode)
+                        logger.log(logging.INFO if process.exitcode == 0 else logging.ERROR,
+                                   "shard process %s (pid %d) exited with code %s", name, process.pid,
+                                   process.exitcode)
                         self._on_exit(name, process.exitcode)
-                        replacement = self._replace(name)
+                        replacement = self._replace(name) if process.exitcode != 0 else None
                         if replacement is not None:
                             running[name] = replacement
 
@@ -96,6 +100,11 @@ class ShardSupervisor:
         logger.warning("restarted %s (pid %d; restart %d of at most %d)", name, process.pid, count + 1,
                        self._max_restarts)
         return process
+
+    def wait_all_exited(self, timeout: datetime.timedelta) -> bool:
+        """Block until every shard has exited for good (none running, none being restarted); False on timeout."""
+        self._watcher.join(timeout.total_seconds())
+        return not self._watcher.is_alive()
 
     def alive(self) -> Dict[str, bool]:
         return {name: process.is_alive() for name, process in self.processes.items()}

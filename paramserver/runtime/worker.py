@@ -19,6 +19,8 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
+import grpc
+
 from ..control import CoordinatorError, CoordinatorUnavailable, NotAuthenticated, TlsFiles, pb
 from ..shards import peer
 from .job import JobContext, JobError, unpack_job
@@ -56,7 +58,8 @@ def run_worker(options: WorkerOptions, say=print) -> int:
         return EXIT_FAILED
     except CoordinatorError as error:
         say(f"ps-worker: could not join: {error}")
-        return EXIT_FAILED
+        # A join refused for what it said (a loopback --host from another host...) is this worker's to fix.
+        return EXIT_REFUSED if error.code == grpc.StatusCode.INVALID_ARGUMENT else EXIT_FAILED
     context = JobContext(rpc_name=assignment.rpc_name, worker_index=assignment.index,
                          generation=assignment.generation, trainer_group=assignment.trainer_group,
                          shards=list(assignment.shards), store_host=assignment.store.host,

@@ -1,0 +1,124 @@
+"""``ps-server --join``'s process: shard servers on this host for a coordinator on another.
+
+Owns the life of a shard host: start N supervised shard processes that
+join the remote coordinator under this host's names (``<prefix>0..``),
+restart one that fails when the cluster keeps checkpoints (it then serves
+its tables from the newest one; without checkpoints a restart would serve
+fresh tables, so a lost shard stays lost), announce readiness once the
+coordinator counts every one of them serving, and end when told to
+(SIGTERM/SIGINT: stop the shards) or once every shard has left for good
+(the coordinator stopped them at its shutdown, or was lost).  The
+coordinator itself, the job and checkpoints are the coordinator host's
+business (``server``).
+"""
+
+import datetime
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import List, Optional
+
+from ..control import TlsFiles
+from ..control.client import CoordinatorClient, CoordinatorError
+from .supervisor import ShardSupervisor
+
+logger = logging.getLogger(__name__)
+
+READY_TIMEOUT = datetime.timedelta(seconds=120)
+SHARDS_STOP_WITHIN = datetime.timedelta(seconds=3)
+_POLL = datetime.timedelta(seconds=0.25)
+
+
+@dataclass(frozen=True)
+class ShardHostOptions:
+    coordinator: str                 # HOST:PORT of the cluster's ps-server
+    num_shards: int
+    host: str                        # this host's address on the cluster's network (the shards bind it)
+    prefix: str                      # shard names: <prefix>0, <prefix>1, ...
+    token: Optional[str] = None
+    tls: Optional[TlsFiles] = None
+    log_level: Optional[str] = None
+    retry_for: Optional[datetime.timedelta] = None
+    ready_timeout: datetime.timedelta = READY_TIMEOUT
+
+
+def serve_shard_host(options: ShardHostOptions, announce=print) -> int:
+    """Run until shut down or until every shard left; returns the exit code (0: a clean end)."""
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda signum, _frame: _stop(stop, signal.Signals(signum).name))
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    client = CoordinatorClient(options.coordinator, token=options.token, tls=options.tls)
+    supervisor = None
+    try:
+        status = _status(client, options.retry_for)
+        keeps_checkpoints = bool(status.checkpoint.directory)
+        supervisor = ShardSupervisor(
+            options.num_shards, options.coordinator, options.host, on_exit=lambda name, code: None,
+            token=options.token, tls=options.tls, log_level=options.log_level, restart=keeps_checkpoints,
+            prefix=options.prefix).start()
+        names = list(supervisor.processes)
+        if not _wait_until_serving(client, names, supervisor, stop, options.ready_timeout):
+            return 0 if stop.is_set() else 1
+        announce(f"ps-server joined {options.coordinator} with {len(names)} shard{'s' if len(names) > 1 else ''} "
+                 f"on {options.host} ({', '.join(names)}; lost shards "
+                 f"{'restart from the newest checkpoint' if keeps_checkpoints else 'are not restarted: no checkpoints'})",
+                 flush=True)
+        while not stop.is_set():
+            if supervisor.wait_all_exited(_POLL):
+                logger.info("every shard of this host has left; exiting")
+                break
+        return 0
+    except CoordinatorError as error:
+        logger.error("%s", error)
+        return 1
+    finally:
+        if supervisor is not None:
+            codes = supervisor.stop(SHARDS_STOP_WITHIN)
+            logger.info("shards stopped: %s", ", ".join(f"{name} exit {code}" for name, code in codes.items()))
+        client.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _stop(event: threading.Event, reason: str) -> None:
+    if not event.is_set():
+        logger.info("shutting down: %s", reason)
+        event.set()
+
+
+def _status(client: CoordinatorClient, retry_for: Optional[datetime.timedelta]):
+    """The coordinator's status, retrying while it is unreachable (it may still be starting)."""
+    deadline = time.monotonic() + (retry_for or datetime.timedelta(seconds=30)).total_seconds()
+    delay = 0.1
+    while True:
+        try:
+            return client.status()
+        except CoordinatorError as error:
+            if time.monotonic() + delay > deadline or "unreachable" not in str(error):
+                raise
+            logger.info("coordinator %s not reachable yet; retrying in %.1f s", client.address, delay)
+            time.sleep(delay)
+            delay = min(2.0, delay * 2)
+
+
+def _wait_until_serving(client: CoordinatorClient, names: List[str], supervisor: ShardSupervisor,
+                        stop: threading.Event, timeout: datetime.timedelta) -> bool:
+    """Until the coordinator lists every one of ``names`` as a serving shard; False if stopped, a shard
+    process exited, or the time ran out (logged)."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not stop.is_set():
+        serving = {s.name for s in client.status().shards if s.alive and s.ready}
+        if set(names) <= serving:
+            return True
+        dead = [name for name, alive in supervisor.alive().items() if not alive]
+        if dead:
+            logger.error("shard processes exited before serving: %s", ", ".join(dead))
+            return False
+        if time.monotonic() > deadline:
+            logger.error("only %d of %d shards of this host serve after %.0f s: %s", len(set(names) & serving),
+                         len(names), timeout.total_seconds(), ", ".join(sorted(set(names) - serving)) + " missing")
+            return False
+        stop.wait(_POLL.total_seconds())
+    return False

@@ -1,0 +1,69 @@
+"""Several hosts, made of network namespaces (``tests/netns.py``): the
+coordinator on one (``ps-server --shards 0``), shard servers on a second
+(``ps-server --join``), a worker on each of a third and a fourth.  The
+default job trains across them and learns; every member advertises its
+own host's address (none gave ``--host``: each took the interface facing
+the coordinator); a member advertising 127.0.0.1 from another host is
+refused; the cluster's shutdown ends the shard host too.  Skipped, with
+the reason, where namespaces cannot be made (not root, no ``ip``)."""
+
+import pytest
+
+from commands import errors, job_config, output, start_server, status, wait_for_output
+from netns import NamespacesUnavailable, make_hosts
+from test_trainer_group_commands import SMALL
+
+pytestmark = pytest.mark.timeout(240)
+
+STEPS = 120
+
+
+@pytest.fixture
+def hosts():
+    try:
+        made = make_hosts(4)
+    except NamespacesUnavailable as reason:
+        pytest.skip(f"cannot make network namespaces: {reason}")
+    yield made
+    made.remove()
+
+
+def test_the_default_job_trains_across_four_hosts(commands, hosts):
+    coordinator_ns, shard_ns, *worker_ns = hosts.names
+    coordinator_ip, shard_ip, *worker_ips = hosts.addresses
+    server, address = start_server(commands, "--host", coordinator_ip, "--shards", "0", "--group-size", "2",
+                                   "--heartbeat-timeout", "10", "--job-config",
+                                   job_config(**dict(SMALL, steps=STEPS, hook="allreduce", eval_every=STEPS)),
+                                   netns=coordinator_ns)
+    assert address.startswith(f"{coordinator_ip}:")
+    shard_host = commands.start("ps-server", "--join", address, "--shards", "2", netns=shard_ns)
+    joined = wait_for_output(shard_host, r"ps-server joined (\S+) with 2 shards on (\S+) \(([^;]+);", 120)
+    assert joined.group(1) == address and joined.group(2) == shard_ip
+    shard_names = joined.group(3).split(", ")
+    assert shard_names == [f"shard_{shard_ip.replace('.', '_')}_0", f"shard_{shard_ip.replace('.', '_')}_1"]
+
+    # Advertising loopback from another host is refused, naming the address it came from.
+    refused = commands.run("ps-worker", "--connect", address, "--host", "127.0.0.1", netns=worker_ns[0], timeout=60)
+    assert refused.returncode == 2, refused.stdout + refused.stderr[-2000:]
+    assert f"reached the coordinator from {worker_ips[0]}" in refused.stdout, refused.stdout
+
+    workers = [commands.start("ps-worker", "--connect", address, netns=ns) for ns in worker_ns]
+    for worker in workers:
+        assert worker.wait(180) == 0, errors(worker)[-4000:]
+        assert "finished" in output(worker)
+
+    final = status(commands, address, netns=coordinator_ns)
+    assert {s["name"]: s["host"] for s in final["shards"]} == dict.fromkeys(shard_names, shard_ip)
+    trained = [w for w in final["workers"] if w["state"] == "left"]
+    assert sorted(w["host"] for w in trained) == sorted(worker_ips), final["workers"]
+    assert final["groups"][0]["members"] == [w["name"] for w in trained]  # one trainer group across two hosts
+    for worker in trained:
+        figures = worker["metrics"]
+        assert worker["step"] == STEPS and figures["loss"] < figures["first_loss"], figures
+    rank0 = next(w for w in trained if w["metrics"]["group_rank"] == 0)
+    assert rank0["metrics"]["auc"] > 0.65, rank0["metrics"]
+
+    commands.run("ps-ctl", "--connect", address, "shutdown", netns=coordinator_ns)
+    assert server.wait(30) == 0, errors(server)[-3000:]
+    assert shard_host.wait(30) == 0, errors(shard_host)[-3000:]
+    assert "every shard of this host has left" in errors(shard_host)
