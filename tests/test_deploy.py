@@ -42,10 +42,8 @@ CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 POD_IP_EXAMPLE = "10.244.1.7"
 #: The entry point each container's command names -> its module in paramserver.cli.
 COMMAND_MODULES = {"ps-server": "server", "ps-worker": "worker", "ps-ctl": "ctl"}
-#: Flags the manifests use before the CLI has them: ``ps-server --join`` comes
-#: with the multi-host work of issue 7. Skipped in the parser check only while
-#: the parser lacks it; once it exists it is checked like every other flag.
-PENDING_FLAGS = {"ps-server": {"--join"}}
+#: What Kubernetes substitutes for $(POD_INDEX) (a StatefulSet pod's ordinal, from its pod-index label).
+POD_INDEX_EXAMPLE = "3"
 
 
 # --- loading and validating ---------------------------------------------------------------------------------------
@@ -380,22 +378,13 @@ def test_every_flag_in_the_manifests_exists_in_its_command(objects, parsers):
         assert len(command) == 1 and command[0] in parsers, f"{owner}: unknown command {command}"
         parser = parsers[command[0]]
         known = _known_flags(parser)
-        args = [arg.replace("$(POD_IP)", POD_IP_EXAMPLE) for arg in container["args"]]
-        pending = PENDING_FLAGS.get(command[0], set()) - known
-        kept = []
-        i = 0
-        while i < len(args):
-            flag = args[i].split("=", 1)[0]
-            if flag in pending:
-                # Not in this release's parser yet (the multi-host work of issue 7):
-                # skip the flag and its value; everything else is checked.
-                i += 1 if "=" in args[i] else 2
-                continue
-            if args[i].startswith("--"):
+        args = [arg.replace("$(POD_IP)", POD_IP_EXAMPLE).replace("$(POD_INDEX)", POD_INDEX_EXAMPLE)
+                for arg in container["args"]]
+        for arg in args:
+            if arg.startswith("--"):
                 # Exact names: argparse would also take an abbreviation, Kubernetes users should not rely on it.
-                assert flag in known, f"{owner}: {command[0]} has no flag {flag}"
-            kept.append(args[i])
-            i += 1
+                assert arg.split("=", 1)[0] in known, f"{owner}: {command[0]} has no flag {arg}"
+        kept = args
         try:
             parsed = parser.parse_args(kept)
         except (argparse.ArgumentError, SystemExit) as error:
