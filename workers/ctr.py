@@ -133,18 +133,23 @@ def main(ctx, steps: int = 1500, batch_size: int = 1024, hook: str = "powersgd",
     started, start_step = time.monotonic(), replica.step
     logger.info("%s: %d tables on %s, %s from step %d; oracle held-out AUC %.4f", ctx.rpc_name,
                 len(sparse.built[0]), ", ".join(ctx.shards), group.describe(), replica.step, oracle_auc)
-    while replica.step < steps and replica.sync_point(want_stop=ctx.should_stop()):
+    redo = False  # the step again after its lookups failed: its sync point was passed already
+    while replica.step < steps and (redo or replica.sync_point(want_stop=ctx.should_stop())):
+        redo = False
         batch = data.batch(ctx.worker_index, replica.step, batch_size)
         try:
             loss, sparse_failure = train_step(sparse, replica, batch, loss_fn)
         except Exception as error:  # noqa: BLE001 - failed collectives and lost shards are recovered from
             if replica.collective_failed(error):
                 if replica.recover(error):
-                    continue  # the step again, in the re-formed group
+                    continue  # the step again, from its sync point, in the re-formed group
                 break
             if not isinstance(error, ShardStepFailed):
                 raise
-            sparse.rebuild(error.cause)  # before any collective of the step: it is done again
+            # Before any collective of the step: done again, while the group's other members wait for it
+            # in the step's all-reduce (up to the collective timeout).
+            sparse.rebuild(error.cause)
+            redo = True
             continue
         if sparse_failure is None:
             sparse_steps += 1

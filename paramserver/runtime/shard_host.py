@@ -22,12 +22,11 @@ from typing import List, Optional
 
 from ..control import TlsFiles
 from ..control.client import CoordinatorClient, CoordinatorError
+from .server import READY_TIMEOUT, SHARDS_STOP_WITHIN
 from .supervisor import ShardSupervisor
 
 logger = logging.getLogger(__name__)
 
-READY_TIMEOUT = datetime.timedelta(seconds=120)
-SHARDS_STOP_WITHIN = datetime.timedelta(seconds=3)
 _POLL = datetime.timedelta(seconds=0.25)
 
 

@@ -167,6 +167,10 @@ def forget(peer: str) -> bool:
     return True
 
 
+#: How long leaving an open group waits for this process's RRefs to be released by their owners.
+RELEASE_RREFS_WITHIN = datetime.timedelta(seconds=5)
+
+
 def leave(graceful: bool = True, timeout: Optional[datetime.timedelta] = None) -> None:
     """Stop being a peer.  Graceful: in a static group, wait until every peer
     leaves and all outstanding work is done (bounded by ``timeout`` when
@@ -174,7 +178,9 @@ def leave(graceful: bool = True, timeout: Optional[datetime.timedelta] = None) -
     the others it left.  Not graceful: just stop."""
     if graceful and rpc.api._is_current_rpc_agent_set() and is_open_group():
         try:
-            rpc.api._delete_all_user_and_unforked_owner_rrefs()
+            # Bounded: RRefs whose owner died (a lost shard) are never confirmed, and torch's default
+            # wait for them is 100 s.
+            rpc.api._delete_all_user_and_unforked_owner_rrefs(RELEASE_RREFS_WITHIN)
         except RuntimeError as error:  # an owner may be gone; its RRefs are moot
             logger.warning("releasing RRefs before leaving: %s", error)
     if timeout is None:
