@@ -1,0 +1,100 @@
+"""The coordinator's side of checkpoints (``paramserver.control.checkpoints``),
+in process: requests go to the workers as commands (also every N seconds),
+a commit is checked before its manifest is written and answers every
+request made before it, a checkpoint that never comes is a timeout naming
+why, a writer cannot commit outside the checkpoint root, and members are
+told to restore from the newest commit."""
+
+import datetime
+import json
+import threading
+
+import grpc
+import pytest
+
+from paramserver.checkpoint import MANIFEST, CheckpointStore, save_tensors
+from paramserver.control.checkpoints import CheckpointCoordinator
+from paramserver.control.protocol import pb
+from paramserver.control.validation import RequestError
+
+
+class Workers:
+    """Stands in for the membership table: records the commands sent to the workers."""
+
+    def __init__(self):
+        self.commands = []
+        self.lock = threading.Lock()
+
+    def __call__(self, command: pb.Command) -> int:
+        with self.lock:
+            self.commands.append(command)
+        return 2
+
+
+def written(store: CheckpointStore, step: int):
+    """A checkpoint directory with one file in it, as a trainer would have written it."""
+    directory = store.new_directory(step)
+    record = save_tensors(directory / "dense.pt", {"step": step})
+    return directory, [pb.CheckpointFile(**record.to_json())]
+
+
+def commit_request(directory, files, step, request=0):
+    return pb.CommitCheckpointRequest(member_id="m", request=request, directory=str(directory), step=step,
+                                      files=files, info_json=json.dumps({"shards": ["shard0"]}))
+
+
+def test_a_request_reaches_the_workers_and_is_answered_by_the_next_commit(tmp_path):
+    workers, store = Workers(), CheckpointStore(tmp_path)
+    coordinator = CheckpointCoordinator(store, workers)
+    first, second = coordinator.request("ps-ctl checkpoint"), coordinator.request("ps-ctl checkpoint")
+    assert [(c.kind, c.checkpoint_id) for c in workers.commands] == [(pb.Command.KIND_CHECKPOINT, "1"),
+                                                                     (pb.Command.KIND_CHECKPOINT, "2")]
+    directory, files = written(store, 40)
+    checkpoint = coordinator.commit("worker0", commit_request(directory, files, 40, request=second))
+    assert (directory / MANIFEST).exists() and checkpoint.step == 40
+    timeout = datetime.timedelta(seconds=1)
+    assert coordinator.wait(first, timeout) == checkpoint and coordinator.wait(second, timeout) == checkpoint
+    settings = coordinator.settings()
+    assert (settings.restore_from, settings.restore_step, settings.directory) == (str(directory), 40, str(tmp_path))
+
+
+def test_a_checkpoint_that_never_comes_is_a_timeout_saying_why(tmp_path):
+    coordinator = CheckpointCoordinator(CheckpointStore(tmp_path), Workers())
+    with pytest.raises(RequestError) as late:
+        coordinator.wait(coordinator.request("test"), datetime.timedelta(seconds=0.2))
+    assert late.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and "no trainer group 0 is training" in late.value.message
+
+
+def test_every_n_seconds_asks_for_checkpoints_until_stopped(tmp_path):
+    workers = Workers()
+    coordinator = CheckpointCoordinator(CheckpointStore(tmp_path), workers, every_seconds=0.1).start()
+    try:
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=10)
+        while len(workers.commands) < 3 and datetime.datetime.now() < deadline:
+            threading.Event().wait(0.05)
+    finally:
+        coordinator.stop()
+    assert [c.checkpoint_id for c in workers.commands[:3]] == ["1", "2", "3"]
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d, f: (d.parent.parent / "elsewhere", f), "is not a checkpoint directory directly inside"),
+    (lambda d, f: (d, []), "files is empty"),
+    (lambda d, f: (d, [pb.CheckpointFile(name="../escape.pt", bytes=1, sha256="0" * 64)]), "plain file name"),
+    (lambda d, f: (d, [pb.CheckpointFile(name="dense.pt", bytes=f[0].bytes, sha256="XYZ")]), "64 lowercase hex"),
+    (lambda d, f: (d, [pb.CheckpointFile(name="dense.pt", bytes=f[0].bytes + 1, sha256=f[0].sha256)]),
+     "checkpoint refused"),
+])
+def test_a_bad_commit_is_refused_naming_what_and_writes_no_manifest(tmp_path, damage, message):
+    store = CheckpointStore(tmp_path / "root")
+    coordinator = CheckpointCoordinator(store, Workers())
+    directory, files = written(store, 20)
+    bad_directory, bad_files = damage(directory, files)
+    with pytest.raises(RequestError, match=message):
+        coordinator.commit("worker0", commit_request(bad_directory, bad_files, 20))
+    assert not (directory / MANIFEST).exists() and coordinator.newest is None
+
+
+def test_negative_intervals_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="must not be negative"):
+        CheckpointCoordinator(CheckpointStore(tmp_path), Workers(), every_seconds=-1)
