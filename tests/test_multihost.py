@@ -1,21 +1,28 @@
 """Several hosts, made of network namespaces (``tests/netns.py``): the
 coordinator on one (``ps-server --shards 0``), shard servers on a second
 (``ps-server --join``), a worker on each of a third and a fourth.  The
-default job trains across them and learns; every member advertises its
-own host's address (none gave ``--host``: each took the interface facing
-the coordinator); a member advertising 127.0.0.1 from another host is
-refused; the cluster's shutdown ends the shard host too.  Skipped, with
+default job trains across them and learns, also through losing one of the
+joined host's shard processes (SIGKILL): that host restarts it, the
+coordinator takes it in once it declared the old one dead, it serves the
+newest checkpoint's rows, and the job completes.  Every member advertises
+its own host's address (none gave ``--host``: each took the interface
+facing the coordinator); a member advertising 127.0.0.1 from another host
+is refused; the cluster's shutdown ends the shard host too.  Skipped, with
 the reason, where namespaces cannot be made (not root, no ``ip``)."""
+
+import os
+import re
+import signal
 
 import pytest
 
-from commands import errors, job_config, output, start_server, status, wait_for_output
+from commands import errors, job_config, output, start_server, status, wait_for_output, wait_for_status
 from netns import NamespacesUnavailable, make_hosts
 from test_trainer_group_commands import SMALL
 
 pytestmark = pytest.mark.timeout(240)
 
-STEPS = 120
+STEPS = 160
 
 
 @pytest.fixture
@@ -28,11 +35,13 @@ def hosts():
     made.remove()
 
 
-def test_the_default_job_trains_across_four_hosts(commands, hosts):
+def test_the_default_job_trains_across_four_hosts_and_survives_a_lost_remote_shard(commands, hosts, tmp_path):
     coordinator_ns, shard_ns, *worker_ns = hosts.names
     coordinator_ip, shard_ip, *worker_ips = hosts.addresses
+    checkpoints = tmp_path / "checkpoints"  # one file system for every host, as a shared volume would be
     server, address = start_server(commands, "--host", coordinator_ip, "--shards", "0", "--group-size", "2",
-                                   "--heartbeat-timeout", "10", "--job-config",
+                                   "--heartbeat-timeout", "4", "--checkpoint-dir", str(checkpoints),
+                                   "--checkpoint-every", "20", "--job-config",
                                    job_config(**dict(SMALL, steps=STEPS, hook="allreduce", eval_every=STEPS)),
                                    netns=coordinator_ns)
     assert address.startswith(f"{coordinator_ip}:")
@@ -48,6 +57,11 @@ def test_the_default_job_trains_across_four_hosts(commands, hosts):
     assert f"reached the coordinator from {worker_ips[0]}" in refused.stdout, refused.stdout
 
     workers = [commands.start("ps-worker", "--connect", address, netns=ns) for ns in worker_ns]
+    training = wait_for_status(commands, address, lambda s: len(s["workers"]) == 2 and all(
+        w["step"] >= 40 for w in s["workers"]) and list(checkpoints.glob("ckpt-*/MANIFEST.json")), 150,
+                               netns=coordinator_ns)
+    lost = next(s for s in training["shards"] if s["name"] == shard_names[1])
+    os.kill(lost["pid"], signal.SIGKILL)  # pids are this machine's: namespaces share the pid space
     for worker in workers:
         assert worker.wait(180) == 0, errors(worker)[-4000:]
         assert "finished" in output(worker)
@@ -60,6 +74,10 @@ def test_the_default_job_trains_across_four_hosts(commands, hosts):
     for worker in trained:
         figures = worker["metrics"]
         assert worker["step"] == STEPS and figures["loss"] < figures["first_loss"], figures
+        assert figures["shard_rebuilds"] >= 1, figures
+    assert re.search(rf"restarted {shard_names[1]} \(pid \d+; restart 1 of at most 3\)", errors(shard_host))
+    restarted = [s for s in final["shards"] if s["name"] == shard_names[1] and s["alive"]]
+    assert restarted and restarted[0]["pid"] != lost["pid"], final["shards"]
     rank0 = next(w for w in trained if w["metrics"]["group_rank"] == 0)
     assert rank0["metrics"]["auc"] > 0.65, rank0["metrics"]
 
