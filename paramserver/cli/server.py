@@ -2,7 +2,7 @@
 
     ps-server --shards 4 [--host H] [--port P] [--job JOB] [--job-config JSON] [--group-size N]
               [--checkpoint-dir D [--checkpoint-every STEPS|SECONDSs] [--checkpoint-keep K]] [--restore D]
-              [--token-file F] [--tls-cert C --tls-key K] [--heartbeat-timeout S]
+              [--token-file F] [--tls-cert C --tls-key K] [--heartbeat-timeout S] [--metrics-port P]
 
 Prints ``ps-server ready at HOST:PORT (...)`` once every shard has joined;
 SIGTERM/SIGINT (or ``ps-ctl shutdown``) stops members, shards and itself.
@@ -19,8 +19,8 @@ from ..control.checkpoints import CheckpointOptions
 from ..control.protocol import HEARTBEAT_INTERVAL
 from ..runtime.job import DEFAULT_JOB, JobError, pack_job
 from ..runtime.server import ServerOptions, serve
-from .common import (UsageError, add_log_level, add_token_file, command_main, data_plane_host, job_config_from,
-                     setup_logging, token_from)
+from .common import (UsageError, add_log_level, add_metrics_port, add_token_file, command_main, data_plane_host,
+                     job_config_from, metrics_port_from, setup_logging, token_from)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heartbeat-timeout", type=float, default=None, metavar="SECONDS",
                         help="declare a member dead after this long without a heartbeat "
                              "(default 5, or $PARAMSERVER_HEARTBEAT_TIMEOUT)")
+    add_metrics_port(parser, "the coordinator on P, shard i on P+1+i")
     add_log_level(parser)
 
 
@@ -80,7 +81,7 @@ def options_from(args) -> ServerOptions:
                              f"heartbeat interval, got {args.heartbeat_timeout}")
         settings["heartbeat_timeout"] = timeout
     return ServerOptions(num_shards=args.shards, coordinator=CoordinatorSettings(**settings),
-                         log_level=args.log_level)
+                         log_level=args.log_level, metrics_port=metrics_port_from(args, 1 + args.shards))
 
 
 def checkpoint_options_from(args) -> Optional[CheckpointOptions]:
