@@ -1,4 +1,4 @@
-"""Options every command shares: where the coordinator is, the token, TLS, logging.
+"""Options every command shares: where the coordinator is, the token, TLS, logging, the metrics port.
 
 Owns parsing them and turning them into the objects the runtime takes
 (a token string, ``TlsFiles``), with errors that name the flag at fault.
@@ -34,6 +34,25 @@ def add_connect(parser: argparse.ArgumentParser) -> None:
     add_token_file(parser)
     parser.add_argument("--tls-ca", metavar="PEM",
                         help="speak TLS, trusting this certificate (a self-signed server's own cert.pem)")
+
+
+def add_metrics_port(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--metrics-port", type=int, default=None, metavar="P",
+                        help=f"serve Prometheus metrics at http://HOST:P/metrics on --host ({what}; 0 picks a "
+                             "free port; default: no metrics)")
+
+
+def metrics_port_from(args, ports_needed: int = 1):
+    """``--metrics-port`` (``None`` when not given); ``ports_needed`` consecutive ports from it must exist."""
+    port = args.metrics_port
+    if port is None:
+        return None
+    if not 0 <= port < 65536:
+        raise UsageError(f"--metrics-port must be 0-65535, got {port}")
+    if port and port + ports_needed - 1 > 65535:
+        raise UsageError(f"--metrics-port {port} needs ports {port}-{port + ports_needed - 1} (one per process), "
+                         "past 65535; give a lower port, or 0 for free ones")
+    return port
 
 
 def token_from(args) -> Optional[str]:

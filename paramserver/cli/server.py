@@ -2,8 +2,9 @@
 
     ps-server --shards 4 [--host H] [--port P] [--job JOB] [--job-config JSON] [--group-size N]
               [--checkpoint-dir D [--checkpoint-every STEPS|SECONDSs] [--checkpoint-keep K]] [--restore D]
-              [--token-file F] [--tls-cert C --tls-key K] [--heartbeat-timeout S]
+              [--token-file F] [--tls-cert C --tls-key K] [--heartbeat-timeout S] [--metrics-port P]
     ps-server --join HOST:PORT --shards 4 [--host H] [--shard-prefix P] [--token-file F] [--tls-ca PEM]
+              [--metrics-port P]
 
 Prints ``ps-server ready at HOST:PORT (...)`` once every shard has joined;
 SIGTERM/SIGINT (or ``ps-ctl shutdown``) stops members, shards and itself.
@@ -25,8 +26,8 @@ from ..control.protocol import HEARTBEAT_INTERVAL
 from ..runtime.job import DEFAULT_JOB, JobError, pack_job
 from ..runtime.server import ServerOptions, serve
 from ..runtime.shard_host import ShardHostOptions, serve_shard_host
-from .common import (UsageError, add_log_level, add_token_file, command_main, coordinator_address, data_plane_host,
-                     job_config_from, own_host, setup_logging, token_from)
+from .common import (UsageError, add_log_level, add_metrics_port, add_token_file, command_main, coordinator_address,
+                     data_plane_host, job_config_from, metrics_port_from, own_host, setup_logging, token_from)
 
 
 #: Flags that configure the coordinator, refused with ``--join`` (which runs none), with their defaults.
@@ -44,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "127.0.0.1; with --join: the address of the interface facing the coordinator)")
     parser.add_argument("--join", metavar="HOST:PORT",
                         help="run no coordinator: add this host's shards to the cluster whose ps-server is at "
-                             "HOST:PORT (takes --shards, --host, --shard-prefix, --token-file, --tls-ca)")
+                             "HOST:PORT (takes --shards, --host, --shard-prefix, --token-file, --tls-ca, "
+                             "--metrics-port)")
     parser.add_argument("--shard-prefix", metavar="P",
                         help="shard names are P0, P1, ... (default 'shard'; with --join 'shard_' and this host's "
                              "address, e.g. shard_10_0_0_2_0): unique in the cluster")
@@ -75,6 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heartbeat-timeout", type=float, default=None, metavar="SECONDS",
                         help="declare a member dead after this long without a heartbeat "
                              "(default 5, or $PARAMSERVER_HEARTBEAT_TIMEOUT)")
+    add_metrics_port(parser, "the coordinator on P, shard i on P+1+i")
     add_log_level(parser)
 
 
@@ -101,7 +104,7 @@ def shard_host_options_from(args) -> ShardHostOptions:
                           else "shard_" + re.sub(r"[^A-Za-z0-9]", "_", host) + "_")
     return ShardHostOptions(coordinator=address, num_shards=args.shards, host=host, prefix=prefix,
                             token=token_from(args), tls=TlsFiles(ca=args.tls_ca) if args.tls_ca else None,
-                            log_level=args.log_level)
+                            log_level=args.log_level, metrics_port=metrics_port_from(args, 1 + args.shards))
 
 
 def options_from(args) -> ServerOptions:
@@ -136,7 +139,8 @@ def options_from(args) -> ServerOptions:
                              f"heartbeat interval, got {args.heartbeat_timeout}")
         settings["heartbeat_timeout"] = timeout
     return ServerOptions(num_shards=args.shards, coordinator=CoordinatorSettings(**settings),
-                         log_level=args.log_level, shard_prefix=prefix)
+                         log_level=args.log_level, shard_prefix=prefix,
+                         metrics_port=metrics_port_from(args, 1 + args.shards))
 
 
 def checkpoint_options_from(args) -> Optional[CheckpointOptions]:

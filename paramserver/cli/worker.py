@@ -1,7 +1,7 @@
 """``ps-worker``: join a cluster and run its job.
 
     ps-worker --connect HOST:PORT [--token-file F] [--tls-ca PEM] [--host H]
-              [--comm-hook NAME [--comm-hook-option KEY=VALUE ...]]
+              [--comm-hook NAME [--comm-hook-option KEY=VALUE ...]] [--metrics-port P]
 
 Retries an unreachable coordinator with bounded backoff (``--retry-for``),
 then exits non-zero with a one-line reason.  Exit codes: 0 the job
@@ -16,8 +16,8 @@ import json
 import sys
 
 from ..runtime.worker import EXIT_REFUSED, WorkerOptions, run_worker
-from .common import (UsageError, add_connect, add_log_level, client_tls, command_main, coordinator_address,
-                     own_host, setup_logging, token_from)
+from .common import (UsageError, add_connect, add_log_level, add_metrics_port, client_tls, command_main,
+                     coordinator_address, metrics_port_from, own_host, setup_logging, token_from)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "batched_powersgd, fp16_powersgd, bf16_powersgd, noop); default: the job's")
     parser.add_argument("--comm-hook-option", action="append", default=[], metavar="KEY=VALUE",
                         help="an option of the comm hook (rank=2, start_iter=10...); repeatable")
+    add_metrics_port(parser, "this worker's RPCs, training and job figures")
     add_log_level(parser)
 
 
@@ -42,7 +43,8 @@ def run(args) -> int:
         options = WorkerOptions(address=address, host=own_host(args.host, address),
                                 token=token_from(args), tls=client_tls(args),
                                 retry_for=datetime.timedelta(seconds=args.retry_for),
-                                config_overrides=hook_overrides(args.comm_hook, args.comm_hook_option))
+                                config_overrides=hook_overrides(args.comm_hook, args.comm_hook_option),
+                                metrics_port=metrics_port_from(args))
     except UsageError as error:
         print(f"ps-worker: {error}", file=sys.stderr)
         return EXIT_REFUSED

@@ -73,6 +73,8 @@ class CheckpointCoordinator:
         self._requests = 0
         self._answered: Dict[int, Checkpoint] = {}  # request number -> the checkpoint that answered it
         self._newest: Optional[Checkpoint] = restored
+        #: Checkpoints committed by this coordinator (a restored one does not count).
+        self.committed = 0
         self._stopped = threading.Event()
         self._timer: Optional[threading.Thread] = None
 
@@ -154,6 +156,7 @@ class CheckpointCoordinator:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"checkpoint refused: {error}") from None
         with self._changed:
             self._newest = checkpoint
+            self.committed += 1
             # A request is answered by the first checkpoint committed after it.
             for number in range(1, self._requests + 1):
                 self._answered.setdefault(number, checkpoint)

@@ -4,9 +4,10 @@ Owns the coordinator's state about members, pure and in memory: joining
 (assigning RPC names and ranks, never reused), heartbeats (sequence checks,
 step and metrics), leaving, declaring members dead when heartbeats stop or
 when their process exits, the generation number (one more on every change),
-the commands waiting for each member, and the status snapshot.  Which
-workers train together is ``groups.TrainerGroups``' policy, kept here in
-step with the members.  It knows
+the commands waiting for each member, the status snapshot, and how many
+members joined and ended, by role and by how (``counts()``, which metrics
+read).  Which workers train together is ``groups.TrainerGroups``' policy,
+kept here in step with the members.  It knows
 nothing of gRPC transport or of torch; a ``RequestError`` tells the service
 which status code to answer with.
 """
@@ -31,6 +32,16 @@ logger = logging.getLogger(__name__)
 ALIVE, LEFT, DEAD, EXITED = "alive", "left", "dead", "exited"
 #: Members no longer alive that status keeps showing (oldest are dropped first).
 MAX_FORMER_MEMBERS = 256
+
+
+@dataclass(frozen=True)
+class MembershipCounts:
+    """A consistent snapshot: the generation, live members by role, joins by role, ends by (role, state)."""
+
+    generation: int
+    alive: Dict[int, int]
+    joined: Dict[int, int]
+    ended: Dict[Tuple[int, str], int]
 
 
 @dataclass
@@ -90,6 +101,7 @@ class Membership:
         self._generation = 0
         self._ranks = itertools.count(1)  # rank 0 is the store's host, the coordinator
         self._role_joins = {role: 0 for role in ROLE_NAMES}
+        self._ends: Dict[Tuple[int, str], int] = {}  # (role, LEFT/DEAD/EXITED) -> how many ended that way
         self._stopping = False
         self._groups = groups or TrainerGroups()
 
@@ -125,6 +137,13 @@ class Membership:
 
     def _serving_shards(self) -> List[Member]:
         return [m for m in self._alive(pb.ROLE_SHARD) if m.ready]
+
+    def counts(self) -> MembershipCounts:
+        with self._changed:
+            alive: Dict[int, int] = {}
+            for member in self._alive():
+                alive[member.role] = alive.get(member.role, 0) + 1
+            return MembershipCounts(self._generation, alive, dict(self._role_joins), dict(self._ends))
 
     def wait_until(self, predicate: Callable[["Membership"], bool], timeout: datetime.timedelta) -> bool:
         """Block until ``predicate(self)`` holds (checked on every change) or ``timeout`` passes."""
@@ -251,6 +270,7 @@ class Membership:
     def _end(self, member: Member, state: str, reason: str) -> None:
         member.state = state
         member.end_reason = reason
+        self._ends[(member.role, state)] = self._ends.get((member.role, state), 0) + 1
         member.commands = []
         self._generation += 1
         if member.role == pb.ROLE_WORKER:

@@ -16,7 +16,9 @@ It knows nothing of gRPC: the view source is any object with the
 ``JobContext`` members it uses (``rpc_name``, ``trainer_group``,
 ``store_host``/``store_port``, ``group_view()``, ``wait_for_group_view()``,
 and ``request_regroup()`` if it has one).
-What is trained and how state moves is ``replica``'s business.
+What is trained and how state moves is ``replica``'s business.  Each
+generation formed is noted in the process's metrics when it serves them
+(``paramserver.metrics.training``).
 """
 
 import datetime
@@ -32,6 +34,8 @@ import torch.distributed as dist
 # its connections, alive after it is destroyed, and members still waiting in one
 # of its collectives after a failure would wait for the timeout instead of failing.
 import torch.distributed.nn  # noqa: F401
+
+from ..metrics import training
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +129,9 @@ class TrainerGroup:
             torch.cuda.set_device(self.device)
         dist.init_process_group(view.backend, store=dist.PrefixStore(prefix, self._store), rank=rank,
                                 world_size=len(view.members), timeout=self._collective_timeout)
+        metrics = training.slot.active
+        if metrics is not None:
+            metrics.group_formed(view.group, view.generation)
 
     @staticmethod
     def _drop_process_group() -> None:

@@ -54,7 +54,9 @@ so the hooks run on NCCL/CUDA as on gloo/CPU.
 
 Bytes are measured, not assumed: every all-reduce goes through
 ``CommHookState.all_reduce``, which adds ``numel * element_size`` of the
-tensor actually sent; a step closes on the bucket DDP reports as last.
+tensor actually sent; a step closes on the bucket DDP reports as last, and
+its bytes go to the process's metrics when it serves them
+(``paramserver.metrics.training``).
 
 Checkpoints: a state pickles without its process group; after unpickling,
 ``state.attach(group)`` (or nothing: ``None`` means the default group),
@@ -73,6 +75,8 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 import torch
 import torch.distributed as dist
+
+from ..metrics import training
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +132,9 @@ class CommHookState:
             self.last_step_bytes, self._open_step_bytes = self._open_step_bytes, 0
             self.steps += 1
             self.steps_since_restore += 1
+            metrics = training.slot.active
+            if metrics is not None:
+                metrics.hook_step(self.hook_name, self.last_step_bytes)
 
     def options(self) -> Dict[str, Any]:
         """The options this hook was built with (none for the plain hooks)."""

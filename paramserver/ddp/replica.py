@@ -16,7 +16,8 @@ The training loop calls ``sync_point()`` at the start of every step; every
 ``agree_every`` steps it is where the group agrees to re-form or to stop.
 All members hold the same step count (a newcomer takes the group's), so
 they agree on the same steps, and a change takes effect within
-``agree_every`` steps.
+``agree_every`` steps.  Finished steps are counted in the process's metrics
+when it serves them (``paramserver.metrics.training``).
 
 Surviving a lost member: its peers' next collective fails (in DDP's
 all-reduce during backward, or in the agreement).  The training loop asks
@@ -46,6 +47,7 @@ import torch.distributed.autograd as dist_autograd
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..metrics import training
 from .group import GroupStopped, TrainerGroup
 from .hooks import comm_hook
 
@@ -276,6 +278,9 @@ class DenseReplica:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self._failures_in_a_row = 0
+        metrics = training.slot.active
+        if metrics is not None:
+            metrics.step_finished()
 
     def close(self) -> None:
         """Leave the group: DDP (its reducer and hook) goes first, while its process group still exists."""

@@ -4,7 +4,8 @@ Owns the client side: grouping parameter RRefs by owner, asking each owner
 (concurrently) for its ``OwnerOptimizer``, one step RPC per owner per step
 (all owners at once), gathering and restoring optimizer state, and turning
 owners' failures into one error that names them.  The owner side, where the
-math runs, is ``paramserver.optim.owner``.
+math runs, is ``paramserver.optim.owner``.  Step RPCs are counted per owner
+in the process's metrics when it serves them (``paramserver.metrics.data_plane``).
 
 Same call shape and semantics as ``torch.distributed.optim.DistributedOptimizer``
 (a drop-in with plain ``torch.distributed.rpc``), plus ``state_dict()`` /
@@ -22,6 +23,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch.distributed.rpc import RRef
 
+from ..metrics import data_plane
 from . import owner
 
 
@@ -154,6 +156,10 @@ class DistributedOptimizer:
         failed owner; an owner that refused a gradient changed nothing.
         """
         dist_autograd._is_valid_context(context_id)
+        metrics = data_plane.slot.active
+        if metrics is not None:
+            for name in self._handles:
+                metrics.client_request(name, "step")
         self._on_every_owner(owner.remote_step, "DistributedOptimizer.step",
                              {name: (context_id,) for name in self._handles})
 

@@ -17,6 +17,10 @@ peer):
   parameters) get the same ``OwnerOptimizer``, so the server keeps one
   optimizer state per parameter, which all trainers' gradients update (the
   parameter-server semantics) and which checkpoints save.
+* Step figures: when the process serves metrics (``paramserver.metrics.data_plane``),
+  each step's time (measured around the compiled call) goes there, with the
+  rows and bytes of the gradients it applied (counted inside the compiled
+  step, without the GIL, and only then).
 
 Functions named ``remote_*`` are what DistributedOptimizer calls by RPC.
 This module never sends RPCs.
@@ -35,6 +39,7 @@ import torch.distributed.autograd as dist_autograd
 from torch import Tensor, nn
 from torch.distributed.rpc import RRef
 
+from ..metrics import data_plane
 from ..shards import hosted
 from ..shards.hosted import name_of
 from .registry import functional_optim_map
@@ -85,6 +90,27 @@ def check_state_shapes(names: List[str], params: List[Tensor], state: Dict[int, 
                                  .format(key, names[i], list(value.shape), list(params[i].shape)))
 
 
+@torch.jit.script
+def gradient_stats(gradients: List[Optional[Tensor]]) -> Tuple[int, int]:
+    """(rows of the row-sparse gradients, bytes of the gradients' values): what a step applies.
+
+    Rows are the sparse gradients' entries (a row sent twice in one context
+    counts twice); bytes are what the gradients' values hold (a sparse
+    gradient's indices are made on the owner, not sent).
+    """
+    rows = 0
+    values_bytes = 0
+    for gradient in gradients:
+        if gradient is not None:
+            if gradient.is_sparse:
+                values = gradient._values()
+                rows += gradient._nnz()
+                values_bytes += values.numel() * values.element_size()
+            else:
+                values_bytes += gradient.numel() * gradient.element_size()
+    return rows, values_bytes
+
+
 class _ScriptedStep(nn.Module):
     """Compiled with TorchScript: one functional optimizer and its step from a context.
 
@@ -100,10 +126,14 @@ class _ScriptedStep(nn.Module):
         self.optim = functional_cls(params, *args, **kwargs)
 
     @torch.jit.export
-    def step(self, context_id: int) -> None:
+    def step(self, context_id: int, measure: bool) -> Tuple[int, int]:
+        """Apply the context's gradients; with ``measure``, return their ``gradient_stats`` (else zeros)."""
         gradients = context_gradients(context_id, self.params)
         check_gradient_shapes(self.names, self.params, gradients)
         self.optim.step(gradients)
+        if measure:
+            return gradient_stats(gradients)
+        return 0, 0
 
 
 class _ScriptedStepWithStateDict(_ScriptedStep):
@@ -163,7 +193,7 @@ class _PythonStep:
         self.names = names
         self.optim = optimizer_cls(params, *args, **kwargs)
 
-    def step(self, context_id: int) -> None:
+    def step(self, context_id: int, measure: bool) -> Tuple[int, int]:
         gradients = context_gradients(context_id, self.params)
         check_gradient_shapes(self.names, self.params, gradients)
         for param, gradient in zip(self.params, gradients):
@@ -173,6 +203,7 @@ class _PythonStep:
         finally:
             for param in self.params:
                 param.grad = None
+        return gradient_stats(gradients) if measure else (0, 0)
 
 
 # Per-parameter locks, in one global order (creation order) so that steps
@@ -228,16 +259,20 @@ class OwnerOptimizer:
                 lock.release()
 
     def step(self, context_id: int) -> None:
+        metrics = data_plane.slot.active
         with self._locked():
             started = time.perf_counter()
             try:
-                self._impl.step(context_id)
+                rows, gradient_bytes = self._impl.step(context_id, metrics is not None)
             except torch.jit.Error as error:
                 reraise_script_error(error)
             elapsed = time.perf_counter() - started
             self.steps += 1
             self.step_seconds_total += elapsed
             self.last_step_seconds = elapsed
+        if metrics is not None:  # after the locks: the next step need not wait for this
+            metrics.owner_step(self.optimizer_cls.__qualname__, elapsed, data_plane.context_peer(context_id), rows,
+                               gradient_bytes)
 
     def step_stats(self) -> Dict[str, float]:
         """Steps applied here, and seconds spent applying them (locks held, waiting excluded)."""

@@ -6,7 +6,9 @@ shard has joined, then wait for a shutdown (SIGTERM/SIGINT or the Shutdown
 RPC) and drain in order: members are asked to stop and given a few seconds
 to leave, shards other hosts added are told to stop, this host's shards
 are stopped, the port closes.  The whole drain is bounded
-so the process is gone within 10 s, leaving no child behind.
+so the process is gone within 10 s, leaving no child behind.  With a
+metrics port the coordinator serves the cluster's metrics on it and each
+shard serves its own (``paramserver.metrics.shard_metrics_port``).
 """
 
 import datetime
@@ -18,6 +20,7 @@ from typing import Optional
 
 from ..control import CoordinatorServer, CoordinatorSettings, TlsFiles, pb
 from ..control.server import format_address
+from ..metrics.process import coordinator_metrics
 from .supervisor import ShardSupervisor
 
 logger = logging.getLogger(__name__)
@@ -34,6 +37,8 @@ class ServerOptions:
     log_level: Optional[str] = None
     ready_timeout: datetime.timedelta = READY_TIMEOUT
     shard_prefix: str = "shard"
+    #: The coordinator's metrics port (shard i: this + 1 + i; 0: free ports); ``None``: no metrics.
+    metrics_port: Optional[int] = None
 
 
 class _Shutdown:
@@ -54,8 +59,12 @@ def serve(options: ServerOptions, announce=print) -> int:
     previous = {sig: signal.signal(sig, lambda signum, _frame: shutdown.request(signal.Signals(signum).name))
                 for sig in (signal.SIGTERM, signal.SIGINT)}
     coordinator = CoordinatorServer(options.coordinator, request_shutdown=shutdown.request).start()
-    supervisor = None
+    supervisor = metrics = None
     try:
+        host = options.coordinator.host
+        if options.metrics_port is not None:
+            metrics = coordinator_metrics(host, options.metrics_port, coordinator.membership,
+                                          coordinator.checkpoints)
         tls = options.coordinator.tls
         child_tls = TlsFiles(ca=tls.ca or tls.cert) if tls is not None else None
         # Shards listen on the server's host and dial the coordinator there.
@@ -67,7 +76,8 @@ def serve(options: ServerOptions, announce=print) -> int:
                 token=options.coordinator.token, tls=child_tls, log_level=options.log_level,
                 # A lost shard comes back from the newest checkpoint; with none configured it stays lost
                 # (a restart would silently serve freshly initialized tables).
-                restart=coordinator.checkpoints is not None, prefix=options.shard_prefix).start()
+                restart=coordinator.checkpoints is not None, prefix=options.shard_prefix,
+                metrics_port=options.metrics_port).start()
         want = options.num_shards
         all_joined = coordinator.membership.wait_until(
             lambda m: len(m.serving_shards()) >= want or shutdown.event.is_set()
@@ -99,6 +109,8 @@ def serve(options: ServerOptions, announce=print) -> int:
             codes = supervisor.stop(SHARDS_STOP_WITHIN)
             logger.info("shards stopped: %s", ", ".join(f"{name} exit {c}" for name, c in codes.items()))
         coordinator.stop(datetime.timedelta(seconds=0.5))
+        if metrics is not None:
+            metrics.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0

@@ -41,6 +41,8 @@ class ShardHostOptions:
     log_level: Optional[str] = None
     retry_for: Optional[datetime.timedelta] = None
     ready_timeout: datetime.timedelta = READY_TIMEOUT
+    #: Shard i serves metrics on this + 1 + i, as on the coordinator's host (0: free ports); ``None``: none.
+    metrics_port: Optional[int] = None
 
 
 def serve_shard_host(options: ShardHostOptions, announce=print) -> int:
@@ -56,7 +58,7 @@ def serve_shard_host(options: ShardHostOptions, announce=print) -> int:
         supervisor = ShardSupervisor(
             options.num_shards, options.coordinator, options.host, on_exit=lambda name, code: None,
             token=options.token, tls=options.tls, log_level=options.log_level, restart=keeps_checkpoints,
-            prefix=options.prefix).start()
+            prefix=options.prefix, metrics_port=options.metrics_port).start()
         names = list(supervisor.processes)
         if not _wait_until_serving(client, names, supervisor, stop, options.ready_timeout):
             return 0 if stop.is_set() else 1

@@ -5,7 +5,9 @@ shard (its RPC name, rank, the store and the checkpoint to restore from
 come back), heartbeat, serve
 parameters over torch RPC (``paramserver.shards.run_shard_server``) until
 told to stop (a STOP command, SIGTERM/SIGINT, or losing the coordinator),
-then leave.  Exit code 0 on a clean stop, at once: the process skips the
+then leave.  With a metrics port it serves its data-plane metrics there
+from before it joins (a port it cannot bind ends it with exit code 1).
+Exit code 0 on a clean stop, at once: the process skips the
 interpreter's teardown, which has nothing left to save.
 """
 
@@ -20,15 +22,29 @@ from ..control import TlsFiles, pb
 from ..shards import ShardServerOptions, hosted, request_stop, run_shard_server
 from ..shards.snapshot import CheckpointSource
 from ..logs import configure_logging
+from ..metrics.process import shard_metrics
 from .member import MemberSession
 
 logger = logging.getLogger(__name__)
 
 
 def run_shard_member(address: str, name: str, host: str, token: Optional[str] = None,
-                     tls: Optional[TlsFiles] = None, log_level: Optional[str] = None) -> None:
-    """Process target: one shard server named ``name`` that joins the coordinator at ``address``."""
+                     tls: Optional[TlsFiles] = None, log_level: Optional[str] = None, metrics_port=None) -> None:
+    """Process target: one shard server named ``name`` that joins the coordinator at ``address``.
+
+    ``metrics_port``: ``None`` (no metrics), or a shared integer
+    (``multiprocessing.Value``) holding the port to serve metrics on (0: a
+    free one), where this process writes the port it serves on.
+    """
     configure_logging(name, log_level)
+    metrics = None  # serves until the process exits
+    if metrics_port is not None:
+        try:
+            metrics = shard_metrics(host, metrics_port.value, name)
+            metrics_port.value = metrics.port
+        except OSError as error:
+            logger.error("shard %s: %s", name, error)
+            sys.exit(1)
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # kill -USR1: every thread's stack
     # SIGTERM means "stop" for the whole life of the process, not only while serving.
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -4,7 +4,8 @@ Owns the shard processes' lives: start N children with ``spawn``, notice at
 once when one exits (a thread waits on their sentinels) and report it,
 start a new process under the same name in its place (it joins the
 coordinator again and restores its tables from the newest checkpoint; a
-bounded number of times per shard), and stop them all on shutdown:
+bounded number of times per shard, on the same metrics port), and stop
+them all on shutdown:
 SIGTERM, a bounded wait, then SIGKILL, and reap every one, so nothing
 outlives the server.
 """
@@ -12,12 +13,14 @@ outlives the server.
 import datetime
 import logging
 import multiprocessing
+import multiprocessing.sharedctypes
 import multiprocessing.connection
 import threading
 import time
 from typing import Callable, Dict, Optional
 
 from ..control import TlsFiles
+from ..metrics.exporter import shard_metrics_port
 from .shard_process import run_shard_member
 
 logger = logging.getLogger(__name__)
@@ -35,12 +38,16 @@ class ShardSupervisor:
     killed, crashed) is started again (``MAX_RESTARTS`` times at most); the
     count is in ``restarts``.  Exit code 0 is a shard that left on purpose
     (the coordinator stopped it, or was lost): it is not restarted.
+    With ``metrics_port`` (not ``None``) shard i serves metrics on
+    ``shard_metrics_port(metrics_port, i)``; one that picked a free port
+    (``metrics_port`` 0) is given the same port again when restarted.
     """
 
     def __init__(self, num_shards: int, coordinator_address: str, host: str,
                  on_exit: Callable[[str, Optional[int]], None],
                  token: Optional[str] = None, tls: Optional[TlsFiles] = None, log_level: Optional[str] = None,
-                 restart: bool = False, max_restarts: int = MAX_RESTARTS, prefix: str = "shard"):
+                 restart: bool = False, max_restarts: int = MAX_RESTARTS, prefix: str = "shard",
+                 metrics_port: Optional[int] = None):
         if num_shards < 1:
             raise ValueError(f"--shards must be at least 1, got {num_shards}")
         self._context = multiprocessing.get_context("spawn")
@@ -51,12 +58,17 @@ class ShardSupervisor:
         self._max_restarts = max_restarts
         self._kwargs = dict(address=coordinator_address, host=host, token=token, tls=tls, log_level=log_level)
         self.restarts: Dict[str, int] = {}
+        # Per shard, shared with its process: the port to serve metrics on, and then the one it serves on.
+        self._metrics_ports: Dict[str, multiprocessing.sharedctypes.Synchronized] = {} if metrics_port is None else {
+            f"{prefix}{index}": self._context.Value("i", shard_metrics_port(metrics_port, index))
+            for index in range(num_shards)}
         self.processes: Dict[str, multiprocessing.Process] = {
             f"{prefix}{index}": self._new_process(f"{prefix}{index}") for index in range(num_shards)}
         self._watcher = threading.Thread(target=self._watch, name="shard-supervisor", daemon=True)
 
     def _new_process(self, name: str) -> multiprocessing.Process:
-        return self._context.Process(target=run_shard_member, name=name, kwargs=dict(self._kwargs, name=name))
+        return self._context.Process(target=run_shard_member, name=name,
+                                     kwargs=dict(self._kwargs, name=name, metrics_port=self._metrics_ports.get(name)))
 
     def start(self) -> "ShardSupervisor":
         for name, process in self.processes.items():

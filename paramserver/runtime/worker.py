@@ -5,8 +5,11 @@ unreachable), unpack the job it hands out, join the data plane under the
 assigned RPC name, heartbeat the job's progress while it runs, and leave
 both planes when it returns.  A stop command, SIGTERM/SIGINT, or losing
 the coordinator asks the job to stop; a job that ignores the request is
-ended after a grace period.  Exit codes: 0 done, 1 the job or the cluster failed,
-2 refused (wrong token, bad job).
+ended after a grace period.  With a metrics port the worker serves its
+metrics there from before it joins until it exits (its RPCs to the shards,
+its training, the job's reported figures).  Exit codes: 0 done, 1 the job
+or the cluster failed (or the metrics port cannot be bound), 2 refused
+(wrong token, bad job).
 """
 
 import datetime
@@ -22,6 +25,7 @@ from typing import Any, Dict, Optional
 import grpc
 
 from ..control import CoordinatorError, CoordinatorUnavailable, NotAuthenticated, TlsFiles, pb
+from ..metrics.process import ProcessMetrics, worker_metrics
 from ..shards import peer
 from .job import JobContext, JobError, unpack_job
 from .member import MemberSession
@@ -42,10 +46,27 @@ class WorkerOptions:
     stop_grace: datetime.timedelta = STOP_GRACE
     #: Job arguments set by this worker's flags, over the job spec's (``--comm-hook``...).
     config_overrides: Dict[str, Any] = field(default_factory=dict)
+    #: Serve Prometheus metrics on this port of ``host`` (0: a free one); ``None``: no metrics.
+    metrics_port: Optional[int] = None
 
 
 def run_worker(options: WorkerOptions, say=print) -> int:
     """Run one worker to completion; ``say`` prints the one-line outcome.  Returns the exit code."""
+    metrics = None
+    if options.metrics_port is not None:
+        try:
+            metrics = worker_metrics(options.host, options.metrics_port)
+        except OSError as error:
+            say(f"ps-worker: {error}")
+            return EXIT_FAILED
+    try:
+        return _run(options, say, metrics)
+    finally:
+        if metrics is not None:
+            metrics.close()
+
+
+def _run(options: WorkerOptions, say, metrics: Optional[ProcessMetrics]) -> int:
     session = MemberSession(options.address, pb.ROLE_WORKER, host=options.host, token=options.token,
                             tls=options.tls, retry_for=options.retry_for)
     try:
@@ -65,6 +86,8 @@ def run_worker(options: WorkerOptions, say=print) -> int:
                          shards=list(assignment.shards), store_host=assignment.store.host,
                          store_port=assignment.store.port, checkpoint=assignment.checkpoint,
                          member_id=assignment.member_id)
+    if metrics is not None:
+        metrics.watch_job(context)
     context.commit_checkpoint = lambda request: session.client.commit_checkpoint(request).checkpoint_id
     context.request_regroup = session.request_regroup
     context.live_shards = lambda: session.shards

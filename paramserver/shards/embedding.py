@@ -6,6 +6,8 @@ the ids it owns, pool the returned rows locally), and fetching the table.
 Inside a ``dist_autograd`` context the forward is differentiable: backward
 sends each shard a row-sparse gradient of just the rows it served, and
 ``DistributedOptimizer`` over ``remote_parameters()`` updates only those rows.
+Each lookup it sends is counted in the process's metrics when it serves them
+(``paramserver.metrics.data_plane``).
 """
 
 import itertools
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.rpc import RRef
 
+from ..metrics import data_plane
 from . import hosted
 from .client import fetch
 from .placement import RowRange, split_rows
@@ -75,6 +78,7 @@ class ShardedEmbeddingBag(nn.Module):
                 futures.append(rpc.rpc_async(rows.shard, hosted.host_tensor, args=(
                     part, _weight[rows.start:rows.stop].to(dtype).clone())))
         self._shard_rrefs: List[RRef] = [future.wait() for future in futures]
+        self._row_bytes = embedding_dim * torch.empty((), dtype=dtype).element_size()
         self.register_buffer("_range_starts", torch.tensor([r.start for r in self.ranges], dtype=torch.long),
                              persistent=False)
 
@@ -108,11 +112,14 @@ class ShardedEmbeddingBag(nn.Module):
         # Sorted unique ids split into consecutive runs, one per shard's row range.
         bounds = torch.searchsorted(unique_ids, self._range_starts).tolist() + [unique_ids.numel()]
         pending = []
+        metrics = data_plane.slot.active
         for index, rows in enumerate(self.ranges):
             lo, hi = bounds[index], bounds[index + 1]
             if hi > lo:
                 local = unique_ids[lo:hi] - rows.start
                 pending.append(rpc.rpc_async(rows.shard, hosted.lookup_rows, args=(self._shard_rrefs[index], local)))
+                if metrics is not None:
+                    metrics.lookup(rows.shard, hi - lo, (hi - lo) * local.element_size(), (hi - lo) * self._row_bytes)
 
         def finish() -> Tensor:
             if pending:
