@@ -16,6 +16,7 @@ import datetime
 import logging
 import os
 import signal
+import sys
 import threading
 import traceback
 import inspect
@@ -34,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
 STOP_GRACE = datetime.timedelta(seconds=10)
+#: How long leaving the data plane may take after the job ended (RPC calls in flight, RRef releases).
+DATA_PLANE_LEAVE_WITHIN = datetime.timedelta(seconds=20)
 
 
 @dataclass(frozen=True)
@@ -136,7 +139,12 @@ def _run(options: WorkerOptions, say, metrics: Optional[ProcessMetrics]) -> int:
     if isinstance(result, dict):
         metrics.update({k: float(v) for k, v in result.items() if isinstance(v, (int, float))})
     # Declared dead meanwhile: the cluster already dropped us from the RPC group.
-    peer.leave(graceful=session.lost_reason is None)
+    left_data_plane = _leave_data_plane(graceful=session.lost_reason is None)
+    if not left_data_plane:
+        session.leave("finished; left the data plane without waiting", step, metrics)
+        say(f"ps-worker: {assignment.rpc_name} finished {assignment.job.name} at step {step}, but leaving the "
+            f"data plane did not finish within {DATA_PLANE_LEAVE_WITHIN.total_seconds():.0f} s")
+        _exit_now(EXIT_OK)
     if session.lost_reason is not None:
         session.leave("")
         say(f"ps-worker: {assignment.rpc_name} finished its job but {session.lost_reason}")
@@ -146,6 +154,38 @@ def _run(options: WorkerOptions, say, metrics: Optional[ProcessMetrics]) -> int:
     say(f"ps-worker: {assignment.rpc_name} finished {assignment.job.name} at step {step}"
         + (f" ({summary})" if summary else ""))
     return EXIT_OK
+
+
+def _leave_data_plane(graceful: bool) -> bool:
+    """Leave torch RPC; False when that did not finish within ``DATA_PLANE_LEAVE_WITHIN``.
+
+    A graceful leave of an open group waits for this process's calls in
+    flight and RRef releases; a peer lost just before (a shard restarted
+    moments ago) can leave it waiting far longer than any step.
+    """
+    finished = threading.Event()
+
+    def leave():
+        try:
+            peer.leave(graceful=graceful)
+        except Exception as error:  # noqa: BLE001 - leaving is best effort; the cluster drops us anyway
+            logger.warning("leaving the data plane: %s: %s", type(error).__name__, error)
+        finished.set()
+
+    threading.Thread(target=leave, name="leave-data-plane", daemon=True).start()
+    if finished.wait(DATA_PLANE_LEAVE_WITHIN.total_seconds()):
+        return True
+    logger.error("leaving the data plane did not finish within %.0f s; exiting without it",
+                 DATA_PLANE_LEAVE_WITHIN.total_seconds())
+    return False
+
+
+def _exit_now(code: int) -> None:
+    """End the process at once: after a leave that hung, torch's teardown would wait on the same peers."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _accepted(job, name: str, overrides: Dict[str, Any]) -> Dict[str, Any]:
