@@ -2,7 +2,9 @@
 
 Owns the life of a shard host: start N supervised shard processes that
 join the remote coordinator under this host's names (``<prefix>0..``),
-restart one that fails when the cluster keeps checkpoints (it then serves
+report at once to the coordinator a shard process that exits (it leaves
+on the process's behalf, as the coordinator's own supervisor reports its
+host's), restart one that fails when the cluster keeps checkpoints (it then serves
 its tables from the newest one; without checkpoints a restart would serve
 fresh tables, so a lost shard stays lost), announce readiness once the
 coordinator counts every one of them serving, and end when told to
@@ -56,7 +58,8 @@ def serve_shard_host(options: ShardHostOptions, announce=print) -> int:
         status = _status(client, options.retry_for)
         keeps_checkpoints = bool(status.checkpoint.directory)
         supervisor = ShardSupervisor(
-            options.num_shards, options.coordinator, options.host, on_exit=lambda name, code: None,
+            options.num_shards, options.coordinator, options.host,
+            on_exit=lambda name, code: _report_exit(client, supervisor, name, code, options.host),
             token=options.token, tls=options.tls, log_level=options.log_level, restart=keeps_checkpoints,
             prefix=options.prefix, metrics_port=options.metrics_port).start()
         names = list(supervisor.processes)
@@ -81,6 +84,24 @@ def serve_shard_host(options: ShardHostOptions, announce=print) -> int:
         client.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _report_exit(client: CoordinatorClient, supervisor: Optional[ShardSupervisor], name: str, code: int,
+                 host: str) -> None:
+    """Tell the coordinator at once that shard ``name``'s process exited (it leaves on the process's behalf).
+
+    Without this the coordinator would learn it from the missing heartbeats,
+    a timeout later, and meanwhile list the lost shard as live: workers
+    would keep sending it requests, and a restarted process could not join
+    under its name.  A shard that left on its own (exit 0) has said so.
+    """
+    member_id = supervisor.member_id(name) if supervisor is not None else ""
+    if code == 0 or not member_id:
+        return
+    try:
+        client.leave(member_id, reason=f"process exited with code {code} (reported by ps-server --join on {host})")
+    except CoordinatorError as error:  # already declared dead, or the coordinator is gone: nothing to report
+        logger.info("could not report %s's exit: %s", name, error)
 
 
 def _stop(event: threading.Event, reason: str) -> None:

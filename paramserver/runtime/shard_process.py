@@ -29,12 +29,16 @@ logger = logging.getLogger(__name__)
 
 
 def run_shard_member(address: str, name: str, host: str, token: Optional[str] = None,
-                     tls: Optional[TlsFiles] = None, log_level: Optional[str] = None, metrics_port=None) -> None:
+                     tls: Optional[TlsFiles] = None, log_level: Optional[str] = None, metrics_port=None,
+                     member_id=None) -> None:
     """Process target: one shard server named ``name`` that joins the coordinator at ``address``.
 
     ``metrics_port``: ``None`` (no metrics), or a shared integer
     (``multiprocessing.Value``) holding the port to serve metrics on (0: a
     free one), where this process writes the port it serves on.
+    ``member_id``: ``None``, or a shared byte string (``multiprocessing.Array``)
+    where this process writes the member id the coordinator gave it, so
+    that its supervisor can report its exit (``ShardSupervisor.member_id``).
     """
     configure_logging(name, log_level)
     metrics = None  # serves until the process exits
@@ -51,6 +55,8 @@ def run_shard_member(address: str, name: str, host: str, token: Optional[str] = 
         signal.signal(sig, lambda _signum, _frame: request_stop(graceful=False))
     session = MemberSession(address, pb.ROLE_SHARD, name=name, host=host, token=token, tls=tls)
     assignment = session.join()
+    if member_id is not None:
+        member_id.value = assignment.member_id.encode()
     if assignment.checkpoint.restore_from:
         # Tables that trainers ask for come from the checkpoint (rows cut to this shard's ranges).
         hosted.restore_source = CheckpointSource.open(assignment.checkpoint.restore_from)

@@ -62,13 +62,21 @@ class ShardSupervisor:
         self._metrics_ports: Dict[str, multiprocessing.sharedctypes.Synchronized] = {} if metrics_port is None else {
             f"{prefix}{index}": self._context.Value("i", shard_metrics_port(metrics_port, index))
             for index in range(num_shards)}
+        # Per shard, shared with its process: the member id the coordinator gave it (see ``member_id``).
+        self._member_ids = {f"{prefix}{index}": self._context.Array("c", 64) for index in range(num_shards)}
         self.processes: Dict[str, multiprocessing.Process] = {
             f"{prefix}{index}": self._new_process(f"{prefix}{index}") for index in range(num_shards)}
         self._watcher = threading.Thread(target=self._watch, name="shard-supervisor", daemon=True)
 
     def _new_process(self, name: str) -> multiprocessing.Process:
+        self._member_ids[name].value = b""
         return self._context.Process(target=run_shard_member, name=name,
-                                     kwargs=dict(self._kwargs, name=name, metrics_port=self._metrics_ports.get(name)))
+                                     kwargs=dict(self._kwargs, name=name, metrics_port=self._metrics_ports.get(name),
+                                                 member_id=self._member_ids[name]))
+
+    def member_id(self, name: str) -> str:
+        """The member id of shard ``name``'s current (or just exited) process; "" before it joined."""
+        return self._member_ids[name].value.decode()
 
     def start(self) -> "ShardSupervisor":
         for name, process in self.processes.items():
