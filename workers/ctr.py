@@ -157,7 +157,13 @@ def main(ctx, steps: int = 1500, batch_size: int = 1024, hook: str = "powersgd",
         else:  # failed against a shard after the group's all-reduce: the step is not redone
             sparse_steps_lost += 1
             sparse.rebuild(sparse_failure)
-        checkpoints.after_step()
+        try:
+            checkpoints.after_step()  # a collective on some steps: a member lost there is recovered from too
+        except Exception as error:  # noqa: BLE001 - only a failed collective; the checkpoint is skipped
+            if not replica.collective_failed(error):
+                raise
+            if not replica.recover(error):
+                break
         samples += len(batch)
         losses.append(loss)
         step = replica.step
