@@ -2,7 +2,8 @@
 
 Owns the log format and level of ps-server, ps-worker, ps-ctl and every
 shard server (``--log-level``, defaulting to ``PARAMSERVER_LOG_LEVEL``,
-else INFO).
+else INFO), and ending a process at once with its log written
+(``exit_now``).
 """
 
 import logging
@@ -26,3 +27,12 @@ def configure_logging(process: str, level: Optional[str] = None, replace: bool =
         return
     logging.basicConfig(level=(level or default_log_level()).upper(), stream=sys.stderr, force=True,
                         format=f"%(asctime)s {process} %(levelname)s %(name)s: %(message)s")
+
+
+def exit_now(code: int) -> None:
+    """Write out the log and the standard streams, then end the process without the interpreter's teardown
+    (torch's destructors can take seconds, or wait on peers that are gone)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -85,17 +85,16 @@ class CoordinatorClient:
         except grpc.RpcError as error:
             raise _error_from(self.address, method, error) from None
 
-    def join(self, role: int, name: str, host: str,
-             retry_for: Optional[datetime.timedelta] = None) -> pb.Assignment:
-        """Join, retrying with exponential backoff (0.1 s doubling to 2 s) while unreachable."""
-        request = pb.JoinRequest(role=role, name=name, host=host, capabilities=local_capabilities())
+    def call_retrying(self, method: str, request, retry_for: Optional[datetime.timedelta] = None):
+        """``call``, retried with exponential backoff (0.1 s doubling to 2 s) while the coordinator is
+        unreachable (or asks to be called again), for ``retry_for`` (default ``$PARAMSERVER_JOIN_RETRY_FOR``)."""
         deadline = time.monotonic() + (retry_for or _retry_for()).total_seconds()
         delay = 0.1
         attempts = 0
         while True:
             attempts += 1
             try:
-                return self.call("Join", request)
+                return self.call(method, request)
             except CoordinatorUnavailable as error:
                 if time.monotonic() + delay > deadline:
                     raise CoordinatorUnavailable(f"{error} (gave up after {attempts} attempts)", error.code) from None
@@ -103,8 +102,17 @@ class CoordinatorClient:
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
 
-    def status(self) -> pb.StatusResponse:
-        return self.call("Status", pb.StatusRequest())
+    def join(self, role: int, name: str, host: str,
+             retry_for: Optional[datetime.timedelta] = None) -> pb.Assignment:
+        """Join, retrying while unreachable (``call_retrying``)."""
+        request = pb.JoinRequest(role=role, name=name, host=host, capabilities=local_capabilities())
+        return self.call_retrying("Join", request, retry_for)
+
+    def status(self, retry_for: Optional[datetime.timedelta] = None) -> pb.StatusResponse:
+        """The cluster's status; with ``retry_for``, retried that long while the coordinator is unreachable."""
+        if retry_for is None:
+            return self.call("Status", pb.StatusRequest())
+        return self.call_retrying("Status", pb.StatusRequest(), retry_for)
 
     def checkpoint(self, timeout_seconds: float = 120.0) -> pb.CheckpointResponse:
         """Ask for a checkpoint and wait (up to ``timeout_seconds``) until it is committed."""

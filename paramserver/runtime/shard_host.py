@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from ..control import TlsFiles
-from ..control.client import CoordinatorClient, CoordinatorError
+from ..control.client import JOIN_RETRY_FOR, CoordinatorClient, CoordinatorError
 from .server import READY_TIMEOUT, SHARDS_STOP_WITHIN
 from .supervisor import ShardSupervisor
 
@@ -55,7 +55,8 @@ def serve_shard_host(options: ShardHostOptions, announce=print) -> int:
     client = CoordinatorClient(options.coordinator, token=options.token, tls=options.tls)
     supervisor = None
     try:
-        status = _status(client, options.retry_for)
+        # The coordinator may still be starting: retried while unreachable.
+        status = client.status(retry_for=options.retry_for or JOIN_RETRY_FOR)
         keeps_checkpoints = bool(status.checkpoint.directory)
         supervisor = ShardSupervisor(
             options.num_shards, options.coordinator, options.host,
@@ -108,21 +109,6 @@ def _stop(event: threading.Event, reason: str) -> None:
     if not event.is_set():
         logger.info("shutting down: %s", reason)
         event.set()
-
-
-def _status(client: CoordinatorClient, retry_for: Optional[datetime.timedelta]):
-    """The coordinator's status, retrying while it is unreachable (it may still be starting)."""
-    deadline = time.monotonic() + (retry_for or datetime.timedelta(seconds=30)).total_seconds()
-    delay = 0.1
-    while True:
-        try:
-            return client.status()
-        except CoordinatorError as error:
-            if time.monotonic() + delay > deadline or "unreachable" not in str(error):
-                raise
-            logger.info("coordinator %s not reachable yet; retrying in %.1f s", client.address, delay)
-            time.sleep(delay)
-            delay = min(2.0, delay * 2)
 
 
 def _wait_until_serving(client: CoordinatorClient, names: List[str], supervisor: ShardSupervisor,

@@ -21,7 +21,7 @@ from typing import Optional
 from ..control import TlsFiles, pb
 from ..shards import ShardServerOptions, hosted, request_stop, run_shard_server
 from ..shards.snapshot import CheckpointSource
-from ..logs import configure_logging
+from ..logs import configure_logging, exit_now
 from ..metrics.process import shard_metrics
 from .member import MemberSession
 
@@ -71,10 +71,7 @@ def run_shard_member(address: str, name: str, host: str, token: Optional[str] = 
     finally:
         session.leave("stopped")
     logger.info("shard %s (pid %d) exits", assignment.rpc_name, os.getpid())
-    # Both planes are left and the log is written: nothing of the interpreter's
-    # teardown is needed, and after a long run torch's destructors took over
-    # 3 s of it (past ps-server's stop deadline, so the shards were killed).
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # Both planes are left: nothing of the interpreter's teardown is needed, and after
+    # a long run torch's destructors took over 3 s of it (past ps-server's stop
+    # deadline, so the shards were killed).
+    exit_now(0)

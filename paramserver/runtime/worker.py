@@ -16,7 +16,6 @@ import datetime
 import logging
 import os
 import signal
-import sys
 import threading
 import traceback
 import inspect
@@ -27,6 +26,7 @@ import grpc
 
 from ..control import CoordinatorError, CoordinatorUnavailable, NotAuthenticated, TlsFiles, pb
 from ..metrics.process import ProcessMetrics, worker_metrics
+from ..logs import exit_now
 from ..shards import peer
 from .job import JobContext, JobError, unpack_job
 from .member import MemberSession
@@ -144,7 +144,7 @@ def _run(options: WorkerOptions, say, metrics: Optional[ProcessMetrics]) -> int:
         session.leave("finished; left the data plane without waiting", step, metrics)
         say(f"ps-worker: {assignment.rpc_name} finished {assignment.job.name} at step {step}, but leaving the "
             f"data plane did not finish within {DATA_PLANE_LEAVE_WITHIN.total_seconds():.0f} s")
-        _exit_now(EXIT_OK)
+        exit_now(EXIT_OK)  # torch's teardown would wait on the same peers
     if session.lost_reason is not None:
         session.leave("")
         say(f"ps-worker: {assignment.rpc_name} finished its job but {session.lost_reason}")
@@ -178,14 +178,6 @@ def _leave_data_plane(graceful: bool) -> bool:
     logger.error("leaving the data plane did not finish within %.0f s; exiting without it",
                  DATA_PLANE_LEAVE_WITHIN.total_seconds())
     return False
-
-
-def _exit_now(code: int) -> None:
-    """End the process at once: after a leave that hung, torch's teardown would wait on the same peers."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def _accepted(job, name: str, overrides: Dict[str, Any]) -> Dict[str, Any]:
