@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401
 
 from ..metrics import training
+from ..shards.peer import TENSORPIPE_INTERFACE_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +62,7 @@ def device_for(backend: str, worker_index: int) -> torch.device:
     return torch.device("cpu")
 
 
-#: The data plane's interface (set by ``paramserver.shards.peer`` from the member's ``--host``) and the
-#: collectives backends' own variables for theirs.
-DATA_PLANE_INTERFACE_ENV = "TP_SOCKET_IFNAME"
+#: The collectives backends' own variables for their network interface.
 COLLECTIVE_INTERFACE_ENVS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
@@ -71,7 +70,7 @@ def _collectives_on_data_plane_interface() -> None:
     """Gloo and NCCL connect over the interface the data plane listens on, unless told otherwise: left to
     themselves they use the address this machine's host name resolves to, which on a multi-homed host (or
     in a network namespace) may not be the one the group's other members can reach."""
-    interface = os.environ.get(DATA_PLANE_INTERFACE_ENV)
+    interface = os.environ.get(TENSORPIPE_INTERFACE_ENV)  # set by ``peer.join`` from the member's --host
     if interface:
         for variable in COLLECTIVE_INTERFACE_ENVS:
             os.environ.setdefault(variable, interface)
