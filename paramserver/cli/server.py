@@ -30,10 +30,9 @@ from .common import (UsageError, add_log_level, add_metrics_port, add_token_file
                      data_plane_host, job_config_from, metrics_port_from, own_host, setup_logging, token_from)
 
 
-#: Flags that configure the coordinator, refused with ``--join`` (which runs none), with their defaults.
-COORDINATOR_FLAGS = {"port": DEFAULT_PORT, "job": DEFAULT_JOB, "job_config": "{}", "group_size": 0,
-                     "checkpoint_dir": None, "checkpoint_every": None, "checkpoint_keep": 3, "restore": None,
-                     "tls_cert": None, "tls_key": None, "heartbeat_timeout": None}
+#: Flags that configure the coordinator, refused with ``--join`` (which runs none) unless left at their defaults.
+COORDINATOR_FLAGS = ("port", "job", "job_config", "group_size", "checkpoint_dir", "checkpoint_every",
+                     "checkpoint_keep", "restore", "tls_cert", "tls_key", "heartbeat_timeout")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,8 +90,10 @@ def shard_prefix(value: str) -> str:
 
 def shard_host_options_from(args) -> ShardHostOptions:
     """``ps-server --join``'s options; the coordinator's own flags are refused, naming them."""
-    given = [f"--{name.replace('_', '-')}" for name, default in COORDINATOR_FLAGS.items()
-             if getattr(args, name) != default]
+    defaults = argparse.ArgumentParser()
+    add_arguments(defaults)
+    given = [f"--{name.replace('_', '-')}" for name in COORDINATOR_FLAGS
+             if getattr(args, name) != defaults.get_default(name)]
     if given:
         raise UsageError(f"--join runs no coordinator: {', '.join(given)} belong{'s' if len(given) == 1 else ''} "
                          "on the coordinator's ps-server")
