@@ -22,9 +22,9 @@ import zlib
 import torch
 from torch import nn
 
-from paramserver.control.protocol import pb
 from paramserver.ddp import DenseReplica, TrainerGroup
 from paramserver.optim import QHM
+from paramserver.runtime.context import GroupView
 
 TIMEOUT = datetime.timedelta(seconds=60)
 IN, OUT = 6, 1
@@ -46,7 +46,7 @@ def make_optimizer(params):
 
 
 class StoreViews:
-    """The JobContext members TrainerGroup uses, with views kept in a c10d store."""
+    """A ``GroupChannel`` (what TrainerGroup uses) with views kept in a c10d store."""
 
     def __init__(self, name: str, index: int, port: int):
         self.rpc_name, self.worker_index, self.trainer_group = name, index, 0
@@ -60,7 +60,7 @@ class StoreViews:
         if not self._store.check(["views/latest"]):
             return None
         generation, members = pickle.loads(self._store.get("views/latest"))
-        return pb.TrainerGroupView(group=0, generation=generation, members=members, backend="gloo")
+        return GroupView(group=0, generation=generation, members=tuple(members), backend="gloo")
 
     def wait_for_group_view(self, newer_than: int, timeout: datetime.timedelta):
         self._store.wait(["views/latest"], timeout)

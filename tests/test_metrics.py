@@ -31,7 +31,7 @@ from paramserver.metrics.cluster import ClusterCollector
 from paramserver.metrics.exporter import MetricsExporter, new_registry, shard_metrics_port
 from paramserver.metrics.process import ProcessMetrics, worker_metrics
 from paramserver.optim.owner import gradient_stats
-from paramserver.runtime.job import JobContext
+from paramserver.runtime.context import GroupChannel, Inbox, JobContext
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -210,8 +210,9 @@ def test_comm_hook_bytes_and_steps_are_counted_together(monkeypatch):
 def test_training_steps_group_generation_and_the_job_figures():
     registry = CollectorRegistry()
     metrics = training.TrainingMetrics(registry)
-    context = JobContext(rpc_name="worker0", worker_index=0, generation=3, trainer_group=0, shards=["shard0"],
-                         store_host="127.0.0.1", store_port=1)
+    inbox = Inbox()
+    context = JobContext(rpc_name="worker0", worker_index=0, trainer_group=0, shards=["shard0"], inbox=inbox,
+                         group=GroupChannel("worker0", 0, 0, "127.0.0.1", 1, inbox))
     registry.register(training.JobCollector(context))
     samples = parse(prometheus_client.generate_latest(registry).decode())
     assert value(samples, "paramserver_job_step") == 0 and "paramserver_job_figure" not in samples

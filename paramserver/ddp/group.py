@@ -6,14 +6,15 @@ a generation, its members in rank order, the backend) into a
 comes: every generation rendezvouses under its own key prefix in the
 coordinator's c10d store (``trainer_group/<group>/<generation>/``), so
 stale members of an old generation never meet new ones.  Members agree on
-*when* to re-form with one small all-reduce per step (``agree``): all of
-them switch at the same step, none is left waiting in a collective of the
-old group.  When a collective fails instead (a member was lost), each
+*when* to re-form, to stop and to checkpoint with one small all-reduce
+(``agree``): all of them act at the same step, none is left waiting in a
+collective of the old group.  When a collective fails instead (a member was lost), each
 member that saw it drops the broken process group at once and forms the
 next generation the coordinator publishes (``reform(after_failure=True)``).
 
-It knows nothing of gRPC: the view source is any object with the
-``JobContext`` members it uses (``rpc_name``, ``trainer_group``,
+It knows nothing of gRPC: the view source is a
+``paramserver.runtime.context.GroupChannel`` (or any object with its
+members: ``rpc_name``, ``worker_index``, ``trainer_group``,
 ``store_host``/``store_port``, ``group_view()``, ``wait_for_group_view()``,
 and ``request_regroup()`` if it has one).
 What is trained and how state moves is ``replica``'s business.  Each
@@ -24,7 +25,7 @@ generation formed is noted in the process's metrics when it serves them
 import datetime
 import logging
 import os
-from typing import Tuple
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,14 @@ FORM_TIMEOUT = datetime.timedelta(seconds=120)
 #: the same members (nobody was lost: a collective timed out).
 REGROUP_AFTER = datetime.timedelta(seconds=20)
 STORE_PREFIX = "trainer_group"
+
+
+class Agreement(NamedTuple):
+    """What the members of a group agreed on at a step: re-form, stop, and the checkpoint request to serve."""
+
+    reform: bool
+    stop: bool
+    checkpoint_request: int
 
 
 class GroupStopped(RuntimeError):
@@ -137,14 +146,18 @@ class TrainerGroup:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-    def agree(self, want_stop: bool = False) -> Tuple[bool, bool]:
-        """Collective, once per step: (a member heard of a newer view, a member wants to stop)."""
+    def agree(self, want_stop: bool = False, checkpoint_request: int = 0) -> Agreement:
+        """Collective: one all-reduce (MAX) of what each member heard of.
+
+        A member heard of a newer view: all re-form; one wants to stop: all
+        stop; the newest checkpoint request any member heard of: all serve it.
+        """
         newest = self._source.group_view()
         heard = newest.generation if newest is not None else 0
-        flags = torch.tensor([heard, int(want_stop)], dtype=torch.int64, device=self.device)
+        flags = torch.tensor([heard, int(want_stop), checkpoint_request], dtype=torch.int64, device=self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        newest_heard, stop = flags.tolist()
-        return newest_heard > self.generation, bool(stop)
+        newest_heard, stop, request = flags.tolist()
+        return Agreement(newest_heard > self.generation, bool(stop), int(request))
 
     def reform(self, after_failure: bool = False) -> None:
         """Form the newest generation that includes this worker.

@@ -13,7 +13,8 @@ and its Q memory must be equal on every rank, so neither can be carried
 over to a group with other members.
 
 The training loop calls ``sync_point()`` at the start of every step; every
-``agree_every`` steps it is where the group agrees to re-form or to stop.
+``agree_every`` steps it is where the group agrees, in one all-reduce, to
+re-form, to stop, or to write a checkpoint.
 All members hold the same step count (a newcomer takes the group's), so
 they agree on the same steps, and a change takes effect within
 ``agree_every`` steps.  Finished steps are counted in the process's metrics
@@ -105,6 +106,8 @@ class DenseReplica:
         self.reformations = 0
         self.recoveries = 0
         self.steps_skipped = 0
+        #: The checkpoint request the last ``sync_point`` agreed on (0: none).
+        self.agreed_checkpoint = 0
         self._failures_in_a_row = 0
         self._hook_failure: Optional[str] = None
         self._restored_hook_states: Optional[List[bytes]] = None
@@ -197,19 +200,24 @@ class DenseReplica:
     def __call__(self, *args, **kwargs):
         return self.ddp(*args, **kwargs)
 
-    def sync_point(self, want_stop: bool = False) -> bool:
+    def sync_point(self, want_stop: bool = False, checkpoint_request: int = 0) -> bool:
         """Start of a step, on every member: re-form if the group changed; False when the group stops.
 
-        After re-forming it agrees again, in the new group: a member that
-        just joined starts with this agreement, so everyone must.  A failed
+        Every ``agree_every`` steps the members agree (one all-reduce) on
+        re-forming, stopping and the checkpoint request to serve
+        (``agreed_checkpoint``: 0 on other steps, or none).  After
+        re-forming they agree again, in the new group: a member that just
+        joined starts with this agreement, so everyone must.  A failed
         agreement is recovered from (``recover``) like a failed step.
         """
+        self.agreed_checkpoint = 0
         while self.step % self.agree_every == 0:
             try:
-                newer, stop = self.group.agree(want_stop)
-                if stop:
+                agreement = self.group.agree(want_stop, checkpoint_request)
+                if agreement.stop:
                     return False
-                if not newer:
+                if not agreement.reform:
+                    self.agreed_checkpoint = agreement.checkpoint_request
                     return True
                 self._drop_ddp()
                 self.group.reform()

@@ -16,7 +16,10 @@ def __getattr__(name):
     if name in ("Cluster", "connect"):
         from . import cluster
         return getattr(cluster, name)
-    if name in ("JobContext", "load_job", "pack_job", "unpack_job"):
+    if name == "JobContext":
+        from . import context
+        return context.JobContext
+    if name in ("load_job", "pack_job", "unpack_job"):
         from . import job
         return getattr(job, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,6 +8,7 @@ run a job, drive) belongs to its caller.
 """
 
 import datetime
+import json
 import logging
 import socket
 import threading
@@ -109,6 +110,14 @@ class MemberSession:
         """Tell the coordinator (now) that ``generation`` of this worker's trainer group broke."""
         self._heartbeats.regroup_generation = generation
         self.beat_now()
+
+    def commit_checkpoint(self, commit) -> str:
+        """Hand a written checkpoint (a ``context.CheckpointCommit``) to the coordinator; returns its id."""
+        request = pb.CommitCheckpointRequest(
+            member_id=self.assignment.member_id, request=commit.request, directory=commit.directory,
+            step=commit.step, files=[pb.CheckpointFile(**record) for record in commit.files],
+            info_json=json.dumps(commit.info))
+        return self.client.commit_checkpoint(request).checkpoint_id
 
     def mark_ready(self) -> None:
         """Tell the coordinator (with the next heartbeat, sent now) that this member's data plane is up."""

@@ -28,7 +28,8 @@ from ..control import CoordinatorError, CoordinatorUnavailable, NotAuthenticated
 from ..metrics.process import ProcessMetrics, worker_metrics
 from ..logs import exit_now
 from ..shards import peer
-from .job import JobContext, JobError, unpack_job
+from .context import JobContext
+from .job import JobError, unpack_job
 from .member import MemberSession
 
 logger = logging.getLogger(__name__)
@@ -84,23 +85,15 @@ def _run(options: WorkerOptions, say, metrics: Optional[ProcessMetrics]) -> int:
         say(f"ps-worker: could not join: {error}")
         # A join refused for what it said (a loopback --host from another host...) is this worker's to fix.
         return EXIT_REFUSED if error.code == grpc.StatusCode.INVALID_ARGUMENT else EXIT_FAILED
-    context = JobContext(rpc_name=assignment.rpc_name, worker_index=assignment.index,
-                         generation=assignment.generation, trainer_group=assignment.trainer_group,
-                         shards=list(assignment.shards), store_host=assignment.store.host,
-                         store_port=assignment.store.port, checkpoint=assignment.checkpoint,
-                         member_id=assignment.member_id)
+    context = JobContext.from_assignment(assignment, session)
     if metrics is not None:
         metrics.watch_job(context)
-    context.commit_checkpoint = lambda request: session.client.commit_checkpoint(request).checkpoint_id
-    context.request_regroup = session.request_regroup
-    context.live_shards = lambda: session.shards
     watchdog = _StopWatchdog(context, options.stop_grace)
     # Heartbeats from the moment we joined: unpacking the job and joining the
     # data plane can take seconds on a loaded machine.
-    context.refresh = session.beat_now
     session.start_heartbeats(progress=context.progress, on_stop=watchdog.stop_requested,
-                             on_lost=lambda reason: watchdog.stop_requested(), on_group=context.set_group_view,
-                             on_checkpoint=context.request_checkpoint)
+                             on_lost=lambda reason: watchdog.stop_requested(), on_group=context.inbox.set_group_view,
+                             on_checkpoint=context.inbox.request_checkpoint)
     if not assignment.job.code:
         session.leave("no job")
         say(f"ps-worker: the cluster at {options.address} has no job to run")
@@ -202,7 +195,7 @@ class _StopWatchdog:
     def stop_requested(self) -> None:
         if self._context.should_stop():
             return
-        self._context.request_stop()
+        self._context.inbox.request_stop()
         threading.Thread(target=self._enforce, name="stop-watchdog", daemon=True).start()
 
     def _enforce(self) -> None:

@@ -1,0 +1,272 @@
+"""The job contract: what a running job sees of the cluster, in plain Python types.
+
+Owns ``JobContext`` (a job's first argument), the plain types it hands
+out (``GroupView``, ``CheckpointSettings``, ``CheckpointCommit``) and
+``GroupChannel``, the narrow interface a trainer group forms through.  A
+context is built in one call: ``JobContext.from_assignment`` for a
+``ps-worker`` (the coordinator's answer and the worker's session), or
+``JobContext.local`` for one process with no cluster (a job or a Trainer
+under test: the process is its own shard and a trainer group of one).
+
+The runtime feeds a context through its ``inbox`` (views of the trainer
+group, stop and checkpoint requests, as the coordinator sends them); the
+job only reads.  No protobuf message crosses into a job; this module
+converts them at the boundary and never talks to the coordinator itself.
+"""
+
+import datetime
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+#: How long a job waits for its trainer group to form before giving up.
+GROUP_WAIT = datetime.timedelta(seconds=120)
+_GROUP_POLL = datetime.timedelta(seconds=0.25)
+
+
+@dataclass(frozen=True)
+class GroupView:
+    """One generation of a trainer group as the coordinator published it: members in rank order."""
+
+    group: int
+    generation: int
+    members: Tuple[str, ...]
+    backend: str = "gloo"
+
+    @classmethod
+    def from_message(cls, view) -> "GroupView":
+        return cls(group=int(view.group), generation=int(view.generation), members=tuple(view.members),
+                   backend=view.backend)
+
+    def describe(self) -> str:
+        return f"generation {self.generation} of {', '.join(self.members) or 'nobody'}"
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """Where the cluster keeps checkpoints (``directory`` empty: none) and where this run starts from."""
+
+    directory: str = ""
+    every_steps: int = 0
+    restore_from: str = ""
+    restore_step: int = 0
+
+    @classmethod
+    def from_message(cls, settings) -> "CheckpointSettings":
+        return cls(directory=settings.directory, every_steps=int(settings.every_steps),
+                   restore_from=settings.restore_from, restore_step=int(settings.restore_step))
+
+
+@dataclass(frozen=True)
+class CheckpointCommit:
+    """A written checkpoint, handed to the coordinator to verify and commit (it writes the manifest).
+
+    ``files``: ``{"name", "bytes", "sha256"}`` records; ``request``: the
+    checkpoint request it answers (0: written by steps).
+    """
+
+    request: int
+    directory: str
+    step: int
+    files: Tuple[Dict, ...]
+    info: Dict
+
+
+class Inbox:
+    """What the coordinator told this worker, newest first; written by the runtime, read by the job."""
+
+    def __init__(self):
+        self._changed = threading.Condition()
+        self._stop = threading.Event()
+        self._view: Optional[GroupView] = None
+        self._checkpoint_request = 0
+
+    def request_stop(self) -> None:
+        self._stop.set()
+        with self._changed:
+            self._changed.notify_all()
+
+    def stop_requested(self) -> bool:
+        return self._stop.is_set()
+
+    def set_group_view(self, view) -> None:
+        """A view of this worker's trainer group arrived (a ``GroupView`` or its message); kept when newer."""
+        view = view if isinstance(view, GroupView) else GroupView.from_message(view)
+        with self._changed:
+            if self._view is None or view.generation > self._view.generation:
+                self._view = view
+                self._changed.notify_all()
+
+    def group_view(self) -> Optional[GroupView]:
+        with self._changed:
+            return self._view
+
+    def wait_for_change(self, seconds: float) -> None:
+        with self._changed:
+            self._changed.wait(seconds)
+
+    def request_checkpoint(self, number: int) -> None:
+        with self._changed:
+            self._checkpoint_request = max(self._checkpoint_request, int(number))
+
+    def checkpoint_request(self) -> int:
+        with self._changed:
+            return self._checkpoint_request
+
+
+class GroupChannel:
+    """What a trainer group needs of the cluster, and nothing else (``paramserver.ddp.TrainerGroup``).
+
+    ``rpc_name`` and ``worker_index`` name this member; ``store_host``/
+    ``store_port`` are the c10d store its generations rendezvous in.
+    """
+
+    def __init__(self, rpc_name: str, worker_index: int, trainer_group: int, store_host: str, store_port: int,
+                 inbox: Inbox, refresh: Callable[[], None] = lambda: None,
+                 request_regroup: Callable[[int], None] = lambda generation: None):
+        self.rpc_name = rpc_name
+        self.worker_index = worker_index
+        self.trainer_group = trainer_group
+        self.store_host = store_host
+        self.store_port = store_port
+        self._inbox = inbox
+        self._refresh = refresh
+        self._request_regroup = request_regroup
+
+    def group_view(self) -> Optional[GroupView]:
+        """The newest view of this worker's trainer group heard of (``None`` before it formed)."""
+        return self._inbox.group_view()
+
+    def should_stop(self) -> bool:
+        return self._inbox.stop_requested()
+
+    def request_regroup(self, generation: int) -> None:
+        """Tell the coordinator that ``generation`` of this group broke (a new one is due)."""
+        self._request_regroup(generation)
+
+    def wait_for_group_view(self, newer_than: int = 0,
+                            timeout: datetime.timedelta = GROUP_WAIT) -> Optional[GroupView]:
+        """Block until a view newer than generation ``newer_than`` that includes this worker arrives.
+
+        Returns ``None`` as soon as the worker is asked to stop; raises
+        ``TimeoutError`` after ``timeout``.
+        """
+        deadline = datetime.datetime.now() + timeout
+        while not self.should_stop():
+            view = self.group_view()
+            if view is not None and view.generation > newer_than and self.rpc_name in view.members:
+                return view
+            self._inbox.wait_for_change(_GROUP_POLL.total_seconds())
+            if datetime.datetime.now() > deadline:
+                newest = self.group_view()
+                raise TimeoutError(f"{self.rpc_name}: trainer group {self.trainer_group} did not form within "
+                                   f"{timeout.total_seconds():.0f} s (newest view: "
+                                   f"{newest.describe() if newest else 'none yet'})")
+            self._refresh()
+        return None
+
+
+@dataclass
+class JobContext:
+    """What a running job knows of the cluster; passed as the job's first argument.
+
+    A job is ``def main(ctx: JobContext, **config) -> dict``.  It reports
+    progress with ``report`` (heartbeats carry the latest figures to the
+    coordinator) and returns soon after ``should_stop()`` turns true; a
+    ``paramserver.Trainer`` does both for it.
+    """
+
+    rpc_name: str
+    worker_index: int
+    trainer_group: int
+    #: RPC names of the shards serving when this worker joined.
+    shards: List[str]
+    group: GroupChannel
+    checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
+    #: The member id the coordinator knows this worker by.
+    member_id: str = ""
+    inbox: Inbox = field(default_factory=Inbox, repr=False)
+    #: The shards serving now, as of the last word from the coordinator.
+    _live_shards: Optional[Callable[[], List[str]]] = field(default=None, repr=False)
+    #: Asks the coordinator for news now.
+    _refresh: Callable[[], None] = field(default=lambda: None, repr=False)
+    #: Commits a written checkpoint at the coordinator; returns its id.
+    _commit_checkpoint: Optional[Callable[[CheckpointCommit], str]] = field(default=None, repr=False)
+    _close: Callable[[], None] = field(default=lambda: None, repr=False)
+    _progress_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _step: int = field(default=0, repr=False)
+    _figures: Dict[str, float] = field(default_factory=dict, repr=False)
+
+    # -- building ------------------------------------------------------
+    @classmethod
+    def from_assignment(cls, assignment, session) -> "JobContext":
+        """A worker's context: the coordinator's ``Assignment`` and the worker's ``MemberSession``."""
+        inbox = Inbox()
+        group = GroupChannel(assignment.rpc_name, assignment.index, assignment.trainer_group,
+                             assignment.store.host, assignment.store.port, inbox, refresh=session.beat_now,
+                             request_regroup=session.request_regroup)
+
+        return cls(rpc_name=assignment.rpc_name, worker_index=assignment.index,
+                   trainer_group=assignment.trainer_group, shards=list(assignment.shards), group=group,
+                   checkpoint=CheckpointSettings.from_message(assignment.checkpoint),
+                   member_id=assignment.member_id, inbox=inbox, _live_shards=lambda: session.shards,
+                   _refresh=session.beat_now, _commit_checkpoint=session.commit_checkpoint)
+
+    @classmethod
+    def local(cls, name: str = "worker0", worker_index: int = 0) -> "JobContext":
+        """A context for one process and no cluster: it joins torch RPC as its own only peer (so it is the
+        shard of every table) and forms a trainer group of one over gloo.  ``close()`` leaves both."""
+        import torch.distributed as dist
+
+        from ..processes import free_port
+        from ..shards import peer
+
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        inbox = Inbox()
+        inbox.set_group_view(GroupView(group=0, generation=1, members=(name,), backend="gloo"))
+        peer.join(name, 0, 1, f"tcp://127.0.0.1:{free_port()}")
+
+        def close(kept_until_closed=store) -> None:  # the store lives as long as the group may use it
+            peer.leave(graceful=True)
+
+        group = GroupChannel(name, worker_index, 0, "127.0.0.1", store.port, inbox)
+        return cls(rpc_name=name, worker_index=worker_index, trainer_group=0, shards=[name], group=group,
+                   inbox=inbox, _close=close)
+
+    def close(self) -> None:
+        """Leave what ``local`` joined (nothing for a worker's context: its runtime leaves)."""
+        self._close()
+
+    # -- what a job reads ----------------------------------------------
+    def should_stop(self) -> bool:
+        """True once the coordinator asked this worker to stop (or was lost)."""
+        return self.inbox.stop_requested()
+
+    def live_shards(self) -> List[str]:
+        """The shards serving now, as of the last word from the coordinator."""
+        return list(self._live_shards()) if self._live_shards is not None else list(self.shards)
+
+    def refresh(self) -> None:
+        """Ask the coordinator for news now (a heartbeat), rather than at the next beat."""
+        self._refresh()
+
+    def checkpoint_request(self) -> int:
+        """The newest checkpoint request heard of (0: none)."""
+        return self.inbox.checkpoint_request()
+
+    def commit_checkpoint(self, commit: CheckpointCommit) -> str:
+        """Commit a written checkpoint at the coordinator; returns its id."""
+        if self._commit_checkpoint is None:
+            raise RuntimeError(f"{self.rpc_name} has no coordinator to commit checkpoints to")
+        return self._commit_checkpoint(commit)
+
+    # -- what a job reports --------------------------------------------
+    def report(self, step: int, **figures: float) -> None:
+        """Record progress: the step reached and a few figures (loss, samples/s...)."""
+        with self._progress_lock:
+            self._step = int(step)
+            self._figures = {key: float(value) for key, value in figures.items()}
+
+    def progress(self) -> Tuple[int, Dict[str, float]]:
+        with self._progress_lock:
+            return self._step, dict(self._figures)
