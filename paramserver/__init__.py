@@ -4,17 +4,21 @@ This package root owns only the version and the public entry points;
 every subsystem lives in its own subpackage (``paramserver.optim`` for
 optimizers, ``paramserver.shards`` for the data plane,
 ``paramserver.control`` for the gRPC control plane, ``paramserver.runtime``
-for the processes that join them).  ``connect`` is imported on first use,
-so ``import paramserver`` stays cheap.
+for the processes that join them, ``paramserver.train`` for the training
+loop).  Entry points are imported on first use, so ``import paramserver``
+stays cheap.
 """
 
 __version__ = "0.1.0"
 
-__all__ = ["connect", "Cluster", "__version__"]
+__all__ = ["connect", "Cluster", "Trainer", "Table", "Batch", "JobContext", "__version__"]
 
 
 def __getattr__(name):
-    if name in ("connect", "Cluster"):
+    if name in ("connect", "Cluster", "JobContext"):
         from . import runtime
         return getattr(runtime, name)
+    if name in ("Trainer", "Table", "Batch"):
+        from . import train
+        return getattr(train, name)
     raise AttributeError(f"module 'paramserver' has no attribute {name!r}")

@@ -9,16 +9,20 @@ known, so is the best AUC any model can reach on held-out data (the
 *oracle* AUC): a trained model is judged against it.
 
 Batches are pure functions of ``(seed, stream, index)``: a worker's data
-position is just the number of batches it has read, and the held-out set
-is the same for everyone.  Nothing is downloaded.
+position is just the number of batches it has read (``PlantedStream``,
+the iterable a Trainer reads, saves and restores it), and the held-out
+set is the same for everyone.  Nothing is downloaded.
 """
 
 import math
 from dataclasses import dataclass, field
-from typing import List, Tuple
+from typing import Dict, Iterator, List, Tuple
 
 import torch
 from torch import Tensor
+
+import paramserver
+from paramserver.train.evaluation import auc  # noqa: F401 - this module's AUC, kept where it was
 
 HOLDOUT_STREAM = 1_000_003  # a stream number no worker reads
 
@@ -110,16 +114,34 @@ class PlantedCTR:
                 for index, start in enumerate(range(0, size, batch_size))]
 
 
-def auc(scores: Tensor, labels: Tensor) -> float:
-    """Area under the ROC curve (the Mann-Whitney statistic; tied scores share their mean rank)."""
-    scores, labels = scores.detach().reshape(-1).double(), labels.detach().reshape(-1).double()
-    positives = labels.sum().item()
-    negatives = labels.numel() - positives
-    if positives == 0 or negatives == 0:
-        raise ValueError(f"AUC needs both classes, got {positives:.0f} positives and {negatives:.0f} negatives")
-    order = torch.argsort(scores)
-    _, inverse, counts = torch.unique(scores[order], return_inverse=True, return_counts=True)
-    ends = torch.cumsum(counts, 0).double()
-    mean_ranks = (ends - (counts.double() - 1) / 2)[inverse]  # 1-based mean rank of each tie block
-    rank_sum = (mean_ranks * labels[order]).sum().item()
-    return (rank_sum - positives * (positives + 1) / 2) / (positives * negatives)
+
+def feature_names(spec: CTRSpec) -> List[str]:
+    """The tables of the CTR model: one per categorical feature."""
+    return [f"feature{i}" for i in range(len(spec.vocab_sizes))]
+
+
+def to_batch(planted: Batch) -> paramserver.Batch:
+    """A planted batch as a Trainer reads it (ids by table name)."""
+    return paramserver.Batch(sparse=dict(zip([f"feature{i}" for i in range(len(planted.ids))], planted.ids)),
+                             dense=planted.dense, labels=planted.labels)
+
+
+class PlantedStream:
+    """Batches of ``size`` from ``stream`` of ``data``, endlessly; its position is the next batch's index
+    (``state_dict``/``load_state_dict``, as torchdata's StatefulDataLoader)."""
+
+    def __init__(self, data: PlantedCTR, stream: int, size: int):
+        self.data, self.stream, self.size = data, stream, size
+        self.index = 0
+
+    def __iter__(self) -> Iterator[paramserver.Batch]:
+        while True:
+            batch = self.data.batch(self.stream, self.index, self.size)
+            self.index += 1
+            yield to_batch(batch)
+
+    def state_dict(self) -> Dict[str, int]:
+        return {"index": self.index}
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        self.index = int(state["index"])

@@ -3,17 +3,18 @@
 Owns the trainer side of ``paramserver.checkpoint``: trainer group 0
 checkpoints every ``every_steps`` steps (every member holds the same step,
 so all decide alike without a message) and when the coordinator asks
-(``KIND_CHECKPOINT``: members agree on it with one small all-reduce every
-``agree_every`` steps, so all act at the same step).  All members of the group then pause at that step
-boundary, with no sparse step in flight, while rank 0 has every shard write
-its part (``paramserver.shards.snapshot``), writes the dense part (the
-replica, its optimizer, every member's comm-hook state and data position)
-and commits the checkpoint at the coordinator, which writes the manifest.
-A checkpoint that fails (a shard lost while writing) is logged and left
-uncommitted; training goes on.
+(``KIND_CHECKPOINT``: members agree on it in the group's agreement, the
+one all-reduce every ``agree_every`` steps, so all act at the same step).
+A checkpoint is written at a step boundary (``at_boundary``), with no
+step in flight: every member pauses there while rank 0 has every shard
+write its part, writes the dense part (the replica, its optimizer, every
+member's comm-hook state and data position) and commits the checkpoint at
+the coordinator, which writes the manifest.  A checkpoint that fails (a
+shard lost while writing) is logged and left uncommitted; training goes on.
 
 ``restore_point(ctx)`` is the dense part of the checkpoint the cluster
-starts from, for ``DenseReplica(..., initial=...)``.
+starts from, for ``DenseReplica(..., initial=...)``, with every member's
+data position.
 """
 
 import json
@@ -21,20 +22,21 @@ import logging
 import pathlib
 import pickle
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from ..checkpoint import CheckpointStore, load_tensors, read_manifest, save_tensors
-from ..control import pb
 from ..shards import snapshot
+from .context import CheckpointCommit
 
 logger = logging.getLogger(__name__)
 
 DENSE_PART = "dense.pt"
-FORMAT = 1
+#: 2: data positions are ``{"used": batches, "state": the data's state or None}`` (1: a step count).
+FORMAT = 2
 
 
 def restore_point(ctx) -> Optional[Dict[str, Any]]:
@@ -58,14 +60,17 @@ def restore_point(ctx) -> Optional[Dict[str, Any]]:
 class TrainerCheckpoints:
     """Checkpoints of ``replica``'s trainer group, for the job running in ``ctx``.
 
-    Call ``after_step()`` after every ``replica.finish_step()``, on every
-    member (it is a collective on some steps).  ``every_steps`` overrides
-    the cluster's ``--checkpoint-every``.
+    Call ``at_boundary(agreed)`` at every step boundary after the group's
+    sync point, on every member (it is a collective when a checkpoint is
+    due); pass ``pending()`` to the sync point.  ``data_position()`` is
+    this member's data position (``paramserver.train.data``).
+    ``every_steps`` overrides the cluster's ``--checkpoint-every``.
     """
 
-    def __init__(self, ctx, replica, every_steps: Optional[int] = None):
+    def __init__(self, ctx, replica, data_position: Callable[[], Any], every_steps: Optional[int] = None):
         self.ctx = ctx
         self.replica = replica
+        self.data_position = data_position
         self.enabled = bool(ctx.checkpoint.directory) and ctx.trainer_group == 0
         self.every_steps = ctx.checkpoint.every_steps if every_steps is None else every_steps
         self._done_request = 0
@@ -74,31 +79,28 @@ class TrainerCheckpoints:
 
     def pending(self) -> int:
         """The checkpoint request this member heard of and the group has not served yet (0: none)."""
+        if not self.enabled:
+            return 0
         heard = self.ctx.checkpoint_request()
         return heard if heard > self._done_request else 0
 
-    def after_step(self) -> None:
-        """Write a checkpoint now if one is due (collective over the group)."""
+    def at_boundary(self, agreed_request: int = 0) -> None:
+        """Write a checkpoint now if one is due: by steps, or ``agreed_request`` (the group's agreement)."""
         if not self.enabled:
             return
         step = self.replica.step
-        agreed = 0
-        if step % self.replica.agree_every == 0:  # the same steps on every member
-            flag = torch.tensor([self.pending()], dtype=torch.int64, device=self.replica.group.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            agreed = int(flag.item())
-            # A member that had not heard of the request yet counts it served too.
-            self._done_request = max(self._done_request, agreed)
+        # A member that had not heard of the request yet counts it served too.
+        self._done_request = max(self._done_request, agreed_request)
         by_steps = self.every_steps > 0 and step % self.every_steps == 0
-        if (by_steps or agreed) and step != self._last_step:
+        if (by_steps or agreed_request) and step != self._last_step:
             self._last_step = step
-            self.write(agreed)
+            self.write(agreed_request)
 
     def write(self, request: int = 0) -> Optional[str]:
         """Every member: pause here while rank 0 writes and commits; returns the checkpoint's id on rank 0."""
         group = self.replica.group
-        mine = {"rpc_name": self.ctx.rpc_name, "worker_index": self.ctx.worker_index, "position": self.replica.step,
-                "hook_state": pickle.dumps(self.replica.hook_state)}
+        mine = {"rpc_name": self.ctx.rpc_name, "worker_index": self.ctx.worker_index,
+                "position": self.data_position(), "hook_state": pickle.dumps(self.replica.hook_state)}
         members: List[Optional[Dict]] = [None] * group.world_size
         dist.all_gather_object(members, mine)
         outcome = [None]
@@ -116,7 +118,7 @@ class TrainerCheckpoints:
             directory = CheckpointStore(self.ctx.checkpoint.directory).new_directory(step)
             shards = list(self.ctx.shards)
             futures = [rpc.rpc_async(shard, snapshot.remote_write_part, args=(str(directory),)) for shard in shards]
-            files = [pb.CheckpointFile(**future.wait()) for future in futures]
+            files = [future.wait() for future in futures]
             dense = save_tensors(directory / DENSE_PART, {
                 "format": FORMAT, "step": step, "module": self.replica.module.state_dict(),
                 "optimizer": self.replica.optimizer.state_dict(), "hook": self.replica.hook,
@@ -124,13 +126,12 @@ class TrainerCheckpoints:
                 "hook_states": [m["hook_state"] for m in members],
                 "data_positions": {m["worker_index"]: m["position"] for m in members},
                 "members": [m["rpc_name"] for m in members]})
-            files.append(pb.CheckpointFile(**dense.to_json()))
+            files.append(dense.to_json())
             info = {"shards": shards, "group_members": [m["rpc_name"] for m in members],
-                    "data_positions": {str(m["worker_index"]): m["position"] for m in members},
+                    "data_used": {str(m["worker_index"]): m["position"]["used"] for m in members},
                     "hook": self.replica.hook}
-            checkpoint_id = self.ctx.commit_checkpoint(pb.CommitCheckpointRequest(
-                member_id=self.ctx.member_id, request=request, directory=str(directory), step=step, files=files,
-                info_json=json.dumps(info)))
+            checkpoint_id = self.ctx.commit_checkpoint(CheckpointCommit(
+                request=request, directory=str(directory), step=step, files=tuple(files), info=info))
         except Exception as error:  # noqa: BLE001 - a failed checkpoint must not end the training
             logger.error("%s: checkpoint at step %d failed, not committed: %s: %s", self.ctx.rpc_name, step,
                          type(error).__name__, error)
@@ -138,15 +139,3 @@ class TrainerCheckpoints:
         logger.info("%s: checkpoint %s written at step %d in %.2f s (%d shards)", self.ctx.rpc_name, checkpoint_id,
                     step, time.monotonic() - started, len(shards))
         return checkpoint_id
-
-
-def hook_state_for(initial: Optional[Dict[str, Any]], rank: int, world_size: int):
-    """This rank's comm-hook state from a restore point, when the group that wrote it had the same size."""
-    if not initial or len(initial.get("hook_states", [])) != world_size:
-        return None
-    return pickle.loads(initial["hook_states"][rank])
-
-
-def load_module_state(module: torch.nn.Module, initial: Optional[Dict[str, Any]]) -> None:
-    if initial:
-        module.load_state_dict(initial["module"])

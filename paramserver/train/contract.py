@@ -1,0 +1,71 @@
+"""What a job hands the Trainer: ``Table`` (an embedding table on the shards) and ``Batch`` (one step's data).
+
+Owns the two plain types of the Trainer's contract and their checks;
+nothing here talks to a shard or a trainer group.
+"""
+
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch
+from torch import Tensor
+
+MODES = ("sum", "mean")
+
+
+@dataclass(frozen=True)
+class Table:
+    """An embedding table on the shards, shared by every worker that names it.
+
+    Like ``nn.EmbeddingBag(num_embeddings, embedding_dim, mode=mode)``;
+    rows start N(0, ``init_std``²).  Placed whole on one shard (by size) or,
+    from ``Trainer(row_wise_min_rows=...)`` rows up, split by rows over
+    every shard.
+    """
+
+    num_embeddings: Optional[int]
+    embedding_dim: int
+    mode: str = "sum"
+    init_std: float = 0.01
+
+    def __post_init__(self):
+        if self.num_embeddings is None:
+            raise NotImplementedError("tables without a fixed size (dynamic tables) are not available yet")
+        if self.num_embeddings <= 0 or self.embedding_dim <= 0:
+            raise ValueError(f"a table needs positive num_embeddings and embedding_dim, got "
+                             f"{self.num_embeddings} x {self.embedding_dim}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if not self.init_std >= 0:
+            raise ValueError(f"init_std must be a non-negative number, got {self.init_std}")
+
+
+@dataclass
+class Batch:
+    """One step's samples: ``sparse[name]`` is a ``(batch, bag)`` int64 tensor of ids for table ``name``;
+    ``dense`` a ``(batch, features)`` float tensor; ``labels`` a ``(batch,)`` float tensor."""
+
+    sparse: Dict[str, Tensor]
+    dense: Tensor
+    labels: Tensor
+
+    def __len__(self) -> int:
+        return self.labels.numel()
+
+    def check(self, tables: Dict[str, Table]) -> None:
+        """Raise ``ValueError`` naming what does not fit ``tables`` (nothing has been sent yet)."""
+        size = self.labels.numel()
+        if self.labels.dim() != 1:
+            raise ValueError(f"labels must have shape (batch,), got {list(self.labels.shape)}")
+        if self.dense.dim() != 2 or self.dense.size(0) != size:
+            raise ValueError(f"dense must have shape ({size}, features), got {list(self.dense.shape)}")
+        missing = sorted(set(tables) - set(self.sparse))
+        unknown = sorted(set(self.sparse) - set(tables))
+        if missing or unknown:
+            raise ValueError(f"batch has ids for tables {sorted(self.sparse)}, the Trainer has {sorted(tables)}"
+                             + (f" (missing: {', '.join(missing)})" if missing else "")
+                             + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
+        for name, ids in self.sparse.items():
+            if ids.dtype not in (torch.int64, torch.int32) or ids.dim() != 2 or ids.size(0) != size:
+                raise ValueError(f"table {name!r}: ids must be a ({size}, bag) int64 tensor, got "
+                                 f"{ids.dtype} of shape {list(ids.shape)}")

@@ -1,0 +1,151 @@
+"""The sparse part of a Trainer's model: its tables on the shards, their optimizer there, and surviving a lost shard.
+
+Owns building a job's ``Table``s as shared ``ShardedEmbeddingBag``s (a
+table of ``row_wise_min_rows`` rows or more split by rows over every
+shard, smaller ones placed whole by size: splitting a small table only
+adds messages), the ``DistributedOptimizer`` that updates their rows on
+the shards, a step's pooled lookups, and rebuilding all of it after a
+shard was lost.
+
+The handles are RRefs bound to the processes that owned them: when a
+shard process dies, ``ps-server`` starts a new one under the same name,
+which restores its tables from the newest checkpoint, and every handle
+built against the old process is stale.  ``rebuild`` waits until every
+shard serves again and builds anew, a bounded number of times within a
+bounded time, returning at once when the worker is asked to stop.  The
+new handles are built before the old ones are dropped, so that what the
+surviving shards hold for several trainers (a shared optimizer and its
+state) is never released in between.  Which steps are redone is the
+training loop's decision (``paramserver.train.step``).
+"""
+
+import datetime
+import logging
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from ..optim import DistributedOptimizer
+from ..shards import ShardedEmbeddingBag, plan_dense
+from .contract import Batch, Table
+
+logger = logging.getLogger(__name__)
+
+#: How long a trainer waits for lost shards to serve again before it gives up.
+SHARD_RETURN_TIMEOUT = datetime.timedelta(seconds=120)
+#: Rebuilds in a row (without a good step between them) before the trainer gives up.
+MAX_CONSECUTIVE_REBUILDS = 3
+_POLL = datetime.timedelta(seconds=0.5)
+
+
+class ShardLost(RuntimeError):
+    """A shard did not come back in time, or steps kept failing after it did."""
+
+
+class RebuildStopped(RuntimeError):
+    """The worker was asked to stop while waiting for a lost shard."""
+
+
+def build_tables(tables: Dict[str, Table], shards: Sequence[str], prefix: str, seed: int,
+                 row_wise_min_rows: int) -> Dict[str, ShardedEmbeddingBag]:
+    """Every table on ``shards``, named ``<prefix>.<table>`` there; the i-th table's rows drawn from ``seed + i``."""
+    names = {name: f"{prefix}.{name}" for name in tables}
+    whole = {names[name]: table.num_embeddings * table.embedding_dim for name, table in tables.items()
+             if table.num_embeddings < row_wise_min_rows}
+    plan = plan_dense(whole, list(shards)) if whole else {}
+    return {name: ShardedEmbeddingBag(table.num_embeddings, table.embedding_dim, table.mode,
+                                      shards=[plan[names[name]]] if names[name] in plan else list(shards),
+                                      name=names[name], seed=seed + index, shared=True, init_std=table.init_std)
+            for index, (name, table) in enumerate(tables.items())}
+
+
+class SparseTables:
+    """The tables of ``specs`` on the shards and ``optimizer``'s ``DistributedOptimizer`` over their rows.
+
+    ``live_shards()`` lists the shards serving now (the coordinator's view,
+    refreshed by ``refresh()``); ``should_stop()`` ends a wait for a lost shard.
+    """
+
+    def __init__(self, specs: Dict[str, Table], optimizer: Tuple[type, Dict], shards: Sequence[str], prefix: str,
+                 seed: int, row_wise_min_rows: int, live_shards: Callable[[], List[str]],
+                 refresh: Callable[[], None] = lambda: None, should_stop: Callable[[], bool] = lambda: False,
+                 timeout: datetime.timedelta = SHARD_RETURN_TIMEOUT,
+                 max_consecutive: int = MAX_CONSECUTIVE_REBUILDS):
+        self.specs = dict(specs)
+        self.shards = list(shards)
+        self._optimizer_class, self._optimizer_options = optimizer
+        self._prefix, self._seed, self._row_wise_min_rows = prefix, seed, row_wise_min_rows
+        self._live_shards, self._refresh, self._should_stop = live_shards, refresh, should_stop
+        self._timeout = timeout
+        self._max_consecutive = max_consecutive
+        self._in_a_row = 0
+        self.rebuilds = 0
+        self.tables, self.optimizer = self._build()
+
+    def _build(self) -> Tuple[Dict[str, ShardedEmbeddingBag], DistributedOptimizer]:
+        tables = build_tables(self.specs, self.shards, self._prefix, self._seed, self._row_wise_min_rows)
+        optimizer = DistributedOptimizer(self._optimizer_class,
+                                         [rref for table in tables.values() for rref in table.remote_parameters()],
+                                         **self._optimizer_options)
+        return tables, optimizer
+
+    def pool(self, batch: Batch) -> Dict[str, Tensor]:
+        """Every table's pooled embeddings of the batch's ids (all lookups sent before any is awaited)."""
+        pending = {name: table.start(batch.sparse[name]) for name, table in self.tables.items()}
+        return {name: finish() for name, finish in pending.items()}
+
+    def describe(self) -> str:
+        return ", ".join(f"{name} ({table.num_embeddings} x {table.embedding_dim} on "
+                         f"{', '.join(sorted({r.shard for r in table.ranges}))})" for name, table in self.tables.items())
+
+    def step_succeeded(self) -> None:
+        self._in_a_row = 0
+
+    def rebuild(self, cause: BaseException) -> None:
+        """Wait until every shard serves again, then build anew.
+
+        Raises ``ShardLost`` when that cannot be done in time (or keeps
+        failing), ``RebuildStopped`` when the worker is asked to stop meanwhile.
+        """
+        self._in_a_row += 1
+        if self._in_a_row > self._max_consecutive:
+            raise ShardLost(f"{self._in_a_row - 1} rebuilds in a row did not make a step succeed; "
+                            f"last failure: {one_line(cause)}") from cause
+        logger.warning("a step failed against the shards (%s); rebuilding the sparse part once %s serve",
+                       one_line(cause), ", ".join(self.shards))
+        started = time.monotonic()
+        deadline = started + self._timeout.total_seconds()
+        last_error: Optional[BaseException] = None
+        while not self._should_stop():
+            self._refresh()
+            missing = sorted(set(self.shards) - set(self._live_shards()))
+            if not missing:
+                try:
+                    built = self._build()
+                except Exception as error:  # noqa: BLE001 - e.g. the restarted shard not reachable yet
+                    last_error = error
+                else:
+                    self.tables, self.optimizer = built  # the old handles go only now: see the module's docstring
+                    self.rebuilds += 1
+                    logger.warning("sparse part rebuilt after %.1f s (rebuild %d)", time.monotonic() - started,
+                                   self.rebuilds)
+                    return
+            if time.monotonic() > deadline:
+                raise ShardLost(f"shards {', '.join(missing) or ', '.join(self.shards)} did not serve again within "
+                                f"{self._timeout.total_seconds():.0f} s"
+                                + (f"; last error: {one_line(last_error)}" if last_error else "")) from cause
+            time.sleep(_POLL.total_seconds())
+        raise RebuildStopped("asked to stop while waiting for a lost shard")
+
+    @torch.no_grad()
+    def eval_pool(self, batch: Batch) -> Dict[str, Tensor]:
+        """``pool`` for evaluation (no gradient recorded)."""
+        return self.pool(batch)
+
+
+def one_line(error: BaseException) -> str:
+    """``Type: first line of the message`` (at most 300 characters): how logs and reasons name an error."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:300] if lines else ''}"

@@ -1,0 +1,286 @@
+"""``Trainer``: the training loop the framework owns, so that every job gets its guarantees.
+
+Owns a job's training from start to end: forming and re-forming the
+trainer group, the step (``step.train_step``: lookups on the shards, the
+dense part under DDP with the comm hook, the sparse update on the
+shards), stop requests, checkpoints and restore, recovery from a lost
+worker and from a lost shard with no update applied twice, progress
+reports to the coordinator and log lines, and periodic evaluation.  A job
+supplies the model (``Table``s and a dense module), the optimizers, the
+loss and the data; see ``Trainer.fit``.
+
+The loop, on every member of a group: at the start of a step the group
+may agree (one all-reduce every ``agree_every`` steps) to re-form, stop
+or checkpoint (``DenseReplica.sync_point``); a checkpoint is written at
+that step boundary; then the step.  A step whose lookups failed is done
+again once the lost shard serves again (skipping the agreement it
+passed already); a failed collective re-forms the group and the step is
+done again from its agreement, in the new group; every other error ends
+the job.
+"""
+
+import logging
+import time
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from ..runtime.checkpointing import TrainerCheckpoints, restore_point
+from ..ddp import DenseReplica, GroupStopped, TrainerGroup
+from .contract import Batch, Table
+from .data import BatchStream
+from .evaluation import evaluate
+from .sparse import RebuildStopped, SparseTables
+from .step import ShardStepFailed, train_step
+
+logger = logging.getLogger(__name__)
+
+#: PowerSGD options unless given: compress from step 10 (torch's default, 1000, would leave most of a
+#: short run uncompressed).
+POWERSGD_DEFAULTS = {"start_iter": 10}
+#: Tables of this many rows or more are split by rows over every shard; smaller ones are placed whole.
+ROW_WISE_MIN_ROWS = 1_000_000
+
+
+class Trainer:
+    """Trains ``tables`` (on the shards) and ``dense`` (replicated in the worker's trainer group) for a job.
+
+    ``dense`` is any module called as ``dense(pooled, dense_features)``
+    with ``pooled[name]`` the ``(batch, embedding_dim)`` pooled embeddings
+    of table ``name``, returning logits of shape ``(batch,)``.
+    ``sparse_optimizer``: ``(optimizer class, its keyword arguments)``,
+    run on the shards (``DistributedOptimizer``); ``dense_optimizer``:
+    ``parameters -> torch.optim.Optimizer``.  ``loss(logits, labels)``.
+    ``comm_hook``/``hook_options``: how the group all-reduces the dense
+    gradients (``paramserver.ddp.HOOK_NAMES``).  ``name`` prefixes the
+    tables' names on the shards (workers naming the same tables share
+    them); ``seed`` draws their initial rows.
+    """
+
+    def __init__(self, ctx, tables: Dict[str, Table], dense: nn.Module, sparse_optimizer: Tuple[type, Dict[str, Any]],
+                 dense_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+                 loss: Callable[[Tensor, Tensor], Tensor], comm_hook: str = "allreduce",
+                 hook_options: Optional[Dict[str, Any]] = None, *, name: str = "model", seed: int = 0,
+                 row_wise_min_rows: int = ROW_WISE_MIN_ROWS, agree_every: int = 10):
+        if not tables:
+            raise ValueError("a Trainer needs at least one table")
+        for table_name, table in tables.items():
+            if not isinstance(table, Table):
+                raise TypeError(f"table {table_name!r} must be a paramserver.Table, got {type(table).__name__}")
+        optimizer_class, optimizer_options = sparse_optimizer
+        self.ctx = ctx
+        self.tables = dict(tables)
+        self.dense = dense
+        self.sparse_optimizer = (optimizer_class, dict(optimizer_options))
+        self.dense_optimizer = dense_optimizer
+        self.loss = loss
+        self.comm_hook = comm_hook
+        self.hook_options = dict(POWERSGD_DEFAULTS if "powersgd" in comm_hook else {}, **(hook_options or {}))
+        self.name = name
+        self.seed = seed
+        self.row_wise_min_rows = row_wise_min_rows
+        self.agree_every = agree_every
+
+    def fit(self, data: Iterable[Batch], steps: int, eval_data: Optional[Iterable[Batch]] = None,
+            eval_every: int = 500, log_every: int = 100, figures: Optional[Dict[str, float]] = None) -> Dict[str, Any]:
+        """Train until the group reaches step ``steps`` (or is asked to stop, or a worker's data ends).
+
+        ``data``: this worker's batches; if it has ``state_dict()``/
+        ``load_state_dict()`` its position is saved in checkpoints, else it
+        is re-created by skipping batches.  ``eval_data`` (a re-iterable of
+        batches): rank 0 reports held-out ``auc`` and ``log_loss`` every
+        ``eval_every`` steps and at the end.  ``figures``: fixed figures of
+        the job reported with the Trainer's (a reference AUC...).
+
+        Returns the figures: steps, start_step, loss, first_loss,
+        samples_per_s, bytes_per_step, auc and log_loss (rank 0), the group
+        (group_rank, group_size) and the faults survived: reformations,
+        recoveries, shard_rebuilds, checkpoints, and every step accounted
+        for once: sparse_steps (sparse update applied) + sparse_steps_lost
+        (failed against a lost shard after the all-reduce) + steps_skipped
+        (taken from another member) = steps - start_step.
+        """
+        if steps < 0 or eval_every < 1 or log_every < 1:
+            raise ValueError(f"steps must be >= 0 and eval_every, log_every >= 1; got {steps}, {eval_every}, "
+                             f"{log_every}")
+        try:
+            group = TrainerGroup.join(self.ctx.group)
+        except GroupStopped:  # asked to stop before the group formed: nothing trained
+            logger.info("%s: stopped before its trainer group formed", self.ctx.rpc_name)
+            return dict(figures or {}, steps=0)
+        return _Run(self, group, data, steps, eval_data, eval_every, log_every, figures or {}).run()
+
+
+class _Run:
+    """One ``fit``: the loop and its counters."""
+
+    def __init__(self, trainer: Trainer, group: TrainerGroup, data, steps: int, eval_data, eval_every: int,
+                 log_every: int, figures: Dict[str, float]):
+        ctx = trainer.ctx
+        self.trainer, self.ctx, self.steps = trainer, ctx, steps
+        self.eval_data, self.eval_every, self.log_every = eval_data, eval_every, log_every
+        restored = restore_point(ctx)
+        self.sparse = SparseTables(trainer.tables, trainer.sparse_optimizer, ctx.shards, trainer.name, trainer.seed,
+                                   trainer.row_wise_min_rows, ctx.live_shards, ctx.refresh, ctx.should_stop)
+        self.replica = DenseReplica(group, trainer.dense, trainer.dense_optimizer, hook=trainer.comm_hook,
+                                    hook_options=trainer.hook_options, agree_every=trainer.agree_every,
+                                    initial=restored)
+        positions = (restored or {}).get("data_positions", {})
+        self.batches = BatchStream(data, _position(positions.get(ctx.worker_index)))
+        self.checkpoints = TrainerCheckpoints(ctx, self.replica, self.batches.position)
+        self.figures: Dict[str, Any] = dict(figures)
+        self.losses: List[float] = []
+        self.samples = self.sparse_steps = self.sparse_steps_lost = 0
+        self.start_step = self.replica.step
+
+    def run(self) -> Dict[str, Any]:
+        replica, ctx = self.replica, self.ctx
+        logger.info("%s: tables %s; %s from step %d", ctx.rpc_name, self.sparse.describe(), replica.group.describe(),
+                    replica.step)
+        self.started = time.monotonic()
+        try:
+            self._loop()
+        finally:
+            replica.close()
+        # Equal on every member of the group: DDP keeps the replicas identical.
+        checksum = sum(float(p.detach().double().sum()) for p in replica.module.parameters())
+        return dict(self.figures, steps=replica.step, start_step=self.start_step, group_rank=replica.group.rank,
+                    group_size=replica.group.world_size, reformations=replica.reformations,
+                    recoveries=replica.recoveries, sparse_steps=self.sparse_steps,
+                    sparse_steps_lost=self.sparse_steps_lost, steps_skipped=replica.steps_skipped,
+                    shard_rebuilds=self.sparse.rebuilds, checkpoints=len(self.checkpoints.written),
+                    replica_checksum=checksum)
+
+    def _loop(self) -> None:
+        replica, sparse = self.replica, self.sparse
+        redo = False  # the step again after its lookups failed: its agreement was passed already
+        while replica.step < self.steps:
+            if not redo and not self._boundary():
+                return
+            redo = False
+            step = replica.step
+            batch = self.batches.current()
+            batch.check(self.trainer.tables)  # bad input ends the job, naming the table and the shape
+            try:
+                loss, sparse_failure = train_step(sparse, replica, batch, self.trainer.loss)
+            except Exception as error:  # noqa: BLE001 - failed collectives and lost shards are recovered from
+                if isinstance(error, ShardStepFailed):
+                    # Before any collective of the step: done again, while the group's other members wait
+                    # for it in the step's all-reduce (up to the collective timeout).
+                    try:
+                        sparse.rebuild(error.cause)
+                    except RebuildStopped:
+                        return
+                    redo = True
+                    continue
+                if not self._recovered(error):
+                    return
+                continue
+            self.batches.finished()
+            if sparse_failure is None:
+                self.sparse_steps += 1
+                sparse.step_succeeded()
+            else:  # failed against a shard after the group's all-reduce: the step is not redone
+                self.sparse_steps_lost += 1
+                logger.warning("the sparse update of step %d failed against the shards; the dense one goes on: %s",
+                               step, _first_line(sparse_failure))
+                try:
+                    sparse.rebuild(sparse_failure)
+                except RebuildStopped:
+                    return
+            self.samples += len(batch)
+            self.losses.append(loss)
+            self._after_step()
+        self._boundary(final=True)
+
+    def _boundary(self, final: bool = False) -> bool:
+        """A step boundary: agree with the group (on some steps), then write a checkpoint if one is due.
+
+        False when the group stops here.  ``final``: after the last step
+        (no agreement).  A member lost in the checkpoint's collectives is
+        recovered from like one lost in a step; that checkpoint is skipped.
+        """
+        replica = self.replica
+        skipped_before = replica.steps_skipped
+        try:
+            if not final:
+                going_on = replica.sync_point(self._want_stop(), self.checkpoints.pending())
+                self.batches.skip(replica.steps_skipped - skipped_before)
+                if not going_on:
+                    return False
+            self.checkpoints.at_boundary(replica.agreed_checkpoint)
+            return True
+        except GroupStopped:
+            return False
+        except Exception as error:  # noqa: BLE001 - only a failed collective is recovered from
+            self.batches.skip(replica.steps_skipped - skipped_before)
+            return self._recovered(error)
+
+    def _want_stop(self) -> bool:
+        """What this member says at the group's agreement: stop when asked to, or when its data would end
+        before the next agreement (all members stop here together, none is left in a collective)."""
+        replica = self.replica
+        if replica.step % replica.agree_every == 0 and \
+                not self.batches.ensure(min(replica.agree_every, self.steps - replica.step)):
+            logger.warning("%s: the data ends after %d batches; asking the group to stop at step %d",
+                           self.ctx.rpc_name, self.batches.used + len(self.batches), replica.step)
+            return True
+        return self.ctx.should_stop()
+
+    def _recovered(self, error: BaseException) -> bool:
+        """After a failed step or boundary: re-form the group if a collective failed (else raise again).
+        False when the worker was asked to stop meanwhile."""
+        replica = self.replica
+        if not replica.collective_failed(error):
+            raise error
+        skipped_before = replica.steps_skipped
+        try:
+            recovered = replica.recover(error)
+        except GroupStopped:
+            return False
+        self.batches.skip(replica.steps_skipped - skipped_before)
+        return recovered
+
+    def _after_step(self) -> None:
+        replica, ctx, step = self.replica, self.ctx, self.replica.step
+        reporting = step % self.log_every == 0 or step == self.steps
+        if reporting:  # throughput before this step's evaluation, so that the last one is not counted
+            self.figures.update(loss=sum(self.losses) / len(self.losses),
+                                samples_per_s=self.samples / (time.monotonic() - self.started),
+                                bytes_per_step=replica.bytes_per_step, shard_rebuilds=self.sparse.rebuilds)
+            self.figures.setdefault("first_loss", self.figures["loss"])
+            self.losses.clear()
+        if self.eval_data is not None and replica.group.rank == 0 and (step % self.eval_every == 0
+                                                                         or step == self.steps):
+            self.figures.update(self._evaluate())
+        if reporting:
+            ctx.report(step, **{k: v for k, v in self.figures.items() if isinstance(v, (int, float))})
+            held_out = (f", held-out AUC {self.figures['auc']:.4f} log loss {self.figures['log_loss']:.4f}"
+                        if "auc" in self.figures else "")
+            logger.info("%s step %d/%d: loss %.4f%s, %.0f samples/s, %s %d bytes/step", ctx.rpc_name, step,
+                        self.steps, self.figures["loss"], held_out, self.figures["samples_per_s"],
+                        self.trainer.comm_hook, replica.bytes_per_step)
+
+    def _evaluate(self) -> Dict[str, float]:
+        module, device = self.replica.module, self.replica.group.device
+        was_training = module.training
+        module.eval()
+        try:
+            return evaluate(lambda batch: module(
+                {name: rows.to(device) for name, rows in self.sparse.eval_pool(batch).items()},
+                batch.dense.to(device)), self.eval_data)
+        finally:
+            module.train(was_training)
+
+
+def _position(saved) -> Optional[Dict[str, Any]]:
+    """A data position from a checkpoint (older checkpoints saved a plain step count)."""
+    if saved is None:
+        return None
+    return saved if isinstance(saved, dict) else {"used": int(saved), "state": None}
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

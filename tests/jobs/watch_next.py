@@ -1,0 +1,125 @@
+"""A second Trainer job, unlike the CTR one, for the fault tests: which video a user watches next.
+
+Other tables (``user``; ``history``, a bag of recently watched videos
+mean-pooled; ``video``, the candidate; ``creator``), another tower (a
+factorization machine: pairwise dot products of the pooled embeddings
+plus a linear term over every input) and another data generator
+(a planted low-rank affinity between users and videos).  It has no fault
+handling of its own: the guarantees are the Trainer's.
+
+``stateful=False`` hands the Trainer a plain iterable (its position is
+re-created by skipping batches); ``stateful=True`` one with
+``state_dict()``/``load_state_dict()``.  ``crash_in_checkpoint_at=s``
+makes worker 0 SIGKILL itself in the middle of the first checkpoint of
+step ``s`` or later that it writes as rank 0 of its group: after the
+shards wrote their parts, when the Trainer reads the dense part's state.
+"""
+
+import os
+import pathlib
+import signal
+from typing import Dict, Iterator, List, Optional
+
+import torch
+from torch import Tensor, nn
+
+from paramserver import Batch, Table, Trainer
+from paramserver.optim import QHM
+
+USERS, VIDEOS, CREATORS, RANK, HISTORY, DENSE = 600, 400, 50, 4, 4, 3
+
+
+class Planted:
+    """The ground truth: user and video factors, each video's creator, a dense-feature effect."""
+
+    def __init__(self, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        self.users = torch.randn(USERS, RANK, generator=g)
+        self.videos = torch.randn(VIDEOS, RANK, generator=g)
+        self.creator_of = torch.randint(0, CREATORS, (VIDEOS,), generator=g)
+        self.dense_weights = torch.randn(DENSE, generator=g) * 0.5
+        self.user_bias = torch.randn(USERS, generator=g)
+        self.video_bias = torch.randn(VIDEOS, generator=g)
+
+    def batch(self, stream: int, index: int, size: int) -> Batch:
+        g = torch.Generator().manual_seed(stream * 1_000_003 + index)
+        users = torch.randint(0, USERS, (size, 1), generator=g)
+        history = torch.randint(0, VIDEOS, (size, HISTORY), generator=g)
+        video = torch.randint(0, VIDEOS, (size, 1), generator=g)
+        dense = torch.randn(size, DENSE, generator=g)
+        taste = self.users[users[:, 0]] + 0.5 * self.videos[history].mean(1)
+        logits = (0.5 * (taste * self.videos[video[:, 0]]).sum(1) + self.user_bias[users[:, 0]]
+                  + self.video_bias[video[:, 0]] + dense @ self.dense_weights - 0.5)
+        labels = torch.bernoulli(torch.sigmoid(logits), generator=g)
+        return Batch(sparse={"user": users, "history": history, "video": video,
+                             "creator": self.creator_of[video]}, dense=dense, labels=labels)
+
+
+class Sessions:
+    """Worker ``stream``'s batches, endlessly; a plain iterable (no saved position)."""
+
+    def __init__(self, planted: Planted, stream: int, size: int):
+        self.planted, self.stream, self.size = planted, stream, size
+        self.index = 0
+
+    def __iter__(self) -> Iterator[Batch]:
+        while True:
+            self.index += 1
+            yield self.planted.batch(self.stream, self.index - 1, self.size)
+
+
+class StatefulSessions(Sessions):
+    """``Sessions`` with a position (torchdata's StatefulDataLoader convention)."""
+
+    def state_dict(self) -> Dict[str, int]:
+        return {"index": self.index}
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        self.index = int(state["index"])
+
+
+class FactorizationMachine(nn.Module):
+    """Pairwise dot products of the tables' pooled embeddings, and a linear term over every input."""
+
+    def __init__(self, tables: List[str], dim: int, dense_features: int):
+        super().__init__()
+        self.tables = tables
+        pairs = len(tables) * (len(tables) - 1) // 2
+        self.pair_weights = nn.Parameter(torch.ones(pairs))
+        self.linear = nn.Linear(len(tables) * dim + dense_features, 1)
+
+    def forward(self, pooled: Dict[str, Tensor], dense: Tensor) -> Tensor:
+        vectors = [pooled[name] for name in self.tables]
+        dots = torch.stack([(vectors[i] * vectors[j]).sum(1)
+                            for i in range(len(vectors)) for j in range(i + 1, len(vectors))], 1)
+        return dots @ self.pair_weights + self.linear(torch.cat(vectors + [dense], 1)).squeeze(1)
+
+
+def crash_mid_checkpoint(module: nn.Module, checkpoints: pathlib.Path, from_step: int) -> None:
+    """SIGKILL this process when ``module``'s state is read while a checkpoint of step ``from_step`` or later
+    has its shards' parts written but no manifest yet (the Trainer writing it, on rank 0)."""
+    def before_state_dict(*_args):
+        for directory in checkpoints.glob("ckpt-*"):
+            if int(directory.name[5:]) >= from_step and not (directory / "MANIFEST.json").exists() \
+                    and list(directory.glob("shard-*")):
+                os.kill(os.getpid(), signal.SIGKILL)
+    module.register_state_dict_pre_hook(before_state_dict)
+
+
+def main(ctx, steps: int = 200, batch_size: int = 128, dim: int = 8, lr: float = 16.0, stateful: bool = False,
+         crash_in_checkpoint_at: Optional[int] = None, log_every: int = 10, eval_every: int = 50,
+         seed: int = 7) -> dict:
+    planted = Planted(seed)
+    data = (StatefulSessions if stateful else Sessions)(planted, ctx.worker_index, batch_size)
+    tables = {"user": Table(USERS, dim, init_std=0.1), "history": Table(VIDEOS, dim, mode="mean", init_std=0.1),
+              "video": Table(VIDEOS, dim, init_std=0.1), "creator": Table(CREATORS, dim, init_std=0.1)}
+    torch.manual_seed(seed)
+    tower = FactorizationMachine(list(tables), dim, DENSE)
+    if crash_in_checkpoint_at is not None and ctx.worker_index == 0:
+        crash_mid_checkpoint(tower, pathlib.Path(ctx.checkpoint.directory), crash_in_checkpoint_at)
+    trainer = Trainer(ctx, tables=tables, dense=tower,
+                      sparse_optimizer=(QHM, dict(lr=lr, momentum=0.9, nu=0.7)),
+                      dense_optimizer=lambda params: torch.optim.SGD(params, lr=0.5, momentum=0.9),
+                      loss=nn.BCEWithLogitsLoss(), comm_hook="allreduce", name="watch", seed=seed)
+    holdout = [planted.batch(999, index, 1024) for index in range(2)]
+    return trainer.fit(data, steps=steps, eval_data=holdout, eval_every=eval_every, log_every=log_every)

@@ -1,0 +1,124 @@
+"""The Trainer in one process (``JobContext.local``: the process is its own shard and a trainer group of
+one), and its parts that need no cluster: the job contract's checks and the data position."""
+
+import sys
+import pathlib
+
+import pytest
+import torch
+
+from paramserver import Batch, Table, Trainer
+from paramserver.optim import QHM
+from paramserver.runtime.context import JobContext
+from paramserver.train.data import BatchStream, DataExhausted
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent / "jobs"))
+import watch_next  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def local_context():
+    ctx = JobContext.local()
+    yield ctx
+    ctx.close()
+
+
+def test_a_job_trains_in_one_process_and_accounts_for_every_step(local_context):
+    figures = watch_next.main(local_context, steps=60, log_every=20, eval_every=30)
+    assert figures["steps"] == 60 and figures["sparse_steps"] == 60 and figures["group_size"] == 1, figures
+    assert figures["loss"] < figures["first_loss"] and 0.5 < figures["auc"] <= 1, figures
+    assert figures["log_loss"] > 0 and figures["samples_per_s"] > 0 and figures["bytes_per_step"] > 0, figures
+    assert local_context.progress()[0] == 60
+
+
+class Counting:
+    """A plain iterable of ``count`` batches of one table."""
+
+    def __init__(self, count: int):
+        self.count = count
+
+    def __iter__(self):
+        for index in range(self.count):
+            ids = torch.full((4, 1), index % 10)
+            yield Batch(sparse={"t": ids}, dense=torch.zeros(4, 1), labels=torch.tensor([0.0, 1.0, 0.0, 1.0]))
+
+
+class Logit(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4 + 1, 1)
+
+    def forward(self, pooled, dense):
+        return self.linear(torch.cat([pooled["t"], dense], 1)).squeeze(1)
+
+
+def small_trainer(ctx, name: str) -> Trainer:
+    return Trainer(ctx, tables={"t": Table(10, 4)}, dense=Logit(), sparse_optimizer=(QHM, dict(lr=0.1, momentum=0.9, nu=0.7)),
+                   dense_optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                   loss=torch.nn.BCEWithLogitsLoss(), name=name)
+
+
+def test_data_that_ends_stops_the_group_at_an_agreement(local_context):
+    # 25 batches: at step 20 the next agreement's 10 batches are not there, so the group stops at step 20.
+    figures = small_trainer(local_context, "ends").fit(Counting(25), steps=100, log_every=5)
+    assert figures["steps"] == 20 and figures["sparse_steps"] == 20, figures
+
+
+def test_bad_batches_are_refused_naming_the_table_and_the_shape():
+    tables = {"user": Table(10, 4)}
+    batch = Batch(sparse={"user": torch.zeros(3, 2)}, dense=torch.zeros(3, 1), labels=torch.zeros(3))
+    with pytest.raises(ValueError, match=r"table 'user': ids must be a \(3, bag\) int64 tensor, got torch.float32"):
+        batch.check(tables)
+    with pytest.raises(ValueError, match="missing: user"):
+        Batch(sparse={}, dense=torch.zeros(3, 1), labels=torch.zeros(3)).check(tables)
+    with pytest.raises(ValueError, match=r"dense must have shape \(3, features\)"):
+        Batch(sparse={"user": torch.zeros(3, 1, dtype=torch.long)}, dense=torch.zeros(2, 1),
+              labels=torch.zeros(3)).check(tables)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        Table(10, 4, mode="max")
+    with pytest.raises(ValueError, match="positive"):
+        Table(0, 4)
+
+
+class Stateful(Counting):
+    """``Counting`` with a position: the index of the next batch."""
+
+    def __init__(self, count: int):
+        super().__init__(count)
+        self.index = 0
+
+    def __iter__(self):
+        while self.index < self.count:
+            self.index += 1
+            yield Batch(sparse={"t": torch.full((1, 1), self.index - 1)}, dense=torch.zeros(1, 1),
+                        labels=torch.zeros(1))
+
+    def state_dict(self):
+        return {"index": self.index}
+
+    def load_state_dict(self, state):
+        self.index = state["index"]
+
+
+def first_id(batch: Batch) -> int:
+    return int(batch.sparse["t"][0, 0])
+
+
+@pytest.mark.parametrize("make", [Stateful, Counting], ids=["stateful", "skipping"])
+def test_the_data_position_excludes_batches_read_ahead_and_resumes_there(make):
+    stream = BatchStream(make(30))
+    assert stream.ensure(10) and first_id(stream.current()) == 0
+    for _ in range(3):
+        stream.finished()
+    stream.skip(2)  # two steps taken from another member: their batches go unused
+    position = stream.position()
+    assert position["used"] == 5 and len(stream) == 5  # read ahead, not used
+    resumed = BatchStream(make(30), position)
+    assert first_id(resumed.current()) == first_id(stream.current()) == 5
+    assert not resumed.ensure(26)  # 25 left
+    for _ in range(25):
+        resumed.finished()
+    with pytest.raises(DataExhausted, match="ended after 30 batches"):
+        resumed.current()
