@@ -1,8 +1,10 @@
 """Checkpoints through the real commands: the default job writes them every N
-steps and on ``ps-ctl checkpoint``; a restored run continues the same
-trajectory as an undisturbed one, also on another number of shards (2 -> 4
-and 4 -> 2: rows and their optimizer state re-placed); a corrupt checkpoint
-is refused, naming the file, and the previous one is used."""
+steps and on ``ps-ctl checkpoint``; a restored run of a Trainer job (the
+second job, ``tests/jobs/watch_next.py``, whose data has no saved position:
+the Trainer skips to it) continues the same trajectory as an undisturbed
+one, also on another number of shards (2 -> 3 and 3 -> 2: rows and their
+optimizer state re-placed); a corrupt checkpoint is refused, naming the
+file, and the previous one is used."""
 
 import json
 import pathlib
@@ -23,10 +25,13 @@ SMALL = dict(spec={"vocab_sizes": [2000, 500, 200, 50], "bag_sizes": [1, 2, 1, 1
              sparse_lr=64.0, hook="allreduce")
 
 
-def train(commands, shards: int, steps: int, *flags: str) -> str:
+WATCH_NEXT = f"{pathlib.Path(__file__).parent / 'jobs' / 'watch_next.py'}:main"
+
+
+def train(commands, shards: int, steps: int, *flags: str, job: str = "workers.ctr:main", **config) -> str:
     """Run one ps-server and one worker to ``steps``; returns the server's log."""
-    server, address = start_server(commands, "--shards", str(shards), "--job-config",
-                                   job_config(**dict(SMALL, steps=steps)), *flags)
+    server, address = start_server(commands, "--shards", str(shards), "--job", job, "--job-config",
+                                   job_config(**dict(config or SMALL, steps=steps)), *flags)
     worker = commands.start("ps-worker", "--connect", address)
     assert worker.wait(240) == 0, errors(worker)[-3000:]
     assert f"at step {steps}" in output(worker), output(worker)
@@ -60,24 +65,26 @@ def assert_same_model(restored: dict, straight: dict) -> None:
         assert difference <= 1e-6, f"{name} differs by {difference}"
 
 
-def test_a_restored_run_continues_the_same_trajectory_on_2_then_4_then_2_shards(commands, tmp_path):
+def test_a_restored_run_continues_the_same_trajectory_on_2_then_3_then_2_shards(commands, tmp_path):
     straight, resumed, again = tmp_path / "straight", tmp_path / "resumed", tmp_path / "again"
-    log = train(commands, 2, 60, "--checkpoint-dir", str(straight), "--checkpoint-every", "20")
+    watch_next = dict(job=WATCH_NEXT, log_every=10, eval_every=1000)
+    log = train(commands, 2, 60, "--checkpoint-dir", str(straight), "--checkpoint-every", "20", **watch_next)
     assert sorted(p.name for p in straight.iterdir()) == [f"ckpt-{s:010d}" for s in (20, 40, 60)]
     assert re.search(r"checkpoint ckpt-0000000020 committed at step 20 by worker0: 3 files", log), log[-3000:]
 
-    # 2 -> 4 shards: from step 20 to 40 again.
-    log = train(commands, 4, 40, "--restore", str(straight / "ckpt-0000000020"), "--checkpoint-dir", str(resumed),
-                "--checkpoint-every", "20")
+    # 2 -> 3 shards: from step 20 to 40 again.
+    log = train(commands, 3, 40, "--restore", str(straight / "ckpt-0000000020"), "--checkpoint-dir", str(resumed),
+                "--checkpoint-every", "20", **watch_next)
     assert "restoring from checkpoint" in log
     assert [p.name for p in resumed.iterdir()] == ["ckpt-0000000040"]  # not the starting point again
     assert_same_model(model_at(resumed / "ckpt-0000000040"), model_at(straight / "ckpt-0000000040"))
 
-    # 4 -> 2 shards, restoring from a root: its newest checkpoint (step 40, written on 4 shards).
-    train(commands, 2, 60, "--restore", str(resumed), "--checkpoint-dir", str(again), "--checkpoint-every", "20")
+    # 3 -> 2 shards, restoring from a root: its newest checkpoint (step 40, written on 3 shards).
+    train(commands, 2, 60, "--restore", str(resumed), "--checkpoint-dir", str(again), "--checkpoint-every", "20",
+          **watch_next)
     assert_same_model(model_at(again / "ckpt-0000000060"), model_at(straight / "ckpt-0000000060"))
     fresh = model_at(straight / "ckpt-0000000020")
-    assert (fresh["ctr.feature0"] - model_at(again / "ckpt-0000000060")["ctr.feature0"]).abs().max() > 1e-3
+    assert (fresh["watch.user"] - model_at(again / "ckpt-0000000060")["watch.user"]).abs().max() > 1e-3
 
 
 def test_a_corrupt_checkpoint_is_refused_by_name_and_the_previous_one_used(commands, tmp_path):
