@@ -17,6 +17,10 @@ peer):
   parameters) get the same ``OwnerOptimizer``, so the server keeps one
   optimizer state per parameter, which all trainers' gradients update (the
   parameter-server semantics) and which checkpoints save.
+
+The locks, the live optimizers and the restore source are the process's
+``ShardState`` (``paramserver.shards.state``), which the RPC targets here
+look up; this module keeps no state of its own.
 * Step figures: when the process serves metrics (``paramserver.metrics.data_plane``),
   each step's time (measured around the compiled call) goes there, with the
   rows and bytes of the gradients it applied (counted inside the compiled
@@ -26,11 +30,9 @@ Functions named ``remote_*`` are what DistributedOptimizer calls by RPC.
 This module never sends RPCs.
 """
 
-import itertools
 import logging
 import threading
 import time
-import weakref
 from contextlib import contextmanager
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -40,8 +42,7 @@ from torch import Tensor, nn
 from torch.distributed.rpc import RRef
 
 from ..metrics import data_plane
-from ..shards import hosted
-from ..shards.hosted import name_of
+from ..shards.state import ShardState
 from .registry import functional_optim_map
 from .scripted import reraise_script_error
 
@@ -206,39 +207,22 @@ class _PythonStep:
         return gradient_stats(gradients) if measure else (0, 0)
 
 
-# Per-parameter locks, in one global order (creation order) so that steps
-# over overlapping parameter sets cannot deadlock.
-_locks_guard = threading.Lock()
-_param_locks: Dict[int, Tuple[int, threading.Lock]] = {}
-_lock_order = itertools.count()
-_compile_lock = threading.Lock()
-
-
-def _lock_for(param: Tensor) -> Tuple[int, threading.Lock]:
-    with _locks_guard:
-        entry = _param_locks.get(id(param))
-        if entry is None:
-            entry = (next(_lock_order), threading.Lock())
-            _param_locks[id(param)] = entry
-            weakref.finalize(param, _param_locks.pop, id(param), None)
-        return entry
-
-
 class OwnerOptimizer:
     """The optimizer over one DistributedOptimizer's parameters on this owner."""
 
     def __init__(self, optimizer_cls, functional_cls, params: Sequence[Tensor], names: Sequence[str],
-                 args: tuple, kwargs: dict):
+                 args: tuple, kwargs: dict, state: ShardState, handle: int = 0):
+        self.handle = handle
         self.optimizer_cls = optimizer_cls
         self.functional_cls = functional_cls
         self.params = list(params)
         self.names = list(names)
         if functional_cls is not None:
-            with _compile_lock:
+            with state.compile_lock:
                 self._impl = _compile_step(functional_cls, self.params, self.names, args, kwargs)
         else:
             self._impl = _PythonStep(optimizer_cls, self.params, self.names, args, kwargs)
-        self._locks = [lock for _, lock in sorted({_lock_for(p) for p in self.params}, key=lambda e: e[0])]
+        self._locks = [lock for _, lock in sorted({state.lock_for(p) for p in self.params}, key=lambda e: e[0])]
         self.steps = 0
         self.step_seconds_total = 0.0
         self.last_step_seconds = 0.0
@@ -332,29 +316,12 @@ def class_name(cls) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def live_optimizers() -> List[OwnerOptimizer]:
-    """Every OwnerOptimizer alive on this owner, oldest first."""
-    with _registry_guard:
-        return sorted(_by_handle.values(), key=lambda o: o.handle)
-
-
 def _copy(value):
     return value.detach().clone() if isinstance(value, Tensor) else value
 
 
-# Live owner optimizers by what they were asked for, so that trainers asking
-# for the same optimizer share it (and its state), and by handle: steps name
-# their optimizer by a small integer rather than an RRef, which spares every
-# step the RRef fork/acknowledge messages.  Both hold them weakly: the RRefs
-# that DistributedOptimizers keep are what keeps an OwnerOptimizer alive.
-_registry_guard = threading.Lock()
-_by_request: "weakref.WeakValueDictionary[tuple, OwnerOptimizer]" = weakref.WeakValueDictionary()
-_by_handle: "weakref.WeakValueDictionary[int, OwnerOptimizer]" = weakref.WeakValueDictionary()
-_handles = itertools.count(1)
-
-
-def _parameter_name(param: Tensor, index: int) -> str:
-    hosted = name_of(param)
+def _parameter_name(state: ShardState, param: Tensor, index: int) -> str:
+    hosted = state.name_of(param)
     return repr(hosted) if hosted is not None else f"#{index} of the optimizer"
 
 
@@ -368,44 +335,44 @@ def remote_new_owner_optimizer(optimizer_cls, param_rrefs: List[RRef], indices: 
     for index, param in zip(indices, params):
         if not isinstance(param, Tensor):
             raise TypeError(f"parameter #{index} of the optimizer is a {type(param).__name__}, not a tensor")
+    # Trainers asking for the same optimizer share it (and its state); steps name it by a small integer
+    # handle rather than an RRef, which spares every step the RRef fork/acknowledge messages.  The state
+    # holds optimizers weakly: the RRefs that DistributedOptimizers keep are what keeps one alive.
     key = (optimizer_cls, functional_cls, tuple(id(p) for p in params), repr(args), repr(sorted(kwargs.items())))
-    with _registry_guard:
-        owner_optimizer = _by_request.get(key)
-        if owner_optimizer is None:
-            names = [_parameter_name(p, i) for p, i in zip(params, indices)]
-            owner_optimizer = OwnerOptimizer(optimizer_cls, functional_cls, params, names, args, kwargs)
-            owner_optimizer.handle = next(_handles)
-            _by_request[key] = owner_optimizer
-            _by_handle[owner_optimizer.handle] = owner_optimizer
-            logger.info("optimizer %d: %s over %d parameters (%s)", owner_optimizer.handle,
-                        optimizer_cls.__qualname__, len(params),
-                        "TorchScript" if functional_cls is not None else "Python, under a lock")
-            _restore_state(owner_optimizer)
+    state = ShardState.current()
+
+    def create(handle: int) -> OwnerOptimizer:
+        names = [_parameter_name(state, p, i) for p, i in zip(params, indices)]
+        return OwnerOptimizer(optimizer_cls, functional_cls, params, names, args, kwargs, state, handle)
+
+    owner_optimizer, created = state.optimizer_for(key, create)
+    if created:
+        logger.info("optimizer %d: %s over %d parameters (%s)", owner_optimizer.handle,
+                    optimizer_cls.__qualname__, len(params),
+                    "TorchScript" if functional_cls is not None else "Python, under a lock")
+        _restore_state(state, owner_optimizer)
     return RRef(owner_optimizer), owner_optimizer.handle, owner_optimizer.is_scripted
 
 
-def _restore_state(owner_optimizer: OwnerOptimizer) -> None:
+def _restore_state(state: ShardState, owner_optimizer: OwnerOptimizer) -> None:
     """A shard started from a checkpoint: the state its parameters had there follows them here."""
-    source = hosted.restore_source
+    source = state.restore_source
     if source is None:
         return
-    state = {}
+    restored = {}
     for index, param in enumerate(owner_optimizer.params):
-        name = name_of(param)
+        name = state.name_of(param)
         entry = source.optimizer_state(name, owner_optimizer.class_name) if name is not None else None
         if entry:
-            state[index] = entry
-    if state:
-        owner_optimizer.load_state_dict(state)
+            restored[index] = entry
+    if restored:
+        owner_optimizer.load_state_dict(restored)
         logger.info("optimizer %d: state of %d of its %d parameters restored from the checkpoint",
-                    owner_optimizer.handle, len(state), len(owner_optimizer.params))
+                    owner_optimizer.handle, len(restored), len(owner_optimizer.params))
 
 
 def _lookup(handle: int) -> OwnerOptimizer:
-    owner_optimizer = _by_handle.get(handle)
-    if owner_optimizer is None:
-        raise KeyError(f"no optimizer with handle {handle} here (its DistributedOptimizer was deleted)")
-    return owner_optimizer
+    return ShardState.current().optimizer(handle)
 
 
 # The step RPC is a TorchScript function, so requests and replies are

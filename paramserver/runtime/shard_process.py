@@ -19,8 +19,8 @@ import sys
 from typing import Optional
 
 from ..control import TlsFiles, pb
-from ..shards import ShardServerOptions, hosted, request_stop, run_shard_server
-from ..shards.snapshot import CheckpointSource
+from ..shards import ShardServerOptions, request_stop, run_shard_server
+from ..checkpoint.shard_part import CheckpointSource
 from ..logs import configure_logging, exit_now
 from ..metrics.process import shard_metrics
 from .member import MemberSession
@@ -57,9 +57,10 @@ def run_shard_member(address: str, name: str, host: str, token: Optional[str] = 
     assignment = session.join()
     if member_id is not None:
         member_id.value = assignment.member_id.encode()
+    restore_source = None
     if assignment.checkpoint.restore_from:
         # Tables that trainers ask for come from the checkpoint (rows cut to this shard's ranges).
-        hosted.restore_source = CheckpointSource.open(assignment.checkpoint.restore_from)
+        restore_source = CheckpointSource.open(assignment.checkpoint.restore_from)
         logger.info("shard %s restores its tables from %s (step %d)", assignment.rpc_name,
                     assignment.checkpoint.restore_from, assignment.checkpoint.restore_step)
     session.start_heartbeats(on_stop=lambda: request_stop(graceful=False),
@@ -67,7 +68,8 @@ def run_shard_member(address: str, name: str, host: str, token: Optional[str] = 
     try:
         # The coordinator hands this shard to workers once it says it is ready.
         run_shard_server(assignment.rpc_name, assignment.rpc_rank, None, session.init_method,
-                         ShardServerOptions(), bind_host=host, on_serving=session.mark_ready)
+                         ShardServerOptions(), bind_host=host, on_serving=session.mark_ready,
+                         restore_source=restore_source)
     finally:
         session.leave("stopped")
     logger.info("shard %s (pid %d) exits", assignment.rpc_name, os.getpid())

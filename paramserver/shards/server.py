@@ -1,9 +1,10 @@
 """The shard server process: an RPC peer that owns parameter shards.
 
-Owns a shard server's life: join the data plane, serve (hosting tensors and
-running optimizer steps happen in RPC threads, see ``hosted`` and
-``paramserver.optim.owner``), and leave when asked, by an RPC
-(``request_stop``) or by SIGTERM/SIGINT.  ``run_shard_server`` is a plain
+Owns a shard server's life: create its ``ShardState`` (what it serves,
+restored from ``restore_source`` when given), join the data plane, serve
+(hosting tensors and running optimizer steps happen in RPC threads, see
+``hosted`` and ``paramserver.optim.owner``), and leave when asked, by an
+RPC (``request_stop``) or by SIGTERM/SIGINT.  ``run_shard_server`` is a plain
 function, so tests can start it with ``torch.multiprocessing`` and the
 ``ps-server`` command can supervise it.
 """
@@ -11,7 +12,6 @@ function, so tests can start it with ``torch.multiprocessing`` and the
 import datetime
 import logging
 import signal
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -20,12 +20,11 @@ import torch.distributed.rpc as rpc
 
 from ..logs import configure_logging
 from .peer import PeerOptions, join, leave
+from .state import RestoreSource, ShardState
 
 logger = logging.getLogger(__name__)
 
 _ANSWER_GRACE = datetime.timedelta(seconds=0.2)
-_stop_requested = threading.Event()
-_stop_graceful = [True]
 
 
 @dataclass(frozen=True)
@@ -42,23 +41,24 @@ def request_stop(graceful: bool = True) -> None:
     Graceful: it waits for every peer to leave and for outstanding work;
     otherwise it leaves at once (for when some peer is known to be gone).
     """
-    _stop_graceful[0] = graceful
-    _stop_requested.set()
+    ShardState.current().request_stop(graceful)
 
 
 def run_shard_server(name: str, rank: int, world_size: Optional[int], init_method: str,
                      options: Optional[ShardServerOptions] = None, bind_host: Optional[str] = None,
-                     on_serving: Optional[Callable[[], None]] = None) -> None:
+                     on_serving: Optional[Callable[[], None]] = None,
+                     restore_source: Optional[RestoreSource] = None) -> None:
     """Join as RPC peer ``name``, serve until asked to stop, leave.  Returns normally on a clean stop.
 
     ``world_size`` ``None`` joins an open group (see ``peer.join``);
     ``bind_host`` keeps the data plane on that address's interface;
-    ``on_serving()`` runs once peers can reach this shard.
+    ``on_serving()`` runs once peers can reach this shard; ``restore_source``:
+    where the tables it is asked for come from (a checkpoint), if not drawn afresh.
     """
     options = options or ShardServerOptions()
     configure_logging(name, replace=False)
-    _stop_requested.clear()
-    _stop_graceful[0] = True
+    state = ShardState(restore_source)
+    ShardState.install(state)
     previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         join(name, rank, world_size, init_method, options.peer, bind_host=bind_host)
@@ -66,8 +66,7 @@ def run_shard_server(name: str, rank: int, world_size: Optional[int], init_metho
                     f" of {world_size}" if world_size is not None else " in an open group")
         if on_serving is not None:
             on_serving()
-        _stop_requested.wait()
-        graceful = _stop_graceful[0]
+        graceful = state.wait_for_stop()
         logger.info("shard %s leaving (%s)", name, "graceful" if graceful else "immediately")
         if not graceful:
             time.sleep(_ANSWER_GRACE.total_seconds())  # let the answer to request_stop leave first

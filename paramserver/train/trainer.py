@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from ..runtime.checkpointing import TrainerCheckpoints, restore_point
+from ..checkpoint.trainer import TrainerCheckpoints, restore_point
 from ..ddp import DenseReplica, GroupStopped, TrainerGroup
 from .contract import Batch, Table
 from .data import BatchStream

@@ -13,8 +13,8 @@ previous one.  Also the pure tensor logic of resharding: naming row ranges
 checkpoint holds.
 
 It knows nothing of processes, ``torch.distributed`` or gRPC, nor of who
-wrote what: ``paramserver.shards.snapshot`` and
-``paramserver.runtime.checkpointing`` decide what goes in the files.
+wrote what: ``shard_part`` and ``trainer`` beside it decide what goes in
+the files.
 """
 
 import contextlib

@@ -3,10 +3,11 @@
 Owns, on a shard server, the file it writes into a checkpoint
 (``shard-<name>.pt``: every shared table's row range, with the optimizer
 state of those rows, each parameter copied together with its state
-between two steps), and ``CheckpointSource``: what a shard started from a
-checkpoint hands ``hosted`` and ``paramserver.optim.owner``, so that a
-table's rows, and their optimizer state, come from the checkpoint when a
-trainer asks for the table again.  The source reads every shard file of
+between two steps, read from the shard's ``ShardState``), and
+``CheckpointSource``: the restore source a shard started from a
+checkpoint is given (``ShardState.restore_source``), so that a table's
+rows, and their optimizer state, come from the checkpoint when a trainer
+asks for the table again.  The source reads every shard file of
 the checkpoint (memory-mapped) and cuts the rows each request names, so
 the new shards need not be as many, nor split the tables the same way,
 as the ones that wrote it (4 shards -> 2, 2 -> 4).
@@ -23,9 +24,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..checkpoint import Checkpoint, assemble_rows, load_tensors, parse_range_name, read_manifest, save_tensors
-from ..optim import owner
-from . import hosted
+from ..shards.state import ShardState
+from .storage import Checkpoint, assemble_rows, load_tensors, parse_range_name, read_manifest, save_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -45,13 +45,14 @@ def remote_write_part(directory: str) -> Dict:
 
 def write_part(directory: pathlib.Path, shard: str):
     """Every shared table hosted here, with its optimizer state, into ``directory/shard-<shard>.pt``."""
-    tables = hosted.shared_tables()
+    shard_state = ShardState.current()
+    tables = shard_state.shared_tables()
     entries: Dict[str, Dict] = {}
     # Parameters with an optimizer: value and state copied together, under its locks.
-    for optimizer in owner.live_optimizers():
+    for optimizer in shard_state.optimizers():
         values, state = optimizer.snapshot()
         for index, (param, value) in enumerate(zip(optimizer.params, values)):
-            name = hosted.name_of(param)
+            name = shard_state.name_of(param)
             if name in tables and name not in entries:
                 entries[name] = {"value": value, "optimizer": optimizer.class_name, "state": state.get(index, {})}
     for name, table in tables.items():  # no optimizer (yet): the values alone

@@ -1,6 +1,6 @@
 """A trainer group's side of checkpoints: when trainer group 0 writes one, writing it, starting from one.
 
-Owns the trainer side of ``paramserver.checkpoint``: trainer group 0
+Owns the trainer side of checkpoints: trainer group 0
 checkpoints every ``every_steps`` steps (every member holds the same step,
 so all decide alike without a message) and when the coordinator asks
 (``KIND_CHECKPOINT``: members agree on it in the group's agreement, the
@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from ..checkpoint import CheckpointStore, load_tensors, read_manifest, save_tensors
-from ..shards import snapshot
-from .context import CheckpointCommit
+from ..runtime.context import CheckpointCommit
+from . import shard_part
+from .storage import CheckpointStore, load_tensors, read_manifest, save_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class TrainerCheckpoints:
         try:
             directory = CheckpointStore(self.ctx.checkpoint.directory).new_directory(step)
             shards = list(self.ctx.shards)
-            futures = [rpc.rpc_async(shard, snapshot.remote_write_part, args=(str(directory),)) for shard in shards]
+            futures = [rpc.rpc_async(shard, shard_part.remote_write_part, args=(str(directory),)) for shard in shards]
             files = [future.wait() for future in futures]
             dense = save_tensors(directory / DENSE_PART, {
                 "format": FORMAT, "step": step, "module": self.replica.module.state_dict(),

@@ -1,0 +1,156 @@
+"""``ShardState``: everything a process that owns parameters keeps, in one object.
+
+Owns, for a shard server (or any torch RPC peer that owns parameters, such
+as a trainer in a test): the hosted tensors and their names (held weakly:
+a tensor lives as long as some RRef to it does), the shared tables (kept
+for the process's life: the model the shard serves), the owner-side
+optimizers over them (by what they were asked for and by handle), a lock
+per parameter in one global order, the TorchScript compile lock, where
+restored values come from (``restore_source``), and the stop request.
+
+``run_shard_server`` creates one and installs it; every RPC target finds it
+with ``ShardState.current()``, the one place that looks it up (a process
+that owns parameters without being a shard server gets one on first use).
+What the optimizers are is ``paramserver.optim.owner``'s business: this
+module holds them as objects and never imports ``paramserver.optim``.
+"""
+
+import itertools
+import threading
+import weakref
+from typing import Callable, Dict, List, Optional, Protocol, Tuple
+
+import torch
+from torch import Tensor
+
+
+class RestoreSource(Protocol):
+    """Where a restarted or resharded shard finds the values it hosted before
+    (``paramserver.checkpoint.shard_part.CheckpointSource``)."""
+
+    def rows(self, name: str, num_rows: int, embedding_dim: int, dtype: torch.dtype) -> Optional[Tensor]: ...
+
+    def optimizer_state(self, name: str, optimizer: str) -> Optional[Dict[str, Tensor]]: ...
+
+
+class ShardState:
+    """One process's hosted tensors, their optimizers and locks, its restore source and stop request."""
+
+    _current: Optional["ShardState"] = None
+    _current_guard = threading.Lock()
+
+    def __init__(self, restore_source: Optional[RestoreSource] = None):
+        self.restore_source = restore_source
+        self._tensors_lock = threading.Lock()
+        self._by_name: "weakref.WeakValueDictionary[str, Tensor]" = weakref.WeakValueDictionary()
+        self._names_by_id: Dict[int, str] = {}
+        self._shared: Dict[str, Tensor] = {}
+        self._optimizers_lock = threading.Lock()
+        self._optimizers_by_request: "weakref.WeakValueDictionary[tuple, object]" = weakref.WeakValueDictionary()
+        self._optimizers_by_handle: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+        self._handles = itertools.count(1)
+        #: TorchScript compilation is not thread-safe: one compile at a time in this process.
+        self.compile_lock = threading.Lock()
+        self._param_locks_guard = threading.Lock()
+        self._param_locks: Dict[int, Tuple[int, threading.Lock]] = {}
+        self._lock_order = itertools.count()
+        self._stop = threading.Event()
+        self.stop_graceful = True
+
+    # -- the process's state ---------------------------------------------
+    @classmethod
+    def current(cls) -> "ShardState":
+        """This process's state (created on first use by a process that is not a shard server)."""
+        with cls._current_guard:
+            if cls._current is None:
+                cls._current = ShardState()
+            return cls._current
+
+    @classmethod
+    def install(cls, state: "ShardState") -> None:
+        """Make ``state`` this process's (a shard server, before it serves)."""
+        with cls._current_guard:
+            cls._current = state
+
+    # -- hosted tensors ----------------------------------------------------
+    def register(self, name: str, tensor: Tensor) -> Tensor:
+        with self._tensors_lock:
+            return self._register_locked(name, tensor)
+
+    def _register_locked(self, name: str, tensor: Tensor) -> Tensor:
+        if name in self._by_name:
+            raise ValueError(f"a tensor named {name!r} is already hosted here")
+        self._by_name[name] = tensor
+        self._names_by_id[id(tensor)] = name
+        weakref.finalize(tensor, self._forget, id(tensor))
+        return tensor
+
+    def _forget(self, tensor_id: int) -> None:
+        with self._tensors_lock:
+            self._names_by_id.pop(tensor_id, None)
+
+    def shared_table(self, name: str, create: Callable[[], Tensor]) -> Tensor:
+        """The shared table ``name``, made by ``create()`` (under the lock: one creator wins) if there is none."""
+        with self._tensors_lock:
+            existing = self._shared.get(name)
+            if existing is not None:
+                return existing
+            table = self._register_locked(name, create())
+            self._shared[name] = table
+            return table
+
+    def shared_tables(self) -> Dict[str, Tensor]:
+        """The shared tables hosted here, by name (what a checkpoint of this shard holds)."""
+        with self._tensors_lock:
+            return dict(self._shared)
+
+    def name_of(self, tensor: Tensor) -> Optional[str]:
+        """The name ``tensor`` is hosted under, or ``None``."""
+        with self._tensors_lock:
+            return self._names_by_id.get(id(tensor))
+
+    # -- owner optimizers and their locks -----------------------------------
+    def lock_for(self, param: Tensor) -> Tuple[int, threading.Lock]:
+        """``param``'s lock and its place in the global order (steps take their locks in that order)."""
+        with self._param_locks_guard:
+            entry = self._param_locks.get(id(param))
+            if entry is None:
+                entry = (next(self._lock_order), threading.Lock())
+                self._param_locks[id(param)] = entry
+                weakref.finalize(param, self._param_locks.pop, id(param), None)
+            return entry
+
+    def optimizer_for(self, request: tuple, create: Callable[[int], object]) -> Tuple[object, bool]:
+        """The optimizer asked for by ``request`` (held weakly), made by ``create(handle)`` if there is none;
+        and whether it was made now."""
+        with self._optimizers_lock:
+            optimizer = self._optimizers_by_request.get(request)
+            if optimizer is not None:
+                return optimizer, False
+            handle = next(self._handles)
+            optimizer = create(handle)
+            self._optimizers_by_request[request] = optimizer
+            self._optimizers_by_handle[handle] = optimizer
+            return optimizer, True
+
+    def optimizer(self, handle: int):
+        """The live optimizer with ``handle``; ``KeyError`` naming it when there is none."""
+        optimizer = self._optimizers_by_handle.get(handle)
+        if optimizer is None:
+            raise KeyError(f"no optimizer with handle {handle} here (its DistributedOptimizer was deleted)")
+        return optimizer
+
+    def optimizers(self) -> List[object]:
+        """Every live optimizer, oldest first."""
+        with self._optimizers_lock:
+            return [optimizer for _, optimizer in sorted(self._optimizers_by_handle.items(), key=lambda e: e[0])]
+
+    # -- stopping ----------------------------------------------------------
+    def request_stop(self, graceful: bool = True) -> None:
+        self.stop_graceful = graceful
+        self._stop.set()
+
+    def wait_for_stop(self) -> bool:
+        """Block until a stop is requested; returns whether it is graceful."""
+        self._stop.wait()
+        return self.stop_graceful
