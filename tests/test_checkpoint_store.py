@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from paramserver import checkpoint as checkpoint_module
+from paramserver.checkpoint import storage as checkpoint_module
 from paramserver.checkpoint import (MANIFEST, CheckpointStore, CorruptCheckpoint, FileRecord, assemble_rows,
                                     atomic_write, load_tensors, open_checkpoint, parse_range_name, range_name,
                                     save_tensors)
