@@ -47,6 +47,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch.distributed.optim import DistributedOptimizer as TorchDistributedOptimizer
 
+from paramserver._torch_compat import rpc_barrier
 from paramserver.optim import QHM, DistributedOptimizer
 from paramserver.shards import ShardedEmbeddingBag, gather, place_parameters
 from paramserver.shards.local import run_local_cluster, shard_names
@@ -167,7 +168,7 @@ def concurrent_trainer(rank: int, steps: int, repeats: int) -> None:
         for name in trainers[1:]:
             rpc.rpc_sync(name, _receive_params, args=(list(placed.values()),))
         params = list(placed.values())
-    rpc.api._barrier(trainers)
+    rpc_barrier(trainers)
     if rank != 0:
         params = _RECEIVED[0]
     optimizers = {
@@ -182,11 +183,11 @@ def concurrent_trainer(rank: int, steps: int, repeats: int) -> None:
                 optimizers[path].step(context_id)
         for _ in range(repeats):
             for path in ("scripted", "python"):
-                rpc.api._barrier(trainers)
+                rpc_barrier(trainers)
                 started = time.perf_counter()
                 for _ in range(steps):
                     optimizers[path].step(context_id)
-                rpc.api._barrier(trainers)
+                rpc_barrier(trainers)
                 rates[path].append(TRAINERS * steps / (time.perf_counter() - started))
     finally:
         context.__exit__(None, None, None)

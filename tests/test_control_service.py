@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from paramserver.control.membership import Membership
 from paramserver.control.protocol import pb
-from paramserver.control.rendezvous import RPC_PREFIX, RendezvousStore
+from paramserver._torch_compat import RPC_STORE_PREFIX
+from paramserver.control.rendezvous import RendezvousStore
 from paramserver.control.service import CoordinatorService, ServiceSettings
 from paramserver.control.validation import RequestError
 
@@ -114,7 +115,7 @@ def test_rendezvous_store_removes_a_lost_member_and_frees_its_token():
     store = RendezvousStore("127.0.0.1")
     try:
         client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=5))
-        rpc_store = dist.PrefixStore(RPC_PREFIX, client)
+        rpc_store = dist.PrefixStore(RPC_STORE_PREFIX, client)
         names = dist.PrefixStore("names", rpc_store)
         names.set("_ALL_WORKER_INFOS", "shard0-1,worker0-2,worker1-3,")
         # worker0 died while joining, holding the group's token.

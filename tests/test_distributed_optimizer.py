@@ -15,6 +15,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 
 from dataplane import make_param, owner_pid, param_value, run_cluster
+from paramserver._torch_compat import rpc_barrier
 from paramserver.optim import QHM, DistributedOptimizer, OwnerFailedError
 from paramserver.processes import ChildProcessesFailed
 from paramserver.shards import PeerOptions, fetch, leave, place_parameters, stop_shards
@@ -210,14 +211,14 @@ def trainer_concurrent(rank, num_trainers, steps):
         key = optimizer_cls.__name__
         rrefs = [rpc.remote(owner, _shared_param, args=(key,)) for owner in ("shard0", "shard1")]
         dist_opt = DistributedOptimizer(optimizer_cls, rrefs, lr=1.0)
-        rpc.api._barrier(trainers)  # all start together
+        rpc_barrier(trainers)  # all start together
         for _ in range(steps):
             with dist_autograd.context() as context_id:
                 values = [rpc.rpc_sync(r.owner(), param_value, args=(r,)) for r in rrefs]
                 # d loss / d p = rank + 1, everywhere.
                 dist_autograd.backward(context_id, [sum(v.sum() for v in values) * (rank + 1)])
                 dist_opt.step(context_id)
-        rpc.api._barrier(trainers)  # all done
+        rpc_barrier(trainers)  # all done
         expected = torch.full((256, 256), -float(steps * sum(range(1, num_trainers + 1))))
         for r in rrefs:
             assert torch.equal(r.to_here(), expected), (key, r.to_here()[0, :4])

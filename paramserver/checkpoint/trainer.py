@@ -17,14 +17,12 @@ starts from, for ``DenseReplica(..., initial=...)``, with every member's
 data position.
 """
 
-import json
 import logging
 import pathlib
 import pickle
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 

@@ -9,10 +9,8 @@ the token, and the whole group would stall.  ``remove_rpc_peer`` takes the
 member off that list (taking the token the same way torch does, or
 freeing it when the dead member died holding it), so the group heals.
 
-The key names below are torch's (``torch/distributed/rpc``): the first
-``init_rpc`` of a process prefixes its keys with ``rpc_prefix_0`` (the
-runtime makes every member join that way), the agent's names live under
-``names/``.
+The key names are torch's; ``paramserver._torch_compat`` names them (the
+runtime makes every member join with the first ``init_rpc``'s prefix).
 """
 
 import datetime
@@ -22,12 +20,11 @@ import time
 
 import torch.distributed as dist
 
+from .._torch_compat import (RPC_MEMBER_LIST_KEY, RPC_NAMES_PREFIX, RPC_STORE_PREFIX, RPC_TOKEN_DONE, RPC_TOKEN_KEY,
+                             rpc_member_entry, rpc_token)
+
 logger = logging.getLogger(__name__)
 
-RPC_PREFIX = "rpc_prefix_0"
-_TOKEN_KEY = "RpcGroupManagementToken"
-_MEMBER_LIST_KEY = "_ALL_WORKER_INFOS"
-_NAMES_PREFIX = "names"
 
 
 class RendezvousStore:
@@ -50,8 +47,8 @@ class RendezvousStore:
         self.store = dist.TCPStore(host, self.port, is_master=True, wait_for_workers=False,
                                    timeout=timeout, master_listen_fd=self._socket.fileno())
         self._socket.detach()  # the store's server owns the descriptor now and closes it
-        self._rpc_store = dist.PrefixStore(RPC_PREFIX, self.store)
-        self._names = dist.PrefixStore(_NAMES_PREFIX, self._rpc_store)
+        self._rpc_store = dist.PrefixStore(RPC_STORE_PREFIX, self.store)
+        self._names = dist.PrefixStore(RPC_NAMES_PREFIX, self._rpc_store)
 
     def remove_rpc_peer(self, rpc_name: str, rank: int,
                         timeout: datetime.timedelta = datetime.timedelta(seconds=30),
@@ -62,39 +59,39 @@ class RendezvousStore:
         it gets ``takeover_after`` to finish (a member declared dead may only
         be slow); then the token is taken from it.
         """
-        my_token = f"Token_for_{rpc_name}_removal"
+        my_token = rpc_token(rpc_name, "removal")
         began = time.monotonic()
-        its_tokens = (f"Token_for_{rpc_name}_join", f"Token_for_{rpc_name}_leave")
+        its_tokens = (rpc_token(rpc_name, "join"), rpc_token(rpc_name, "leave"))
         while True:
-            holder = self._rpc_store.compare_set(_TOKEN_KEY, "", my_token).decode()
+            holder = self._rpc_store.compare_set(RPC_TOKEN_KEY, "", my_token).decode()
             if holder == my_token:
                 break
             waited = time.monotonic() - began
             if holder in its_tokens and waited > takeover_after.total_seconds():
                 logger.warning("RPC group: %s still holds the membership token after %.0f s; taking it over",
                                rpc_name, waited)
-                self._rpc_store.set(holder, "Done")
-                self._rpc_store.set(_TOKEN_KEY, my_token)
+                self._rpc_store.set(holder, RPC_TOKEN_DONE)
+                self._rpc_store.set(RPC_TOKEN_KEY, my_token)
                 break
             if waited > timeout.total_seconds():
                 logger.error("RPC group: could not take the membership token from %s to remove %s", holder, rpc_name)
                 return False
             time.sleep(0.05)
         try:
-            if not self._names.check([_MEMBER_LIST_KEY]):
+            if not self._names.check([RPC_MEMBER_LIST_KEY]):
                 return False
-            listed = self._names.get(_MEMBER_LIST_KEY).decode()
-            entry = f"{rpc_name}-{rank},"
+            listed = self._names.get(RPC_MEMBER_LIST_KEY).decode()
+            entry = rpc_member_entry(rpc_name, rank)
             entries = [e + "," for e in listed.split(",") if e]
             if entry not in entries:
                 return False
             entries.remove(entry)
-            self._names.set(_MEMBER_LIST_KEY, "".join(entries))
+            self._names.set(RPC_MEMBER_LIST_KEY, "".join(entries))
             logger.info("RPC group: removed %s (rank %d) from the store's member list", rpc_name, rank)
             return True
         finally:
-            self._rpc_store.set(_TOKEN_KEY, "")
-            self._rpc_store.set(my_token, "Done")
+            self._rpc_store.set(RPC_TOKEN_KEY, "")
+            self._rpc_store.set(my_token, RPC_TOKEN_DONE)
 
     def close(self) -> None:
         self.store = None

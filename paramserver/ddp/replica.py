@@ -48,6 +48,7 @@ import torch.distributed.autograd as dist_autograd
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from .._torch_compat import is_collective_failure
 from ..metrics import training
 from .group import GroupStopped, TrainerGroup
 from .hooks import comm_hook
@@ -70,13 +71,6 @@ class GroupLost(RuntimeError):
 def state_source(steps: List[int]) -> int:
     """The rank whose state a (re-)formed group takes: the member furthest ahead, ties to the lowest rank."""
     return max(range(len(steps)), key=lambda rank: (steps[rank], -rank))
-
-
-def from_backend(error: BaseException) -> bool:
-    """Whether ``error`` was raised by the collectives' backend (through DDP or distributed autograd,
-    which raise it again as a plain RuntimeError with its message)."""
-    text = str(error)
-    return isinstance(error, dist.DistError) or "gloo" in text or "NCCL" in text
 
 
 class DenseReplica:
@@ -233,7 +227,7 @@ class DenseReplica:
     def collective_failed(self, error: BaseException) -> bool:
         """Whether ``error``, raised by a training step, means a collective of the group failed:
         the comm hook saw its all-reduce fail, or the backend raised it."""
-        return self._hook_failure is not None or from_backend(error)
+        return self._hook_failure is not None or is_collective_failure(error)
 
     def recover(self, error: BaseException) -> bool:
         """Re-form the group after a collective of it failed; False if the worker was asked to stop meanwhile.

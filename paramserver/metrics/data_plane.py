@@ -15,12 +15,11 @@ from typing import Dict, Tuple
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from .._torch_compat import autograd_context_creator, current_rpc_agent
 from .slot import Slot
 
 #: The peer label when the RPC agent cannot name a peer (gone, or no agent).
 UNKNOWN_PEER = "unknown"
-#: A dist_autograd context id is the creating worker's id shifted left by this (torch's container.h).
-_CONTEXT_ID_WORKER_SHIFT = 48
 
 STEP_SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                         2.5, 10.0)
@@ -110,10 +109,12 @@ def context_peer(context_id: int) -> str:
     A context id carries its creator's worker id in its top bits: the trainer
     whose backward pass sent the gradients and who asks for the step.
     """
-    from torch.distributed.rpc.api import _get_current_rpc_agent
+    agent = current_rpc_agent()
+    if agent is None:
+        return UNKNOWN_PEER
     try:
-        return _get_current_rpc_agent().get_worker_info(context_id >> _CONTEXT_ID_WORKER_SHIFT).name
-    except RuntimeError:  # no agent, or a peer that has left
+        return agent.get_worker_info(autograd_context_creator(context_id)).name
+    except RuntimeError:  # a peer that has left
         return UNKNOWN_PEER
 
 

@@ -12,56 +12,21 @@ Same call shape and semantics as ``torch.distributed.optim.DistributedOptimizer`
 ``load_state_dict()``.
 """
 
-import ast
-import re
 import warnings
 from collections import OrderedDict
 from typing import Any, Dict, List, Mapping
 
 import torch
-import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch.distributed.rpc import RRef
 
+from .._torch_compat import check_autograd_context, remote_error_cause
 from ..metrics import data_plane
 from . import owner
 
 
 class OwnerFailedError(RuntimeError):
     """An owner could not do what was asked (it went away, timed out, or failed)."""
-
-
-_REMOTE_ERROR = re.compile(r"On WorkerInfo\([^\n]*\):\n(\w+)\((.*)\)\n")
-_ERROR_LINE = re.compile(r"^(?:builtins\.)?(\w*(?:Error|Exception)): (.+)$")
-
-
-def _cause_message(error: BaseException) -> str:
-    """The essential "Type: message" of an error that may have crossed an RPC boundary.
-
-    An RPC target's exception arrives as text: "On WorkerInfo(...):", the
-    exception's repr, its traceback.  A TorchScript error's message holds the
-    script traceback and ends with the "Type: message" that matters.
-    """
-    text = str(error)
-    remote = _REMOTE_ERROR.search(text)
-    if remote:
-        kind, body = remote.group(1), remote.group(2)
-        try:
-            body = str(ast.literal_eval(body))
-        except (ValueError, SyntaxError):
-            pass
-        text = f"{kind}: {body}"
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    matches = [m for m in map(_ERROR_LINE.match, lines) if m]
-    if not matches:
-        return lines[0] if lines else type(error).__name__
-    kind, message = matches[-1].group(1), matches[-1].group(2)
-    # A Python error raised under TorchScript reads "RuntimeError: ValueError: ...".
-    inner = _ERROR_LINE.match(message)
-    while inner:
-        kind, message = inner.group(1), inner.group(2)
-        inner = _ERROR_LINE.match(message)
-    return f"{kind}: {message}"
 
 
 # Errors that mean "bad input" keep their type across the RPC boundary.
@@ -71,7 +36,7 @@ _INPUT_ERRORS = {cls.__name__: cls for cls in (ValueError, TypeError, IndexError
 def _raise_for_failures(failures: List[tuple], action: str) -> None:
     if not failures:
         return
-    causes = [(name, _cause_message(error)) for name, error in failures]
+    causes = [(name, remote_error_cause(error)) for name, error in failures]
     message = "; ".join(f"{action} failed on owner {name!r}: {cause}" for name, cause in causes)
     first = failures[0][1]
     # Bad input keeps its type (ValueError...); a lost or broken owner is an
@@ -155,7 +120,7 @@ class DistributedOptimizer:
         gone, RPC timeout), raises after all have answered, naming each
         failed owner; an owner that refused a gradient changed nothing.
         """
-        dist_autograd._is_valid_context(context_id)
+        check_autograd_context(context_id)
         metrics = data_plane.slot.active
         if metrics is not None:
             for name in self._handles:

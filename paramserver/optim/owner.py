@@ -31,7 +31,6 @@ This module never sends RPCs.
 """
 
 import logging
-import threading
 import time
 from contextlib import contextmanager
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -41,6 +40,7 @@ import torch.distributed.autograd as dist_autograd
 from torch import Tensor, nn
 from torch.distributed.rpc import RRef
 
+from .._torch_compat import torchscript_enabled
 from ..metrics import data_plane
 from ..shards.state import ShardState
 from .registry import functional_optim_map
@@ -330,7 +330,7 @@ def remote_new_owner_optimizer(optimizer_cls, param_rrefs: List[RRef], indices: 
     """RPC target: the OwnerOptimizer for these parameters (shared when it exists):
     an RRef that keeps it alive, the handle that steps use, and whether it
     runs compiled (this owner's ``functional_optim_map`` has the class)."""
-    functional_cls = functional_optim_map.get(optimizer_cls) if torch.jit._state._enabled else None
+    functional_cls = functional_optim_map.get(optimizer_cls) if torchscript_enabled() else None
     params = [rref.local_value() for rref in param_rrefs]
     for index, param in zip(indices, params):
         if not isinstance(param, Tensor):

@@ -9,24 +9,18 @@ inside TorchScript back into the Python exceptions they were
 ``ValueError``).  It owns no math and no state of its own.
 """
 
-import builtins
-import re
 from typing import Dict, List, Optional
 
 import torch
 from torch import Tensor
 
-_SCRIPT_ERROR = re.compile(r"builtins\.(\w+): (.*)", re.DOTALL)
-
+from .._torch_compat import builtin_error_in_script_error
 
 def reraise_script_error(error: Exception) -> None:
     """Re-raise a TorchScript error as the builtin exception it wraps, if any."""
-    matches = list(_SCRIPT_ERROR.finditer(str(error)))
-    if matches:
-        name, message = matches[-1].group(1), matches[-1].group(2).strip()
-        exc_type = getattr(builtins, name, None)
-        if isinstance(exc_type, type) and issubclass(exc_type, Exception):
-            raise exc_type(message) from error
+    wrapped = builtin_error_in_script_error(error)
+    if wrapped is not None:
+        raise wrapped from error
     raise error
 
 

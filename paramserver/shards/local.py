@@ -10,8 +10,8 @@ and, when its function returns, asks the shards to leave.
 import datetime
 from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
 
-import torch.distributed.rpc as rpc
 
+from .._torch_compat import current_rpc_agent
 from ..processes import Child, free_port, run_children
 from .peer import PeerOptions, join, leave
 from .server import ShardServerOptions, run_shard_server, stop_shards
@@ -28,7 +28,7 @@ def _run_trainer(target: Callable, args: tuple, name: str, rank: int, world_size
         target(*args)
     finally:
         # A target may have left already (for example after losing a peer on purpose).
-        if rpc.api._is_current_rpc_agent_set():
+        if current_rpc_agent() is not None:
             if rank == 0:
                 stop_shards(shards)
             leave(graceful=True)

@@ -23,6 +23,9 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed.rpc as rpc
 
+from .._torch_compat import (current_rpc_agent, forget_rpc_peer, is_open_rpc_group, release_rrefs,
+                             reset_rpc_init_counter, tensorpipe_options)
+
 logger = logging.getLogger(__name__)
 
 #: Environment overrides for the defaults below.
@@ -133,21 +136,15 @@ def join(name: str, rank: int, world_size: Optional[int], init_method: str,
         # torch prefixes a process's store keys by how many times it called
         # init_rpc; members of an open group must all use the first prefix,
         # the one the coordinator's store upkeep knows.
-        with rpc._init_counter_lock:
-            rpc._init_counter = 0
+        reset_rpc_init_counter()
     transports = options.transports or (OPEN_GROUP_TRANSPORTS if world_size is None else None)
-    backend_options = rpc.TensorPipeRpcBackendOptions(
-        init_method=init_method,
-        num_worker_threads=options.num_worker_threads,
-        rpc_timeout=options.rpc_timeout.total_seconds(),
-        _transports=list(transports) if transports else None,
-    )
+    backend_options = tensorpipe_options(init_method, options.num_worker_threads, options.rpc_timeout, transports)
     rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=backend_options)
 
 
 def is_open_group() -> bool:
-    agent = rpc.api._get_current_rpc_agent()
-    return not getattr(agent, "is_static_group", True)
+    agent = current_rpc_agent()
+    return agent is not None and is_open_rpc_group(agent)
 
 
 def forget(peer: str) -> bool:
@@ -155,14 +152,14 @@ def forget(peer: str) -> bool:
 
     Without this, leaving would wait on the dead peer.  Returns whether it was known.
     """
-    if not rpc.api._is_current_rpc_agent_set():
+    agent = current_rpc_agent()
+    if agent is None:
         return False
-    agent = rpc.api._get_current_rpc_agent()
     try:
         info = agent.get_worker_info(peer)
     except RuntimeError:
         return False
-    agent._update_group_membership(info, [], {}, False)
+    forget_rpc_peer(agent, info)
     logger.info("forgot lost RPC peer %s", peer)
     return True
 
@@ -176,11 +173,11 @@ def leave(graceful: bool = True, timeout: Optional[datetime.timedelta] = None) -
     leaves and all outstanding work is done (bounded by ``timeout`` when
     given); in an open group, release the RRefs this process holds and tell
     the others it left.  Not graceful: just stop."""
-    if graceful and rpc.api._is_current_rpc_agent_set() and is_open_group():
+    if graceful and is_open_group():
         try:
             # Bounded: RRefs whose owner died (a lost shard) are never confirmed, and torch's default
             # wait for them is 100 s.
-            rpc.api._delete_all_user_and_unforked_owner_rrefs(RELEASE_RREFS_WITHIN)
+            release_rrefs(RELEASE_RREFS_WITHIN)
         except RuntimeError as error:  # an owner may be gone; its RRefs are moot
             logger.warning("releasing RRefs before leaving: %s", error)
     if timeout is None:

@@ -1,0 +1,214 @@
+"""Every private torch API and every piece of torch's error text that paramserver relies on.
+
+torch gives no public way to do some things an elastic parameter server
+needs: leave an open RPC group cleanly when a peer died, heal the group's
+member list in its store, tell which trainer a dist_autograd context came
+from, or recognise a failed gloo/NCCL collective (those arrive as a plain
+``RuntimeError``).  Each such reliance is named here, once, with the reason;
+``tests/test_torch_compat.py`` has a test per item that fails loudly when a
+torch release changes it.  Nothing else in the package touches a private
+torch name or parses torch's error text.
+
+Names used inside TorchScript functions (which cannot call Python helpers)
+are listed in ``TORCHSCRIPT_PRIVATE_OPS`` and checked by the same tests.
+"""
+
+import ast
+import builtins
+import datetime
+import re
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+
+# --- The open RPC group's store (torch/distributed/rpc/__init__.py, api.py) -------------------------------
+# A process's n-th init_rpc prefixes its store keys with "rpc_prefix_<n-1>"; open-group members take a
+# token under RPC_TOKEN_KEY to join or leave and list themselves under names/_ALL_WORKER_INFOS as
+# "name-rank,".  The coordinator edits that list when a member dies without leaving
+# (control/rendezvous.py), or every later join waits on the dead member.
+
+#: The key prefix of a process's first ``init_rpc``; ``reset_rpc_init_counter`` makes every join use it.
+RPC_STORE_PREFIX = "rpc_prefix_0"
+#: Under ``RPC_STORE_PREFIX``: the prefix of the agents' names.
+RPC_NAMES_PREFIX = "names"
+#: Under ``RPC_STORE_PREFIX``: the membership token ("" when free, else the holder's token).
+RPC_TOKEN_KEY = "RpcGroupManagementToken"
+#: Under ``RPC_NAMES_PREFIX``: the member list.
+RPC_MEMBER_LIST_KEY = "_ALL_WORKER_INFOS"
+#: What a token's own key is set to once its holder is finished.
+RPC_TOKEN_DONE = "Done"
+
+
+def rpc_token(name: str, purpose: str) -> str:
+    """The token a member ``name`` holds while it does ``purpose`` ("join", "leave"; ours: "removal")."""
+    return f"Token_for_{name}_{purpose}"
+
+
+def rpc_member_entry(name: str, rank: int) -> str:
+    """One member's entry in the member list."""
+    return f"{name}-{rank},"
+
+
+def reset_rpc_init_counter() -> None:
+    """Make the next ``init_rpc`` use ``RPC_STORE_PREFIX``, however often this process joined before."""
+    with rpc._init_counter_lock:
+        rpc._init_counter = 0
+
+
+# --- The RPC agent ------------------------------------------------------------------------------------------
+
+def current_rpc_agent():
+    """This process's RPC agent, or None when it has none (never joined, or left)."""
+    if not rpc.api._is_current_rpc_agent_set():
+        return None
+    return rpc.api._get_current_rpc_agent()
+
+
+def is_open_rpc_group(agent) -> bool:
+    """Whether ``agent`` is in a group without a fixed world size (members join and leave)."""
+    return not agent.is_static_group
+
+
+def forget_rpc_peer(agent, peer: "rpc.WorkerInfo") -> None:
+    """Drop ``peer`` (known to be dead) from ``agent``'s view of an open group, as its leaving would.
+
+    Without it, this process's own leave waits on the dead peer.
+    """
+    agent._update_group_membership(peer, [], {}, False)
+
+
+def release_rrefs(timeout: datetime.timedelta) -> None:
+    """Release the RRefs this process uses, waiting at most ``timeout`` for their owners' acknowledgement.
+
+    ``rpc.shutdown`` does this with a fixed 100 s wait, which an RRef whose
+    owner died (a lost shard) always runs into.
+    """
+    rpc.api._delete_all_user_and_unforked_owner_rrefs(timeout)
+
+
+def tensorpipe_options(init_method: str, num_worker_threads: int, rpc_timeout: datetime.timedelta,
+                       transports: Optional[Sequence[str]] = None) -> rpc.TensorPipeRpcBackendOptions:
+    """TensorPipe options, with the transports restricted to ``transports`` when given.
+
+    An open group's members must avoid the shared-memory transport, which
+    fails between a member and one that joined after it.
+    """
+    return rpc.TensorPipeRpcBackendOptions(init_method=init_method, num_worker_threads=num_worker_threads,
+                                           rpc_timeout=rpc_timeout.total_seconds(),
+                                           _transports=list(transports) if transports else None)
+
+
+def rpc_barrier(names: List[str]) -> None:
+    """Wait until every peer in ``names`` reached this call (benchmarks line their rounds up with it)."""
+    rpc.api._barrier(names)
+
+
+# --- dist_autograd ------------------------------------------------------------------------------------------
+
+#: A dist_autograd context id is its creating worker's id shifted left by this (torch/csrc/distributed/
+#: autograd/context/container.h); the owners read the trainer behind a step from it.
+AUTOGRAD_CONTEXT_WORKER_SHIFT = 48
+
+
+def autograd_context_creator(context_id: int) -> int:
+    """The RPC worker id of the process that created dist_autograd context ``context_id``."""
+    return context_id >> AUTOGRAD_CONTEXT_WORKER_SHIFT
+
+
+def check_autograd_context(context_id: int) -> None:
+    """Raise ``RuntimeError`` unless ``context_id`` is a live dist_autograd context of this process.
+
+    Checked before a step's RPCs go out, so that a stale context fails here
+    and not on every owner.
+    """
+    dist_autograd._is_valid_context(context_id)
+
+
+# --- TorchScript --------------------------------------------------------------------------------------------
+
+def torchscript_enabled() -> bool:
+    """Whether TorchScript compiles (``PYTORCH_JIT=0`` turns it off); owners then run optimizers in Python."""
+    return bool(torch.jit._state._enabled)
+
+
+#: Private operators called inside TorchScript code (optim/kernels.py, optim/qhm.py,
+#: optim/functional_qhm.py: the fused and multi-tensor kernels torch.optim itself uses) and private
+#: tensor methods (optim/owner.py: a sparse gradient's values without coalescing).
+TORCHSCRIPT_PRIVATE_OPS = ("_fused_sgd_", "_foreach_mul_", "_foreach_add", "_foreach_add_", "_foreach_neg",
+                           "_foreach_copy_")
+TORCHSCRIPT_PRIVATE_TENSOR_METHODS = ("_values", "_nnz")
+
+_SCRIPT_ERROR = re.compile(r"builtins\.(\w+): (.*)", re.DOTALL)
+
+
+def builtin_error_in_script_error(error: BaseException) -> Optional[Exception]:
+    """The builtin exception (``ValueError``...) a ``torch.jit.Error`` wraps, or None.
+
+    TorchScript raises every Python exception as ``torch.jit.Error`` whose
+    text ends in "builtins.ValueError: message"; only the text has the type.
+    """
+    matches = list(_SCRIPT_ERROR.finditer(str(error)))
+    if not matches:
+        return None
+    name, message = matches[-1].group(1), matches[-1].group(2).strip()
+    exc_type = getattr(builtins, name, None)
+    if isinstance(exc_type, type) and issubclass(exc_type, Exception):
+        return exc_type(message)
+    return None
+
+
+# --- Errors across an RPC boundary --------------------------------------------------------------------------
+
+_REMOTE_ERROR = re.compile(r"On WorkerInfo\([^\n]*\):\n(\w+)\((.*)\)\n")
+_ERROR_LINE = re.compile(r"^(?:builtins\.)?(\w*(?:Error|Exception)): (.+)$")
+
+
+def remote_error_cause(error: BaseException) -> str:
+    """The essential "Type: message" of an error that may have crossed an RPC boundary.
+
+    torch delivers an RPC target's exception as text: "On WorkerInfo(...):",
+    the exception's repr, its traceback.  A TorchScript error's text holds the
+    script traceback and ends with the "Type: message" that matters; a
+    Python error raised under TorchScript reads "RuntimeError: ValueError: ...".
+    """
+    text = str(error)
+    remote = _REMOTE_ERROR.search(text)
+    if remote:
+        kind, body = remote.group(1), remote.group(2)
+        try:
+            body = str(ast.literal_eval(body))
+        except (ValueError, SyntaxError):
+            pass
+        text = f"{kind}: {body}"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    matches = [m for m in map(_ERROR_LINE.match, lines) if m]
+    if not matches:
+        return lines[0] if lines else type(error).__name__
+    kind, message = matches[-1].group(1), matches[-1].group(2)
+    inner = _ERROR_LINE.match(message)
+    while inner:
+        kind, message = inner.group(1), inner.group(2)
+        inner = _ERROR_LINE.match(message)
+    return f"{kind}: {message}"
+
+
+# --- Collectives --------------------------------------------------------------------------------------------
+
+_BACKEND_ERROR_MARKERS = ("gloo", "NCCL")
+
+
+def is_collective_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a failed collective of the gloo or NCCL backend.
+
+    torch raises ``DistError`` subclasses for some failures, but a peer that
+    died mid-collective surfaces from ``Work.wait()``, DDP's backward and
+    distributed autograd as a plain ``RuntimeError`` whose text names the
+    backend's source ("third_party/gloo/...", "NCCL error").
+    """
+    if isinstance(error, dist.DistError):
+        return True
+    text = str(error)
+    return any(marker in text for marker in _BACKEND_ERROR_MARKERS)
