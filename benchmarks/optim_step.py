@@ -29,7 +29,7 @@ How to run
     ``--rounds N`` (timed rounds for (a) and (b); the table case uses a third
     of them, at least 3), ``--threads N`` (``torch.set_num_threads``; the
     default leaves torch's choice).  Progress goes to stderr; the results go
-    to stdout as markdown tables that can be pasted into the README.
+    to stdout as markdown tables that can be pasted into docs/benchmarks.md.
 
 How to read it
     Contestants of a case run round-robin (A, B, copy, A, B, copy, ...) after

@@ -478,8 +478,9 @@ def test_the_image_runs_as_a_non_root_user_with_the_entry_points():
         assert needed in copied, f"the image build needs {needed}"
 
 
-def test_the_readme_names_only_deploy_files_that_exist():
-    named = set(re.findall(r"deploy/[\w./-]+[\w]", (ROOT / "README.md").read_text()))
-    assert named, "the README's Kubernetes section names the deploy files"
+def test_the_deployment_page_names_only_deploy_files_that_exist():
+    page = ROOT / "docs" / "deployment.md"
+    named = set(re.findall(r"deploy/[\w./-]+[\w]", page.read_text()))
+    assert named, "the deployment page names the deploy files"
     for path in named:
-        assert (ROOT / path).exists(), f"README names {path}, which does not exist"
+        assert (ROOT / path).exists(), f"docs/deployment.md names {path}, which does not exist"

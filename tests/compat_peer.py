@@ -1,0 +1,142 @@
+"""The RPC half of ``tests/test_torch_compat.py``, run in a child process of its own.
+
+A process's dist_autograd container keeps the worker id of its first RPC
+join for good, so the test process itself (which other tests join as rank 0
+of a group of one) cannot also be rank 1 of an open group.  ``run_checks``
+hosts the coordinator's store, joins it as rank 1, runs every check and
+puts ``(name, None or the traceback)`` on a queue, then ``DONE``."""
+
+import datetime
+import multiprocessing
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+
+from paramserver import _torch_compat as compat
+from paramserver.control.rendezvous import RendezvousStore
+from paramserver.shards.peer import join, leave
+
+SELF = "compat0"
+CHILD = "compat1"
+DONE = "done"
+JOIN_WITHIN = datetime.timedelta(seconds=60)
+
+
+def _member_list(store: RendezvousStore) -> str:
+    rpc_store = dist.PrefixStore(compat.RPC_STORE_PREFIX, store.store)
+    names = dist.PrefixStore(compat.RPC_NAMES_PREFIX, rpc_store)
+    return names.get(compat.RPC_MEMBER_LIST_KEY).decode()
+
+
+def store_keys(store, init_method):
+    assert compat.rpc_member_entry(SELF, 1) in _member_list(store)
+    rpc_store = dist.PrefixStore(compat.RPC_STORE_PREFIX, store.store)
+    assert rpc_store.get(compat.RPC_TOKEN_KEY) == b"", "the token is free once a join finished"
+    assert rpc_store.get(compat.rpc_token(SELF, "join")) == compat.RPC_TOKEN_DONE.encode()
+
+
+def agent_of_an_open_group(store, init_method):
+    agent = compat.current_rpc_agent()
+    assert agent is not None and agent.get_worker_info().name == SELF
+    assert compat.is_open_rpc_group(agent)
+    compat.rpc_barrier([SELF])
+
+
+def second_join_uses_the_first_prefix(store, init_method):
+    leave(graceful=True)
+    assert compat.current_rpc_agent() is None
+    assert compat.rpc_member_entry(SELF, 1) not in _member_list(store)
+    join(SELF, 1, None, init_method)  # init_rpc's second call: its keys would go under rpc_prefix_1
+    assert compat.rpc_member_entry(SELF, 1) in _member_list(store)
+
+
+def autograd_context_layout(store, init_method):
+    agent = compat.current_rpc_agent()
+    with dist_autograd.context() as context_id:
+        assert compat.autograd_context_creator(context_id) == agent.get_worker_info().id
+        compat.check_autograd_context(context_id)
+    try:
+        compat.check_autograd_context(context_id)
+    except RuntimeError:
+        return
+    raise AssertionError("a finished context was accepted")
+
+
+def raise_value_error(message: str):
+    raise ValueError(message)
+
+
+@torch.jit.script
+def scripted_raise(flag: bool) -> int:
+    if flag:
+        raise ValueError("lr must be positive, got -1.0")
+    return 0
+
+
+def remote_errors_reduced_to_their_cause(store, init_method):
+    for function, args, expected in (
+            (raise_value_error, ("gradient for 'w' has shape [3]",), "ValueError: gradient for 'w' has shape [3]"),
+            (scripted_raise, (True,), "ValueError: lr must be positive, got -1.0")):
+        try:
+            rpc.rpc_sync(SELF, function, args=args)
+        except Exception as error:  # noqa: BLE001 - what torch raises is the point
+            assert compat.remote_error_cause(error) == expected, (compat.remote_error_cause(error), str(error))
+        else:
+            raise AssertionError(f"{function.__name__} raised nothing")
+
+
+def _child_peer(init_method: str, joined, die) -> None:
+    join(CHILD, 2, None, init_method)
+    joined.set()
+    die.wait(60)
+    os._exit(0)  # dies without leaving
+
+
+def dead_peer_forgotten_and_rrefs_released(store, init_method):
+    context = multiprocessing.get_context("spawn")
+    joined, die = context.Event(), context.Event()
+    child = context.Process(target=_child_peer, args=(init_method, joined, die), name=CHILD)
+    child.start()
+    try:
+        assert joined.wait(JOIN_WITHIN.total_seconds()), "the child peer did not join"
+        remote = rpc.remote(CHILD, torch.add, args=(torch.ones(2), 0))
+        assert remote.to_here().tolist() == [1.0, 1.0]
+        die.set()
+        child.join(30)
+        assert child.exitcode == 0, child.exitcode
+        agent = compat.current_rpc_agent()
+        compat.forget_rpc_peer(agent, agent.get_worker_info(CHILD))
+        assert CHILD not in [info.name for info in agent.get_worker_infos()]
+        assert store.remove_rpc_peer(CHILD, 2), "the coordinator's upkeep found the dead peer listed"
+        del remote
+        compat.release_rrefs(datetime.timedelta(seconds=1))  # the owner is gone: bounded, no error
+    finally:
+        if child.is_alive():
+            child.kill()
+        child.join(10)
+
+
+CHECKS = (store_keys, agent_of_an_open_group, second_join_uses_the_first_prefix, autograd_context_layout,
+          remote_errors_reduced_to_their_cause, dead_peer_forgotten_and_rrefs_released)
+
+
+def run_checks(results) -> None:
+    store = RendezvousStore("127.0.0.1")
+    init_method = f"tcp://127.0.0.1:{store.port}"
+    try:
+        join(SELF, 1, None, init_method)
+        for check in CHECKS:
+            try:
+                check(store, init_method)
+                results.put((check.__name__, None))
+            except BaseException:  # noqa: BLE001 - reported to the test, by name
+                results.put((check.__name__, traceback.format_exc()))
+    finally:
+        if compat.current_rpc_agent() is not None:
+            leave(graceful=True)
+        store.close()
+        results.put((DONE, None))
