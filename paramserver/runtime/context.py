@@ -16,6 +16,7 @@ converts them at the boundary and never talks to the coordinator itself.
 
 import datetime
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -151,13 +152,13 @@ class GroupChannel:
         Returns ``None`` as soon as the worker is asked to stop; raises
         ``TimeoutError`` after ``timeout``.
         """
-        deadline = datetime.datetime.now() + timeout
+        deadline = time.monotonic() + timeout.total_seconds()
         while not self.should_stop():
             view = self.group_view()
             if view is not None and view.generation > newer_than and self.rpc_name in view.members:
                 return view
             self._inbox.wait_for_change(_GROUP_POLL.total_seconds())
-            if datetime.datetime.now() > deadline:
+            if time.monotonic() > deadline:
                 newest = self.group_view()
                 raise TimeoutError(f"{self.rpc_name}: trainer group {self.trainer_group} did not form within "
                                    f"{timeout.total_seconds():.0f} s (newest view: "

@@ -39,29 +39,25 @@ class BatchStream:
     def __init__(self, data: Iterable[Batch], position: Optional[Dict[str, Any]] = None):
         self._data = data
         self._stateful = is_stateful(data)
-        self.used = 0
         restored = position or {}
-        if restored.get("state") is not None and self._stateful:
+        self.used = int(restored.get("used", 0))
+        loads_state = self._stateful and restored.get("state") is not None
+        if loads_state:
             data.load_state_dict(restored["state"])
-            self.used = int(restored.get("used", 0))
         self._iterator = iter(data)
-        if restored and not (restored.get("state") is not None and self._stateful):
-            skip = int(restored.get("used", 0))
-            for _ in range(skip):
+        if restored and not loads_state:
+            for _ in range(self.used):
                 if self._pull() is None:
                     break
-            self.used = skip
-            logger.info("data position restored by skipping %d batches", skip)
+            logger.info("data position restored by skipping %d batches", self.used)
         # (batch, the data's state before it was pulled)
         self._ahead: Deque[Tuple[Batch, Any]] = collections.deque()
-        self.ended = False
 
     def _pull(self) -> Optional[Tuple[Batch, Any]]:
         state = self._data.state_dict() if self._stateful else None
         try:
             return next(self._iterator), state
         except StopIteration:
-            self.ended = True
             return None
 
     def ensure(self, count: int) -> bool:

@@ -31,7 +31,7 @@ from ..ddp import DenseReplica, GroupStopped, TrainerGroup
 from .contract import Batch, Table
 from .data import BatchStream
 from .evaluation import evaluate
-from .sparse import RebuildStopped, SparseTables
+from .sparse import RebuildStopped, SparseTables, one_line
 from .step import ShardStepFailed, train_step
 
 logger = logging.getLogger(__name__)
@@ -184,7 +184,7 @@ class _Run:
             else:  # failed against a shard after the group's all-reduce: the step is not redone
                 self.sparse_steps_lost += 1
                 logger.warning("the sparse update of step %d failed against the shards; the dense one goes on: %s",
-                               step, _first_line(sparse_failure))
+                               step, one_line(sparse_failure))
                 try:
                     sparse.rebuild(sparse_failure)
                 except RebuildStopped:
@@ -279,8 +279,3 @@ def _position(saved) -> Optional[Dict[str, Any]]:
     if saved is None:
         return None
     return saved if isinstance(saved, dict) else {"used": int(saved), "state": None}
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
