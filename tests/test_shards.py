@@ -99,6 +99,27 @@ def trainer_embedding_rejects_out_of_range_ids():
     assert torch.equal(sharded.fetch_weight(), before)
     # Rows drawn on the shards from the seed: same seed, same table.
     assert torch.equal(ShardedEmbeddingBag(ROWS, DIM, shards=shard_names(2), seed=3).fetch_weight(), before)
+    _empty_batches_work_like_embedding_bag(sharded)
+
+
+def _empty_batches_work_like_embedding_bag(sharded):
+    """No ids at all (no rows, or bags that are all empty): what nn.EmbeddingBag returns, still differentiable,
+    and a step that leaves every row as it was."""
+    local = nn.EmbeddingBag.from_pretrained(sharded.fetch_weight(), mode=sharded.mode, freeze=False)
+    before = sharded.fetch_weight()
+    optimizer = DistributedOptimizer(QHM, sharded.remote_parameters(), lr=1.0, momentum=0.9, nu=0.7)
+    cases = [((torch.empty(0, 3, dtype=torch.long),), {}),
+             ((torch.empty(0, dtype=torch.long), torch.tensor([0, 0, 0])), {})]
+    for args, kwargs in cases:
+        with dist_autograd.context() as context_id:
+            out, expected = sharded(*args, **kwargs), local(*args, **kwargs)
+            assert out.shape == expected.shape and out.requires_grad == expected.requires_grad, (out, expected)
+            assert torch.equal(out, expected)
+            dist_autograd.backward(context_id, [out.sum()])
+            optimizer.step(context_id)
+        with torch.no_grad():
+            assert not sharded(*args, **kwargs).requires_grad
+    assert torch.equal(sharded.fetch_weight(), before)
 
 
 def trainer_shared_tables_are_one_table():
@@ -133,7 +154,7 @@ def test_sharded_embedding_bag_steps_only_touched_rows_like_local_functional_qhm
     run_cluster([(trainer_embedding_qhm_matches_local_functional, ())], num_shards=4)
 
 
-def test_out_of_range_ids_raise_before_anything_is_sent():
+def test_out_of_range_ids_raise_before_anything_is_sent_and_empty_batches_work():
     run_cluster([(trainer_embedding_rejects_out_of_range_ids, ())], num_shards=2)
 
 

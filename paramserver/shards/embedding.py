@@ -124,8 +124,9 @@ class ShardedEmbeddingBag(nn.Module):
         def finish() -> Tensor:
             if pending:
                 unique_rows = torch.cat([future.wait() for future in pending])
-            else:
-                unique_rows = torch.empty(0, self.embedding_dim, dtype=self.dtype)
+            else:  # no ids at all: no rows to fetch, yet differentiable as nn.EmbeddingBag's result is
+                unique_rows = torch.empty(0, self.embedding_dim, dtype=self.dtype,
+                                          requires_grad=torch.is_grad_enabled())
             return F.embedding_bag(inverse.view(ids.shape), unique_rows, offsets, mode=self.mode,
                                    per_sample_weights=per_sample_weights)
         return finish
