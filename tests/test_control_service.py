@@ -1,10 +1,13 @@
-"""The Coordinator service's handlers under fuzzing, and the rendezvous store's upkeep.
+"""The Coordinator service's handlers under fuzzing, refusals logged at a bounded rate, and the rendezvous
+store's upkeep.
 
 Every request, however malformed, is either answered or refused with
 INVALID_ARGUMENT / FAILED_PRECONDITION, and a legitimate member keeps
 being served afterwards."""
 
 import datetime
+import logging
+import re
 import threading
 import time
 
@@ -20,6 +23,7 @@ from paramserver._torch_compat import RPC_STORE_PREFIX
 from paramserver.control.rendezvous import RendezvousStore
 from paramserver.control.service import CoordinatorService, ServiceSettings
 from paramserver.control.validation import RequestError
+from paramserver.logs import RateLimitedLog
 
 METHODS = ["Join", "Heartbeat", "Leave", "Status", "Checkpoint", "Shutdown"]
 REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION}
@@ -109,6 +113,76 @@ def test_refusals_name_what_was_wrong():
         SERVICE.handle("Join", b"\xff\xff\xff")
     with pytest.raises(RequestError, match="no checkpoint directory"):
         SERVICE.handle("Checkpoint", b"")
+
+
+# --- refusals at a bounded rate ---------------------------------------------------------------------------------
+
+class FakeTimers:
+    """``start_timer`` for ``RateLimitedLog``: timers fire when the test says so."""
+
+    def __init__(self):
+        self.pending = []
+
+    def __call__(self, seconds, callback):
+        timer = FakeTimer(seconds, callback)
+        self.pending.append(timer)
+        return timer
+
+    def fire(self):
+        due, self.pending = self.pending, []
+        for timer in due:
+            if not timer.cancelled:
+                timer.callback()
+
+
+class FakeTimer:
+    def __init__(self, seconds, callback):
+        self.seconds, self.callback, self.cancelled = seconds, callback, False
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def test_a_repeated_event_is_logged_at_once_then_counted_once_per_interval(caplog):
+    now, timers = [100.0], FakeTimers()
+    log = RateLimitedLog(logging.getLogger("test.refusals"), "refused {count} call{s}",
+                         interval=datetime.timedelta(seconds=10), clock=lambda: now[0], start_timer=timers)
+    caplog.set_level(logging.INFO, logger="test.refusals")
+
+    def lines():
+        return [r.getMessage() for r in caplog.records]
+
+    log.record("INVALID_ARGUMENT", "refused Join from a: INVALID_ARGUMENT: name is empty")
+    assert lines() == ["refused Join from a: INVALID_ARGUMENT: name is empty"]  # the first one at once
+    for i in range(5800):
+        log.record("INVALID_ARGUMENT", f"refused Join from b: INVALID_ARGUMENT: call {i}")
+    for _ in range(64):
+        log.record("UNAUTHENTICATED", "refused Status from c: UNAUTHENTICATED: called without a token")
+    assert len(lines()) == 1 and [t.seconds for t in timers.pending] == [10]
+    now[0] += 10
+    timers.fire()
+    assert lines()[1] == ("refused 5,864 calls in the last 10 s: INVALID_ARGUMENT 5,800, UNAUTHENTICATED 64; "
+                          "latest: refused Status from c: UNAUTHENTICATED: called without a token")
+    # The flood goes on: one line per interval; a quiet interval ends the spell, then the next is logged at once.
+    log.record("NOT_FOUND", "x" * 1000)
+    now[0] += 10
+    timers.fire()
+    assert re.fullmatch(r"refused 1 call in the last 10 s: NOT_FOUND 1; latest: x{300}\.\.\.", lines()[2])
+    timers.fire()
+    assert len(lines()) == 3 and not timers.pending
+    log.record("INVALID_ARGUMENT", "again")
+    log.record("INVALID_ARGUMENT", "and again")
+    assert lines()[3:] == ["again"]
+    log.flush()  # a stopping server writes what is counted; the timer then does nothing
+    timers.fire()
+    assert lines()[4:] == ["refused 1 call in the last 0 s: INVALID_ARGUMENT 1; latest: and again"]
+
+
+def test_a_bad_summary_template_is_refused_at_once():
+    with pytest.raises(KeyError):
+        RateLimitedLog(logging.getLogger("test"), "refused {n} calls")
+    with pytest.raises(ValueError, match="interval must be positive"):
+        RateLimitedLog(logging.getLogger("test"), "x", interval=datetime.timedelta(0))
 
 
 def test_rendezvous_store_removes_a_lost_member_and_frees_its_token():
