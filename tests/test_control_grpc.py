@@ -75,7 +75,7 @@ def test_a_token_holder_cannot_join_as_a_shard_but_the_servers_own_shards_can(st
     with pytest.raises(CoordinatorError) as refused:
         client.join(pb.ROLE_SHARD, "shard9", "127.0.0.1")
     assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED
-    assert "refused Join: PERMISSION_DENIED: shard shard9 refused: this coordinator admits only" in str(refused.value)
+    assert "refused Join: PERMISSION_DENIED: shard shard9: this coordinator admits only" in str(refused.value)
     assert client.join(pb.ROLE_WORKER, "w", "127.0.0.1").rpc_name == "worker0"
     own = CoordinatorClient(server.address, token=TOKEN, shard_token=server.shard_credential.secret)
     assert own.join(pb.ROLE_SHARD, "shard0", "127.0.0.1").rpc_name == "shard0"
@@ -100,7 +100,8 @@ def test_a_flood_of_refused_calls_is_logged_as_a_count_not_a_line_each(start, ca
     server.refusals.flush()  # what stop() does; the 10 s interval has not ended yet
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refused")]
     assert lines[0].startswith("refused Status from ipv4:127.0.0.1:") and "called without a token" in lines[0]
-    summaries = [re.match(r"refused ([\d,]+) calls in the last [\d.e+-]+ s: (.*); latest: ", line) for line in lines[1:]]
+    summaries = [re.match(r"refused ([\d,]+) calls in the last [\d.e+-]+ s: (.*); latest: ", line)
+                 for line in lines[1:]]
     assert all(summaries), lines
     # One line per 10 s interval (a loaded machine may have crossed one), and every refusal counted.
     assert len(lines) <= 3, lines

@@ -140,7 +140,7 @@ def refusal(service, role, name, shard_token=None) -> RequestError:
 
 def test_a_shard_join_needs_the_shard_credential_and_says_which_flag_is_missing():
     service, _ = make_service(ShardCredential(SHARD_TOKEN))
-    assert re.search("shard s1 refused: .*lacks.*--shard-token-file", refusal(service, pb.ROLE_SHARD, "s1").message)
+    assert re.search("shard s1: .*lacks.*--shard-token-file", refusal(service, pb.ROLE_SHARD, "s1").message)
     assert "not the cluster's" in refusal(service, pb.ROLE_SHARD, "s1", shard_token="guess").message
     # The cluster token is no shard credential; workers and clients need none.
     refusal(service, pb.ROLE_SHARD, "s1", shard_token=TOKEN)

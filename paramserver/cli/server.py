@@ -28,8 +28,8 @@ from typing import Optional
 
 from ..control import DEFAULT_PORT, CoordinatorSettings, TlsFiles
 from ..control.checkpoints import CheckpointOptions
-from ..control.security import ShardCredential
 from ..control.protocol import HEARTBEAT_INTERVAL
+from ..control.security import ShardCredential
 from ..runtime.job import DEFAULT_JOB, JobError, pack_job
 from ..runtime.server import ServerOptions, serve
 from ..runtime.shard_host import ShardHostOptions, serve_shard_host

@@ -107,7 +107,7 @@ class CoordinatorService:
         if request.role == pb.ROLE_SHARD and self.shard_credential is not None:
             refusal = self.shard_credential.refusal(metadata)
             if refusal is not None:
-                raise RequestError(grpc.StatusCode.PERMISSION_DENIED, f"shard {request.name} refused: {refusal}")
+                raise RequestError(grpc.StatusCode.PERMISSION_DENIED, f"shard {request.name}: {refusal}")
         unreachable = loopback_from_afar(request.host, peer)
         if unreachable:
             raise invalid(unreachable)
