@@ -2,16 +2,26 @@
 
 Owns the log format and level of ps-server, ps-worker, ps-ctl and every
 shard server (``--log-level``, defaulting to ``PARAMSERVER_LOG_LEVEL``,
-else INFO), and ending a process at once with its log written
-(``exit_now``).
+else INFO), logging a repeated event at a bounded rate (``RateLimitedLog``:
+the first occurrence at once, then one line per interval with a count),
+and ending a process at once with its log written (``exit_now``).
 """
 
+import collections
+import datetime
 import logging
 import os
 import sys
-from typing import Optional
+import threading
+import time
+from typing import Callable, Optional
 
 LOG_LEVEL_ENV = "PARAMSERVER_LOG_LEVEL"
+
+#: How often ``RateLimitedLog`` sums up an event that keeps recurring.
+REPEAT_SUMMARY_EVERY = datetime.timedelta(seconds=10)
+#: The example occurrence a summary line quotes is cut to this many characters.
+MAX_EXAMPLE_CHARS = 300
 
 
 def default_log_level() -> str:
@@ -36,3 +46,100 @@ def exit_now(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _start_daemon_timer(seconds: float, callback: Callable[[], None]):
+    timer = threading.Timer(seconds, callback)
+    timer.daemon = True  # a pending summary never holds up a process's exit
+    timer.start()
+    return timer
+
+
+class RateLimitedLog:
+    """A repeated event, logged at a bounded rate: the first occurrence in full at once, then one line per
+    ``interval`` that counts the occurrences by kind.
+
+    ``summary`` names the count, with ``{count}`` (``5,864``) and ``{s}`` (a plural "s")::
+
+        refusals = RateLimitedLog(logger, "refused {count} call{s}")
+        refusals.record("INVALID_ARGUMENT", "refused Join from ipv4:10.0.0.3:51234: INVALID_ARGUMENT: name is empty")
+
+    While occurrences keep coming, each interval ends with one line such as
+    ``refused 5,864 calls in the last 10 s: INVALID_ARGUMENT 5,800, UNAUTHENTICATED 64; latest: ...``;
+    an interval without any ends the spell, and the next occurrence is logged in full at once again.
+    So a flood costs one line per interval, and a lone event still shows as it happens.  ``flush()``
+    writes what is counted so far (a server calls it when it stops).  Thread-safe; ``clock`` and
+    ``start_timer(seconds, callback)`` (returning something with ``cancel()``) are injectable for tests.
+    """
+
+    def __init__(self, logger: logging.Logger, summary: str,
+                 interval: datetime.timedelta = REPEAT_SUMMARY_EVERY, level: int = logging.INFO,
+                 clock: Callable[[], float] = time.monotonic,
+                 start_timer: Callable[[float, Callable[[], None]], object] = _start_daemon_timer):
+        if interval.total_seconds() <= 0:
+            raise ValueError(f"interval must be positive, got {interval}")
+        summary.format(count="2", s="s")  # a template with other fields fails here, not in a timer thread
+        self._logger = logger
+        self._summary = summary
+        self._seconds = interval.total_seconds()
+        self._level = level
+        self._clock = clock
+        self._start_timer = start_timer
+        self._lock = threading.Lock()
+        self._counts: collections.Counter = collections.Counter()
+        self._latest = ""
+        self._since: Optional[float] = None  # when the current interval began; None: quiet, nothing counted
+        self._timer = None
+        self._intervals = 0  # numbers the intervals, so that a stale timer (flushed meanwhile) does nothing
+
+    def record(self, kind: str, message: str) -> None:
+        """One occurrence of kind ``kind`` (a short word, counted); ``message`` is its own one-line account."""
+        with self._lock:
+            if self._since is not None:
+                self._counts[kind] += 1
+                self._latest = message
+                return
+            self._begin_interval()
+        self._logger.log(self._level, "%s", message)
+
+    def _begin_interval(self) -> None:
+        self._intervals += 1
+        number = self._intervals
+        self._since = self._clock()
+        self._timer = self._start_timer(self._seconds, lambda: self._end_interval(number))
+
+    def _end_interval(self, number: int) -> None:
+        with self._lock:
+            if number != self._intervals:
+                return
+            line = self._take_summary()
+            if line is None:  # a quiet interval ends the spell
+                self._since = self._timer = None
+            else:
+                self._begin_interval()
+        if line is not None:
+            self._logger.log(self._level, "%s", line)
+
+    def _take_summary(self) -> Optional[str]:
+        """The line for what was counted this interval (None when nothing was); resets the counts."""
+        total = sum(self._counts.values())
+        if not total:
+            return None
+        seconds = self._clock() - self._since
+        kinds = ", ".join(f"{kind} {count:,}" for kind, count in self._counts.most_common())
+        latest = self._latest if len(self._latest) <= MAX_EXAMPLE_CHARS else self._latest[:MAX_EXAMPLE_CHARS] + "..."
+        self._counts.clear()
+        self._latest = ""
+        return (f"{self._summary.format(count=f'{total:,}', s='' if total == 1 else 's')} in the last "
+                f"{seconds:.3g} s: {kinds}; latest: {latest}")
+
+    def flush(self) -> None:
+        """Write what is counted so far and end the spell: the next occurrence is logged in full at once."""
+        with self._lock:
+            line = self._take_summary() if self._since is not None else None
+            if self._timer is not None:
+                self._timer.cancel()
+            self._intervals += 1
+            self._since = self._timer = None
+        if line is not None:
+            self._logger.log(self._level, "%s", line)

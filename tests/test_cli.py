@@ -79,6 +79,38 @@ def test_a_joining_server_names_its_shards_after_the_address_facing_the_coordina
     assert (named.coordinator, named.prefix) == ("127.0.0.1:50051", "rack7_")
 
 
+def secret_files(folder, **secrets):
+    """``--token-file``-style files holding ``secrets`` (name -> token); returns name -> path."""
+    paths = {}
+    for name, secret in secrets.items():
+        paths[name] = folder / name
+        paths[name].write_text(secret + "\n")
+    return {name: str(path) for name, path in paths.items()}
+
+
+def test_shards_get_a_token_of_their_own_on_both_ps_servers(tmp_path):
+    files = secret_files(tmp_path, token="cluster-token", shard="shard-token", same="cluster-token")
+    coordinator = server.options_from(server_args("--token-file", files["token"], "--shard-token-file", files["shard"]))
+    credential = coordinator.coordinator.shard_credential
+    assert (credential.secret, credential.made_for_this_run) == ("shard-token", False)
+    # Without a shard token file the server makes one up when it starts (CoordinatorServer), not the flags.
+    assert server.options_from(server_args("--token-file", files["token"])).coordinator.shard_credential is None
+    joining = server.shard_host_options_from(server_args("--join", "127.0.0.1:5000", "--token-file", files["token"],
+                                                         "--shard-token-file", files["shard"]))
+    assert (joining.token, joining.shard_token) == ("cluster-token", "shard-token")
+    for argv, message in [
+        (["--token-file", files["token"], "--shard-token-file", files["same"]],
+         "--shard-token-file holds the same token as --token-file"),
+        (["--shard-token-file", str(tmp_path / "missing")], "--shard-token-file " + str(tmp_path / "missing")),
+    ]:
+        for join in ([], ["--join", "127.0.0.1:5000"]):
+            parse = server.shard_host_options_from if join else server.options_from
+            with pytest.raises(UsageError, match=re.escape(message)):
+                parse(server_args(*join, *argv))
+    with pytest.raises(UsageError, match="--join with --token-file needs --shard-token-file too"):
+        server.shard_host_options_from(server_args("--join", "127.0.0.1:5000", "--token-file", files["token"]))
+
+
 def test_a_coordinator_alone_has_no_shards_of_its_own():
     options = server.options_from(server_args("--shards", "0"))
     assert options.num_shards == 0 and options.coordinator.host == "127.0.0.1"

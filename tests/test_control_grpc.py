@@ -1,7 +1,10 @@
 """The coordinator on a real gRPC port (in this process, no shards): the standard
-health client, reflection, token auth, TLS, bad bytes on the wire, failure detection."""
+health client, reflection, token auth, the shard credential, a flood of refused
+calls logged as a count, TLS, bad bytes on the wire, failure detection."""
 
 import datetime
+import logging
+import re
 import time
 
 import grpc
@@ -63,6 +66,50 @@ def test_token_is_required_except_for_health(start):
         assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
     client = CoordinatorClient(server.address, token=TOKEN)
     assert client.status().generation == 0
+
+
+def test_a_token_holder_cannot_join_as_a_shard_but_the_servers_own_shards_can(start):
+    server = start(token=TOKEN)  # no shard credential given: one is made for this run
+    assert server.shard_credential is not None and server.shard_credential.made_for_this_run
+    client = CoordinatorClient(server.address, token=TOKEN)
+    with pytest.raises(CoordinatorError) as refused:
+        client.join(pb.ROLE_SHARD, "shard9", "127.0.0.1")
+    assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED
+    assert "refused Join: PERMISSION_DENIED: shard shard9: this coordinator admits only" in str(refused.value)
+    assert client.join(pb.ROLE_WORKER, "w", "127.0.0.1").rpc_name == "worker0"
+    own = CoordinatorClient(server.address, token=TOKEN, shard_token=server.shard_credential.secret)
+    assert own.join(pb.ROLE_SHARD, "shard0", "127.0.0.1").rpc_name == "shard0"
+    # The shard credential goes with a Join as a shard only, and replaces no cluster token.
+    with pytest.raises(NotAuthenticated):
+        CoordinatorClient(server.address, shard_token=server.shard_credential.secret).status()
+    assert [s.name for s in client.status().shards] == ["shard0"]
+
+
+def test_a_flood_of_refused_calls_is_logged_as_a_count_not_a_line_each(start, caplog):
+    server = start(token=TOKEN)
+    caplog.set_level(logging.INFO, logger="paramserver.control")
+    with grpc.insecure_channel(server.address) as channel:
+        no_token = channel.unary_unary(f"/{SERVICE_NAME}/Status")
+        garbage = channel.unary_unary(f"/{SERVICE_NAME}/Join")
+        for _ in range(50):
+            with pytest.raises(grpc.RpcError):
+                no_token(b"", timeout=5)
+        for _ in range(300):
+            with pytest.raises(grpc.RpcError):
+                garbage(b"\xff\xfe", timeout=5, metadata=[("authorization", "Bearer " + TOKEN)])
+    server.refusals.flush()  # what stop() does; the 10 s interval has not ended yet
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refused")]
+    assert lines[0].startswith("refused Status from ipv4:127.0.0.1:") and "called without a token" in lines[0]
+    summaries = [re.match(r"refused ([\d,]+) calls in the last [\d.e+-]+ s: (.*); latest: ", line)
+                 for line in lines[1:]]
+    assert all(summaries), lines
+    # One line per 10 s interval (a loaded machine may have crossed one), and every refusal counted.
+    assert len(lines) <= 3, lines
+    counted = {}
+    for summary in summaries:
+        for kind, count in re.findall(r"([A-Z_]+) ([\d,]+)", summary.group(2)):
+            counted[kind] = counted.get(kind, 0) + int(count.replace(",", ""))
+    assert counted == {"UNAUTHENTICATED": 49, "INVALID_ARGUMENT": 300}, lines
 
 
 def test_garbage_on_the_wire_gets_invalid_argument_and_others_are_still_served(start):

@@ -8,7 +8,8 @@ Owns the checks of ``deploy/Dockerfile`` and ``deploy/k8s/*.yaml``:
   validation, so it cannot pass silently;
 * the manifests agree with each other (the workers' ``--connect`` names the
   coordinator pod's DNS name through the headless Service, the Secret the
-  pods mount exists and holds the file ``--token-file`` reads, probes hit
+  pods mount exists and holds the file ``--token-file`` reads, the shard
+  token goes to the ps-server pods only, probes hit
   the port given to ``--port``, ``--host`` comes from the pod's IP) and with
   the real command-line parsers (``paramserver.cli.*.add_arguments``);
 * the Dockerfile installs ``torch==2.13.0`` from the CPU index before the
@@ -274,29 +275,55 @@ def test_shard_hosts_join_the_coordinator_pod(objects):
         assert int(option(container["args"], "--shards")) >= 1
 
 
-def test_the_secret_the_pods_mount_exists_and_holds_the_token_file(objects):
+def mounted_secret_files(objects, owner: str, spec: dict, container: dict) -> Dict[str, str]:
+    """The files of the Secrets ``container`` mounts, path -> Secret name; every Secret and key must exist."""
     secrets = {s["metadata"]["name"]: s for s in of_kind(objects, "Secret")}
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    files = {}
+    for mount in container.get("volumeMounts", []):
+        volume = volumes[mount["name"]]  # every mount names a volume of the pod
+        if "secret" not in volume:
+            continue
+        name = volume["secret"]["secretName"]
+        assert name in secrets, f"{owner} mounts Secret {name!r}, which no manifest defines"
+        keys = set(secrets[name].get("stringData", {})) | set(secrets[name].get("data", {}))
+        items = volume["secret"].get("items") or [{"key": k, "path": k} for k in keys]
+        for item in items:
+            assert item["key"] in keys, f"{owner}: Secret {name!r} has no key {item['key']!r}"
+            files[str(pathlib.PurePosixPath(mount["mountPath"]) / item["path"])] = name
+        assert mount.get("readOnly") is True
+    return files
+
+
+def test_the_secret_the_pods_mount_exists_and_holds_the_token_file(objects):
     checked = 0
     for owner, spec, container in containers(objects):
-        volumes = {v["name"]: v for v in spec.get("volumes", [])}
         token_file = option(container["args"], "--token-file")
         assert token_file, f"{owner} passes no --token-file"
-        holders = []
-        for mount in container.get("volumeMounts", []):
-            volume = volumes[mount["name"]]  # every mount names a volume of the pod
-            if "secret" not in volume:
-                continue
-            name = volume["secret"]["secretName"]
-            assert name in secrets, f"{owner} mounts Secret {name!r}, which no manifest defines"
-            keys = set(secrets[name].get("stringData", {})) | set(secrets[name].get("data", {}))
-            items = volume["secret"].get("items") or [{"key": k, "path": k} for k in keys]
-            for item in items:
-                assert item["key"] in keys, f"{owner}: Secret {name!r} has no key {item['key']!r}"
-                holders.append(str(pathlib.PurePosixPath(mount["mountPath"]) / item["path"]))
-            assert mount.get("readOnly") is True
-        assert token_file in holders, f"{owner}: --token-file {token_file} is not a file of a mounted Secret"
+        files = mounted_secret_files(objects, owner, spec, container)
+        assert token_file in files, f"{owner}: --token-file {token_file} is not a file of a mounted Secret"
         checked += 1
     assert checked >= 3
+
+
+def test_only_the_ps_servers_get_the_shard_token(objects):
+    """The coordinator and the shard hosts share a shard token (their own Secret, not the cluster token's);
+    no other pod mounts it, so a worker's token admits no shard."""
+    shard_secrets, others = set(), []
+    for owner, spec, container in containers(objects):
+        files = mounted_secret_files(objects, owner, spec, container)
+        shard_token_file = option(container["args"], "--shard-token-file")
+        if container["command"] != ["ps-server"]:
+            assert shard_token_file is None, owner
+            others.append((owner, set(files.values())))
+            continue
+        assert shard_token_file in files, f"{owner}: --shard-token-file {shard_token_file} is not a mounted Secret's"
+        assert files[shard_token_file] != files[option(container["args"], "--token-file")], owner
+        shard_secrets.add(files[shard_token_file])
+    assert len(shard_secrets) == 1, f"the ps-servers must share one shard token: {shard_secrets}"
+    assert others, "expected workers"
+    for owner, mounted in others:
+        assert not mounted & shard_secrets, f"{owner} mounts the shard token"
 
 
 def test_grpc_probes_hit_the_port_passed_to_port(objects):

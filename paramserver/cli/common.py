@@ -1,7 +1,9 @@
 """Options every command shares: where the coordinator is, the token, TLS, logging, the metrics port.
 
 Owns parsing them and turning them into the objects the runtime takes
-(a token string, ``TlsFiles``), with errors that name the flag at fault.
+(a token string, ``TlsFiles``), with errors that name the flag at fault;
+also reading ps-server's ``--shard-token-file`` (a secret file, read as the
+token is).
 """
 
 import argparse
@@ -56,14 +58,19 @@ def metrics_port_from(args, ports_needed: int = 1):
 
 
 def token_from(args) -> Optional[str]:
-    if not args.token_file:
+    return secret_from("--token-file", args.token_file)
+
+
+def secret_from(flag: str, path: Optional[str]) -> Optional[str]:
+    """The token in the file ``flag`` names (``None`` when the flag was not given)."""
+    if not path:
         return None
     try:
-        return read_token_file(args.token_file)
+        return read_token_file(path)
     except OSError as error:
-        raise UsageError(f"--token-file {args.token_file}: {error.strerror}") from error
+        raise UsageError(f"{flag} {path}: {error.strerror}") from error
     except ValueError as error:
-        raise UsageError(f"--token-file: {error}") from error
+        raise UsageError(f"{flag}: {error}") from error
 
 
 def coordinator_address(value: str) -> str:

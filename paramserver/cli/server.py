@@ -2,15 +2,21 @@
 
     ps-server --shards 4 [--host H] [--port P] [--job JOB] [--job-config JSON] [--group-size N]
               [--checkpoint-dir D [--checkpoint-every STEPS|SECONDSs] [--checkpoint-keep K]] [--restore D]
-              [--token-file F] [--tls-cert C --tls-key K] [--heartbeat-timeout S] [--metrics-port P]
-    ps-server --join HOST:PORT --shards 4 [--host H] [--shard-prefix P] [--token-file F] [--tls-ca PEM]
+              [--token-file F] [--shard-token-file S] [--tls-cert C --tls-key K] [--heartbeat-timeout S]
               [--metrics-port P]
+    ps-server --join HOST:PORT --shards 4 [--host H] [--shard-prefix P] [--token-file F --shard-token-file S]
+              [--tls-ca PEM] [--metrics-port P]
 
 Prints ``ps-server ready at HOST:PORT (...)`` once every shard has joined;
 SIGTERM/SIGINT (or ``ps-ctl shutdown``) stops members, shards and itself.
 With ``--join`` it runs no coordinator: its shards join the cluster whose
 coordinator is at HOST:PORT, it prints ``ps-server joined ...`` once they
 serve, and ends when they are stopped (SIGTERM, or the cluster's shutdown).
+
+Shards join with a credential of their own, which the cluster token does
+not give: ``--shard-token-file`` on both ps-servers, or, on a coordinator
+with ``--token-file`` and no shard token file, a secret it makes for its own
+shards (then no other host's shards can join).
 """
 
 import argparse
@@ -23,11 +29,13 @@ from typing import Optional
 from ..control import DEFAULT_PORT, CoordinatorSettings, TlsFiles
 from ..control.checkpoints import CheckpointOptions
 from ..control.protocol import HEARTBEAT_INTERVAL
+from ..control.security import ShardCredential
 from ..runtime.job import DEFAULT_JOB, JobError, pack_job
 from ..runtime.server import ServerOptions, serve
 from ..runtime.shard_host import ShardHostOptions, serve_shard_host
 from .common import (UsageError, add_log_level, add_metrics_port, add_token_file, command_main, coordinator_address,
-                     data_plane_host, job_config_from, metrics_port_from, own_host, setup_logging, token_from)
+                     data_plane_host, job_config_from, metrics_port_from, own_host, secret_from, setup_logging,
+                     token_from)
 
 
 #: Flags that configure the coordinator, refused with ``--join`` (which runs none) unless left at their defaults.
@@ -44,8 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "127.0.0.1; with --join: the address of the interface facing the coordinator)")
     parser.add_argument("--join", metavar="HOST:PORT",
                         help="run no coordinator: add this host's shards to the cluster whose ps-server is at "
-                             "HOST:PORT (takes --shards, --host, --shard-prefix, --token-file, --tls-ca, "
-                             "--metrics-port)")
+                             "HOST:PORT (takes --shards, --host, --shard-prefix, --token-file, "
+                             "--shard-token-file, --tls-ca, --metrics-port)")
     parser.add_argument("--shard-prefix", metavar="P",
                         help="shard names are P0, P1, ... (default 'shard'; with --join 'shard_' and this host's "
                              "address, e.g. shard_10_0_0_2_0): unique in the cluster")
@@ -71,6 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start from a checkpoint: a checkpoint directory, or a checkpoint root (its newest "
                              "valid checkpoint); the number of shards may differ from the one that wrote it")
     add_token_file(parser)
+    parser.add_argument("--shard-token-file", metavar="S",
+                        help="file holding the shard token, a second secret that only shards carry: a Join as a "
+                             "shard without it is refused (the cluster token admits workers and clients only). "
+                             "Give the coordinator and every --join host the same file; a coordinator with "
+                             "--token-file and none makes one up for its own shards, and then no --join host "
+                             "can add shards")
     parser.add_argument("--tls-cert", metavar="PEM", help="serve TLS only, with this certificate")
     parser.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
     parser.add_argument("--heartbeat-timeout", type=float, default=None, metavar="SECONDS",
@@ -103,8 +117,14 @@ def shard_host_options_from(args) -> ShardHostOptions:
     host = own_host(args.host, address)
     prefix = shard_prefix(args.shard_prefix if args.shard_prefix is not None
                           else "shard_" + re.sub(r"[^A-Za-z0-9]", "_", host) + "_")
+    token = token_from(args)
+    shard_token = shard_token_from(args, token)
+    if token and not shard_token:
+        raise UsageError("--join with --token-file needs --shard-token-file too: a coordinator with a token "
+                         "admits shards only with the shard token (give it the same --shard-token-file)")
     return ShardHostOptions(coordinator=address, num_shards=args.shards, host=host, prefix=prefix,
-                            token=token_from(args), tls=TlsFiles(ca=args.tls_ca) if args.tls_ca else None,
+                            token=token, shard_token=shard_token,
+                            tls=TlsFiles(ca=args.tls_ca) if args.tls_ca else None,
                             log_level=args.log_level, metrics_port=metrics_port_from(args, 1 + args.shards))
 
 
@@ -130,7 +150,10 @@ def options_from(args) -> ServerOptions:
         job = pack_job(args.job, config, group_size=args.group_size)
     except JobError as error:
         raise UsageError(f"--job: {error}") from error
-    settings = dict(host=args.host, port=args.port, token=token_from(args), job=job,
+    token = token_from(args)
+    shard_token = shard_token_from(args, token)
+    settings = dict(host=args.host, port=args.port, token=token, job=job,
+                    shard_credential=ShardCredential(shard_token) if shard_token else None,
                     tls=TlsFiles(cert=args.tls_cert, key=args.tls_key) if args.tls_cert else None,
                     checkpoints=checkpoint_options_from(args))
     if args.heartbeat_timeout is not None:
@@ -142,6 +165,15 @@ def options_from(args) -> ServerOptions:
     return ServerOptions(num_shards=args.shards, coordinator=CoordinatorSettings(**settings),
                          log_level=args.log_level, shard_prefix=prefix,
                          metrics_port=metrics_port_from(args, 1 + args.shards))
+
+
+def shard_token_from(args, token: Optional[str]) -> Optional[str]:
+    """``--shard-token-file``'s token; it must differ from the cluster token, or roles would not be scoped."""
+    shard_token = secret_from("--shard-token-file", args.shard_token_file)
+    if shard_token is not None and ShardCredential(shard_token).same_as(token):
+        raise UsageError("--shard-token-file holds the same token as --token-file: give shards a secret of their "
+                         "own, or every holder of the cluster token could join as a shard")
+    return shard_token
 
 
 def checkpoint_options_from(args) -> Optional[CheckpointOptions]:

@@ -1,7 +1,8 @@
 """Talking to the coordinator: joining, heartbeats, leaving, status and commands.
 
 Owns the client side of the control plane: the gRPC channel (plaintext or
-TLS, the token attached to every call), joining with bounded exponential
+TLS, the token attached to every call, the shard credential to a Join as a
+shard), joining with bounded exponential
 backoff while the coordinator is unreachable, the heartbeat loop that
 hands commands to its owner, and errors that say in one line what went
 wrong.  What a member does with its assignment is the runtime's business.
@@ -18,7 +19,7 @@ from typing import Callable, Optional
 import grpc
 
 from .protocol import MAX_MESSAGE_BYTES, pb, pb_grpc
-from .security import TlsFiles, TokenClientInterceptor
+from .security import SHARD_TOKEN_METADATA_KEY, TlsFiles, TokenClientInterceptor
 
 logger = logging.getLogger(__name__)
 
@@ -60,12 +61,17 @@ def _error_from(address: str, method: str, error: grpc.RpcError) -> CoordinatorE
 
 
 class CoordinatorClient:
-    """One channel to the coordinator at ``address`` (``HOST:PORT``)."""
+    """One channel to the coordinator at ``address`` (``HOST:PORT``).
+
+    ``token``: the cluster token, sent with every call; ``shard_token``: the
+    shard credential, sent with a Join as a shard only.
+    """
 
     def __init__(self, address: str, token: Optional[str] = None, tls: Optional[TlsFiles] = None,
-                 call_timeout: datetime.timedelta = CALL_TIMEOUT):
+                 call_timeout: datetime.timedelta = CALL_TIMEOUT, shard_token: Optional[str] = None):
         self.address = address
         self.call_timeout = call_timeout
+        self._shard_token = shard_token
         options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
         if tls is not None:
@@ -78,14 +84,15 @@ class CoordinatorClient:
         self.channel = channel
         self._stub = pb_grpc.CoordinatorStub(channel)
 
-    def call(self, method: str, request, timeout: Optional[datetime.timedelta] = None):
+    def call(self, method: str, request, timeout: Optional[datetime.timedelta] = None, metadata=None):
         """``method`` (a Coordinator RPC name) once; raises ``CoordinatorError`` subclasses."""
         try:
-            return getattr(self._stub, method)(request, timeout=(timeout or self.call_timeout).total_seconds())
+            return getattr(self._stub, method)(request, timeout=(timeout or self.call_timeout).total_seconds(),
+                                               metadata=metadata)
         except grpc.RpcError as error:
             raise _error_from(self.address, method, error) from None
 
-    def call_retrying(self, method: str, request, retry_for: Optional[datetime.timedelta] = None):
+    def call_retrying(self, method: str, request, retry_for: Optional[datetime.timedelta] = None, metadata=None):
         """``call``, retried with exponential backoff (0.1 s doubling to 2 s) while the coordinator is
         unreachable (or asks to be called again), for ``retry_for`` (default ``$PARAMSERVER_JOIN_RETRY_FOR``)."""
         deadline = time.monotonic() + (retry_for or _retry_for()).total_seconds()
@@ -94,7 +101,7 @@ class CoordinatorClient:
         while True:
             attempts += 1
             try:
-                return self.call(method, request)
+                return self.call(method, request, metadata=metadata)
             except CoordinatorUnavailable as error:
                 if time.monotonic() + delay > deadline:
                     raise CoordinatorUnavailable(f"{error} (gave up after {attempts} attempts)", error.code) from None
@@ -106,7 +113,10 @@ class CoordinatorClient:
              retry_for: Optional[datetime.timedelta] = None) -> pb.Assignment:
         """Join, retrying while unreachable (``call_retrying``)."""
         request = pb.JoinRequest(role=role, name=name, host=host, capabilities=local_capabilities())
-        return self.call_retrying("Join", request, retry_for)
+        metadata = None
+        if role == pb.ROLE_SHARD and self._shard_token:
+            metadata = [(SHARD_TOKEN_METADATA_KEY, self._shard_token)]
+        return self.call_retrying("Join", request, retry_for, metadata)
 
     def status(self, retry_for: Optional[datetime.timedelta] = None) -> pb.StatusResponse:
         """The cluster's status; with ``retry_for``, retried that long while the coordinator is unreachable."""

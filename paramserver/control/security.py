@@ -1,22 +1,34 @@
-"""Securing the control plane's port: the cluster token and TLS.
+"""Securing the control plane's port: the cluster token, the shard credential, TLS.
 
 Owns reading token files, the server interceptor that refuses calls
 without the right token (``UNAUTHENTICATED``; the standard health service
 stays open so probes work), the client interceptor that attaches the token,
-and building TLS credentials from PEM files.
+the shard credential (``ShardCredential``: the second secret a Join as a
+shard must carry, so that a worker's or client's token admits no shard),
+and building TLS credentials from PEM files.  Which calls need which
+credential is decided here and in the service's Join; what a refusal is
+logged as, by whoever hands in the ``RateLimitedLog``.
 """
 
 import hmac
 import pathlib
-from dataclasses import dataclass
+import secrets
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import grpc
 
+from ..logs import RateLimitedLog
 from .protocol import AUTH_METADATA_KEY, AUTH_SCHEME
 
 #: Methods served without a token: liveness probes (Kubernetes, grpc_health_probe).
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
+
+#: Metadata key carrying the shard credential on a Join as a shard (only there).
+SHARD_TOKEN_METADATA_KEY = "paramserver-shard-token"
+
+#: What a refused call without the cluster token is told (the same whether the token was missing or wrong).
+TOKEN_REFUSAL = "this cluster requires its token: pass --token-file (token= in Python)"
 
 
 def read_token_file(path) -> str:
@@ -29,34 +41,90 @@ def read_token_file(path) -> str:
     return token
 
 
-class TokenAuthInterceptor(grpc.ServerInterceptor):
-    """Refuse every call whose metadata lacks ``authorization: Bearer <token>``."""
+def metadata_value(metadata, key: str) -> Optional[bytes]:
+    """The value of ``key`` in gRPC call metadata (pairs of str and str or bytes), as bytes; None when absent."""
+    for name, value in metadata or ():
+        if name == key:
+            return value.encode() if isinstance(value, str) else value
+    return None
 
-    def __init__(self, token: str, open_method_prefixes: Sequence[str] = OPEN_METHOD_PREFIXES):
+
+class TokenAuthInterceptor(grpc.ServerInterceptor):
+    """Refuse every call whose metadata lacks ``authorization: Bearer <token>``.
+
+    Each refusal is recorded in ``refusals`` (kind ``UNAUTHENTICATED``), so a
+    flood of them costs a line per interval, not a line each.
+    """
+
+    def __init__(self, token: str, open_method_prefixes: Sequence[str] = OPEN_METHOD_PREFIXES,
+                 refusals: Optional[RateLimitedLog] = None):
         self._expected = (AUTH_SCHEME + token).encode()
         self._open = tuple(open_method_prefixes)
-
-        def refuse(_request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          "this cluster requires its token: pass --token-file (token= in Python)")
-
-        self._refusal = grpc.unary_unary_rpc_method_handler(refuse)
-        self._stream_refusal = grpc.stream_stream_rpc_method_handler(
-            lambda _requests, context: refuse(None, context))
+        self._refusals = refusals
 
     def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method or ""
         if method.startswith(self._open):
             return continuation(handler_call_details)
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == AUTH_METADATA_KEY:
-                given = value.encode() if isinstance(value, str) else value
-                if hmac.compare_digest(given, self._expected):
-                    return continuation(handler_call_details)
+        given = metadata_value(handler_call_details.invocation_metadata, AUTH_METADATA_KEY)
+        if given is not None and hmac.compare_digest(given, self._expected):
+            return continuation(handler_call_details)
+        why = "without a token" if given is None else "with a wrong token"
+        name = method.rsplit("/", 1)[-1]  # "/paramserver.control.v1.Coordinator/Join" -> "Join"
+
+        def refuse(_request, context):
+            if self._refusals is not None:
+                self._refusals.record("UNAUTHENTICATED",
+                                      f"refused {name} from {context.peer()}: UNAUTHENTICATED: called {why}")
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, TOKEN_REFUSAL)
+
         handler = continuation(handler_call_details)
         if handler is not None and (handler.request_streaming or handler.response_streaming):
-            return self._stream_refusal
-        return self._refusal
+            return grpc.stream_stream_rpc_method_handler(lambda _requests, context: refuse(None, context))
+        return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+@dataclass(frozen=True)
+class ShardCredential:
+    """The secret a Join as a shard must carry (metadata ``paramserver-shard-token``), besides the cluster
+    token: the token admits workers and clients, only this admits shards.
+
+    ``made_for_this_run``: the coordinator made it up at start (its cluster
+    has a token but was given no ``--shard-token-file``) and hands it to its
+    own shard processes only, so shards of other hosts cannot join; the
+    refusal says so.
+    """
+
+    secret: str = field(repr=False)
+    made_for_this_run: bool = False
+
+    def __post_init__(self):
+        if not self.secret:
+            raise ValueError("the shard token is empty")
+
+    @classmethod
+    def for_this_run(cls) -> "ShardCredential":
+        return cls(secrets.token_urlsafe(32), made_for_this_run=True)
+
+    def same_as(self, token: Optional[str]) -> bool:
+        """Whether ``token`` (the cluster token) is this very secret: then roles would not be scoped."""
+        return token is not None and hmac.compare_digest(token.encode(), self.secret.encode())
+
+    def refusal(self, metadata) -> Optional[str]:
+        """Why a Join as a shard with call ``metadata`` is refused; None when it carries this credential."""
+        given = metadata_value(metadata, SHARD_TOKEN_METADATA_KEY)
+        if given is not None and hmac.compare_digest(given, self.secret.encode()):
+            return None
+        if self.made_for_this_run:
+            return ("this coordinator admits only the shards it started itself: its ps-server has --token-file "
+                    "but no --shard-token-file; to add shards with ps-server --join, give both ps-servers the same "
+                    "--shard-token-file")
+        if given is None:
+            return ("a Join as a shard needs the cluster's shard token, which this call lacks (the cluster token "
+                    "admits workers and clients only): start ps-server --join with --shard-token-file, the file "
+                    "the coordinator's ps-server was given")
+        return ("the shard token of this Join is not the cluster's: --shard-token-file of ps-server --join must "
+                "hold the same token as the coordinator's ps-server")
 
 
 class _ClientCallDetails(grpc.ClientCallDetails):

@@ -2,8 +2,10 @@
 
 Owns putting the control plane on a port: the Coordinator service, the
 standard ``grpc.health.v1`` health service (NOT_SERVING until the cluster
-is ready, then SERVING), server reflection, the token interceptor, TLS,
-the rendezvous store, and the thread that declares silent members dead.
+is ready, then SERVING), server reflection, the token interceptor, the shard
+credential (given, or made for this run when the cluster has a token and
+none was given), TLS, the rendezvous store, one bounded-rate log of refused
+calls, and the thread that declares silent members dead.
 What the cluster runs (shard processes, the job) is the runtime's business.
 """
 
@@ -24,8 +26,9 @@ from .groups import GROUP_SETTLE, TrainerGroups
 from .membership import Member, Membership
 from .protocol import (DEFAULT_PORT, HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_ENV,
                        MAX_MESSAGE_BYTES, SERVICE_NAME, pb)
+from ..logs import RateLimitedLog
 from .rendezvous import RendezvousStore
-from .security import TlsFiles, TokenAuthInterceptor
+from .security import ShardCredential, TlsFiles, TokenAuthInterceptor
 from .service import CoordinatorService, ServiceSettings, generic_handler
 
 logger = logging.getLogger(__name__)
@@ -47,6 +50,9 @@ class CoordinatorSettings:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     token: Optional[str] = None
+    #: What a Join as a shard must carry.  ``None``: with a ``token``, the server makes one for this run (its
+    #: own shards get it, shards of other hosts cannot join); without one, shards join like anyone.
+    shard_credential: Optional[ShardCredential] = None
     tls: Optional[TlsFiles] = None
     job: Optional[pb.JobSpec] = None
     heartbeat_interval: datetime.timedelta = HEARTBEAT_INTERVAL
@@ -58,6 +64,9 @@ class CoordinatorSettings:
     checkpoints: Optional[CheckpointOptions] = None
 
     def __post_init__(self):
+        if self.shard_credential is not None and self.shard_credential.same_as(self.token):
+            raise ValueError("the shard token is the cluster token: give shards a secret of their own, or every "
+                             "holder of the cluster token could join as a shard")
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ValueError(f"heartbeat timeout ({self.heartbeat_timeout.total_seconds()} s) must exceed the "
                              f"heartbeat interval ({self.heartbeat_interval.total_seconds()} s)")
@@ -68,6 +77,11 @@ class CoordinatorServer:
 
     def __init__(self, settings: CoordinatorSettings, request_shutdown: Callable[[str], None]):
         self.settings = settings
+        #: What this server's own shard processes must carry when they join (``None``: nothing).
+        self.shard_credential = settings.shard_credential or (ShardCredential.for_this_run() if settings.token
+                                                               else None)
+        #: Every refused call, whether the interceptor or the service refused it.
+        self.refusals = RateLimitedLog(logger, "refused {count} call{s}")
         self.store = RendezvousStore(settings.host)
         groups = TrainerGroups(settings.job.group_size if settings.job is not None else 0, settings.group_settle)
         self.membership = Membership(settings.heartbeat_timeout, on_gone=self._remove_from_rpc_group,
@@ -81,8 +95,8 @@ class CoordinatorServer:
             ServiceSettings(store=pb.StoreAddress(host=self.store.host, port=self.store.port), job=settings.job,
                             heartbeat_interval=settings.heartbeat_interval,
                             heartbeat_timeout=settings.heartbeat_timeout),
-            request_shutdown, self.checkpoints)
-        interceptors = [TokenAuthInterceptor(settings.token)] if settings.token else []
+            request_shutdown, self.checkpoints, shard_credential=self.shard_credential, refusals=self.refusals)
+        interceptors = [TokenAuthInterceptor(settings.token, refusals=self.refusals)] if settings.token else []
         self._server = grpc.server(
             concurrent.futures.ThreadPoolExecutor(settings.max_workers, thread_name_prefix="coordinator"),
             interceptors=interceptors,
@@ -117,11 +131,18 @@ class CoordinatorServer:
         self._sweeper.start()
         if self.checkpoints is not None:
             self.checkpoints.start()
-        logger.info("coordinator listening on %s (%s%s), store on %s:%d, heartbeat timeout %.1f s",
+        logger.info("coordinator listening on %s (%s%s%s), store on %s:%d, heartbeat timeout %.1f s",
                     self.address, "TLS" if self.settings.tls else "plaintext",
-                    ", token required" if self.settings.token else "", self.store.host, self.store.port,
-                    self.settings.heartbeat_timeout.total_seconds())
+                    ", token required" if self.settings.token else "", self._shard_admission(),
+                    self.store.host, self.store.port, self.settings.heartbeat_timeout.total_seconds())
         return self
+
+    def _shard_admission(self) -> str:
+        if self.shard_credential is None:  # an open cluster: no token either
+            return ""
+        if self.shard_credential.made_for_this_run:
+            return ", shard token made for this run: only this server's shards may join"
+        return ", shard token required"
 
     def mark_ready(self) -> None:
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
@@ -152,5 +173,6 @@ class CoordinatorServer:
             self.checkpoints.stop()
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self._server.stop(grace.total_seconds()).wait()
+        self.refusals.flush()
         self.store.close()
         logger.info("coordinator stopped")

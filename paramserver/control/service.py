@@ -3,21 +3,27 @@
 Owns decoding each request (raw bytes, so that bytes that are no valid
 message get ``INVALID_ARGUMENT`` instead of a transport error), validating
 it, dispatching it to the membership table, and turning refusals into gRPC
-status codes.  One bad request never disturbs anyone else's: every failure
-is answered on that call alone.
+status codes, logged at a bounded rate (a flood of bad calls costs a line per
+interval, not a line each).  One bad request never disturbs anyone else's:
+every failure is answered on that call alone.  A Join as a shard must carry
+the shard credential when the cluster has one (``PERMISSION_DENIED``
+otherwise, saying why); the cluster token itself is checked before, by the
+server's interceptor.
 """
 
 import datetime
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Tuple
 
 import grpc
 from google.protobuf.message import DecodeError
 
+from ..logs import RateLimitedLog
 from .addresses import loopback_from_afar
 from .membership import Membership
 from .protocol import SERVICE_NAME, pb
+from .security import ShardCredential
 from .validation import (RequestError, check_member_id, invalid, validate_heartbeat, validate_join, validate_leave,
                          validate_shutdown)
 
@@ -49,15 +55,23 @@ class CoordinatorService:
     return at once (the caller drains the cluster elsewhere);
     ``checkpoints`` takes Checkpoint and CommitCheckpoint (``None``:
     checkpoints are not configured, and both are refused).
+    ``shard_credential``: what a Join as a shard must carry (``None``: shards
+    join like anyone, as on an open development cluster).  ``refusals``:
+    where refused calls are logged (by default one of its own, at INFO,
+    summed up every ``logs.REPEAT_SUMMARY_EVERY``).
     """
 
     def __init__(self, membership: Membership, settings: ServiceSettings,
                  request_shutdown: Callable[[str], None],
-                 checkpoints: Optional["CheckpointCoordinator"] = None):
+                 checkpoints: Optional["CheckpointCoordinator"] = None,
+                 shard_credential: Optional[ShardCredential] = None,
+                 refusals: Optional[RateLimitedLog] = None):
         self.membership = membership
         self.settings = settings
         self._request_shutdown = request_shutdown
         self.checkpoints = checkpoints
+        self.shard_credential = shard_credential
+        self.refusals = refusals or RateLimitedLog(logger, "refused {count} call{s}")
         self._handlers = {
             "Join": (pb.JoinRequest, self.join),
             "Heartbeat": (pb.HeartbeatRequest, self.heartbeat),
@@ -70,10 +84,11 @@ class CoordinatorService:
         missing = {m.name for m in _DESCRIPTOR.methods} - set(self._handlers)
         assert not missing, f"no handler for {missing}"
 
-    def handle(self, method: str, raw: bytes, peer: str = ""):
+    def handle(self, method: str, raw: bytes, peer: str = "", metadata: Sequence[Tuple[str, str]] = ()):
         """Decode, validate and answer one request; raises ``RequestError`` to refuse it.
 
-        ``peer``: where the call came from, as gRPC names it (``ipv4:10.0.0.3:51234``).
+        ``peer``: where the call came from, as gRPC names it (``ipv4:10.0.0.3:51234``);
+        ``metadata``: the call's metadata (where a shard's credential is).
         """
         request_cls, handler = self._handlers[method]
         try:
@@ -82,12 +97,17 @@ class CoordinatorService:
             raise invalid(f"{method}: the request is not a valid {request_cls.DESCRIPTOR.full_name} "
                           f"message ({error})") from None
         if method == "Join":
-            return self.join(request, peer)
+            return self.join(request, peer, metadata)
         return handler(request)
 
     # -- handlers ------------------------------------------------------
-    def join(self, request: pb.JoinRequest, peer: str = "") -> pb.Assignment:
+    def join(self, request: pb.JoinRequest, peer: str = "", metadata: Sequence[Tuple[str, str]] = ()
+             ) -> pb.Assignment:
         validate_join(request)
+        if request.role == pb.ROLE_SHARD and self.shard_credential is not None:
+            refusal = self.shard_credential.refusal(metadata)
+            if refusal is not None:
+                raise RequestError(grpc.StatusCode.PERMISSION_DENIED, f"shard {request.name}: {refusal}")
         unreachable = loopback_from_afar(request.host, peer)
         if unreachable:
             raise invalid(unreachable)
@@ -173,9 +193,10 @@ def generic_handler(service: CoordinatorService) -> grpc.GenericRpcHandler:
 def _answer(service: CoordinatorService, method: str):
     def answer(raw: bytes, context: grpc.ServicerContext):
         try:
-            return service.handle(method, raw, context.peer())
+            return service.handle(method, raw, context.peer(), context.invocation_metadata())
         except RequestError as error:
-            logger.info("refused %s from %s: %s: %s", method, context.peer(), error.code.name, error.message)
+            service.refusals.record(error.code.name, f"refused {method} from {context.peer()}: {error.code.name}: "
+                                                     f"{error.message}")
             context.abort(error.code, error.message)
         except Exception as error:  # noqa: BLE001 - one bad call must not take the server down
             logger.exception("%s failed", method)

@@ -74,6 +74,7 @@ def serve(options: ServerOptions, announce=print) -> int:
                 options.num_shards, format_address(host, coordinator.port), host,
                 on_exit=coordinator.membership.process_exited,
                 token=options.coordinator.token, tls=child_tls, log_level=options.log_level,
+                shard_token=coordinator.shard_credential.secret if coordinator.shard_credential else None,
                 # A lost shard comes back from the newest checkpoint; with none configured it stays lost
                 # (a restart would silently serve freshly initialized tables).
                 restart=coordinator.checkpoints is not None, prefix=options.shard_prefix,

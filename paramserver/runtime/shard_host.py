@@ -9,7 +9,9 @@ its tables from the newest one; without checkpoints a restart would serve
 fresh tables, so a lost shard stays lost), announce readiness once the
 coordinator counts every one of them serving, and end when told to
 (SIGTERM/SIGINT: stop the shards) or once every shard has left for good
-(the coordinator stopped them at its shutdown, or was lost).  The
+(the coordinator stopped them at its shutdown, or was lost).  Shards the
+coordinator refuses for good (a missing or wrong ``--shard-token-file``)
+end it at once with exit code 2, their log saying why.  The
 coordinator itself, the job and checkpoints are the coordinator host's
 business (``server``).
 """
@@ -25,6 +27,7 @@ from typing import List, Optional
 from ..control import TlsFiles
 from ..control.client import JOIN_RETRY_FOR, CoordinatorClient, CoordinatorError
 from .server import READY_TIMEOUT, SHARDS_STOP_WITHIN
+from .shard_process import EXIT_REFUSED
 from .supervisor import ShardSupervisor
 
 logger = logging.getLogger(__name__)
@@ -39,6 +42,8 @@ class ShardHostOptions:
     host: str                        # this host's address on the cluster's network (the shards bind it)
     prefix: str                      # shard names: <prefix>0, <prefix>1, ...
     token: Optional[str] = None
+    #: The shard credential (``--shard-token-file``) each shard's Join carries.
+    shard_token: Optional[str] = None
     tls: Optional[TlsFiles] = None
     log_level: Optional[str] = None
     retry_for: Optional[datetime.timedelta] = None
@@ -61,11 +66,14 @@ def serve_shard_host(options: ShardHostOptions, announce=print) -> int:
         supervisor = ShardSupervisor(
             options.num_shards, options.coordinator, options.host,
             on_exit=lambda name, code: _report_exit(client, supervisor, name, code, options.host),
-            token=options.token, tls=options.tls, log_level=options.log_level, restart=keeps_checkpoints,
-            prefix=options.prefix, metrics_port=options.metrics_port).start()
+            token=options.token, shard_token=options.shard_token, tls=options.tls, log_level=options.log_level,
+            restart=keeps_checkpoints, prefix=options.prefix, metrics_port=options.metrics_port).start()
         names = list(supervisor.processes)
         if not _wait_until_serving(client, names, supervisor, stop, options.ready_timeout):
-            return 0 if stop.is_set() else 1
+            if stop.is_set():
+                return 0
+            refused = any(process.exitcode == EXIT_REFUSED for process in supervisor.processes.values())
+            return EXIT_REFUSED if refused else 1
         announce(f"ps-server joined {options.coordinator} with {len(names)} shard{'s' if len(names) > 1 else ''} "
                  f"on {options.host} ({', '.join(names)}; lost shards "
                  f"{'restart from the newest checkpoint' if keeps_checkpoints else 'are not restarted: no checkpoints'})",

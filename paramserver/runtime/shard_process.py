@@ -8,7 +8,10 @@ told to stop (a STOP command, SIGTERM/SIGINT, or losing the coordinator),
 then leave.  With a metrics port it serves its data-plane metrics there
 from before it joins (a port it cannot bind ends it with exit code 1).
 Exit code 0 on a clean stop, at once: the process skips the
-interpreter's teardown, which has nothing left to save.
+interpreter's teardown, which has nothing left to save.  A Join the
+coordinator refuses ends it with one line saying why: exit code 2
+(``EXIT_REFUSED``) when it was refused for its credentials or for what it
+said, which no restart would change; 1 otherwise.
 """
 
 import faulthandler
@@ -18,7 +21,9 @@ import signal
 import sys
 from typing import Optional
 
-from ..control import TlsFiles, pb
+import grpc
+
+from ..control import CoordinatorError, TlsFiles, pb
 from ..shards import ShardServerOptions, request_stop, run_shard_server
 from ..checkpoint.shard_part import CheckpointSource
 from ..logs import configure_logging, exit_now
@@ -27,11 +32,19 @@ from .member import MemberSession
 
 logger = logging.getLogger(__name__)
 
+#: The exit code of a shard whose Join was refused for good (a restart would be refused the same way).
+EXIT_REFUSED = 2
+_REFUSED_FOR_GOOD = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+                     grpc.StatusCode.INVALID_ARGUMENT)
+
 
 def run_shard_member(address: str, name: str, host: str, token: Optional[str] = None,
                      tls: Optional[TlsFiles] = None, log_level: Optional[str] = None, metrics_port=None,
-                     member_id=None) -> None:
+                     member_id=None, shard_token: Optional[str] = None) -> None:
     """Process target: one shard server named ``name`` that joins the coordinator at ``address``.
+
+    ``token``: the cluster token; ``shard_token``: the shard credential its Join carries (the coordinator's
+    own, or ``--shard-token-file``'s).
 
     ``metrics_port``: ``None`` (no metrics), or a shared integer
     (``multiprocessing.Value``) holding the port to serve metrics on (0: a
@@ -53,8 +66,13 @@ def run_shard_member(address: str, name: str, host: str, token: Optional[str] = 
     # SIGTERM means "stop" for the whole life of the process, not only while serving.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda _signum, _frame: request_stop(graceful=False))
-    session = MemberSession(address, pb.ROLE_SHARD, name=name, host=host, token=token, tls=tls)
-    assignment = session.join()
+    session = MemberSession(address, pb.ROLE_SHARD, name=name, host=host, token=token, tls=tls,
+                            shard_token=shard_token)
+    try:
+        assignment = session.join()
+    except CoordinatorError as error:
+        logger.error("shard %s could not join: %s", name, error)
+        exit_now(EXIT_REFUSED if error.code in _REFUSED_FOR_GOOD else 1)
     if member_id is not None:
         member_id.value = assignment.member_id.encode()
     restore_source = None

@@ -4,7 +4,8 @@ Owns the shard processes' lives: start N children with ``spawn``, notice at
 once when one exits (a thread waits on their sentinels) and report it,
 start a new process under the same name in its place (it joins the
 coordinator again and restores its tables from the newest checkpoint; a
-bounded number of times per shard, on the same metrics port), and stop
+bounded number of times per shard, on the same metrics port; never one
+whose Join was refused for good), and stop
 them all on shutdown:
 SIGTERM, a bounded wait, then SIGKILL, and reap every one, so nothing
 outlives the server.
@@ -21,7 +22,7 @@ from typing import Callable, Dict, Optional
 
 from ..control import TlsFiles
 from ..metrics.exporter import shard_metrics_port
-from .shard_process import run_shard_member
+from .shard_process import EXIT_REFUSED, run_shard_member
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,8 @@ class ShardSupervisor:
     With ``restart``, a shard that fails (exits with a code other than 0:
     killed, crashed) is started again (``MAX_RESTARTS`` times at most); the
     count is in ``restarts``.  Exit code 0 is a shard that left on purpose
-    (the coordinator stopped it, or was lost): it is not restarted.
+    (the coordinator stopped it, or was lost), ``EXIT_REFUSED`` one whose
+    Join was refused for good (its credentials): neither is restarted.
     With ``metrics_port`` (not ``None``) shard i serves metrics on
     ``shard_metrics_port(metrics_port, i)``; one that picked a free port
     (``metrics_port`` 0) is given the same port again when restarted.
@@ -47,7 +49,7 @@ class ShardSupervisor:
                  on_exit: Callable[[str, Optional[int]], None],
                  token: Optional[str] = None, tls: Optional[TlsFiles] = None, log_level: Optional[str] = None,
                  restart: bool = False, max_restarts: int = MAX_RESTARTS, prefix: str = "shard",
-                 metrics_port: Optional[int] = None):
+                 metrics_port: Optional[int] = None, shard_token: Optional[str] = None):
         if num_shards < 1:
             raise ValueError(f"--shards must be at least 1, got {num_shards}")
         self._context = multiprocessing.get_context("spawn")
@@ -56,7 +58,9 @@ class ShardSupervisor:
         self._lock = threading.Lock()
         self._restart = restart
         self._max_restarts = max_restarts
-        self._kwargs = dict(address=coordinator_address, host=host, token=token, tls=tls, log_level=log_level)
+        # Handed to each child through its spawn pipe (never its command line or environment).
+        self._kwargs = dict(address=coordinator_address, host=host, token=token, tls=tls, log_level=log_level,
+                            shard_token=shard_token)
         self.restarts: Dict[str, int] = {}
         # Per shard, shared with its process: the port to serve metrics on, and then the one it serves on.
         self._metrics_ports: Dict[str, multiprocessing.sharedctypes.Synchronized] = {} if metrics_port is None else {
@@ -98,7 +102,8 @@ class ShardSupervisor:
                                    "shard process %s (pid %d) exited with code %s", name, process.pid,
                                    process.exitcode)
                         self._on_exit(name, process.exitcode)
-                        replacement = self._replace(name) if process.exitcode != 0 else None
+                        restartable = process.exitcode not in (0, EXIT_REFUSED)
+                        replacement = self._replace(name) if restartable else None
                         if replacement is not None:
                             running[name] = replacement
 
