@@ -2,9 +2,11 @@
 
 Owns the log format and level of ps-server, ps-worker, ps-ctl and every
 shard server (``--log-level``, defaulting to ``PARAMSERVER_LOG_LEVEL``,
-else INFO), logging a repeated event at a bounded rate (``RateLimitedLog``:
-the first occurrence at once, then one line per interval with a count),
-and ending a process at once with its log written (``exit_now``).
+else INFO), how an error or a reason is written on one line (``one_line``:
+a reason ends up in a status table and in a worker's last line),
+logging a repeated event at a bounded rate (``RateLimitedLog``: the first
+occurrence at once, then one line per interval with a count), and ending a
+process at once with its log written (``exit_now``).
 """
 
 import collections
@@ -14,7 +16,7 @@ import os
 import sys
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 LOG_LEVEL_ENV = "PARAMSERVER_LOG_LEVEL"
 
@@ -22,6 +24,8 @@ LOG_LEVEL_ENV = "PARAMSERVER_LOG_LEVEL"
 REPEAT_SUMMARY_EVERY = datetime.timedelta(seconds=10)
 #: The example occurrence a summary line quotes is cut to this many characters.
 MAX_EXAMPLE_CHARS = 300
+#: How long a one-line reason may be.
+MAX_REASON_CHARS = 300
 
 
 def default_log_level() -> str:
@@ -37,6 +41,18 @@ def configure_logging(process: str, level: Optional[str] = None, replace: bool =
         return
     logging.basicConfig(level=(level or default_log_level()).upper(), stream=sys.stderr, force=True,
                         format=f"%(asctime)s {process} %(levelname)s %(name)s: %(message)s")
+
+
+def one_line(what: Union[BaseException, str], limit: int = MAX_REASON_CHARS) -> str:
+    """An error as ``Type: first line of its message``, or a text with its line breaks and runs of spaces
+    collapsed; at most ``limit`` characters.  An error's later lines are tracebacks (a remote one, a C++
+    one): its first line says what happened."""
+    if isinstance(what, BaseException):
+        lines = [line for line in str(what).strip().splitlines() if line.strip()]
+        text = f"{type(what).__name__}: {lines[0].strip() if lines else ''}".rstrip(": ")
+    else:
+        text = " ".join(str(what).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def exit_now(code: int) -> None:

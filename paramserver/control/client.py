@@ -165,16 +165,17 @@ class HeartbeatLoop:
     ``progress()`` supplies ``(step, metrics)`` for each beat;
     ``on_response(response)`` sees every answer (live shards, the trainer
     group's view) before its commands are handled.  When the
-    coordinator is unreachable for longer than ``give_up_after``, or refuses
-    the member (declared dead, unknown), ``on_lost(reason)`` is called once
-    and the loop ends.
+    coordinator is unreachable for ``give_up_after`` (declared then, not at
+    the next beat), or refuses the member (declared dead, unknown: at the
+    first refusal, whether the loop's beat or ``beat()`` got it),
+    ``on_lost(reason, refused)`` is called once and the loop ends.
     """
 
     def __init__(self, client: CoordinatorClient, member_id: str, interval: datetime.timedelta,
                  give_up_after: datetime.timedelta,
                  progress: Callable[[], tuple],
                  on_command: Callable[[pb.Command], None],
-                 on_lost: Callable[[str], None],
+                 on_lost: Callable[[str, bool], None],
                  on_response: Optional[Callable[[pb.HeartbeatResponse], None]] = None):
         self._client = client
         self._member_id = member_id
@@ -193,6 +194,8 @@ class HeartbeatLoop:
         # so sequence numbers reach the coordinator in order.
         self._beat_lock = threading.Lock()
         self._stop = threading.Event()
+        self._lost = threading.Event()
+        self._lost_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
     def start(self) -> "HeartbeatLoop":
@@ -200,39 +203,59 @@ class HeartbeatLoop:
         return self
 
     def beat(self) -> pb.HeartbeatResponse:
-        """Send one heartbeat now and act on the answer (thread-safe)."""
+        """Send one heartbeat now and act on the answer (thread-safe).
+
+        A refusal (the member is no longer in the cluster) is reported through
+        ``on_lost`` before it is raised; an unreachable coordinator is only raised.
+        """
         step, metrics = self._progress()
         with self._beat_lock:
             self._sequence += 1
-            response = self._client.call("Heartbeat", pb.HeartbeatRequest(
-                member_id=self._member_id, sequence=self._sequence, step=step, metrics=_finite(metrics),
-                ready=self.ready, regroup_generation=self.regroup_generation),
-                timeout=self._interval * 2)
+            try:
+                response = self._client.call("Heartbeat", pb.HeartbeatRequest(
+                    member_id=self._member_id, sequence=self._sequence, step=step, metrics=_finite(metrics),
+                    ready=self.ready, regroup_generation=self.regroup_generation),
+                    timeout=self._interval * 2)
+            except CoordinatorUnavailable:
+                raise
+            except CoordinatorError as error:
+                self._declare_lost(str(error), refused=True)
+                raise
         if self._on_response is not None:
             self._on_response(response)
         for command in response.commands:
             self._on_command(command)
         return response
 
+    def _declare_lost(self, reason: str, refused: bool) -> None:
+        with self._lost_lock:  # once, whichever thread hears of it first
+            if self._lost.is_set():
+                return
+            self._lost.set()
+        self._on_lost(reason, refused)
+
     def _run(self) -> None:
+        give_up_after = self._give_up_after.total_seconds()
         last_ok = time.monotonic()
-        first = True
-        while first or not self._stop.wait(self._interval.total_seconds()):
-            first = False
+        wait = 0.0
+        while not self._stop.wait(wait) and not self._lost.is_set():
+            wait = self._interval.total_seconds()
             try:
                 self.beat()
                 last_ok = time.monotonic()
             except CoordinatorUnavailable as error:
-                if time.monotonic() - last_ok > self._give_up_after.total_seconds():
-                    self._on_lost(f"lost the coordinator: {error}")
+                unreachable_for = time.monotonic() - last_ok
+                if unreachable_for >= give_up_after:
+                    self._declare_lost(f"lost the coordinator: unreachable for {unreachable_for:.1f} s ({error})",
+                                       refused=False)
                     return
                 logger.warning("heartbeat failed: %s", error)
-            except CoordinatorError as error:
-                self._on_lost(str(error))
+                wait = min(wait, give_up_after - unreachable_for)  # declared lost at the timeout, not a beat later
+            except CoordinatorError:  # refused: declared lost by beat()
                 return
             except Exception as error:  # noqa: BLE001 - a failing command handler must not end heartbeats silently
                 logger.exception("heartbeat handling failed")
-                self._on_lost(f"heartbeat handling failed: {error}")
+                self._declare_lost(f"heartbeat handling failed: {error}", refused=False)
                 return
 
     def stop(self) -> None:

@@ -23,6 +23,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import grpc
 
+from ..logs import one_line
 from .groups import TrainerGroups
 from .protocol import ROLE_NAMES, pb
 from .validation import RequestError
@@ -269,7 +270,7 @@ class Membership:
 
     def _end(self, member: Member, state: str, reason: str) -> None:
         member.state = state
-        member.end_reason = reason
+        member.end_reason = one_line(reason)  # a member's text: never a second line in a status table or log
         self._ends[(member.role, state)] = self._ends.get((member.role, state), 0) + 1
         member.commands = []
         self._generation += 1

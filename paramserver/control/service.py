@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence, Tuple
 import grpc
 from google.protobuf.message import DecodeError
 
-from ..logs import RateLimitedLog
+from ..logs import RateLimitedLog, one_line
 from .addresses import loopback_from_afar
 from .membership import Membership
 from .protocol import SERVICE_NAME, pb
@@ -170,8 +170,9 @@ class CoordinatorService:
 
     def shutdown(self, request: pb.ShutdownRequest) -> pb.ShutdownResponse:
         validate_shutdown(request)
-        logger.info("shutdown requested over gRPC%s", f": {request.reason}" if request.reason else "")
-        self._request_shutdown(request.reason or "ps-ctl shutdown")  # only flags it: the drain runs elsewhere
+        reason = one_line(request.reason)
+        logger.info("shutdown requested over gRPC%s", f": {reason}" if reason else "")
+        self._request_shutdown(reason or "ps-ctl shutdown")  # only flags it: the drain runs elsewhere
         return pb.ShutdownResponse()
 
 

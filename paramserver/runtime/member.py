@@ -14,7 +14,7 @@ import socket
 import threading
 from typing import Callable, Dict, List, Optional, Tuple
 
-from ..control import CoordinatorClient, CoordinatorError, HeartbeatLoop, TlsFiles, pb
+from ..control import CoordinatorClient, CoordinatorError, CoordinatorUnavailable, HeartbeatLoop, TlsFiles, pb
 from ..shards import peer
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,10 @@ class MemberSession:
         self._shards: List[str] = []
         self._shards_lock = threading.Lock()
         self._heartbeats: Optional[HeartbeatLoop] = None
+        #: Why this member is out of the cluster (the coordinator lost, or it refused us); None while in it.
         self.lost_reason: Optional[str] = None
+        #: The coordinator refused this member (declared it dead): the cluster has already moved on without it.
+        self.refused = False
 
     def join(self) -> pb.Assignment:
         self.assignment = self.client.join(self.role, self.name, self.host, retry_for=self._retry_for)
@@ -62,11 +65,12 @@ class MemberSession:
 
     def start_heartbeats(self, progress: Callable[[], Tuple[int, Dict[str, float]]] = lambda: (0, {}),
                          on_stop: Callable[[], None] = lambda: None,
-                         on_lost: Callable[[str], None] = lambda reason: None,
+                         on_lost: Callable[[str, bool], None] = lambda reason, refused: None,
                          on_group: Callable[[pb.TrainerGroupView], None] = lambda view: None,
                          on_checkpoint: Optional[Callable[[int], None]] = None) -> None:
         """Heartbeat every interval from now on; ``on_group`` gets each answer's trainer-group view,
-        ``on_checkpoint`` each checkpoint request's number (members without it ignore requests)."""
+        ``on_checkpoint`` each checkpoint request's number (members without it ignore requests),
+        ``on_lost(reason, refused)`` the end of this member's session, once."""
         interval = datetime.timedelta(milliseconds=self.assignment.heartbeat_interval_ms)
         timeout = datetime.timedelta(milliseconds=self.assignment.heartbeat_timeout_ms)
 
@@ -90,21 +94,25 @@ class MemberSession:
             if response.HasField("group"):
                 on_group(response.group)
 
-        def lost(reason: str) -> None:
-            self.lost_reason = reason
+        def lost(reason: str, refused: bool) -> None:
+            self.lost_reason, self.refused = reason, refused
             logger.error("%s: %s", self.assignment.rpc_name, reason)
-            on_lost(reason)
+            on_lost(reason, refused)
 
         self._heartbeats = HeartbeatLoop(self.client, self.assignment.member_id, interval, give_up_after=timeout,
                                          progress=progress, on_command=on_command, on_lost=lost,
                                          on_response=on_response).start()
 
     def beat_now(self) -> None:
-        """Send a heartbeat now (to hear of a change sooner than the next beat)."""
+        """Send a heartbeat now (to hear of a change sooner than the next beat); nothing once lost."""
+        if self.lost_reason is not None:
+            return
         try:
             self._heartbeats.beat()
-        except CoordinatorError as error:  # the loop reports a lasting problem itself
+        except CoordinatorUnavailable as error:  # the loop declares it lost once it lasts
             logger.warning("heartbeat failed: %s", error)
+        except CoordinatorError:  # refused: reported once, through on_lost
+            pass
 
     def request_regroup(self, generation: int) -> None:
         """Tell the coordinator (now) that ``generation`` of this worker's trainer group broke."""

@@ -82,7 +82,7 @@ def run_shard_member(address: str, name: str, host: str, token: Optional[str] = 
         logger.info("shard %s restores its tables from %s (step %d)", assignment.rpc_name,
                     assignment.checkpoint.restore_from, assignment.checkpoint.restore_step)
     session.start_heartbeats(on_stop=lambda: request_stop(graceful=False),
-                             on_lost=lambda reason: request_stop(graceful=False))
+                             on_lost=lambda reason, refused: request_stop(graceful=False))
     try:
         # The coordinator hands this shard to workers once it says it is ready.
         run_shard_server(assignment.rpc_name, assignment.rpc_rank, None, session.init_method,

@@ -7,9 +7,13 @@ both planes when it returns.  A stop command, SIGTERM/SIGINT, or losing
 the coordinator asks the job to stop; a job that ignores the request is
 ended after a grace period.  With a metrics port the worker serves its
 metrics there from before it joins until it exits (its RPCs to the shards,
-its training, the job's reported figures).  Exit codes: 0 done, 1 the job
-or the cluster failed (or the metrics port cannot be bound), 2 refused
-(wrong token, bad job).
+its training, the job's reported figures).  Losing the cluster ends the
+worker within a bound: refused by the coordinator (declared dead while it
+hung), it exits at once; the coordinator unreachable for the heartbeat
+timeout, the job is asked to stop and the process ends within
+``LOST_CLUSTER_GRACE`` whether or not the job returned.  Exit codes: 0
+done, 1 the job or the cluster failed (or the metrics port cannot be
+bound), 2 refused (wrong token, bad job).  Every outcome is one line.
 """
 
 import datetime
@@ -17,6 +21,7 @@ import logging
 import os
 import signal
 import threading
+import time
 import traceback
 import inspect
 from dataclasses import dataclass, field
@@ -26,7 +31,7 @@ import grpc
 
 from ..control import CoordinatorError, CoordinatorUnavailable, NotAuthenticated, TlsFiles, pb
 from ..metrics.process import ProcessMetrics, worker_metrics
-from ..logs import exit_now
+from ..logs import exit_now, one_line
 from ..shards import peer
 from .context import JobContext
 from .job import JobError, unpack_job
@@ -36,6 +41,8 @@ logger = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
 STOP_GRACE = datetime.timedelta(seconds=10)
+#: How long a worker that lost the coordinator gives its job to return before it exits.
+LOST_CLUSTER_GRACE = datetime.timedelta(seconds=1.5)
 #: How long leaving the data plane may take after the job ended (RPC calls in flight, RRef releases).
 DATA_PLANE_LEAVE_WITHIN = datetime.timedelta(seconds=20)
 
@@ -88,11 +95,11 @@ def _run(options: WorkerOptions, say, metrics: Optional[ProcessMetrics]) -> int:
     context = JobContext.from_assignment(assignment, session)
     if metrics is not None:
         metrics.watch_job(context)
-    watchdog = _StopWatchdog(context, options.stop_grace)
+    watchdog = _StopWatchdog(context, options.stop_grace, say, assignment.rpc_name)
     # Heartbeats from the moment we joined: unpacking the job and joining the
     # data plane can take seconds on a loaded machine.
     session.start_heartbeats(progress=context.progress, on_stop=watchdog.stop_requested,
-                             on_lost=lambda reason: watchdog.stop_requested(), on_group=context.inbox.set_group_view,
+                             on_lost=watchdog.cluster_lost, on_group=context.inbox.set_group_view,
                              on_checkpoint=context.inbox.request_checkpoint)
     if not assignment.job.code:
         session.leave("no job")
@@ -122,31 +129,39 @@ def _run(options: WorkerOptions, say, metrics: Optional[ProcessMetrics]) -> int:
         result = job(context, **config)
     except Exception as error:  # noqa: BLE001 - report the job's failure in one line, then leave
         logger.error("job %s failed:\n%s", assignment.job.name, traceback.format_exc())
+        if session.lost_reason is not None:  # failed because the cluster went away: say that
+            watchdog.exit_lost()
         watchdog.done()
         peer.leave(graceful=False)
-        session.leave(f"job failed: {type(error).__name__}: {error}", *context.progress())
-        say(f"ps-worker: job {assignment.job.name} failed: {type(error).__name__}: {error}")
+        session.leave(f"job failed: {one_line(error)}", *context.progress())
+        say(f"ps-worker: job {assignment.job.name} failed: {one_line(error)}")
         return EXIT_FAILED
+    if session.lost_reason is not None:
+        watchdog.exit_lost(result)
     watchdog.done()
     step, metrics = context.progress()
-    if isinstance(result, dict):
-        metrics.update({k: float(v) for k, v in result.items() if isinstance(v, (int, float))})
-    # Declared dead meanwhile: the cluster already dropped us from the RPC group.
-    left_data_plane = _leave_data_plane(graceful=session.lost_reason is None)
+    metrics.update(_figures(result))
+    left_data_plane = _leave_data_plane(graceful=True)
     if not left_data_plane:
         session.leave("finished; left the data plane without waiting", step, metrics)
         say(f"ps-worker: {assignment.rpc_name} finished {assignment.job.name} at step {step}, but leaving the "
             f"data plane did not finish within {DATA_PLANE_LEAVE_WITHIN.total_seconds():.0f} s")
         exit_now(EXIT_OK)  # torch's teardown would wait on the same peers
-    if session.lost_reason is not None:
-        session.leave("")
-        say(f"ps-worker: {assignment.rpc_name} finished its job but {session.lost_reason}")
-        return EXIT_FAILED
     session.leave("job finished", step, metrics)
-    summary = ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()))
-    say(f"ps-worker: {assignment.rpc_name} finished {assignment.job.name} at step {step}"
-        + (f" ({summary})" if summary else ""))
+    say(f"ps-worker: {assignment.rpc_name} finished {assignment.job.name} at step {step}{_summary(metrics)}")
     return EXIT_OK
+
+
+def _figures(result) -> Dict[str, float]:
+    """The numbers among what a job returned."""
+    if not isinstance(result, dict):
+        return {}
+    return {key: float(value) for key, value in result.items() if isinstance(value, (int, float))}
+
+
+def _summary(metrics: Dict[str, float]) -> str:
+    summary = ", ".join(f"{key}={value:.4g}" for key, value in sorted(metrics.items()))
+    return f" ({summary})" if summary else ""
 
 
 def _leave_data_plane(graceful: bool) -> bool:
@@ -185,12 +200,23 @@ def _accepted(job, name: str, overrides: Dict[str, Any]) -> Dict[str, Any]:
 
 
 class _StopWatchdog:
-    """Pass a stop request to the job; end the process if the job ignores it for ``grace``."""
+    """Pass a stop request to the job; end the process if the job ignores it for ``grace``.
 
-    def __init__(self, context: JobContext, grace: datetime.timedelta):
+    Losing the cluster is stricter (``cluster_lost``): refused by the
+    coordinator, the process exits at once; the coordinator unreachable, the
+    job gets ``LOST_CLUSTER_GRACE`` to return, then the process exits either
+    way.  Either exit says in one line that the cluster was lost, with the
+    figures the job last reported.
+    """
+
+    def __init__(self, context: JobContext, grace: datetime.timedelta, say, name: str):
         self._context = context
         self._grace = grace
+        self._say = say
+        self._name = name
         self._finished = threading.Event()
+        self._exiting = threading.Lock()
+        self._lost_reason = ""
 
     def stop_requested(self) -> None:
         if self._context.should_stop():
@@ -202,6 +228,28 @@ class _StopWatchdog:
         if not self._finished.wait(self._grace.total_seconds()):
             logger.error("the job did not stop within %.0f s of being asked; exiting", self._grace.total_seconds())
             os._exit(EXIT_FAILED)
+
+    def cluster_lost(self, reason: str, refused: bool) -> None:
+        """The member's session ended (``MemberSession.start_heartbeats``' ``on_lost``)."""
+        self._lost_reason = reason
+        if refused:  # the cluster moved on without us: nothing this process holds is wanted any more
+            self.exit_lost()
+        self._context.inbox.request_stop()
+        threading.Thread(target=self._exit_after_grace, name="lost-cluster-watchdog", daemon=True).start()
+
+    def _exit_after_grace(self) -> None:
+        time.sleep(LOST_CLUSTER_GRACE.total_seconds())
+        logger.error("the job did not return within %.1f s of losing the cluster", LOST_CLUSTER_GRACE.total_seconds())
+        self.exit_lost()
+
+    def exit_lost(self, result=None) -> None:
+        """Say that the cluster was lost (with the job's figures), then end the process at once: exit 1."""
+        with self._exiting:  # one line, whichever thread gets here first; the others wait for the exit
+            step, metrics = self._context.progress()
+            metrics.update(_figures(result))
+            self._say(f"ps-worker: {self._name} lost the cluster at step {step}{_summary(metrics)}: "
+                      f"{one_line(self._lost_reason)}")
+            exit_now(EXIT_FAILED)
 
     def done(self) -> None:
         self._finished.set()

@@ -27,6 +27,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from ..logs import one_line
 from ..optim import DistributedOptimizer
 from ..shards import ShardedEmbeddingBag, plan_dense
 from .contract import Batch, Table
@@ -144,8 +145,3 @@ class SparseTables:
         """``pool`` for evaluation (no gradient recorded)."""
         return self.pool(batch)
 
-
-def one_line(error: BaseException) -> str:
-    """``Type: first line of the message`` (at most 300 characters): how logs and reasons name an error."""
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0][:300] if lines else ''}"

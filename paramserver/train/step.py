@@ -24,8 +24,9 @@ import torch.distributed.autograd as dist_autograd
 from torch import Tensor
 
 from ..ddp import DenseReplica
+from ..logs import one_line
 from .contract import Batch
-from .sparse import SparseTables, one_line
+from .sparse import SparseTables
 
 
 class ShardStepFailed(RuntimeError):

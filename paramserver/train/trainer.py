@@ -28,10 +28,11 @@ from torch import Tensor, nn
 
 from ..checkpoint.trainer import TrainerCheckpoints, restore_point
 from ..ddp import DenseReplica, GroupStopped, TrainerGroup
+from ..logs import one_line
 from .contract import Batch, Table
 from .data import BatchStream
 from .evaluation import evaluate
-from .sparse import RebuildStopped, SparseTables, one_line
+from .sparse import RebuildStopped, SparseTables
 from .step import ShardStepFailed, train_step
 
 logger = logging.getLogger(__name__)
