@@ -16,6 +16,7 @@ import faulthandler
 import os
 import pickle
 import signal
+import time
 import warnings
 import zlib
 
@@ -73,7 +74,7 @@ class StoreViews:
 
 def train(name: str, index: int, port: int, steps: int, hook: str, result_path: str,
           publish=None, late_member_at: int = 0, late: bool = False, lost_at: int = 0,
-          lost: bool = False) -> None:
+          lost: bool = False, hangs: bool = False) -> None:
     """Train ``steps`` steps in the group; ``publish=(generation, members)`` announces a view first.
 
     ``late_member_at``: a member there from the start waits at that step
@@ -81,7 +82,11 @@ def train(name: str, index: int, port: int, steps: int, hook: str, result_path: 
     the others reached it, then announces its view.  ``lost_at``: the
     ``lost`` member waits there until every member finished that many
     steps, publishes the next view without itself and SIGKILLs itself; the
-    others' next step fails and they recover.
+    others' next step fails and they recover.  With ``hangs`` it SIGSTOPs
+    itself instead (its peers' collective would wait for the collective
+    timeout, unless the new view makes them abandon it); the first
+    survivor SIGKILLs it once done.  ``slowest_step_s`` in the result is
+    the longest step, its recovery included.
     """
     warnings.filterwarnings("ignore")
     faulthandler.dump_traceback_later(75, exit=True)  # a hang shows where, before the test's 90 s deadline
@@ -93,7 +98,10 @@ def train(name: str, index: int, port: int, steps: int, hook: str, result_path: 
     if late:
         source._store.set("late/published", "yes")
     replica = DenseReplica(TrainerGroup.join(source, TIMEOUT), model(), make_optimizer, hook=hook)
+    slowest_step_s = 0.0
+    started = time.monotonic()
     while replica.step < steps and replica.sync_point():
+        slowest_step_s, started = max(slowest_step_s, time.monotonic() - started), time.monotonic()
         inputs, target = batch(name, replica.step)
         try:
             loss = (replica(inputs) - target).pow(2).mean()
@@ -113,10 +121,13 @@ def train(name: str, index: int, port: int, steps: int, hook: str, result_path: 
                 survivors = [member for member in replica.group.members if member != name]
                 source._store.wait([f"lost_at/{member}" for member in survivors], TIMEOUT)
                 source.publish(replica.group.generation + 1, survivors)
-                os.kill(os.getpid(), signal.SIGKILL)
+                source._store.set("hung/pid", str(os.getpid()))
+                os.kill(os.getpid(), signal.SIGSTOP if hangs else signal.SIGKILL)
+    if hangs and replica.group.rank == 0:
+        os.kill(int(source._store.get("hung/pid")), signal.SIGKILL)
     replica.close()
     with open(result_path, "wb") as file:
         pickle.dump({"step": replica.step, "reformations": replica.reformations, "recoveries": replica.recoveries,
                      "steps_skipped": replica.steps_skipped,
                      "state": {k: v.clone() for k, v in replica.module.state_dict().items()},
-                     "bytes_per_step": replica.bytes_per_step}, file)
+                     "bytes_per_step": replica.bytes_per_step, "slowest_step_s": slowest_step_s}, file)

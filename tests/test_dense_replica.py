@@ -84,22 +84,29 @@ def test_a_late_member_joins_at_the_next_generation_with_rank_0s_state(tmp_path,
         assert torch.equal(got["worker2"]["state"][key], value)
 
 
-@pytest.mark.parametrize("lost_at", [5, 10], ids=["in-backward", "in-agreement"])
-def test_a_group_that_loses_a_member_re_forms_and_trains_on_without_it(tmp_path, store, lost_at):
-    """worker2 is SIGKILLed once all three finished ``lost_at`` steps: the survivors' next collective
-    fails (DDP's all-reduce in backward at step 5; the agreement at step 10), they re-form, redo that
-    step with the same batches and end equal to local training: a gradient applied twice, or a step's
-    gradient left over, would show."""
+#: A hung member's peers leave its collective within this of the view without it (the collective timeout is 60 s).
+ABANDONED_WITHIN_S = 15
+
+
+@pytest.mark.parametrize("lost_at,hangs", [(5, False), (10, False), (5, True), (10, True)],
+                         ids=["killed-in-backward", "killed-in-agreement", "hung-in-backward", "hung-in-agreement"])
+def test_a_group_that_loses_a_member_re_forms_and_trains_on_without_it(tmp_path, store, lost_at, hangs):
+    """worker2 is SIGKILLed (or SIGSTOPped: hung, not dead) once all three finished ``lost_at`` steps,
+    and the view without it is published: the survivors' next collective fails (DDP's all-reduce in
+    backward at step 5; the agreement at step 10), or is abandoned on the new view when the member hangs,
+    they re-form, redo that step with the same batches and end equal to local training: a gradient
+    applied twice, or a step's gradient left over, would show."""
     names, steps = ["worker0", "worker1", "worker2"], 20
     children = [Child(name, rw.train, (name, index, store.port, steps, "allreduce", str(tmp_path / f"{name}.pkl"),
                                        (1, names) if index == 0 else None),
-                      dict(lost_at=lost_at, lost=name == "worker2"))
+                      dict(lost_at=lost_at, lost=name == "worker2", hangs=hangs))
                 for index, name in enumerate(names)]
     run_children(children, TIMEOUT, expected_exit_codes={"worker2": -signal.SIGKILL})
     got = results(tmp_path, names[:2])
     expected = local_training(names, steps, lost="worker2", lost_at=lost_at)
     for name in names[:2]:
         assert (got[name]["step"], got[name]["recoveries"], got[name]["steps_skipped"]) == (steps, 1, 0)
+        assert got[name]["slowest_step_s"] < ABANDONED_WITHIN_S, got[name]["slowest_step_s"]
         for key, value in expected.items():
             torch.testing.assert_close(got[name]["state"][key], value, atol=1e-6, rtol=1e-6)
             assert torch.equal(got[name]["state"][key], got["worker0"]["state"][key])

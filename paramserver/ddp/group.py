@@ -12,6 +12,17 @@ collective of the old group.  When a collective fails instead (a member was lost
 member that saw it drops the broken process group at once and forms the
 next generation the coordinator publishes (``reform(after_failure=True)``).
 
+A member that hangs (stopped, not dead) fails no collective: its peers
+would wait in one until the collective timeout.  So a watcher thread reads
+the views the coordinator publishes, and once one drops a member of the
+current generation it abandons that generation's pending collectives:
+every collective the group runs is waited on through ``abortable``, whose
+future fails at once with ``GenerationAborted``.  Gloo cannot cancel the
+operation itself, and destroying a process group waits for its pending
+operations, so an abandoned generation's process group is kept aside
+(``_retired``) until they end (the hung member resumed and left, or the
+collective timeout), and the next generation forms meanwhile.
+
 It knows nothing of gRPC: the view source is a
 ``paramserver.runtime.context.GroupChannel`` (or any object with its
 members: ``rpc_name``, ``worker_index``, ``trainer_group``,
@@ -25,7 +36,8 @@ generation formed is noted in the process's metrics when it serves them
 import datetime
 import logging
 import os
-from typing import NamedTuple
+import threading
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -49,6 +61,8 @@ FORM_TIMEOUT = datetime.timedelta(seconds=120)
 #: (it comes once the lost member is declared dead) before asking for one with
 #: the same members (nobody was lost: a collective timed out).
 REGROUP_AFTER = datetime.timedelta(seconds=20)
+#: How often the watcher looks for a view that dropped a member of the current generation.
+WATCH_VIEWS_EVERY = datetime.timedelta(seconds=0.2)
 STORE_PREFIX = "trainer_group"
 
 
@@ -62,6 +76,10 @@ class Agreement(NamedTuple):
 
 class GroupStopped(RuntimeError):
     """The worker was asked to stop while waiting for its trainer group."""
+
+
+class GenerationAborted(RuntimeError):
+    """A newer view dropped a member of this generation: its pending collectives were abandoned."""
 
 
 def device_for(backend: str, worker_index: int) -> torch.device:
@@ -98,6 +116,17 @@ class TrainerGroup:
         self.rank = -1
         self.world_size = 0
         self.device = torch.device("cpu")
+        self._lock = threading.Lock()
+        #: Why the current generation was abandoned (None: it was not).
+        self.aborted: Optional[str] = None
+        #: The futures handed out by ``abortable`` still pending, each with the collective's own future.
+        self._pending: Dict[torch.futures.Future, torch.futures.Future] = {}
+        #: The collectives of the current generation abandoned by ``_watch_views``.
+        self._abandoned: List[torch.futures.Future] = []
+        #: Process groups of abandoned generations and their collectives still running.
+        self._retired: List[Tuple[object, List[torch.futures.Future]]] = []
+        self._closed = threading.Event()
+        self._watcher = threading.Thread(target=self._watch_views, name="trainer-group-views", daemon=True)
 
     @classmethod
     def join(cls, source, timeout: datetime.timedelta = FORM_TIMEOUT) -> "TrainerGroup":
@@ -107,6 +136,7 @@ class TrainerGroup:
         if view is None:
             raise GroupStopped(f"{source.rpc_name} was asked to stop before its trainer group formed")
         group._form(view)
+        group._watcher.start()
         return group
 
     @property
@@ -130,7 +160,9 @@ class TrainerGroup:
         prefix = f"{STORE_PREFIX}/{view.group}/{view.generation}/"
         logger.info("%s: forming trainer group %d generation %d as rank %d of %d (%s): %s", name, view.group,
                     view.generation, rank, len(view.members), view.backend, ", ".join(view.members))
-        self.view, self.rank, self.world_size = view, rank, len(view.members)
+        with self._lock:
+            self.view, self.rank, self.world_size = view, rank, len(view.members)
+            self.aborted = None
         _collectives_on_data_plane_interface()
         self.device = device_for(view.backend, self._source.worker_index)
         if self.device.type == "cuda":
@@ -141,10 +173,64 @@ class TrainerGroup:
         if metrics is not None:
             metrics.group_formed(view.group, view.generation)
 
-    @staticmethod
-    def _drop_process_group() -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    def _drop_process_group(self) -> None:
+        """Destroy the current generation's process group; an abandoned one is kept aside until its collectives
+        end (destroying it would wait for them), and those kept before are let go once theirs ended."""
+        self._retired = [(group, running) for group, running in self._retired
+                         if not all(future.done() for future in running)]
+        if not dist.is_initialized():
+            return
+        if self.aborted is not None:
+            with self._lock:
+                running, self._abandoned = self._abandoned, []
+            world = dist.group.WORLD
+            if self.backend != "gloo":
+                world.abort()  # NCCL (and others) can end the operation itself
+            self._retired.append((world, running))
+        dist.destroy_process_group()
+
+    def abortable(self, future: torch.futures.Future) -> torch.futures.Future:
+        """``future`` (of a collective of this generation), failing at once with ``GenerationAborted`` if the
+        generation is abandoned before it completes."""
+        mine = torch.futures.Future(devices=[self.device] if self.device.type == "cuda" else None)
+        with self._lock:
+            if self.aborted is not None:
+                mine.set_exception(GenerationAborted(self.aborted))
+                return mine
+            self._pending[mine] = future
+
+        def forward(done: torch.futures.Future) -> None:
+            with self._lock:  # whichever comes first, the collective's end or the abort, completes ``mine``
+                if self._pending.pop(mine, None) is None:
+                    return
+            try:
+                mine.set_result(done.value())
+            except Exception as error:  # noqa: BLE001 - the collective's failure, handed on
+                mine.set_exception(error)
+
+        future.add_done_callback(forward)
+        return mine
+
+    def _watch_views(self) -> None:
+        while not self._closed.wait(WATCH_VIEWS_EVERY.total_seconds()):
+            newest = self._source.group_view()
+            with self._lock:
+                current = self.view
+                if newest is None or current is None or newest.generation <= current.generation \
+                        or self.aborted is not None:
+                    continue
+                dropped = sorted(set(current.members) - set(newest.members))
+                if not dropped:
+                    continue
+                self.aborted = (f"trainer group {current.group} generation {current.generation} was replaced by "
+                                f"generation {newest.generation} without {', '.join(dropped)}")
+                abandoned, self._pending = self._pending, {}
+                self._abandoned.extend(abandoned.values())
+            if abandoned:
+                logger.warning("%s: %s; abandoning its %d pending collective%s", self._source.rpc_name, self.aborted,
+                               len(abandoned), "s" if len(abandoned) > 1 else "")
+            for future in abandoned:
+                future.set_exception(GenerationAborted(self.aborted))
 
     def agree(self, want_stop: bool = False, checkpoint_request: int = 0) -> Agreement:
         """Collective: one all-reduce (MAX) of what each member heard of.
@@ -155,7 +241,7 @@ class TrainerGroup:
         newest = self._source.group_view()
         heard = newest.generation if newest is not None else 0
         flags = torch.tensor([heard, int(want_stop), checkpoint_request], dtype=torch.int64, device=self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        self.abortable(dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True).get_future()).wait()
         newest_heard, stop, request = flags.tolist()
         return Agreement(newest_heard > self.generation, bool(stop), int(request))
 
@@ -189,6 +275,7 @@ class TrainerGroup:
         return self._source.wait_for_group_view(self.generation, self._timeout)
 
     def close(self) -> None:
+        self._closed.set()
         self._drop_process_group()
         self._store = None
 

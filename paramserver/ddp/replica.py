@@ -173,23 +173,27 @@ class DenseReplica:
         return members[source]["rpc_name"]
 
     def _watched(self, hook):
-        """``hook``, noting when its collectives fail (``collective_failed`` reads the note)."""
+        """``hook``, noting when its collectives fail (``collective_failed`` reads the note), and abandoned at
+        once when the group's generation is (``TrainerGroup.abortable``)."""
+        generation = self.group.generation
+
+        def check_reduced(future):
+            try:
+                return future.value()
+            except Exception as error:  # noqa: BLE001 - noted, then raised again
+                if self.group.generation == generation:  # not an abandoned generation's late failure
+                    # Only the message is kept: the error's frames hold the broken group's work.
+                    self._hook_failure = str(error)
+                raise
+
         @functools.wraps(hook)
         def watched(state, bucket):
             try:
-                return hook(state, bucket).then(self._check_reduced)
+                return self.group.abortable(hook(state, bucket).then(check_reduced))
             except Exception as error:  # noqa: BLE001 - noted, then raised again
                 self._hook_failure = str(error)
                 raise
         return watched
-
-    def _check_reduced(self, future):
-        try:
-            return future.value()
-        except Exception as error:  # noqa: BLE001 - noted, then raised again
-            # Only the message is kept: the error's frames hold the broken group's work.
-            self._hook_failure = str(error)
-            raise
 
     def __call__(self, *args, **kwargs):
         return self.ddp(*args, **kwargs)
@@ -226,8 +230,9 @@ class DenseReplica:
 
     def collective_failed(self, error: BaseException) -> bool:
         """Whether ``error``, raised by a training step, means a collective of the group failed:
-        the comm hook saw its all-reduce fail, or the backend raised it."""
-        return self._hook_failure is not None or is_collective_failure(error)
+        the comm hook saw its all-reduce fail, the backend raised it, or the group abandoned it (a newer
+        view dropped a member)."""
+        return self._hook_failure is not None or self.group.aborted is not None or is_collective_failure(error)
 
     def recover(self, error: BaseException) -> bool:
         """Re-form the group after a collective of it failed; False if the worker was asked to stop meanwhile.
@@ -242,7 +247,8 @@ class DenseReplica:
         started, failed_step = time.monotonic(), self.step
         self.optimizer.zero_grad(set_to_none=True)  # local gradients of the failed step (outside dist_autograd)
         logger.warning("%s: a collective failed at step %d in %s; re-forming: %s", self.group.members[self.group.rank],
-                       failed_step, self.group.describe(), _first_line(self._hook_failure or str(error)))
+                       failed_step, self.group.describe(),
+                       _first_line(self.group.aborted or self._hook_failure or str(error)))
         while True:
             traceback.clear_frames(error.__traceback__)  # its frames may hold the broken group's work
             self._failures_in_a_row += 1
