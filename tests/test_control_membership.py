@@ -144,6 +144,21 @@ def test_exited_process_is_gone_at_once(table):
     assert table.process_exited("shard3", -9) is None
 
 
+def test_a_shard_not_restarted_is_gone_for_good_until_one_joins_under_its_name(table):
+    table.join(join_request(pb.ROLE_SHARD, name="shard0"))
+    remote = table.join(join_request(pb.ROLE_SHARD, name="shard1", host="10.0.0.2"))
+    table.process_exited("shard0", -9, "it exited 4 times (at most 3 restarts)")
+    assert table.shards_gone() == {
+        "shard0": "process exited with code -9; not restarted: it exited 4 times (at most 3 restarts)"}
+    # A --join host reports its shard's exit with a final Leave.
+    table.leave(pb.LeaveRequest(member_id=remote.member_id, reason="process exited with code -9\n(on 10.0.0.2)",
+                                final=True))
+    assert table.shards_gone()["shard1"] == "process exited with code -9 (on 10.0.0.2); not restarted"
+    table.sweep()  # (nothing else changes it)
+    table.join(join_request(pb.ROLE_SHARD, name="shard1", host="10.0.0.2"))
+    assert list(table.shards_gone()) == ["shard0"]
+
+
 def test_leave_and_stop(table):
     worker = table.join(join_request())
     other = table.join(join_request())

@@ -7,6 +7,11 @@
 3. the coordinator is SIGKILLed: the survivor exits 1 within the heartbeat timeout + 2 s, saying the
    cluster was lost, with the figures it last reported.
 
+and on a second cluster, whose shards may not be restarted (``--shard-restarts 0``):
+
+4. a shard is killed: the worker learns at once that it is gone for good and exits 1 naming it, rather
+   than waiting for it to serve again.
+
 Each bound is measured from the fault and printed; docs/faults.md lists them.
 """
 
@@ -27,6 +32,8 @@ HUNG_MEMBER_CUT_OUT_S = HEARTBEAT_TIMEOUT_S + 10
 REFUSED_EXIT_S = 5
 #: Losing the coordinator ends a worker within the heartbeat timeout + 2 s (+1 s for a loaded machine's exit).
 CLUSTER_LOST_EXIT_S = HEARTBEAT_TIMEOUT_S + 2 + 1
+#: A worker fails within this of a shard that is not restarted exiting (a heartbeat brings the news).
+SHARD_GONE_EXIT_S = 5
 JOB = f"{os.path.dirname(__file__)}/jobs/watch_next.py:main"
 
 
@@ -91,3 +98,23 @@ def test_a_hung_worker_is_cut_out_then_refused_and_a_lost_coordinator_ends_the_s
                 time.sleep(0.2)
             if pid_exists(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_shard_past_its_restart_budget_fails_the_worker_at_once_naming_it(commands, tmp_path):
+    server, address = start_server(commands, "--shards", "2", "--shard-restarts", "0", "--checkpoint-dir",
+                                   str(tmp_path / "checkpoints"), "--checkpoint-every", "20", "--job", JOB,
+                                   "--job-config", job_config(steps=100_000, log_every=2, eval_every=100_000))
+    worker = commands.start("ps-worker", "--connect", address)
+    state = wait_for_status(commands, address, lambda s: s["workers"] and s["workers"][0]["step"] >= 30, 120)
+    shard = next(s for s in state["shards"] if s["name"] == "shard1")
+    os.kill(shard["pid"], signal.SIGKILL)
+    code, took = _wait_for_exit(worker, SHARD_GONE_EXIT_S)
+    print(f"the worker exited {code} {took:.1f} s after shard1 was killed")
+    lines = output(worker).strip().splitlines()
+    assert code == 1 and len(lines) == 1, lines
+    assert "ShardLost: shard shard1 will not serve again: process exited with code -9; not restarted: it exited " \
+           "1 time (at most 0 restarts)" in lines[0], lines
+    gone = next(s for s in status(commands, address)["shards"] if s["name"] == "shard1")
+    assert gone["state"] == "exited" and not gone["alive"], gone
+    commands.run("ps-ctl", "--connect", address, "shutdown")
+    assert server.wait(30) == 0, errors(server)[-3000:]

@@ -1,8 +1,10 @@
 """The Trainer in one process (``JobContext.local``: the process is its own shard and a trainer group of
 one), and its parts that need no cluster: the job contract's checks and the data position."""
 
-import sys
+import datetime
 import pathlib
+import sys
+import time
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from paramserver import Batch, Table, Trainer
 from paramserver.optim import QHM
 from paramserver.runtime.context import JobContext
 from paramserver.train.data import BatchStream, DataExhausted
+from paramserver.train.sparse import ShardLost, SparseTables
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent / "jobs"))
 import watch_next  # noqa: E402
@@ -64,6 +67,22 @@ def test_data_that_ends_stops_the_group_at_an_agreement(local_context):
     # 25 batches: at step 20 the next agreement's 10 batches are not there, so the group stops at step 20.
     figures = small_trainer(local_context, "ends").fit(Counting(25), steps=100, log_every=5)
     assert figures["steps"] == 20 and figures["sparse_steps"] == 20, figures
+
+
+def test_a_rebuild_gives_up_at_once_on_a_shard_that_will_not_serve_again(local_context):
+    gone = {}
+    sparse = SparseTables({"t": Table(10, 4)}, (QHM, dict(lr=0.1, momentum=0.9, nu=0.7)), local_context.shards, "gone", 0, 10**6,
+                          live_shards=lambda: [], shards_gone=lambda: dict(gone),
+                          timeout=datetime.timedelta(seconds=1))
+    with pytest.raises(ShardLost, match=r"^shards worker0 did not serve again within 1 s$"):
+        sparse.rebuild(RuntimeError("lookup failed"))  # only the shard really missing is named
+    gone.update(worker0="process exited with code -9; not restarted: it exited 4 times (at most 3 restarts)",
+                shard9="(not one of this job's)")
+    began = time.monotonic()
+    with pytest.raises(ShardLost, match=r"^shard worker0 will not serve again: process exited with code -9; "
+                                        r"not restarted: it exited 4 times \(at most 3 restarts\)$"):
+        sparse.rebuild(RuntimeError("lookup failed"))
+    assert time.monotonic() - began < 0.5  # at once, not after the timeout
 
 
 def test_bad_batches_are_refused_naming_the_table_and_the_shape():

@@ -33,6 +33,7 @@ from ..control.security import ShardCredential
 from ..runtime.job import DEFAULT_JOB, JobError, pack_job
 from ..runtime.server import ServerOptions, serve
 from ..runtime.shard_host import ShardHostOptions, serve_shard_host
+from ..runtime.supervisor import MAX_RESTARTS
 from .common import (UsageError, add_log_level, add_metrics_port, add_token_file, command_main, coordinator_address,
                      data_plane_host, job_config_from, metrics_port_from, own_host, secret_from, setup_logging,
                      token_from)
@@ -87,11 +88,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "can add shards")
     parser.add_argument("--tls-cert", metavar="PEM", help="serve TLS only, with this certificate")
     parser.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
+    parser.add_argument("--shard-restarts", type=int, default=MAX_RESTARTS, metavar="N",
+                        help=f"restart a lost shard process at most N times (default {MAX_RESTARTS}); past that, "
+                             "workers are told at once that it is gone")
     parser.add_argument("--heartbeat-timeout", type=float, default=None, metavar="SECONDS",
                         help="declare a member dead after this long without a heartbeat "
                              "(default 5, or $PARAMSERVER_HEARTBEAT_TIMEOUT)")
     add_metrics_port(parser, "the coordinator on P, shard i on P+1+i")
     add_log_level(parser)
+
+
+def shard_restarts_from(args) -> int:
+    if args.shard_restarts < 0:
+        raise UsageError(f"--shard-restarts must be 0 or more, got {args.shard_restarts}")
+    return args.shard_restarts
 
 
 def shard_prefix(value: str) -> str:
@@ -123,7 +133,7 @@ def shard_host_options_from(args) -> ShardHostOptions:
         raise UsageError("--join with --token-file needs --shard-token-file too: a coordinator with a token "
                          "admits shards only with the shard token (give it the same --shard-token-file)")
     return ShardHostOptions(coordinator=address, num_shards=args.shards, host=host, prefix=prefix,
-                            token=token, shard_token=shard_token,
+                            token=token, shard_token=shard_token, max_restarts=shard_restarts_from(args),
                             tls=TlsFiles(ca=args.tls_ca) if args.tls_ca else None,
                             log_level=args.log_level, metrics_port=metrics_port_from(args, 1 + args.shards))
 
@@ -163,7 +173,7 @@ def options_from(args) -> ServerOptions:
                              f"heartbeat interval, got {args.heartbeat_timeout}")
         settings["heartbeat_timeout"] = timeout
     return ServerOptions(num_shards=args.shards, coordinator=CoordinatorSettings(**settings),
-                         log_level=args.log_level, shard_prefix=prefix,
+                         log_level=args.log_level, shard_prefix=prefix, max_restarts=shard_restarts_from(args),
                          metrics_port=metrics_port_from(args, 1 + args.shards))
 
 

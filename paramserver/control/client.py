@@ -135,9 +135,10 @@ class CoordinatorClient:
     def shutdown(self, reason: str = "") -> None:
         self.call("Shutdown", pb.ShutdownRequest(reason=reason))
 
-    def leave(self, member_id: str, reason: str = "", step: int = 0, metrics=None) -> None:
+    def leave(self, member_id: str, reason: str = "", step: int = 0, metrics=None, final: bool = False) -> None:
+        """``member_id`` leaves (``final``: a shard whose process will not be restarted)."""
         self.call("Leave", pb.LeaveRequest(member_id=member_id, reason=reason[:512], step=step,
-                                            metrics=_finite(metrics or {})))
+                                            metrics=_finite(metrics or {}), final=final))
 
     def close(self) -> None:
         self._raw_channel.close()

@@ -105,6 +105,8 @@ class Membership:
         self._ends: Dict[Tuple[int, str], int] = {}  # (role, LEFT/DEAD/EXITED) -> how many ended that way
         self._stopping = False
         self._groups = groups or TrainerGroups()
+        #: Shards whose process exited and is not restarted: RPC name -> why (a shard joining under it clears it).
+        self._shards_gone: Dict[str, str] = {}
 
     # -- reading -------------------------------------------------------
     @property
@@ -177,6 +179,7 @@ class Membership:
             if is_worker:
                 self._groups.add(member.trainer_group, rpc_name, request.capabilities.gpus, self._clock())
             self._members[member.member_id] = member
+            self._shards_gone.pop(rpc_name, None)
             self._forget_oldest_former_members()
             self._changed.notify_all()
         logger.info("joined: %s, rank %d, generation %d", member.describe(), member.rpc_rank, member.joined_generation)
@@ -235,12 +238,23 @@ class Membership:
                 if member.role == pb.ROLE_WORKER else None
             return self._generation, commands, self._live_shard_names(), view
 
+    def shards_gone(self) -> Dict[str, str]:
+        """Shards that will not serve again (their process is not restarted): name -> why."""
+        with self._changed:
+            return dict(self._shards_gone)
+
+    def _shard_gone(self, member: Member, why: str) -> None:
+        if member.role == pb.ROLE_SHARD:
+            self._shards_gone[member.rpc_name] = one_line(f"{member.end_reason}; {why}")
+
     def leave(self, request: pb.LeaveRequest) -> int:
         with self._changed:
             member = self._known(request.member_id)
             member.step = request.step or member.step
             member.metrics.update(request.metrics)
             self._end(member, LEFT, request.reason or "left")
+            if request.final:
+                self._shard_gone(member, "not restarted")
             generation = self._generation
         logger.info("left: %s at step %d, generation %d (%s)", member.describe(), member.step, generation,
                     member.end_reason)
@@ -258,12 +272,15 @@ class Membership:
         self._report_gone(lost)
         return lost
 
-    def process_exited(self, rpc_name: str, exit_code: Optional[int]) -> Optional[Member]:
-        """The supervisor saw the process of ``rpc_name`` exit: it is gone now."""
+    def process_exited(self, rpc_name: str, exit_code: Optional[int], not_restarted: str = "") -> Optional[Member]:
+        """The supervisor saw the process of ``rpc_name`` exit: it is gone now, and for good when
+        ``not_restarted`` says why it will not be started again."""
         with self._changed:
             member = next((m for m in self._alive() if m.rpc_name == rpc_name), None)
             if member is not None:
                 self._end(member, EXITED, f"process exited with code {exit_code}")
+                if not_restarted:
+                    self._shard_gone(member, f"not restarted: {not_restarted}")
         if member is not None:
             self._report_gone([member])
         return member

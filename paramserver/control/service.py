@@ -128,7 +128,8 @@ class CoordinatorService:
     def heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
         validate_heartbeat(request)
         generation, commands, shards, view = self.membership.heartbeat(request)
-        return pb.HeartbeatResponse(generation=generation, commands=commands, shards=shards, group=view)
+        return pb.HeartbeatResponse(generation=generation, commands=commands, shards=shards, group=view,
+                                    shards_gone=self.membership.shards_gone())
 
     def leave(self, request: pb.LeaveRequest) -> pb.LeaveResponse:
         validate_leave(request)

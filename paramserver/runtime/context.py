@@ -189,6 +189,8 @@ class JobContext:
     inbox: Inbox = field(default_factory=Inbox, repr=False)
     #: The shards serving now, as of the last word from the coordinator.
     _live_shards: Optional[Callable[[], List[str]]] = field(default=None, repr=False)
+    #: The shards that will not serve again (name -> why), as of the last word from the coordinator.
+    _shards_gone: Callable[[], Dict[str, str]] = field(default=dict, repr=False)
     #: Asks the coordinator for news now.
     _refresh: Callable[[], None] = field(default=lambda: None, repr=False)
     #: Commits a written checkpoint at the coordinator; returns its id.
@@ -211,6 +213,7 @@ class JobContext:
                    trainer_group=assignment.trainer_group, shards=list(assignment.shards), group=group,
                    checkpoint=CheckpointSettings.from_message(assignment.checkpoint),
                    member_id=assignment.member_id, inbox=inbox, _live_shards=lambda: session.shards,
+                   _shards_gone=lambda: session.shards_gone,
                    _refresh=session.beat_now, _commit_checkpoint=session.commit_checkpoint)
 
     @classmethod
@@ -246,6 +249,10 @@ class JobContext:
     def live_shards(self) -> List[str]:
         """The shards serving now, as of the last word from the coordinator."""
         return list(self._live_shards()) if self._live_shards is not None else list(self.shards)
+
+    def shards_gone(self) -> Dict[str, str]:
+        """Shards that will not serve again (their process is not restarted): name -> why."""
+        return dict(self._shards_gone())
 
     def refresh(self) -> None:
         """Ask the coordinator for news now (a heartbeat), rather than at the next beat."""

@@ -33,6 +33,7 @@ class MemberSession:
         self._retry_for = retry_for
         self.assignment: Optional[pb.Assignment] = None
         self._shards: List[str] = []
+        self._shards_gone: Dict[str, str] = {}
         self._shards_lock = threading.Lock()
         self._heartbeats: Optional[HeartbeatLoop] = None
         #: Why this member is out of the cluster (the coordinator lost, or it refused us); None while in it.
@@ -59,9 +60,16 @@ class MemberSession:
         with self._shards_lock:
             return list(self._shards)
 
-    def _set_shards(self, shards) -> None:
+    @property
+    def shards_gone(self) -> Dict[str, str]:
+        """Shards that will not serve again (not restarted), as of the last heartbeat: name -> why."""
+        with self._shards_lock:
+            return dict(self._shards_gone)
+
+    def _set_shards(self, shards, gone=None) -> None:
         with self._shards_lock:
             self._shards = list(shards)
+            self._shards_gone = dict(gone or {})
 
     def start_heartbeats(self, progress: Callable[[], Tuple[int, Dict[str, float]]] = lambda: (0, {}),
                          on_stop: Callable[[], None] = lambda: None,
@@ -90,7 +98,7 @@ class MemberSession:
                                pb.Command.Kind.Name(command.kind))
 
         def on_response(response: pb.HeartbeatResponse) -> None:
-            self._set_shards(response.shards)
+            self._set_shards(response.shards, response.shards_gone)
             if response.HasField("group"):
                 on_group(response.group)
 

@@ -21,7 +21,7 @@ from typing import Optional
 from ..control import CoordinatorServer, CoordinatorSettings, TlsFiles, pb
 from ..control.server import format_address
 from ..metrics.process import coordinator_metrics
-from .supervisor import ShardSupervisor
+from .supervisor import MAX_RESTARTS, ShardSupervisor
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,8 @@ class ServerOptions:
     log_level: Optional[str] = None
     ready_timeout: datetime.timedelta = READY_TIMEOUT
     shard_prefix: str = "shard"
+    #: How many times one lost shard process is restarted.
+    max_restarts: int = MAX_RESTARTS
     #: The coordinator's metrics port (shard i: this + 1 + i; 0: free ports); ``None``: no metrics.
     metrics_port: Optional[int] = None
 
@@ -77,7 +79,8 @@ def serve(options: ServerOptions, announce=print) -> int:
                 shard_token=coordinator.shard_credential.secret if coordinator.shard_credential else None,
                 # A lost shard comes back from the newest checkpoint; with none configured it stays lost
                 # (a restart would silently serve freshly initialized tables).
-                restart=coordinator.checkpoints is not None, prefix=options.shard_prefix,
+                restart=coordinator.checkpoints is not None, max_restarts=options.max_restarts,
+                prefix=options.shard_prefix,
                 metrics_port=options.metrics_port).start()
         want = options.num_shards
         all_joined = coordinator.membership.wait_until(

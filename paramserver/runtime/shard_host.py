@@ -28,7 +28,7 @@ from ..control import TlsFiles
 from ..control.client import JOIN_RETRY_FOR, CoordinatorClient, CoordinatorError
 from .server import READY_TIMEOUT, SHARDS_STOP_WITHIN
 from .shard_process import EXIT_REFUSED
-from .supervisor import ShardSupervisor
+from .supervisor import MAX_RESTARTS, ShardSupervisor
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,8 @@ class ShardHostOptions:
     ready_timeout: datetime.timedelta = READY_TIMEOUT
     #: Shard i serves metrics on this + 1 + i, as on the coordinator's host (0: free ports); ``None``: none.
     metrics_port: Optional[int] = None
+    #: How many times one lost shard process is restarted.
+    max_restarts: int = MAX_RESTARTS
 
 
 def serve_shard_host(options: ShardHostOptions, announce=print) -> int:
@@ -65,9 +67,11 @@ def serve_shard_host(options: ShardHostOptions, announce=print) -> int:
         keeps_checkpoints = bool(status.checkpoint.directory)
         supervisor = ShardSupervisor(
             options.num_shards, options.coordinator, options.host,
-            on_exit=lambda name, code: _report_exit(client, supervisor, name, code, options.host),
+            on_exit=lambda name, code, not_restarted: _report_exit(client, supervisor, name, code, options.host,
+                                                                   not_restarted),
             token=options.token, shard_token=options.shard_token, tls=options.tls, log_level=options.log_level,
-            restart=keeps_checkpoints, prefix=options.prefix, metrics_port=options.metrics_port).start()
+            restart=keeps_checkpoints, max_restarts=options.max_restarts, prefix=options.prefix,
+            metrics_port=options.metrics_port).start()
         names = list(supervisor.processes)
         if not _wait_until_serving(client, names, supervisor, stop, options.ready_timeout):
             if stop.is_set():
@@ -96,8 +100,9 @@ def serve_shard_host(options: ShardHostOptions, announce=print) -> int:
 
 
 def _report_exit(client: CoordinatorClient, supervisor: Optional[ShardSupervisor], name: str, code: int,
-                 host: str) -> None:
-    """Tell the coordinator at once that shard ``name``'s process exited (it leaves on the process's behalf).
+                 host: str, not_restarted: Optional[str]) -> None:
+    """Tell the coordinator at once that shard ``name``'s process exited (it leaves on the process's behalf),
+    and whether for good (``not_restarted``: why it is not started again).
 
     Without this the coordinator would learn it from the missing heartbeats,
     a timeout later, and meanwhile list the lost shard as live: workers
@@ -108,7 +113,8 @@ def _report_exit(client: CoordinatorClient, supervisor: Optional[ShardSupervisor
     if code == 0 or not member_id:
         return
     try:
-        client.leave(member_id, reason=f"process exited with code {code} (reported by ps-server --join on {host})")
+        client.leave(member_id, reason=f"process exited with code {code} (reported by ps-server --join on {host})"
+                     + (f"; not restarted: {not_restarted}" if not_restarted else ""), final=bool(not_restarted))
     except CoordinatorError as error:  # already declared dead, or the coordinator is gone: nothing to report
         logger.info("could not report %s's exit: %s", name, error)
 

@@ -32,8 +32,9 @@ MAX_RESTARTS = 3
 
 
 class ShardSupervisor:
-    """N shard processes named ``<prefix>0..`` (``shard0..``); ``on_exit(name, exit_code)`` runs when one exits
-    on its own.
+    """N shard processes named ``<prefix>0..`` (``shard0..``); ``on_exit(name, exit_code, not_restarted)`` runs
+    when one exits on its own, before it is restarted (``not_restarted`` ``None``), or saying why it will not
+    be (``""``: it left on purpose, or the server is stopping).
 
     With ``restart``, a shard that fails (exits with a code other than 0:
     killed, crashed) is started again (``MAX_RESTARTS`` times at most); the
@@ -46,7 +47,7 @@ class ShardSupervisor:
     """
 
     def __init__(self, num_shards: int, coordinator_address: str, host: str,
-                 on_exit: Callable[[str, Optional[int]], None],
+                 on_exit: Callable[[str, Optional[int], Optional[str]], None],
                  token: Optional[str] = None, tls: Optional[TlsFiles] = None, log_level: Optional[str] = None,
                  restart: bool = False, max_restarts: int = MAX_RESTARTS, prefix: str = "shard",
                  metrics_port: Optional[int] = None, shard_token: Optional[str] = None):
@@ -101,20 +102,30 @@ class ShardSupervisor:
                         logger.log(logging.INFO if process.exitcode == 0 else logging.ERROR,
                                    "shard process %s (pid %d) exited with code %s", name, process.pid,
                                    process.exitcode)
-                        self._on_exit(name, process.exitcode)
-                        restartable = process.exitcode not in (0, EXIT_REFUSED)
-                        replacement = self._replace(name) if restartable else None
+                        not_restarted = self._why_not_restarted(name, process.exitcode)
+                        if not_restarted:
+                            logger.error("not restarting shard %s: %s", name, not_restarted)
+                        self._on_exit(name, process.exitcode, not_restarted)
+                        replacement = self._replace(name) if not_restarted is None else None
                         if replacement is not None:
                             running[name] = replacement
 
-    def _replace(self, name: str) -> Optional[multiprocessing.Process]:
-        """Start ``name`` again, unless restarts are off, used up, or the server is stopping."""
-        count = self.restarts.get(name, 0)
+    def _why_not_restarted(self, name: str, exit_code: Optional[int]) -> Optional[str]:
+        """``None`` when ``name`` is to be started again; else why not ("" for a shard that left on purpose)."""
+        if exit_code == 0 or self._stopping.is_set():
+            return ""
+        if exit_code == EXIT_REFUSED:
+            return "the coordinator refused its join (exit 2)"
         if not self._restart:
-            return None
+            return "the cluster keeps no checkpoints to restart it from"
+        count = self.restarts.get(name, 0)
         if count >= self._max_restarts:
-            logger.error("shard %s exited %d times; not restarting it again", name, count + 1)
-            return None
+            return f"it exited {count + 1} time{'s' if count else ''} (at most {self._max_restarts} restarts)"
+        return None
+
+    def _replace(self, name: str) -> Optional[multiprocessing.Process]:
+        """Start ``name`` again, unless the server is stopping."""
+        count = self.restarts.get(name, 0)
         with self._lock:
             if self._stopping.is_set():
                 return None

@@ -66,19 +66,22 @@ class SparseTables:
     """The tables of ``specs`` on the shards and ``optimizer``'s ``DistributedOptimizer`` over their rows.
 
     ``live_shards()`` lists the shards serving now (the coordinator's view,
-    refreshed by ``refresh()``); ``should_stop()`` ends a wait for a lost shard.
+    refreshed by ``refresh()``), ``shards_gone()`` those that will not serve
+    again (name -> why); ``should_stop()`` ends a wait for a lost shard.
     """
 
     def __init__(self, specs: Dict[str, Table], optimizer: Tuple[type, Dict], shards: Sequence[str], prefix: str,
                  seed: int, row_wise_min_rows: int, live_shards: Callable[[], List[str]],
                  refresh: Callable[[], None] = lambda: None, should_stop: Callable[[], bool] = lambda: False,
                  timeout: datetime.timedelta = SHARD_RETURN_TIMEOUT,
-                 max_consecutive: int = MAX_CONSECUTIVE_REBUILDS):
+                 max_consecutive: int = MAX_CONSECUTIVE_REBUILDS,
+                 shards_gone: Callable[[], Dict[str, str]] = dict):
         self.specs = dict(specs)
         self.shards = list(shards)
         self._optimizer_class, self._optimizer_options = optimizer
         self._prefix, self._seed, self._row_wise_min_rows = prefix, seed, row_wise_min_rows
         self._live_shards, self._refresh, self._should_stop = live_shards, refresh, should_stop
+        self._shards_gone = shards_gone
         self._timeout = timeout
         self._max_consecutive = max_consecutive
         self._in_a_row = 0
@@ -108,7 +111,8 @@ class SparseTables:
         """Wait until every shard serves again, then build anew.
 
         Raises ``ShardLost`` when that cannot be done in time (or keeps
-        failing), ``RebuildStopped`` when the worker is asked to stop meanwhile.
+        failing), or at once when a shard will not serve again;
+        ``RebuildStopped`` when the worker is asked to stop meanwhile.
         """
         self._in_a_row += 1
         if self._in_a_row > self._max_consecutive:
@@ -121,6 +125,10 @@ class SparseTables:
         last_error: Optional[BaseException] = None
         while not self._should_stop():
             self._refresh()
+            gone = {name: why for name, why in self._shards_gone().items() if name in self.shards}
+            if gone:
+                raise ShardLost("; ".join(f"shard {name} will not serve again: {why}"
+                                          for name, why in sorted(gone.items()))) from cause
             missing = sorted(set(self.shards) - set(self._live_shards()))
             if not missing:
                 try:
@@ -134,9 +142,11 @@ class SparseTables:
                                    self.rebuilds)
                     return
             if time.monotonic() > deadline:
-                raise ShardLost(f"shards {', '.join(missing) or ', '.join(self.shards)} did not serve again within "
-                                f"{self._timeout.total_seconds():.0f} s"
-                                + (f"; last error: {one_line(last_error)}" if last_error else "")) from cause
+                waited = f"{self._timeout.total_seconds():.0f} s"
+                if missing:
+                    raise ShardLost(f"shards {', '.join(missing)} did not serve again within {waited}") from cause
+                raise ShardLost(f"every shard serves, but the sparse part could not be built again within {waited}: "
+                                f"{one_line(last_error)}") from cause
             time.sleep(_POLL.total_seconds())
         raise RebuildStopped("asked to stop while waiting for a lost shard")
 

@@ -123,7 +123,8 @@ class _Run:
         self.eval_data, self.eval_every, self.log_every = eval_data, eval_every, log_every
         restored = restore_point(ctx)
         self.sparse = SparseTables(trainer.tables, trainer.sparse_optimizer, ctx.shards, trainer.name, trainer.seed,
-                                   trainer.row_wise_min_rows, ctx.live_shards, ctx.refresh, ctx.should_stop)
+                                   trainer.row_wise_min_rows, ctx.live_shards, ctx.refresh, ctx.should_stop,
+                                   shards_gone=ctx.shards_gone)
         self.replica = DenseReplica(group, trainer.dense, trainer.dense_optimizer, hook=trainer.comm_hook,
                                     hook_options=trainer.hook_options, agree_every=trainer.agree_every,
                                     initial=restored)
