@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from paramserver.checkpoint import storage as checkpoint_module
+from paramserver.checkpoint.shard_part import CheckpointSource
 from paramserver.checkpoint import (MANIFEST, CheckpointStore, CorruptCheckpoint, FileRecord, assemble_rows,
                                     atomic_write, load_tensors, open_checkpoint, parse_range_name, range_name,
                                     save_tensors)
@@ -119,6 +120,25 @@ def test_a_damaged_newest_checkpoint_is_refused_by_file_name_and_the_previous_us
     with pytest.raises(CorruptCheckpoint, match=str(part)):
         open_checkpoint(newest.path)
     assert open_checkpoint(tmp_path, refusals.append).step == 10
+
+
+def test_a_restarting_shard_restores_from_the_newest_checkpoint_that_verifies(tmp_path, caplog):
+    store = CheckpointStore(tmp_path, keep=5)
+    write_checkpoint(store, 10, 1.0)
+    newest = write_checkpoint(store, 20, 2.0)
+    assert CheckpointSource.newest_verified(str(newest.path), str(tmp_path), "shard1").checkpoint.step == 20
+    part = newest.file("part.pt")
+    part.write_bytes(part.read_bytes()[:-10])  # damaged after it was committed
+    source = CheckpointSource.newest_verified(str(newest.path), str(tmp_path), "shard1")
+    assert source.checkpoint.step == 10
+    refusals = [r.getMessage() for r in caplog.records if "not restoring from" in r.getMessage()]
+    assert refusals == [f"shard shard1: not restoring from {newest.path}: {part}: size "
+                        f"{part.stat().st_size} bytes, expected {newest.files[0].bytes} (truncated or replaced)"]
+    older = source.checkpoint.file("part.pt")
+    older.write_bytes(older.read_bytes()[:-1])
+    with pytest.raises(CorruptCheckpoint, match=rf"^shard shard1: no checkpoint to restore from verifies: .*{part}.*"
+                                                rf"; .*{older}"):
+        CheckpointSource.newest_verified(str(newest.path), str(tmp_path), "shard1")
 
 
 @pytest.mark.parametrize("manifest", ["{not json", '{"step": 20}', '{"step": "x", "files": []}', "[]"])

@@ -25,7 +25,9 @@ import torch
 from torch import Tensor
 
 from ..shards.state import ShardState
-from .storage import Checkpoint, assemble_rows, load_tensors, parse_range_name, read_manifest, save_tensors
+from ..logs import one_line
+from .storage import (Checkpoint, CheckpointStore, CorruptCheckpoint, assemble_rows, load_tensors, parse_range_name,
+                      read_manifest, save_tensors)
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +82,29 @@ class CheckpointSource:
     def open(cls, path: str) -> "CheckpointSource":
         """The committed checkpoint at ``path`` (its files are checked when first read)."""
         return cls(read_manifest(pathlib.Path(path)))
+
+    @classmethod
+    def newest_verified(cls, preferred: str, root: str, shard: str) -> "CheckpointSource":
+        """The checkpoint at ``preferred`` (the coordinator's newest) if every file of it verifies, else the
+        newest committed one under ``root`` that does: a shard restarted mid-job restores from what it
+        checked, not from a file damaged after it was committed.  Each checkpoint refused is logged once,
+        naming the file; ``CorruptCheckpoint`` naming the shard and the files when none verifies."""
+        preferred_path = pathlib.Path(preferred)
+        candidates = [preferred_path] + [checkpoint.path for checkpoint in CheckpointStore(root).complete()
+                                         if root and checkpoint.path != preferred_path]
+        refused = []
+        for path in candidates:
+            try:
+                checkpoint = read_manifest(path)
+                checkpoint.verify()
+            except (CorruptCheckpoint, FileNotFoundError) as error:
+                refused.append(one_line(str(error)))
+                logger.error("shard %s: not restoring from %s: %s", shard, path, refused[-1])
+                continue
+            if refused:
+                logger.warning("shard %s falls back to checkpoint %s (step %d)", shard, checkpoint.id, checkpoint.step)
+            return cls(checkpoint)
+        raise CorruptCheckpoint(f"shard {shard}: no checkpoint to restore from verifies: {'; '.join(refused)}")
 
     def _tables(self) -> Dict[str, List[Tuple[int, int, Dict]]]:
         with self._lock:

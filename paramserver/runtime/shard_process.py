@@ -11,7 +11,10 @@ Exit code 0 on a clean stop, at once: the process skips the
 interpreter's teardown, which has nothing left to save.  A Join the
 coordinator refuses ends it with one line saying why: exit code 2
 (``EXIT_REFUSED``) when it was refused for its credentials or for what it
-said, which no restart would change; 1 otherwise.
+said, which no restart would change; 1 otherwise.  A shard that is to
+restore its tables verifies the checkpoint first and falls back to the
+newest one that verifies; when none does it says so, naming the files,
+and exits with ``EXIT_NO_CHECKPOINT`` (a restart would find the same files).
 """
 
 import faulthandler
@@ -26,7 +29,8 @@ import grpc
 from ..control import CoordinatorError, TlsFiles, pb
 from ..shards import ShardServerOptions, request_stop, run_shard_server
 from ..checkpoint.shard_part import CheckpointSource
-from ..logs import configure_logging, exit_now
+from ..checkpoint.storage import CorruptCheckpoint
+from ..logs import configure_logging, exit_now, one_line
 from ..metrics.process import shard_metrics
 from .member import MemberSession
 
@@ -34,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 #: The exit code of a shard whose Join was refused for good (a restart would be refused the same way).
 EXIT_REFUSED = 2
+#: The exit code of a shard that found no checkpoint to restore from that verifies.
+EXIT_NO_CHECKPOINT = 3
 _REFUSED_FOR_GOOD = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
                      grpc.StatusCode.INVALID_ARGUMENT)
 
@@ -78,9 +84,15 @@ def run_shard_member(address: str, name: str, host: str, token: Optional[str] = 
     restore_source = None
     if assignment.checkpoint.restore_from:
         # Tables that trainers ask for come from the checkpoint (rows cut to this shard's ranges).
-        restore_source = CheckpointSource.open(assignment.checkpoint.restore_from)
+        try:
+            restore_source = CheckpointSource.newest_verified(assignment.checkpoint.restore_from,
+                                                              assignment.checkpoint.directory, assignment.rpc_name)
+        except CorruptCheckpoint as error:
+            logger.error("%s", error)
+            session.leave(one_line(error))
+            exit_now(EXIT_NO_CHECKPOINT)
         logger.info("shard %s restores its tables from %s (step %d)", assignment.rpc_name,
-                    assignment.checkpoint.restore_from, assignment.checkpoint.restore_step)
+                    restore_source.checkpoint.path, restore_source.checkpoint.step)
     session.start_heartbeats(on_stop=lambda: request_stop(graceful=False),
                              on_lost=lambda reason, refused: request_stop(graceful=False))
     try:

@@ -22,7 +22,7 @@ from typing import Callable, Dict, Optional
 
 from ..control import TlsFiles
 from ..metrics.exporter import shard_metrics_port
-from .shard_process import EXIT_REFUSED, run_shard_member
+from .shard_process import EXIT_NO_CHECKPOINT, EXIT_REFUSED, run_shard_member
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +116,8 @@ class ShardSupervisor:
             return ""
         if exit_code == EXIT_REFUSED:
             return "the coordinator refused its join (exit 2)"
+        if exit_code == EXIT_NO_CHECKPOINT:
+            return "no checkpoint to restore its tables from verifies (exit 3; its log names the files)"
         if not self._restart:
             return "the cluster keeps no checkpoints to restart it from"
         count = self.restarts.get(name, 0)
