@@ -8,6 +8,7 @@ told to restore from the newest commit."""
 import datetime
 import json
 import threading
+import time
 
 import grpc
 import pytest
@@ -62,7 +63,31 @@ def test_a_checkpoint_that_never_comes_is_a_timeout_saying_why(tmp_path):
     coordinator = CheckpointCoordinator(CheckpointStore(tmp_path), Workers())
     with pytest.raises(RequestError) as late:
         coordinator.wait(coordinator.request("test"), datetime.timedelta(seconds=0.2))
-    assert late.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and "no trainer group 0 is training" in late.value.message
+    # Not DEADLINE_EXCEEDED: a client reads that as the coordinator unreachable.
+    assert late.value.code == grpc.StatusCode.FAILED_PRECONDITION and "no trainer group 0 is training" in \
+        late.value.message
+
+
+def test_a_checkpoint_that_failed_answers_its_requests_at_once_and_its_parts_are_removed(tmp_path):
+    store = CheckpointStore(tmp_path)
+    coordinator = CheckpointCoordinator(store, Workers())
+    first, second = coordinator.request("ps-ctl checkpoint"), coordinator.request("ps-ctl checkpoint")
+    directory, files = written(store, 40)  # a part written before the failure
+    coordinator.fail("worker0", pb.CommitCheckpointRequest(
+        member_id="m", request=first, directory=str(directory), step=40,
+        failure="RuntimeError: shard1 failed\n  a traceback"))
+    started = time.monotonic()
+    with pytest.raises(RequestError) as failed:
+        coordinator.wait(first, datetime.timedelta(seconds=30))
+    assert time.monotonic() - started < 1
+    assert failed.value.code == grpc.StatusCode.ABORTED
+    assert failed.value.message == "checkpoint request 1 failed: worker0 could not write it: RuntimeError: shard1 failed "\
+                                     "a traceback"  # one line
+    assert not directory.exists()
+    # A later request is answered by a later checkpoint, as ever.
+    directory, files = written(store, 50)
+    checkpoint = coordinator.commit("worker0", commit_request(directory, files, 50, request=second))
+    assert coordinator.wait(second, datetime.timedelta(seconds=1)) == checkpoint
 
 
 def test_every_n_seconds_asks_for_checkpoints_until_stopped(tmp_path):

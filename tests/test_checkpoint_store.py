@@ -2,10 +2,13 @@
 manifest written last, refusing corrupt checkpoints by file name in favour
 of the previous one, pruning, and cutting row ranges for resharding."""
 
+import errno
 import hashlib
 import io
 import json
 import os
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -263,3 +266,33 @@ def test_missing_rows_are_named():
         assemble_rows(pieces, 40, 50, "table t")
     with pytest.raises(ValueError, match=r"table t: piece 0:10 holds a tensor of shape \(9, 2\), not 10 rows"):
         assemble_rows([(0, 10, torch.zeros(9, 2))], 0, 5, "table t")
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 1 MiB tmpfs mounted for the test (root and mount(8) needed: skipped with the reason elsewhere)."""
+    mount = shutil.which("mount")
+    if os.geteuid() != 0 or mount is None:
+        pytest.skip("a full disk needs a tiny tmpfs: root and mount(8)")
+    point = tmp_path / "tiny"
+    point.mkdir()
+    made = subprocess.run([mount, "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(point)], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"could not mount a tmpfs: {made.stderr.strip()}")
+    try:
+        yield point
+    finally:
+        subprocess.run(["umount", str(point)], check=True)
+
+
+def test_a_full_disk_is_named_with_the_file_and_leaves_nothing_behind(tiny_disk):
+    store = CheckpointStore(tiny_disk)
+    directory = store.new_directory(10)
+    save_tensors(directory / "shard-shard0.pt", {"rows": torch.zeros(1000)})  # a part that fitted
+    with pytest.raises(OSError) as full:
+        save_tensors(directory / "shard-shard1.pt", {"rows": torch.zeros(1_000_000)})  # 4 MB
+    assert full.value.errno == errno.ENOSPC
+    assert str(full.value) == f"[Errno {errno.ENOSPC}] No space left on device: writing {directory}/shard-shard1.pt"
+    assert temporaries(tiny_disk) == []
+    store.discard(directory)  # what the coordinator does when told the checkpoint failed
+    assert list(tiny_disk.iterdir()) == []

@@ -69,12 +69,18 @@ class _HashingWriter:
         self._file = file
         self.sha256 = hashlib.sha256()
         self.bytes = 0
+        #: The file system's refusal of a write (torch.save's writer reports it as its own RuntimeError).
+        self.failure: Optional[OSError] = None
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
         self.sha256.update(view)
         self.bytes += len(view)
-        self._file.write(view)
+        try:
+            self._file.write(view)
+        except OSError as error:
+            self.failure = error
+            raise
         return len(view)
 
     def tell(self) -> int:
@@ -91,6 +97,7 @@ def atomic_write(path: PathLike, write: Callable[[BinaryIO], None]) -> FileRecor
     """
     path = pathlib.Path(path)
     descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
+    writer = None
     try:
         with os.fdopen(descriptor, "wb") as file:
             writer = _HashingWriter(file)
@@ -98,9 +105,12 @@ def atomic_write(path: PathLike, write: Callable[[BinaryIO], None]) -> FileRecor
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, path)
-    except BaseException:
+    except BaseException as error:
         with contextlib.suppress(OSError):
             os.unlink(temporary)
+        refusal = error if isinstance(error, OSError) else writer.failure if writer is not None else None
+        if refusal is not None and refusal.errno is not None:  # "No space left on device", named with the file
+            raise OSError(refusal.errno, f"{os.strerror(refusal.errno)}: writing {path}") from error
         raise
     descriptor = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
     try:
@@ -221,6 +231,13 @@ class CheckpointStore:
                 directory.mkdir()
                 return directory
         raise FileExistsError(f"no free checkpoint directory name for step {step} under {self.root}")
+
+    def discard(self, directory: PathLike) -> None:
+        """Remove the directory of a checkpoint that failed before it was committed (one with a manifest stays)."""
+        directory = pathlib.Path(directory)
+        if directory.is_dir() and not (directory / MANIFEST).exists():
+            shutil.rmtree(directory, ignore_errors=True)
+            logger.info("removed %s: its checkpoint failed before it was committed", directory)
 
     def commit(self, directory: PathLike, files: Sequence[FileRecord], step: int, info: Dict) -> Checkpoint:
         """Check the files are there with their sizes, then write the manifest (last), then prune."""

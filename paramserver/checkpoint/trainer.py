@@ -26,7 +26,8 @@ from typing import Any, Callable, Dict, List, Optional
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from ..runtime.context import CheckpointCommit
+from ..logs import one_line
+from ..runtime.context import CheckpointCommit, CheckpointFailure
 from . import shard_part
 from .storage import CheckpointStore, load_tensors, read_manifest, save_tensors
 
@@ -112,6 +113,7 @@ class TrainerCheckpoints:
     def _write_on_rank0(self, members: List[Dict], request: int) -> Optional[str]:
         step = self.replica.step
         started = time.monotonic()
+        directory = None
         try:
             directory = CheckpointStore(self.ctx.checkpoint.directory).new_directory(step)
             shards = list(self.ctx.shards)
@@ -131,9 +133,17 @@ class TrainerCheckpoints:
             checkpoint_id = self.ctx.commit_checkpoint(CheckpointCommit(
                 request=request, directory=str(directory), step=step, files=tuple(files), info=info))
         except Exception as error:  # noqa: BLE001 - a failed checkpoint must not end the training
-            logger.error("%s: checkpoint at step %d failed, not committed: %s: %s", self.ctx.rpc_name, step,
-                         type(error).__name__, error)
+            reason = one_line(error)
+            logger.error("%s: checkpoint at step %d failed, not committed: %s", self.ctx.rpc_name, step, reason)
+            self._report_failure(CheckpointFailure(request, str(directory or ""), step, reason))
             return None
         logger.info("%s: checkpoint %s written at step %d in %.2f s (%d shards)", self.ctx.rpc_name, checkpoint_id,
                     step, time.monotonic() - started, len(shards))
         return checkpoint_id
+
+    def _report_failure(self, failure: CheckpointFailure) -> None:
+        """Tell the coordinator (which answers a waiting ps-ctl and removes the parts); best effort."""
+        try:
+            self.ctx.fail_checkpoint(failure)
+        except Exception as error:  # noqa: BLE001 - the coordinator's own problem; training goes on
+            logger.warning("%s: could not report the failed checkpoint: %s", self.ctx.rpc_name, one_line(error))

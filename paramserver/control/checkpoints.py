@@ -27,6 +27,7 @@ from typing import Callable, Dict, Optional
 import grpc
 
 from ..checkpoint import Checkpoint, CheckpointStore, CorruptCheckpoint, FileRecord, open_checkpoint
+from ..logs import one_line
 from .protocol import pb
 from .validation import RequestError, invalid
 
@@ -72,6 +73,7 @@ class CheckpointCoordinator:
         self._changed = threading.Condition()
         self._requests = 0
         self._answered: Dict[int, Checkpoint] = {}  # request number -> the checkpoint that answered it
+        self._failed: Dict[int, str] = {}  # request number -> why the checkpoint answering it failed
         self._newest: Optional[Checkpoint] = restored
         #: Checkpoints committed by this coordinator (a restored one does not count).
         self.committed = 0
@@ -117,14 +119,19 @@ class CheckpointCoordinator:
         return number
 
     def wait(self, number: int, timeout: datetime.timedelta) -> Checkpoint:
-        """The checkpoint that answers request ``number``; ``RequestError`` when none comes in time."""
+        """The checkpoint that answers request ``number``; ``RequestError`` when its writing failed
+        (``ABORTED``, with the writer's reason) or none comes in time (``FAILED_PRECONDITION``: the
+        coordinator answered; ``DEADLINE_EXCEEDED`` and ``UNAVAILABLE`` mean it could not be reached)."""
         deadline = time.monotonic() + timeout.total_seconds()
         with self._changed:
             while number not in self._answered:
+                if number in self._failed:
+                    raise RequestError(grpc.StatusCode.ABORTED,
+                                       f"checkpoint request {number} failed: {self._failed[number]}")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self._stopped.is_set():
                     raise RequestError(
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        grpc.StatusCode.FAILED_PRECONDITION,
                         f"checkpoint request {number} was not written within {timeout.total_seconds():.0f} s: "
                         "no trainer group 0 is training (checkpoints are taken by its rank 0 at a step "
                         "boundary), or it is stuck")
@@ -132,6 +139,20 @@ class CheckpointCoordinator:
             return self._answered[number]
 
     # -- commits ------------------------------------------------------
+    def fail(self, writer: str, request: pb.CommitCheckpointRequest) -> None:
+        """``writer`` could not write the checkpoint of ``request.request``: fail the requests it was to answer
+        (those not answered yet, up to it), and remove the parts written before the failure."""
+        reason = f"{writer} could not write it: {one_line(request.failure)}"
+        with self._changed:
+            for number in range(1, request.request + 1):
+                if number not in self._answered:
+                    self._failed.setdefault(number, reason)
+            self._changed.notify_all()
+        logger.error("checkpoint%s at step %d failed: %s", f" request {request.request}" if request.request else "",
+                     request.step, reason)
+        if request.directory:
+            self.store.discard(self._inside_root(request.directory))
+
     def commit(self, writer: str, request: pb.CommitCheckpointRequest) -> Checkpoint:
         """Check what ``writer`` reports, write the manifest, prune; answer the requests it covers."""
         directory = self._inside_root(request.directory)

@@ -160,6 +160,9 @@ class CoordinatorService:
         writer = self.membership.live_member(request.member_id)
         if writer.role != pb.ROLE_WORKER:
             raise invalid(f"{writer.describe()} is no trainer: only a trainer commits checkpoints")
+        if request.failure:
+            checkpoints.fail(writer.rpc_name, request)
+            return pb.CommitCheckpointResponse()
         return pb.CommitCheckpointResponse(checkpoint_id=checkpoints.commit(writer.rpc_name, request).id)
 
     def _checkpoints(self) -> "CheckpointCoordinator":

@@ -73,6 +73,17 @@ class CheckpointCommit:
     info: Dict
 
 
+@dataclass(frozen=True)
+class CheckpointFailure:
+    """A checkpoint that could not be written, reported to the coordinator: it fails the request (a waiting
+    ``ps-ctl checkpoint`` hears ``reason`` at once) and removes ``directory``'s parts ("" when none)."""
+
+    request: int
+    directory: str
+    step: int
+    reason: str
+
+
 class Inbox:
     """What the coordinator told this worker, newest first; written by the runtime, read by the job."""
 
@@ -195,6 +206,8 @@ class JobContext:
     _refresh: Callable[[], None] = field(default=lambda: None, repr=False)
     #: Commits a written checkpoint at the coordinator; returns its id.
     _commit_checkpoint: Optional[Callable[[CheckpointCommit], str]] = field(default=None, repr=False)
+    #: Tells the coordinator a checkpoint could not be written.
+    _fail_checkpoint: Callable[[CheckpointFailure], None] = field(default=lambda failure: None, repr=False)
     _close: Callable[[], None] = field(default=lambda: None, repr=False)
     _progress_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _step: int = field(default=0, repr=False)
@@ -214,7 +227,8 @@ class JobContext:
                    checkpoint=CheckpointSettings.from_message(assignment.checkpoint),
                    member_id=assignment.member_id, inbox=inbox, _live_shards=lambda: session.shards,
                    _shards_gone=lambda: session.shards_gone,
-                   _refresh=session.beat_now, _commit_checkpoint=session.commit_checkpoint)
+                   _refresh=session.beat_now, _commit_checkpoint=session.commit_checkpoint,
+                   _fail_checkpoint=session.fail_checkpoint)
 
     @classmethod
     def local(cls, name: str = "worker0", worker_index: int = 0) -> "JobContext":
@@ -267,6 +281,10 @@ class JobContext:
         if self._commit_checkpoint is None:
             raise RuntimeError(f"{self.rpc_name} has no coordinator to commit checkpoints to")
         return self._commit_checkpoint(commit)
+
+    def fail_checkpoint(self, failure: CheckpointFailure) -> None:
+        """Tell the coordinator that a checkpoint could not be written (nothing without a coordinator)."""
+        self._fail_checkpoint(failure)
 
     # -- what a job reports --------------------------------------------
     def report(self, step: int, **figures: float) -> None:

@@ -135,6 +135,12 @@ class MemberSession:
             info_json=json.dumps(commit.info))
         return self.client.commit_checkpoint(request).checkpoint_id
 
+    def fail_checkpoint(self, failure) -> None:
+        """Tell the coordinator that a checkpoint (a ``context.CheckpointFailure``) could not be written."""
+        self.client.commit_checkpoint(pb.CommitCheckpointRequest(
+            member_id=self.assignment.member_id, request=failure.request, directory=failure.directory,
+            step=failure.step, failure=failure.reason))
+
     def mark_ready(self) -> None:
         """Tell the coordinator (with the next heartbeat, sent now) that this member's data plane is up."""
         self._heartbeats.ready = True
