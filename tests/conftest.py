@@ -3,6 +3,9 @@ two ways a functional optimizer runs (eager Python, compiled TorchScript),
 and a guard that no test leaves a child process behind."""
 
 import multiprocessing
+import os
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -46,3 +49,20 @@ def build_functional(request):
         return functional_cls(params, **hyperparameters)
     build.mode = request.param
     return build
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 1 MiB tmpfs mounted for the test (root and mount(8) needed: skipped with the reason elsewhere)."""
+    mount = shutil.which("mount")
+    if os.geteuid() != 0 or mount is None:
+        pytest.skip("a full disk needs a tiny tmpfs: root and mount(8)")
+    point = tmp_path / "tiny"
+    point.mkdir()
+    made = subprocess.run([mount, "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(point)], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"could not mount a tmpfs: {made.stderr.strip()}")
+    try:
+        yield point
+    finally:
+        subprocess.run(["umount", str(point)], check=True)

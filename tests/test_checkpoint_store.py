@@ -7,8 +7,6 @@ import hashlib
 import io
 import json
 import os
-import shutil
-import subprocess
 
 import pytest
 import torch
@@ -266,23 +264,6 @@ def test_missing_rows_are_named():
         assemble_rows(pieces, 40, 50, "table t")
     with pytest.raises(ValueError, match=r"table t: piece 0:10 holds a tensor of shape \(9, 2\), not 10 rows"):
         assemble_rows([(0, 10, torch.zeros(9, 2))], 0, 5, "table t")
-
-
-@pytest.fixture
-def tiny_disk(tmp_path):
-    """A 1 MiB tmpfs mounted for the test (root and mount(8) needed: skipped with the reason elsewhere)."""
-    mount = shutil.which("mount")
-    if os.geteuid() != 0 or mount is None:
-        pytest.skip("a full disk needs a tiny tmpfs: root and mount(8)")
-    point = tmp_path / "tiny"
-    point.mkdir()
-    made = subprocess.run([mount, "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(point)], capture_output=True, text=True)
-    if made.returncode != 0:
-        pytest.skip(f"could not mount a tmpfs: {made.stderr.strip()}")
-    try:
-        yield point
-    finally:
-        subprocess.run(["umount", str(point)], check=True)
 
 
 def test_a_full_disk_is_named_with_the_file_and_leaves_nothing_behind(tiny_disk):

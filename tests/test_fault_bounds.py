@@ -7,15 +7,23 @@
 3. the coordinator is SIGKILLed: the survivor exits 1 within the heartbeat timeout + 2 s, saying the
    cluster was lost, with the figures it last reported.
 
-and on a second cluster, whose shards may not be restarted (``--shard-restarts 0``):
+and on a second cluster, whose shards are restarted once (``--shard-restarts 1``):
 
-4. a shard is killed: the worker learns at once that it is gone for good and exits 1 naming it, rather
-   than waiting for it to serve again.
+4. the newest checkpoint is damaged after it was committed, then a shard is killed: the restarted shard
+   refuses it (one line naming the file) and restores from the previous one; the worker trains on;
+5. the shard is killed again, past its restart budget: the worker learns at once that it is gone for
+   good and exits 1 naming it, rather than waiting for it to serve again.
+
+and, where the test may mount a tiny tmpfs (root), on a third whose checkpoint disk is full:
+
+6. ``ps-ctl checkpoint`` hears at once that the checkpoint failed, why (the disk is full, naming the file),
+   and the parts written before the failure are removed; the training goes on.
 
 Each bound is measured from the fault and printed; docs/faults.md lists them.
 """
 
 import os
+import pathlib
 import signal
 import time
 
@@ -34,6 +42,8 @@ REFUSED_EXIT_S = 5
 CLUSTER_LOST_EXIT_S = HEARTBEAT_TIMEOUT_S + 2 + 1
 #: A worker fails within this of a shard that is not restarted exiting (a heartbeat brings the news).
 SHARD_GONE_EXIT_S = 5
+#: ps-ctl checkpoint hears of a checkpoint that failed within this (its agreement, the writing, a heartbeat).
+CHECKPOINT_FAILED_WITHIN_S = 10
 JOB = f"{os.path.dirname(__file__)}/jobs/watch_next.py:main"
 
 
@@ -100,21 +110,64 @@ def test_a_hung_worker_is_cut_out_then_refused_and_a_lost_coordinator_ends_the_s
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_a_shard_past_its_restart_budget_fails_the_worker_at_once_naming_it(commands, tmp_path):
-    server, address = start_server(commands, "--shards", "2", "--shard-restarts", "0", "--checkpoint-dir",
-                                   str(tmp_path / "checkpoints"), "--checkpoint-every", "20", "--job", JOB,
+def _shard(state, name):
+    """The newest process of shard ``name`` (status lists the ones before it too)."""
+    return [s for s in state["shards"] if s["name"] == name][-1]
+
+
+def test_a_restarted_shard_skips_a_damaged_checkpoint_and_one_past_its_budget_fails_the_worker_at_once(
+        commands, tmp_path):
+    root = tmp_path / "checkpoints"
+    server, address = start_server(commands, "--shards", "2", "--shard-restarts", "1", "--checkpoint-dir", str(root),
+                                   "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), "--job", JOB,
                                    "--job-config", job_config(steps=100_000, log_every=2, eval_every=100_000))
     worker = commands.start("ps-worker", "--connect", address)
-    state = wait_for_status(commands, address, lambda s: s["workers"] and s["workers"][0]["step"] >= 30, 120)
-    shard = next(s for s in state["shards"] if s["name"] == "shard1")
-    os.kill(shard["pid"], signal.SIGKILL)
+    wait_for_status(commands, address, lambda s: s["workers"] and s["workers"][0]["step"] >= 20, 120)
+    written = [commands.run("ps-ctl", "--connect", address, "checkpoint", "--timeout", "60") for _ in range(2)]
+    assert all(r.returncode == 0 for r in written), [r.stderr for r in written]
+    older, newest = (pathlib.Path(r.stdout.split(": ")[-1].strip()) for r in written)
+    part = newest / "shard-shard1.pt"
+    part.write_bytes(part.read_bytes()[:-10])  # damaged after it was committed
+
+    # 5: the restarted shard restores from the newest checkpoint that verifies.
+    state = status(commands, address)
+    os.kill(_shard(state, "shard1")["pid"], signal.SIGKILL)
+    killed_at = state["workers"][0]["step"]
+    state = wait_for_status(commands, address, lambda s: s["workers"][0]["step"] >= killed_at + 20 and
+                            s["workers"][0]["metrics"].get("shard_rebuilds", 0) >= 1, 60)
+    log = errors(server)
+    assert log.count(f"shard1: not restoring from {newest}: {part}: size") == 1, log[-3000:]
+    assert f"shard shard1 falls back to checkpoint {older.name}" in log, log[-3000:]
+
+    # 4: killed again, past its budget: not restarted, and the worker hears it at once.
+    os.kill(_shard(state, "shard1")["pid"], signal.SIGKILL)
     code, took = _wait_for_exit(worker, SHARD_GONE_EXIT_S)
-    print(f"the worker exited {code} {took:.1f} s after shard1 was killed")
+    print(f"the worker exited {code} {took:.1f} s after shard1 was killed past its restart budget")
     lines = output(worker).strip().splitlines()
     assert code == 1 and len(lines) == 1, lines
     assert "ShardLost: shard shard1 will not serve again: process exited with code -9; not restarted: it exited " \
-           "1 time (at most 0 restarts)" in lines[0], lines
-    gone = next(s for s in status(commands, address)["shards"] if s["name"] == "shard1")
+           "2 times (at most 1 restarts)" in lines[0], lines
+    gone = _shard(status(commands, address), "shard1")
     assert gone["state"] == "exited" and not gone["alive"], gone
     commands.run("ps-ctl", "--connect", address, "shutdown")
     assert server.wait(30) == 0, errors(server)[-3000:]
+
+
+def test_a_checkpoint_that_fills_the_disk_fails_ps_ctl_at_once_naming_it_and_leaves_no_parts(commands, tiny_disk):
+    server, address = start_server(commands, "--shards", "2", "--checkpoint-dir", str(tiny_disk), "--job", JOB,
+                                   "--job-config", job_config(steps=100_000, log_every=2, eval_every=100_000))
+    worker = commands.start("ps-worker", "--connect", address)
+    wait_for_status(commands, address, lambda s: s["workers"] and s["workers"][0]["step"] >= 10, 120)
+    free = os.statvfs(tiny_disk)
+    (tiny_disk / "ballast").write_bytes(b"\0" * (free.f_bavail * free.f_frsize - 8192))  # a checkpoint needs more
+    began = time.monotonic()
+    result = commands.run("ps-ctl", "--connect", address, "checkpoint", "--timeout", "60")
+    took = time.monotonic() - began
+    print(f"ps-ctl checkpoint failed {took:.1f} s after it asked: {result.stderr.strip()}")
+    assert result.returncode == 1 and took < CHECKPOINT_FAILED_WITHIN_S, (took, result.stderr)
+    assert "checkpoint request 1 failed: worker0 could not write it:" in result.stderr, result.stderr
+    assert "No space left on device: writing" in result.stderr and "unreachable" not in result.stderr
+    assert [p.name for p in tiny_disk.iterdir()] == ["ballast"]  # the failed checkpoint's parts are gone
+    assert worker.poll() is None  # a failed checkpoint does not end the training
+    commands.run("ps-ctl", "--connect", address, "shutdown")
+    assert worker.wait(30) == 0 and server.wait(30) == 0, errors(worker)[-3000:]

@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
+from .._torch_compat import remote_error_cause
 from ..logs import one_line
 from ..runtime.context import CheckpointCommit, CheckpointFailure
 from . import shard_part
@@ -133,7 +134,7 @@ class TrainerCheckpoints:
             checkpoint_id = self.ctx.commit_checkpoint(CheckpointCommit(
                 request=request, directory=str(directory), step=step, files=tuple(files), info=info))
         except Exception as error:  # noqa: BLE001 - a failed checkpoint must not end the training
-            reason = one_line(error)
+            reason = one_line(remote_error_cause(error))  # a shard's error arrives as text: its cause, not "On ..."
             logger.error("%s: checkpoint at step %d failed, not committed: %s", self.ctx.rpc_name, step, reason)
             self._report_failure(CheckpointFailure(request, str(directory or ""), step, reason))
             return None
