@@ -7,6 +7,7 @@ import grpc
 import pytest
 
 from paramserver.control.membership import DEAD, EXITED, LEFT, Membership
+from paramserver.logs import one_line
 from paramserver.control.protocol import pb
 from paramserver.control.validation import RequestError, validate_heartbeat, validate_join, validate_leave
 
@@ -157,6 +158,15 @@ def test_a_shard_not_restarted_is_gone_for_good_until_one_joins_under_its_name(t
     table.sweep()  # (nothing else changes it)
     table.join(join_request(pb.ROLE_SHARD, name="shard1", host="10.0.0.2"))
     assert list(table.shards_gone()) == ["shard0"]
+
+
+def test_reasons_are_one_line_whatever_a_member_sends(table):
+    worker = table.join(join_request())
+    table.leave(pb.LeaveRequest(member_id=worker.member_id, reason="job failed: ValueError: bad\n  File 'x'\r\n\tline"))
+    (status,) = table.status().workers
+    assert status.reason == "job failed: ValueError: bad File 'x' line"
+    assert one_line(ValueError("a\nb")) == "ValueError: a" and one_line(RuntimeError()) == "RuntimeError"
+    assert one_line("x" * 400) == "x" * 297 + "..."
 
 
 def test_leave_and_stop(table):
