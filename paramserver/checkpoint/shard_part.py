@@ -72,8 +72,10 @@ class CheckpointSource:
     sha256 were checked against the manifest.
     """
 
-    def __init__(self, checkpoint: Checkpoint):
+    def __init__(self, checkpoint: Checkpoint, verified: bool = False):
         self.checkpoint = checkpoint
+        self._verified = verified  # its files' sha256 were checked already: not hashed again when read
+        self._failure: Optional[CorruptCheckpoint] = None  # a file that could not be read: raised, logged once
         self._lock = threading.Lock()
         # table -> [(start, stop, entry)]
         self._pieces: Optional[Dict[str, List[Tuple[int, int, Dict]]]] = None
@@ -84,14 +86,16 @@ class CheckpointSource:
         return cls(read_manifest(pathlib.Path(path)))
 
     @classmethod
-    def newest_verified(cls, preferred: str, root: str, shard: str) -> "CheckpointSource":
-        """The checkpoint at ``preferred`` (the coordinator's newest) if every file of it verifies, else the
-        newest committed one under ``root`` that does: a shard restarted mid-job restores from what it
-        checked, not from a file damaged after it was committed.  Each checkpoint refused is logged once,
-        naming the file; ``CorruptCheckpoint`` naming the shard and the files when none verifies."""
+    def newest_verified(cls, preferred: str, step: int, root: str, shard: str) -> "CheckpointSource":
+        """The checkpoint at ``preferred`` (the coordinator's choice, of ``step``) if every file of it
+        verifies, else the newest committed one under ``root`` that does and is not newer: a shard restarted
+        mid-job restores from what it checked, not from a file damaged after it was committed.  Each
+        checkpoint refused is logged once, naming the file; ``CorruptCheckpoint`` naming the shard and the
+        files when none verifies."""
         preferred_path = pathlib.Path(preferred)
-        candidates = [preferred_path] + [checkpoint.path for checkpoint in CheckpointStore(root).complete()
-                                         if root and checkpoint.path != preferred_path]
+        older = [checkpoint.path for checkpoint in CheckpointStore(root).complete()
+                 if checkpoint.path != preferred_path and checkpoint.step <= step] if root else []
+        candidates = [preferred_path] + older
         refused = []
         for path in candidates:
             try:
@@ -103,17 +107,25 @@ class CheckpointSource:
                 continue
             if refused:
                 logger.warning("shard %s falls back to checkpoint %s (step %d)", shard, checkpoint.id, checkpoint.step)
-            return cls(checkpoint)
+            return cls(checkpoint, verified=True)
         raise CorruptCheckpoint(f"shard {shard}: no checkpoint to restore from verifies: {'; '.join(refused)}")
 
     def _tables(self) -> Dict[str, List[Tuple[int, int, Dict]]]:
         with self._lock:
+            if self._failure is not None:
+                raise self._failure
             if self._pieces is None:
                 pieces: Dict[str, List[Tuple[int, int, Dict]]] = {}
                 for record in self.checkpoint.files:
                     if not record.name.startswith(PART_PREFIX):
                         continue
-                    part = load_tensors(self.checkpoint.file(record.name), record, mmap=True)
+                    try:
+                        part = load_tensors(self.checkpoint.file(record.name), None if self._verified else record,
+                                            mmap=True)
+                    except CorruptCheckpoint as error:  # every table asked for would fail alike: said once
+                        self._failure = error
+                        logger.error("cannot restore from checkpoint %s: %s", self.checkpoint.path, one_line(error))
+                        raise
                     for name, entry in part["tables"].items():
                         parsed = parse_range_name(name)
                         if parsed is not None:

@@ -119,7 +119,7 @@ class TrainerCheckpoints:
             directory = CheckpointStore(self.ctx.checkpoint.directory).new_directory(step)
             shards = list(self.ctx.shards)
             futures = [rpc.rpc_async(shard, shard_part.remote_write_part, args=(str(directory),)) for shard in shards]
-            files = [future.wait() for future in futures]
+            files = _every_part(futures, shards)
             dense = save_tensors(directory / DENSE_PART, {
                 "format": FORMAT, "step": step, "module": self.replica.module.state_dict(),
                 "optimizer": self.replica.optimizer.state_dict(), "hook": self.replica.hook,
@@ -134,7 +134,7 @@ class TrainerCheckpoints:
             checkpoint_id = self.ctx.commit_checkpoint(CheckpointCommit(
                 request=request, directory=str(directory), step=step, files=tuple(files), info=info))
         except Exception as error:  # noqa: BLE001 - a failed checkpoint must not end the training
-            reason = one_line(remote_error_cause(error))  # a shard's error arrives as text: its cause, not "On ..."
+            reason = one_line(error)
             logger.error("%s: checkpoint at step %d failed, not committed: %s", self.ctx.rpc_name, step, reason)
             self._report_failure(CheckpointFailure(request, str(directory or ""), step, reason))
             return None
@@ -148,3 +148,17 @@ class TrainerCheckpoints:
             self.ctx.fail_checkpoint(failure)
         except Exception as error:  # noqa: BLE001 - the coordinator's own problem; training goes on
             logger.warning("%s: could not report the failed checkpoint: %s", self.ctx.rpc_name, one_line(error))
+
+
+def _every_part(futures, shards: List[str]) -> List[Dict]:
+    """Every shard's part record, once every shard is done (none still writes into the directory when a
+    failed checkpoint's parts are removed); else the first failure, naming its shard."""
+    parts, failures = [], []
+    for shard, future in zip(shards, futures):
+        try:
+            parts.append(future.wait())
+        except Exception as error:  # noqa: BLE001 - named below; a shard's error arrives as text: its cause
+            failures.append(f"shard {shard}: {remote_error_cause(error)}")
+    if failures:
+        raise RuntimeError(f"{len(failures)} of {len(shards)} shard parts not written: {failures[0]}")
+    return parts

@@ -85,8 +85,9 @@ def run_shard_member(address: str, name: str, host: str, token: Optional[str] = 
     if assignment.checkpoint.restore_from:
         # Tables that trainers ask for come from the checkpoint (rows cut to this shard's ranges).
         try:
-            restore_source = CheckpointSource.newest_verified(assignment.checkpoint.restore_from,
-                                                              assignment.checkpoint.directory, assignment.rpc_name)
+            restore_source = CheckpointSource.newest_verified(
+                assignment.checkpoint.restore_from, assignment.checkpoint.restore_step,
+                assignment.checkpoint.directory, assignment.rpc_name)
         except CorruptCheckpoint as error:
             logger.error("%s", error)
             session.leave(one_line(error))
