@@ -81,8 +81,8 @@ def test_a_checkpoint_that_failed_answers_its_requests_at_once_and_its_parts_are
         coordinator.wait(first, datetime.timedelta(seconds=30))
     assert time.monotonic() - started < 1
     assert failed.value.code == grpc.StatusCode.ABORTED
-    assert failed.value.message == "checkpoint request 1 failed: worker0 could not write it: RuntimeError: shard1 failed "\
-                                     "a traceback"  # one line
+    assert failed.value.message == ("checkpoint request 1 failed: worker0 could not write it: "
+                                     "RuntimeError: shard1 failed a traceback")  # one line
     assert not directory.exists()
     # A later request is answered by a later checkpoint, as ever.
     directory, files = written(store, 50)

@@ -156,8 +156,8 @@ def test_a_credential_made_for_this_run_admits_only_the_servers_own_shards():
     made = ShardCredential.for_this_run()
     assert made.made_for_this_run and len(made.secret) >= 32 and made.secret not in repr(made)
     service, _ = make_service(made)
-    for given in (None, SHARD_TOKEN):
-        message = refusal(service, pb.ROLE_SHARD, "remote0", shard_token=given).message
+    for token in (None, SHARD_TOKEN):
+        message = refusal(service, pb.ROLE_SHARD, "remote0", shard_token=token).message
         assert "admits only the shards it started itself" in message and "--shard-token-file" in message
     assert join(service, pb.ROLE_SHARD, "shard0", shard_token=made.secret).rpc_name == "shard0"
 

@@ -71,8 +71,8 @@ def test_data_that_ends_stops_the_group_at_an_agreement(local_context):
 
 def test_a_rebuild_gives_up_at_once_on_a_shard_that_will_not_serve_again(local_context):
     gone = {}
-    sparse = SparseTables({"t": Table(10, 4)}, (QHM, dict(lr=0.1, momentum=0.9, nu=0.7)), local_context.shards, "gone", 0, 10**6,
-                          live_shards=lambda: [], shards_gone=lambda: dict(gone),
+    sparse = SparseTables({"t": Table(10, 4)}, (QHM, dict(lr=0.1, momentum=0.9, nu=0.7)), local_context.shards,
+                          "gone", 0, 10**6, live_shards=lambda: [], shards_gone=lambda: dict(gone),
                           timeout=datetime.timedelta(seconds=1))
     with pytest.raises(ShardLost, match=r"^shards worker0 did not serve again within 1 s$"):
         sparse.rebuild(RuntimeError("lookup failed"))  # only the shard really missing is named
