@@ -163,6 +163,7 @@ class TrainerGroup:
         with self._lock:
             self.view, self.rank, self.world_size = view, rank, len(view.members)
             self.aborted = None
+            self._abandoned = []  # (an abort noted while the last generation was being dropped: moot now)
         _collectives_on_data_plane_interface()
         self.device = device_for(view.backend, self._source.worker_index)
         if self.device.type == "cuda":
