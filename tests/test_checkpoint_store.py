@@ -128,10 +128,10 @@ def test_a_restarting_shard_restores_from_the_newest_checkpoint_that_verifies(tm
     write_checkpoint(store, 10, 1.0)
     newest = write_checkpoint(store, 20, 2.0)
     write_checkpoint(store, 30, 3.0)  # newer than the one the coordinator names (a --restore of an older point)
-    assert CheckpointSource.newest_verified(str(newest.path), 20, str(tmp_path), "shard1").checkpoint.step == 20
+    assert CheckpointSource.newest_verified(str(newest.path), 20, "shard1").checkpoint.step == 20
     part = newest.file("part.pt")
     part.write_bytes(part.read_bytes()[:-10])  # damaged after it was committed
-    source = CheckpointSource.newest_verified(str(newest.path), 20, str(tmp_path), "shard1")
+    source = CheckpointSource.newest_verified(str(newest.path), 20, "shard1")
     assert source.checkpoint.step == 10
     refusals = [r.getMessage() for r in caplog.records if "not restoring from" in r.getMessage()]
     assert refusals == [f"shard shard1: not restoring from {newest.path}: {part}: size "
@@ -140,7 +140,7 @@ def test_a_restarting_shard_restores_from_the_newest_checkpoint_that_verifies(tm
     older.write_bytes(older.read_bytes()[:-1])
     with pytest.raises(CorruptCheckpoint, match=rf"^shard shard1: no checkpoint to restore from verifies: .*{part}.*"
                                                 rf"; .*{older}"):
-        CheckpointSource.newest_verified(str(newest.path), 20, str(tmp_path), "shard1")
+        CheckpointSource.newest_verified(str(newest.path), 20, "shard1")
 
 
 @pytest.mark.parametrize("manifest", ["{not json", '{"step": 20}', '{"step": "x", "files": []}', "[]"])

@@ -86,15 +86,15 @@ class CheckpointSource:
         return cls(read_manifest(pathlib.Path(path)))
 
     @classmethod
-    def newest_verified(cls, preferred: str, step: int, root: str, shard: str) -> "CheckpointSource":
+    def newest_verified(cls, preferred: str, step: int, shard: str) -> "CheckpointSource":
         """The checkpoint at ``preferred`` (the coordinator's choice, of ``step``) if every file of it
-        verifies, else the newest committed one under ``root`` that does and is not newer: a shard restarted
-        mid-job restores from what it checked, not from a file damaged after it was committed.  Each
-        checkpoint refused is logged once, naming the file; ``CorruptCheckpoint`` naming the shard and the
-        files when none verifies."""
+        verifies, else the newest committed one beside it (in its root) that does and is not newer: a shard
+        restarted mid-job restores from what it checked, not from a file damaged after it was committed.
+        Each checkpoint refused is logged once, naming the file; ``CorruptCheckpoint`` naming the shard and
+        the files when none verifies."""
         preferred_path = pathlib.Path(preferred)
-        older = [checkpoint.path for checkpoint in CheckpointStore(root).complete()
-                 if checkpoint.path != preferred_path and checkpoint.step <= step] if root else []
+        older = [checkpoint.path for checkpoint in CheckpointStore(preferred_path.parent).complete()
+                 if checkpoint.path != preferred_path and checkpoint.step <= step]
         candidates = [preferred_path] + older
         refused = []
         for path in candidates:
