@@ -14,7 +14,9 @@ import grpc
 import pytest
 
 from paramserver.checkpoint import MANIFEST, CheckpointStore, save_tensors
+from paramserver.control import CoordinatorClient
 from paramserver.control.checkpoints import CheckpointCoordinator
+from paramserver.control.client import CoordinatorError, CoordinatorUnavailable
 from paramserver.control.protocol import pb
 from paramserver.control.validation import RequestError
 
@@ -88,6 +90,55 @@ def test_a_checkpoint_that_failed_answers_its_requests_at_once_and_its_parts_are
     directory, files = written(store, 50)
     checkpoint = coordinator.commit("worker0", commit_request(directory, files, 50, request=second))
     assert coordinator.wait(second, datetime.timedelta(seconds=1)) == checkpoint
+
+
+def test_a_coordinator_that_stops_answers_a_waiting_request_at_once(tmp_path):
+    coordinator = CheckpointCoordinator(CheckpointStore(tmp_path), Workers())
+    number = coordinator.request("ps-ctl checkpoint")
+    threading.Timer(0.1, coordinator.stop).start()
+    started = time.monotonic()
+    with pytest.raises(RequestError) as abandoned:
+        coordinator.wait(number, datetime.timedelta(seconds=30))
+    assert time.monotonic() - started < 5
+    assert abandoned.value.code == grpc.StatusCode.ABORTED
+    assert abandoned.value.message == "checkpoint request 1 abandoned: the coordinator is shutting down"
+
+
+class NoAnswer(grpc.RpcError):
+    """What a stub raises when a call ends without an answer from the server."""
+
+    def __init__(self, code):
+        self._code = code
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return "Deadline Exceeded" if self._code == grpc.StatusCode.DEADLINE_EXCEEDED else "failed to connect"
+
+
+class Stub:
+    def __init__(self, code):
+        self.code = code
+
+    def Checkpoint(self, request, timeout, metadata):  # noqa: N802 - the RPC's name
+        raise NoAnswer(self.code)
+
+
+def test_ps_ctl_checkpoint_says_unreachable_only_when_the_coordinator_was_not_reached():
+    client = CoordinatorClient("127.0.0.1:1")
+    try:
+        client._stub = Stub(grpc.StatusCode.DEADLINE_EXCEEDED)  # its wait outlasted the call's deadline
+        with pytest.raises(CoordinatorError) as silent:
+            client.checkpoint(60)
+        assert not isinstance(silent.value, CoordinatorUnavailable)
+        assert str(silent.value) == "coordinator 127.0.0.1:1 gave no answer to Checkpoint within 65 s " \
+                                    "(DEADLINE_EXCEEDED)"
+        client._stub = Stub(grpc.StatusCode.UNAVAILABLE)
+        with pytest.raises(CoordinatorUnavailable, match="^coordinator 127.0.0.1:1 unreachable for Checkpoint"):
+            client.checkpoint(60)
+    finally:
+        client.close()
 
 
 def test_every_n_seconds_asks_for_checkpoints_until_stopped(tmp_path):

@@ -120,16 +120,20 @@ class CheckpointCoordinator:
 
     def wait(self, number: int, timeout: datetime.timedelta) -> Checkpoint:
         """The checkpoint that answers request ``number``; ``RequestError`` when its writing failed
-        (``ABORTED``, with the writer's reason) or none comes in time (``FAILED_PRECONDITION``: the
-        coordinator answered; ``DEADLINE_EXCEEDED`` and ``UNAVAILABLE`` mean it could not be reached)."""
+        (``ABORTED``, with the writer's reason), when the coordinator stops meanwhile (``ABORTED``) or
+        none comes in time (``FAILED_PRECONDITION``: the coordinator answered; ``DEADLINE_EXCEEDED`` and
+        ``UNAVAILABLE`` are the client's own: no answer came)."""
         deadline = time.monotonic() + timeout.total_seconds()
         with self._changed:
             while number not in self._answered:
                 if number in self._failed:
                     raise RequestError(grpc.StatusCode.ABORTED,
                                        f"checkpoint request {number} failed: {self._failed[number]}")
+                if self._stopped.is_set():
+                    raise RequestError(grpc.StatusCode.ABORTED, f"checkpoint request {number} abandoned: the "
+                                                                "coordinator is shutting down")
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or self._stopped.is_set():
+                if remaining <= 0:
                     raise RequestError(
                         grpc.StatusCode.FAILED_PRECONDITION,
                         f"checkpoint request {number} was not written within {timeout.total_seconds():.0f} s: "
