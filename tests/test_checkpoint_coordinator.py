@@ -7,6 +7,7 @@ told to restore from the newest commit."""
 
 import datetime
 import json
+import logging
 import threading
 import time
 
@@ -139,6 +140,20 @@ def test_ps_ctl_checkpoint_says_unreachable_only_when_the_coordinator_was_not_re
             client.checkpoint(60)
     finally:
         client.close()
+
+
+def test_a_starting_cluster_removes_checkpoints_interrupted_before_it_and_keeps_the_committed(tmp_path, caplog):
+    store = CheckpointStore(tmp_path)
+    directory, files = written(store, 20)
+    committed = CheckpointCoordinator(store, Workers()).commit("worker0", commit_request(directory, files, 20))
+    interrupted = [store.new_directory(step) for step in (10, 30)]  # a crash mid-write, one after the commit
+    save_tensors(interrupted[1] / "shard-shard0.pt", {"rows": 1})
+    caplog.set_level(logging.INFO, logger="paramserver.control.checkpoints")
+    CheckpointCoordinator(store, Workers(), restored=committed).start().stop()
+    assert [p.name for p in tmp_path.iterdir()] == [committed.id]
+    said = [r.getMessage() for r in caplog.records if "interrupted" in r.getMessage()]
+    assert said == [f"removed 2 interrupted checkpoint directories (no {MANIFEST}) under {tmp_path}: "
+                    "ckpt-0000000010, ckpt-0000000030"]
 
 
 def test_every_n_seconds_asks_for_checkpoints_until_stopped(tmp_path):

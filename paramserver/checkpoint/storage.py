@@ -283,6 +283,14 @@ class CheckpointStore:
                 log(f"refusing checkpoint {directory}: {error}; trying the previous one")
         return None
 
+    def remove_interrupted(self) -> List[pathlib.Path]:
+        """Remove every checkpoint directory without a manifest (checkpoints that failed or were interrupted
+        before their commit); returns them.  Only while nothing writes under the root: a cluster starting."""
+        interrupted = [d for d in self._directories() if not (d / MANIFEST).exists()]
+        for directory in interrupted:
+            shutil.rmtree(directory, ignore_errors=True)
+        return sorted(interrupted)
+
     def prune(self) -> None:
         """Keep the newest ``keep`` complete checkpoints; delete older ones, and any other directory
         (no manifest, or an unreadable one) older than the newest complete checkpoint."""

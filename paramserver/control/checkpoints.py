@@ -26,7 +26,7 @@ from typing import Callable, Dict, Optional
 
 import grpc
 
-from ..checkpoint import Checkpoint, CheckpointStore, CorruptCheckpoint, FileRecord, open_checkpoint
+from ..checkpoint import MANIFEST, Checkpoint, CheckpointStore, CorruptCheckpoint, FileRecord, open_checkpoint
 from ..logs import one_line
 from .protocol import pb
 from .validation import RequestError, invalid
@@ -34,6 +34,7 @@ from .validation import RequestError, invalid
 logger = logging.getLogger(__name__)
 
 MAX_FILES = 4096
+_NAMED = 5  # interrupted checkpoint directories named in the one line that says they were removed
 MAX_INFO_CHARS = 64 * 1024
 
 
@@ -203,6 +204,15 @@ class CheckpointCoordinator:
 
     # -- the timer ----------------------------------------------------
     def start(self) -> "CheckpointCoordinator":
+        """The cluster starts: remove what checkpoints interrupted before it left under the root (nothing
+        writes there yet; later ones are removed by their writer's failure report, or by the pruning of a
+        newer commit), and ask for checkpoints on the timer."""
+        interrupted = self.store.remove_interrupted()
+        if interrupted:
+            names = ", ".join(d.name for d in interrupted[:_NAMED])
+            logger.info("removed %d interrupted checkpoint director%s (no %s) under %s: %s%s", len(interrupted),
+                        "y" if len(interrupted) == 1 else "ies", MANIFEST, self.store.root, names,
+                        f" and {len(interrupted) - _NAMED} more" if len(interrupted) > _NAMED else "")
         if self.every_seconds > 0:
             self._timer = threading.Thread(target=self._every_seconds, name="checkpoint-timer", daemon=True)
             self._timer.start()
