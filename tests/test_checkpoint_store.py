@@ -7,12 +7,15 @@ import hashlib
 import io
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from paramserver.checkpoint import storage as checkpoint_module
 from paramserver.checkpoint.shard_part import CheckpointSource
+from paramserver.checkpoint.trainer import DENSE_PART, restore_point
+from paramserver.runtime.context import CheckpointSettings
 from paramserver.checkpoint import (MANIFEST, CheckpointStore, CorruptCheckpoint, FileRecord, assemble_rows,
                                     atomic_write, load_tensors, open_checkpoint, parse_range_name, range_name,
                                     save_tensors)
@@ -141,6 +144,26 @@ def test_a_restarting_shard_restores_from_the_newest_checkpoint_that_verifies(tm
     with pytest.raises(CorruptCheckpoint, match=rf"^shard shard1: no checkpoint to restore from verifies: .*{part}.*"
                                                 rf"; .*{older}"):
         CheckpointSource.newest_verified(str(newest.path), 20, "shard1")
+
+
+def test_a_worker_joining_mid_job_starts_from_the_newest_dense_part_that_verifies(tmp_path, caplog):
+    store = CheckpointStore(tmp_path, keep=5)
+
+    def dense_checkpoint(step):
+        directory = store.new_directory(step)
+        return store.commit(directory, [save_tensors(directory / DENSE_PART, {"step": step})], step, {})
+    dense_checkpoint(10)
+    newest = dense_checkpoint(20)
+    ctx = SimpleNamespace(rpc_name="worker1", checkpoint=CheckpointSettings(
+        directory=str(tmp_path), restore_from=str(newest.path), restore_step=20))
+    assert restore_point(ctx)["step"] == 20
+    dense = newest.file(DENSE_PART)
+    dense.write_bytes(dense.read_bytes()[:50] + b"X" + dense.read_bytes()[51:])  # damaged after its commit
+    assert restore_point(ctx)["step"] == 10
+    said = [r.getMessage() for r in caplog.records if "worker1" in r.getMessage()]
+    assert len(said) == 2 and said[0].startswith(f"worker1: not restoring from {newest.path}: {dense}: sha256 mismatch")
+    assert said[1] == "worker1 falls back to checkpoint ckpt-0000000010 (step 10): the one it was told, of step 20, " \
+                      "does not verify"
 
 
 @pytest.mark.parametrize("manifest", ["{not json", '{"step": 20}', '{"step": "x", "files": []}', "[]"])
