@@ -1,6 +1,8 @@
 """The storage side of checkpoints (pure, no processes): atomic files, the
 manifest written last, refusing corrupt checkpoints by file name in favour
-of the previous one, pruning, and cutting row ranges for resharding."""
+of the previous one (also for a shard or a worker restarted mid-job), a
+full disk named with the file, a failed checkpoint reported in one line,
+pruning, and cutting row ranges for resharding."""
 
 import errno
 import hashlib
@@ -14,8 +16,8 @@ import torch
 
 from paramserver.checkpoint import storage as checkpoint_module
 from paramserver.checkpoint.shard_part import CheckpointSource
-from paramserver.checkpoint.trainer import DENSE_PART, restore_point
-from paramserver.runtime.context import CheckpointSettings
+from paramserver.checkpoint.trainer import DENSE_PART, TrainerCheckpoints, restore_point
+from paramserver.runtime.context import CheckpointFailure, CheckpointSettings, JobContext
 from paramserver.checkpoint import (MANIFEST, CheckpointStore, CorruptCheckpoint, FileRecord, assemble_rows,
                                     atomic_write, load_tensors, open_checkpoint, parse_range_name, range_name,
                                     save_tensors)
@@ -164,6 +166,27 @@ def test_a_worker_joining_mid_job_starts_from_the_newest_dense_part_that_verifie
     assert len(said) == 2 and said[0].startswith(f"worker1: not restoring from {newest.path}: {dense}: sha256 mismatch")
     assert said[1] == "worker1 falls back to checkpoint ckpt-0000000010 (step 10): the one it was told, of step 20, " \
                       "does not verify"
+
+
+def test_a_failed_checkpoint_is_reported_to_the_coordinator_in_one_line(tmp_path, caplog):
+    reported = []
+
+    def refuse(commit):
+        raise RuntimeError(f"coordinator refused CommitCheckpoint: {commit.directory} is odd\n  and a traceback")
+    ctx = JobContext(rpc_name="worker0", worker_index=0, trainer_group=0, shards=[], group=None,
+                     checkpoint=CheckpointSettings(directory=str(tmp_path)), _commit_checkpoint=refuse,
+                     _fail_checkpoint=reported.append)
+    replica = SimpleNamespace(step=30, module=torch.nn.Linear(2, 1), hook="allreduce", hook_options={})
+    replica.optimizer = torch.optim.SGD(replica.module.parameters(), lr=0.1)
+    members = [{"rpc_name": "worker0", "worker_index": 0, "position": {"used": 30, "state": None},
+                "hook_state": b""}]
+    checkpoints = TrainerCheckpoints(ctx, replica, data_position=lambda: members[0]["position"])
+    assert checkpoints._write_on_rank0(members, request=4) is None
+    directory = tmp_path / "ckpt-0000000030"
+    reason = f"RuntimeError: coordinator refused CommitCheckpoint: {directory} is odd"
+    assert reported == [CheckpointFailure(request=4, directory=str(directory), step=30, reason=reason)]
+    logged = [r.getMessage() for r in caplog.records if "failed, not committed" in r.getMessage()]
+    assert logged == [f"worker0: checkpoint at step 30 failed, not committed: {reason}"]
 
 
 @pytest.mark.parametrize("manifest", ["{not json", '{"step": 20}', '{"step": "x", "files": []}', "[]"])
