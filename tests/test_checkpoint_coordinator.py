@@ -93,6 +93,22 @@ def test_a_checkpoint_that_failed_answers_its_requests_at_once_and_its_parts_are
     assert coordinator.wait(second, datetime.timedelta(seconds=1)) == checkpoint
 
 
+def test_a_failure_settles_only_the_requests_made_and_stays_a_failure(tmp_path):
+    store = CheckpointStore(tmp_path)
+    coordinator = CheckpointCoordinator(store, Workers())
+    first = coordinator.request("ps-ctl checkpoint")
+    started = time.monotonic()
+    coordinator.fail("worker0", pb.CommitCheckpointRequest(member_id="m", request=2**63, step=10, failure="lost"))
+    assert time.monotonic() - started < 1  # not a loop to the number it names
+    second = coordinator.request("ps-ctl checkpoint")
+    directory, files = written(store, 20)
+    checkpoint = coordinator.commit("worker0", commit_request(directory, files, 20, request=second))
+    timeout = datetime.timedelta(seconds=1)
+    with pytest.raises(RequestError, match="^checkpoint request 1 failed: worker0 could not write it: lost$"):
+        coordinator.wait(first, timeout)
+    assert coordinator.wait(second, timeout) == checkpoint
+
+
 def test_a_coordinator_that_stops_answers_a_waiting_request_at_once(tmp_path):
     coordinator = CheckpointCoordinator(CheckpointStore(tmp_path), Workers())
     number = coordinator.request("ps-ctl checkpoint")
