@@ -149,7 +149,7 @@ def test_a_shard_verifying_a_checkpoint_for_long_keeps_its_heartbeats_and_obeys_
     directory = store.new_directory(10)
     store.commit(directory, [save_tensors(directory / "dense.pt", {"step": 10})], 10, {})
     server = CoordinatorServer(CoordinatorSettings(
-        port=0, heartbeat_interval=datetime.timedelta(seconds=0.2), heartbeat_timeout=timeout,
+        port=0, heartbeat_interval=datetime.timedelta(seconds=0.1), heartbeat_timeout=timeout,
         checkpoints=CheckpointOptions(directory=str(tmp_path), restore=str(directory))),
         request_shutdown=lambda reason: None).start()
     client = CoordinatorClient(server.address)
