@@ -148,6 +148,23 @@ def test_a_restarting_shard_restores_from_the_newest_checkpoint_that_verifies(tm
         CheckpointSource.newest_verified(str(newest.path), 20, "shard1")
 
 
+def test_a_checkpoint_source_that_cannot_read_its_file_says_so_once_not_per_table_asked_for(tmp_path, caplog):
+    store = CheckpointStore(tmp_path)
+    directory = store.new_directory(10)
+    part = save_tensors(directory / "shard-shard0.pt", {"format": 1, "shard": "shard0", "tables": {
+        "t[0:4]": {"value": torch.ones(4, 3), "optimizer": "", "state": {}}}})
+    checkpoint = store.commit(directory, [part], 10, {})
+    assert torch.equal(CheckpointSource(checkpoint).rows("t[1:3]", 2, 3, torch.float32), torch.ones(2, 3))
+    (directory / part.name).write_bytes(b"\0" * part.bytes)  # broken after it was checked (or never checked)
+    for verified in (True, False):
+        caplog.clear()
+        source = CheckpointSource(checkpoint, verified=verified)
+        for _ in range(100):  # every table a trainer asks for
+            with pytest.raises(CorruptCheckpoint, match=str(directory / part.name)):
+                source.rows("t[0:4]", 4, 3, torch.float32)
+        assert len([r for r in caplog.records if "cannot restore from checkpoint" in r.getMessage()]) == 1
+
+
 def test_a_worker_joining_mid_job_starts_from_the_newest_dense_part_that_verifies(tmp_path, caplog):
     store = CheckpointStore(tmp_path, keep=5)
 

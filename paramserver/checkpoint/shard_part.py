@@ -27,7 +27,7 @@ from torch import Tensor
 from ..shards.state import ShardState
 from ..logs import one_line
 from .storage import (Checkpoint, CorruptCheckpoint, assemble_rows, first_usable, load_tensors, parse_range_name,
-                      read_manifest, save_tensors)
+                      save_tensors)
 
 logger = logging.getLogger(__name__)
 
@@ -79,11 +79,6 @@ class CheckpointSource:
         self._lock = threading.Lock()
         # table -> [(start, stop, entry)]
         self._pieces: Optional[Dict[str, List[Tuple[int, int, Dict]]]] = None
-
-    @classmethod
-    def open(cls, path: str) -> "CheckpointSource":
-        """The committed checkpoint at ``path`` (its files are checked when first read)."""
-        return cls(read_manifest(pathlib.Path(path)))
 
     @classmethod
     def newest_verified(cls, preferred: str, step: int, shard: str) -> "CheckpointSource":
