@@ -7,6 +7,7 @@ told to restore from the newest commit."""
 
 import datetime
 import json
+import logging
 import threading
 import time
 
@@ -14,7 +15,9 @@ import grpc
 import pytest
 
 from paramserver.checkpoint import MANIFEST, CheckpointStore, save_tensors
+from paramserver.control import CoordinatorClient
 from paramserver.control.checkpoints import CheckpointCoordinator
+from paramserver.control.client import CoordinatorError, CoordinatorUnavailable
 from paramserver.control.protocol import pb
 from paramserver.control.validation import RequestError
 
@@ -88,6 +91,85 @@ def test_a_checkpoint_that_failed_answers_its_requests_at_once_and_its_parts_are
     directory, files = written(store, 50)
     checkpoint = coordinator.commit("worker0", commit_request(directory, files, 50, request=second))
     assert coordinator.wait(second, datetime.timedelta(seconds=1)) == checkpoint
+
+
+def test_a_failure_settles_only_the_requests_made_and_stays_a_failure(tmp_path):
+    store = CheckpointStore(tmp_path)
+    coordinator = CheckpointCoordinator(store, Workers())
+    first = coordinator.request("ps-ctl checkpoint")
+    started = time.monotonic()
+    coordinator.fail("worker0", pb.CommitCheckpointRequest(member_id="m", request=2**63, step=10, failure="lost"))
+    assert time.monotonic() - started < 1  # not a loop to the number it names
+    second = coordinator.request("ps-ctl checkpoint")
+    directory, files = written(store, 20)
+    checkpoint = coordinator.commit("worker0", commit_request(directory, files, 20, request=second))
+    timeout = datetime.timedelta(seconds=1)
+    with pytest.raises(RequestError, match="^checkpoint request 1 failed: worker0 could not write it: lost$"):
+        coordinator.wait(first, timeout)
+    assert coordinator.wait(second, timeout) == checkpoint
+
+
+def test_a_coordinator_that_stops_answers_a_waiting_request_at_once(tmp_path):
+    coordinator = CheckpointCoordinator(CheckpointStore(tmp_path), Workers())
+    number = coordinator.request("ps-ctl checkpoint")
+    threading.Timer(0.1, coordinator.stop).start()
+    started = time.monotonic()
+    with pytest.raises(RequestError) as abandoned:
+        coordinator.wait(number, datetime.timedelta(seconds=30))
+    assert time.monotonic() - started < 5
+    assert abandoned.value.code == grpc.StatusCode.ABORTED
+    assert abandoned.value.message == "checkpoint request 1 abandoned: the coordinator is shutting down"
+
+
+class NoAnswer(grpc.RpcError):
+    """What a stub raises when a call ends without an answer from the server."""
+
+    def __init__(self, code):
+        self._code = code
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return "Deadline Exceeded" if self._code == grpc.StatusCode.DEADLINE_EXCEEDED else "failed to connect"
+
+
+class Stub:
+    def __init__(self, code):
+        self.code = code
+
+    def Checkpoint(self, request, timeout, metadata):  # noqa: N802 - the RPC's name
+        raise NoAnswer(self.code)
+
+
+def test_ps_ctl_checkpoint_says_unreachable_only_when_the_coordinator_was_not_reached():
+    client = CoordinatorClient("127.0.0.1:1")
+    try:
+        client._stub = Stub(grpc.StatusCode.DEADLINE_EXCEEDED)  # its wait outlasted the call's deadline
+        with pytest.raises(CoordinatorError) as silent:
+            client.checkpoint(60)
+        assert not isinstance(silent.value, CoordinatorUnavailable)
+        assert str(silent.value) == "coordinator 127.0.0.1:1 gave no answer to Checkpoint within 65 s " \
+                                    "(DEADLINE_EXCEEDED)"
+        client._stub = Stub(grpc.StatusCode.UNAVAILABLE)
+        with pytest.raises(CoordinatorUnavailable, match="^coordinator 127.0.0.1:1 unreachable for Checkpoint"):
+            client.checkpoint(60)
+    finally:
+        client.close()
+
+
+def test_a_starting_cluster_removes_checkpoints_interrupted_before_it_and_keeps_the_committed(tmp_path, caplog):
+    store = CheckpointStore(tmp_path)
+    directory, files = written(store, 20)
+    committed = CheckpointCoordinator(store, Workers()).commit("worker0", commit_request(directory, files, 20))
+    interrupted = [store.new_directory(step) for step in (10, 30)]  # a crash mid-write, one after the commit
+    save_tensors(interrupted[1] / "shard-shard0.pt", {"rows": 1})
+    caplog.set_level(logging.INFO, logger="paramserver.control.checkpoints")
+    CheckpointCoordinator(store, Workers(), restored=committed).start().stop()
+    assert [p.name for p in tmp_path.iterdir()] == [committed.id]
+    said = [r.getMessage() for r in caplog.records if "interrupted" in r.getMessage()]
+    assert said == [f"removed 2 interrupted checkpoint directories (no {MANIFEST}) under {tmp_path}: "
+                    "ckpt-0000000010, ckpt-0000000030"]
 
 
 def test_every_n_seconds_asks_for_checkpoints_until_stopped(tmp_path):

@@ -1,18 +1,23 @@
 """The storage side of checkpoints (pure, no processes): atomic files, the
 manifest written last, refusing corrupt checkpoints by file name in favour
-of the previous one, pruning, and cutting row ranges for resharding."""
+of the previous one (also for a shard or a worker restarted mid-job), a
+full disk named with the file, a failed checkpoint reported in one line,
+pruning, and cutting row ranges for resharding."""
 
 import errno
 import hashlib
 import io
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from paramserver.checkpoint import storage as checkpoint_module
 from paramserver.checkpoint.shard_part import CheckpointSource
+from paramserver.checkpoint.trainer import DENSE_PART, TrainerCheckpoints, restore_point
+from paramserver.runtime.context import CheckpointFailure, CheckpointSettings, JobContext
 from paramserver.checkpoint import (MANIFEST, CheckpointStore, CorruptCheckpoint, FileRecord, assemble_rows,
                                     atomic_write, load_tensors, open_checkpoint, parse_range_name, range_name,
                                     save_tensors)
@@ -128,10 +133,10 @@ def test_a_restarting_shard_restores_from_the_newest_checkpoint_that_verifies(tm
     write_checkpoint(store, 10, 1.0)
     newest = write_checkpoint(store, 20, 2.0)
     write_checkpoint(store, 30, 3.0)  # newer than the one the coordinator names (a --restore of an older point)
-    assert CheckpointSource.newest_verified(str(newest.path), 20, str(tmp_path), "shard1").checkpoint.step == 20
+    assert CheckpointSource.newest_verified(str(newest.path), 20, "shard1").checkpoint.step == 20
     part = newest.file("part.pt")
     part.write_bytes(part.read_bytes()[:-10])  # damaged after it was committed
-    source = CheckpointSource.newest_verified(str(newest.path), 20, str(tmp_path), "shard1")
+    source = CheckpointSource.newest_verified(str(newest.path), 20, "shard1")
     assert source.checkpoint.step == 10
     refusals = [r.getMessage() for r in caplog.records if "not restoring from" in r.getMessage()]
     assert refusals == [f"shard shard1: not restoring from {newest.path}: {part}: size "
@@ -140,7 +145,65 @@ def test_a_restarting_shard_restores_from_the_newest_checkpoint_that_verifies(tm
     older.write_bytes(older.read_bytes()[:-1])
     with pytest.raises(CorruptCheckpoint, match=rf"^shard shard1: no checkpoint to restore from verifies: .*{part}.*"
                                                 rf"; .*{older}"):
-        CheckpointSource.newest_verified(str(newest.path), 20, str(tmp_path), "shard1")
+        CheckpointSource.newest_verified(str(newest.path), 20, "shard1")
+
+
+def test_a_checkpoint_source_that_cannot_read_its_file_says_so_once_not_per_table_asked_for(tmp_path, caplog):
+    store = CheckpointStore(tmp_path)
+    directory = store.new_directory(10)
+    part = save_tensors(directory / "shard-shard0.pt", {"format": 1, "shard": "shard0", "tables": {
+        "t[0:4]": {"value": torch.ones(4, 3), "optimizer": "", "state": {}}}})
+    checkpoint = store.commit(directory, [part], 10, {})
+    assert torch.equal(CheckpointSource(checkpoint).rows("t[1:3]", 2, 3, torch.float32), torch.ones(2, 3))
+    (directory / part.name).write_bytes(b"\0" * part.bytes)  # broken after it was checked (or never checked)
+    for verified in (True, False):
+        caplog.clear()
+        source = CheckpointSource(checkpoint, verified=verified)
+        for _ in range(100):  # every table a trainer asks for
+            with pytest.raises(CorruptCheckpoint, match=str(directory / part.name)):
+                source.rows("t[0:4]", 4, 3, torch.float32)
+        assert len([r for r in caplog.records if "cannot restore from checkpoint" in r.getMessage()]) == 1
+
+
+def test_a_worker_joining_mid_job_starts_from_the_newest_dense_part_that_verifies(tmp_path, caplog):
+    store = CheckpointStore(tmp_path, keep=5)
+
+    def dense_checkpoint(step):
+        directory = store.new_directory(step)
+        return store.commit(directory, [save_tensors(directory / DENSE_PART, {"step": step})], step, {})
+    dense_checkpoint(10)
+    newest = dense_checkpoint(20)
+    ctx = SimpleNamespace(rpc_name="worker1", checkpoint=CheckpointSettings(
+        directory=str(tmp_path), restore_from=str(newest.path), restore_step=20))
+    assert restore_point(ctx)["step"] == 20
+    dense = newest.file(DENSE_PART)
+    dense.write_bytes(dense.read_bytes()[:50] + b"X" + dense.read_bytes()[51:])  # damaged after its commit
+    assert restore_point(ctx)["step"] == 10
+    said = [r.getMessage() for r in caplog.records if "worker1" in r.getMessage()]
+    assert len(said) == 2 and said[0].startswith(f"worker1: not restoring from {newest.path}: {dense}: sha256 mismatch")
+    assert said[1] == "worker1 falls back to checkpoint ckpt-0000000010 (step 10): the one it was told, of step 20, " \
+                      "does not verify"
+
+
+def test_a_failed_checkpoint_is_reported_to_the_coordinator_in_one_line(tmp_path, caplog):
+    reported = []
+
+    def refuse(commit):
+        raise RuntimeError(f"coordinator refused CommitCheckpoint: {commit.directory} is odd\n  and a traceback")
+    ctx = JobContext(rpc_name="worker0", worker_index=0, trainer_group=0, shards=[], group=None,
+                     checkpoint=CheckpointSettings(directory=str(tmp_path)), _commit_checkpoint=refuse,
+                     _fail_checkpoint=reported.append)
+    replica = SimpleNamespace(step=30, module=torch.nn.Linear(2, 1), hook="allreduce", hook_options={})
+    replica.optimizer = torch.optim.SGD(replica.module.parameters(), lr=0.1)
+    members = [{"rpc_name": "worker0", "worker_index": 0, "position": {"used": 30, "state": None},
+                "hook_state": b""}]
+    checkpoints = TrainerCheckpoints(ctx, replica, data_position=lambda: members[0]["position"])
+    assert checkpoints._write_on_rank0(members, request=4) is None
+    directory = tmp_path / "ckpt-0000000030"
+    reason = f"RuntimeError: coordinator refused CommitCheckpoint: {directory} is odd"
+    assert reported == [CheckpointFailure(request=4, directory=str(directory), step=30, reason=reason)]
+    logged = [r.getMessage() for r in caplog.records if "failed, not committed" in r.getMessage()]
+    assert logged == [f"worker0: checkpoint at step 30 failed, not committed: {reason}"]
 
 
 @pytest.mark.parametrize("manifest", ["{not json", '{"step": 20}', '{"step": "x", "files": []}', "[]"])

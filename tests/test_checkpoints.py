@@ -4,18 +4,26 @@ second job, ``tests/jobs/watch_next.py``, whose data has no saved position:
 the Trainer skips to it) continues the same trajectory as an undisturbed
 one, also on another number of shards (2 -> 3 and 3 -> 2: rows and their
 optimizer state re-placed); a corrupt checkpoint is refused, naming the
-file, and the previous one is used."""
+file, and the previous one is used; a shard that takes long to verify the
+checkpoint it restores keeps its heartbeats meanwhile and still obeys a stop."""
 
+import datetime
 import json
+import multiprocessing
+import os
 import pathlib
 import re
 import shutil
+import signal
+import time
 
 import pytest
 import torch
 
 from commands import errors, job_config, output, start_server, wait_for_status
-from paramserver.checkpoint import MANIFEST, assemble_rows, parse_range_name
+from paramserver.checkpoint import MANIFEST, CheckpointStore, assemble_rows, parse_range_name, save_tensors
+from paramserver.control import CoordinatorClient, CoordinatorServer, CoordinatorSettings
+from paramserver.control.checkpoints import CheckpointOptions
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -120,3 +128,49 @@ def test_ps_ctl_checkpoint_waits_for_the_checkpoint_and_names_it(commands, tmp_p
     commands.run("ps-ctl", "--connect", address, "shutdown")
     assert server.wait(30) == 0
     shutil.rmtree(root)
+
+
+def _shard_verifying_slowly(address: str, seconds: float) -> None:
+    """Child: a shard of ``address`` whose checkpoint takes ``seconds`` to verify (a big one, on a slow disk)."""
+    from paramserver.checkpoint import storage
+    from paramserver.runtime.shard_process import run_shard_member
+    verify = storage.Checkpoint.verify
+
+    def slowly(checkpoint):
+        time.sleep(seconds)
+        verify(checkpoint)
+    storage.Checkpoint.verify = slowly
+    run_shard_member(address, "shard0", "127.0.0.1")
+
+
+def test_a_shard_verifying_a_checkpoint_for_long_keeps_its_heartbeats_and_obeys_a_stop(tmp_path):
+    timeout = datetime.timedelta(seconds=1)
+    store = CheckpointStore(tmp_path)
+    directory = store.new_directory(10)
+    store.commit(directory, [save_tensors(directory / "dense.pt", {"step": 10})], 10, {})
+    server = CoordinatorServer(CoordinatorSettings(
+        port=0, heartbeat_interval=datetime.timedelta(seconds=0.1), heartbeat_timeout=timeout,
+        checkpoints=CheckpointOptions(directory=str(tmp_path), restore=str(directory))),
+        request_shutdown=lambda reason: None).start()
+    client = CoordinatorClient(server.address)
+    shard = multiprocessing.get_context("spawn").Process(target=_shard_verifying_slowly,
+                                                         args=(server.address, 4 * timeout.total_seconds()))
+    shard.start()
+    try:
+        joined = time.monotonic() + 60
+        while not client.status().shards and time.monotonic() < joined:
+            time.sleep(0.05)
+        time.sleep(2.5 * timeout.total_seconds())  # verifying: well past the heartbeat timeout
+        [verifying] = client.status().shards
+        assert (verifying.state, verifying.ready) == ("alive", False), verifying
+        os.kill(shard.pid, signal.SIGTERM)  # before it serves: it must not serve after all
+        shard.join(4 * timeout.total_seconds() + 15)
+        assert shard.exitcode == 0
+        [stopped] = client.status().shards
+        assert (stopped.state, stopped.ready, stopped.reason) == ("left", False, "stopped"), stopped
+    finally:
+        if shard.is_alive():
+            shard.kill()
+        shard.join(10)
+        client.close()
+        server.stop(datetime.timedelta(seconds=0))

@@ -26,8 +26,8 @@ from torch import Tensor
 
 from ..shards.state import ShardState
 from ..logs import one_line
-from .storage import (Checkpoint, CheckpointStore, CorruptCheckpoint, assemble_rows, load_tensors, parse_range_name,
-                      read_manifest, save_tensors)
+from .storage import (Checkpoint, CorruptCheckpoint, assemble_rows, first_usable, load_tensors, parse_range_name,
+                      save_tensors)
 
 logger = logging.getLogger(__name__)
 
@@ -81,34 +81,13 @@ class CheckpointSource:
         self._pieces: Optional[Dict[str, List[Tuple[int, int, Dict]]]] = None
 
     @classmethod
-    def open(cls, path: str) -> "CheckpointSource":
-        """The committed checkpoint at ``path`` (its files are checked when first read)."""
-        return cls(read_manifest(pathlib.Path(path)))
-
-    @classmethod
-    def newest_verified(cls, preferred: str, step: int, root: str, shard: str) -> "CheckpointSource":
+    def newest_verified(cls, preferred: str, step: int, shard: str) -> "CheckpointSource":
         """The checkpoint at ``preferred`` (the coordinator's choice, of ``step``) if every file of it
-        verifies, else the newest committed one under ``root`` that does and is not newer: a shard restarted
-        mid-job restores from what it checked, not from a file damaged after it was committed.  Each
-        checkpoint refused is logged once, naming the file; ``CorruptCheckpoint`` naming the shard and the
-        files when none verifies."""
-        preferred_path = pathlib.Path(preferred)
-        older = [checkpoint.path for checkpoint in CheckpointStore(root).complete()
-                 if checkpoint.path != preferred_path and checkpoint.step <= step] if root else []
-        candidates = [preferred_path] + older
-        refused = []
-        for path in candidates:
-            try:
-                checkpoint = read_manifest(path)
-                checkpoint.verify()
-            except (CorruptCheckpoint, FileNotFoundError) as error:
-                refused.append(one_line(str(error)))
-                logger.error("shard %s: not restoring from %s: %s", shard, path, refused[-1])
-                continue
-            if refused:
-                logger.warning("shard %s falls back to checkpoint %s (step %d)", shard, checkpoint.id, checkpoint.step)
-            return cls(checkpoint, verified=True)
-        raise CorruptCheckpoint(f"shard {shard}: no checkpoint to restore from verifies: {'; '.join(refused)}")
+        verifies, else the newest one beside it that does and is not newer (``storage.first_usable``: each
+        refusal logged once, naming the file; ``CorruptCheckpoint`` naming the shard and the files when
+        none verifies)."""
+        checkpoint, _ = first_usable(preferred, step, Checkpoint.verify, f"shard {shard}")
+        return cls(checkpoint, verified=True)
 
     def _tables(self) -> Dict[str, List[Tuple[int, int, Dict]]]:
         with self._lock:

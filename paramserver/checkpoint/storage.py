@@ -28,10 +28,12 @@ import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from typing import BinaryIO, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import BinaryIO, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar, Union
 
 import torch
 from torch import Tensor
+
+from ..logs import one_line
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +42,7 @@ CHECKPOINT_PREFIX = "ckpt-"
 FORMAT = 1
 _HASH_CHUNK = 1 << 20
 PathLike = Union[str, pathlib.Path]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -283,6 +286,14 @@ class CheckpointStore:
                 log(f"refusing checkpoint {directory}: {error}; trying the previous one")
         return None
 
+    def remove_interrupted(self) -> List[pathlib.Path]:
+        """Remove every checkpoint directory without a manifest (checkpoints that failed or were interrupted
+        before their commit); returns them.  Only while nothing writes under the root: a cluster starting."""
+        interrupted = [d for d in self._directories() if not (d / MANIFEST).exists()]
+        for directory in interrupted:
+            shutil.rmtree(directory, ignore_errors=True)
+        return sorted(interrupted)
+
     def prune(self) -> None:
         """Keep the newest ``keep`` complete checkpoints; delete older ones, and any other directory
         (no manifest, or an unreadable one) older than the newest complete checkpoint."""
@@ -296,6 +307,32 @@ class CheckpointStore:
         for directory in doomed:
             shutil.rmtree(directory, ignore_errors=True)
             logger.info("deleted old checkpoint directory %s", directory)
+
+
+def first_usable(preferred: PathLike, step: int, use: Callable[[Checkpoint], T], who: str) -> Tuple[Checkpoint, T]:
+    """``use(checkpoint)`` (which checks what it reads) on the committed checkpoint ``preferred``, of ``step``,
+    else on the newest committed one beside it (in its root) that is not newer and on which ``use`` succeeds:
+    a member restarted mid-job restores from what it checked, not from a file damaged after its commit.
+
+    Each checkpoint refused is logged once, naming the file, and falling back in one line naming the
+    checkpoint used; ``CorruptCheckpoint`` naming ``who`` and every file refused when none will do.
+    """
+    preferred = pathlib.Path(preferred)
+    older = [c.path for c in CheckpointStore(preferred.parent).complete() if c.path != preferred and c.step <= step]
+    refused = []
+    for path in [preferred] + older:
+        try:
+            checkpoint = read_manifest(path)
+            result = use(checkpoint)
+        except (CorruptCheckpoint, FileNotFoundError) as error:
+            refused.append(one_line(str(error)))
+            logger.error("%s: not restoring from %s: %s", who, path, refused[-1])
+            continue
+        if refused:
+            logger.warning("%s falls back to checkpoint %s (step %d): the one it was told, of step %d, does not "
+                           "verify", who, checkpoint.id, checkpoint.step, step)
+        return checkpoint, result
+    raise CorruptCheckpoint(f"{who}: no checkpoint to restore from verifies: {'; '.join(refused)}")
 
 
 def open_checkpoint(path: PathLike, log: Callable[[str], None] = logger.warning) -> Checkpoint:

@@ -10,15 +10,17 @@ step in flight: every member pauses there while rank 0 has every shard
 write its part, writes the dense part (the replica, its optimizer, every
 member's comm-hook state and data position) and commits the checkpoint at
 the coordinator, which writes the manifest.  A checkpoint that fails (a
-shard lost while writing) is logged and left uncommitted; training goes on.
+shard lost while writing, a full disk) is logged in one line and reported
+to the coordinator, which answers a request waiting for it and removes its
+parts; training goes on.
 
 ``restore_point(ctx)`` is the dense part of the checkpoint the cluster
 starts from, for ``DenseReplica(..., initial=...)``, with every member's
-data position.
+data position: the one the coordinator names, or when its dense part does
+not verify (damaged after its commit), the newest older one whose does.
 """
 
 import logging
-import pathlib
 import pickle
 import time
 from typing import Any, Callable, Dict, List, Optional
@@ -30,7 +32,7 @@ from .._torch_compat import remote_error_cause
 from ..logs import one_line
 from ..runtime.context import CheckpointCommit, CheckpointFailure
 from . import shard_part
-from .storage import CheckpointStore, load_tensors, read_manifest, save_tensors
+from .storage import Checkpoint, CheckpointStore, CorruptCheckpoint, first_usable, load_tensors, save_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -48,13 +50,18 @@ def restore_point(ctx) -> Optional[Dict[str, Any]]:
     path = ctx.checkpoint.restore_from
     if not path:
         return None
-    checkpoint = read_manifest(pathlib.Path(path))
-    record = next((f for f in checkpoint.files if f.name == DENSE_PART), None)
-    if record is None:
-        raise FileNotFoundError(f"checkpoint {path} has no {DENSE_PART}")
-    part = load_tensors(checkpoint.file(DENSE_PART), record)
+    # A worker joining mid-job: the newest checkpoint may have been damaged since its commit.
+    checkpoint, part = first_usable(path, ctx.checkpoint.restore_step, _dense_part, ctx.rpc_name)
     logger.info("%s starts from checkpoint %s at step %d", ctx.rpc_name, checkpoint.id, part["step"])
     return part
+
+
+def _dense_part(checkpoint: Checkpoint) -> Dict[str, Any]:
+    """``checkpoint``'s dense part, checked against its manifest (``CorruptCheckpoint`` naming the file)."""
+    record = next((f for f in checkpoint.files if f.name == DENSE_PART), None)
+    if record is None:
+        raise CorruptCheckpoint(f"{checkpoint.path}: no {DENSE_PART} in its manifest")
+    return load_tensors(checkpoint.file(DENSE_PART), record)
 
 
 class TrainerCheckpoints:

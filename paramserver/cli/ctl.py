@@ -4,7 +4,11 @@
     ps-ctl --connect HOST:PORT ... checkpoint [--timeout S]
     ps-ctl --connect HOST:PORT ... shutdown
 
-Exit codes: 0 done, 1 the coordinator refused or was unreachable, 2 bad flags.
+``checkpoint`` prints the checkpoint written, or at once why it was not
+(the writer's one-line reason), or that no answer came in time.
+
+Exit codes: 0 done, 1 the coordinator refused, failed the command (a
+checkpoint not written) or gave no answer, 2 bad flags.
 """
 
 import argparse

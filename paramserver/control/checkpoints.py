@@ -26,7 +26,7 @@ from typing import Callable, Dict, Optional
 
 import grpc
 
-from ..checkpoint import Checkpoint, CheckpointStore, CorruptCheckpoint, FileRecord, open_checkpoint
+from ..checkpoint import MANIFEST, Checkpoint, CheckpointStore, CorruptCheckpoint, FileRecord, open_checkpoint
 from ..logs import one_line
 from .protocol import pb
 from .validation import RequestError, invalid
@@ -34,6 +34,7 @@ from .validation import RequestError, invalid
 logger = logging.getLogger(__name__)
 
 MAX_FILES = 4096
+_NAMED = 5  # interrupted checkpoint directories named in the one line that says they were removed
 MAX_INFO_CHARS = 64 * 1024
 
 
@@ -74,6 +75,7 @@ class CheckpointCoordinator:
         self._requests = 0
         self._answered: Dict[int, Checkpoint] = {}  # request number -> the checkpoint that answered it
         self._failed: Dict[int, str] = {}  # request number -> why the checkpoint answering it failed
+        self._settled = 0  # every request up to this one is answered or failed
         self._newest: Optional[Checkpoint] = restored
         #: Checkpoints committed by this coordinator (a restored one does not count).
         self.committed = 0
@@ -120,16 +122,20 @@ class CheckpointCoordinator:
 
     def wait(self, number: int, timeout: datetime.timedelta) -> Checkpoint:
         """The checkpoint that answers request ``number``; ``RequestError`` when its writing failed
-        (``ABORTED``, with the writer's reason) or none comes in time (``FAILED_PRECONDITION``: the
-        coordinator answered; ``DEADLINE_EXCEEDED`` and ``UNAVAILABLE`` mean it could not be reached)."""
+        (``ABORTED``, with the writer's reason), when the coordinator stops meanwhile (``ABORTED``) or
+        none comes in time (``FAILED_PRECONDITION``: the coordinator answered; ``DEADLINE_EXCEEDED`` and
+        ``UNAVAILABLE`` are the client's own: no answer came)."""
         deadline = time.monotonic() + timeout.total_seconds()
         with self._changed:
             while number not in self._answered:
                 if number in self._failed:
                     raise RequestError(grpc.StatusCode.ABORTED,
                                        f"checkpoint request {number} failed: {self._failed[number]}")
+                if self._stopped.is_set():
+                    raise RequestError(grpc.StatusCode.ABORTED, f"checkpoint request {number} abandoned: the "
+                                                                "coordinator is shutting down")
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or self._stopped.is_set():
+                if remaining <= 0:
                     raise RequestError(
                         grpc.StatusCode.FAILED_PRECONDITION,
                         f"checkpoint request {number} was not written within {timeout.total_seconds():.0f} s: "
@@ -144,9 +150,11 @@ class CheckpointCoordinator:
         (those not answered yet, up to it), and remove the parts written before the failure."""
         reason = f"{writer} could not write it: {one_line(request.failure)}"
         with self._changed:
-            for number in range(1, request.request + 1):
-                if number not in self._answered:
-                    self._failed.setdefault(number, reason)
+            # Up to the requests made (a number beyond them is the writer's mistake, not a loop of its size).
+            covered = min(request.request, self._requests)
+            for number in range(self._settled + 1, covered + 1):
+                self._failed[number] = reason
+            self._settled = max(self._settled, covered)
             self._changed.notify_all()
         logger.error("checkpoint%s at step %d failed: %s", f" request {request.request}" if request.request else "",
                      request.step, reason)
@@ -178,9 +186,10 @@ class CheckpointCoordinator:
         with self._changed:
             self._newest = checkpoint
             self.committed += 1
-            # A request is answered by the first checkpoint committed after it.
-            for number in range(1, self._requests + 1):
-                self._answered.setdefault(number, checkpoint)
+            # A request is answered by the first checkpoint committed after it (unless one failed before).
+            for number in range(self._settled + 1, self._requests + 1):
+                self._answered[number] = checkpoint
+            self._settled = self._requests
             self._changed.notify_all()
         size = sum(f.bytes for f in files)
         logger.info("checkpoint %s committed at step %d by %s: %d files, %.1f MB", checkpoint.id, checkpoint.step,
@@ -199,6 +208,15 @@ class CheckpointCoordinator:
 
     # -- the timer ----------------------------------------------------
     def start(self) -> "CheckpointCoordinator":
+        """The cluster starts: remove what checkpoints interrupted before it left under the root (nothing
+        writes there yet; later ones are removed by their writer's failure report, or by the pruning of a
+        newer commit), and ask for checkpoints on the timer."""
+        interrupted = self.store.remove_interrupted()
+        if interrupted:
+            names = ", ".join(d.name for d in interrupted[:_NAMED])
+            logger.info("removed %d interrupted checkpoint director%s (no %s) under %s: %s%s", len(interrupted),
+                        "y" if len(interrupted) == 1 else "ies", MANIFEST, self.store.root, names,
+                        f" and {len(interrupted) - _NAMED} more" if len(interrupted) > _NAMED else "")
         if self.every_seconds > 0:
             self._timer = threading.Thread(target=self._every_seconds, name="checkpoint-timer", daemon=True)
             self._timer.start()

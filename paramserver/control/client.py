@@ -125,9 +125,19 @@ class CoordinatorClient:
         return self.call_retrying("Status", pb.StatusRequest(), retry_for)
 
     def checkpoint(self, timeout_seconds: float = 120.0) -> pb.CheckpointResponse:
-        """Ask for a checkpoint and wait (up to ``timeout_seconds``) until it is committed."""
-        return self.call("Checkpoint", pb.CheckpointRequest(timeout_seconds=timeout_seconds),
-                         timeout=datetime.timedelta(seconds=timeout_seconds + 5))
+        """Ask for a checkpoint and wait (up to ``timeout_seconds``) until it is committed.
+
+        The coordinator itself answers a checkpoint that failed or was not written in time; this call's own
+        deadline (5 s later) passing means that no answer came, and the error says so: "unreachable" is for
+        ``UNAVAILABLE`` alone."""
+        deadline = datetime.timedelta(seconds=timeout_seconds + 5)
+        try:
+            return self.call("Checkpoint", pb.CheckpointRequest(timeout_seconds=timeout_seconds), timeout=deadline)
+        except CoordinatorUnavailable as error:
+            if error.code != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise
+            raise CoordinatorError(f"coordinator {self.address} gave no answer to Checkpoint within "
+                                   f"{deadline.total_seconds():.0f} s (DEADLINE_EXCEEDED)", error.code) from None
 
     def commit_checkpoint(self, request: pb.CommitCheckpointRequest) -> pb.CommitCheckpointResponse:
         return self.call("CommitCheckpoint", request)

@@ -15,6 +15,9 @@ said, which no restart would change; 1 otherwise.  A shard that is to
 restore its tables verifies the checkpoint first and falls back to the
 newest one that verifies; when none does it says so, naming the files,
 and exits with ``EXIT_NO_CHECKPOINT`` (a restart would find the same files).
+It heartbeats while it verifies (a big checkpoint takes longer than the
+heartbeat timeout to hash) and is not ready meanwhile; a stop asked then
+ends it before it serves.
 """
 
 import faulthandler
@@ -22,6 +25,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from typing import Optional
 
 import grpc
@@ -69,9 +73,10 @@ def run_shard_member(address: str, name: str, host: str, token: Optional[str] = 
             logger.error("shard %s: %s", name, error)
             sys.exit(1)
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # kill -USR1: every thread's stack
+    stops = _StopRequests()
     # SIGTERM means "stop" for the whole life of the process, not only while serving.
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda _signum, _frame: request_stop(graceful=False))
+        signal.signal(sig, lambda _signum, _frame: stops.request())
     session = MemberSession(address, pb.ROLE_SHARD, name=name, host=host, token=token, tls=tls,
                             shard_token=shard_token)
     try:
@@ -81,26 +86,34 @@ def run_shard_member(address: str, name: str, host: str, token: Optional[str] = 
         exit_now(EXIT_REFUSED if error.code in _REFUSED_FOR_GOOD else 1)
     if member_id is not None:
         member_id.value = assignment.member_id.encode()
+    # Heartbeats from now on: verifying a big checkpoint may take longer than the heartbeat timeout.
+    session.start_heartbeats(on_stop=stops.request, on_lost=lambda reason, refused: stops.request())
     restore_source = None
     if assignment.checkpoint.restore_from:
         # Tables that trainers ask for come from the checkpoint (rows cut to this shard's ranges).
+        checkpoint = assignment.checkpoint
         try:
-            restore_source = CheckpointSource.newest_verified(
-                assignment.checkpoint.restore_from, assignment.checkpoint.restore_step,
-                assignment.checkpoint.directory, assignment.rpc_name)
+            restore_source = CheckpointSource.newest_verified(checkpoint.restore_from, checkpoint.restore_step,
+                                                              assignment.rpc_name)
         except CorruptCheckpoint as error:
             logger.error("%s", error)
             session.leave(one_line(error))
             exit_now(EXIT_NO_CHECKPOINT)
         logger.info("shard %s restores its tables from %s (step %d)", assignment.rpc_name,
                     restore_source.checkpoint.path, restore_source.checkpoint.step)
-    session.start_heartbeats(on_stop=lambda: request_stop(graceful=False),
-                             on_lost=lambda reason, refused: request_stop(graceful=False))
+    if stops.asked:  # while it verified: it never served
+        logger.info("shard %s stops before it serves", assignment.rpc_name)
+        session.leave("stopped")
+        exit_now(0)
+
+    def serving() -> None:
+        if stops.asked:  # asked before the server's state was installed: that request went elsewhere
+            request_stop(graceful=False)
+        else:  # the coordinator hands this shard to workers once it says it is ready
+            session.mark_ready()
     try:
-        # The coordinator hands this shard to workers once it says it is ready.
         run_shard_server(assignment.rpc_name, assignment.rpc_rank, None, session.init_method,
-                         ShardServerOptions(), bind_host=host, on_serving=session.mark_ready,
-                         restore_source=restore_source)
+                         ShardServerOptions(), bind_host=host, on_serving=serving, restore_source=restore_source)
     finally:
         session.leave("stopped")
     logger.info("shard %s (pid %d) exits", assignment.rpc_name, os.getpid())
@@ -108,3 +121,20 @@ def run_shard_member(address: str, name: str, host: str, token: Optional[str] = 
     # a long run torch's destructors took over 3 s of it (past ps-server's stop
     # deadline, so the shards were killed).
     exit_now(0)
+
+
+class _StopRequests:
+    """Stops asked of this shard process (SIGTERM, the coordinator's STOP, losing the coordinator) from its
+    start on.  ``request_stop`` reaches the shard server's state, which exists only once it serves: one asked
+    earlier is remembered here and passed on then (or the shard leaves before it serves)."""
+
+    def __init__(self):
+        self._asked = threading.Event()
+
+    def request(self) -> None:
+        self._asked.set()
+        request_stop(graceful=False)
+
+    @property
+    def asked(self) -> bool:
+        return self._asked.is_set()
