@@ -212,3 +212,21 @@ def is_collective_failure(error: BaseException) -> bool:
         return True
     text = str(error)
     return any(marker in text for marker in _BACKEND_ERROR_MARKERS)
+
+
+# --- RRefs whose owner died -------------------------------------------------------------------------------
+
+def forsake_rref_owners() -> None:
+    """From now on, an RRef this process drops is not reported to its owner, as after ``rpc.shutdown``.
+
+    For a process about to leave the data plane that still holds RRefs of a
+    peer that died (a lost shard's process): torch reports every dropped
+    RRef to its owner, and for an owner no longer in the group it logs an
+    error with a C++ stack trace ("Error occurred when deletingUserRRef ...
+    could not find destination id") for each one.  This tears down torch's
+    RRef context, which ``rpc.shutdown`` does first thing: call it right
+    before leaving, once the RRefs whose owners live were dropped (their
+    owners are told as usual), and never in a process that owns RRefs other
+    peers still use.
+    """
+    rpc.api._destroy_rref_context(True)

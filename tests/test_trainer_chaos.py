@@ -6,7 +6,7 @@ its own), through the real commands, on one cluster of two shards and three work
    dense part is not; the checkpoint is never committed, and the other two re-form without it;
 2. worker2 is SIGKILLed mid-training: worker1 goes on alone;
 3. a shard process is SIGKILLed: ps-server restarts it from the newest committed checkpoint, worker1
-   waits for it, rebuilds its handles and finishes.
+   waits for it, rebuilds its handles and finishes, with a clean exit (no C++ stack traces).
 
 Every step of the survivor is accounted for exactly once, and the model it ends with still learned.
 """
@@ -50,7 +50,7 @@ def test_a_trainer_job_survives_a_crash_mid_checkpoint_a_lost_worker_and_a_lost_
 
     # 3: a shard lost, once worker1 trained on alone and a newer checkpoint was committed.
     alone = wait_for_status(commands, address, lambda s: next(
-        w for w in s["workers"] if w["name"] == "worker1")["step"] >= lost["step"] + 40, 150)
+        w for w in s["workers"] if w["name"] == "worker1")["step"] >= lost["step"] + 20, 150)
     shard1 = next(s for s in alone["shards"] if s["name"] == "shard1")
     os.kill(shard1["pid"], signal.SIGKILL)
 
@@ -71,5 +71,6 @@ def test_a_trainer_job_survives_a_crash_mid_checkpoint_a_lost_worker_and_a_lost_
     assert re.search(rf"shard1 restores its tables from \S*{newest[0]} \(step {newest[1]}\)", log), log[-3000:]
     text = errors(workers["worker1"])
     assert "re-formed" in text and "sparse part rebuilt" in text, text[-3000:]
+    assert "deletingUserRRef" not in text, text[-3000:]  # a clean exit after a shard restart prints no C++ traces
     commands.run("ps-ctl", "--connect", address, "shutdown")
     assert server.wait(30) == 0, errors(server)[-3000:]

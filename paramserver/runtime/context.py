@@ -18,7 +18,7 @@ import datetime
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 #: How long a job waits for its trainer group to form before giving up.
 GROUP_WAIT = datetime.timedelta(seconds=120)
@@ -202,6 +202,8 @@ class JobContext:
     _live_shards: Optional[Callable[[], List[str]]] = field(default=None, repr=False)
     #: The shards that will not serve again (name -> why), as of the last word from the coordinator.
     _shards_gone: Callable[[], Dict[str, str]] = field(default=dict, repr=False)
+    #: Handles holding RRefs of a shard process that died, kept until the runtime leaves the data plane.
+    _retired: List[Any] = field(default_factory=list, repr=False)
     #: Asks the coordinator for news now.
     _refresh: Callable[[], None] = field(default=lambda: None, repr=False)
     #: Commits a written checkpoint at the coordinator; returns its id.
@@ -267,6 +269,20 @@ class JobContext:
     def shards_gone(self) -> Dict[str, str]:
         """Shards that will not serve again (their process is not restarted): name -> why."""
         return dict(self._shards_gone())
+
+    def retire_handles(self, handles: Any) -> None:
+        """Keep ``handles`` (objects holding RRefs to objects of a shard process that died) until this
+        process leaves the data plane, where the runtime drops them without telling their owner.
+
+        Dropped earlier, torch would tell the owner that no longer exists, and
+        log an error with a C++ stack trace for each RRef.
+        """
+        self._retired.append(handles)
+
+    def take_retired_handles(self) -> List[Any]:
+        """For the runtime, as it leaves the data plane: the retired handles, which the context forgets."""
+        retired, self._retired = self._retired, []
+        return retired
 
     def refresh(self) -> None:
         """Ask the coordinator for news now (a heartbeat), rather than at the next beat."""

@@ -29,6 +29,7 @@ from typing import Any, Dict, Optional
 
 import grpc
 
+from .._torch_compat import forsake_rref_owners
 from ..control import CoordinatorError, CoordinatorUnavailable, NotAuthenticated, TlsFiles, pb
 from ..metrics.process import ProcessMetrics, worker_metrics
 from ..logs import exit_now, one_line
@@ -141,6 +142,7 @@ def _run(options: WorkerOptions, say, metrics: Optional[ProcessMetrics]) -> int:
     watchdog.done()
     step, metrics = context.progress()
     metrics.update(_figures(result))
+    _drop_retired_handles(context)
     left_data_plane = _leave_data_plane(graceful=True)
     if not left_data_plane:
         session.leave("finished; left the data plane without waiting", step, metrics)
@@ -162,6 +164,16 @@ def _figures(result) -> Dict[str, float]:
 def _summary(metrics: Dict[str, float]) -> str:
     summary = ", ".join(f"{key}={value:.4g}" for key, value in sorted(metrics.items()))
     return f" ({summary})" if summary else ""
+
+
+def _drop_retired_handles(context: JobContext) -> None:
+    """Drop the handles the job retired (RRefs of a shard process that died) without telling their owner, which
+    no longer exists: told, torch logs an error with a C++ stack trace for each one.  Right before leaving."""
+    retired = context.take_retired_handles()
+    if retired:
+        forsake_rref_owners()
+        logger.info("dropped %d handles to objects of lost shard processes", len(retired))
+        del retired
 
 
 def _leave_data_plane(graceful: bool) -> bool:

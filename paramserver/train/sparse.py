@@ -15,16 +15,21 @@ shard serves again and builds anew, a bounded number of times within a
 bounded time, returning at once when the worker is asked to stop.  The
 new handles are built before the old ones are dropped, so that what the
 surviving shards hold for several trainers (a shared optimizer and its
-state) is never released in between.  Which steps are redone is the
+state) is never released in between.  An old handle holding an RRef of
+the dead process is not dropped but retired (``retire``): releasing it
+would message an owner that no longer exists, and torch logs a C++ stack
+trace for each one; the runtime drops retired handles as it leaves the
+data plane, without telling their owners.  Which steps are redone is the
 training loop's decision (``paramserver.train.step``).
 """
 
 import datetime
 import logging
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed.rpc as rpc
 from torch import Tensor
 
 from ..logs import one_line
@@ -75,13 +80,16 @@ class SparseTables:
                  refresh: Callable[[], None] = lambda: None, should_stop: Callable[[], bool] = lambda: False,
                  timeout: datetime.timedelta = SHARD_RETURN_TIMEOUT,
                  max_consecutive: int = MAX_CONSECUTIVE_REBUILDS,
-                 shards_gone: Callable[[], Dict[str, str]] = dict):
+                 shards_gone: Callable[[], Dict[str, str]] = dict,
+                 retire: Optional[Callable[[Any], None]] = None):
         self.specs = dict(specs)
         self.shards = list(shards)
         self._optimizer_class, self._optimizer_options = optimizer
         self._prefix, self._seed, self._row_wise_min_rows = prefix, seed, row_wise_min_rows
         self._live_shards, self._refresh, self._should_stop = live_shards, refresh, should_stop
         self._shards_gone = shards_gone
+        self._retired: List[Any] = []
+        self._retire = retire or self._retired.append
         self._timeout = timeout
         self._max_consecutive = max_consecutive
         self._in_a_row = 0
@@ -136,7 +144,9 @@ class SparseTables:
                 except Exception as error:  # noqa: BLE001 - e.g. the restarted shard not reachable yet
                     last_error = error
                 else:
+                    old = [*self.tables.values(), self.optimizer]
                     self.tables, self.optimizer = built  # the old handles go only now: see the module's docstring
+                    self._let_go(old)
                     self.rebuilds += 1
                     logger.warning("sparse part rebuilt after %.1f s (rebuild %d)", time.monotonic() - started,
                                    self.rebuilds)
@@ -150,8 +160,42 @@ class SparseTables:
             time.sleep(_POLL.total_seconds())
         raise RebuildStopped("asked to stop while waiting for a lost shard")
 
+    def _let_go(self, handles: Iterable[Any]) -> None:
+        """Drop old handles (releasing what they hold on the shards), except those holding an RRef of a process
+        that died: those are retired (``retire``)."""
+        for handle in handles:
+            if not owned_by_live_peers(rrefs_of(handle)):
+                self._retire(handle)
+
+    def close(self) -> None:
+        """Let go of the handles in use now (what they hold on the shards is released), retiring those of a
+        shard process that died meanwhile."""
+        old, self.tables, self.optimizer = [*self.tables.values(), self.optimizer], {}, None
+        self._let_go(old)
+
     @torch.no_grad()
     def eval_pool(self, batch: Batch) -> Dict[str, Tensor]:
         """``pool`` for evaluation (no gradient recorded)."""
         return self.pool(batch)
 
+
+def rrefs_of(handle: Any) -> List[Any]:
+    """The RRefs a handle of this module holds: a table's row ranges, or an optimizer's owner-side optimizers."""
+    if isinstance(handle, ShardedEmbeddingBag):
+        return handle.remote_parameters()
+    if isinstance(handle, DistributedOptimizer):
+        return handle.remote_optimizers
+    return []
+
+
+def owned_by_live_peers(rrefs: Iterable[Any]) -> bool:
+    """Whether the owner of every one of ``rrefs`` is still a peer of this process's data plane: the same
+    process, not one that died (and was forgotten, or replaced by a new process under its name)."""
+    for rref in rrefs:
+        try:
+            owner = rref.owner()
+            if rpc.get_worker_info(owner.name).id != owner.id:
+                return False
+        except RuntimeError:  # the owner (its id, or its name) is no longer known: forgotten after it died
+            return False
+    return True

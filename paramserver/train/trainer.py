@@ -124,7 +124,7 @@ class _Run:
         restored = restore_point(ctx)
         self.sparse = SparseTables(trainer.tables, trainer.sparse_optimizer, ctx.shards, trainer.name, trainer.seed,
                                    trainer.row_wise_min_rows, ctx.live_shards, ctx.refresh, ctx.should_stop,
-                                   shards_gone=ctx.shards_gone)
+                                   shards_gone=ctx.shards_gone, retire=ctx.retire_handles)
         self.replica = DenseReplica(group, trainer.dense, trainer.dense_optimizer, hook=trainer.comm_hook,
                                     hook_options=trainer.hook_options, agree_every=trainer.agree_every,
                                     initial=restored)
@@ -145,6 +145,7 @@ class _Run:
             self._loop()
         finally:
             replica.close()
+            self.sparse.close()  # what the tables hold on the shards is released now, not whenever this is collected
         # Equal on every member of the group: DDP keeps the replicas identical.
         checksum = sum(float(p.detach().double().sum()) for p in replica.module.parameters())
         return dict(self.figures, steps=replica.step, start_step=self.start_step, group_rank=replica.group.rank,
