@@ -277,6 +277,8 @@ class TrainerGroup:
 
     def close(self) -> None:
         self._closed.set()
+        if self._watcher.is_alive():  # not left running into the interpreter's teardown (its view source may be C++)
+            self._watcher.join(2 * WATCH_VIEWS_EVERY.total_seconds() + 5)
         self._drop_process_group()
         self._store = None
 
