@@ -109,10 +109,11 @@ class CoordinatorClient:
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
 
-    def join(self, role: int, name: str, host: str,
-             retry_for: Optional[datetime.timedelta] = None) -> pb.Assignment:
-        """Join, retrying while unreachable (``call_retrying``)."""
-        request = pb.JoinRequest(role=role, name=name, host=host, capabilities=local_capabilities())
+    def join(self, role: int, name: str, host: str, retry_for: Optional[datetime.timedelta] = None,
+             gpus: Optional[int] = None) -> pb.Assignment:
+        """Join, retrying while unreachable (``call_retrying``).  ``gpus``: the GPUs this member holds for
+        itself (a worker: 1 or 0); by default, every GPU of its host."""
+        request = pb.JoinRequest(role=role, name=name, host=host, capabilities=local_capabilities(gpus))
         metadata = None
         if role == pb.ROLE_SHARD and self._shard_token:
             metadata = [(SHARD_TOKEN_METADATA_KEY, self._shard_token)]
@@ -154,13 +155,14 @@ class CoordinatorClient:
         self._raw_channel.close()
 
 
-def local_capabilities() -> pb.Capabilities:
-    gpus = 0
-    try:  # the control plane does not need torch; report GPUs only when it is there
-        import torch
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except ImportError:  # pragma: no cover
-        pass
+def local_capabilities(gpus: Optional[int] = None) -> pb.Capabilities:
+    if gpus is None:
+        gpus = 0
+        try:  # the control plane does not need torch; report GPUs only when it is there
+            import torch
+            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        except ImportError:  # pragma: no cover
+            pass
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
     return pb.Capabilities(cpus=os.cpu_count() or 0, gpus=gpus, memory_bytes=memory, pid=os.getpid(),
                            labels={"hostname": socket.gethostname()[:128]})

@@ -25,7 +25,7 @@ collective timeout), and the next generation forms meanwhile.
 
 It knows nothing of gRPC: the view source is a
 ``paramserver.runtime.context.GroupChannel`` (or any object with its
-members: ``rpc_name``, ``worker_index``, ``trainer_group``,
+members: ``rpc_name``, ``worker_index``, ``trainer_group``, ``gpu`` (optional),
 ``store_host``/``store_port``, ``group_view()``, ``wait_for_group_view()``,
 and ``request_regroup()`` if it has one).
 What is trained and how state moves is ``replica``'s business.  Each
@@ -82,11 +82,14 @@ class GenerationAborted(RuntimeError):
     """A newer view dropped a member of this generation: its pending collectives were abandoned."""
 
 
-def device_for(backend: str, worker_index: int) -> torch.device:
-    """Where a member keeps its dense replica: a GPU under nccl (one per worker on a host), else the CPU."""
-    if backend == "nccl":
-        return torch.device("cuda", worker_index % torch.cuda.device_count())
-    return torch.device("cpu")
+def device_for(backend: str, gpu: Optional[int]) -> torch.device:
+    """Where a member keeps its dense replica: under nccl the GPU it holds for itself, else the CPU."""
+    if backend != "nccl":
+        return torch.device("cpu")
+    if gpu is None:
+        raise ValueError("this trainer group uses nccl, but this worker holds no GPU of its own "
+                         "(the coordinator gives nccl only to groups whose every member holds one)")
+    return torch.device("cuda", gpu)
 
 
 #: The collectives backends' own variables for their network interface.
@@ -165,7 +168,7 @@ class TrainerGroup:
             self.aborted = None
             self._abandoned = []  # (an abort noted while the last generation was being dropped: moot now)
         _collectives_on_data_plane_interface()
-        self.device = device_for(view.backend, self._source.worker_index)
+        self.device = device_for(view.backend, getattr(self._source, "gpu", None))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         dist.init_process_group(view.backend, store=dist.PrefixStore(prefix, self._store), rank=rank,

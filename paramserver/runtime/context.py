@@ -130,13 +130,15 @@ class GroupChannel:
     """What a trainer group needs of the cluster, and nothing else (``paramserver.ddp.TrainerGroup``).
 
     ``rpc_name`` and ``worker_index`` name this member; ``store_host``/
-    ``store_port`` are the c10d store its generations rendezvous in.
+    ``store_port`` are the c10d store its generations rendezvous in;
+    ``gpu`` is the GPU this worker holds for itself (``paramserver.runtime.devices``), or ``None``.
     """
 
     def __init__(self, rpc_name: str, worker_index: int, trainer_group: int, store_host: str, store_port: int,
                  inbox: Inbox, refresh: Callable[[], None] = lambda: None,
-                 request_regroup: Callable[[int], None] = lambda generation: None):
+                 request_regroup: Callable[[int], None] = lambda generation: None, gpu: Optional[int] = None):
         self.rpc_name = rpc_name
+        self.gpu = gpu
         self.worker_index = worker_index
         self.trainer_group = trainer_group
         self.store_host = store_host
@@ -217,12 +219,13 @@ class JobContext:
 
     # -- building ------------------------------------------------------
     @classmethod
-    def from_assignment(cls, assignment, session) -> "JobContext":
-        """A worker's context: the coordinator's ``Assignment`` and the worker's ``MemberSession``."""
+    def from_assignment(cls, assignment, session, gpu: Optional[int] = None) -> "JobContext":
+        """A worker's context: the coordinator's ``Assignment``, the worker's ``MemberSession``, and the GPU it
+        holds (``None``: none)."""
         inbox = Inbox()
         group = GroupChannel(assignment.rpc_name, assignment.index, assignment.trainer_group,
                              assignment.store.host, assignment.store.port, inbox, refresh=session.beat_now,
-                             request_regroup=session.request_regroup)
+                             request_regroup=session.request_regroup, gpu=gpu)
 
         return cls(rpc_name=assignment.rpc_name, worker_index=assignment.index,
                    trainer_group=assignment.trainer_group, shards=list(assignment.shards), group=group,

@@ -25,12 +25,14 @@ class MemberSession:
 
     def __init__(self, address: str, role: int, name: Optional[str] = None, host: str = "127.0.0.1",
                  token: Optional[str] = None, tls: Optional[TlsFiles] = None,
-                 retry_for: Optional[datetime.timedelta] = None, shard_token: Optional[str] = None):
+                 retry_for: Optional[datetime.timedelta] = None, shard_token: Optional[str] = None,
+                 gpus: Optional[int] = None):
         self.client = CoordinatorClient(address, token=token, tls=tls, shard_token=shard_token)
         self.role = role
         self.name = name or socket.gethostname().split(".")[0][:64] or "member"
         self.host = host
         self._retry_for = retry_for
+        self._gpus = gpus
         self.assignment: Optional[pb.Assignment] = None
         self._shards: List[str] = []
         self._shards_gone: Dict[str, str] = {}
@@ -42,7 +44,8 @@ class MemberSession:
         self.refused = False
 
     def join(self) -> pb.Assignment:
-        self.assignment = self.client.join(self.role, self.name, self.host, retry_for=self._retry_for)
+        self.assignment = self.client.join(self.role, self.name, self.host, retry_for=self._retry_for,
+                                           gpus=self._gpus)
         self._set_shards(self.assignment.shards)
         logger.info("joined %s as %s (rank %d, generation %d)", self.client.address, self.assignment.rpc_name,
                     self.assignment.rpc_rank, self.assignment.generation)
