@@ -8,11 +8,13 @@ token is).
 
 import argparse
 import json
+import os
 from typing import Callable, Optional
 
 from ..control import DEFAULT_PORT, TlsFiles, read_token_file
 from ..control.addresses import address_facing
 from ..logs import configure_logging, default_log_level
+from ..runtime.threads import THREADS_ENV
 
 
 class UsageError(Exception):
@@ -23,6 +25,20 @@ def add_log_level(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default=default_log_level(),
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                         help="log verbosity (default: $PARAMSERVER_LOG_LEVEL or INFO)")
+
+
+def add_threads(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
+                        help=f"intra-op threads of {what} (default: sized to this host's cores and the cluster's "
+                             "processes on it; $PARAMSERVER_THREADS)")
+
+
+def threads_from(args) -> None:
+    """``--threads``: the process (and the processes it starts) use that many intra-op threads."""
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UsageError(f"--threads must be at least 1, got {args.threads}")
+        os.environ[THREADS_ENV] = str(args.threads)
 
 
 def add_token_file(parser: argparse.ArgumentParser) -> None:

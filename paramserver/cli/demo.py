@@ -27,6 +27,7 @@ import time
 from typing import Dict, List, Optional
 
 from ..control import CoordinatorClient, CoordinatorError
+from ..runtime.threads import HOST_PROCESSES_ENV
 from .common import UsageError, command_main, job_config_from
 from .progress import Progress
 
@@ -60,8 +61,9 @@ class _Processes:
         self.log_dir = log_dir
         self.started: Dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, module: str, *args: str) -> subprocess.Popen:
+    def start(self, name: str, module: str, *args: str, host_processes: int = 1) -> subprocess.Popen:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.setdefault(HOST_PROCESSES_ENV, str(host_processes))  # threads sized to what shares this machine
         with open(self.log_dir / f"{name}.out", "w") as out, open(self.log_dir / f"{name}.log", "w") as err:
             process = subprocess.Popen([sys.executable, "-m", module, *args], stdout=out, stderr=err, env=env,
                                        stdin=subprocess.DEVNULL, start_new_session=True)
@@ -130,14 +132,16 @@ def _shown(figures: Dict[str, float], hook: str) -> Dict[str, str]:
 def run_demo(args, config: dict, processes: _Processes) -> dict:
     total = int(config.get("steps", 1500))
     began = time.monotonic()
+    host_processes = 1 + args.shards + args.workers  # the coordinator, its shards, the workers: all on this host
     server = processes.start("ps-server", "paramserver.cli.server", "--shards", str(args.shards), "--port", "0",
                              "--group-size", str(args.workers), "--job", args.job,
-                             "--job-config", json.dumps(config))
+                             "--job-config", json.dumps(config), host_processes=host_processes)
     address = _wait_for_ready(processes, server)
     print(f"ps-demo: cluster ready at {address} ({args.shards} shards); starting {args.workers} workers with the "
           f"{args.hook} hook; logs in {processes.log_dir}", file=sys.stderr, flush=True)
     hook_flags = ["--comm-hook", args.hook] + [f for option in args.hook_option for f in ("--comm-hook-option", option)]
-    workers = [processes.start(f"ps-worker{i}", "paramserver.cli.worker", "--connect", address, *hook_flags)
+    workers = [processes.start(f"ps-worker{i}", "paramserver.cli.worker", "--connect", address, *hook_flags,
+                               host_processes=host_processes)
                for i in range(args.workers)]
     client = CoordinatorClient(address)
     progress = Progress(total, "ps-demo")

@@ -34,9 +34,10 @@ from ..runtime.job import DEFAULT_JOB, JobError, pack_job
 from ..runtime.server import ServerOptions, serve
 from ..runtime.shard_host import ShardHostOptions, serve_shard_host
 from ..runtime.supervisor import MAX_RESTARTS
-from .common import (UsageError, add_log_level, add_metrics_port, add_token_file, command_main, coordinator_address,
+from .common import (UsageError, add_log_level, add_metrics_port, add_threads, add_token_file, command_main,
+                     coordinator_address,
                      data_plane_host, job_config_from, metrics_port_from, own_host, secret_from, setup_logging,
-                     token_from)
+                     threads_from, token_from)
 
 
 #: Flags that configure the coordinator, refused with ``--join`` (which runs none) unless left at their defaults.
@@ -95,6 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="declare a member dead after this long without a heartbeat "
                              "(default 5, or $PARAMSERVER_HEARTBEAT_TIMEOUT)")
     add_metrics_port(parser, "the coordinator on P, shard i on P+1+i")
+    add_threads(parser, "each shard server (1 unless set: a shard gets its parallelism from its RPC threads)")
     add_log_level(parser)
 
 
@@ -215,6 +217,7 @@ def checkpoint_options_from(args) -> Optional[CheckpointOptions]:
 def run(args) -> int:
     setup_logging("ps-server", args)
     try:
+        threads_from(args)
         options = shard_host_options_from(args) if args.join else options_from(args)
     except UsageError as error:
         print(f"ps-server: {error}", file=sys.stderr)

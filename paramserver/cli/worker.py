@@ -16,8 +16,9 @@ import json
 import sys
 
 from ..runtime.worker import EXIT_REFUSED, WorkerOptions, run_worker
-from .common import (UsageError, add_connect, add_log_level, add_metrics_port, client_tls, command_main,
-                     coordinator_address, metrics_port_from, own_host, setup_logging, token_from)
+from .common import (UsageError, add_connect, add_log_level, add_metrics_port, add_threads, client_tls,
+                     command_main, coordinator_address, metrics_port_from, own_host, setup_logging, threads_from,
+                     token_from)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,12 +34,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--comm-hook-option", action="append", default=[], metavar="KEY=VALUE",
                         help="an option of the comm hook (rank=2, start_iter=10...); repeatable")
     add_metrics_port(parser, "this worker's RPCs, training and job figures")
+    add_threads(parser, "this worker")
     add_log_level(parser)
 
 
 def run(args) -> int:
     setup_logging("ps-worker", args)
     try:
+        threads_from(args)
         address = coordinator_address(args.connect)
         options = WorkerOptions(address=address, host=own_host(args.host, address),
                                 token=token_from(args), tls=client_tls(args),

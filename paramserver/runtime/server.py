@@ -22,6 +22,7 @@ from ..control import CoordinatorServer, CoordinatorSettings, TlsFiles, pb
 from ..control.server import format_address
 from ..metrics.process import coordinator_metrics
 from .supervisor import MAX_RESTARTS, ShardSupervisor
+from .threads import apply_threads
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class _Shutdown:
 
 def serve(options: ServerOptions, announce=print) -> int:
     """Run until shut down; returns the exit code (0 on a clean shutdown)."""
+    apply_threads("coordinator", "ps-server")
     shutdown = _Shutdown()
     previous = {sig: signal.signal(sig, lambda signum, _frame: shutdown.request(signal.Signals(signum).name))
                 for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -31,12 +31,13 @@ from typing import Optional
 import grpc
 
 from ..control import CoordinatorError, TlsFiles, pb
-from ..shards import ShardServerOptions, request_stop, run_shard_server
+from ..shards import PeerOptions, ShardServerOptions, request_stop, run_shard_server
 from ..checkpoint.shard_part import CheckpointSource
 from ..checkpoint.storage import CorruptCheckpoint
 from ..logs import configure_logging, exit_now, one_line
 from ..metrics.process import shard_metrics
 from .member import MemberSession
+from .threads import apply_threads
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +113,9 @@ def run_shard_member(address: str, name: str, host: str, token: Optional[str] = 
         else:  # the coordinator hands this shard to workers once it says it is ready
             session.mark_ready()
     try:
+        threads = apply_threads("shard", assignment.rpc_name)
         run_shard_server(assignment.rpc_name, assignment.rpc_rank, None, session.init_method,
-                         ShardServerOptions(), bind_host=host, on_serving=serving, restore_source=restore_source)
+                         ShardServerOptions(peer=PeerOptions(intra_op_threads=threads.intra_op)), bind_host=host, on_serving=serving, restore_source=restore_source)
     finally:
         session.leave("stopped")
     logger.info("shard %s (pid %d) exits", assignment.rpc_name, os.getpid())

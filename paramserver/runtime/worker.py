@@ -35,6 +35,8 @@ from ..metrics.process import ProcessMetrics, worker_metrics
 from ..logs import exit_now, one_line
 from ..shards import peer
 from .context import JobContext
+from .devices import claim_gpu
+from .threads import apply_threads
 from .job import JobError, unpack_job
 from .member import MemberSession
 
@@ -79,8 +81,10 @@ def run_worker(options: WorkerOptions, say=print) -> int:
 
 
 def _run(options: WorkerOptions, say, metrics: Optional[ProcessMetrics]) -> int:
+    apply_threads("worker", "ps-worker")
+    gpu = claim_gpu(name="ps-worker")  # held until the process ends
     session = MemberSession(options.address, pb.ROLE_WORKER, host=options.host, token=options.token,
-                            tls=options.tls, retry_for=options.retry_for)
+                            tls=options.tls, retry_for=options.retry_for, gpus=int(gpu.index is not None))
     try:
         assignment = session.join()
     except NotAuthenticated as error:
@@ -93,7 +97,7 @@ def _run(options: WorkerOptions, say, metrics: Optional[ProcessMetrics]) -> int:
         say(f"ps-worker: could not join: {error}")
         # A join refused for what it said (a loopback --host from another host...) is this worker's to fix.
         return EXIT_REFUSED if error.code == grpc.StatusCode.INVALID_ARGUMENT else EXIT_FAILED
-    context = JobContext.from_assignment(assignment, session)
+    context = JobContext.from_assignment(assignment, session, gpu.index)
     if metrics is not None:
         metrics.watch_job(context)
     watchdog = _StopWatchdog(context, options.stop_grace, say, assignment.rpc_name)

@@ -1,0 +1,127 @@
+"""How many threads each process of a cluster gives PyTorch: sized to its host, not to every core.
+
+Owns choosing and applying a process's intra-op and inter-op thread
+counts.  By default PyTorch gives every process one intra-op thread per
+core; a host running a coordinator, several shard servers and several
+workers then runs several times more busy threads than it has cores, and
+training slows down as workers are added.  Here:
+
+* the cores a process may use are its CPU affinity, capped by its
+  cgroup's CPU quota (cgroup v2 ``cpu.max``, or v1 ``cpu.cfs_quota_us``
+  over ``cpu.cfs_period_us``): a container limited to 4 CPUs counts 4;
+* they are shared by the cluster's processes on the host
+  (``PARAMSERVER_HOST_PROCESSES``, set by launchers that start several
+  on one host, such as ``ps-demo``; 1 otherwise: one process per host or
+  per container);
+* a worker takes its share (``cores // processes``, at least 1) for its
+  dense layers; a shard server and the coordinator take 1 intra-op
+  thread: a shard gets its parallelism from concurrent RPC threads and
+  from running several shards, and a per-op pool would fight them for
+  cores; the coordinator does no tensor work;
+* ``PARAMSERVER_THREADS`` and ``PARAMSERVER_INTEROP_THREADS`` (or
+  ``--threads`` of ``ps-server``/``ps-worker``) override.
+
+``apply_threads`` sets them once, before any parallel work (PyTorch fixes
+its inter-op pool at first use), and logs the choice in one line.
+"""
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+logger = logging.getLogger(__name__)
+
+THREADS_ENV = "PARAMSERVER_THREADS"
+INTEROP_THREADS_ENV = "PARAMSERVER_INTEROP_THREADS"
+HOST_PROCESSES_ENV = "PARAMSERVER_HOST_PROCESSES"
+ROLES = ("worker", "shard", "coordinator")
+_CGROUP_ROOT = "/sys/fs/cgroup"
+
+
+@dataclass(frozen=True)
+class ThreadChoice:
+    intra_op: int
+    inter_op: int
+    cores: int
+    cores_from: str
+    host_processes: int
+    overridden: bool
+
+    def describe(self, role: str) -> str:
+        how = ("as set by the environment" if self.overridden else
+               f"{self.cores} cores ({self.cores_from}) shared by {self.host_processes} process"
+               f"{'es' if self.host_processes != 1 else ''} of this host, as a {role}")
+        return f"{self.intra_op} intra-op and {self.inter_op} inter-op threads: {how}"
+
+
+def cgroup_cpu_limit(root: str = _CGROUP_ROOT) -> Optional[float]:
+    """The CPUs this process's cgroup may use (quota over period), or ``None`` when it sets no limit."""
+    try:
+        with open(os.path.join(root, "cpu.max")) as limit:  # cgroup v2: "max 100000" or "200000 100000"
+            quota, period = limit.read().split()[:2]
+            return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(os.path.join(root, "cpu", "cpu.cfs_quota_us")) as quota_file, \
+                open(os.path.join(root, "cpu", "cpu.cfs_period_us")) as period_file:
+            quota, period = int(quota_file.read()), int(period_file.read())
+            return None if quota <= 0 else quota / period
+    except (OSError, ValueError):
+        return None
+
+
+def host_cores(cgroup_root: str = _CGROUP_ROOT) -> Tuple[int, str]:
+    """The cores this process may use, and what set that number."""
+    try:
+        cores, source = len(os.sched_getaffinity(0)), "CPU affinity"
+    except AttributeError:  # pragma: no cover - not Linux
+        cores, source = os.cpu_count() or 1, "the machine"
+    limit = cgroup_cpu_limit(cgroup_root)
+    if limit is not None and limit < cores:
+        cores, source = max(1, int(limit)), f"cgroup CPU quota {limit:g}"
+    return cores, source
+
+
+def _positive_env(name: str, environ) -> Optional[int]:
+    value = environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return number
+
+
+def choose_threads(role: str, environ=None, cores: Optional[Tuple[int, str]] = None) -> ThreadChoice:
+    """The threads a process of ``role`` (``ROLES``) should use; see the module's docstring."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    environ = os.environ if environ is None else environ
+    count, source = cores or host_cores()
+    processes = _positive_env(HOST_PROCESSES_ENV, environ) or 1
+    share = max(1, count // processes)
+    intra = share if role == "worker" else 1
+    inter = min(2, intra)
+    intra_override, inter_override = _positive_env(THREADS_ENV, environ), _positive_env(INTEROP_THREADS_ENV, environ)
+    return ThreadChoice(intra_op=intra_override or intra, inter_op=inter_override or inter, cores=count,
+                        cores_from=source, host_processes=processes,
+                        overridden=intra_override is not None or inter_override is not None)
+
+
+def apply_threads(role: str, name: str) -> ThreadChoice:
+    """Choose ``role``'s threads, give them to PyTorch, and log the choice once (``name``: this process)."""
+    import torch
+
+    choice = choose_threads(role)
+    torch.set_num_threads(choice.intra_op)
+    try:
+        torch.set_num_interop_threads(choice.inter_op)
+    except RuntimeError:  # its pool already started (an earlier parallel op): keep it
+        pass
+    logger.info("%s: %s", name, choice.describe(role))
+    return choice

@@ -1,0 +1,54 @@
+"""Threads sized to the host: cores from affinity and the cgroup quota, shared by the cluster's processes on the
+host, overrides from the environment (all with faked cores and cgroup files: single process)."""
+
+import pytest
+
+from paramserver.runtime.threads import (HOST_PROCESSES_ENV, INTEROP_THREADS_ENV, THREADS_ENV, cgroup_cpu_limit,
+                                         choose_threads, host_cores)
+
+SIXTEEN = (16, "CPU affinity")
+
+
+def test_workers_share_the_cores_and_servers_take_one_thread():
+    alone = choose_threads("worker", {}, SIXTEEN)
+    assert (alone.intra_op, alone.inter_op) == (16, 2)
+    crowded = {HOST_PROCESSES_ENV: "13"}  # coordinator + 4 shards + 8 workers
+    assert choose_threads("worker", crowded, SIXTEEN).intra_op == 1
+    assert choose_threads("worker", {HOST_PROCESSES_ENV: "7"}, SIXTEEN).intra_op == 2
+    assert choose_threads("worker", {HOST_PROCESSES_ENV: "7"}, (2, "cgroup CPU quota 2")).intra_op == 1
+    for role in ("shard", "coordinator"):
+        choice = choose_threads(role, {}, SIXTEEN)
+        assert (choice.intra_op, choice.inter_op) == (1, 1)
+    line = choose_threads("worker", crowded, SIXTEEN).describe("worker")
+    assert line == ("1 intra-op and 1 inter-op threads: 16 cores (CPU affinity) shared by 13 processes of this host, "
+                    "as a worker")
+
+
+def test_the_environment_overrides_and_bad_values_are_named():
+    choice = choose_threads("shard", {THREADS_ENV: "3", INTEROP_THREADS_ENV: "2"}, SIXTEEN)
+    assert (choice.intra_op, choice.inter_op, choice.overridden) == (3, 2, True)
+    assert "as set by the environment" in choice.describe("shard")
+    for bad in ("0", "many"):
+        with pytest.raises(ValueError, match=f"{HOST_PROCESSES_ENV} must be a positive integer, got '{bad}'"):
+            choose_threads("worker", {HOST_PROCESSES_ENV: bad}, SIXTEEN)
+    with pytest.raises(ValueError, match="role must be one of"):
+        choose_threads("driver", {}, SIXTEEN)
+
+
+def test_a_cgroup_quota_caps_the_cores(tmp_path):
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_limit(str(v2)) is None
+    (v2 / "cpu.max").write_text("150000 100000\n")
+    assert cgroup_cpu_limit(str(v2)) == 1.5
+    cores, source = host_cores(str(v2))
+    assert cores == 1 and source == "cgroup CPU quota 1.5"
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert cgroup_cpu_limit(str(v1)) is None
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("400000\n")
+    assert cgroup_cpu_limit(str(v1)) == 4.0
+    assert cgroup_cpu_limit(str(tmp_path / "none")) is None
