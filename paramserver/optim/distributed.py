@@ -22,6 +22,7 @@ from torch.distributed.rpc import RRef
 
 from .._torch_compat import check_autograd_context, remote_error_cause
 from ..metrics import data_plane
+from ..shards.peer import creation_timeout
 from . import owner
 
 
@@ -83,7 +84,8 @@ class DistributedOptimizer:
         self.num_params = len(params_rref)
         futures = {
             name: rpc.rpc_async(name, owner.remote_new_owner_optimizer,
-                                args=(optimizer_class, [r for _, r in entries], [i for i, _ in entries], args, kwargs))
+                                args=(optimizer_class, [r for _, r in entries], [i for i, _ in entries], args, kwargs),
+                                timeout=creation_timeout())
             for name, entries in self._by_owner.items()
         }
         created = _wait_all(futures, "creating the optimizer")
@@ -106,6 +108,11 @@ class DistributedOptimizer:
     def remote_optimizers(self) -> List[RRef]:
         """RRefs to the owner-side optimizers, one per owner."""
         return list(self._owner_optimizers.values())
+
+    def owner_layout(self) -> Dict[str, tuple]:
+        """Per owner: ``(handle, [index in params_rref of its local parameter 0, 1, ...])``, what a fused push
+        (``paramserver.shards.rows.push``) names its optimizer and parameters by."""
+        return {name: (self._handles[name], [index for index, _ in entries]) for name, entries in self._by_owner.items()}
 
     def _on_every_owner(self, function, action: str, extra_args=None) -> Dict[str, Any]:
         """Call ``function(handle, *extra_args[owner])`` on every owner at once; results by owner."""

@@ -26,14 +26,16 @@ look up; this module keeps no state of its own.
   rows and bytes of the gradients it applied (counted inside the compiled
   step, without the GIL, and only then).
 
-Functions named ``remote_*`` are what DistributedOptimizer calls by RPC.
+Functions named ``remote_*`` are what DistributedOptimizer calls by RPC;
+``OwnerOptimizer.apply_rows`` is what a fused push
+(``paramserver.shards.rows.push``) calls.
 This module never sends RPCs.
 """
 
 import logging
 import time
 from contextlib import contextmanager
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -129,7 +131,11 @@ class _ScriptedStep(nn.Module):
     @torch.jit.export
     def step(self, context_id: int, measure: bool) -> Tuple[int, int]:
         """Apply the context's gradients; with ``measure``, return their ``gradient_stats`` (else zeros)."""
-        gradients = context_gradients(context_id, self.params)
+        return self.apply(context_gradients(context_id, self.params), measure)
+
+    @torch.jit.export
+    def apply(self, gradients: List[Optional[Tensor]], measure: bool) -> Tuple[int, int]:
+        """Apply ``gradients`` (one per parameter, ``None`` to skip one); ``measure`` as in ``step``."""
         check_gradient_shapes(self.names, self.params, gradients)
         self.optim.step(gradients)
         if measure:
@@ -195,7 +201,9 @@ class _PythonStep:
         self.optim = optimizer_cls(params, *args, **kwargs)
 
     def step(self, context_id: int, measure: bool) -> Tuple[int, int]:
-        gradients = context_gradients(context_id, self.params)
+        return self.apply(context_gradients(context_id, self.params), measure)
+
+    def apply(self, gradients: List[Optional[Tensor]], measure: bool) -> Tuple[int, int]:
         check_gradient_shapes(self.names, self.params, gradients)
         for param, gradient in zip(self.params, gradients):
             param.grad = gradient
@@ -243,11 +251,34 @@ class OwnerOptimizer:
                 lock.release()
 
     def step(self, context_id: int) -> None:
+        """One step with the gradients ``dist_autograd`` context ``context_id`` holds here."""
+        self._timed(lambda measure: self._impl.step(context_id, measure), lambda: data_plane.context_peer(context_id))
+
+    def apply_rows(self, params: Sequence[int], ids: Sequence[Tensor], gradients: Sequence[Tensor],
+                   peer: str) -> None:
+        """One step with row gradients pushed by ``peer``: ``gradients[i]`` (rows x dim) for rows ``ids[i]``
+        (local, distinct) of parameter ``params[i]``; the others are skipped.  The same update as ``step``
+        with the row-sparse gradients a backward pass through those rows delivers."""
+        by_param: List[Optional[Tensor]] = [None] * len(self.params)
+        for index, rows, values in zip(params, ids, gradients):
+            if not 0 <= index < len(self.params) or by_param[index] is not None:
+                raise ValueError(f"a push names parameter {index} of an optimizer over {len(self.params)} "
+                                 f"parameters{' twice' if 0 <= index < len(self.params) else ''}")
+            param = self.params[index]
+            if param.dim() != 2 or values.dim() != 2 or rows.dim() != 1 or values.size(0) != rows.numel() or \
+                    values.size(1) != param.size(1):
+                raise ValueError(f"a push for {self.names[index]} (shape {list(param.shape)}) has "
+                                 f"{list(rows.shape)} rows and gradients of shape {list(values.shape)}")
+            by_param[index] = torch.sparse_coo_tensor(rows.unsqueeze(0), values, param.shape, check_invariants=True)
+        self._timed(lambda measure: self._impl.apply(by_param, measure), lambda: peer)
+
+    def _timed(self, run: Callable[[bool], Tuple[int, int]], peer: Callable[[], str]) -> None:
+        """``run(measure)`` under the parameters' locks, timed, and counted in the process's metrics."""
         metrics = data_plane.slot.active
         with self._locked():
             started = time.perf_counter()
             try:
-                rows, gradient_bytes = self._impl.step(context_id, metrics is not None)
+                rows, gradient_bytes = run(metrics is not None)
             except torch.jit.Error as error:
                 reraise_script_error(error)
             elapsed = time.perf_counter() - started
@@ -255,8 +286,7 @@ class OwnerOptimizer:
             self.step_seconds_total += elapsed
             self.last_step_seconds = elapsed
         if metrics is not None:  # after the locks: the next step need not wait for this
-            metrics.owner_step(self.optimizer_cls.__qualname__, elapsed, data_plane.context_peer(context_id), rows,
-                               gradient_bytes)
+            metrics.owner_step(self.optimizer_cls.__qualname__, elapsed, peer(), rows, gradient_bytes)
 
     def step_stats(self) -> Dict[str, float]:
         """Steps applied here, and seconds spent applying them (locks held, waiting excluded)."""

@@ -12,7 +12,7 @@ Each lookup it sends is counted in the process's metrics when it serves them
 
 import itertools
 import uuid
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed.rpc as rpc
@@ -23,6 +23,7 @@ from torch.distributed.rpc import RRef
 from ..metrics import data_plane
 from . import hosted
 from .client import fetch
+from .peer import creation_timeout
 from .placement import RowRange, split_rows
 
 _MODES = ("sum", "mean")
@@ -67,16 +68,16 @@ class ShardedEmbeddingBag(nn.Module):
         self.name = name or f"embedding-{uuid.uuid4().hex[:8]}"
         self.ranges: List[RowRange] = split_rows(num_embeddings, list(shards))
         seed = next(_default_seeds) if seed is None else seed
-        futures = []
+        futures, timeout = [], creation_timeout()
         for rows in self.ranges:
             part = f"{self.name}[{rows.start}:{rows.stop}]"
             if _weight is None:
                 futures.append(rpc.rpc_async(rows.shard, hosted.host_rows, args=(
-                    part, rows.num_rows, embedding_dim, dtype, seed, rows.start, shared, init_std)))
+                    part, rows.num_rows, embedding_dim, dtype, seed, rows.start, shared, init_std), timeout=timeout))
             else:
                 # Each shard gets a compact copy of just its rows.
                 futures.append(rpc.rpc_async(rows.shard, hosted.host_tensor, args=(
-                    part, _weight[rows.start:rows.stop].to(dtype).clone())))
+                    part, _weight[rows.start:rows.stop].to(dtype).clone()), timeout=timeout))
         self._shard_rrefs: List[RRef] = [future.wait() for future in futures]
         self._row_bytes = embedding_dim * torch.empty((), dtype=dtype).element_size()
         self.register_buffer("_range_starts", torch.tensor([r.start for r in self.ranges], dtype=torch.long),
@@ -92,7 +93,7 @@ class ShardedEmbeddingBag(nn.Module):
                    _weight=weight.detach())
 
     def remote_parameters(self) -> List[RRef]:
-        """RRefs to the row ranges, for ``DistributedOptimizer``."""
+        """RRefs to the row ranges (in ``ranges`` order), for ``DistributedOptimizer``."""
         return list(self._shard_rrefs)
 
     def forward(self, input: Tensor, offsets: Optional[Tensor] = None,
@@ -105,31 +106,41 @@ class ShardedEmbeddingBag(nn.Module):
 
         Starting every table's lookups before finishing any overlaps their
         round trips (the forward of a model with many tables waits about
-        one round trip instead of one per table).
+        one round trip instead of one per table).  Each row range is one
+        RPC, differentiable inside a ``dist_autograd`` context; an
+        ``EmbeddingCollection`` sends one RPC per shard for many tables.
         """
+        route = self.route(input, offsets)
+        pending = [rpc.rpc_async(self.ranges[index].shard, hosted.lookup_rows, args=(self._shard_rrefs[index], local))
+                   for index, local in route.requests]
+
+        def finish() -> Tensor:
+            unique_rows = torch.cat([future.wait() for future in pending]) if pending else \
+                self.no_rows(torch.is_grad_enabled())
+            return route.pool(unique_rows, offsets, per_sample_weights)
+        return finish
+
+    def route(self, input: Tensor, offsets: Optional[Tensor] = None) -> "Route":
+        """Where the ids of a lookup go: checked, deduplicated, and split by row range (counted in the
+        process's metrics as one lookup per range)."""
         ids = self._check_ids(input, offsets)
         unique_ids, inverse = torch.unique(ids.reshape(-1), sorted=True, return_inverse=True)
         # Sorted unique ids split into consecutive runs, one per shard's row range.
         bounds = torch.searchsorted(unique_ids, self._range_starts).tolist() + [unique_ids.numel()]
-        pending = []
+        requests = []
         metrics = data_plane.slot.active
         for index, rows in enumerate(self.ranges):
             lo, hi = bounds[index], bounds[index + 1]
             if hi > lo:
                 local = unique_ids[lo:hi] - rows.start
-                pending.append(rpc.rpc_async(rows.shard, hosted.lookup_rows, args=(self._shard_rrefs[index], local)))
+                requests.append((index, local))
                 if metrics is not None:
                     metrics.lookup(rows.shard, hi - lo, (hi - lo) * local.element_size(), (hi - lo) * self._row_bytes)
+        return Route(self, inverse.view(ids.shape), requests)
 
-        def finish() -> Tensor:
-            if pending:
-                unique_rows = torch.cat([future.wait() for future in pending])
-            else:  # no ids at all: no rows to fetch, yet differentiable as nn.EmbeddingBag's result is
-                unique_rows = torch.empty(0, self.embedding_dim, dtype=self.dtype,
-                                          requires_grad=torch.is_grad_enabled())
-            return F.embedding_bag(inverse.view(ids.shape), unique_rows, offsets, mode=self.mode,
-                                   per_sample_weights=per_sample_weights)
-        return finish
+    def no_rows(self, requires_grad: bool) -> Tensor:
+        """The rows of a lookup without ids: none, yet differentiable as ``nn.EmbeddingBag``'s result is."""
+        return torch.empty(0, self.embedding_dim, dtype=self.dtype, requires_grad=requires_grad)
 
     def _check_ids(self, input: Tensor, offsets: Optional[Tensor]) -> Tensor:
         """Everything that can be checked before sending anything."""
@@ -156,3 +167,16 @@ class ShardedEmbeddingBag(nn.Module):
     def extra_repr(self) -> str:
         shards = ", ".join(f"{r.shard}[{r.start}:{r.stop}]" for r in self.ranges)
         return f"{self.num_embeddings}, {self.embedding_dim}, mode={self.mode!r}, shards=({shards})"
+
+
+class Route:
+    """A lookup's ids, routed: ``requests`` are ``(range index, local row ids)`` (sorted, distinct) in range
+    order; ``pool`` turns the rows they return (concatenated in that order) into the bags' embeddings."""
+
+    def __init__(self, table: ShardedEmbeddingBag, inverse: Tensor, requests: List[Tuple[int, Tensor]]):
+        self.table, self.inverse, self.requests = table, inverse, requests
+
+    def pool(self, unique_rows: Tensor, offsets: Optional[Tensor] = None,
+             per_sample_weights: Optional[Tensor] = None) -> Tensor:
+        return F.embedding_bag(self.inverse, unique_rows, offsets, mode=self.table.mode,
+                               per_sample_weights=per_sample_weights)

@@ -33,7 +33,12 @@ RPC_TIMEOUT_ENV = "PARAMSERVER_RPC_TIMEOUT"
 RPC_THREADS_ENV = "PARAMSERVER_RPC_THREADS"
 RPC_TRANSPORTS_ENV = "PARAMSERVER_RPC_TRANSPORTS"
 
+CREATE_TIMEOUT_ENV = "PARAMSERVER_CREATE_TIMEOUT"
+
 DEFAULT_RPC_TIMEOUT = datetime.timedelta(seconds=60)
+#: How long creating something on an owner may take (tables drawn there, an optimizer compiled with
+#: TorchScript: about 3 s for the first compile on a fresh machine); a step's RPCs keep the short timeout.
+DEFAULT_CREATE_TIMEOUT = datetime.timedelta(seconds=300)
 DEFAULT_RPC_THREADS = 16
 #: Transports of an open group (the cluster that ps-server, ps-worker and
 #: paramserver.connect form) unless PARAMSERVER_RPC_TRANSPORTS says otherwise.
@@ -43,6 +48,16 @@ OPEN_GROUP_TRANSPORTS = ("uv",)
 def _env_timeout() -> datetime.timedelta:
     value = os.environ.get(RPC_TIMEOUT_ENV)
     return datetime.timedelta(seconds=float(value)) if value else DEFAULT_RPC_TIMEOUT
+
+
+def creation_timeout() -> float:
+    """Seconds an RPC that creates tables or optimizers on an owner may take (``PARAMSERVER_CREATE_TIMEOUT``
+    overrides), independent of the step RPCs' timeout."""
+    value = os.environ.get(CREATE_TIMEOUT_ENV)
+    seconds = float(value) if value else DEFAULT_CREATE_TIMEOUT.total_seconds()
+    if not seconds > 0:
+        raise ValueError(f"{CREATE_TIMEOUT_ENV} must be a positive number of seconds, got {value!r}")
+    return seconds
 
 
 def _env_transports() -> Optional[Tuple[str, ...]]:

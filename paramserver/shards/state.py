@@ -1,7 +1,7 @@
 """``ShardState``: everything a process that owns parameters keeps, in one object.
 
 Owns, for a shard server (or any torch RPC peer that owns parameters, such
-as a trainer in a test): the hosted tensors and their names (held weakly:
+as a trainer in a test): the hosted tensors, their names and their integer handles (held weakly:
 a tensor lives as long as some RRef to it does), the shared tables (kept
 for the process's life: the model the shard serves), the owner-side
 optimizers over them (by what they were asked for and by handle), a lock
@@ -45,6 +45,9 @@ class ShardState:
         self._by_name: "weakref.WeakValueDictionary[str, Tensor]" = weakref.WeakValueDictionary()
         self._names_by_id: Dict[int, str] = {}
         self._shared: Dict[str, Tensor] = {}
+        self._tables_by_handle: "weakref.WeakValueDictionary[int, Tensor]" = weakref.WeakValueDictionary()
+        self._table_handles: Dict[int, int] = {}
+        self._table_handle_counter = itertools.count(1)
         self._optimizers_lock = threading.Lock()
         self._optimizers_by_request: "weakref.WeakValueDictionary[tuple, object]" = weakref.WeakValueDictionary()
         self._optimizers_by_handle: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
@@ -108,6 +111,26 @@ class ShardState:
         """The name ``tensor`` is hosted under, or ``None``."""
         with self._tensors_lock:
             return self._names_by_id.get(id(tensor))
+
+    def table_handle(self, tensor: Tensor) -> int:
+        """A small integer naming hosted ``tensor`` in a step's fused lookups (held weakly, like the tensor's
+        name): the same tensor always gets the same handle."""
+        with self._tensors_lock:
+            handle = self._table_handles.get(id(tensor))
+            if handle is None:
+                handle = next(self._table_handle_counter)
+                self._table_handles[id(tensor)] = handle
+                self._tables_by_handle[handle] = tensor
+                weakref.finalize(tensor, self._table_handles.pop, id(tensor), None)
+            return handle
+
+    def table(self, handle: int) -> Tensor:
+        """The hosted tensor with ``handle``; ``KeyError`` naming it when it was released."""
+        tensor = self._tables_by_handle.get(handle)
+        if tensor is None:
+            raise KeyError(f"no hosted table with handle {handle} here (every handle on it was released, "
+                           "or this shard process was restarted)")
+        return tensor
 
     # -- owner optimizers and their locks -----------------------------------
     def lock_for(self, param: Tensor) -> Tuple[int, threading.Lock]:

@@ -3,9 +3,11 @@
 Owns building a job's ``Table``s as shared ``ShardedEmbeddingBag``s (a
 table of ``row_wise_min_rows`` rows or more split by rows over every
 shard, smaller ones placed whole by size: splitting a small table only
-adds messages), the ``DistributedOptimizer`` that updates their rows on
-the shards, a step's pooled lookups, and rebuilding all of it after a
-shard was lost.
+adds messages), the owner-side optimizers that update their rows on the
+shards (created through ``DistributedOptimizer``), the
+``EmbeddingCollection`` through which a step looks them up and pushes
+their gradients (one RPC per shard each way), and rebuilding all of it
+after a shard was lost.
 
 The handles are RRefs bound to the processes that owned them: when a
 shard process dies, ``ps-server`` starts a new one under the same name,
@@ -34,7 +36,8 @@ from torch import Tensor
 
 from ..logs import one_line
 from ..optim import DistributedOptimizer
-from ..shards import ShardedEmbeddingBag, plan_dense
+from ..shards import EmbeddingCollection, ShardedEmbeddingBag, plan_dense
+from ..shards.collection import CollectionLookup
 from .contract import Batch, Table
 
 logger = logging.getLogger(__name__)
@@ -94,19 +97,18 @@ class SparseTables:
         self._max_consecutive = max_consecutive
         self._in_a_row = 0
         self.rebuilds = 0
-        self.tables, self.optimizer = self._build()
+        self.tables, self.optimizer, self.collection = self._build()
 
-    def _build(self) -> Tuple[Dict[str, ShardedEmbeddingBag], DistributedOptimizer]:
+    def _build(self) -> Tuple[Dict[str, ShardedEmbeddingBag], DistributedOptimizer, EmbeddingCollection]:
         tables = build_tables(self.specs, self.shards, self._prefix, self._seed, self._row_wise_min_rows)
         optimizer = DistributedOptimizer(self._optimizer_class,
                                          [rref for table in tables.values() for rref in table.remote_parameters()],
                                          **self._optimizer_options)
-        return tables, optimizer
+        return tables, optimizer, EmbeddingCollection(tables, optimizer.owner_layout(), rpc.get_worker_info().name)
 
-    def pool(self, batch: Batch) -> Dict[str, Tensor]:
-        """Every table's pooled embeddings of the batch's ids (all lookups sent before any is awaited)."""
-        pending = {name: table.start(batch.sparse[name]) for name, table in self.tables.items()}
-        return {name: finish() for name, finish in pending.items()}
+    def lookup(self, batch: Batch) -> CollectionLookup:
+        """Send the batch's lookups, one RPC per shard for every table it serves (see ``EmbeddingCollection``)."""
+        return self.collection.lookup(batch.sparse)
 
     def describe(self) -> str:
         return ", ".join(f"{name} ({table.num_embeddings} x {table.embedding_dim} on "
@@ -145,7 +147,8 @@ class SparseTables:
                     last_error = error
                 else:
                     old = [*self.tables.values(), self.optimizer]
-                    self.tables, self.optimizer = built  # the old handles go only now: see the module's docstring
+                    # the old handles go only now: see the module's docstring
+                    self.tables, self.optimizer, self.collection = built
                     self._let_go(old)
                     self.rebuilds += 1
                     logger.warning("sparse part rebuilt after %.1f s (rebuild %d)", time.monotonic() - started,
@@ -171,12 +174,13 @@ class SparseTables:
         """Let go of the handles in use now (what they hold on the shards is released), retiring those of a
         shard process that died meanwhile."""
         old, self.tables, self.optimizer = [*self.tables.values(), self.optimizer], {}, None
+        self.collection = None
         self._let_go(old)
 
     @torch.no_grad()
     def eval_pool(self, batch: Batch) -> Dict[str, Tensor]:
-        """``pool`` for evaluation (no gradient recorded)."""
-        return self.pool(batch)
+        """The batch's pooled embeddings, for evaluation (no gradient recorded)."""
+        return self.lookup(batch).pooled(differentiable=False)
 
 
 def rrefs_of(handle: Any) -> List[Any]:

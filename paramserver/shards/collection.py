@@ -1,0 +1,190 @@
+"""``EmbeddingCollection``: many sharded tables looked up and updated together, one RPC per shard each way.
+
+Owns the trainer side of a step's fused row traffic, the way torchrec's
+``EmbeddingBagCollection`` batches the features of a ``KeyedJaggedTensor``
+and FBGEMM's TBE fuses backward and optimizer: every table's ids are
+checked, deduplicated and routed to their row ranges
+(``ShardedEmbeddingBag.route``), then grouped by shard, so that a step sends
+each shard ONE lookup carrying the ids of every table it serves, and after
+the backward pass ONE push carrying their row gradients, which the shard's
+optimizer applies on arrival (``paramserver.shards.rows``).  The unfused
+path (a lookup RPC per row range inside a ``dist_autograd`` context, a
+gradient message per lookup, then a step RPC per owner) stays what
+``ShardedEmbeddingBag`` and ``DistributedOptimizer`` do for any RRef
+parameters; both paths give the same rows.
+
+A lookup's rows are a local leaf per table: the model's backward pass
+fills their gradients, and ``push`` sends them.  Tensors sent are compact
+copies (an RPC sends a view's whole storage).
+"""
+
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed.rpc as rpc
+from torch import Tensor
+
+from .._torch_compat import remote_error_cause
+from ..metrics import data_plane
+from . import rows as owner_rows
+from .embedding import Route, ShardedEmbeddingBag
+from .peer import creation_timeout
+
+
+class ShardRequestFailed(RuntimeError):
+    """A fused lookup or push failed on one or more shards (gone, timed out, or refused); names each."""
+
+    def __init__(self, action: str, failures: Sequence[Tuple[str, BaseException]]):
+        super().__init__("; ".join(f"{action} failed on shard {shard!r}: {remote_error_cause(error)}"
+                                   for shard, error in failures))
+        self.failures = list(failures)
+
+
+class _Slot:
+    """One row range of one table, as a shard serves it."""
+
+    __slots__ = ("table", "range_index", "table_handle", "param_index")
+
+    def __init__(self, table: str, range_index: int, table_handle: int, param_index: int):
+        self.table, self.range_index = table, range_index
+        self.table_handle, self.param_index = table_handle, param_index
+
+
+class EmbeddingCollection:
+    """``tables`` (by feature name) looked up and updated as one.
+
+    ``optimizer_layout``: ``DistributedOptimizer.owner_layout()`` of an
+    optimizer built over ``[rref for table in tables.values() for rref in
+    table.remote_parameters()]`` (in that order): whose owner-side optimizer
+    applies each shard's pushes.  ``peer``: this process's RPC name (the
+    shards count what each peer pushes).
+    """
+
+    def __init__(self, tables: Mapping[str, ShardedEmbeddingBag], optimizer_layout: Mapping[str, Tuple[int, List[int]]],
+                 peer: str):
+        self.tables = dict(tables)
+        self.peer = peer
+        ranges = [(name, index, rref) for name, table in self.tables.items()
+                  for index, rref in enumerate(table.remote_parameters())]
+        owner_of_param: Dict[int, Tuple[str, int]] = {}  # global parameter index -> (owner, local index)
+        self._optimizers: Dict[str, int] = {}
+        for owner, (handle, params) in optimizer_layout.items():
+            self._optimizers[owner] = handle
+            for local, global_index in enumerate(params):
+                owner_of_param[global_index] = (owner, local)
+        by_shard: Dict[str, List[Tuple[str, int, object, int]]] = {}
+        for global_index, (name, range_index, rref) in enumerate(ranges):
+            owner, local = owner_of_param[global_index]
+            by_shard.setdefault(owner, []).append((name, range_index, rref, local))
+        handles = {shard: rpc.rpc_async(shard, owner_rows.table_handles, args=([entry[2] for entry in entries],),
+                                        timeout=creation_timeout())
+                   for shard, entries in by_shard.items()}
+        self._slots: Dict[str, List[_Slot]] = {}
+        for shard, entries in by_shard.items():
+            table_handles = handles[shard].wait()
+            self._slots[shard] = [_Slot(name, range_index, table_handle, local)
+                                  for (name, range_index, _, local), table_handle in zip(entries, table_handles)]
+        self._slot_of = {(slot.table, slot.range_index): (shard, slot)
+                         for shard, slots in self._slots.items() for slot in slots}
+
+    @property
+    def shards(self) -> List[str]:
+        return list(self._slots)
+
+    def where(self, table: str, range_index: int) -> Tuple[str, _Slot]:
+        """The shard serving row range ``range_index`` of ``table``, and how it names it."""
+        return self._slot_of[(table, range_index)]
+
+    def optimizer_handle(self, shard: str) -> int:
+        """The handle of the owner-side optimizer that applies pushes on ``shard``."""
+        return self._optimizers[shard]
+
+    def lookup(self, features: Mapping[str, Tensor]) -> "CollectionLookup":
+        """Send every table's lookups of ``features[name]`` (``(bags, ids per bag)`` ids): one RPC per shard."""
+        routes = {name: table.route(features[name]) for name, table in self.tables.items()}
+        requests: Dict[str, Tuple[List[int], List[Tensor], List[Tuple[str, int]]]] = {}
+        for name, route in routes.items():
+            for position, (range_index, local_ids) in enumerate(route.requests):
+                shard, slot = self.where(name, range_index)
+                handles, ids, keys = requests.setdefault(shard, ([], [], []))
+                handles.append(slot.table_handle)
+                ids.append(local_ids)
+                keys.append((name, position))
+        futures = {shard: rpc.rpc_async(shard, owner_rows.lookup, args=(handles, ids))
+                   for shard, (handles, ids, _) in requests.items()}
+        return CollectionLookup(self, routes, {shard: keys for shard, (_, _, keys) in requests.items()}, futures)
+
+
+class CollectionLookup:
+    """One step's lookups in flight: ``pooled()`` waits for them and pools; after the backward pass through
+    the pooled embeddings, ``push()`` sends the row gradients."""
+
+    def __init__(self, collection: EmbeddingCollection, routes: Dict[str, Route],
+                 keys: Dict[str, List[Tuple[str, int]]], futures: Dict[str, torch.futures.Future]):
+        self._collection, self._routes, self._keys, self._futures = collection, routes, keys, futures
+        self.rows: Dict[str, Tensor] = {}
+
+    def pooled(self, differentiable: bool = True) -> Dict[str, Tensor]:
+        """Every table's pooled embeddings; raises ``ShardRequestFailed`` naming the shards that failed."""
+        pieces: Dict[str, List[Optional[Tensor]]] = {name: [None] * len(route.requests)
+                                                      for name, route in self._routes.items()}
+        for shard, replies in _wait_all(self._futures, "lookup").items():
+            for (name, position), rows in zip(self._keys[shard], replies):
+                pieces[name][position] = rows
+        pooled = {}
+        for name, route in self._routes.items():
+            table = self._collection.tables[name]
+            rows = torch.cat(pieces[name]) if pieces[name] else table.no_rows(False)
+            self.rows[name] = rows.requires_grad_(differentiable)
+            pooled[name] = route.pool(self.rows[name])
+        return pooled
+
+    def push(self) -> "PendingPush":
+        """Send the gradients the backward pass left on the looked-up rows: one RPC per shard, applied there on
+        arrival.  Tables whose rows got no gradient send nothing."""
+        collection = self._collection
+        requests: Dict[str, Tuple[List[int], List[Tensor], List[Tensor]]] = {}
+        for name, route in self._routes.items():
+            gradient = self.rows[name].grad if name in self.rows else None
+            if gradient is None:
+                continue
+            start = 0
+            for range_index, local_ids in route.requests:
+                stop = start + local_ids.numel()
+                shard, slot = collection.where(name, range_index)
+                params, ids, gradients = requests.setdefault(shard, ([], [], []))
+                params.append(slot.param_index)
+                ids.append(local_ids)
+                gradients.append(gradient[start:stop].clone() if (start, stop) != (0, gradient.size(0)) else gradient)
+                start = stop
+        metrics = data_plane.slot.active
+        futures = {}
+        for shard, (params, ids, gradients) in requests.items():
+            if metrics is not None:
+                metrics.client_request(shard, "push", sum(g.numel() * g.element_size() for g in gradients))
+            futures[shard] = rpc.rpc_async(shard, owner_rows.push, args=(
+                collection.optimizer_handle(shard), params, ids, gradients, collection.peer))
+        return PendingPush(futures)
+
+
+class PendingPush:
+    """Pushes in flight; ``wait()`` raises ``ShardRequestFailed`` naming the shards that failed."""
+
+    def __init__(self, futures: Dict[str, torch.futures.Future]):
+        self._futures = futures
+
+    def wait(self) -> None:
+        _wait_all(self._futures, "push")
+
+
+def _wait_all(futures: Mapping[str, torch.futures.Future], action: str) -> Dict[str, object]:
+    """Every future's result by shard, once all answered; ``ShardRequestFailed`` if any failed."""
+    results, failures = {}, []
+    for shard, future in futures.items():
+        try:
+            results[shard] = future.wait()
+        except Exception as error:  # noqa: BLE001 - every shard's outcome is collected first
+            failures.append((shard, error))
+    if failures:
+        raise ShardRequestFailed(action, failures) from failures[0][1]
+    return results

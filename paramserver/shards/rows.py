@@ -1,0 +1,82 @@
+"""A step's row traffic on the owner: one fused lookup and one fused push per shard per step.
+
+Owns the RPC targets that a trainer's ``EmbeddingCollection``
+(``paramserver.shards.collection``) calls on each shard server:
+
+* ``table_handles`` (once, when the collection is built): the integer
+  handles naming its row ranges here.  A step names tables by handle, not
+  by RRef, which spares it the RRef fork and acknowledge messages that
+  every RRef argument costs.
+* ``lookup``: the rows of every table this shard serves to the step, in
+  one request and one reply (plain values: no autograd is recorded).
+* ``push``: the step's row gradients for every one of those tables,
+  applied on arrival by the owner-side optimizer named by its handle (an
+  ``OwnerOptimizer`` of ``paramserver.optim.owner``, reached through the
+  process's ``ShardState``), under its parameters' locks, with the same
+  compiled update that ``DistributedOptimizer.step`` runs on a
+  ``dist_autograd`` context's row-sparse gradients: the rows come out
+  equal to the unfused path's.
+
+``lookup`` and ``push`` are TorchScript functions, so requests and replies
+are TorchScript calls (no Python pickling on the way in or out).  Each
+reaches the process's state through a custom op with a Python kernel,
+which holds the GIL to look handles up; the row copies and the compiled
+update release it.  This module never sends RPCs and never imports
+``paramserver.optim``: the optimizer is an object the state holds.
+"""
+
+import logging
+from typing import List
+
+import torch
+from torch import Tensor
+from torch.distributed.rpc import RRef
+
+from .state import ShardState
+
+logger = logging.getLogger(__name__)
+
+
+def table_handles(tables: List[RRef]) -> List[int]:
+    """RPC target: the handles naming ``tables`` (row ranges hosted here) in ``lookup``."""
+    state = ShardState.current()
+    return [state.table_handle(table.local_value()) for table in tables]
+
+
+_library = torch.library.Library("paramserver_rows", "DEF")
+_library.define("lookup(int[] tables, Tensor[] ids) -> Tensor[]")
+_library.define("push(int optimizer, int[] params, Tensor[] ids, Tensor[] gradients, str peer) -> int")
+
+
+def _lookup_kernel(tables: List[int], ids: List[Tensor]) -> List[Tensor]:
+    state = ShardState.current()
+    with torch.no_grad():
+        return [torch.index_select(state.table(handle), 0, rows) for handle, rows in zip(tables, ids)]
+
+
+def _push_kernel(optimizer: int, params: List[int], ids: List[Tensor], gradients: List[Tensor], peer: str) -> int:
+    owner_optimizer = ShardState.current().optimizer(optimizer)
+    try:
+        owner_optimizer.apply_rows(params, ids, gradients, peer)
+    except ValueError as error:
+        logger.warning("optimizer %d refused a push from %s: %s", optimizer, peer, error)
+        raise
+    return len(params)
+
+
+_library.impl("lookup", _lookup_kernel, "CompositeExplicitAutograd")
+_library.impl("push", _push_kernel, "CompositeExplicitAutograd")
+
+
+@torch.jit.script
+def lookup(tables: List[int], ids: List[Tensor]) -> List[Tensor]:
+    """RPC target: rows ``ids[i]`` (local indices) of table handle ``tables[i]``, for every ``i``."""
+    return torch.ops.paramserver_rows.lookup(tables, ids)
+
+
+@torch.jit.script
+def push(optimizer: int, params: List[int], ids: List[Tensor], gradients: List[Tensor], peer: str) -> int:
+    """RPC target: apply row gradients ``gradients[i]`` (rows ``ids[i]``, local indices) to parameter
+    ``params[i]`` of optimizer handle ``optimizer``, all in one step of it; returns how many it applied
+    (TorchScript drops calls whose results nobody uses)."""
+    return torch.ops.paramserver_rows.push(optimizer, params, ids, gradients, peer)

@@ -1,0 +1,126 @@
+"""EmbeddingCollection on shard servers over loopback: one lookup and one push per shard per step, and rows
+exactly equal to the unfused path's (a lookup RPC per row range, dist_autograd, DistributedOptimizer.step)."""
+
+import collections
+
+import pytest
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+
+from dataplane import run_cluster, shard_names
+from paramserver.optim import QHM, DistributedOptimizer
+from paramserver.shards import EmbeddingCollection, ShardedEmbeddingBag, ShardRequestFailed
+from paramserver.shards import rows as owner_rows
+
+pytestmark = pytest.mark.timeout(150)
+
+DIM = 8
+#: name -> (rows, mode, shards it lives on): one table split over three shards, two whole on one shard.
+TABLES = {"users": (97, "sum", (0, 1, 2)), "items": (40, "mean", (1,)), "site": (7, "sum", (1,))}
+
+
+def _tables(shards, prefix, weights):
+    return {name: ShardedEmbeddingBag.from_pretrained(weights[name], mode, shards=[shards[i] for i in on],
+                                                      name=f"{prefix}.{name}")
+            for name, (_, mode, on) in TABLES.items()}
+
+
+def _optimizer(tables):
+    return DistributedOptimizer(QHM, [r for table in tables.values() for r in table.remote_parameters()],
+                                lr=0.5, momentum=0.9, nu=0.7)
+
+
+def _weights(tables):
+    return {name: table.fetch_weight() for name, table in tables.items()}
+
+
+class _CountedRpc:
+    """Counts rpc_async calls by target while the collection's step runs."""
+
+    def __init__(self):
+        self.calls = collections.Counter()
+        self._real = rpc.rpc_async
+
+    def __enter__(self):
+        def counted(to, func, *args, **kwargs):
+            self.calls[(getattr(func, "name", None) or func.__name__, to)] += 1
+            return self._real(to, func, *args, **kwargs)
+        rpc.rpc_async = counted
+        return self
+
+    def __exit__(self, *exc):
+        rpc.rpc_async = self._real
+
+
+def trainer_fused_equals_unfused():
+    shards = shard_names(3)
+    weights = {name: torch.randn(rows, DIM) for name, (rows, _, _) in TABLES.items()}
+    fused_tables, plain_tables = _tables(shards, "fused", weights), _tables(shards, "plain", weights)
+    fused_optimizer, plain_optimizer = _optimizer(fused_tables), _optimizer(plain_tables)
+    collection = EmbeddingCollection(fused_tables, fused_optimizer.owner_layout(), rpc.get_worker_info().name)
+    for step in range(6):
+        features = {name: torch.randint(0, rows, (16, 3 if mode == "mean" else 1))
+                    for name, (rows, mode, _) in TABLES.items()}
+        targets = {name: torch.randn(16, DIM) for name in TABLES}
+        with _CountedRpc() as counted:
+            lookup = collection.lookup(features)
+            pooled = lookup.pooled()
+            sum((pooled[name] * targets[name]).sum() for name in TABLES).backward()
+            lookup.push().wait()
+        # One lookup and one push to each shard serving a looked-up row; nothing else.
+        serving = {rows.shard for name, table in fused_tables.items() for rows in table.ranges
+                   if ((features[name] >= rows.start) & (features[name] < rows.stop)).any()}
+        assert counted.calls == {(kind, shard): 1 for kind in ("lookup", "push") for shard in serving}, counted.calls
+        with dist_autograd.context() as context_id:
+            plain = {name: table(features[name]) for name, table in plain_tables.items()}
+            for name in TABLES:
+                torch.testing.assert_close(plain[name], pooled[name].detach(), rtol=0, atol=0)
+            dist_autograd.backward(context_id, [sum((plain[name] * targets[name]).sum() for name in TABLES)])
+            plain_optimizer.step(context_id)
+        fused, expected = _weights(fused_tables), _weights(plain_tables)
+        for name in TABLES:
+            assert torch.equal(fused[name], expected[name]), (step, name)
+    # The optimizer state follows the same trajectory too.
+    fused_state, plain_state = fused_optimizer.state_dict()["state"], plain_optimizer.state_dict()["state"]
+    assert fused_state.keys() == plain_state.keys()
+    for index in fused_state:
+        for key, value in fused_state[index].items():
+            assert torch.equal(value, plain_state[index][key]), (index, key)
+    # An empty batch: empty pooled embeddings that still take a backward pass, and nothing pushed.
+    empty = collection.lookup({name: torch.empty(0, 1, dtype=torch.long) for name in TABLES})
+    pooled = empty.pooled()
+    assert all(p.shape == (0, DIM) and p.requires_grad for p in pooled.values())
+    sum(p.sum() for p in pooled.values()).backward()
+    with _CountedRpc() as counted:
+        empty.push().wait()
+    assert not counted.calls
+    # Evaluation lookups record no gradient.
+    with torch.no_grad():
+        assert not any(t.requires_grad for t in collection.lookup(features).pooled(differentiable=False).values())
+    # A push naming a parameter the optimizer does not have is refused, naming it, and changes nothing.
+    handle = collection.optimizer_handle(shards[1])
+    with pytest.raises(RuntimeError, match="names parameter 99"):
+        rpc.rpc_sync(shards[1], owner_rows.push, args=(handle, [99], [torch.tensor([0])], [torch.ones(1, DIM)], "x"))
+    assert all(torch.equal(a, b) for a, b in zip(_weights(fused_tables).values(), fused.values()))
+
+
+def trainer_failures_name_the_shard():
+    shards = shard_names(2)
+    tables = {"t": ShardedEmbeddingBag(10, DIM, shards=shards, name="t", seed=0)}
+    optimizer = _optimizer(tables)
+    unknown = {shard: (9999, params) for shard, (_, params) in optimizer.owner_layout().items()}
+    collection = EmbeddingCollection(tables, unknown, rpc.get_worker_info().name)
+    before = tables["t"].fetch_weight()
+    lookup = collection.lookup({"t": torch.tensor([[1], [9]])})
+    lookup.pooled()["t"].sum().backward()
+    with pytest.raises(ShardRequestFailed) as failed:
+        lookup.push().wait()
+    assert "\n" not in str(failed.value)
+    assert str(failed.value).startswith("push failed on shard 'shard0': KeyError: 'no optimizer with handle 9999"), \
+        failed.value
+    assert torch.equal(tables["t"].fetch_weight(), before)
+
+
+def test_one_lookup_and_one_push_per_shard_with_rows_equal_to_the_unfused_path():
+    run_cluster([(trainer_fused_equals_unfused, ()), (trainer_failures_name_the_shard, ())], num_shards=3)
