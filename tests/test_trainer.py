@@ -125,19 +125,35 @@ def first_id(batch: Batch) -> int:
     return int(batch.sparse["t"][0, 0])
 
 
+@pytest.mark.parametrize("prefetch", [0, 2], ids=["read-when-asked", "background-reader"])
 @pytest.mark.parametrize("make", [Stateful, Counting], ids=["stateful", "skipping"])
-def test_the_data_position_excludes_batches_read_ahead_and_resumes_there(make):
-    stream = BatchStream(make(30))
+def test_the_data_position_excludes_batches_read_ahead_and_resumes_there(make, prefetch):
+    stream = BatchStream(make(30), prefetch=prefetch)
     assert stream.ensure(10) and first_id(stream.current()) == 0
     for _ in range(3):
         stream.finished()
     stream.skip(2)  # two steps taken from another member: their batches go unused
     position = stream.position()
     assert position["used"] == 5 and len(stream) == 5  # read ahead, not used
-    resumed = BatchStream(make(30), position)
+    resumed = BatchStream(make(30), position, prefetch=prefetch)
     assert first_id(resumed.current()) == first_id(stream.current()) == 5
     assert not resumed.ensure(26)  # 25 left
     for _ in range(25):
         resumed.finished()
     with pytest.raises(DataExhausted, match="ended after 30 batches"):
         resumed.current()
+    stream.close()
+    resumed.close()
+
+
+def test_a_background_reader_raises_the_datas_error_in_its_turn():
+    def failing():
+        yield from Counting(3)
+        raise ValueError("data.csv line 4: 3 fields, expected 40")
+    stream = BatchStream(failing(), prefetch=2)
+    for expected in range(3):
+        assert first_id(stream.current()) == expected
+        stream.finished()
+    with pytest.raises(ValueError, match="data.csv line 4"):
+        stream.current()
+    stream.close()

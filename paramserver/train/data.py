@@ -18,11 +18,16 @@ that state, or, for other data, skips that many batches.
 
 import collections
 import logging
-from typing import Any, Deque, Dict, Iterable, Optional, Tuple
+import queue
+import threading
+from typing import Any, Callable, Deque, Dict, Iterable, Optional, Tuple
 
 from .contract import Batch
 
 logger = logging.getLogger(__name__)
+
+#: How often a wait for the background reader looks up (the reader's stop, its death).
+_READER_POLL = 0.5
 
 
 def is_stateful(data) -> bool:
@@ -34,9 +39,15 @@ class DataExhausted(RuntimeError):
 
 
 class BatchStream:
-    """Batches of ``data`` for the steps ahead, from ``position`` (a ``position()`` of an earlier run)."""
+    """Batches of ``data`` for the steps ahead, from ``position`` (a ``position()`` of an earlier run).
 
-    def __init__(self, data: Iterable[Batch], position: Optional[Dict[str, Any]] = None):
+    ``prefetch``: batches read ahead in a background thread (0: read when
+    asked), so that a step's batch is ready when the step starts; the
+    data's errors are raised in their turn, as if read then.  ``close()``
+    stops that thread.
+    """
+
+    def __init__(self, data: Iterable[Batch], position: Optional[Dict[str, Any]] = None, prefetch: int = 0):
         self._data = data
         self._stateful = is_stateful(data)
         restored = position or {}
@@ -45,6 +56,7 @@ class BatchStream:
         if loads_state:
             data.load_state_dict(restored["state"])
         self._iterator = iter(data)
+        self._reader: Optional[_Reader] = None
         if restored and not loads_state:
             for _ in range(self.used):
                 if self._pull() is None:
@@ -52,13 +64,23 @@ class BatchStream:
             logger.info("data position restored by skipping %d batches", self.used)
         # (batch, the data's state before it was pulled)
         self._ahead: Deque[Tuple[Batch, Any]] = collections.deque()
+        if prefetch > 0:  # from here on only the reader's thread touches the data
+            self._reader = _Reader(self._pull_now, prefetch)
 
-    def _pull(self) -> Optional[Tuple[Batch, Any]]:
+    def _pull_now(self) -> Optional[Tuple[Batch, Any]]:
         state = self._data.state_dict() if self._stateful else None
         try:
             return next(self._iterator), state
         except StopIteration:
             return None
+
+    def _pull(self) -> Optional[Tuple[Batch, Any]]:
+        return self._reader.next() if self._reader is not None else self._pull_now()
+
+    def close(self) -> None:
+        """Stop reading ahead in the background."""
+        if self._reader is not None:
+            self._reader.close()
 
     def ensure(self, count: int) -> bool:
         """Read ahead until ``count`` batches are waiting; False when the data ends first."""
@@ -95,5 +117,63 @@ class BatchStream:
         """Where a restored run resumes: batches used, and the data's state before the next one."""
         if not self._stateful:
             return {"used": self.used, "state": None}
-        state = self._ahead[0][1] if self._ahead else self._data.state_dict()
+        # The next batch's state was taken as it was read; once the data ended no reader touches it.
+        state = self._ahead[0][1] if self.ensure(1) else self._data.state_dict()
         return {"used": self.used, "state": state}
+
+
+class _Reader:
+    """Reads ahead in a background thread: up to ``depth`` pulls waiting, in order; the data's end and its
+    errors reach the consumer in their turn (an error is raised by ``next`` as it was raised by the data)."""
+
+    _END = object()
+
+    def __init__(self, pull: Callable[[], Optional[Tuple[Batch, Any]]], depth: int):
+        self._pull = pull
+        self._queue: "queue.Queue" = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._ended = False
+        self._thread = threading.Thread(target=self._run, name="batch-reader", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                item = self._pull()
+            except BaseException as error:  # noqa: BLE001 - handed to the consumer, which raises it
+                self._put(error)
+                return
+            self._put(self._END if item is None else item)
+            if item is None:
+                return
+
+    def _put(self, item) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=_READER_POLL)
+                return
+            except queue.Full:
+                continue
+
+    def next(self) -> Optional[Tuple[Batch, Any]]:
+        if self._ended:
+            return None
+        while True:
+            try:
+                item = self._queue.get(timeout=_READER_POLL)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    raise RuntimeError("the batch reader thread ended without a word") from None
+        if item is self._END:
+            self._ended = True
+            self._thread.join(_READER_POLL)
+            return None
+        if isinstance(item, BaseException):
+            self._ended = True
+            raise item
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2 * _READER_POLL)

@@ -33,13 +33,18 @@ from .contract import Batch, Table
 from .data import BatchStream
 from .evaluation import evaluate
 from .sparse import RebuildStopped, SparseTables
-from .step import ShardStepFailed, train_step
+from .step import ShardStepFailed, StepTimes, train_step
 
 logger = logging.getLogger(__name__)
 
 #: PowerSGD options unless given: compress from step 10 (torch's default, 1000, would leave most of a
 #: short run uncompressed).
 POWERSGD_DEFAULTS = {"start_iter": 10}
+#: Prefix of the figures saying where a step's time goes (``phase_ms.lookups``...: ms per step, see
+#: ``step.PHASES``).
+PHASE_FIGURE = "phase_ms."
+#: Batches read ahead in the background while steps run.
+PREFETCH_BATCHES = 2
 #: Tables of this many rows or more are split by rows over every shard; smaller ones are placed whole.
 ROW_WISE_MIN_ROWS = 1_000_000
 
@@ -95,7 +100,8 @@ class Trainer:
         the job reported with the Trainer's (a reference AUC...).
 
         Returns the figures: steps, start_step, loss, first_loss,
-        samples_per_s, bytes_per_step, auc and log_loss (rank 0), the group
+        samples_per_s, bytes_per_step, ``phase_ms.<phase>`` (ms per step in
+        each of ``step.PHASES``), auc and log_loss (rank 0), the group
         (group_rank, group_size) and the faults survived: reformations,
         recoveries, shard_rebuilds, checkpoints, and every step accounted
         for once: sparse_steps (sparse update applied) + sparse_steps_lost
@@ -129,11 +135,12 @@ class _Run:
                                     hook_options=trainer.hook_options, agree_every=trainer.agree_every,
                                     initial=restored)
         positions = (restored or {}).get("data_positions", {})
-        self.batches = BatchStream(data, _position(positions.get(ctx.worker_index)))
+        self.batches = BatchStream(data, _position(positions.get(ctx.worker_index)), prefetch=PREFETCH_BATCHES)
         self.checkpoints = TrainerCheckpoints(ctx, self.replica, self.batches.position)
         self.figures: Dict[str, Any] = dict(figures)
         self.losses: List[float] = []
         self.samples = self.sparse_steps = self.sparse_steps_lost = 0
+        self.times = StepTimes()
         self.start_step = self.replica.step
 
     def run(self) -> Dict[str, Any]:
@@ -144,6 +151,7 @@ class _Run:
         try:
             self._loop()
         finally:
+            self.batches.close()
             replica.close()
             self.sparse.close()  # what the tables hold on the shards is released now, not whenever this is collected
         # Equal on every member of the group: DDP keeps the replicas identical.
@@ -163,10 +171,12 @@ class _Run:
                 return
             redo = False
             step = replica.step
+            self.times.start()
             batch = self.batches.current()
             batch.check(self.trainer.tables)  # bad input ends the job, naming the table and the shape
+            self.times.mark("data")
             try:
-                loss, sparse_failure = train_step(sparse, replica, batch, self.trainer.loss)
+                loss, sparse_failure = train_step(sparse, replica, batch, self.trainer.loss, self.times)
             except Exception as error:  # noqa: BLE001 - failed collectives and lost shards are recovered from
                 if isinstance(error, ShardStepFailed):
                     # Before any collective of the step: done again, while the group's other members wait
@@ -252,6 +262,7 @@ class _Run:
             self.figures.update(loss=sum(self.losses) / len(self.losses),
                                 samples_per_s=self.samples / (time.monotonic() - self.started),
                                 bytes_per_step=replica.bytes_per_step, shard_rebuilds=self.sparse.rebuilds)
+            self.figures.update({f"{PHASE_FIGURE}{phase}": ms for phase, ms in self.times.ms_per_step().items()})
             self.figures.setdefault("first_loss", self.figures["loss"])
             self.losses.clear()
         if self.eval_data is not None and replica.group.rank == 0 and (step % self.eval_every == 0
