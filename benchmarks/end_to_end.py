@@ -92,7 +92,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from typing import Dict, List, Optional, Sequence
+import time
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -128,16 +129,31 @@ class ContestantFailed(RuntimeError):
 
 def run_ours(args, folder: pathlib.Path) -> Dict:
     """``ps-demo --hook allreduce`` as a subprocess; its final JSON line's figures."""
-    config = {"eval_every": 1_000_000, "log_every": args.log_every, "batch_size": args.batch}
-    command = [sys.executable, "-m", "paramserver.cli.demo", "--hook", "allreduce", "--steps", str(args.steps),
+    summary = run_demo(folder, args.steps, args.batch, args.log_every, args.timeout)
+    return {"samples_per_s": summary["samples_per_s"], "loss": summary["loss"],
+            "phase_ms": {key[len(PHASE_FIGURE):]: value for key, value in summary.items()
+                         if key.startswith(PHASE_FIGURE)}}
+
+
+def run_demo(folder: pathlib.Path, steps: int, batch: int, log_every: int, timeout: float, *flags: str,
+             watch: Optional[Callable[[pathlib.Path], None]] = None) -> Dict:
+    """``ps-demo --hook allreduce --steps STEPS [flags]`` (no evaluation) as a subprocess, logging under
+    ``folder``; its final JSON line.  ``watch(log_dir)`` is called about every 0.5 s while it runs."""
+    config = {"eval_every": 1_000_000, "log_every": log_every, "batch_size": batch}
+    command = [sys.executable, "-m", "paramserver.cli.demo", "--hook", "allreduce", "--steps", str(steps),
                "--job-config", json.dumps(config), "--log-dir", str(folder / "logs"),
-               "--timeout", str(args.timeout)]
+               "--timeout", str(timeout), *flags]
     out_path, err_path = folder / "ps-demo.out", folder / "ps-demo.err"
     with open(out_path, "w") as out, open(err_path, "w") as err:
         demo = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=REPO_ROOT,
                                 start_new_session=True)
     try:
-        code = demo.wait(args.timeout + DEMO_STOPS_WITHIN)
+        deadline = time.monotonic() + timeout + DEMO_STOPS_WITHIN
+        while demo.poll() is None and time.monotonic() < deadline:
+            if watch is not None:
+                watch(folder / "logs")
+            time.sleep(0.5)
+        code = demo.wait(max(0.1, deadline - time.monotonic()))
     finally:
         if demo.poll() is None:  # interrupted or stuck: ps-demo reaps its own children on SIGINT
             demo.send_signal(signal.SIGINT)
@@ -150,10 +166,7 @@ def run_ours(args, folder: pathlib.Path) -> Dict:
     if code != 0 or not lines:
         tail = "\n".join("    " + line for line in err_path.read_text(errors="replace").splitlines()[-15:])
         raise ContestantFailed(f"ps-demo exited with code {code}; its stderr ends:\n{tail}")
-    summary = json.loads(lines[-1])
-    return {"samples_per_s": summary["samples_per_s"], "loss": summary["loss"],
-            "phase_ms": {key[len(PHASE_FIGURE):]: value for key, value in summary.items()
-                         if key.startswith(PHASE_FIGURE)}}
+    return json.loads(lines[-1])
 
 
 def run_reference(args, folder: pathlib.Path, sparse: bool) -> Dict:

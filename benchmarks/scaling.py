@@ -1,0 +1,201 @@
+"""How the default job scales with workers and shards on this machine, and what a shard's memory costs.
+
+What it measures
+    * **Throughput**: samples/s of the default CTR job (``ps-demo --hook
+      allreduce``, no evaluation, batch 1024 per worker, all workers in one
+      trainer group) for 1, 2, 4 and 8 workers on 4 shards, then 2, 4 and 8
+      shards with 2 workers.  Efficiency of a row: its samples/s over
+      (workers x the samples/s of 1 worker on 4 shards), from the same run.
+      Every process sizes its threads to the host (``PARAMSERVER_HOST_PROCESSES``,
+      which ps-demo sets: ``paramserver.runtime.threads``).
+    * **Resident memory per shard** in each run: the highest resident set
+      of any shard process seen while it ran (sampled every 0.5 s), next to
+      the floor its tables need (rows + QHM momentum, 4-byte floats).  For
+      the default job's small tables the interpreter and torch dominate, so:
+    * **Memory at the floor**: one shard hosting a ``--memory-rows`` x 16
+      table (default 20M) with QHM's momentum, after a fused step through
+      it; the growth of its resident set over the floor (rows + momentum).
+
+    With more processes than cores (8 workers and 4 shards on 2 cores), the
+    throughput rows show what a step costs in CPU over all processes, not
+    scaling; run it on a machine with more cores for that (the docs table
+    names the machine).
+
+How to run
+    ``.venv/bin/python benchmarks/scaling.py [--steps N] [--workers 1,2,4,8] [--shards 2,4,8]
+    [--memory-rows N]``; the defaults take about 4 minutes on 2 cores.  Progress to stderr, results to stdout.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import sys
+import tempfile
+from typing import Dict, List, Optional, Sequence
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # end_to_end, also in spawned children
+
+from end_to_end import ContestantFailed, run_demo  # noqa: E402
+
+from workers.ctr_data import CTRSpec  # noqa: E402
+
+DIM = 16
+TARGET_EFFICIENCY = 0.70
+MEMORY_TARGET = 0.05  # growth over the floor
+
+
+def progress(message: str) -> None:
+    print(f"[scaling] {message}", file=sys.stderr, flush=True)
+
+
+def resident_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _children(pid: int) -> List[int]:
+    found = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as children:
+                found += [int(child) for child in children.read().split()]
+    except OSError:
+        pass
+    return found
+
+
+class ShardMemory:
+    """The highest resident set of each shard process of a ps-demo run (ps-server's spawned children)."""
+
+    def __init__(self):
+        self.peak: Dict[int, int] = {}
+
+    def __call__(self, log_dir: pathlib.Path) -> None:
+        try:
+            server = json.loads((log_dir / "pids.json").read_text())["ps-server"]
+        except (OSError, ValueError, KeyError):
+            return
+        for child in _children(server):
+            try:
+                with open(f"/proc/{child}/cmdline", "rb") as cmdline:
+                    if b"spawn_main" not in cmdline.read():
+                        continue  # multiprocessing's resource tracker
+                self.peak[child] = max(self.peak.get(child, 0), resident_bytes(child))
+            except OSError:
+                continue
+
+
+def job_floor_bytes(shards: int) -> float:
+    """Rows + momentum of the default job's tables, per shard on average (whole tables placed by size)."""
+    rows = sum(CTRSpec().vocab_sizes)
+    return rows * DIM * 4 * 2 / shards
+
+
+def throughput_rows(args, folder: pathlib.Path) -> List[Dict]:
+    shapes = [(w, 4) for w in args.workers] + [(2, s) for s in args.shards if s != 4 or 2 not in args.workers]
+    rows = []
+    for workers, shards in shapes:
+        progress(f"{workers} workers, {shards} shards, {args.steps} steps")
+        memory = ShardMemory()
+        run_folder = folder / f"w{workers}-s{shards}"
+        run_folder.mkdir()
+        summary = run_demo(run_folder, args.steps, args.batch, max(10, args.steps // 5), args.timeout,
+                           "--workers", str(workers), "--shards", str(shards), watch=memory)
+        rows.append({"workers": workers, "shards": shards, "samples_per_s": summary["samples_per_s"],
+                     "shard_peak_mib": max(memory.peak.values(), default=0) / 2**20,
+                     "floor_mib": job_floor_bytes(shards) / 2**20})
+        progress(f"  {summary['samples_per_s']:,.0f} samples/s")
+    return rows
+
+
+def memory_probe(rows: int, results_path: str) -> None:
+    """In a trainer of a one-shard local cluster: the shard's resident set before and after hosting a
+    ``rows`` x 16 table with QHM momentum, after one fused step."""
+    import torch
+    import torch.distributed.rpc as rpc
+
+    from paramserver.optim import QHM, DistributedOptimizer
+    from paramserver.shards import EmbeddingCollection, ShardedEmbeddingBag
+
+    before = rpc.rpc_sync("shard0", _own_resident_bytes)
+    table = ShardedEmbeddingBag(rows, DIM, shards=["shard0"], name="big", seed=0, init_std=0.01)
+    optimizer = DistributedOptimizer(QHM, table.remote_parameters(), lr=0.1, momentum=0.9, nu=0.7)
+    collection = EmbeddingCollection({"big": table}, optimizer.owner_layout(), rpc.get_worker_info().name)
+    lookup = collection.lookup({"big": torch.randint(0, rows, (1024, 1))})
+    lookup.pooled()["big"].sum().backward()
+    lookup.push().wait()
+    after = rpc.rpc_sync("shard0", _own_resident_bytes)
+    with open(results_path, "w") as results:
+        json.dump({"before": before, "after": after}, results)
+
+
+def _own_resident_bytes() -> int:
+    return resident_bytes(os.getpid())
+
+
+def memory_row(args, folder: pathlib.Path) -> Dict:
+    from paramserver.shards.local import run_local_cluster
+
+    progress(f"one shard hosting {args.memory_rows:,} x {DIM} with QHM momentum")
+    path = str(folder / "memory.json")
+    run_local_cluster([(memory_probe, (args.memory_rows, path))], 1, timeout=datetime.timedelta(seconds=600))
+    with open(path) as results:
+        measured = json.load(results)
+    floor = args.memory_rows * DIM * 4 * 2
+    return {"rows": args.memory_rows, "floor": floor, "growth": measured["after"] - measured["before"]}
+
+
+def report(rows: List[Dict], memory: Optional[Dict], args) -> None:
+    print(f"# Scaling of the default job: {os.cpu_count()} cores, {args.steps} steps x batch {args.batch} per "
+          f"worker, allreduce hook, one trainer group\n")
+    base = next((r["samples_per_s"] for r in rows if r["workers"] == 1 and r["shards"] == 4), None)
+    print("| workers | shards | samples/s | efficiency vs 1 worker | shard resident (peak, MiB) | "
+          "tables' floor per shard (MiB) |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for row in rows:
+        efficiency = f"{row['samples_per_s'] / (row['workers'] * base):.0%}" if base else "n/a"
+        print(f"| {row['workers']} | {row['shards']} | {row['samples_per_s']:,.0f} | {efficiency} | "
+              f"{row['shard_peak_mib']:,.0f} | {row['floor_mib']:.1f} |")
+    eight = next((r for r in rows if r["workers"] == 8 and r["shards"] == 4), None)
+    two = next((r for r in rows if r["workers"] == 2 and r["shards"] == 4), None)
+    if eight and two and base:
+        efficiency = eight["samples_per_s"] / (8 * base)
+        print(f"\n8 workers vs 2: {eight['samples_per_s'] / two['samples_per_s']:.2f}x; efficiency at 8 workers "
+              f"{efficiency:.0%} (target >= {TARGET_EFFICIENCY:.0%} on 16 cores) "
+              f"{'PASS' if efficiency >= TARGET_EFFICIENCY else 'BELOW'}")
+    if memory:
+        over = memory["growth"] / memory["floor"] - 1
+        print(f"\nmemory: one shard hosting {memory['rows']:,} x {DIM} + QHM momentum grew "
+              f"{memory['growth'] / 2**20:,.0f} MiB for a floor of {memory['floor'] / 2**20:,.0f} MiB: "
+              f"{over:+.1%} (target <= {MEMORY_TARGET:.0%} over) {'PASS' if over <= MEMORY_TARGET else 'BELOW'}")
+
+
+def _counts(text: str) -> List[int]:
+    return [int(part) for part in text.split(",") if part.strip()]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description="The default job's scaling, and a shard's memory.")
+    parser.add_argument("--steps", type=int, default=100, help="training steps per run (default 100)")
+    parser.add_argument("--batch", type=int, default=1024, help="samples per worker per step (default 1024)")
+    parser.add_argument("--workers", type=_counts, default=[1, 2, 4, 8], help="worker counts on 4 shards")
+    parser.add_argument("--shards", type=_counts, default=[2, 4, 8], help="shard counts with 2 workers")
+    parser.add_argument("--memory-rows", type=int, default=20_000_000,
+                        help="rows of the memory probe's table (0: skip it; default 20M)")
+    parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS", help="per run (default 600)")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="scaling-") as folder:
+        try:
+            rows = throughput_rows(args, pathlib.Path(folder))
+            memory = memory_row(args, pathlib.Path(folder)) if args.memory_rows > 0 else None
+        except ContestantFailed as error:
+            print(f"scaling: {error}", file=sys.stderr)
+            return 1
+    report(rows, memory, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
