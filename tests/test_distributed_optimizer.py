@@ -204,6 +204,31 @@ def test_a_lost_owner_fails_the_step_naming_it_within_the_rpc_timeout(how):
                 expected_exit_codes={"shard1": -signal.SIGKILL})
 
 
+class SlowToBuild(torch.optim.SGD):
+    """SGD whose creation on the owner takes longer than a step's RPC timeout (as a first TorchScript compile
+    can on a fresh machine)."""
+
+    def __init__(self, *args, **kwargs):
+        time.sleep(3.0)
+        super().__init__(*args, **kwargs)
+
+
+def trainer_slow_creation():
+    rref = rpc.remote("shard0", make_param, args=(torch.ones(4),))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no functional form": the Python path
+        dist_opt = DistributedOptimizer(SlowToBuild, [rref], lr=0.5)
+    with dist_autograd.context() as context_id:
+        dist_autograd.backward(context_id, [rpc.rpc_sync("shard0", param_value, args=(rref,)).sum()])
+        dist_opt.step(context_id)
+    assert torch.equal(rpc.rpc_sync("shard0", param_value, args=(rref,)), torch.full((4,), 0.5))
+
+
+def test_creating_an_optimizer_has_its_own_timeout_longer_than_a_steps():
+    run_cluster([(trainer_slow_creation, ())], num_shards=1,
+                trainer_options=PeerOptions(rpc_timeout=datetime.timedelta(seconds=1)))
+
+
 def trainer_concurrent(rank, num_trainers, steps):
     trainers = [f"trainer{i}" for i in range(num_trainers)]
     for optimizer_cls in (torch.optim.SGD, SGDWithoutFunctionalForm):  # scripted path, Python path
