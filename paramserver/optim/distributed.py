@@ -22,7 +22,7 @@ from torch.distributed.rpc import RRef
 
 from .._torch_compat import check_autograd_context, remote_error_cause
 from ..metrics import data_plane
-from ..shards.peer import creation_timeout
+from ..shards.peer import creation_timeout, settle
 from . import owner
 
 
@@ -50,12 +50,7 @@ def _raise_for_failures(failures: List[tuple], action: str) -> None:
 
 
 def _wait_all(futures: Mapping[str, Any], action: str) -> Dict[str, Any]:
-    results, failures = {}, []
-    for name, future in futures.items():
-        try:
-            results[name] = future.wait()
-        except Exception as error:  # noqa: BLE001 - every owner's outcome is collected first
-            failures.append((name, error))
+    results, failures = settle(futures)
     _raise_for_failures(failures, action)
     return results
 

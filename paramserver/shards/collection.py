@@ -28,7 +28,7 @@ from .._torch_compat import remote_error_cause
 from ..metrics import data_plane
 from . import rows as owner_rows
 from .embedding import Route, ShardedEmbeddingBag
-from .peer import creation_timeout
+from .peer import creation_timeout, settle
 
 
 class ShardRequestFailed(RuntimeError):
@@ -179,12 +179,7 @@ class PendingPush:
 
 def _wait_all(futures: Mapping[str, torch.futures.Future], action: str) -> Dict[str, object]:
     """Every future's result by shard, once all answered; ``ShardRequestFailed`` if any failed."""
-    results, failures = {}, []
-    for shard, future in futures.items():
-        try:
-            results[shard] = future.wait()
-        except Exception as error:  # noqa: BLE001 - every shard's outcome is collected first
-            failures.append((shard, error))
+    results, failures = settle(futures)
     if failures:
         raise ShardRequestFailed(action, failures) from failures[0][1]
     return results

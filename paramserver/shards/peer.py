@@ -2,8 +2,8 @@
 
 Owns how a process (shard server, trainer, driver) becomes a torch RPC peer:
 the TensorPipe backend options (worker threads, default RPC timeout), the
-intra-op thread count, the network interface it listens on, and the orderly
-way out.  Groups come in two kinds: static (a fixed world size, everyone
+intra-op thread count, the network interface it listens on, the orderly
+way out, and waiting for a fan-out of RPCs to settle.  Groups come in two kinds: static (a fixed world size, everyone
 joins at once: local clusters, tests) and open (no world size: members join
 and leave at any time, meeting in a store the coordinator hosts; a member
 that died is dropped with ``forget``).  It knows nothing of what peers host
@@ -18,7 +18,7 @@ import os
 import socket
 import struct
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed.rpc as rpc
@@ -58,6 +58,18 @@ def creation_timeout() -> float:
     if not seconds > 0:
         raise ValueError(f"{CREATE_TIMEOUT_ENV} must be a positive number of seconds, got {value!r}")
     return seconds
+
+
+def settle(futures: Mapping[str, Any]) -> Tuple[Dict[str, Any], List[Tuple[str, BaseException]]]:
+    """Wait for every RPC future (by peer name): the results of those that answered, and ``(peer, error)`` for
+    each that failed, so that one failure never hides another."""
+    results, failures = {}, []
+    for name, future in futures.items():
+        try:
+            results[name] = future.wait()
+        except Exception as error:  # noqa: BLE001 - every peer's outcome is collected first
+            failures.append((name, error))
+    return results, failures
 
 
 def _env_transports() -> Optional[Tuple[str, ...]]:
