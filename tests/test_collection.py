@@ -99,9 +99,15 @@ def trainer_fused_equals_unfused():
     with torch.no_grad():
         assert not any(t.requires_grad for t in collection.lookup(features).pooled(differentiable=False).values())
     # A push naming a parameter the optimizer does not have is refused, naming it, and changes nothing.
-    handle = collection.optimizer_handle(shards[1])
+    handle, incarnation = collection.optimizer_handle(shards[1]), collection.incarnation(shards[1])
+    push = (handle, [99], [torch.tensor([0])], [torch.ones(1, DIM)], "x")
     with pytest.raises(RuntimeError, match="names parameter 99"):
-        rpc.rpc_sync(shards[1], owner_rows.push, args=(handle, [99], [torch.tensor([0])], [torch.ones(1, DIM)], "x"))
+        rpc.rpc_sync(shards[1], owner_rows.push, args=(incarnation, *push))
+    # Handles of another process of the shard (one that was restarted) are refused, whatever they name here.
+    with pytest.raises(RuntimeError, match="StaleHandles: the handles were made by an earlier process"):
+        rpc.rpc_sync(shards[1], owner_rows.push, args=(incarnation + 1, *push))
+    with pytest.raises(RuntimeError, match="StaleHandles"):
+        rpc.rpc_sync(shards[1], owner_rows.lookup, args=(incarnation + 1, [1], [torch.tensor([0])]))
     assert all(torch.equal(a, b) for a, b in zip(_weights(fused_tables).values(), fused.values()))
 
 

@@ -368,8 +368,9 @@ def test_every_process_serves_its_metrics_while_the_job_runs(commands, tmp_path)
         assert value(samples, "paramserver_optimizer_step_seconds_count", optimizer="QHM") > 0, name
         assert 0 < value(samples, "paramserver_optimizer_step_seconds_sum", optimizer="QHM") < 60, name
         assert value(samples, "paramserver_optimizer_step_rows_sum", optimizer="QHM") > 0, name
-        steps = by_label(samples, "paramserver_rpc_server_requests_total", "peer", rpc="step")
-        assert set(steps) == {"worker0", "worker1"} and min(steps.values()) > 0, (name, steps)
+        # A Trainer's step pushes its row gradients (one fused push per shard), applied on arrival.
+        pushes = by_label(samples, "paramserver_rpc_server_requests_total", "peer", rpc="push")
+        assert set(pushes) == {"worker0", "worker1"} and min(pushes.values()) > 0, (name, pushes)
         rows = by_label(samples, "paramserver_gradient_rows_total", "peer")
         sent = by_label(samples, "paramserver_gradient_received_bytes_total", "peer")
         for index, peer in enumerate(("worker0", "worker1")):
@@ -377,11 +378,11 @@ def test_every_process_serves_its_metrics_while_the_job_runs(commands, tmp_path)
             # counted 1696 gradient rows from worker1 and worker1 1680 rows looked up there (not explained yet).
             assert rows[peer] > 0 and value(worker_samples[index], "paramserver_lookup_rows_total", peer=name) > 0
             assert sent[peer] == rows[peer] * 16 * 4  # row-sparse float32 gradients of 16 columns
-            assert steps[peer] <= value(worker_samples[index], "paramserver_rpc_client_requests_total", peer=name,
-                                        rpc="step")
+            assert pushes[peer] <= value(worker_samples[index], "paramserver_rpc_client_requests_total", peer=name,
+                                         rpc="push")
 
     for index, samples in enumerate(worker_samples):
-        for rpc in ("lookup", "step"):
+        for rpc in ("lookup", "push"):
             assert set(by_label(samples, "paramserver_rpc_client_requests_total", "peer", rpc=rpc)) == {
                 "shard0", "shard1"}
         for shard in ("shard0", "shard1"):

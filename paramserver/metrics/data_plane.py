@@ -45,7 +45,7 @@ class DataPlaneMetrics:
                                    "Embedding rows looked up (distinct per lookup), by peer", "peer")
         # The owner's side (server): optimizer steps applied here.
         self.server_requests = counter("paramserver_rpc_server_requests_total",
-                                       "Data-plane RPCs served, by calling peer and kind (step)", "peer", "rpc")
+                                       "Data-plane RPCs served, by calling peer and kind (step, push)", "peer", "rpc")
         self.gradient_bytes = counter(
             "paramserver_gradient_received_bytes_total",
             "Gradient bytes applied by optimizer steps here, by the peer whose backward pass sent them", "peer")
@@ -84,15 +84,17 @@ class DataPlaneMetrics:
         self._client_children[(peer, "lookup")][3].inc(rows)
 
     # -- the owner's side --------------------------------------------------
-    def owner_step(self, optimizer: str, seconds: float, peer: str, rows: int, gradient_bytes: int) -> None:
-        """An optimizer step applied here for ``peer``: its time, and the gradients it applied."""
+    def owner_step(self, optimizer: str, seconds: float, peer: str, rows: int, gradient_bytes: int,
+                   rpc: str = "step") -> None:
+        """An optimizer step applied here for ``peer`` (by a ``step`` RPC, or a fused ``push``): its time, and
+        the gradients it applied."""
         timing = self._optimizer_children.get(optimizer)
         if timing is None:
             timing = self._optimizer_children[optimizer] = (self.step_seconds.labels(optimizer),
                                                             self.step_rows.labels(optimizer))
-        served = self._server_children.get(peer)
+        served = self._server_children.get((peer, rpc))
         if served is None:
-            served = self._server_children[peer] = (self.server_requests.labels(peer, "step"),
+            served = self._server_children[(peer, rpc)] = (self.server_requests.labels(peer, rpc),
                                                     self.gradient_bytes.labels(peer), self.gradient_rows.labels(peer))
         timing[0].observe(seconds)
         served[0].inc()

@@ -252,7 +252,8 @@ class OwnerOptimizer:
 
     def step(self, context_id: int) -> None:
         """One step with the gradients ``dist_autograd`` context ``context_id`` holds here."""
-        self._timed(lambda measure: self._impl.step(context_id, measure), lambda: data_plane.context_peer(context_id))
+        self._timed(lambda measure: self._impl.step(context_id, measure), lambda: data_plane.context_peer(context_id),
+                    "step")
 
     def apply_rows(self, params: Sequence[int], ids: Sequence[Tensor], gradients: Sequence[Tensor],
                    peer: str) -> None:
@@ -270,10 +271,11 @@ class OwnerOptimizer:
                 raise ValueError(f"a push for {self.names[index]} (shape {list(param.shape)}) has "
                                  f"{list(rows.shape)} rows and gradients of shape {list(values.shape)}")
             by_param[index] = torch.sparse_coo_tensor(rows.unsqueeze(0), values, param.shape, check_invariants=True)
-        self._timed(lambda measure: self._impl.apply(by_param, measure), lambda: peer)
+        self._timed(lambda measure: self._impl.apply(by_param, measure), lambda: peer, "push")
 
-    def _timed(self, run: Callable[[bool], Tuple[int, int]], peer: Callable[[], str]) -> None:
-        """``run(measure)`` under the parameters' locks, timed, and counted in the process's metrics."""
+    def _timed(self, run: Callable[[bool], Tuple[int, int]], peer: Callable[[], str], rpc: str) -> None:
+        """``run(measure)`` under the parameters' locks, timed, and counted in the process's metrics as served
+        for ``peer()`` by an RPC of kind ``rpc``."""
         metrics = data_plane.slot.active
         with self._locked():
             started = time.perf_counter()
@@ -286,7 +288,7 @@ class OwnerOptimizer:
             self.step_seconds_total += elapsed
             self.last_step_seconds = elapsed
         if metrics is not None:  # after the locks: the next step need not wait for this
-            metrics.owner_step(self.optimizer_cls.__qualname__, elapsed, peer(), rows, gradient_bytes)
+            metrics.owner_step(self.optimizer_cls.__qualname__, elapsed, peer(), rows, gradient_bytes, rpc)
 
     def step_stats(self) -> Dict[str, float]:
         """Steps applied here, and seconds spent applying them (locks held, waiting excluded)."""

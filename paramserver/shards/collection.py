@@ -80,8 +80,9 @@ class EmbeddingCollection:
                                         timeout=creation_timeout())
                    for shard, entries in by_shard.items()}
         self._slots: Dict[str, List[_Slot]] = {}
+        self._incarnations: Dict[str, int] = {}
         for shard, entries in by_shard.items():
-            table_handles = handles[shard].wait()
+            self._incarnations[shard], table_handles = handles[shard].wait()
             self._slots[shard] = [_Slot(name, range_index, table_handle, local)
                                   for (name, range_index, _, local), table_handle in zip(entries, table_handles)]
         self._slot_of = {(slot.table, slot.range_index): (shard, slot)
@@ -99,6 +100,10 @@ class EmbeddingCollection:
         """The handle of the owner-side optimizer that applies pushes on ``shard``."""
         return self._optimizers[shard]
 
+    def incarnation(self, shard: str) -> int:
+        """Which process of ``shard`` the handles were made by (``paramserver.shards.rows``)."""
+        return self._incarnations[shard]
+
     def lookup(self, features: Mapping[str, Tensor]) -> "CollectionLookup":
         """Send every table's lookups of ``features[name]`` (``(bags, ids per bag)`` ids): one RPC per shard."""
         routes = {name: table.route(features[name]) for name, table in self.tables.items()}
@@ -110,8 +115,14 @@ class EmbeddingCollection:
                 handles.append(slot.table_handle)
                 ids.append(local_ids)
                 keys.append((name, position))
-        futures = {shard: rpc.rpc_async(shard, owner_rows.lookup, args=(handles, ids))
+        futures = {shard: rpc.rpc_async(shard, owner_rows.lookup, args=(self.incarnation(shard), handles, ids))
                    for shard, (handles, ids, _) in requests.items()}
+        metrics = data_plane.slot.active
+        if metrics is not None:  # one lookup RPC per shard, whatever the tables it serves
+            for shard, (_, ids, keys) in requests.items():
+                rows = sum(local.numel() for local in ids)
+                returned = sum(local.numel() * self.tables[name].row_bytes for local, (name, _) in zip(ids, keys))
+                metrics.lookup(shard, rows, rows * 8, returned)
         return CollectionLookup(self, routes, {shard: keys for shard, (_, _, keys) in requests.items()}, futures)
 
 
@@ -163,7 +174,8 @@ class CollectionLookup:
             if metrics is not None:
                 metrics.client_request(shard, "push", sum(g.numel() * g.element_size() for g in gradients))
             futures[shard] = rpc.rpc_async(shard, owner_rows.push, args=(
-                collection.optimizer_handle(shard), params, ids, gradients, collection.peer))
+                collection.incarnation(shard), collection.optimizer_handle(shard), params, ids, gradients,
+                collection.peer))
         return PendingPush(futures)
 
 

@@ -79,7 +79,8 @@ class ShardedEmbeddingBag(nn.Module):
                 futures.append(rpc.rpc_async(rows.shard, hosted.host_tensor, args=(
                     part, _weight[rows.start:rows.stop].to(dtype).clone()), timeout=timeout))
         self._shard_rrefs: List[RRef] = [future.wait() for future in futures]
-        self._row_bytes = embedding_dim * torch.empty((), dtype=dtype).element_size()
+        #: Bytes of one row (what a lookup returns per id).
+        self.row_bytes = embedding_dim * torch.empty((), dtype=dtype).element_size()
         self.register_buffer("_range_starts", torch.tensor([r.start for r in self.ranges], dtype=torch.long),
                              persistent=False)
 
@@ -111,8 +112,14 @@ class ShardedEmbeddingBag(nn.Module):
         ``EmbeddingCollection`` sends one RPC per shard for many tables.
         """
         route = self.route(input, offsets)
-        pending = [rpc.rpc_async(self.ranges[index].shard, hosted.lookup_rows, args=(self._shard_rrefs[index], local))
-                   for index, local in route.requests]
+        metrics = data_plane.slot.active
+        pending = []
+        for index, local in route.requests:
+            pending.append(rpc.rpc_async(self.ranges[index].shard, hosted.lookup_rows,
+                                         args=(self._shard_rrefs[index], local)))
+            if metrics is not None:
+                metrics.lookup(self.ranges[index].shard, local.numel(), local.numel() * local.element_size(),
+                               local.numel() * self.row_bytes)
 
         def finish() -> Tensor:
             unique_rows = torch.cat([future.wait() for future in pending]) if pending else \
@@ -121,21 +128,16 @@ class ShardedEmbeddingBag(nn.Module):
         return finish
 
     def route(self, input: Tensor, offsets: Optional[Tensor] = None) -> "Route":
-        """Where the ids of a lookup go: checked, deduplicated, and split by row range (counted in the
-        process's metrics as one lookup per range)."""
+        """Where the ids of a lookup go: checked, deduplicated, and split by row range."""
         ids = self._check_ids(input, offsets)
         unique_ids, inverse = torch.unique(ids.reshape(-1), sorted=True, return_inverse=True)
         # Sorted unique ids split into consecutive runs, one per shard's row range.
         bounds = torch.searchsorted(unique_ids, self._range_starts).tolist() + [unique_ids.numel()]
         requests = []
-        metrics = data_plane.slot.active
         for index, rows in enumerate(self.ranges):
             lo, hi = bounds[index], bounds[index + 1]
             if hi > lo:
-                local = unique_ids[lo:hi] - rows.start
-                requests.append((index, local))
-                if metrics is not None:
-                    metrics.lookup(rows.shard, hi - lo, (hi - lo) * local.element_size(), (hi - lo) * self._row_bytes)
+                requests.append((index, unique_ids[lo:hi] - rows.start))
         return Route(self, inverse.view(ids.shape), requests)
 
     def no_rows(self, requires_grad: bool) -> Tensor:

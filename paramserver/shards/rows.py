@@ -6,7 +6,10 @@ Owns the RPC targets that a trainer's ``EmbeddingCollection``
 * ``table_handles`` (once, when the collection is built): the integer
   handles naming its row ranges here.  A step names tables by handle, not
   by RRef, which spares it the RRef fork and acknowledge messages that
-  every RRef argument costs.
+  every RRef argument costs.  Every request carries the process's
+  incarnation with them: a restarted shard serves under the same name,
+  and handles of the process that died are refused (``StaleHandles``),
+  never taken for its successor's.
 * ``lookup``: the rows of every table this shard serves to the step, in
   one request and one reply (plain values: no autograd is recorded).
 * ``push``: the step's row gradients for every one of those tables,
@@ -26,7 +29,7 @@ update release it.  This module never sends RPCs and never imports
 """
 
 import logging
-from typing import List
+from typing import List, Tuple
 
 import torch
 from torch import Tensor
@@ -37,25 +40,41 @@ from .state import ShardState
 logger = logging.getLogger(__name__)
 
 
-def table_handles(tables: List[RRef]) -> List[int]:
-    """RPC target: the handles naming ``tables`` (row ranges hosted here) in ``lookup``."""
+class StaleHandles(RuntimeError):
+    """A request names handles made by another process serving under this shard's name (it was restarted)."""
+
+
+def table_handles(tables: List[RRef]) -> Tuple[int, List[int]]:
+    """RPC target: this process's incarnation and the handles naming ``tables`` (row ranges hosted here) in
+    ``lookup``; every request carries the incarnation, so that handles made by a process that died are never
+    taken for those of the one that replaced it under the same name."""
     state = ShardState.current()
-    return [state.table_handle(table.local_value()) for table in tables]
+    return state.incarnation, [state.table_handle(table.local_value()) for table in tables]
+
+
+def _current(incarnation: int) -> ShardState:
+    state = ShardState.current()
+    if state.incarnation != incarnation:
+        raise StaleHandles("the handles were made by an earlier process of this shard (it was restarted): "
+                           "build the tables' handles again")
+    return state
 
 
 _library = torch.library.Library("paramserver_rows", "DEF")
-_library.define("lookup(int[] tables, Tensor[] ids) -> Tensor[]")
-_library.define("push(int optimizer, int[] params, Tensor[] ids, Tensor[] gradients, str peer) -> int")
+_library.define("lookup(int incarnation, int[] tables, Tensor[] ids) -> Tensor[]")
+_library.define("push(int incarnation, int optimizer, int[] params, Tensor[] ids, Tensor[] gradients, str peer) "
+                "-> int")
 
 
-def _lookup_kernel(tables: List[int], ids: List[Tensor]) -> List[Tensor]:
-    state = ShardState.current()
+def _lookup_kernel(incarnation: int, tables: List[int], ids: List[Tensor]) -> List[Tensor]:
+    state = _current(incarnation)
     with torch.no_grad():
         return [torch.index_select(state.table(handle), 0, rows) for handle, rows in zip(tables, ids)]
 
 
-def _push_kernel(optimizer: int, params: List[int], ids: List[Tensor], gradients: List[Tensor], peer: str) -> int:
-    owner_optimizer = ShardState.current().optimizer(optimizer)
+def _push_kernel(incarnation: int, optimizer: int, params: List[int], ids: List[Tensor], gradients: List[Tensor],
+                 peer: str) -> int:
+    owner_optimizer = _current(incarnation).optimizer(optimizer)
     try:
         owner_optimizer.apply_rows(params, ids, gradients, peer)
     except ValueError as error:
@@ -69,14 +88,15 @@ _library.impl("push", _push_kernel, "CompositeExplicitAutograd")
 
 
 @torch.jit.script
-def lookup(tables: List[int], ids: List[Tensor]) -> List[Tensor]:
+def lookup(incarnation: int, tables: List[int], ids: List[Tensor]) -> List[Tensor]:
     """RPC target: rows ``ids[i]`` (local indices) of table handle ``tables[i]``, for every ``i``."""
-    return torch.ops.paramserver_rows.lookup(tables, ids)
+    return torch.ops.paramserver_rows.lookup(incarnation, tables, ids)
 
 
 @torch.jit.script
-def push(optimizer: int, params: List[int], ids: List[Tensor], gradients: List[Tensor], peer: str) -> int:
+def push(incarnation: int, optimizer: int, params: List[int], ids: List[Tensor], gradients: List[Tensor],
+         peer: str) -> int:
     """RPC target: apply row gradients ``gradients[i]`` (rows ``ids[i]``, local indices) to parameter
     ``params[i]`` of optimizer handle ``optimizer``, all in one step of it; returns how many it applied
     (TorchScript drops calls whose results nobody uses)."""
-    return torch.ops.paramserver_rows.push(optimizer, params, ids, gradients, peer)
+    return torch.ops.paramserver_rows.push(incarnation, optimizer, params, ids, gradients, peer)

@@ -16,6 +16,7 @@ module holds them as objects and never imports ``paramserver.optim``.
 """
 
 import itertools
+import secrets
 import threading
 import weakref
 from typing import Callable, Dict, List, Optional, Protocol, Tuple
@@ -41,6 +42,9 @@ class ShardState:
 
     def __init__(self, restore_source: Optional[RestoreSource] = None):
         self.restore_source = restore_source
+        #: Names this process among every process that serves under the same RPC name (a restarted shard is
+        #: another): integer handles made here are good only where it matches.
+        self.incarnation = secrets.randbits(62)
         self._tensors_lock = threading.Lock()
         self._by_name: "weakref.WeakValueDictionary[str, Tensor]" = weakref.WeakValueDictionary()
         self._names_by_id: Dict[int, str] = {}
