@@ -128,5 +128,39 @@ def trainer_failures_name_the_shard():
     assert torch.equal(tables["t"].fetch_weight(), before)
 
 
+def trainer_pushes_are_idempotent_per_step():
+    shards = shard_names(2)
+    tables = {"idem": ShardedEmbeddingBag(10, DIM, shards=shards, name="idem", seed=0)}
+    optimizer = DistributedOptimizer(QHM, tables["idem"].remote_parameters(), lr=0.5, momentum=0.9, nu=0.7)
+    collection = EmbeddingCollection(tables, optimizer.owner_layout(), rpc.get_worker_info().name)
+    ids = {"idem": torch.tensor([[1], [8]])}
+
+    def pushed(step, during_backward=False):
+        lookup = collection.lookup(ids)
+        loss = lookup.pooled()["idem"].sum()
+        if during_backward:  # sent from inside the backward pass, before it returns
+            push = lookup.push_during_backward(step)
+            loss.backward()
+            assert push.pending is not None
+            push.wait()
+        else:
+            loss.backward()
+            lookup.push(step).wait()
+        return tables["idem"].fetch_weight()
+
+    first = pushed(5, during_backward=True)
+    assert torch.equal(pushed(5), first)  # the same step again (a step redone): not applied twice
+    assert torch.equal(pushed(4), first)  # an older step: not applied
+    assert not torch.equal(pushed(6), first)  # the next step: applied
+    # Another pusher (another worker, or this one's next run) has steps of its own.
+    other = EmbeddingCollection(tables, optimizer.owner_layout(), rpc.get_worker_info().name)
+    before = tables["idem"].fetch_weight()
+    lookup = other.lookup(ids)
+    lookup.pooled()["idem"].sum().backward()
+    lookup.push(5).wait()
+    assert not torch.equal(tables["idem"].fetch_weight(), before)
+
+
 def test_one_lookup_and_one_push_per_shard_with_rows_equal_to_the_unfused_path():
-    run_cluster([(trainer_fused_equals_unfused, ()), (trainer_failures_name_the_shard, ())], num_shards=3)
+    run_cluster([(trainer_fused_equals_unfused, ()), (trainer_failures_name_the_shard, ()),
+                 (trainer_pushes_are_idempotent_per_step, ())], num_shards=3)

@@ -24,14 +24,14 @@ Surviving a lost member: its peers' next collective fails (in DDP's
 all-reduce during backward, or in the agreement).  The training loop asks
 ``collective_failed(error)`` and calls ``recover(error)``: the broken
 process group goes, the coordinator's next view (without the lost member)
-is formed, and state is shared again.  No update is applied twice: a
-step's updates (the sparse step on the shards, then the dense one) are
-applied only after its backward pass, so a member whose step failed
-applied nothing of it and redoes it with the same batch; a member whose
-all-reduce had completed before the loss finished its step, and is then
-one step ahead: the others take its state (its dense update already
-averaged their gradients of that step), skip that batch, and their sparse
-gradients of it are dropped (counted in ``steps_skipped``).
+is formed, and state is shared again.  No dense update is applied twice:
+it is applied only after its backward pass, so a member whose step failed
+applied nothing of it and redoes it with the same batch (the training
+loop's sparse pushes are idempotent per step: ``paramserver.train.step``);
+a member whose all-reduce had completed before the loss finished its
+step, and is then one step ahead: the others take its state (its dense
+update already averaged their gradients of that step) and skip that
+batch (counted in ``steps_skipped``).
 """
 
 import functools

@@ -231,6 +231,8 @@ class OwnerOptimizer:
         else:
             self._impl = _PythonStep(optimizer_cls, self.params, self.names, args, kwargs)
         self._locks = [lock for _, lock in sorted({state.lock_for(p) for p in self.params}, key=lambda e: e[0])]
+        #: Idempotent pushes: the last step applied per pusher (``apply_rows(once=...)``).
+        self._last_push: Dict[int, int] = {}
         self.steps = 0
         self.step_seconds_total = 0.0
         self.last_step_seconds = 0.0
@@ -256,10 +258,11 @@ class OwnerOptimizer:
                     "step")
 
     def apply_rows(self, params: Sequence[int], ids: Sequence[Tensor], gradients: Sequence[Tensor],
-                   peer: str) -> None:
+                   peer: str, once: Optional[Tuple[int, int]] = None) -> bool:
         """One step with row gradients pushed by ``peer``: ``gradients[i]`` (rows x dim) for rows ``ids[i]``
         (local, distinct) of parameter ``params[i]``; the others are skipped.  The same update as ``step``
-        with the row-sparse gradients a backward pass through those rows delivers."""
+        with the row-sparse gradients a backward pass through those rows delivers.  ``once``: ``(pusher,
+        step)``: skipped (returns False) when a push of ``pusher`` for ``step`` or a later step was applied."""
         by_param: List[Optional[Tensor]] = [None] * len(self.params)
         for index, rows, values in zip(params, ids, gradients):
             if not 0 <= index < len(self.params) or by_param[index] is not None:
@@ -271,24 +274,30 @@ class OwnerOptimizer:
                 raise ValueError(f"a push for {self.names[index]} (shape {list(param.shape)}) has "
                                  f"{list(rows.shape)} rows and gradients of shape {list(values.shape)}")
             by_param[index] = torch.sparse_coo_tensor(rows.unsqueeze(0), values, param.shape, check_invariants=True)
-        self._timed(lambda measure: self._impl.apply(by_param, measure), lambda: peer, "push")
+        return self._timed(lambda measure: self._impl.apply(by_param, measure), lambda: peer, "push", once)
 
-    def _timed(self, run: Callable[[bool], Tuple[int, int]], peer: Callable[[], str], rpc: str) -> None:
+    def _timed(self, run: Callable[[bool], Tuple[int, int]], peer: Callable[[], str], rpc: str,
+               once: Optional[Tuple[int, int]] = None) -> bool:
         """``run(measure)`` under the parameters' locks, timed, and counted in the process's metrics as served
-        for ``peer()`` by an RPC of kind ``rpc``."""
+        for ``peer()`` by an RPC of kind ``rpc``; with ``once`` (see ``apply_rows``) at most once per step."""
         metrics = data_plane.slot.active
         with self._locked():
+            if once is not None and self._last_push.get(once[0], -1) >= once[1]:
+                return False
             started = time.perf_counter()
             try:
                 rows, gradient_bytes = run(metrics is not None)
             except torch.jit.Error as error:
                 reraise_script_error(error)
+            if once is not None:
+                self._last_push[once[0]] = once[1]
             elapsed = time.perf_counter() - started
             self.steps += 1
             self.step_seconds_total += elapsed
             self.last_step_seconds = elapsed
         if metrics is not None:  # after the locks: the next step need not wait for this
             metrics.owner_step(self.optimizer_cls.__qualname__, elapsed, peer(), rows, gradient_bytes, rpc)
+        return True
 
     def step_stats(self) -> Dict[str, float]:
         """Steps applied here, and seconds spent applying them (locks held, waiting excluded)."""

@@ -18,6 +18,7 @@ fills their gradients, and ``push`` sends them.  Tensors sent are compact
 copies (an RPC sends a view's whole storage).
 """
 
+import secrets
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -57,13 +58,17 @@ class EmbeddingCollection:
     optimizer built over ``[rref for table in tables.values() for rref in
     table.remote_parameters()]`` (in that order): whose owner-side optimizer
     applies each shard's pushes.  ``peer``: this process's RPC name (the
-    shards count what each peer pushes).
+    shards count what each peer pushes).  ``token``: names this pusher in
+    idempotent pushes (random by default; keep it when the collection is
+    built again in the same process, so that a step's push is recognised).
     """
 
     def __init__(self, tables: Mapping[str, ShardedEmbeddingBag], optimizer_layout: Mapping[str, Tuple[int, List[int]]],
-                 peer: str):
+                 peer: str, token: Optional[int] = None):
         self.tables = dict(tables)
         self.peer = peer
+        #: Names this pusher on the shards, for idempotent pushes (``CollectionLookup.push(step=...)``).
+        self.token = secrets.randbits(62) if token is None else token
         ranges = [(name, index, rref) for name, table in self.tables.items()
                   for index, rref in enumerate(table.remote_parameters())]
         owner_of_param: Dict[int, Tuple[str, int]] = {}  # global parameter index -> (owner, local index)
@@ -150,33 +155,69 @@ class CollectionLookup:
             pooled[name] = route.pool(self.rows[name])
         return pooled
 
-    def push(self) -> "PendingPush":
-        """Send the gradients the backward pass left on the looked-up rows: one RPC per shard, applied there on
-        arrival.  Tables whose rows got no gradient send nothing."""
+    def push(self, step: int = -1, gradients: Optional[Mapping[str, Optional[Tensor]]] = None) -> "PendingPush":
+        """Send the looked-up rows' gradients (``gradients``, by table; by default what the backward pass left
+        in their ``.grad``): one RPC per shard, applied there on arrival.  Tables whose rows got no gradient
+        send nothing.  ``step`` (0 or more) makes the push idempotent: a shard applies one push per
+        (collection's ``token``, step), so a step's push sent again is not applied twice."""
         collection = self._collection
+        if gradients is None:
+            gradients = {name: rows.grad for name, rows in self.rows.items()}
         requests: Dict[str, Tuple[List[int], List[Tensor], List[Tensor]]] = {}
         for name, route in self._routes.items():
-            gradient = self.rows[name].grad if name in self.rows else None
+            gradient = gradients.get(name)
             if gradient is None:
                 continue
             start = 0
             for range_index, local_ids in route.requests:
                 stop = start + local_ids.numel()
                 shard, slot = collection.where(name, range_index)
-                params, ids, gradients = requests.setdefault(shard, ([], [], []))
+                params, ids, values = requests.setdefault(shard, ([], [], []))
                 params.append(slot.param_index)
                 ids.append(local_ids)
-                gradients.append(gradient[start:stop].clone() if (start, stop) != (0, gradient.size(0)) else gradient)
+                values.append(gradient[start:stop].clone() if (start, stop) != (0, gradient.size(0)) else gradient)
                 start = stop
         metrics = data_plane.slot.active
         futures = {}
-        for shard, (params, ids, gradients) in requests.items():
+        for shard, (params, ids, values) in requests.items():
             if metrics is not None:
-                metrics.client_request(shard, "push", sum(g.numel() * g.element_size() for g in gradients))
+                metrics.client_request(shard, "push", sum(g.numel() * g.element_size() for g in values))
             futures[shard] = rpc.rpc_async(shard, owner_rows.push, args=(
-                collection.incarnation(shard), collection.optimizer_handle(shard), params, ids, gradients,
-                collection.peer))
+                collection.incarnation(shard), collection.optimizer_handle(shard), params, ids, values,
+                collection.peer, collection.token, step))
         return PendingPush(futures)
+
+    def push_during_backward(self, step: int) -> "PushOnGradients":
+        """Push as soon as the next backward pass has computed every looked-up row's gradient, while it goes
+        on (a DDP all-reduce still in flight): the push of ``step``, idempotent (see ``push``)."""
+        return PushOnGradients(self, step)
+
+
+class PushOnGradients:
+    """A push sent from inside a backward pass (``CollectionLookup.push_during_backward``); ``pending`` is
+    the push once sent (``None`` if the backward pass never reached the rows)."""
+
+    def __init__(self, lookup: CollectionLookup, step: int):
+        self.pending: Optional[PendingPush] = None
+        self.failure: Optional[BaseException] = None
+        names = [name for name, rows in lookup.rows.items() if rows.requires_grad]
+
+        def send(grads: Sequence[Optional[Tensor]]) -> None:
+            try:
+                self.pending = lookup.push(step, dict(zip(names, grads)))
+            except Exception as error:  # noqa: BLE001 - raised by wait(), not into the backward pass
+                self.failure = error
+        self._handle = torch.autograd.graph.register_multi_grad_hook([lookup.rows[n] for n in names], send) \
+            if names else None
+
+    def wait(self) -> None:
+        """Wait for the push (``ShardRequestFailed`` naming the shards that failed)."""
+        if self._handle is not None:
+            self._handle.remove()
+        if self.failure is not None:
+            raise self.failure
+        if self.pending is not None:
+            self.pending.wait()
 
 
 class PendingPush:

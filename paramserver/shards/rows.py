@@ -62,8 +62,8 @@ def _current(incarnation: int) -> ShardState:
 
 _library = torch.library.Library("paramserver_rows", "DEF")
 _library.define("lookup(int incarnation, int[] tables, Tensor[] ids) -> Tensor[]")
-_library.define("push(int incarnation, int optimizer, int[] params, Tensor[] ids, Tensor[] gradients, str peer) "
-                "-> int")
+_library.define("push(int incarnation, int optimizer, int[] params, Tensor[] ids, Tensor[] gradients, str peer, "
+                "int pusher, int step) -> int")
 
 
 def _lookup_kernel(incarnation: int, tables: List[int], ids: List[Tensor]) -> List[Tensor]:
@@ -73,10 +73,10 @@ def _lookup_kernel(incarnation: int, tables: List[int], ids: List[Tensor]) -> Li
 
 
 def _push_kernel(incarnation: int, optimizer: int, params: List[int], ids: List[Tensor], gradients: List[Tensor],
-                 peer: str) -> int:
+                 peer: str, pusher: int, step: int) -> int:
     owner_optimizer = _current(incarnation).optimizer(optimizer)
     try:
-        owner_optimizer.apply_rows(params, ids, gradients, peer)
+        owner_optimizer.apply_rows(params, ids, gradients, peer, (pusher, step) if step >= 0 else None)
     except ValueError as error:
         logger.warning("optimizer %d refused a push from %s: %s", optimizer, peer, error)
         raise
@@ -95,8 +95,10 @@ def lookup(incarnation: int, tables: List[int], ids: List[Tensor]) -> List[Tenso
 
 @torch.jit.script
 def push(incarnation: int, optimizer: int, params: List[int], ids: List[Tensor], gradients: List[Tensor],
-         peer: str) -> int:
+         peer: str, pusher: int = 0, step: int = -1) -> int:
     """RPC target: apply row gradients ``gradients[i]`` (rows ``ids[i]``, local indices) to parameter
-    ``params[i]`` of optimizer handle ``optimizer``, all in one step of it; returns how many it applied
-    (TorchScript drops calls whose results nobody uses)."""
-    return torch.ops.paramserver_rows.push(incarnation, optimizer, params, ids, gradients, peer)
+    ``params[i]`` of optimizer handle ``optimizer``, all in one step of it, unless ``step`` >= 0 and this
+    optimizer already applied a push of ``pusher`` for that step or a later one (a step's push sent again is
+    applied once); returns the number of parameters named (TorchScript drops calls whose results nobody
+    uses)."""
+    return torch.ops.paramserver_rows.push(incarnation, optimizer, params, ids, gradients, peer, pusher, step)

@@ -27,6 +27,7 @@ training loop's decision (``paramserver.train.step``).
 
 import datetime
 import logging
+import secrets
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -97,6 +98,7 @@ class SparseTables:
         self._max_consecutive = max_consecutive
         self._in_a_row = 0
         self.rebuilds = 0
+        self._pusher = secrets.randbits(62)  # this run's name in idempotent pushes, kept across rebuilds
         self.tables, self.optimizer, self.collection = self._build()
 
     def _build(self) -> Tuple[Dict[str, ShardedEmbeddingBag], DistributedOptimizer, EmbeddingCollection]:
@@ -104,7 +106,8 @@ class SparseTables:
         optimizer = DistributedOptimizer(self._optimizer_class,
                                          [rref for table in tables.values() for rref in table.remote_parameters()],
                                          **self._optimizer_options)
-        return tables, optimizer, EmbeddingCollection(tables, optimizer.owner_layout(), rpc.get_worker_info().name)
+        return tables, optimizer, EmbeddingCollection(tables, optimizer.owner_layout(), rpc.get_worker_info().name,
+                                                      self._pusher)
 
     def lookup(self, batch: Batch) -> CollectionLookup:
         """Send the batch's lookups, one RPC per shard for every table it serves (see ``EmbeddingCollection``)."""

@@ -2,25 +2,26 @@
 
 Owns ``train_step``: the lookups (one RPC per shard for every table it
 serves), the forward and one backward pass under DDP (the comm hook
-all-reduces the dense gradients; the looked-up rows get theirs), then the
-push (one RPC per shard: the row gradients, applied there on arrival by
-the shard's optimizer) while the dense optimizer steps.  Its phases decide
-what a failure means, so that no update is applied twice:
+all-reduces the dense gradients; the looked-up rows get theirs), during
+which the push leaves (one RPC per shard: the row gradients, applied
+there on arrival by the shard's optimizer) as soon as the rows'
+gradients are computed, overlapping the all-reduce, then the dense
+optimizer's step while the push is applied.  Its phases decide what a
+failure means, so that no update is applied twice:
 
 1. Lookups fail (a lost shard) -> ``ShardStepFailed``: nothing of the
    step happened in the group yet, so the step can be redone.
 2. The dense backward fails -> a collective of the group failed (a lost
    member): the error propagates; the group re-forms and the step is
-   redone (``DenseReplica.recover``).  Nothing of it was applied.
+   redone (``DenseReplica.recover``).  Nothing of its dense part was
+   applied; its push may have been: pushes are idempotent per (pusher,
+   step) on the shards, so the redone step's push is not applied again
+   (and when the group takes another member's state and skips the step,
+   this worker's push of it, if it left, counts once).
 3. The push fails against a shard after the all-reduce -> the dense step
    goes on (the group took it together); this worker's sparse update of
    the step is lost (some shards may have applied their part), never
    applied twice.  Returned, not raised.
-
-The push is sent only once the backward pass (and so the all-reduce) has
-succeeded: sent earlier, from the rows' gradient hooks while the last
-all-reduce buckets are in flight, a push could not be taken back when
-that all-reduce failed, and the redone step would apply it again.
 """
 
 import time
@@ -44,7 +45,8 @@ class ShardStepFailed(RuntimeError):
 
 #: Where a step's time goes, in order (``StepTimes``): name -> what it covers.
 PHASES = {"data": "data (the step's batch)", "lookups": "lookups", "forward": "dense forward + loss",
-          "backward": "backward (DDP allreduce)", "dense_step": "push sent + dense step", "push_wait": "push wait"}
+          "backward": "backward (DDP allreduce; the push leaves)", "dense_step": "dense step",
+          "push_wait": "push wait"}
 
 
 class StepTimes:
@@ -84,20 +86,18 @@ def train_step(sparse: SparseTables, replica: DenseReplica, batch: Batch,
     logits = replica({name: rows.to(device) for name, rows in pooled.items()}, batch.dense.to(device))
     loss = loss_fn(logits, batch.labels.to(device))
     times.mark("forward")
+    # The push leaves as soon as the backward pass has the rows' gradients, while DDP's last all-reduce is in
+    # flight; it is idempotent per step, so a step redone after that all-reduce failed is not applied twice.
+    push = lookup.push_during_backward(replica.step)
     loss.backward()
     times.mark("backward")
-    sparse_failure = push = None
-    try:
-        push = lookup.push()
-    except (RuntimeError, TimeoutError) as error:
-        sparse_failure = error
     replica.finish_step()  # the dense optimizer's step, while the push travels and is applied
     times.mark("dense_step")
-    if push is not None:
-        try:
-            push.wait()
-        except (RuntimeError, TimeoutError) as error:
-            sparse_failure = error
+    sparse_failure = None
+    try:
+        push.wait()
+    except (RuntimeError, TimeoutError) as error:
+        sparse_failure = error
     times.mark("push_wait")
     times.steps += 1
     return loss.item(), sparse_failure
