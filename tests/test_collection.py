@@ -66,8 +66,14 @@ def trainer_fused_equals_unfused():
         with _CountedRpc() as counted:
             lookup = collection.lookup(features)
             pooled = lookup.pooled()
-            sum((pooled[name] * targets[name]).sum() for name in TABLES).backward()
-            lookup.push().wait()
+            loss = sum((pooled[name] * targets[name]).sum() for name in TABLES)
+            if step % 2:  # as the Trainer does: the push leaves from inside the backward pass
+                push = lookup.push_during_backward(step)
+                loss.backward()
+                push.wait()
+            else:  # after it, from the rows' .grad
+                loss.backward()
+                lookup.push().wait()
         # One lookup and one push to each shard serving a looked-up row; nothing else.
         serving = {rows.shard for name, table in fused_tables.items() for rows in table.ranges
                    if ((features[name] >= rows.start) & (features[name] < rows.stop)).any()}
