@@ -5,7 +5,7 @@ of its host that no other worker of the host holds, by an exclusive lock
 (``flock``) on a file named after the GPU (its UUID, so that processes
 with different ``CUDA_VISIBLE_DEVICES`` still agree) in a directory the
 host's workers share (``PARAMSERVER_GPU_LOCK_DIR``, default
-``/tmp/paramserver-gpus``).  The lock is held for the process's life and
+``/tmp/paramserver-gpus-<uid>``: one user's workers share it).  The lock is held for the process's life and
 the kernel releases it when the process ends, however it ends, so a
 restarted worker finds its GPU free again.
 
@@ -26,7 +26,7 @@ from typing import IO, List, Optional
 logger = logging.getLogger(__name__)
 
 GPU_LOCK_DIR_ENV = "PARAMSERVER_GPU_LOCK_DIR"
-DEFAULT_GPU_LOCK_DIR = "/tmp/paramserver-gpus"
+DEFAULT_GPU_LOCK_DIR = f"/tmp/paramserver-gpus-{os.getuid()}"
 
 
 @dataclass
