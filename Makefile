@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/dist_optim.py
 	$(PY) benchmarks/comm_hooks.py
 	$(PY) benchmarks/end_to_end.py
+	$(PY) benchmarks/scaling.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
