@@ -142,20 +142,12 @@ def trainer_shared_tables_are_one_table():
         ShardedEmbeddingBag(ROWS, DIM, shards=shards, shared=True)
 
 
-def test_shared_tables_are_created_once_and_found_by_name():
-    run_cluster([(trainer_shared_tables_are_one_table, ())], num_shards=2)
-
-
-def test_sharded_embedding_bag_matches_local_embedding_bag():
-    run_cluster([(trainer_embedding_matches_local, ())], num_shards=4)
-
-
-def test_sharded_embedding_bag_steps_only_touched_rows_like_local_functional_qhm():
-    run_cluster([(trainer_embedding_qhm_matches_local_functional, ())], num_shards=4)
-
-
-def test_out_of_range_ids_raise_before_anything_is_sent_and_empty_batches_work():
-    run_cluster([(trainer_embedding_rejects_out_of_range_ids, ())], num_shards=2)
+def test_sharded_tables_and_placed_modules_match_local_ones_share_by_name_and_refuse_bad_ids():
+    # One cluster, five trainers at once (their tables have names of their own): the trainer that fails is
+    # named, with its traceback, by run_cluster.
+    run_cluster([(trainer_embedding_matches_local, ()), (trainer_embedding_qhm_matches_local_functional, ()),
+                 (trainer_shared_tables_are_one_table, ()), (trainer_embedding_rejects_out_of_range_ids, ()),
+                 (trainer_placed_module_trains_like_local, ())], num_shards=4)
 
 
 class Tower(nn.Module):
@@ -194,10 +186,6 @@ def trainer_placed_module_trains_like_local():
         torch.testing.assert_close(fetched[name], value, rtol=1e-5, atol=1e-6)
     x = torch.randn(5, 64)
     torch.testing.assert_close(placed.materialize()(x), local(x), rtol=1e-5, atol=1e-6)
-
-
-def test_placed_module_is_balanced_and_trains_like_local():
-    run_cluster([(trainer_placed_module_trains_like_local, ())], num_shards=4)
 
 
 def trainer_terminates_shard():
