@@ -354,9 +354,12 @@ def test_every_process_serves_its_metrics_while_the_job_runs(commands, tmp_path)
     for url in worker_urls:
         wait_for_metric(url, "paramserver_training_steps_total", 10)
 
+    # Which worker is which: the coordinator names them in join order, not in the order they were started.
+    names = [re.search(r"joined \S+ as (worker\d+)", errors(worker)).group(1) for worker in workers]
+    assert sorted(names) == ["worker0", "worker1"], names
     # Shards first, then workers: what a shard applied was looked up before.
     shards = {name: scrape(urls[name]) for name in ("shard0", "shard1")}
-    worker_samples = [scrape(url) for url in worker_urls]
+    worker_samples = [scrape(worker_urls[names.index(name)]) for name in ("worker0", "worker1")]
     coordinator = scrape(urls["the coordinator"])
 
     assert value(coordinator, "paramserver_cluster_generation") >= 1
