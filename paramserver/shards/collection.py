@@ -5,9 +5,10 @@ Owns the trainer side of a step's fused row traffic, the way torchrec's
 and FBGEMM's TBE fuses backward and optimizer: every table's ids are
 checked, deduplicated and routed to their row ranges
 (``ShardedEmbeddingBag.route``), then grouped by shard, so that a step sends
-each shard ONE lookup carrying the ids of every table it serves, and after
-the backward pass ONE push carrying their row gradients, which the shard's
-optimizer applies on arrival (``paramserver.shards.rows``).  The unfused
+each shard ONE lookup carrying the ids of every table it serves, and from
+the backward pass ONE push carrying their row gradients (sent after it, or
+from inside it as soon as the rows' gradients exist), which the shard's
+optimizer applies on arrival (``paramserver.shards.rows``), once per step.  The unfused
 path (a lookup RPC per row range inside a ``dist_autograd`` context, a
 gradient message per lookup, then a step RPC per owner) stays what
 ``ShardedEmbeddingBag`` and ``DistributedOptimizer`` do for any RRef
