@@ -107,7 +107,8 @@ class DistributedOptimizer:
     def owner_layout(self) -> Dict[str, tuple]:
         """Per owner: ``(handle, [index in params_rref of its local parameter 0, 1, ...])``, what a fused push
         (``paramserver.shards.rows.push``) names its optimizer and parameters by."""
-        return {name: (self._handles[name], [index for index, _ in entries]) for name, entries in self._by_owner.items()}
+        return {name: (self._handles[name], [index for index, _ in entries])
+                for name, entries in self._by_owner.items()}
 
     def _on_every_owner(self, function, action: str, extra_args=None) -> Dict[str, Any]:
         """Call ``function(handle, *extra_args[owner])`` on every owner at once; results by owner."""

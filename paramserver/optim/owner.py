@@ -265,9 +265,10 @@ class OwnerOptimizer:
         step)``: skipped (returns False) when a push of ``pusher`` for ``step`` or a later step was applied."""
         by_param: List[Optional[Tensor]] = [None] * len(self.params)
         for index, rows, values in zip(params, ids, gradients):
-            if not 0 <= index < len(self.params) or by_param[index] is not None:
-                raise ValueError(f"a push names parameter {index} of an optimizer over {len(self.params)} "
-                                 f"parameters{' twice' if 0 <= index < len(self.params) else ''}")
+            if not 0 <= index < len(self.params):
+                raise ValueError(f"a push names parameter {index} of an optimizer over {len(self.params)} parameters")
+            if by_param[index] is not None:
+                raise ValueError(f"a push names parameter {index} ({self.names[index]}) twice")
             param = self.params[index]
             if param.dim() != 2 or values.dim() != 2 or rows.dim() != 1 or values.size(0) != rows.numel() or \
                     values.size(1) != param.size(1):

@@ -113,9 +113,10 @@ def run_shard_member(address: str, name: str, host: str, token: Optional[str] = 
         else:  # the coordinator hands this shard to workers once it says it is ready
             session.mark_ready()
     try:
-        threads = apply_threads("shard", assignment.rpc_name)
+        apply_threads("shard", assignment.rpc_name)  # so the data plane leaves PyTorch's threads as they are
         run_shard_server(assignment.rpc_name, assignment.rpc_rank, None, session.init_method,
-                         ShardServerOptions(peer=PeerOptions(intra_op_threads=threads.intra_op)), bind_host=host, on_serving=serving, restore_source=restore_source)
+                         ShardServerOptions(peer=PeerOptions(intra_op_threads=None)), bind_host=host,
+                         on_serving=serving, restore_source=restore_source)
     finally:
         session.leave("stopped")
     logger.info("shard %s (pid %d) exits", assignment.rpc_name, os.getpid())

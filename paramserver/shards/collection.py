@@ -43,12 +43,11 @@ class ShardRequestFailed(RuntimeError):
 
 
 class _Slot:
-    """One row range of one table, as a shard serves it."""
+    """How a shard names one row range of one table: its table handle and its index in the shard's optimizer."""
 
-    __slots__ = ("table", "range_index", "table_handle", "param_index")
+    __slots__ = ("table_handle", "param_index")
 
-    def __init__(self, table: str, range_index: int, table_handle: int, param_index: int):
-        self.table, self.range_index = table, range_index
+    def __init__(self, table_handle: int, param_index: int):
         self.table_handle, self.param_index = table_handle, param_index
 
 
@@ -85,18 +84,12 @@ class EmbeddingCollection:
         handles = {shard: rpc.rpc_async(shard, owner_rows.table_handles, args=([entry[2] for entry in entries],),
                                         timeout=creation_timeout())
                    for shard, entries in by_shard.items()}
-        self._slots: Dict[str, List[_Slot]] = {}
         self._incarnations: Dict[str, int] = {}
+        self._slot_of: Dict[Tuple[str, int], Tuple[str, _Slot]] = {}  # (table, range index) -> (shard, slot)
         for shard, entries in by_shard.items():
             self._incarnations[shard], table_handles = handles[shard].wait()
-            self._slots[shard] = [_Slot(name, range_index, table_handle, local)
-                                  for (name, range_index, _, local), table_handle in zip(entries, table_handles)]
-        self._slot_of = {(slot.table, slot.range_index): (shard, slot)
-                         for shard, slots in self._slots.items() for slot in slots}
-
-    @property
-    def shards(self) -> List[str]:
-        return list(self._slots)
+            for (name, range_index, _, local), table_handle in zip(entries, table_handles):
+                self._slot_of[(name, range_index)] = (shard, _Slot(table_handle, local))
 
     def where(self, table: str, range_index: int) -> Tuple[str, _Slot]:
         """The shard serving row range ``range_index`` of ``table``, and how it names it."""
@@ -127,8 +120,9 @@ class EmbeddingCollection:
         if metrics is not None:  # one lookup RPC per shard, whatever the tables it serves
             for shard, (_, ids, keys) in requests.items():
                 rows = sum(local.numel() for local in ids)
+                sent = sum(local.numel() * local.element_size() for local in ids)
                 returned = sum(local.numel() * self.tables[name].row_bytes for local, (name, _) in zip(ids, keys))
-                metrics.lookup(shard, rows, rows * 8, returned)
+                metrics.lookup(shard, rows, sent, returned)
         return CollectionLookup(self, routes, {shard: keys for shard, (_, _, keys) in requests.items()}, futures)
 
 

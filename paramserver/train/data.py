@@ -117,8 +117,10 @@ class BatchStream:
         """Where a restored run resumes: batches used, and the data's state before the next one."""
         if not self._stateful:
             return {"used": self.used, "state": None}
-        # The next batch's state was taken as it was read; once the data ended no reader touches it.
-        state = self._ahead[0][1] if self.ensure(1) else self._data.state_dict()
+        if self._reader is None:
+            state = self._ahead[0][1] if self._ahead else self._data.state_dict()
+        else:  # the next batch's state was taken as it was read; once the data ended no reader touches it
+            state = self._ahead[0][1] if self.ensure(1) else self._data.state_dict()
         return {"used": self.used, "state": state}
 
 

@@ -115,7 +115,8 @@ class SparseTables:
 
     def describe(self) -> str:
         return ", ".join(f"{name} ({table.num_embeddings} x {table.embedding_dim} on "
-                         f"{', '.join(sorted({r.shard for r in table.ranges}))})" for name, table in self.tables.items())
+                         f"{', '.join(sorted({r.shard for r in table.ranges}))})"
+                         for name, table in self.tables.items())
 
     def step_succeeded(self) -> None:
         self._in_a_row = 0
