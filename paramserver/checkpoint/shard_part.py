@@ -3,14 +3,17 @@
 Owns, on a shard server, the file it writes into a checkpoint
 (``shard-<name>.pt``: every shared table's row range, with the optimizer
 state of those rows, each parameter copied together with its state
-between two steps, read from the shard's ``ShardState``), and
+between two steps, read from the shard's ``ShardState``; for a dynamic
+table's part, the rows it holds with their ids, last touches, optimizer
+state and admission counts), and
 ``CheckpointSource``: the restore source a shard started from a
 checkpoint is given (``ShardState.restore_source``), so that a table's
 rows, and their optimizer state, come from the checkpoint when a trainer
 asks for the table again.  The source reads every shard file of
 the checkpoint (memory-mapped) and cuts the rows each request names, so
 the new shards need not be as many, nor split the tables the same way,
-as the ones that wrote it (4 shards -> 2, 2 -> 4).
+as the ones that wrote it (4 shards -> 2, 2 -> 4; a dynamic table's ids
+are routed again by their hash).
 
 ``write_part`` is what a trainer calls by RPC (``remote_write_part``)
 while its trainer group is paused at a step boundary.
@@ -24,6 +27,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..shards.dynamic import parse_part_name, select_part
+from ..shards.dynamic import part_name as dynamic_part_name
 from ..shards.state import ShardState
 from ..logs import one_line
 from .storage import (Checkpoint, CorruptCheckpoint, assemble_rows, first_usable, load_tensors, parse_range_name,
@@ -50,9 +55,14 @@ def write_part(directory: pathlib.Path, shard: str):
     shard_state = ShardState.current()
     tables = shard_state.shared_tables()
     entries: Dict[str, Dict] = {}
+    for name, table in tables.items():  # dynamic tables: the rows held, with their ids and optimizer state
+        dynamic = shard_state.dynamic_rows(table)
+        if dynamic is not None:
+            entries[name] = dynamic.checkpoint_entry()
     # Parameters with an optimizer: value and state copied together, under its locks.
     for optimizer in shard_state.optimizers():
-        values, state = optimizer.snapshot()
+        skip = [index for index, param in enumerate(optimizer.params) if shard_state.name_of(param) in entries]
+        values, state = optimizer.snapshot(skip)
         for index, (param, value) in enumerate(zip(optimizer.params, values)):
             name = shard_state.name_of(param)
             if name in tables and name not in entries:
@@ -79,6 +89,7 @@ class CheckpointSource:
         self._lock = threading.Lock()
         # table -> [(start, stop, entry)]
         self._pieces: Optional[Dict[str, List[Tuple[int, int, Dict]]]] = None
+        self._dynamic_pieces: Dict[str, List[Dict]] = {}  # dynamic table -> the entries of all its parts
 
     @classmethod
     def newest_verified(cls, preferred: str, step: int, shard: str) -> "CheckpointSource":
@@ -107,7 +118,10 @@ class CheckpointSource:
                         raise
                     for name, entry in part["tables"].items():
                         parsed = parse_range_name(name)
-                        if parsed is not None:
+                        dynamic = parse_part_name(name) if entry.get("dynamic") else None
+                        if dynamic is not None:
+                            self._dynamic_pieces.setdefault(dynamic[0], []).append(entry)
+                        elif parsed is not None:
                             table, start, stop = parsed
                             pieces.setdefault(table, []).append((start, stop, entry))
                 self._pieces = pieces
@@ -137,6 +151,18 @@ class CheckpointSource:
         rows = assemble_rows([(a, b, e["value"]) for a, b, e in pieces], start, stop, f"table {table!r}")
         logger.info("%s restored from checkpoint step %d", name, self.checkpoint.step)
         return rows.to(dtype).contiguous()
+
+    def dynamic_part(self, table: str, index: int, count: int) -> Optional[Dict]:
+        """What shard ``index`` of ``count`` holds of dynamic table ``table`` (``DynamicRows.restore``'s
+        arguments), from every part the checkpoint has of it; ``None`` if it has none."""
+        self._tables()
+        pieces = self._dynamic_pieces.get(table)
+        if not pieces:
+            return None
+        part = select_part(pieces, index, count)
+        logger.info("%s restored from checkpoint step %d: %d rows", dynamic_part_name(table, index, count),
+                    self.checkpoint.step, part["ids"].numel())
+        return part
 
     def optimizer_state(self, name: str, optimizer: str) -> Optional[Dict[str, Tensor]]:
         """The state ``optimizer`` (a class name) kept for rows ``name``; ``None`` if the checkpoint has none."""

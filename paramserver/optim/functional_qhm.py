@@ -167,6 +167,21 @@ class FunctionalQHM:
         param.index_copy_(0, rows, param_rows)
         buf.index_copy_(0, rows, buf_rows)
 
+    def resize_rows(self, i: int, rows: int) -> None:
+        """Parameter ``i`` now has ``rows`` rows (it grew in place): so does its momentum, new rows zero."""
+        buf = self.momentum_buffers[i]
+        if buf is not None:
+            old = buf.size(0)
+            buf.resize_([rows, buf.size(1)])
+            if rows > old:
+                buf.narrow(0, old, rows - old).zero_()
+
+    def reset_rows(self, i: int, rows: Tensor) -> None:
+        """Rows ``rows`` of parameter ``i`` start afresh (a new id took them): their momentum is zero."""
+        buf = self.momentum_buffers[i]
+        if buf is not None:
+            buf.index_fill_(0, rows, 0.0)
+
     def state_dict(self) -> Dict[int, Dict[str, Tensor]]:
         """A snapshot of the state: ``{param index: {"momentum_buffer": b}}``.
 

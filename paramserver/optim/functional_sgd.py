@@ -147,6 +147,30 @@ class FunctionalSGD:
         param_rows.index_copy_(0, subset, p)
         buf_rows.index_copy_(0, subset, b)
 
+    def resize_rows(self, i: int, rows: int) -> None:
+        """Parameter ``i`` now has ``rows`` rows (it grew in place): so does its state, new rows fresh."""
+        buf = self.momentum_buffers[i]
+        if buf is not None:
+            old = buf.size(0)
+            buf.resize_([rows, buf.size(1)])
+            if rows > old:
+                buf.narrow(0, old, rows - old).zero_()
+        initialized = self.rows_initialized[i]
+        if initialized is not None:
+            old = initialized.size(0)
+            initialized.resize_([rows])
+            if rows > old:
+                initialized.narrow(0, old, rows - old).fill_(False)
+
+    def reset_rows(self, i: int, rows: Tensor) -> None:
+        """Rows ``rows`` of parameter ``i`` start afresh (a new id took them): their state is as never stepped."""
+        buf = self.momentum_buffers[i]
+        if buf is not None:
+            buf.index_fill_(0, rows, 0.0)
+        initialized = self.rows_initialized[i]
+        if initialized is not None:
+            initialized.index_fill_(0, rows, False)
+
     def state_dict(self) -> Dict[int, Dict[str, Tensor]]:
         """A snapshot: ``{param index: {"momentum_buffer": ..., ["rows_initialized": ...]}}`` (copies)."""
         state: Dict[int, Dict[str, Tensor]] = {}

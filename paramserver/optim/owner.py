@@ -155,6 +155,19 @@ class _ScriptedStepWithStateDict(_ScriptedStep):
         self.optim.load_state_dict(state)
 
 
+class _ScriptedStepWithRowState(_ScriptedStepWithStateDict):
+    """For functional classes whose per-row state can follow rows (ours: ``resize_rows`` / ``reset_rows``),
+    which dynamic tables need."""
+
+    @torch.jit.export
+    def resize_state_rows(self, index: int, rows: int) -> None:
+        self.optim.resize_rows(index, rows)
+
+    @torch.jit.export
+    def reset_state_rows(self, index: int, rows: Tensor) -> None:
+        self.optim.reset_rows(index, rows)
+
+
 class _ScriptedStepWithStateAttribute(_ScriptedStep):
     """For PyTorch's functional classes, which keep ``state: Dict[param, Dict[str, Tensor]]``."""
 
@@ -184,6 +197,8 @@ class _ScriptedStepWithStateAttribute(_ScriptedStep):
 
 def _compile_step(functional_cls, params: List[Tensor], names: List[str], args, kwargs):
     """The most capable compiled step module ``functional_cls`` supports."""
+    if all(hasattr(functional_cls, name) for name in ("state_dict", "load_state_dict", "resize_rows", "reset_rows")):
+        return torch.jit.script(_ScriptedStepWithRowState(functional_cls, params, names, args, kwargs))
     if hasattr(functional_cls, "state_dict") and hasattr(functional_cls, "load_state_dict"):
         return torch.jit.script(_ScriptedStepWithStateDict(functional_cls, params, names, args, kwargs))
     try:
@@ -214,6 +229,18 @@ class _PythonStep:
                 param.grad = None
         return gradient_stats(gradients) if measure else (0, 0)
 
+    def resize_state_rows(self, index: int, rows: int) -> None:
+        for value in self.optim.state.get(self.params[index], {}).values():
+            if isinstance(value, Tensor) and value.dim() > 0:
+                old = value.size(0)
+                value.resize_((rows,) + tuple(value.shape[1:]))
+                value[old:].zero_()
+
+    def reset_state_rows(self, index: int, rows: Tensor) -> None:
+        for value in self.optim.state.get(self.params[index], {}).values():
+            if isinstance(value, Tensor) and value.dim() > 0:
+                value.index_fill_(0, rows, 0)
+
 
 class OwnerOptimizer:
     """The optimizer over one DistributedOptimizer's parameters on this owner."""
@@ -231,6 +258,15 @@ class OwnerOptimizer:
         else:
             self._impl = _PythonStep(optimizer_cls, self.params, self.names, args, kwargs)
         self._locks = [lock for _, lock in sorted({state.lock_for(p) for p in self.params}, key=lambda e: e[0])]
+        #: Dynamic tables' slabs among the parameters (``paramserver.shards.dynamic``): pushes name their rows
+        #: by id, and their per-row state follows the rows.
+        self._dynamic = [state.dynamic_rows(p) for p in self.params]
+        for index, rows in enumerate(self._dynamic):
+            if rows is not None:
+                if not hasattr(self._impl, "reset_state_rows"):
+                    raise TypeError(f"dynamic table {rows.name!r} needs an optimizer whose per-row state can follow "
+                                    f"its rows; {optimizer_cls.__qualname__} cannot (use QHM or SGD)")
+                rows.attach(self, index)
         #: Idempotent pushes: the last step applied per pusher (``apply_rows(once=...)``).
         self._last_push: Dict[int, int] = {}
         self.steps = 0
@@ -263,19 +299,46 @@ class OwnerOptimizer:
         (local, distinct) of parameter ``params[i]``; the others are skipped.  The same update as ``step``
         with the row-sparse gradients a backward pass through those rows delivers.  ``once``: ``(pusher,
         step)``: skipped (returns False) when a push of ``pusher`` for ``step`` or a later step was applied."""
-        by_param: List[Optional[Tensor]] = [None] * len(self.params)
+        named = set()
         for index, rows, values in zip(params, ids, gradients):
             if not 0 <= index < len(self.params):
                 raise ValueError(f"a push names parameter {index} of an optimizer over {len(self.params)} parameters")
-            if by_param[index] is not None:
+            if index in named:
                 raise ValueError(f"a push names parameter {index} ({self.names[index]}) twice")
+            named.add(index)
             param = self.params[index]
             if param.dim() != 2 or values.dim() != 2 or rows.dim() != 1 or values.size(0) != rows.numel() or \
                     values.size(1) != param.size(1):
                 raise ValueError(f"a push for {self.names[index]} (shape {list(param.shape)}) has "
                                  f"{list(rows.shape)} rows and gradients of shape {list(values.shape)}")
-            by_param[index] = torch.sparse_coo_tensor(rows.unsqueeze(0), values, param.shape, check_invariants=True)
-        return self._timed(lambda measure: self._impl.apply(by_param, measure), lambda: peer, "push", once)
+
+        def run(measure: bool) -> Tuple[int, int]:  # under the locks: a dynamic table's ids name the same rows
+            by_param: List[Optional[Tensor]] = [None] * len(self.params)
+            for index, rows, values in zip(params, ids, gradients):
+                dynamic = self._dynamic[index]
+                if dynamic is not None:  # ids -> slots; gradients of ids without a row are dropped
+                    slots = dynamic.slots_locked(rows)
+                    held = (slots >= 0).nonzero().view(-1)
+                    rows, values = (slots, values) if held.numel() == slots.numel() else \
+                        (slots.index_select(0, held), values.index_select(0, held))
+                by_param[index] = torch.sparse_coo_tensor(rows.unsqueeze(0), values, self.params[index].shape,
+                                                          check_invariants=True)
+            return self._impl.apply(by_param, measure)
+        return self._timed(run, lambda: peer, "push", once)
+
+    def resize_state_rows(self, index: int, rows: int) -> None:
+        """Parameter ``index`` (a dynamic table's slab) grew to ``rows`` rows: its state too.  The caller holds
+        the parameter's lock."""
+        self._impl.resize_state_rows(index, rows)
+
+    def reset_state_rows(self, index: int, rows: Tensor) -> None:
+        """Rows ``rows`` of parameter ``index`` were given new ids: their state starts afresh.  The caller
+        holds the parameter's lock."""
+        self._impl.reset_state_rows(index, rows)
+
+    def state_locked(self, index: int) -> Dict[str, Tensor]:
+        """The state of parameter ``index`` (copies; empty if none).  The caller holds the locks."""
+        return self._state_locked().get(index, {})
 
     def _timed(self, run: Callable[[bool], Tuple[int, int]], peer: Callable[[], str], rpc: str,
                once: Optional[Tuple[int, int]] = None) -> bool:
@@ -315,10 +378,11 @@ class OwnerOptimizer:
             return {i: {k: _copy(v) for k, v in entry.items()} for i, entry in state.items()}
         return self._scripted_state_method("optimizer_state")()
 
-    def snapshot(self) -> Tuple[List[Tensor], StateDict]:
-        """Copies of the parameters and of their state, taken together between two steps."""
+    def snapshot(self, skip: Sequence[int] = ()) -> Tuple[List[Optional[Tensor]], StateDict]:
+        """Copies of the parameters (``None`` for indices in ``skip``) and of their state, taken together
+        between two steps."""
         with self._locked():
-            values = [param.detach().clone() for param in self.params]
+            values = [None if index in skip else param.detach().clone() for index, param in enumerate(self.params)]
             try:
                 state = self._state_locked()
             except NotImplementedError:  # a class without state methods: values only
@@ -404,7 +468,11 @@ def _restore_state(state: ShardState, owner_optimizer: OwnerOptimizer) -> None:
     restored = {}
     for index, param in enumerate(owner_optimizer.params):
         name = state.name_of(param)
-        entry = source.optimizer_state(name, owner_optimizer.class_name) if name is not None else None
+        dynamic = state.dynamic_rows(param)
+        if dynamic is not None:  # restored with its rows, in the order of its slots
+            entry = dynamic.restored_optimizer_state(owner_optimizer.class_name)
+        else:
+            entry = source.optimizer_state(name, owner_optimizer.class_name) if name is not None else None
         if entry:
             restored[index] = entry
     if restored:

@@ -20,7 +20,7 @@ copies (an RPC sends a view's whole storage).
 """
 
 import secrets
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed.rpc as rpc
@@ -29,6 +29,7 @@ from torch import Tensor
 from .._torch_compat import remote_error_cause
 from ..metrics import data_plane
 from . import rows as owner_rows
+from .dynamic_embedding import DynamicEmbeddingBag
 from .embedding import Route, ShardedEmbeddingBag
 from .peer import creation_timeout, settle
 
@@ -63,7 +64,7 @@ class EmbeddingCollection:
     built again in the same process, so that a step's push is recognised).
     """
 
-    def __init__(self, tables: Mapping[str, ShardedEmbeddingBag], optimizer_layout: Mapping[str, Tuple[int, List[int]]],
+    def __init__(self, tables: Mapping[str, Union[ShardedEmbeddingBag, DynamicEmbeddingBag]], optimizer_layout: Mapping[str, Tuple[int, List[int]]],
                  peer: str, token: Optional[int] = None):
         self.tables = dict(tables)
         self.peer = peer
@@ -103,8 +104,10 @@ class EmbeddingCollection:
         """Which process of ``shard`` the handles were made by (``paramserver.shards.rows``)."""
         return self._incarnations[shard]
 
-    def lookup(self, features: Mapping[str, Tensor]) -> "CollectionLookup":
-        """Send every table's lookups of ``features[name]`` (``(bags, ids per bag)`` ids): one RPC per shard."""
+    def lookup(self, features: Mapping[str, Tensor], step: int = -1) -> "CollectionLookup":
+        """Send every table's lookups of ``features[name]`` (``(bags, ids per bag)`` ids): one RPC per shard.
+        ``step``: the training step they are for (dynamic tables admit and touch ids then); negative for a
+        lookup that only reads (evaluation)."""
         routes = {name: table.route(features[name]) for name, table in self.tables.items()}
         requests: Dict[str, Tuple[List[int], List[Tensor], List[Tuple[str, int]]]] = {}
         for name, route in routes.items():
@@ -114,7 +117,7 @@ class EmbeddingCollection:
                 handles.append(slot.table_handle)
                 ids.append(local_ids)
                 keys.append((name, position))
-        futures = {shard: rpc.rpc_async(shard, owner_rows.lookup, args=(self.incarnation(shard), handles, ids))
+        futures = {shard: rpc.rpc_async(shard, owner_rows.lookup, args=(self.incarnation(shard), handles, ids, step))
                    for shard, (handles, ids, _) in requests.items()}
         metrics = data_plane.slot.active
         if metrics is not None:  # one lookup RPC per shard, whatever the tables it serves

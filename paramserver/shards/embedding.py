@@ -67,6 +67,8 @@ class ShardedEmbeddingBag(nn.Module):
         self.dtype = dtype
         self.name = name or f"embedding-{uuid.uuid4().hex[:8]}"
         self.ranges: List[RowRange] = split_rows(num_embeddings, list(shards))
+        #: The shards holding rows of it.
+        self.shards: List[str] = [rows.shard for rows in self.ranges]
         seed = next(_default_seeds) if seed is None else seed
         futures, timeout = [], creation_timeout()
         for rows in self.ranges:

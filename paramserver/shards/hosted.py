@@ -12,7 +12,8 @@ What is hosted is kept in the process's ``ShardState`` (``state``): a
 hosted tensor lives as long as some RRef to it does.  A *shared* table
 (``host_rows(..., shared=True)``) is created by the first caller and found
 by name by the others, and lives as long as the shard: it is the model
-the shard serves, whichever worker asked for it first.  When the shard
+the shard serves, whichever worker asked for it first.  A dynamic table's
+part (``host_dynamic``) is always shared.  When the shard
 was started from a checkpoint (the state's ``restore_source``), a shared
 table's rows come from it instead of the seed.  Optimizer state is not
 kept here (see ``paramserver.optim.owner``).
@@ -24,6 +25,8 @@ import torch
 from torch import Tensor
 from torch.distributed.rpc import RRef
 
+from .dynamic import DynamicOptions, DynamicRows
+from .dynamic import part_name as dynamic_part_name
 from .state import ShardState
 
 
@@ -69,6 +72,36 @@ def host_rows(name: str, num_rows: int, embedding_dim: int, dtype: torch.dtype, 
         raise ValueError(f"shared table {name!r} is hosted here as {list(table.shape)} "
                          f"{table.dtype}, asked for [{num_rows}, {embedding_dim}] {dtype}")
     return RRef(table)
+
+
+def host_dynamic(table: str, embedding_dim: int, dtype: torch.dtype, seed: int, init_std: float,
+                 options: DynamicOptions, index: int, count: int) -> RRef:
+    """Host this shard's part (``index`` of ``count``) of dynamic table ``table`` (every trainer naming it
+    shares it; kept for the shard's lifetime), restored from the checkpoint the shard started from, if any,
+    whatever the number of shards that wrote it.  Called by RPC; returns an RRef to its slab."""
+    if embedding_dim <= 0:
+        raise ValueError(f"dynamic table {table!r}: embedding_dim must be positive, got {embedding_dim}")
+    options.check(table)
+    state = ShardState.current()
+    name = dynamic_part_name(table, index, count)
+
+    def create() -> DynamicRows:
+        rows = DynamicRows(name, embedding_dim, dtype, seed, init_std, options, lambda t: state.lock_for(t)[1])
+        restored = state.restore_source.dynamic_part(table, index, count) if state.restore_source else None
+        if restored is not None:
+            rows.restore(**restored)
+        return rows
+
+    rows = state.shared_dynamic(name, create)
+    if rows.embedding_dim != embedding_dim or rows.dtype != dtype or rows.options != options:
+        raise ValueError(f"dynamic table {name!r} is hosted here with rows of {rows.embedding_dim} {rows.dtype} and "
+                         f"{rows.options}, asked for {embedding_dim} {dtype} and {options}")
+    return RRef(rows.slab)
+
+
+def read_dynamic(slab: RRef, ids: Tensor) -> Tensor:
+    """RPC target: rows of ``ids`` (distinct) in a dynamic table's part, read only (zeros for ids without one)."""
+    return ShardState.current().dynamic_rows(slab.local_value()).lookup(ids, -1)
 
 
 def shared_tables():

@@ -11,7 +11,9 @@ Owns the RPC targets that a trainer's ``EmbeddingCollection``
   and handles of the process that died are refused (``StaleHandles``),
   never taken for its successor's.
 * ``lookup``: the rows of every table this shard serves to the step, in
-  one request and one reply (plain values: no autograd is recorded).
+  one request and one reply (plain values: no autograd is recorded); a
+  dynamic table's part (``paramserver.shards.dynamic``) is asked by id,
+  and admits and touches them at the step.
 * ``push``: the step's row gradients for every one of those tables,
   applied on arrival by the owner-side optimizer named by its handle (an
   ``OwnerOptimizer`` of ``paramserver.optim.owner``, reached through the
@@ -61,15 +63,20 @@ def _current(incarnation: int) -> ShardState:
 
 
 _library = torch.library.Library("paramserver_rows", "DEF")
-_library.define("lookup(int incarnation, int[] tables, Tensor[] ids) -> Tensor[]")
+_library.define("lookup(int incarnation, int[] tables, Tensor[] ids, int step) -> Tensor[]")
 _library.define("push(int incarnation, int optimizer, int[] params, Tensor[] ids, Tensor[] gradients, str peer, "
                 "int pusher, int step) -> int")
 
 
-def _lookup_kernel(incarnation: int, tables: List[int], ids: List[Tensor]) -> List[Tensor]:
+def _lookup_kernel(incarnation: int, tables: List[int], ids: List[Tensor], step: int) -> List[Tensor]:
     state = _current(incarnation)
     with torch.no_grad():
-        return [torch.index_select(state.table(handle), 0, rows) for handle, rows in zip(tables, ids)]
+        return [_rows(state, state.table(handle), rows, step) for handle, rows in zip(tables, ids)]
+
+
+def _rows(state: ShardState, table: Tensor, ids: Tensor, step: int) -> Tensor:
+    dynamic = state.dynamic_rows(table)
+    return torch.index_select(table, 0, ids) if dynamic is None else dynamic.lookup(ids, step)
 
 
 def _push_kernel(incarnation: int, optimizer: int, params: List[int], ids: List[Tensor], gradients: List[Tensor],
@@ -88,9 +95,11 @@ _library.impl("push", _push_kernel, "CompositeExplicitAutograd")
 
 
 @torch.jit.script
-def lookup(incarnation: int, tables: List[int], ids: List[Tensor]) -> List[Tensor]:
-    """RPC target: rows ``ids[i]`` (local indices) of table handle ``tables[i]``, for every ``i``."""
-    return torch.ops.paramserver_rows.lookup(incarnation, tables, ids)
+def lookup(incarnation: int, tables: List[int], ids: List[Tensor], step: int = -1) -> List[Tensor]:
+    """RPC target: rows ``ids[i]`` (local indices; ids of a dynamic table) of table handle ``tables[i]``, for
+    every ``i``.  ``step``: the trainer's step (a dynamic table touches and admits ids then); negative to
+    read only (evaluation)."""
+    return torch.ops.paramserver_rows.lookup(incarnation, tables, ids, step)
 
 
 @torch.jit.script

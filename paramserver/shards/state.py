@@ -3,7 +3,8 @@
 Owns, for a shard server (or any torch RPC peer that owns parameters, such
 as a trainer in a test): the hosted tensors, their names and their integer handles (held weakly:
 a tensor lives as long as some RRef to it does), the shared tables (kept
-for the process's life: the model the shard serves), the owner-side
+for the process's life: the model the shard serves), the dynamic table
+parts among them (``paramserver.shards.dynamic``, by their slab), the owner-side
 optimizers over them (by what they were asked for and by handle), a lock
 per parameter in one global order, the TorchScript compile lock, where
 restored values come from (``restore_source``), and the stop request.
@@ -31,6 +32,8 @@ class RestoreSource(Protocol):
 
     def rows(self, name: str, num_rows: int, embedding_dim: int, dtype: torch.dtype) -> Optional[Tensor]: ...
 
+    def dynamic_part(self, table: str, index: int, count: int) -> Optional[Dict]: ...
+
     def optimizer_state(self, name: str, optimizer: str) -> Optional[Dict[str, Tensor]]: ...
 
 
@@ -49,6 +52,7 @@ class ShardState:
         self._by_name: "weakref.WeakValueDictionary[str, Tensor]" = weakref.WeakValueDictionary()
         self._names_by_id: Dict[int, str] = {}
         self._shared: Dict[str, Tensor] = {}
+        self._dynamic: Dict[int, object] = {}  # id of a dynamic table's slab -> its DynamicRows
         self._tables_by_handle: "weakref.WeakValueDictionary[int, Tensor]" = weakref.WeakValueDictionary()
         self._table_handles: Dict[int, int] = {}
         self._table_handle_counter = itertools.count(1)
@@ -105,6 +109,25 @@ class ShardState:
             table = self._register_locked(name, create())
             self._shared[name] = table
             return table
+
+    def shared_dynamic(self, name: str, create: Callable[[], object]) -> object:
+        """The dynamic table part ``name`` (a ``paramserver.shards.dynamic.DynamicRows``), made by ``create()``
+        if there is none; its slab is hosted as a shared table under ``name``."""
+        with self._tensors_lock:
+            existing = self._shared.get(name)
+            if existing is not None:
+                rows = self._dynamic.get(id(existing))
+                if rows is None:
+                    raise ValueError(f"a table named {name!r} is hosted here with a fixed size")
+                return rows
+            rows = create()
+            self._shared[name] = self._register_locked(name, rows.slab)
+            self._dynamic[id(rows.slab)] = rows
+            return rows
+
+    def dynamic_rows(self, tensor: Tensor) -> Optional[object]:
+        """The ``DynamicRows`` whose slab ``tensor`` is, or ``None`` (a fixed tensor)."""
+        return self._dynamic.get(id(tensor))
 
     def shared_tables(self) -> Dict[str, Tensor]:
         """The shared tables hosted here, by name (what a checkpoint of this shard holds)."""

@@ -10,6 +10,8 @@ from typing import Dict, Optional
 import torch
 from torch import Tensor
 
+from ..shards.dynamic import DynamicOptions
+
 MODES = ("sum", "mean")
 
 
@@ -21,17 +23,41 @@ class Table:
     rows start N(0, ``init_std``²).  Placed whole on one shard (by size) or,
     from ``Trainer(row_wise_min_rows=...)`` rows up, split by rows over
     every shard.
+
+    ``num_embeddings=None`` makes a dynamic table (``DynamicEmbeddingBag``):
+    any int64 id is valid, its row made on the shard its hash names when it
+    is admitted (``admit_after`` lookups, then with probability
+    ``admit_probability``), and each shard keeps at most ``capacity`` rows,
+    evicting the least recently touched, and drops rows untouched for
+    ``ttl_steps`` steps.  Those four options are for dynamic tables only.
     """
 
     num_embeddings: Optional[int]
     embedding_dim: int
     mode: str = "sum"
     init_std: float = 0.01
+    capacity: Optional[int] = None
+    ttl_steps: Optional[int] = None
+    admit_after: int = 1
+    admit_probability: float = 1.0
+
+    @property
+    def dynamic(self) -> bool:
+        return self.num_embeddings is None
+
+    def dynamic_options(self, name: str) -> DynamicOptions:
+        """The admission and eviction options (``ValueError`` naming table ``name`` when one is wrong)."""
+        return DynamicOptions(self.capacity, self.ttl_steps, self.admit_after, self.admit_probability).check(name)
 
     def __post_init__(self):
         if self.num_embeddings is None:
-            raise NotImplementedError("tables without a fixed size (dynamic tables) are not available yet")
-        if self.num_embeddings <= 0 or self.embedding_dim <= 0:
+            if self.embedding_dim <= 0:
+                raise ValueError(f"a table needs a positive embedding_dim, got {self.embedding_dim}")
+            self.dynamic_options("?")
+        elif self.dynamic_options("?") != DynamicOptions():
+            raise ValueError("capacity, ttl_steps, admit_after and admit_probability are for dynamic tables "
+                             "(num_embeddings=None)")
+        elif self.num_embeddings <= 0 or self.embedding_dim <= 0:
             raise ValueError(f"a table needs positive num_embeddings and embedding_dim, got "
                              f"{self.num_embeddings} x {self.embedding_dim}")
         if self.mode not in MODES:

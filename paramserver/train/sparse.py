@@ -29,7 +29,7 @@ import datetime
 import logging
 import secrets
 import time
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed.rpc as rpc
@@ -37,7 +37,7 @@ from torch import Tensor
 
 from ..logs import one_line
 from ..optim import DistributedOptimizer
-from ..shards import EmbeddingCollection, ShardedEmbeddingBag, plan_dense
+from ..shards import DynamicEmbeddingBag, EmbeddingCollection, ShardedEmbeddingBag, plan_dense
 from ..shards.collection import CollectionLookup
 from .contract import Batch, Table
 
@@ -59,16 +59,27 @@ class RebuildStopped(RuntimeError):
 
 
 def build_tables(tables: Dict[str, Table], shards: Sequence[str], prefix: str, seed: int,
-                 row_wise_min_rows: int) -> Dict[str, ShardedEmbeddingBag]:
-    """Every table on ``shards``, named ``<prefix>.<table>`` there; the i-th table's rows drawn from ``seed + i``."""
+                 row_wise_min_rows: int) -> Dict[str, Union[ShardedEmbeddingBag, DynamicEmbeddingBag]]:
+    """Every table on ``shards``, named ``<prefix>.<table>`` there; the i-th table's rows drawn from ``seed + i``
+    (a dynamic table's over every shard)."""
     names = {name: f"{prefix}.{name}" for name in tables}
     whole = {names[name]: table.num_embeddings * table.embedding_dim for name, table in tables.items()
-             if table.num_embeddings < row_wise_min_rows}
+             if not table.dynamic and table.num_embeddings < row_wise_min_rows}
     plan = plan_dense(whole, list(shards)) if whole else {}
-    return {name: ShardedEmbeddingBag(table.num_embeddings, table.embedding_dim, table.mode,
-                                      shards=[plan[names[name]]] if names[name] in plan else list(shards),
-                                      name=names[name], seed=seed + index, shared=True, init_std=table.init_std)
-            for index, (name, table) in enumerate(tables.items())}
+    built: Dict[str, Union[ShardedEmbeddingBag, DynamicEmbeddingBag]] = {}
+    for index, (name, table) in enumerate(tables.items()):
+        if table.dynamic:  # over every shard, by the ids' hash
+            options = table.dynamic_options(name)
+            built[name] = DynamicEmbeddingBag(table.embedding_dim, table.mode, shards=list(shards), name=names[name],
+                                              seed=seed + index, init_std=table.init_std, capacity=options.capacity,
+                                              ttl_steps=options.ttl_steps, admit_after=options.admit_after,
+                                              admit_probability=options.admit_probability)
+        else:
+            built[name] = ShardedEmbeddingBag(table.num_embeddings, table.embedding_dim, table.mode,
+                                              shards=[plan[names[name]]] if names[name] in plan else list(shards),
+                                              name=names[name], seed=seed + index, shared=True,
+                                              init_std=table.init_std)
+    return built
 
 
 class SparseTables:
@@ -109,13 +120,14 @@ class SparseTables:
         return tables, optimizer, EmbeddingCollection(tables, optimizer.owner_layout(), rpc.get_worker_info().name,
                                                       self._pusher)
 
-    def lookup(self, batch: Batch) -> CollectionLookup:
-        """Send the batch's lookups, one RPC per shard for every table it serves (see ``EmbeddingCollection``)."""
-        return self.collection.lookup(batch.sparse)
+    def lookup(self, batch: Batch, step: int = -1) -> CollectionLookup:
+        """Send the batch's lookups for training step ``step`` (negative: evaluation, reading only), one RPC
+        per shard for every table it serves (see ``EmbeddingCollection``)."""
+        return self.collection.lookup(batch.sparse, step)
 
     def describe(self) -> str:
-        return ", ".join(f"{name} ({table.num_embeddings} x {table.embedding_dim} on "
-                         f"{', '.join(sorted({r.shard for r in table.ranges}))})"
+        return ", ".join(f"{name} ({'dynamic' if table.num_embeddings is None else table.num_embeddings} x "
+                         f"{table.embedding_dim} on {', '.join(sorted(set(table.shards)))})"
                          for name, table in self.tables.items())
 
     def step_succeeded(self) -> None:
@@ -189,7 +201,7 @@ class SparseTables:
 
 def rrefs_of(handle: Any) -> List[Any]:
     """The RRefs a handle of this module holds: a table's row ranges, or an optimizer's owner-side optimizers."""
-    if isinstance(handle, ShardedEmbeddingBag):
+    if isinstance(handle, (ShardedEmbeddingBag, DynamicEmbeddingBag)):
         return handle.remote_parameters()
     if isinstance(handle, DistributedOptimizer):
         return handle.remote_optimizers

@@ -78,7 +78,7 @@ def train_step(sparse: SparseTables, replica: DenseReplica, batch: Batch,
     times = times or StepTimes()
     device = replica.group.device
     try:
-        lookup = sparse.lookup(batch)
+        lookup = sparse.lookup(batch, replica.step)
         pooled = lookup.pooled()
     except (RuntimeError, TimeoutError) as error:
         raise ShardStepFailed(error) from error

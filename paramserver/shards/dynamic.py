@@ -1,0 +1,308 @@
+"""``DynamicRows``: one shard's part of a dynamic table (any int64 id; rows made, kept and dropped here).
+
+Owns, on a shard server, the rows of a table without a fixed size: the
+ids that hash to this shard (``id_hash.shard_of``) get a row on first
+admission (``Admission``), found through an ``IdIndex``; rows live in one
+slab tensor (the hosted parameter, which grows in place by ``GROWTH``),
+each slot with its id and the step it was last touched.  The slab is an
+ordinary parameter to the owner-side optimizer
+(``paramserver.optim.owner``): a push's ids become slots, and the same
+fused sparse update as a fixed table's runs over them.  The optimizer's
+per-row state lives in tensors shaped like the slab, so it follows the
+rows: this object tells every optimizer attached to it when the slab
+grows and when a slot gets a new id (its state rows start from zero).
+
+Memory is bounded by ``capacity`` rows: a lookup that would pass it first
+evicts the least recently touched rows (by the step of their last touch;
+never a row touched in the lookup's step), at least ``capacity // 64``
+at a time so that a full shard scans its rows once per that many new ids,
+not once per step; ids that still find no room read the default row and
+get no row.  ``ttl_steps``: rows untouched for more steps are evicted, in
+sweeps every ``ttl_steps // 8`` steps (so within ``ttl_steps * 9/8``).  An
+evicted id that comes back starts again from its initial value
+(``id_hash.initial_rows``) with fresh optimizer state.
+
+Every method takes the slab's lock (the one the optimizer's steps take),
+except those named ``*_locked``, whose caller holds it.  A lookup with a
+negative step reads only: nothing is admitted, touched or counted.
+"""
+
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .admission import Admission
+from .id_hash import initial_rows, shard_of
+from .id_index import IdIndex
+
+#: The slab grows by this factor (at least ``MIN_SLOTS`` rows) when it has no free slot.
+GROWTH = 1.25
+MIN_SLOTS = 1024
+_NEVER = torch.iinfo(torch.int32).max
+
+
+@dataclass(frozen=True)
+class DynamicOptions:
+    """How a dynamic table's shards admit and evict rows (every limit is per shard)."""
+
+    capacity: Optional[int] = None
+    ttl_steps: Optional[int] = None
+    admit_after: int = 1
+    admit_probability: float = 1.0
+
+    def check(self, table: str) -> "DynamicOptions":
+        """``ValueError`` naming ``table`` and the option that is wrong."""
+        if self.capacity is not None and self.capacity < 1:
+            raise ValueError(f"table {table!r}: capacity must be at least 1 row per shard, got {self.capacity}")
+        if self.ttl_steps is not None and self.ttl_steps < 1:
+            raise ValueError(f"table {table!r}: ttl_steps must be at least 1, got {self.ttl_steps}")
+        if self.admit_after < 1:
+            raise ValueError(f"table {table!r}: admit_after must be at least 1, got {self.admit_after}")
+        if not 0.0 < self.admit_probability <= 1.0:
+            raise ValueError(f"table {table!r}: admit_probability must be in (0, 1], got {self.admit_probability}")
+        return self
+
+
+def part_name(table: str, index: int, count: int) -> str:
+    """How shard ``index`` of ``count`` hosts its part of dynamic table ``table``."""
+    return f"{table}@{index}/{count}"
+
+
+def parse_part_name(name: str) -> Optional[Tuple[str, int, int]]:
+    """``"t@1/4"`` -> ``("t", 1, 4)``; ``None`` for a name that is no dynamic part."""
+    table, at, where = name.rpartition("@")
+    index, slash, count = where.partition("/")
+    if not at or not slash or not index.isdigit() or not count.isdigit():
+        return None
+    return table, int(index), int(count)
+
+
+class DynamicRows:
+    """The rows of ids ``shard_index`` of ``shard_count`` serves, of one dynamic table."""
+
+    def __init__(self, name: str, embedding_dim: int, dtype: torch.dtype, seed: int, init_std: float,
+                 options: DynamicOptions, lock_for: Callable[[Tensor], threading.Lock]):
+        self.name, self.embedding_dim, self.dtype = name, embedding_dim, dtype
+        self.seed, self.init_std, self.options = seed, init_std, options
+        #: The hosted parameter: row ``slot`` holds the id ``slot_ids[slot]`` where ``last_touch[slot] >= 0``.
+        self.slab = torch.empty(0, embedding_dim, dtype=dtype)
+        self.slot_ids = torch.empty(0, dtype=torch.int64)
+        self.last_touch = torch.empty(0, dtype=torch.int32)
+        self._free = torch.empty(0, dtype=torch.int64)
+        self._used = 0  # slots below this were used at least once
+        self.index = IdIndex()
+        self.admission = Admission(options.admit_after, options.admit_probability, seed)
+        self.clock = -1
+        self._last_sweep = -1
+        self.admitted = self.evicted = self.not_admitted = self.refused_full = 0
+        self._optimizers: List[Tuple["weakref.ref", int]] = []
+        self._restored_state: Optional[Tuple[str, Dict[str, Tensor]]] = None
+        self._lock = lock_for(self.slab)
+
+    # -- the optimizers whose state follows the rows -----------------------------
+    def attach(self, optimizer, index: int) -> None:
+        """``optimizer`` keeps per-row state of this slab as its parameter ``index``: it is told of growth
+        (``resize_state_rows``) and of slots given new ids (``reset_state_rows``), under the lock."""
+        with self._lock:
+            self._optimizers.append((weakref.ref(optimizer), index))
+
+    def _each_optimizer(self):
+        live = [(ref(), index) for ref, index in self._optimizers]
+        self._optimizers = [(ref, index) for (ref, index), (optimizer, _) in zip(self._optimizers, live)
+                            if optimizer is not None]
+        return [(optimizer, index) for optimizer, index in live if optimizer is not None]
+
+    # -- lookups and pushes ------------------------------------------------------
+    def lookup(self, ids: Tensor, step: int) -> Tensor:
+        """Rows of ``ids`` (distinct int64); an id without a row reads zeros.  With ``step`` >= 0 (training)
+        the ids are touched at ``step`` and new ones admitted, evicting what ``capacity`` requires."""
+        with self._lock:
+            slots = self.index.find(ids)
+            if step >= 0:
+                self._advance_locked(step)
+                held = slots[slots >= 0]
+                self.last_touch.index_fill_(0, held, step)  # before any eviction: these must stay
+                missing = (slots < 0).nonzero().view(-1)
+                if missing.numel():
+                    admitted = missing[self.admission.admit(ids[missing], step)]
+                    self.not_admitted += missing.numel() - admitted.numel()
+                    if admitted.numel():
+                        slots[admitted] = self._create_locked(ids[admitted], step)
+            held = slots >= 0
+            if bool(held.all()):
+                return self.slab.index_select(0, slots)
+            rows = torch.zeros(ids.numel(), self.embedding_dim, dtype=self.dtype)
+            where = held.nonzero().view(-1)
+            rows[where] = self.slab.index_select(0, slots[where])
+            return rows
+
+    def slots_locked(self, ids: Tensor) -> Tensor:
+        """The slots of ``ids`` now, -1 for ids without a row (a push's gradients for those are dropped)."""
+        return self.index.find(ids)
+
+    def _advance_locked(self, step: int) -> None:
+        if step <= self.clock:
+            return
+        self.clock = step
+        ttl = self.options.ttl_steps
+        if ttl is not None and step - self._last_sweep >= max(1, ttl // 8):
+            self._last_sweep = step
+            touch = self.last_touch[:self._used]
+            self._evict_locked(((touch >= 0) & (touch < step - ttl)).nonzero().view(-1))
+
+    def _create_locked(self, ids: Tensor, step: int) -> Tensor:
+        """Rows for ``ids`` (distinct, none held), made room for; their slots, -1 for those left without."""
+        slots = torch.full((ids.numel(),), -1, dtype=torch.int64)
+        count = ids.numel()
+        capacity = self.options.capacity
+        if capacity is not None:
+            room = capacity - len(self.index)
+            if count > room:
+                room += self._evict_least_recent_locked(count - room, step)
+            if count > room:
+                self.refused_full += count - room
+                count = room
+        if count <= 0:
+            return slots
+        new_ids = ids[:count]
+        taken = self._take_slots_locked(count)
+        self.slab.index_copy_(0, taken, initial_rows(new_ids, self.seed, self.embedding_dim, self.init_std,
+                                                     self.dtype))
+        self.slot_ids.index_copy_(0, taken, new_ids)
+        self.last_touch.index_fill_(0, taken, step)
+        self.index.insert(new_ids, taken)
+        for optimizer, index in self._each_optimizer():
+            optimizer.reset_state_rows(index, taken)
+        self.admitted += count
+        slots[:count] = taken
+        return slots
+
+    def _evict_least_recent_locked(self, needed: int, step: int) -> int:
+        """Evict at least ``needed`` rows (``capacity // 64`` if more) of those least recently touched before
+        ``step``; returns how many were evicted (fewer when too few rows were touched before ``step``)."""
+        touch = self.last_touch[:self._used]
+        evictable = (touch >= 0) & (touch < step)
+        count = min(max(needed, (self.options.capacity or 0) // 64), int(evictable.sum()))
+        if count <= 0:
+            return 0
+        victims = torch.topk(torch.where(evictable, touch, _NEVER), count, largest=False, sorted=False).indices
+        self._evict_locked(victims)
+        return count
+
+    def _evict_locked(self, slots: Tensor) -> None:
+        if slots.numel() == 0:
+            return
+        self.index.remove(self.slot_ids.index_select(0, slots))
+        self.last_touch.index_fill_(0, slots, -1)
+        self._free = torch.cat((self._free, slots))
+        self.evicted += slots.numel()
+
+    def _take_slots_locked(self, count: int) -> Tensor:
+        reused = min(count, self._free.numel())
+        taken = self._free[self._free.numel() - reused:]
+        self._free = self._free[:self._free.numel() - reused].clone()
+        fresh = count - reused
+        if fresh:
+            if self._used + fresh > self.slab.size(0):
+                self._grow_locked(self._used + fresh)
+            taken = torch.cat((taken, torch.arange(self._used, self._used + fresh)))
+            self._used += fresh
+        return taken
+
+    def _grow_locked(self, needed: int) -> None:
+        rows = max(needed, int(self.slab.size(0) * GROWTH), MIN_SLOTS)
+        if self.options.capacity is not None:
+            rows = max(needed, min(rows, self.options.capacity))
+        added = rows - self.slab.size(0)
+        self.slab.resize_(rows, self.embedding_dim)  # in place: the optimizers and RRefs hold this tensor
+        self.slot_ids = torch.cat((self.slot_ids, torch.zeros(added, dtype=torch.int64)))
+        self.last_touch = torch.cat((self.last_touch, torch.full((added,), -1, dtype=torch.int32)))
+        for optimizer, index in self._each_optimizer():
+            optimizer.resize_state_rows(index, rows)
+
+    # -- figures -------------------------------------------------------------------
+    def stats(self) -> Dict[str, int]:
+        """Rows held, admitted, evicted, not admitted (below the admission bar, or no room), and bytes of the
+        rows, ids, touches, index and admission counts (optimizer state not included)."""
+        with self._lock:
+            return {"rows": len(self.index), "admitted": self.admitted, "evicted": self.evicted,
+                    "not_admitted": self.not_admitted + self.refused_full, "bytes": self._nbytes_locked()}
+
+    def _nbytes_locked(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.slab, self.slot_ids, self.last_touch)) + \
+            self.index.nbytes + self.admission.nbytes
+
+    # -- checkpoints -------------------------------------------------------------------
+    def checkpoint_entry(self) -> Dict:
+        """The rows held (ids, values, last touches), the state of the first optimizer attached over them,
+        admission counts and clock: taken together, under the lock (no step runs meanwhile)."""
+        with self._lock:
+            ids, slots = self.index.items()
+            order = torch.argsort(slots)
+            ids, slots = ids[order], slots[order]
+            optimizer_name, state = "", {}
+            attached = self._each_optimizer()
+            if attached:
+                optimizer, index = attached[0]
+                optimizer_name = optimizer.class_name
+                state = {key: value.index_select(0, slots) if value.dim() > 0 else value.clone()
+                         for key, value in optimizer.state_locked(index).items()}
+            return {"dynamic": True, "ids": ids, "value": self.slab.index_select(0, slots),
+                    "last_touch": self.last_touch.index_select(0, slots), "optimizer": optimizer_name,
+                    "state": state, "admission": self.admission.state_dict(), "clock": self.clock}
+
+    def restore(self, ids: Tensor, values: Tensor, last_touch: Tensor, optimizer: str, state: Dict[str, Tensor],
+                admission: List[Dict[str, Tensor]], clock: int) -> None:
+        """Hold ``ids`` with ``values`` (before any lookup); ``state`` (rows in the same order) is handed to the
+        optimizer that asks (``restored_optimizer_state``)."""
+        with self._lock:
+            if len(self.index) or self._optimizers:
+                raise RuntimeError(f"dynamic table {self.name!r} is in use: it can only be restored before")
+            count = ids.numel()
+            if count:
+                slots = self._take_slots_locked(count)
+                self.slab[:count] = values.to(self.dtype)
+                self.slot_ids[:count] = ids
+                self.last_touch[:count] = last_touch.to(torch.int32)
+                self.index.insert(ids, slots)
+            self.admission.merge_state(admission)
+            self.clock = self._last_sweep = clock
+            self._restored_state = (optimizer, state) if optimizer else None
+
+    def restored_optimizer_state(self, optimizer: str) -> Optional[Dict[str, Tensor]]:
+        """The restored state of ``optimizer`` (a class name) for the whole slab, or ``None``."""
+        with self._lock:
+            if self._restored_state is None or self._restored_state[0] != optimizer:
+                return None
+            full = {}
+            for key, rows in self._restored_state[1].items():
+                if rows.dim() == 0:
+                    full[key] = rows.clone()
+                    continue
+                value = torch.zeros((self.slab.size(0),) + tuple(rows.shape[1:]), dtype=rows.dtype)
+                value[:rows.size(0)] = rows
+                full[key] = value
+            return full
+
+
+def select_part(pieces: List[Dict], index: int, count: int) -> Dict:
+    """The rows of shard ``index`` of ``count`` among checkpoint entries of every part of one dynamic table
+    (written by any number of shards): ids re-routed by ``shard_of``; admission counts of all parts."""
+    ids = torch.cat([piece["ids"] for piece in pieces])
+    mine = (shard_of(ids, count) == index).nonzero().view(-1)
+    with_state = [piece for piece in pieces if piece["optimizer"]]
+    optimizer = with_state[0]["optimizer"] if with_state and len(with_state) == len(pieces) else ""
+    state = {}
+    if optimizer:
+        for key, value in with_state[0]["state"].items():
+            state[key] = value.clone() if value.dim() == 0 else \
+                torch.cat([piece["state"][key] for piece in pieces]).index_select(0, mine)
+    return {"ids": ids.index_select(0, mine),
+            "values": torch.cat([piece["value"] for piece in pieces]).index_select(0, mine),
+            "last_touch": torch.cat([piece["last_touch"] for piece in pieces]).index_select(0, mine),
+            "optimizer": optimizer, "state": state, "admission": [piece["admission"] for piece in pieces],
+            "clock": max(int(piece["clock"]) for piece in pieces)}

@@ -1,0 +1,183 @@
+"""``IdIndex``: a hash map from int64 ids to row slots, with every operation vectorized over a batch of ids.
+
+Owns where a dynamic table's ids are (``paramserver.shards.dynamic``).  A
+Python dict costs a Python object and a trip through the interpreter per
+id; this index is two tensors of buckets, ``LANES`` lanes each (the ids, and
+the slots they map to), probed a batch at a time with torch operations:
+an id goes to the bucket its Fibonacci hash names (``id_hash.bucket_of``),
+or, when that bucket is full, to the next one that is not.  A lookup reads
+the id's whole bucket at once (sixteen ids: two adjacent cache lines) and
+stops at the first bucket with an empty lane, so nearly every id is found
+in the first round (the others in a round or two more).
+
+Removing an id leaves a tombstone (the lane is reused by a later insert,
+but still counts as taken for lookups, so that ids placed past it stay
+found); the index is rebuilt when ids and tombstones together fill
+``MAX_LOAD`` of the lanes, at twice the size when the ids alone fill more
+than half.  Not thread-safe: its owner serializes calls.
+"""
+
+from typing import Tuple
+
+import torch
+from torch import Tensor
+
+from .id_hash import bucket_of, _GOLDEN
+
+LANES = 16
+EMPTY = -1
+REMOVED = -2
+#: Lanes taken (ids and tombstones) at which the index is rebuilt.
+MAX_LOAD = 0.6
+_GOLDEN_INVERSE = pow(_GOLDEN % (1 << 64), -1, 1 << 64)
+_GOLDEN_INVERSE -= (1 << 64) if _GOLDEN_INVERSE >= 1 << 63 else 0
+
+
+class IdIndex:
+    """int64 id -> slot (a non-negative int32), for batches of ids."""
+
+    def __init__(self, expected: int = 0):
+        self._allocate(self._buckets_for(expected))
+        self.size = 0
+        self.removed = 0
+
+    @staticmethod
+    def _buckets_for(ids: int) -> int:
+        buckets = 16
+        while buckets * LANES * MAX_LOAD < 2 * ids:
+            buckets *= 2
+        return buckets
+
+    def _allocate(self, buckets: int) -> None:
+        self._bits = buckets.bit_length() - 1
+        self._mask = buckets - 1
+        #: Overflow never goes further than this past an id's own bucket (the index grows instead), so the
+        #: unused key below can never be an id looked for in that bucket.
+        self._max_run = max(1, buckets // 4)
+        self.keys = self._unused_keys(torch.arange(buckets)).unsqueeze(1).repeat(1, LANES)
+        self.slots = torch.full((buckets, LANES), EMPTY, dtype=torch.int32)
+
+    def _unused_keys(self, buckets: Tensor) -> Tensor:
+        """A key for an unused lane of each of ``buckets``: an id whose own bucket is half the index away."""
+        far = (buckets + (self._mask + 1) // 2) & self._mask
+        return (far << (64 - self._bits)) * _GOLDEN_INVERSE if self._bits else far
+
+    def __len__(self) -> int:
+        return self.size
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.numel() * self.keys.element_size() + self.slots.numel() * self.slots.element_size()
+
+    def find(self, ids: Tensor) -> Tensor:
+        """The slot of each of ``ids`` (int64), -1 where an id is not held."""
+        slots = torch.full((ids.numel(),), -1, dtype=torch.int64)
+        active, wanted, probe = None, ids, bucket_of(ids, self._bits)
+        for _ in range(self._max_run + 1):
+            lane, hit = self._matching_lane(self.keys.index_select(0, probe), wanted)
+            found = self.slots.view(-1).index_select(0, probe * LANES + lane).long()
+            if active is None:
+                slots = torch.where(hit, found, slots)
+            else:
+                slots[active[hit]] = found[hit]
+            # an id not found goes on only past a bucket with no empty lane (it could have overflowed)
+            missed = (~hit).nonzero().view(-1)
+            if missed.numel() == 0:
+                break
+            going_on = missed[(self.slots.index_select(0, probe[missed]) != EMPTY).all(1)]
+            if going_on.numel() == 0:
+                break
+            active = going_on if active is None else active[going_on]
+            wanted, probe = wanted[going_on], (probe[going_on] + 1) & self._mask
+        return slots
+
+    @staticmethod
+    def _matching_lane(rows: Tensor, wanted: Tensor) -> Tuple[Tensor, Tensor]:
+        """The lane of each of ``rows`` (buckets' keys) holding the id ``wanted`` (0 if none), and whether one does.
+
+        A bucket's matches are ``LANES`` bytes, read as ``LANES // 8`` int64 words: the only set byte of the
+        only non-zero word says which lane.
+        """
+        words = (rows == wanted.unsqueeze(1)).view(torch.int64)
+        word_index = (words != 0).int().argmax(1)
+        word = words.gather(1, word_index.unsqueeze(1).long()).view(-1)
+        byte = ((torch.frexp(word.double()).exponent.long() - 1) >> 3).clamp_(min=0)  # 0 where none matched
+        return word_index.long() * 8 + byte, word != 0
+
+    def insert(self, ids: Tensor, slots: Tensor) -> None:
+        """Map ``ids`` (distinct, none held) to ``slots``."""
+        if ids.numel() == 0:
+            return
+        if (self.size + self.removed + ids.numel()) > MAX_LOAD * self.keys.numel():
+            self._rebuild(self.size + ids.numel())
+        wanted, values = ids, slots.to(torch.int32)
+        while True:
+            wanted, values = self._place(wanted, values)
+            if wanted.numel() == 0:
+                break
+            self._rebuild(2 * (self.size + wanted.numel()))  # a run grew too long: a bigger index
+        self.size += ids.numel()
+
+    def _place(self, ids: Tensor, slots: Tensor) -> Tuple[Tensor, Tensor]:
+        """Place what can be within ``_max_run`` buckets of its own; returns what could not."""
+        home = bucket_of(ids, self._bits)
+        wanted, values, probe = ids, slots, home
+        while wanted.numel():
+            lanes_free = self.slots.index_select(0, probe) < 0
+            has_free = lanes_free.any(1)
+            lane = lanes_free.int().argmax(1).long()
+            trying = has_free.nonzero().view(-1)
+            at = probe[trying] * LANES + lane[trying]
+            # ids after the same free lane all write it; the one whose write stands takes it, the others retry
+            self.keys.view(-1)[at] = wanted[trying]
+            won = self.keys.view(-1)[at] == wanted[trying]
+            at_won = at[won]
+            self.removed -= int((self.slots.view(-1)[at_won] == REMOVED).sum())
+            self.slots.view(-1)[at_won] = values[trying[won]]
+            placed = torch.zeros(wanted.numel(), dtype=torch.bool)
+            placed[trying[won]] = True
+            probe = torch.where(has_free, probe, (probe + 1) & self._mask)
+            rest = ~placed
+            wanted, values, probe, home = wanted[rest], values[rest], probe[rest], home[rest]
+            too_far = ((probe - home) & self._mask) > self._max_run
+            if too_far.any():
+                return wanted, values
+        return wanted, values
+
+    def remove(self, ids: Tensor) -> None:
+        """Forget ``ids`` (those not held are ignored)."""
+        slots = self.find(ids)
+        held = ids[slots >= 0]
+        if held.numel() == 0:
+            return
+        at = self._lanes_of(held)
+        self.keys.view(-1)[at] = self._unused_keys(at // LANES)
+        self.slots.view(-1)[at] = REMOVED
+        self.size -= held.numel()
+        self.removed += held.numel()
+
+    def _lanes_of(self, ids: Tensor) -> Tensor:
+        """Flat lane positions of ``ids`` (every one held)."""
+        at = torch.empty(ids.numel(), dtype=torch.int64)
+        active, wanted, probe = torch.arange(ids.numel()), ids, bucket_of(ids, self._bits)
+        while active.numel():
+            lane, hit = self._matching_lane(self.keys.index_select(0, probe), wanted)
+            at[active[hit]] = probe[hit] * LANES + lane[hit]
+            active, wanted, probe = active[~hit], wanted[~hit], (probe[~hit] + 1) & self._mask
+        return at
+
+    def items(self) -> Tuple[Tensor, Tensor]:
+        """Every (id, slot) held, as two tensors (int64, int64)."""
+        held = self.slots >= 0
+        return self.keys[held], self.slots[held].long()
+
+    def _rebuild(self, ids: int) -> None:
+        keys, slots = self.items()
+        buckets = max(self._buckets_for(ids), self.keys.size(0))
+        while True:
+            self._allocate(buckets)
+            self.removed = 0
+            left, _ = self._place(keys, slots.to(torch.int32))
+            if left.numel() == 0:
+                return
+            buckets *= 2

@@ -1,0 +1,230 @@
+"""Dynamic tables in one process: the id index, admission, capacity and TTL eviction, rows re-created from
+their initial values, optimizer state following the rows (equal to a fixed table's on the rows both hold),
+routing, and a checkpoint restored onto another number of shards."""
+
+import pytest
+import torch
+
+from torch.optim import SGD
+
+from paramserver.optim import QHM
+from paramserver.optim.owner import OwnerOptimizer
+from paramserver.optim.registry import functional_optim_map
+from paramserver.shards.dynamic import DynamicOptions, DynamicRows, select_part
+from paramserver.shards.id_hash import initial_rows, shard_of
+from paramserver.shards.id_index import IdIndex
+from paramserver.shards.state import ShardState
+from paramserver.train.contract import Table
+
+DIM = 4
+INT64_MIN, INT64_MAX = -2 ** 63, 2 ** 63 - 1
+
+
+def spread_ids(count: int, seed: int = 0) -> torch.Tensor:
+    """Distinct ids over the whole int64 range, the extremes and small ones included."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(INT64_MIN, INT64_MAX, (count,), generator=generator)
+    ids = torch.cat([ids, torch.tensor([INT64_MIN, INT64_MAX, -1, 0, 1])]).unique()
+    return ids[torch.randperm(ids.numel(), generator=generator)]
+
+
+def dynamic(options: DynamicOptions = DynamicOptions(), state: ShardState = None, seed: int = 3) -> DynamicRows:
+    state = state or ShardState()
+    return state.shared_dynamic("t@0/1", lambda: DynamicRows("t@0/1", DIM, torch.float32, seed, 0.1, options,
+                                                             lambda t: state.lock_for(t)[1]))
+
+
+def held_ids(rows: DynamicRows) -> set:
+    return set(rows.index.items()[0].tolist())
+
+
+def test_the_index_maps_ids_over_the_whole_int64_range_through_growth_and_removal():
+    index = IdIndex()
+    ids = spread_ids(60_000)
+    for start in range(0, ids.numel(), 5_000):  # grows several times
+        index.insert(ids[start:start + 5_000], torch.arange(start, min(start + 5_000, ids.numel())))
+    assert torch.equal(index.find(ids), torch.arange(ids.numel()))
+    others = spread_ids(1_000, seed=1)
+    assert (index.find(others[~torch.isin(others, ids)]) == -1).all()
+    index.remove(ids[:20_000])
+    index.remove(ids[:10])  # not held any more: ignored
+    found = index.find(ids)
+    assert (found[:20_000] == -1).all() and torch.equal(found[20_000:], torch.arange(20_000, ids.numel()))
+    index.insert(ids[:5_000], torch.arange(5_000) + 100_000)
+    assert torch.equal(index.find(ids[:5_000]), torch.arange(5_000) + 100_000)
+    assert len(index) == ids.numel() - 15_000
+    # ids crowding one bucket make the index grow, never lose one
+    crowd = torch.arange(3_000) << 40
+    crowded = IdIndex()
+    crowded.insert(crowd, torch.arange(3_000))
+    assert torch.equal(crowded.find(crowd), torch.arange(3_000))
+
+
+def test_routing_and_initial_rows_are_fixed_functions_of_the_id():
+    ids = spread_ids(10_000)
+    owner = shard_of(ids, 4)
+    assert owner.min() >= 0 and owner.max() < 4 and torch.bincount(owner).min() > 2_000
+    assert torch.equal(shard_of(ids, 4), owner)
+    rows = initial_rows(ids, 7, 16, 0.5, torch.float32)
+    assert torch.equal(rows, initial_rows(ids, 7, 16, 0.5, torch.float32))
+    assert not torch.equal(rows, initial_rows(ids, 8, 16, 0.5, torch.float32))
+    assert rows.std().item() == pytest.approx(0.5, rel=0.05) and abs(rows.mean().item()) < 0.01
+
+
+def test_rows_are_made_on_first_lookup_and_read_as_their_initial_values():
+    rows = dynamic()
+    ids = spread_ids(500)
+    assert torch.equal(rows.lookup(ids, -1), torch.zeros(ids.numel(), DIM))  # reading admits nothing
+    assert len(rows.index) == 0
+    assert torch.equal(rows.lookup(ids, 0), initial_rows(ids, 3, DIM, 0.1, torch.float32))
+    assert torch.equal(rows.lookup(ids, -1), initial_rows(ids, 3, DIM, 0.1, torch.float32))
+    assert rows.stats()["rows"] == ids.numel() == rows.stats()["admitted"]
+
+
+def test_an_id_is_admitted_once_seen_in_admit_after_lookups():
+    rows = dynamic(DynamicOptions(admit_after=3))
+    ids = spread_ids(200)
+    for step in range(2):
+        assert torch.equal(rows.lookup(ids, step), torch.zeros(ids.numel(), DIM))
+    assert len(rows.index) == 0 and rows.stats()["not_admitted"] == 2 * ids.numel()
+    assert torch.equal(rows.lookup(ids, 2), initial_rows(ids, 3, DIM, 0.1, torch.float32))
+    assert len(rows.index) == ids.numel()
+    sampled = dynamic(DynamicOptions(admit_probability=0.25))
+    sampled.lookup(spread_ids(4_000), 0)
+    assert 800 < len(sampled.index) < 1_200
+
+
+def test_capacity_is_never_exceeded_and_the_hot_ids_are_never_evicted():
+    capacity = 300
+    rows = dynamic(DynamicOptions(capacity=capacity))
+    hot = spread_ids(100, seed=5)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(40):
+        cold = torch.randint(INT64_MIN, INT64_MAX, (90,), generator=generator)
+        ids = torch.cat([hot, cold]).unique()
+        values = rows.lookup(ids, step)
+        assert len(rows.index) <= capacity
+        assert hot.tolist() and set(hot.tolist()) <= held_ids(rows)
+        # every id of the step got its row (there was room among rows of earlier steps)
+        assert (values.abs().sum(1) > 0).all()
+    assert rows.stats()["evicted"] >= 40 * 90 - capacity
+    # a step asking for more new ids than the shard can hold: the extra ones read zeros, none evicted from it
+    full = dynamic(DynamicOptions(capacity=50))
+    values = full.lookup(spread_ids(80), 0)
+    assert len(full.index) == 50 and int((values.abs().sum(1) > 0).sum()) == 50
+
+
+def test_rows_untouched_for_ttl_steps_are_evicted_and_come_back_from_their_initial_values():
+    rows = dynamic(DynamicOptions(ttl_steps=3))
+    old, kept = spread_ids(50, seed=1), spread_ids(50, seed=2)
+    kept = kept[~torch.isin(kept, old)]
+    rows.lookup(torch.cat([old, kept]), 0)
+    rows.slab.add_(1.0)  # as if trained
+    for step in range(1, 5):
+        rows.lookup(kept, step)
+    assert not set(old.tolist()) & held_ids(rows) and set(kept.tolist()) <= held_ids(rows)
+    assert rows.stats()["evicted"] == old.numel()
+    assert torch.equal(rows.lookup(old, 5), initial_rows(old, 3, DIM, 0.1, torch.float32))
+
+
+def assert_same(actual, expected):
+    """Equal up to float rounding: the multi-tensor kernels round a row's values alike only where it sits alike
+    in the batch (a vectorized body or a scalar tail), and the two tables order their rows differently."""
+    torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-7)
+
+
+def _owner_optimizer(state: ShardState, params, optimizer=QHM, **options):
+    return OwnerOptimizer(optimizer, functional_optim_map[optimizer], params, [f"p{i}" for i in range(len(params))],
+                          (), options, state)
+
+
+@pytest.mark.parametrize("optimizer,options", [(QHM, dict(lr=0.5, momentum=0.9, nu=0.7)),
+                                               (SGD, dict(lr=0.5, momentum=0.9, dampening=0.1))])
+def test_updates_equal_a_fixed_table_holding_the_same_rows_with_state_following_the_rows(optimizer, options):
+    state = ShardState()
+    rows = dynamic(DynamicOptions(capacity=1500), state)
+    universe = spread_ids(2_000)
+    fixed = initial_rows(universe, 3, DIM, 0.1, torch.float32)
+    fixed_optimizer = _owner_optimizer(state, [fixed], optimizer, **options)
+    dynamic_optimizer = _owner_optimizer(state, [rows.slab], optimizer, **options)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(12):  # the slab grows, rows get evicted: the held rows stay equal
+        positions = torch.randperm(universe.numel(), generator=generator)[:400].sort().values
+        ids = universe[positions]
+        looked_up = rows.lookup(ids, step)
+        held = looked_up.abs().sum(1) > 0
+        assert_same(looked_up[held], fixed[positions[held]])
+        gradients = torch.randn(ids.numel(), DIM, generator=generator)
+        dynamic_optimizer.apply_rows([0], [ids], [gradients], "test")
+        fixed_optimizer.apply_rows([0], [positions[held]], [gradients[held]], "test")
+        # an evicted id's row starts again from its initial value: so does the fixed table's copy of it
+        gone = torch.tensor(sorted(set(universe.tolist()) - held_ids(rows)), dtype=torch.int64)
+        lost = torch.isin(universe, gone).nonzero().view(-1)
+        fixed[lost] = initial_rows(universe[lost], 3, DIM, 0.1, torch.float32)
+        fixed_state = fixed_optimizer.state_dict().get(0)
+        if fixed_state:
+            for value in fixed_state.values():
+                if value.dim():
+                    value[lost] = 0
+            fixed_optimizer.load_state_dict({0: fixed_state})
+    assert rows.stats()["evicted"] > 0 and rows.slab.size(0) > 1024
+    held, slots = rows.index.items()
+    positions = torch.searchsorted(universe.sort().values, held)
+    order = universe.argsort()[positions]
+    assert_same(rows.slab[slots], fixed[order])
+    dynamic_state, fixed_state = dynamic_optimizer.state_dict()[0], fixed_optimizer.state_dict()[0]
+    for key, value in dynamic_state.items():
+        assert_same(value[slots], fixed_state[key][order])
+
+
+def test_an_optimizer_whose_state_cannot_follow_rows_is_refused_naming_the_table():
+    state = ShardState()
+    rows = dynamic(state=state)
+    with pytest.raises(TypeError, match="t@0/1"):
+        _owner_optimizer(state, [rows.slab], torch.optim.Adagrad, lr=0.1)
+
+
+def test_a_checkpoint_is_restored_onto_another_number_of_shards():
+    states = [ShardState(), ShardState()]
+    parts = [dynamic(DynamicOptions(admit_after=2), state, seed=3) for state in states]
+    optimizers = [_owner_optimizer(state, [part.slab], lr=0.5, momentum=0.9, nu=0.7)
+                  for state, part in zip(states, parts)]
+    ids = spread_ids(3_000)
+    owner = shard_of(ids, 2)
+    for step in range(3):
+        for index, (part, optimizer) in enumerate(zip(parts, optimizers)):
+            mine = ids[owner == index]
+            part.lookup(mine, step)
+            optimizer.apply_rows([0], [mine], [torch.ones(mine.numel(), DIM) * (step + 1)], "test")
+    entries = [part.checkpoint_entry() for part in parts]
+    values = {i: v for part in parts for i, v in zip(part.index.items()[0].tolist(),
+                                                     part.slab[part.index.items()[1]])}
+    momentum = {}
+    for part, optimizer in zip(parts, optimizers):
+        ids_held, slots = part.index.items()
+        buffer = optimizer.state_dict()[0]["momentum_buffer"]
+        momentum.update({i: b for i, b in zip(ids_held.tolist(), buffer[slots])})
+    for count in (1, 3):
+        restored_ids = set()
+        for index in range(count):
+            new_state = ShardState()
+            part = dynamic(DynamicOptions(admit_after=2), new_state)
+            part.restore(**select_part(entries, index, count))
+            optimizer = _owner_optimizer(new_state, [part.slab], lr=0.5, momentum=0.9, nu=0.7)
+            optimizer.load_state_dict({0: part.restored_optimizer_state(optimizer.class_name)})
+            held, slots = part.index.items()
+            assert (shard_of(held, count) == index).all()
+            restored_ids |= set(held.tolist())
+            buffers = optimizer.state_dict()[0]["momentum_buffer"][slots]
+            for i, row, buffer in zip(held.tolist(), part.slab[slots], buffers):
+                assert torch.equal(row, values[i]) and torch.equal(buffer, momentum[i])
+            assert part.clock == 2 and part.admission.counts.sum() > 0
+        assert restored_ids == set(values)
+
+
+def test_tables_check_their_options_and_route_any_int64_id():
+    with pytest.raises(ValueError, match="capacity"):
+        Table(None, 8, capacity=0)
+    with pytest.raises(ValueError, match="dynamic tables"):
+        Table(100, 8, capacity=10)
+    assert Table(None, 8, ttl_steps=5).dynamic
