@@ -1,5 +1,6 @@
 """EmbeddingCollection on shard servers over loopback: one lookup and one push per shard per step, and rows
-exactly equal to the unfused path's (a lookup RPC per row range, dist_autograd, DistributedOptimizer.step)."""
+exactly equal to the unfused path's (a lookup RPC per row range, dist_autograd, DistributedOptimizer.step);
+a dynamic table trained alongside a fixed table of the same rows, equal to it."""
 
 import collections
 
@@ -10,7 +11,8 @@ import torch.distributed.rpc as rpc
 
 from dataplane import run_cluster, shard_names
 from paramserver.optim import QHM, DistributedOptimizer
-from paramserver.shards import EmbeddingCollection, ShardedEmbeddingBag, ShardRequestFailed
+from paramserver.shards import DynamicEmbeddingBag, EmbeddingCollection, ShardedEmbeddingBag, ShardRequestFailed
+from paramserver.shards.id_hash import initial_rows
 from paramserver.shards import rows as owner_rows
 
 pytestmark = pytest.mark.timeout(150)
@@ -167,6 +169,39 @@ def trainer_pushes_are_idempotent_per_step():
     assert not torch.equal(tables["idem"].fetch_weight(), before)
 
 
+def trainer_dynamic_equals_fixed():
+    """A dynamic table over 3 shards, ids anywhere in int64, trains like a fixed table made of the same rows."""
+    shards = shard_names(3)
+    universe = torch.cat([torch.randint(-2 ** 63, 2 ** 63 - 1, (300,)), torch.tensor([-2 ** 63, -1, 0])]).unique()
+    dynamic = DynamicEmbeddingBag(DIM, "sum", shards=shards, name="dyn", seed=11, init_std=0.1)
+    fixed = ShardedEmbeddingBag.from_pretrained(initial_rows(universe, 11, DIM, 0.1, torch.float32), "sum",
+                                                shards=shards, name="dyn-fixed")
+    tables = {"dynamic": dynamic, "fixed": fixed}
+    optimizer = _optimizer(tables)
+    collection = EmbeddingCollection(tables, optimizer.owner_layout(), rpc.get_worker_info().name)
+    for bad in (torch.rand(4, 2), torch.zeros(4, 2, 2, dtype=torch.int64)):
+        with _CountedRpc() as counted, pytest.raises((TypeError, ValueError), match=r"'dyn'.*\[4, 2"):
+            collection.lookup({"dynamic": bad, "fixed": torch.zeros(4, 2, dtype=torch.int64)}, 0)
+        assert not counted.calls  # nothing was sent
+    seen = torch.zeros(universe.numel(), dtype=torch.bool)
+    for step in range(5):
+        positions = torch.randint(0, universe.numel(), (16, 2))
+        seen[positions.view(-1)] = True
+        with _CountedRpc() as counted:
+            lookup = collection.lookup({"dynamic": universe[positions], "fixed": positions}, step)
+            pooled = lookup.pooled()
+            torch.testing.assert_close(pooled["dynamic"], pooled["fixed"], rtol=1e-6, atol=1e-7)
+            target = torch.randn(16, DIM)
+            ((pooled["dynamic"] * target).sum() + (pooled["fixed"] * target).sum()).backward()
+            lookup.push(step).wait()
+        assert counted.calls == {(kind, shard): 1 for kind in ("lookup", "push") for shard in shards}, counted.calls
+    rows = dynamic(universe.view(-1, 1))  # reading only: ids never looked up in training have no row
+    torch.testing.assert_close(rows[seen], fixed.fetch_weight()[seen], rtol=1e-6, atol=1e-7)
+    assert torch.equal(rows[~seen], torch.zeros(int((~seen).sum()), DIM))
+    unseen = dynamic(torch.tensor([[12345678987654321]]))
+    assert torch.equal(unseen, torch.zeros(1, DIM))
+
+
 def test_one_lookup_and_one_push_per_shard_with_rows_equal_to_the_unfused_path():
     run_cluster([(trainer_fused_equals_unfused, ()), (trainer_failures_name_the_shard, ()),
-                 (trainer_pushes_are_idempotent_per_step, ())], num_shards=3)
+                 (trainer_pushes_are_idempotent_per_step, ()), (trainer_dynamic_equals_fixed, ())], num_shards=3)
