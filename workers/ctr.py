@@ -10,6 +10,12 @@ held-out AUC next to the planted model's (``oracle_auc``: the best any
 model can do).  Everything else (the step, faults, checkpoints, reports)
 is ``paramserver.Trainer``'s.
 
+``dynamic_tables=True`` trains the same model on dynamic tables
+(``Table(None, ...)``) over the ids as raw 64-bit hashes, as real
+categorical values come; ``table_options`` passes their admission and
+eviction options (``capacity``, ``ttl_steps``, ``admit_after``,
+``admit_probability``).
+
 The sparse learning rate looks large because the loss is a batch mean: a
 row's gradient is its samples' share of 1/batch_size.  The defaults were
 tuned on the planted data (1500 steps of 2 x 1024 samples reach about
@@ -53,14 +59,16 @@ def main(ctx, steps: int = 1500, batch_size: int = 1024, hook: str = "powersgd",
          sparse_lr: float = 128.0, dense_lr: float = 0.5, momentum: float = 0.9, nu: float = 0.7,
          init_std: float = 0.01, row_wise_min_rows: int = 1_000_000, holdout_size: int = 20_000,
          eval_every: int = 500, log_every: int = 100, seed: int = 0, spec: Optional[Dict] = None,
-         table_name: str = "ctr") -> dict:
+         table_name: str = "ctr", dynamic_tables: bool = False, table_options: Optional[Dict] = None) -> dict:
     spec_ = CTRSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in (spec or {}).items()})
     data = PlantedCTR(spec_, seed=seed)
     planted_holdout = data.holdout(holdout_size)
     oracle_auc = auc(torch.cat([b.true_logits for b in planted_holdout]),
                      torch.cat([b.labels for b in planted_holdout]))
     features = feature_names(spec_)
-    tables = {name: Table(rows, embedding_dim, mode="sum" if bag == 1 else "mean", init_std=init_std)
+    # dynamic tables read the ids as raw 64-bit hashes, as real categorical values come: no vocabulary needed
+    tables = {name: Table(None if dynamic_tables else rows, embedding_dim, mode="sum" if bag == 1 else "mean",
+                          init_std=init_std, **(table_options or {}))
               for name, rows, bag in zip(features, spec_.vocab_sizes, spec_.bag_sizes)}
     torch.manual_seed(seed)  # every replica starts equal (the group shares one anyway)
     trainer = Trainer(
@@ -69,6 +77,7 @@ def main(ctx, steps: int = 1500, batch_size: int = 1024, hook: str = "powersgd",
         dense_optimizer=lambda params: QHM(params, lr=dense_lr, momentum=momentum, nu=nu),
         loss=nn.BCEWithLogitsLoss(), comm_hook=hook, hook_options=hook_options,
         name=table_name, seed=seed, row_wise_min_rows=row_wise_min_rows)
-    return trainer.fit(PlantedStream(data, ctx.worker_index, batch_size), steps=steps,
-                       eval_data=[to_batch(b) for b in planted_holdout], eval_every=eval_every, log_every=log_every,
+    return trainer.fit(PlantedStream(data, ctx.worker_index, batch_size, hashed=dynamic_tables), steps=steps,
+                       eval_data=[to_batch(b, dynamic_tables) for b in planted_holdout], eval_every=eval_every,
+                       log_every=log_every,
                        figures={"oracle_auc": oracle_auc})

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 import paramserver
+from paramserver.shards.id_hash import salted
 from paramserver.train.evaluation import auc  # noqa: F401 - this module's AUC, kept where it was
 
 HOLDOUT_STREAM = 1_000_003  # a stream number no worker reads
@@ -120,25 +121,28 @@ def feature_names(spec: CTRSpec) -> List[str]:
     return [f"feature{i}" for i in range(len(spec.vocab_sizes))]
 
 
-def to_batch(planted: Batch) -> paramserver.Batch:
-    """A planted batch as a Trainer reads it (ids by table name)."""
-    return paramserver.Batch(sparse=dict(zip([f"feature{i}" for i in range(len(planted.ids))], planted.ids)),
+def to_batch(planted: Batch, hashed: bool = False) -> paramserver.Batch:
+    """A planted batch as a Trainer reads it (ids by table name).  ``hashed``: every id as a raw 64-bit hash
+    (a fixed function of the feature and the id, anywhere in int64, as real categorical values are), for
+    dynamic tables."""
+    ids = [salted(feature_ids, index) if hashed else feature_ids for index, feature_ids in enumerate(planted.ids)]
+    return paramserver.Batch(sparse=dict(zip([f"feature{i}" for i in range(len(ids))], ids)),
                              dense=planted.dense, labels=planted.labels)
 
 
 class PlantedStream:
-    """Batches of ``size`` from ``stream`` of ``data``, endlessly; its position is the next batch's index
-    (``state_dict``/``load_state_dict``, as torchdata's StatefulDataLoader)."""
+    """Batches of ``size`` from ``stream`` of ``data``, endlessly (ids as raw hashes with ``hashed``); its
+    position is the next batch's index (``state_dict``/``load_state_dict``, as torchdata's StatefulDataLoader)."""
 
-    def __init__(self, data: PlantedCTR, stream: int, size: int):
-        self.data, self.stream, self.size = data, stream, size
+    def __init__(self, data: PlantedCTR, stream: int, size: int, hashed: bool = False):
+        self.data, self.stream, self.size, self.hashed = data, stream, size, hashed
         self.index = 0
 
     def __iter__(self) -> Iterator[paramserver.Batch]:
         while True:
             batch = self.data.batch(self.stream, self.index, self.size)
             self.index += 1
-            yield to_batch(batch)
+            yield to_batch(batch, self.hashed)
 
     def state_dict(self) -> Dict[str, int]:
         return {"index": self.index}
