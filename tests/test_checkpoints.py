@@ -3,7 +3,7 @@ steps and on ``ps-ctl checkpoint``; a restored run of a Trainer job (the
 second job, ``tests/jobs/watch_next.py``, whose data has no saved position:
 the Trainer skips to it) continues the same trajectory as an undisturbed
 one, also on another number of shards (2 -> 3 and 3 -> 2: rows and their
-optimizer state re-placed); a corrupt checkpoint is refused, naming the
+optimizer state re-placed, a dynamic table's ids routed again by their hash); a corrupt checkpoint is refused, naming the
 file, and the previous one is used; a shard that takes long to verify the
 checkpoint it restores keeps its heartbeats meanwhile and still obeys a stop."""
 
@@ -24,6 +24,7 @@ from commands import errors, job_config, output, start_server, wait_for_status
 from paramserver.checkpoint import MANIFEST, CheckpointStore, assemble_rows, parse_range_name, save_tensors
 from paramserver.control import CoordinatorClient, CoordinatorServer, CoordinatorSettings
 from paramserver.control.checkpoints import CheckpointOptions
+from paramserver.shards.dynamic import parse_part_name
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -52,12 +53,21 @@ def model_at(checkpoint: pathlib.Path) -> dict:
     """Everything a checkpoint holds, whole: dense parameters, every table and its optimizer state."""
     manifest = json.loads((checkpoint / MANIFEST).read_text())
     model = {f"dense.{k}": v for k, v in torch.load(checkpoint / "dense.pt", weights_only=True)["module"].items()}
-    pieces = {}
+    pieces, dynamic = {}, {}
     for record in manifest["files"]:
         if record["name"].startswith("shard-"):
             for name, entry in torch.load(checkpoint / record["name"], weights_only=True)["tables"].items():
+                if entry.get("dynamic"):
+                    dynamic.setdefault(parse_part_name(name)[0], []).append(entry)
+                    continue
                 table, start, stop = parse_range_name(name)
                 pieces.setdefault(table, []).append((start, stop, entry))
+    for table, parts in dynamic.items():  # whatever the shards that held them: rows by id
+        ids = torch.cat([entry["ids"] for entry in parts])
+        order = ids.argsort()
+        model[f"{table}.ids"] = ids[order]
+        model[table] = torch.cat([entry["value"] for entry in parts])[order]
+        model[f"{table}.momentum"] = torch.cat([entry["state"]["momentum_buffer"] for entry in parts])[order]
     for table, parts in pieces.items():
         rows = max(stop for _, stop, _ in parts)
         model[table] = assemble_rows([(a, b, e["value"]) for a, b, e in parts], 0, rows, table)
@@ -75,7 +85,7 @@ def assert_same_model(restored: dict, straight: dict) -> None:
 
 def test_a_restored_run_continues_the_same_trajectory_on_2_then_3_then_2_shards(commands, tmp_path):
     straight, resumed, again = tmp_path / "straight", tmp_path / "resumed", tmp_path / "again"
-    watch_next = dict(job=WATCH_NEXT, log_every=10, eval_every=1000)
+    watch_next = dict(job=WATCH_NEXT, log_every=10, eval_every=1000, dynamic_video=True)
     log = train(commands, 2, 60, "--checkpoint-dir", str(straight), "--checkpoint-every", "20", **watch_next)
     assert sorted(p.name for p in straight.iterdir()) == [f"ckpt-{s:010d}" for s in (20, 40, 60)]
     assert re.search(r"checkpoint ckpt-0000000020 committed at step 20 by worker0: 3 files", log), log[-3000:]
@@ -93,6 +103,7 @@ def test_a_restored_run_continues_the_same_trajectory_on_2_then_3_then_2_shards(
     assert_same_model(model_at(again / "ckpt-0000000060"), model_at(straight / "ckpt-0000000060"))
     fresh = model_at(straight / "ckpt-0000000020")
     assert (fresh["watch.user"] - model_at(again / "ckpt-0000000060")["watch.user"]).abs().max() > 1e-3
+    assert fresh["watch.video.ids"].numel() > 100  # the dynamic table's rows, re-routed to 3 shards and back
 
 
 def test_a_corrupt_checkpoint_is_refused_by_name_and_the_previous_one_used(commands, tmp_path):

@@ -13,6 +13,8 @@ re-created by skipping batches); ``stateful=True`` one with
 makes worker 0 SIGKILL itself in the middle of the first checkpoint of
 step ``s`` or later that it writes as rank 0 of its group: after the
 shards wrote their parts, when the Trainer reads the dense part's state.
+``dynamic_video=True`` makes the candidate video's table a dynamic one,
+over the video ids as raw 64-bit hashes.
 """
 
 import os
@@ -25,6 +27,7 @@ from torch import Tensor, nn
 
 from paramserver import Batch, Table, Trainer
 from paramserver.optim import QHM
+from paramserver.shards.id_hash import salted
 
 USERS, VIDEOS, CREATORS, RANK, HISTORY, DENSE = 600, 400, 50, 4, 4, 3
 
@@ -32,7 +35,8 @@ USERS, VIDEOS, CREATORS, RANK, HISTORY, DENSE = 600, 400, 50, 4, 4, 3
 class Planted:
     """The ground truth: user and video factors, each video's creator, a dense-feature effect."""
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, hashed_videos: bool = False):
+        self.hashed_videos = hashed_videos  # the candidate video's id as a raw 64-bit hash (a dynamic table)
         g = torch.Generator().manual_seed(seed)
         self.users = torch.randn(USERS, RANK, generator=g)
         self.videos = torch.randn(VIDEOS, RANK, generator=g)
@@ -51,7 +55,8 @@ class Planted:
         logits = (0.5 * (taste * self.videos[video[:, 0]]).sum(1) + self.user_bias[users[:, 0]]
                   + self.video_bias[video[:, 0]] + dense @ self.dense_weights - 0.5)
         labels = torch.bernoulli(torch.sigmoid(logits), generator=g)
-        return Batch(sparse={"user": users, "history": history, "video": video,
+        return Batch(sparse={"user": users, "history": history,
+                             "video": salted(video, 1) if self.hashed_videos else video,
                              "creator": self.creator_of[video]}, dense=dense, labels=labels)
 
 
@@ -108,11 +113,11 @@ def crash_mid_checkpoint(module: nn.Module, checkpoints: pathlib.Path, from_step
 
 def main(ctx, steps: int = 200, batch_size: int = 128, dim: int = 8, lr: float = 16.0, stateful: bool = False,
          crash_in_checkpoint_at: Optional[int] = None, log_every: int = 10, eval_every: int = 50,
-         seed: int = 7) -> dict:
-    planted = Planted(seed)
+         seed: int = 7, dynamic_video: bool = False) -> dict:
+    planted = Planted(seed, hashed_videos=dynamic_video)
     data = (StatefulSessions if stateful else Sessions)(planted, ctx.worker_index, batch_size)
     tables = {"user": Table(USERS, dim, init_std=0.1), "history": Table(VIDEOS, dim, mode="mean", init_std=0.1),
-              "video": Table(VIDEOS, dim, init_std=0.1), "creator": Table(CREATORS, dim, init_std=0.1)}
+              "video": Table(None if dynamic_video else VIDEOS, dim, init_std=0.1), "creator": Table(CREATORS, dim, init_std=0.1)}
     torch.manual_seed(seed)
     tower = FactorizationMachine(list(tables), dim, DENSE)
     if crash_in_checkpoint_at is not None and ctx.worker_index == 0:
