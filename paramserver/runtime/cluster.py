@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from ..control import TlsFiles, pb
 from ..control.addresses import address_facing
-from ..shards import PlacedModule, ShardedEmbeddingBag, peer, place_parameters
+from ..shards import DynamicEmbeddingBag, PlacedModule, ShardedEmbeddingBag, peer, place_parameters
 from .member import MemberSession
 
 logger = logging.getLogger(__name__)
@@ -64,6 +64,11 @@ class Cluster:
                       ) -> ShardedEmbeddingBag:
         """A ``ShardedEmbeddingBag`` whose rows are split over the shards."""
         return ShardedEmbeddingBag(num_embeddings, embedding_dim, mode, shards=self._require_shards(), **kwargs)
+
+    def dynamic_embedding_bag(self, embedding_dim: int, mode: str = "sum", **kwargs) -> DynamicEmbeddingBag:
+        """A ``DynamicEmbeddingBag`` (any int64 id) over every shard; train it through an
+        ``EmbeddingCollection``."""
+        return DynamicEmbeddingBag(embedding_dim, mode, shards=self._require_shards(), **kwargs)
 
     def embedding_bag_from_pretrained(self, weight: Tensor, mode: str = "sum", **kwargs) -> ShardedEmbeddingBag:
         return ShardedEmbeddingBag.from_pretrained(weight, mode, shards=self._require_shards(), **kwargs)
