@@ -37,7 +37,8 @@ import torch
 from torch import Tensor
 
 from .hyperparameters import check_qhm_hyperparameters
-from .kernels import check_gradients, check_state_entry, momentum_step, row_slice_fused_min_elements, sparse_rows
+from .kernels import (check_gradients, check_state_entry, momentum_step, resize_rows_, row_slice_fused_min_elements,
+                      sparse_rows)
 
 
 @torch.jit.script
@@ -169,12 +170,7 @@ class FunctionalQHM:
 
     def resize_rows(self, i: int, rows: int) -> None:
         """Parameter ``i`` now has ``rows`` rows (it grew in place): so does its momentum, new rows zero."""
-        buf = self.momentum_buffers[i]
-        if buf is not None:
-            old = buf.size(0)
-            buf.resize_([rows, buf.size(1)])
-            if rows > old:
-                buf.narrow(0, old, rows - old).zero_()
+        resize_rows_(self.momentum_buffers[i], rows)
 
     def reset_rows(self, i: int, rows: Tensor) -> None:
         """Rows ``rows`` of parameter ``i`` start afresh (a new id took them): their momentum is zero."""

@@ -21,7 +21,8 @@ import torch
 from torch import Tensor
 
 from .hyperparameters import check_sgd_hyperparameters
-from .kernels import check_gradients, check_state_entry, momentum_step, row_slice_fused_min_elements, sparse_rows
+from .kernels import (check_gradients, check_state_entry, momentum_step, resize_rows_, row_slice_fused_min_elements,
+                      sparse_rows)
 
 
 @torch.jit.script
@@ -149,18 +150,8 @@ class FunctionalSGD:
 
     def resize_rows(self, i: int, rows: int) -> None:
         """Parameter ``i`` now has ``rows`` rows (it grew in place): so does its state, new rows fresh."""
-        buf = self.momentum_buffers[i]
-        if buf is not None:
-            old = buf.size(0)
-            buf.resize_([rows, buf.size(1)])
-            if rows > old:
-                buf.narrow(0, old, rows - old).zero_()
-        initialized = self.rows_initialized[i]
-        if initialized is not None:
-            old = initialized.size(0)
-            initialized.resize_([rows])
-            if rows > old:
-                initialized.narrow(0, old, rows - old).fill_(False)
+        resize_rows_(self.momentum_buffers[i], rows)
+        resize_rows_(self.rows_initialized[i], rows)
 
     def reset_rows(self, i: int, rows: Tensor) -> None:
         """Rows ``rows`` of parameter ``i`` start afresh (a new id took them): their state is as never stepped."""

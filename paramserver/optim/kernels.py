@@ -3,8 +3,8 @@
 Owns: validating a gradient against its parameter, the update of the
 momentum-SGD family (for large tensors PyTorch's fused multi-tensor kernel,
 ``torch._fused_sgd_``, which reads parameter, gradient and buffer once and
-writes parameter and buffer once; for small ones multi-tensor ops), and turning a row-sparse COO gradient into
-(row indices, row values).  It owns no optimizer state.
+writes parameter and buffer once; for small ones multi-tensor ops), growing per-row state with its
+parameter, and turning a row-sparse COO gradient into (row indices, row values).  It owns no optimizer state.
 
 Everything here compiles under TorchScript (compiled where a script class
 calls it; plain Python when called from Python).  A caution that shaped this
@@ -150,6 +150,17 @@ def momentum_step(
             else:
                 torch._foreach_add_(small_params, small_buffers, alpha=-lr)
     return large_params + large_buffers + small_params + small_buffers
+
+
+def resize_rows_(state: Optional[Tensor], rows: int) -> None:
+    """Per-row optimizer state of a parameter that grew in place to ``rows`` rows (a dynamic table's slab):
+    resized in place too, its new rows zero (``False``); ``None`` (no state yet) is left alone."""
+    if state is not None:
+        old = state.size(0)
+        shape = state.size()
+        state.resize_([rows] + shape[1:])
+        if rows > old:
+            state.narrow(0, old, rows - old).zero_()
 
 
 def sparse_rows(grad: Tensor) -> Tuple[Tensor, Tensor]:

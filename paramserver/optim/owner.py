@@ -45,6 +45,7 @@ from torch.distributed.rpc import RRef
 from .._torch_compat import torchscript_enabled
 from ..metrics import data_plane
 from ..shards.state import ShardState
+from .kernels import resize_rows_
 from .registry import functional_optim_map
 from .scripted import reraise_script_error
 
@@ -232,9 +233,7 @@ class _PythonStep:
     def resize_state_rows(self, index: int, rows: int) -> None:
         for value in self.optim.state.get(self.params[index], {}).values():
             if isinstance(value, Tensor) and value.dim() > 0:
-                old = value.size(0)
-                value.resize_((rows,) + tuple(value.shape[1:]))
-                value[old:].zero_()
+                resize_rows_(value, rows)
 
     def reset_state_rows(self, index: int, rows: Tensor) -> None:
         for value in self.optim.state.get(self.params[index], {}).values():
