@@ -130,7 +130,9 @@ def test_server_packs_the_job_with_its_config(tmp_path):
 def sample_status():
     response = pb.StatusResponse(generation=12, job="workers.regression:main",
                                  store=pb.StoreAddress(host="127.0.0.1", port=4000))
-    response.shards.add(name="shard0", role=pb.ROLE_SHARD, alive=True, state="alive", pid=10)
+    response.shards.add(name="shard0", role=pb.ROLE_SHARD, alive=True, state="alive", pid=10,
+                        metrics={"dynamic.rows": 100_000, "dynamic.admitted": 123_456, "dynamic.evicted": 23_456,
+                                 "dynamic.bytes": 12_582_912})
     response.workers.add(name="worker0", role=pb.ROLE_WORKER, alive=False, state="dead", step=2**40,
                          metrics={"loss": 0.25}, reason="no heartbeat for 5.1 s")
     return response
@@ -140,6 +142,7 @@ def test_status_json_has_plain_numbers_and_role_names():
     status = ctl.status_as_dict(sample_status())
     assert status["generation"] == 12
     assert status["shards"][0] == {**status["shards"][0], "name": "shard0", "alive": True, "role": "shard"}
+    assert status["shards"][0]["metrics"]["dynamic.rows"] == 100_000
     worker = status["workers"][0]
     assert (worker["name"], worker["alive"], worker["step"], worker["metrics"]) == ("worker0", False, 2**40,
                                                                                     {"loss": 0.25})
@@ -151,6 +154,9 @@ def test_status_table_lists_every_member():
     table = ctl.format_status(sample_status())
     assert "generation 12" in table and "shards (1 alive of 1)" in table and "workers (0 alive of 1)" in table
     assert "worker0    dead" in table and "loss=0.25  (no heartbeat for 5.1 s)" in table
+    # A shard's dynamic tables on its one line, whole numbers in full.
+    shard = next(line for line in table.splitlines() if "shard0" in line)
+    assert shard.endswith("dynamic.admitted=123456 dynamic.bytes=12582912 dynamic.evicted=23456 dynamic.rows=100000")
 
 
 def test_server_ships_the_group_size_with_the_job():

@@ -1,6 +1,7 @@
 """EmbeddingCollection on shard servers over loopback: one lookup and one push per shard per step, and rows
 exactly equal to the unfused path's (a lookup RPC per row range, dist_autograd, DistributedOptimizer.step);
-a dynamic table trained alongside a fixed table of the same rows, equal to it."""
+a dynamic table trained alongside a fixed table of the same rows, equal to it, and the figures its shards
+serve as metrics and heartbeats."""
 
 import collections
 
@@ -11,6 +12,7 @@ import torch.distributed.rpc as rpc
 
 from dataplane import run_cluster, shard_names
 from paramserver.optim import QHM, DistributedOptimizer
+from paramserver.runtime.shard_figures import installed_figures, installed_parts
 from paramserver.shards import DynamicEmbeddingBag, EmbeddingCollection, ShardedEmbeddingBag, ShardRequestFailed
 from paramserver.shards.id_hash import initial_rows
 from paramserver.shards import rows as owner_rows
@@ -200,6 +202,14 @@ def trainer_dynamic_equals_fixed():
     assert torch.equal(rows[~seen], torch.zeros(int((~seen).sum()), DIM))
     unseen = dynamic(torch.tensor([[12345678987654321]]))
     assert torch.equal(unseen, torch.zeros(1, DIM))
+    # What each shard serves as metrics and heartbeats: a row per id seen in training, none evicted.
+    parts = [part for shard in shards for part in rpc.rpc_sync(shard, installed_parts)]
+    assert sorted((table, part) for table, part, _ in parts) == [("dyn", "0/3"), ("dyn", "1/3"), ("dyn", "2/3")]
+    figures = [rpc.rpc_sync(shard, installed_figures) for shard in shards]
+    assert [f["dynamic.rows"] for f in figures] == [f["dynamic.admitted"] for f in figures] == [
+        stats["rows"] for _, _, stats in sorted(parts, key=lambda part: part[1])]
+    assert sum(f["dynamic.rows"] for f in figures) == int(seen.sum())
+    assert all(f["dynamic.evicted"] == 0 and f["dynamic.rows"] > 0 and f["dynamic.bytes"] > 0 for f in figures)
 
 
 def test_one_lookup_and_one_push_per_shard_with_rows_equal_to_the_unfused_path():

@@ -1,6 +1,7 @@
 """Prometheus metrics (``--metrics-port``): the exporter, each metric set's logic
-in one process, the flags, and one run of the real commands scraped while the
-default job trains (coordinator, both shards, both workers)."""
+in one process (a shard's dynamic tables and their heartbeat figures too), the
+flags, and one run of the real commands scraped while the default job trains
+(coordinator, both shards, both workers)."""
 
 import datetime
 import logging
@@ -23,15 +24,19 @@ from commands import errors, job_config, start_server, status
 
 from paramserver.cli import server as server_cli
 from paramserver.cli import worker as worker_cli
+from paramserver.control import validation
 from paramserver.control.membership import Membership
 from paramserver.control.protocol import pb
 from paramserver.ddp import hooks
 from paramserver.metrics import data_plane, training
 from paramserver.metrics.cluster import ClusterCollector
 from paramserver.metrics.exporter import MetricsExporter, new_registry, shard_metrics_port
-from paramserver.metrics.process import ProcessMetrics, worker_metrics
+from paramserver.metrics.process import ProcessMetrics, shard_metrics, worker_metrics
 from paramserver.optim.owner import gradient_stats
 from paramserver.runtime.context import GroupChannel, Inbox, JobContext
+from paramserver.runtime.shard_figures import dynamic_figures, dynamic_parts
+from paramserver.shards.dynamic import DynamicOptions, DynamicRows, part_name
+from paramserver.shards.state import ShardState
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -273,6 +278,50 @@ def test_the_cluster_collector_reads_the_membership_table():
     samples = parse(prometheus_client.generate_latest(registry).decode())
     assert value(samples, "paramserver_members_ended_total", role="shard", state="exited") == 1
     assert value(samples, "paramserver_checkpoints_committed_total") == 2
+
+
+def dynamic_part(state: ShardState, table: str, index: int, count: int, options: DynamicOptions) -> DynamicRows:
+    name = part_name(table, index, count)
+    return state.shared_dynamic(name, lambda: DynamicRows(name, 4, torch.float32, 1, 0.1, options,
+                                                          lambda t: state.lock_for(t)[1]))
+
+
+def test_a_shard_serves_its_dynamic_tables_rows_and_heartbeats_their_sums():
+    """Read from the parts' own figures at scrape time: labelled by table and part, nothing before a state is
+    installed, fixed tables left out; the heartbeat figures are their sums, as the coordinator accepts them."""
+    assert dynamic_parts(None) == [] and dynamic_figures(None) == {}
+    state = ShardState()
+    state.shared_table("fixed", lambda: torch.zeros(10, 4))
+    assert dynamic_parts(state) == [] and dynamic_figures(state) == {}  # a shard without dynamic tables
+    clicks = dynamic_part(state, "clicks", 1, 2, DynamicOptions(capacity=100))
+    users = dynamic_part(state, "users", 0, 2, DynamicOptions(admit_after=2))
+    for step in range(3):  # 3 x 80 new ids into room for 100: the oldest rows make room
+        clicks.lookup(torch.arange(step * 80, (step + 1) * 80), step)
+    users.lookup(torch.arange(50), 0)  # seen once: not admitted yet
+    users.lookup(torch.arange(20), 1)  # seen twice: admitted
+    expected = {("clicks", "1/2"): clicks.stats(), ("users", "0/2"): users.stats()}
+    assert expected[("clicks", "1/2")]["evicted"] >= 140 and expected[("users", "0/2")]["rows"] == 20
+    assert expected[("users", "0/2")]["not_admitted"] == 50
+    assert {(table, part): stats for table, part, stats in dynamic_parts(state)} == expected
+
+    metrics = shard_metrics("127.0.0.1", 0, "shard1", dynamic_tables=lambda: dynamic_parts(state))
+    try:
+        samples = scrape(metrics.url)
+    finally:
+        metrics.close()
+    for (table, part), stats in expected.items():
+        labels = dict(table=table, part=part)
+        assert value(samples, "paramserver_dynamic_rows", **labels) == stats["rows"] > 0
+        assert value(samples, "paramserver_dynamic_rows_admitted_total", **labels) == stats["admitted"]
+        assert value(samples, "paramserver_dynamic_rows_evicted_total", **labels) == stats["evicted"]
+        assert value(samples, "paramserver_dynamic_rows_not_admitted_total", **labels) == stats["not_admitted"]
+        assert value(samples, "paramserver_dynamic_bytes", **labels) == stats["bytes"] > 0
+    assert len(samples["paramserver_dynamic_rows"]) == 2  # the fixed table is no dynamic part
+
+    figures = dynamic_figures(state)
+    assert figures == {f"dynamic.{key}": sum(stats[key] for stats in expected.values())
+                       for key in ("rows", "admitted", "evicted", "bytes")}
+    validation.check_metrics("metrics", figures)  # what the coordinator checks every heartbeat's figures against
 
 
 # -- the flags ----------------------------------------------------------------

@@ -53,7 +53,7 @@ def format_status(response: pb.StatusResponse) -> str:
     for title, members in (("shards", response.shards), ("workers", response.workers), ("clients", response.clients)):
         lines.append(f"{title} ({sum(m.alive for m in members)} alive of {len(members)})")
         for m in members:
-            figures = " ".join(f"{k}={v:.4g}" for k, v in sorted(m.metrics.items()))
+            figures = " ".join(f"{k}={_figure(v)}" for k, v in sorted(m.metrics.items()))
             if not m.alive and m.reason:
                 figures = f"{figures}  ({m.reason})".lstrip()
             lines.append(f"  {m.name:<10} {m.state:<7} {m.host:<15} pid {m.pid:<7} step {m.step:<7} "
@@ -62,6 +62,11 @@ def format_status(response: pb.StatusResponse) -> str:
         lines.append(f"trainer group {view.group}: generation {view.generation}, {view.backend}, "
                      f"ranks {', '.join(view.members) or '-'}")
     return "\n".join(lines)
+
+
+def _figure(value: float) -> str:
+    """A whole number in full (a shard's ``dynamic.rows``, ``dynamic.bytes``...), anything else to 4 digits."""
+    return f"{value:.0f}" if value.is_integer() and abs(value) < 1e15 else f"{value:.4g}"
 
 
 def run(args) -> int:

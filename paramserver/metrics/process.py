@@ -2,19 +2,21 @@
 
 Owns ``ProcessMetrics``: a process's registry, its exporter, and the
 metric sets installed as the process's active ones while it serves
-(the coordinator: ``cluster``; a shard: ``data_plane``; a worker:
+(the coordinator: ``cluster``; a shard: ``data_plane`` and, read from
+its state, ``dynamic_tables``; a worker:
 ``data_plane`` and ``training``, plus the running job's figures).  The
 runtime (``paramserver.runtime``) starts one per process when given
 ``--metrics-port``; nothing here is global until then, and ``close()``
 puts back what was active before (tests start several in one process).
 """
 
-from typing import Callable, List, Optional
+from typing import Callable, Iterable, List, Optional
 
 from prometheus_client import CollectorRegistry
 
 from . import data_plane, training
 from .cluster import ClusterCollector
+from .dynamic_tables import DynamicTablesCollector, PartStats
 from .exporter import MetricsExporter, new_registry
 from .training import JobCollector, JobProgress
 
@@ -68,9 +70,12 @@ def coordinator_metrics(host: str, port: int, membership, checkpoints=None) -> P
     return ProcessMetrics(host, port, "the coordinator", collectors=[ClusterCollector(membership, checkpoints)])
 
 
-def shard_metrics(host: str, port: int, name: str) -> ProcessMetrics:
-    """A shard server process: the optimizer steps it applies and who asked for them."""
-    return ProcessMetrics(host, port, name, serves_data_plane=True)
+def shard_metrics(host: str, port: int, name: str,
+                  dynamic_tables: Callable[[], Iterable[PartStats]] = lambda: ()) -> ProcessMetrics:
+    """A shard server process: the optimizer steps it applies and who asked for them; the rows of the dynamic
+    table parts that ``dynamic_tables()`` lists at each scrape."""
+    return ProcessMetrics(host, port, name, serves_data_plane=True,
+                          collectors=[DynamicTablesCollector(dynamic_tables)])
 
 
 def worker_metrics(host: str, port: int) -> ProcessMetrics:

@@ -2,11 +2,12 @@
 
 Owns the life of one supervised shard process: join the coordinator as a
 shard (its RPC name, rank, the store and the checkpoint to restore from
-come back), heartbeat, serve
-parameters over torch RPC (``paramserver.shards.run_shard_server``) until
-told to stop (a STOP command, SIGTERM/SIGINT, or losing the coordinator),
-then leave.  With a metrics port it serves its data-plane metrics there
-from before it joins (a port it cannot bind ends it with exit code 1).
+come back), heartbeat (with its dynamic tables' figures, ``shard_figures``),
+serve parameters over torch RPC (``paramserver.shards.run_shard_server``)
+until told to stop (a STOP command, SIGTERM/SIGINT, or losing the
+coordinator), then leave.  With a metrics port it serves its data-plane and
+dynamic table metrics there from before it joins (a port it cannot bind
+ends it with exit code 1).
 Exit code 0 on a clean stop, at once: the process skips the
 interpreter's teardown, which has nothing left to save.  A Join the
 coordinator refuses ends it with one line saying why: exit code 2
@@ -37,6 +38,7 @@ from ..checkpoint.storage import CorruptCheckpoint
 from ..logs import configure_logging, exit_now, one_line
 from ..metrics.process import shard_metrics
 from .member import MemberSession
+from .shard_figures import installed_figures, installed_parts
 from .threads import apply_threads
 
 logger = logging.getLogger(__name__)
@@ -68,7 +70,7 @@ def run_shard_member(address: str, name: str, host: str, token: Optional[str] = 
     metrics = None  # serves until the process exits
     if metrics_port is not None:
         try:
-            metrics = shard_metrics(host, metrics_port.value, name)
+            metrics = shard_metrics(host, metrics_port.value, name, dynamic_tables=installed_parts)
             metrics_port.value = metrics.port
         except OSError as error:
             logger.error("shard %s: %s", name, error)
@@ -88,7 +90,9 @@ def run_shard_member(address: str, name: str, host: str, token: Optional[str] = 
     if member_id is not None:
         member_id.value = assignment.member_id.encode()
     # Heartbeats from now on: verifying a big checkpoint may take longer than the heartbeat timeout.
-    session.start_heartbeats(on_stop=stops.request, on_lost=lambda reason, refused: stops.request())
+    # Its dynamic tables' rows, admissions, evictions and bytes go with every beat (ps-ctl status shows them).
+    session.start_heartbeats(progress=lambda: (0, installed_figures()), on_stop=stops.request,
+                             on_lost=lambda reason, refused: stops.request())
     restore_source = None
     if assignment.checkpoint.restore_from:
         # Tables that trainers ask for come from the checkpoint (rows cut to this shard's ranges).

@@ -4,14 +4,16 @@ Owns, for a shard server (or any torch RPC peer that owns parameters, such
 as a trainer in a test): the hosted tensors, their names and their integer handles (held weakly:
 a tensor lives as long as some RRef to it does), the shared tables (kept
 for the process's life: the model the shard serves), the dynamic table
-parts among them (``paramserver.shards.dynamic``, by their slab), the owner-side
+parts among them (``paramserver.shards.dynamic``, by their slab; ``dynamic_stats`` reads their
+figures for metrics and heartbeats), the owner-side
 optimizers over them (by what they were asked for and by handle), a lock
 per parameter in one global order, the TorchScript compile lock, where
 restored values come from (``restore_source``), and the stop request.
 
 ``run_shard_server`` creates one and installs it; every RPC target finds it
 with ``ShardState.current()``, the one place that looks it up (a process
-that owns parameters without being a shard server gets one on first use).
+that owns parameters without being a shard server gets one on first use);
+readers that must not make one (metrics, heartbeats) use ``installed()``.
 What the optimizers are is ``paramserver.optim.owner``'s business: this
 module holds them as objects and never imports ``paramserver.optim``.
 """
@@ -78,6 +80,13 @@ class ShardState:
             return cls._current
 
     @classmethod
+    def installed(cls) -> Optional["ShardState"]:
+        """This process's state, or ``None`` before there is one (never creates one: for readers such as
+        metrics and heartbeats, which may run before the shard server installs its state)."""
+        with cls._current_guard:
+            return cls._current
+
+    @classmethod
     def install(cls, state: "ShardState") -> None:
         """Make ``state`` this process's (a shard server, before it serves)."""
         with cls._current_guard:
@@ -128,6 +137,14 @@ class ShardState:
     def dynamic_rows(self, tensor: Tensor) -> Optional[object]:
         """The ``DynamicRows`` whose slab ``tensor`` is, or ``None`` (a fixed tensor)."""
         return self._dynamic.get(id(tensor))
+
+    def dynamic_stats(self) -> Dict[str, Dict[str, int]]:
+        """Each dynamic table part's ``stats()`` (rows, admitted, evicted, not_admitted, bytes), by part name
+        (``"t@0/2"``), in name order; each part's figures are read under its own lock, one part at a time."""
+        with self._tensors_lock:
+            parts = {name: self._dynamic[id(table)] for name, table in self._shared.items()
+                     if id(table) in self._dynamic}
+        return {name: parts[name].stats() for name in sorted(parts)}
 
     def shared_tables(self) -> Dict[str, Tensor]:
         """The shared tables hosted here, by name (what a checkpoint of this shard holds)."""
