@@ -57,9 +57,9 @@ What it measures
 
 How to run
     ``.venv/bin/python benchmarks/dynamic_tables.py`` (as ``make bench``
-    runs it; about 3 minutes on 2 cores, peak ~4.5 GB in this process and
+    runs it; about 2-2.5 minutes on 2 cores, peak ~5 GB resident in this process and
     ~4 GB in the shard server, one after the other).  ``--quick``: 1M rows,
-    a 200k-row dict, fewer rounds (~1 minute).  Other options:
+    a 200k-row dict, fewer rounds (~30 s).  Other options:
     ``--rows``, ``--dim``, ``--batch``, ``--dict-rows``, ``--rounds``,
     ``--insert-batch``, ``--threads``, ``--no-served``.  Progress goes to
     stderr, results to stdout as markdown.
