@@ -41,6 +41,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/comm_hooks.py
 	$(PY) benchmarks/end_to_end.py
 	$(PY) benchmarks/scaling.py
+	$(PY) benchmarks/dynamic_tables.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

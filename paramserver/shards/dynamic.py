@@ -121,19 +121,23 @@ class DynamicRows:
         """Rows of ``ids`` (distinct int64); an id without a row reads zeros.  With ``step`` >= 0 (training)
         the ids are touched at ``step`` and new ones admitted, evicting what ``capacity`` requires."""
         with self._lock:
-            slots = self.index.find(ids)
             if step >= 0:
-                self._advance_locked(step)
-                held = slots[slots >= 0]
-                self.last_touch.index_fill_(0, held, step)  # before any eviction: these must stay
-                missing = (slots < 0).nonzero().view(-1)
-                if missing.numel():
+                self._advance_locked(step)  # before finding the ids: a TTL sweep frees the slots it evicts
+            slots = self.index.find(ids)
+            held = slots >= 0
+            all_held = bool(held.all())
+            if step >= 0:
+                # before any eviction: these must stay
+                self.last_touch.index_fill_(0, slots if all_held else slots[held], step)
+                if not all_held:
+                    missing = (~held).nonzero().view(-1)
                     admitted = missing[self.admission.admit(ids[missing], step)]
                     self.not_admitted += missing.numel() - admitted.numel()
                     if admitted.numel():
                         slots[admitted] = self._create_locked(ids[admitted], step)
-            held = slots >= 0
-            if bool(held.all()):
+                        held = slots >= 0
+                        all_held = bool(held.all())
+            if all_held:
                 return self.slab.index_select(0, slots)
             rows = torch.zeros(ids.numel(), self.embedding_dim, dtype=self.dtype)
             where = held.nonzero().view(-1)
