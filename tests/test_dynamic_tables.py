@@ -228,3 +228,16 @@ def test_tables_check_their_options_and_route_any_int64_id():
     with pytest.raises(ValueError, match="dynamic tables"):
         Table(100, 8, capacity=10)
     assert Table(None, 8, ttl_steps=5).dynamic
+
+
+def test_a_row_swept_by_ttl_in_the_lookup_that_asks_for_it_comes_back_fresh_in_a_slot_of_its_own():
+    rows = dynamic(DynamicOptions(ttl_steps=1))
+    stale, others = spread_ids(40, seed=3), spread_ids(40, seed=4)
+    others = others[~torch.isin(others, stale)]
+    rows.lookup(stale, 0)
+    rows.slab.add_(1.0)  # as if trained
+    asked = torch.cat([stale, others])
+    values = rows.lookup(asked, 3)  # step 3 sweeps rows untouched since step 0, these among them
+    held, slots = rows.index.items()
+    assert torch.unique(slots).numel() == slots.numel() == asked.numel()  # one row per id
+    assert torch.equal(values, initial_rows(asked, 3, DIM, 0.1, torch.float32))
