@@ -3,9 +3,10 @@ steps and on ``ps-ctl checkpoint``; a restored run of a Trainer job (the
 second job, ``tests/jobs/watch_next.py``, whose data has no saved position:
 the Trainer skips to it) continues the same trajectory as an undisturbed
 one, also on another number of shards (2 -> 3 and 3 -> 2: rows and their
-optimizer state re-placed, a dynamic table's ids routed again by their hash); a corrupt checkpoint is refused, naming the
-file, and the previous one is used; a shard that takes long to verify the
-checkpoint it restores keeps its heartbeats meanwhile and still obeys a stop."""
+optimizer state re-placed, a dynamic table's ids routed again by their
+hash); a damaged newest checkpoint is refused, naming the file, and the
+previous one is used; a shard that takes long to verify the checkpoint it
+restores keeps its heartbeats meanwhile and still obeys a stop."""
 
 import datetime
 import json
@@ -83,7 +84,8 @@ def assert_same_model(restored: dict, straight: dict) -> None:
         assert difference <= 1e-6, f"{name} differs by {difference}"
 
 
-def test_a_restored_run_continues_the_same_trajectory_on_2_then_3_then_2_shards(commands, tmp_path):
+def test_a_restored_run_continues_the_same_trajectory_on_2_then_3_then_2_shards_and_skips_a_damaged_one(
+        commands, tmp_path):
     straight, resumed, again = tmp_path / "straight", tmp_path / "resumed", tmp_path / "again"
     watch_next = dict(job=WATCH_NEXT, log_every=10, eval_every=1000, dynamic_video=True)
     log = train(commands, 2, 60, "--checkpoint-dir", str(straight), "--checkpoint-every", "20", **watch_next)
@@ -105,20 +107,20 @@ def test_a_restored_run_continues_the_same_trajectory_on_2_then_3_then_2_shards(
     assert (fresh["watch.user"] - model_at(again / "ckpt-0000000060")["watch.user"]).abs().max() > 1e-3
     assert fresh["watch.video.ids"].numel() > 100  # the dynamic table's rows, re-routed to 3 shards and back
 
-
-def test_a_corrupt_checkpoint_is_refused_by_name_and_the_previous_one_used(commands, tmp_path):
-    root = tmp_path / "checkpoints"
-    train(commands, 2, 40, "--checkpoint-dir", str(root), "--checkpoint-every", "20")
-    newest = root / "ckpt-0000000040" / "shard-shard1.pt"
+    # A damaged newest checkpoint is refused by name, and the one before it used (the straight run's, copied).
+    damaged = tmp_path / "damaged"
+    shutil.copytree(straight, damaged)
+    newest = damaged / "ckpt-0000000060" / "shard-shard1.pt"
     newest.write_bytes(newest.read_bytes()[:-100])  # truncated, as by a full disk
-    server, address = start_server(commands, "--shards", "2", "--restore", str(root),
-                                   "--job-config", job_config(**dict(SMALL, steps=30)))
-    assert re.search(rf"refusing checkpoint .*ckpt-0000000040.*{re.escape(str(newest))}", errors(server)), \
+    config = {key: value for key, value in watch_next.items() if key != "job"}
+    server, address = start_server(commands, "--shards", "2", "--job", WATCH_NEXT, "--restore", str(damaged),
+                                   "--job-config", job_config(**dict(config, steps=50)))
+    assert re.search(rf"refusing checkpoint .*ckpt-0000000060.*{re.escape(str(newest))}", errors(server)), \
         errors(server)[-3000:]
-    assert re.search(r"restoring from checkpoint .*ckpt-0000000020 \(step 20\)", errors(server))
+    assert re.search(r"restoring from checkpoint .*ckpt-0000000040 \(step 40\)", errors(server))
     worker = commands.start("ps-worker", "--connect", address)
     assert worker.wait(240) == 0, errors(worker)[-3000:]
-    assert "starts from checkpoint ckpt-0000000020 at step 20" in errors(worker)
+    assert "starts from checkpoint ckpt-0000000040 at step 40" in errors(worker)
     commands.run("ps-ctl", "--connect", address, "shutdown")
     assert server.wait(30) == 0
 

@@ -88,8 +88,10 @@ def test_a_late_member_joins_at_the_next_generation_with_rank_0s_state(tmp_path,
 ABANDONED_WITHIN_S = 15
 
 
-@pytest.mark.parametrize("lost_at,hangs", [(5, False), (10, False), (5, True), (10, True)],
-                         ids=["killed-in-backward", "killed-in-agreement", "hung-in-backward", "hung-in-agreement"])
+# A member hung in the agreement is left alike (the same watcher abandons any pending collective of the
+# generation); tests/test_fault_bounds.py covers a hung member end to end.  Not run here: the suite's time.
+@pytest.mark.parametrize("lost_at,hangs", [(5, False), (10, False), (5, True)],
+                         ids=["killed-in-backward", "killed-in-agreement", "hung-in-backward"])
 def test_a_group_that_loses_a_member_re_forms_and_trains_on_without_it(tmp_path, store, lost_at, hangs):
     """worker2 is SIGKILLed (or SIGSTOPped: hung, not dead) once all three finished ``lost_at`` steps,
     and the view without it is published: the survivors' next collective fails (DDP's all-reduce in

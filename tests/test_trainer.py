@@ -161,7 +161,7 @@ def test_a_background_reader_raises_the_datas_error_in_its_turn():
 
 def test_the_ctr_job_on_dynamic_tables_over_raw_hashed_ids_reaches_the_auc_of_fixed_tables(local_context):
     from workers import ctr
-    options = dict(steps=200, batch_size=512, hook="allreduce", holdout_size=8000, eval_every=10 ** 9,
+    options = dict(steps=120, batch_size=512, hook="allreduce", holdout_size=6000, eval_every=10 ** 9,
                    log_every=10 ** 9)
     fixed = ctr.main(local_context, table_name="ctr-fixed", **options)
     dynamic = ctr.main(local_context, table_name="ctr-dynamic", dynamic_tables=True, **options)
