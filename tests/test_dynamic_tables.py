@@ -12,6 +12,7 @@ from paramserver.optim.owner import OwnerOptimizer
 from paramserver.optim.registry import functional_optim_map
 from paramserver.shards.dynamic import DynamicOptions, DynamicRows, select_part
 from paramserver.shards.id_hash import initial_rows, shard_of
+from paramserver.shards import native
 from paramserver.shards.id_index import IdIndex
 from paramserver.shards.state import ShardState
 from paramserver.train.contract import Table
@@ -241,3 +242,31 @@ def test_a_row_swept_by_ttl_in_the_lookup_that_asks_for_it_comes_back_fresh_in_a
     held, slots = rows.index.items()
     assert torch.unique(slots).numel() == slots.numel() == asked.numel()  # one row per id
     assert torch.equal(values, initial_rows(asked, 3, DIM, 0.1, torch.float32))
+
+
+@pytest.fixture(params=["native", "torch"], autouse=True)
+def kernel_path(request, monkeypatch):
+    """Every test here twice: ids found by the C kernel (where a compiler exists) and by the torch path."""
+    if request.param == "torch":
+        monkeypatch.setenv("PARAMSERVER_NATIVE", "0")
+    elif native.kernel() is None:
+        pytest.skip("the C kernel is not available here (no C compiler, or PARAMSERVER_NATIVE=0)")
+    return request.param
+
+
+def test_the_c_kernel_and_the_torch_path_find_touch_and_read_alike(kernel_path):
+    index = IdIndex()
+    ids = spread_ids(20_000)
+    index.insert(ids, torch.arange(ids.numel()))
+    index.remove(ids[:3_000])
+    table = torch.randn(ids.numel(), DIM)
+    touch = torch.full((ids.numel(),), -1, dtype=torch.int32)
+    asked = torch.cat([ids[:5_000], spread_ids(500, seed=9)]).unique()
+    slots, rows, all_held = index.find_rows(asked, table, touch, 7)
+    expected = torch.tensor([int(torch.nonzero(ids == i)) if bool((ids[3_000:] == i).any()) else -1
+                             for i in asked.tolist()])
+    assert torch.equal(slots, expected) and not all_held
+    held = expected >= 0
+    assert torch.equal(rows[held], table[expected[held]]) and not rows[~held].any()
+    assert torch.equal((touch == 7).nonzero().view(-1), expected[held].sort().values)
+    assert torch.equal(index.find(asked), expected)

@@ -123,25 +123,16 @@ class DynamicRows:
         with self._lock:
             if step >= 0:
                 self._advance_locked(step)  # before finding the ids: a TTL sweep frees the slots it evicts
-            slots = self.index.find(ids)
-            held = slots >= 0
-            all_held = bool(held.all())
-            if step >= 0:
-                # before any eviction: these must stay
-                self.last_touch.index_fill_(0, slots if all_held else slots[held], step)
-                if not all_held:
-                    missing = (~held).nonzero().view(-1)
-                    admitted = missing[self.admission.admit(ids[missing], step)]
-                    self.not_admitted += missing.numel() - admitted.numel()
-                    if admitted.numel():
-                        slots[admitted] = self._create_locked(ids[admitted], step)
-                        held = slots >= 0
-                        all_held = bool(held.all())
-            if all_held:
-                return self.slab.index_select(0, slots)
-            rows = torch.zeros(ids.numel(), self.embedding_dim, dtype=self.dtype)
-            where = held.nonzero().view(-1)
-            rows[where] = self.slab.index_select(0, slots[where])
+            # the ids held are touched now, before any eviction: they must stay
+            slots, rows, all_held = self.index.find_rows(ids, self.slab, self.last_touch if step >= 0 else None, step)
+            if step >= 0 and not all_held:
+                missing = (slots < 0).nonzero().view(-1)
+                admitted = missing[self.admission.admit(ids[missing], step)]
+                self.not_admitted += missing.numel() - admitted.numel()
+                if admitted.numel():
+                    created = self._create_locked(ids[admitted], step)
+                    made = (created >= 0).nonzero().view(-1)
+                    rows[admitted[made]] = self.slab.index_select(0, created[made])
             return rows
 
     def slots_locked(self, ids: Tensor) -> Tensor:

@@ -8,7 +8,11 @@ an id goes to the bucket its Fibonacci hash names (``id_hash.bucket_of``),
 or, when that bucket is full, to the next one that is not.  A lookup reads
 the id's whole bucket at once (sixteen ids: two adjacent cache lines) and
 stops at the first bucket with an empty lane, so nearly every id is found
-in the first round (the others in a round or two more).
+in the first round (the others in a round or two more).  Where a C
+compiler exists, lookups run in a C kernel over the same tensors
+(``paramserver.shards.native``), which also touches and reads the ids'
+rows in the same pass; the torch code here is the fallback, with the same
+results.
 
 Removing an id leaves a tombstone (the lane is reused by a later insert,
 but still counts as taken for lookups, so that ids placed past it stay
@@ -17,11 +21,12 @@ found); the index is rebuilt when ids and tombstones together fill
 than half.  Not thread-safe: its owner serializes calls.
 """
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from . import native
 from .id_hash import bucket_of, _GOLDEN
 
 LANES = 16
@@ -71,6 +76,33 @@ class IdIndex:
 
     def find(self, ids: Tensor) -> Tensor:
         """The slot of each of ``ids`` (int64), -1 where an id is not held."""
+        kernel = native.kernel()
+        if kernel is not None:
+            return kernel.find(self.keys, self.slots, self._bits, self._max_run, ids)[0]
+        return self._find_in_torch(ids)
+
+    def find_rows(self, ids: Tensor, table: Tensor, touch: Optional[Tensor] = None, step: int = -1
+                  ) -> Tuple[Tensor, Tensor, bool]:
+        """(slots of ``ids`` as ``find`` gives them; their rows of ``table`` (the rows of the slots; zeros where
+        an id is not held); whether every id is held).  With ``touch``, ``touch[slot] = step`` for each id held."""
+        kernel = native.kernel()
+        if kernel is not None:
+            slots, rows, found = kernel.find(self.keys, self.slots, self._bits, self._max_run, ids, touch, step,
+                                             table)
+            return slots, rows, found == ids.numel()
+        slots = self._find_in_torch(ids)
+        held = slots >= 0
+        everywhere = bool(held.all())
+        if touch is not None:
+            touch.index_fill_(0, slots if everywhere else slots[held], step)
+        if everywhere:
+            return slots, table.index_select(0, slots), True
+        rows = torch.zeros(ids.numel(), table.size(1), dtype=table.dtype)
+        where = held.nonzero().view(-1)
+        rows[where] = table.index_select(0, slots[where])
+        return slots, rows, False
+
+    def _find_in_torch(self, ids: Tensor) -> Tensor:
         slots = torch.full((ids.numel(),), -1, dtype=torch.int64)
         active, wanted, probe = None, ids, bucket_of(ids, self._bits)
         for _ in range(self._max_run + 1):
