@@ -96,6 +96,7 @@ from paramserver.optim.owner import OwnerOptimizer
 from paramserver.optim.registry import functional_optim_map
 from paramserver.shards import dynamic as dynamic_module
 from paramserver.shards import id_index
+from paramserver.shards import native
 from paramserver.shards.dynamic import DynamicOptions, DynamicRows
 from paramserver.shards.state import ShardState
 
@@ -403,7 +404,8 @@ def report(args, results: Dict, memory: Memory) -> None:
     batch = args.batch
     print(f"# Dynamic tables: torch {torch.__version__}, {args.rows:,} rows x {args.dim} float32 held, "
           f"batches of {batch:,} distinct sorted ids, {args.threads} intra-op thread(s) in-process, "
-          f"{args.rounds} rounds (dict: {args.dict_rounds}){', --quick' if args.quick else ''}")
+          f"{args.rounds} rounds (dict: {args.dict_rounds}){', --quick' if args.quick else ''}; ids found by "
+          f"{'the C kernel' if native.kernel() is not None else 'the torch path (no C kernel)'}")
     print()
     print("| per shard, per request | dynamic | fixed tensor | dynamic / fixed "
           f"| dict of rows ({args.dict_rows:,} held) | dynamic / dict |")
