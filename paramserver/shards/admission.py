@@ -59,7 +59,8 @@ class Admission:
 
     def merge_state(self, states) -> None:
         """Add the counts of ``states`` (sketches of other shards, or of this one before a restart): counts of
-        the same width add up, which over-estimates an id's count (it is admitted early) and never under-estimates it."""
+        the same width add up, which over-estimates an id's count (it is admitted early) and never
+        under-estimates it."""
         if self.counts is None:
             return
         for state in states:

@@ -4,7 +4,8 @@ Owns the trainer side of a step's fused row traffic, the way torchrec's
 ``EmbeddingBagCollection`` batches the features of a ``KeyedJaggedTensor``
 and FBGEMM's TBE fuses backward and optimizer: every table's ids are
 checked, deduplicated and routed to their row ranges
-(``ShardedEmbeddingBag.route``), then grouped by shard, so that a step sends
+(``ShardedEmbeddingBag.route``; a ``DynamicEmbeddingBag``'s to the shard
+each id's hash names), then grouped by shard, so that a step sends
 each shard ONE lookup carrying the ids of every table it serves, and from
 the backward pass ONE push carrying their row gradients (sent after it, or
 from inside it as soon as the rows' gradients exist), which the shard's
@@ -64,7 +65,8 @@ class EmbeddingCollection:
     built again in the same process, so that a step's push is recognised).
     """
 
-    def __init__(self, tables: Mapping[str, Union[ShardedEmbeddingBag, DynamicEmbeddingBag]], optimizer_layout: Mapping[str, Tuple[int, List[int]]],
+    def __init__(self, tables: Mapping[str, Union[ShardedEmbeddingBag, DynamicEmbeddingBag]],
+                 optimizer_layout: Mapping[str, Tuple[int, List[int]]],
                  peer: str, token: Optional[int] = None):
         self.tables = dict(tables)
         self.peer = peer

@@ -4,7 +4,9 @@ Owns, on a shard server, the rows of a table without a fixed size: the
 ids that hash to this shard (``id_hash.shard_of``) get a row on first
 admission (``Admission``), found through an ``IdIndex``; rows live in one
 slab tensor (the hosted parameter, which grows in place by ``GROWTH``),
-each slot with its id and the step it was last touched.  The slab is an
+each slot with its id and the step it was last touched.  A lookup finds,
+touches and reads its ids in one call (``IdIndex.find_rows``: a C kernel
+where one could be built, torch operations otherwise).  The slab is an
 ordinary parameter to the owner-side optimizer
 (``paramserver.optim.owner``): a push's ids become slots, and the same
 fused sparse update as a fixed table's runs over them.  The optimizer's
