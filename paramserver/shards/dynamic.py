@@ -100,7 +100,7 @@ class DynamicRows:
         self.admission = Admission(options.admit_after, options.admit_probability, seed)
         self.clock = -1
         self._last_sweep = -1
-        self.admitted = self.evicted = self.not_admitted = self.refused_full = 0
+        self.admitted = self.evicted = self.not_admitted = 0
         self._optimizers: List[Tuple["weakref.ref", int]] = []
         self._restored_state: Optional[Tuple[str, Dict[str, Tensor]]] = None
         self._lock = lock_for(self.slab)
@@ -161,7 +161,7 @@ class DynamicRows:
             if count > room:
                 room += self._evict_least_recent_locked(count - room, step)
             if count > room:
-                self.refused_full += count - room
+                self.not_admitted += count - room
                 count = room
         if count <= 0:
             return slots
@@ -227,7 +227,7 @@ class DynamicRows:
         rows, ids, touches, index and admission counts (optimizer state not included)."""
         with self._lock:
             return {"rows": len(self.index), "admitted": self.admitted, "evicted": self.evicted,
-                    "not_admitted": self.not_admitted + self.refused_full, "bytes": self._nbytes_locked()}
+                    "not_admitted": self.not_admitted, "bytes": self._nbytes_locked()}
 
     def _nbytes_locked(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.slab, self.slot_ids, self.last_touch)) + \

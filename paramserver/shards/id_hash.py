@@ -25,6 +25,7 @@ _MIX_1 = _signed(0xBF58476D1CE4E5B9)
 _MIX_2 = _signed(0x94D049BB133111EB)
 _SHARD_SALT = 0x5EED5A17
 _LOW_63 = (1 << 63) - 1
+_ALL_64 = (1 << 64) - 1
 
 
 def shift_right(values: Tensor, bits: int) -> Tensor:
@@ -40,9 +41,17 @@ def mix64(values: Tensor) -> Tensor:
     return z ^ shift_right(z, 31)
 
 
+def _mix_int(value: int) -> int:
+    """``mix64`` of one Python int (the same bits, without making a tensor)."""
+    z = (value + _GOLDEN) & _ALL_64
+    z = ((z ^ (z >> 30)) * (_MIX_1 & _ALL_64)) & _ALL_64
+    z = ((z ^ (z >> 27)) * (_MIX_2 & _ALL_64)) & _ALL_64
+    return _signed(z ^ (z >> 31))
+
+
 def salted(values: Tensor, salt: int) -> Tensor:
     """``mix64`` of ``values`` under ``salt`` (independent hashes of the same ids for different uses)."""
-    return mix64(values ^ _signed(mix64(torch.tensor([salt], dtype=torch.int64)).item() & ((1 << 64) - 1)))
+    return mix64(values ^ _mix_int(salt))
 
 
 def shard_of(ids: Tensor, count: int) -> Tensor:
