@@ -21,7 +21,7 @@ found); the index is rebuilt when ids and tombstones together fill
 than half.  Not thread-safe: its owner serializes calls.
 """
 
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -178,25 +178,26 @@ class IdIndex:
 
     def remove(self, ids: Tensor) -> None:
         """Forget ``ids`` (those not held are ignored)."""
-        slots = self.find(ids)
-        held = ids[slots >= 0]
-        if held.numel() == 0:
+        at = self._lanes_of(ids)
+        if at.numel() == 0:
             return
-        at = self._lanes_of(held)
         self.keys.view(-1)[at] = self._unused_keys(at // LANES)
         self.slots.view(-1)[at] = REMOVED
-        self.size -= held.numel()
-        self.removed += held.numel()
+        self.size -= at.numel()
+        self.removed += at.numel()
 
     def _lanes_of(self, ids: Tensor) -> Tensor:
-        """Flat lane positions of ``ids`` (every one held)."""
-        at = torch.empty(ids.numel(), dtype=torch.int64)
-        active, wanted, probe = torch.arange(ids.numel()), ids, bucket_of(ids, self._bits)
-        while active.numel():
+        """Flat lane positions of those of ``ids`` that are held (an unused lane's key matches no id looked
+        for in its bucket, so a match is the id's lane)."""
+        found: List[Tensor] = []
+        wanted, probe = ids, bucket_of(ids, self._bits)
+        for _ in range(self._max_run + 1):
+            if wanted.numel() == 0:
+                break
             lane, hit = self._matching_lane(self.keys.index_select(0, probe), wanted)
-            at[active[hit]] = probe[hit] * LANES + lane[hit]
-            active, wanted, probe = active[~hit], wanted[~hit], (probe[~hit] + 1) & self._mask
-        return at
+            found.append(probe[hit] * LANES + lane[hit])
+            wanted, probe = wanted[~hit], (probe[~hit] + 1) & self._mask
+        return torch.cat(found) if found else torch.empty(0, dtype=torch.int64)
 
     def items(self) -> Tuple[Tensor, Tensor]:
         """Every (id, slot) held, as two tensors (int64, int64)."""
