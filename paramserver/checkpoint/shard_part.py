@@ -55,21 +55,20 @@ def write_part(directory: pathlib.Path, shard: str):
     shard_state = ShardState.current()
     tables = shard_state.shared_tables()
     entries: Dict[str, Dict] = {}
-    for name, table in tables.items():  # dynamic tables: the rows held, with their ids and optimizer state
-        dynamic = shard_state.dynamic_rows(table)
-        if dynamic is not None:
-            entries[name] = dynamic.checkpoint_entry()
-    # Parameters with an optimizer: value and state copied together, under its locks.
+    # Parameters with an optimizer: value and state copied together, under its locks (a dynamic table's come
+    # as its entry: the rows held, by id, with their state).
     for optimizer in shard_state.optimizers():
-        skip = [index for index, param in enumerate(optimizer.params) if shard_state.name_of(param) in entries]
-        values, state = optimizer.snapshot(skip)
+        values, state = optimizer.snapshot()
         for index, (param, value) in enumerate(zip(optimizer.params, values)):
             name = shard_state.name_of(param)
             if name in tables and name not in entries:
-                entries[name] = {"value": value, "optimizer": optimizer.class_name, "state": state.get(index, {})}
+                entries[name] = value if isinstance(value, dict) else \
+                    {"value": value, "optimizer": optimizer.class_name, "state": state.get(index, {})}
     for name, table in tables.items():  # no optimizer (yet): the values alone
         if name not in entries:
-            entries[name] = {"value": table.detach().clone(), "optimizer": "", "state": {}}
+            dynamic = shard_state.dynamic_rows(table)
+            entries[name] = dynamic.checkpoint_entry() if dynamic is not None else \
+                {"value": table.detach().clone(), "optimizer": "", "state": {}}
     record = save_tensors(directory / part_name(shard), {"format": FORMAT, "shard": shard, "tables": entries})
     logger.info("checkpoint part %s written: %d table ranges, %.1f MB", record.name, len(entries), record.bytes / 1e6)
     return record

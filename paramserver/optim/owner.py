@@ -35,7 +35,7 @@ This module never sends RPCs.
 import logging
 import time
 from contextlib import contextmanager
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -335,10 +335,6 @@ class OwnerOptimizer:
         holds the parameter's lock."""
         self._impl.reset_state_rows(index, rows)
 
-    def state_locked(self, index: int) -> Dict[str, Tensor]:
-        """The state of parameter ``index`` (copies; empty if none).  The caller holds the locks."""
-        return self._state_locked().get(index, {})
-
     def _timed(self, run: Callable[[bool], Tuple[int, int]], peer: Callable[[], str], rpc: str,
                once: Optional[Tuple[int, int]] = None) -> bool:
         """``run(measure)`` under the parameters' locks, timed, and counted in the process's metrics as served
@@ -377,15 +373,19 @@ class OwnerOptimizer:
             return {i: {k: _copy(v) for k, v in entry.items()} for i, entry in state.items()}
         return self._scripted_state_method("optimizer_state")()
 
-    def snapshot(self, skip: Sequence[int] = ()) -> Tuple[List[Optional[Tensor]], StateDict]:
-        """Copies of the parameters (``None`` for indices in ``skip``) and of their state, taken together
-        between two steps."""
+    def snapshot(self) -> Tuple[List[Union[Tensor, Dict]], StateDict]:
+        """Copies of the parameters and of their state, taken together between two steps.  A dynamic table's
+        slab comes as its checkpoint entry instead (``DynamicRows.checkpoint_entry``: the rows held, by id,
+        with their state), and its state is not in the state returned."""
         with self._locked():
-            values = [None if index in skip else param.detach().clone() for index, param in enumerate(self.params)]
             try:
                 state = self._state_locked()
             except NotImplementedError:  # a class without state methods: values only
                 state = {}
+            values: List[Union[Tensor, Dict]] = []
+            for index, (param, dynamic) in enumerate(zip(self.params, self._dynamic)):
+                values.append(param.detach().clone() if dynamic is None else
+                              dynamic.checkpoint_entry_locked(self.class_name, state.pop(index, {})))
             return values, state
 
     @property

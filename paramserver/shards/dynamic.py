@@ -235,22 +235,22 @@ class DynamicRows:
 
     # -- checkpoints -------------------------------------------------------------------
     def checkpoint_entry(self) -> Dict:
-        """The rows held (ids, values, last touches), the state of the first optimizer attached over them,
-        admission counts and clock: taken together, under the lock (no step runs meanwhile)."""
+        """``checkpoint_entry_locked`` without optimizer state (a table no optimizer is over yet)."""
         with self._lock:
-            ids, slots = self.index.items()
-            order = torch.argsort(slots)
-            ids, slots = ids[order], slots[order]
-            optimizer_name, state = "", {}
-            attached = self._each_optimizer()
-            if attached:
-                optimizer, index = attached[0]
-                optimizer_name = optimizer.class_name
-                state = {key: value.index_select(0, slots) if value.dim() > 0 else value.clone()
-                         for key, value in optimizer.state_locked(index).items()}
-            return {"dynamic": True, "ids": ids, "value": self.slab.index_select(0, slots),
-                    "last_touch": self.last_touch.index_select(0, slots), "optimizer": optimizer_name,
-                    "state": state, "admission": self.admission.state_dict(), "clock": self.clock}
+            return self.checkpoint_entry_locked("", {})
+
+    def checkpoint_entry_locked(self, optimizer: str, state: Dict[str, Tensor]) -> Dict:
+        """The rows held (ids, values, last touches), with the rows of ``state`` (the slab's state in
+        ``optimizer``, a class name; its caller holds the optimizer's locks, so no step runs meanwhile),
+        admission counts and clock."""
+        ids, slots = self.index.items()
+        order = torch.argsort(slots)
+        ids, slots = ids[order], slots[order]
+        return {"dynamic": True, "ids": ids, "value": self.slab.index_select(0, slots),
+                "last_touch": self.last_touch.index_select(0, slots), "optimizer": optimizer,
+                "state": {key: value.index_select(0, slots) if value.dim() > 0 else value.clone()
+                          for key, value in state.items()},
+                "admission": self.admission.state_dict(), "clock": self.clock}
 
     def restore(self, ids: Tensor, values: Tensor, last_touch: Tensor, optimizer: str, state: Dict[str, Tensor],
                 admission: List[Dict[str, Tensor]], clock: int) -> None:
