@@ -12,7 +12,7 @@ from paramserver.optim.owner import OwnerOptimizer
 from paramserver.optim.registry import functional_optim_map
 from paramserver.shards.dynamic import DynamicOptions, DynamicRows, select_part
 from paramserver.shards.id_hash import initial_rows, shard_of
-from paramserver.shards import native
+from paramserver.shards import huge_pages, native
 from paramserver.shards.id_index import IdIndex
 from paramserver.shards.state import ShardState
 from paramserver.train.contract import Table
@@ -244,13 +244,21 @@ def test_a_row_swept_by_ttl_in_the_lookup_that_asks_for_it_comes_back_fresh_in_a
     assert torch.equal(values, initial_rows(asked, 3, DIM, 0.1, torch.float32))
 
 
-@pytest.fixture(params=["native", "torch"], autouse=True)
+@pytest.fixture(params=["native", "baseline", "torch"], autouse=True)
 def kernel_path(request, monkeypatch):
-    """Every test here twice: ids found by the C kernel (where a compiler exists) and by the torch path."""
+    """Every test here on each path: ids found by the C kernel (its best build for this processor, and its
+    baseline build where that is another one), and by the torch path."""
     if request.param == "torch":
         monkeypatch.setenv("PARAMSERVER_NATIVE", "0")
-    elif native.kernel() is None:
+        return request.param
+    best = native.kernel()
+    if best is None:
         pytest.skip("the C kernel is not available here (no C compiler, or PARAMSERVER_NATIVE=0)")
+    if request.param == "baseline":
+        if best.variant == "baseline":
+            pytest.skip("the best build of the C kernel here is its baseline build (run as 'native')")
+        monkeypatch.setenv("PARAMSERVER_NATIVE", "baseline")
+        assert native.kernel().variant == "baseline"
     return request.param
 
 
@@ -270,3 +278,12 @@ def test_the_c_kernel_and_the_torch_path_find_touch_and_read_alike(kernel_path):
     assert torch.equal(rows[held], table[expected[held]]) and not rows[~held].any()
     assert torch.equal((touch == 7).nonzero().view(-1), expected[held].sort().values)
     assert torch.equal(index.find(asked), expected)
+
+
+def test_huge_page_tensors_hold_what_plain_ones_would(kernel_path):
+    big = huge_pages.MIN_BYTES // 4 + 5  # int32 elements: advised (where the system allows)
+    grown = huge_pages.grown(torch.arange(10, dtype=torch.int32), big, -1)
+    assert grown.shape == (big,) and torch.equal(grown[:10], torch.arange(10, dtype=torch.int32))
+    assert bool((grown[10:] == -1).all())
+    assert torch.equal(huge_pages.full((big // 4, 4), 7, torch.int32), torch.full((big // 4, 4), 7, dtype=torch.int32))
+    assert huge_pages.advise(torch.empty(16)) is False  # small tensors keep ordinary pages

@@ -4,7 +4,8 @@ Owns, on a shard server, the rows of a table without a fixed size: the
 ids that hash to this shard (``id_hash.shard_of``) get a row on first
 admission (``Admission``), found through an ``IdIndex``; rows live in one
 slab tensor (the hosted parameter, which grows in place by ``GROWTH``),
-each slot with its id and the step it was last touched.  A lookup finds,
+each slot with its id and the step it was last touched; large ones on
+huge pages (``huge_pages``).  A lookup finds,
 touches and reads its ids in one call (``IdIndex.find_rows``: a C kernel
 where one could be built, torch operations otherwise).  The slab is an
 ordinary parameter to the owner-side optimizer
@@ -37,12 +38,15 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from . import huge_pages
 from .admission import Admission
 from .id_hash import initial_rows, shard_of
 from .id_index import IdIndex
 
-#: The slab grows by this factor (at least ``MIN_SLOTS`` rows) when it has no free slot.
-GROWTH = 1.25
+#: The slab grows by this factor (at least ``MIN_SLOTS`` rows) when it has no free slot: small, so that at
+#: most an eighth of it (and of the optimizer state shaped like it) is ever unused, at the price of more copies
+#: while a table fills (each row is copied about 1 / (GROWTH - 1) = 8 times on the way).
+GROWTH = 1.125
 MIN_SLOTS = 1024
 _NEVER = torch.iinfo(torch.int32).max
 
@@ -214,10 +218,10 @@ class DynamicRows:
         rows = max(needed, int(self.slab.size(0) * GROWTH), MIN_SLOTS)
         if self.options.capacity is not None:
             rows = max(needed, min(rows, self.options.capacity))
-        added = rows - self.slab.size(0)
-        self.slab.resize_(rows, self.embedding_dim)  # in place: the optimizers and RRefs hold this tensor
-        self.slot_ids = torch.cat((self.slot_ids, torch.zeros(added, dtype=torch.int64)))
-        self.last_touch = torch.cat((self.last_touch, torch.full((added,), -1, dtype=torch.int32)))
+        # The slab changes its memory in place (set_): the optimizers and RRefs hold this very tensor.
+        self.slab.set_(huge_pages.grown(self.slab, rows))
+        self.slot_ids = huge_pages.grown(self.slot_ids, rows, 0)
+        self.last_touch = huge_pages.grown(self.last_touch, rows, -1)
         for optimizer, index in self._each_optimizer():
             optimizer.resize_state_rows(index, rows)
 

@@ -12,7 +12,7 @@ in the first round (the others in a round or two more).  Where a C
 compiler exists, lookups run in a C kernel over the same tensors
 (``paramserver.shards.native``), which also touches and reads the ids'
 rows in the same pass; the torch code here is the fallback, with the same
-results.
+results.  Large indexes live on huge pages (``huge_pages``).
 
 Removing an id leaves a tombstone (the lane is reused by a later insert,
 but still counts as taken for lookups, so that ids placed past it stay
@@ -26,10 +26,10 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import native
+from . import huge_pages, native
 from .id_hash import bucket_of, _GOLDEN
 
-LANES = 16
+LANES = native.LANES  # the C kernel reads buckets of this many lanes
 EMPTY = -1
 REMOVED = -2
 #: Lanes taken (ids and tombstones) at which the index is rebuilt.
@@ -59,8 +59,9 @@ class IdIndex:
         #: Overflow never goes further than this past an id's own bucket (the index grows instead), so the
         #: unused key below can never be an id looked for in that bucket.
         self._max_run = max(1, buckets // 4)
-        self.keys = self._unused_keys(torch.arange(buckets)).unsqueeze(1).repeat(1, LANES)
-        self.slots = torch.full((buckets, LANES), EMPTY, dtype=torch.int32)
+        self.keys = huge_pages.empty((buckets, LANES), torch.int64)
+        self.keys.copy_(self._unused_keys(torch.arange(buckets)).unsqueeze(1).expand(buckets, LANES))
+        self.slots = huge_pages.full((buckets, LANES), EMPTY, torch.int32)
 
     def _unused_keys(self, buckets: Tensor) -> Tensor:
         """A key for an unused lane of each of ``buckets``: an id whose own bucket is half the index away."""

@@ -1,20 +1,24 @@
-"""The dynamic tables' hot path in C: finding ids in an ``IdIndex``, touching and reading their rows, in one pass.
+"""The dynamic tables' hot path in C: finding ids in an ``IdIndex``, touching and reading their rows.
 
 Owns a small C kernel (the source is below), built on first use with the
 system's C compiler (``cc``, or ``$CC``) into a cache directory
 (``$PARAMSERVER_CACHE``, else ``~/.cache/paramserver``, else the temporary
-directory), named by a hash of the source and the compiler, and loaded
-with ctypes, which releases the GIL for the call.  A lookup in torch
+directory), named by a hash of the source, the compiler and the flags, and
+loaded with ctypes, which releases the GIL for the call.  A lookup in torch
 operations reads each id's bucket, then its slot, then writes its touch,
-then reads its row, each a separate pass of random memory accesses; the
-kernel does all four for one id before the next, so the processor
-overlaps the misses of consecutive ids.
+then reads its row, each a separate pass over the batch with tensors in
+between; the kernel makes two passes (find; touch and copy), each asking
+for the memory of the id 16 places ahead, so the processor overlaps the
+misses of consecutive ids, and compares a bucket's 16 keys at once in
+vector registers.  It is built twice where the processor runs AVX2: a
+baseline build (SSE2 on x86-64, plain C elsewhere), which also says
+whether the processor has AVX2, and an AVX2 build, used where it does.
 
 Without a compiler (or with ``PARAMSERVER_NATIVE=0``) ``kernel()`` is
 ``None`` and callers keep their torch path, which gives the same results
-(``tests/test_dynamic_tables.py`` checks both).  The kernel trusts its
-arguments: ``IdIndex`` and ``DynamicRows`` pass contiguous tensors of the
-layouts they own, checked here before every call.
+(``tests/test_dynamic_tables.py`` checks every build and the torch path).
+The kernel trusts its arguments: ``IdIndex`` and ``DynamicRows`` pass
+contiguous tensors of the layouts they own, checked here before every call.
 """
 
 import ctypes
@@ -25,7 +29,7 @@ import pathlib
 import subprocess
 import tempfile
 import threading
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 from torch import Tensor
@@ -40,18 +44,70 @@ SOURCE = r"""
 /* How many ids ahead the memory an id needs is asked for (prefetched), so that the misses of consecutive ids
    overlap instead of following one another. */
 #define AHEAD 16
+/* Lanes per bucket: IdIndex.LANES (the caller checks). */
+#define LANES 16
 
 static inline uint64_t home_bucket(int64_t id, int bits) {
     return bits ? ((uint64_t)id * GOLDEN) >> (64 - bits) : 0;
 }
 
-/* For each of ids[0..n): its slot in the index (buckets of `lanes` lanes: keys int64, slots int32, -1 empty,
+/* Bit `lane` set where keys[lane] == id (match_mask) and where slots[lane] is empty, -1 (empty_mask): one
+   bucket compared at once, in AVX2 or SSE2 vectors where the build has them, lane by lane otherwise. */
+#if defined(__AVX2__)
+#include <immintrin.h>
+static inline uint32_t match_mask(const int64_t *keys, int64_t id) {
+    const __m256i wanted = _mm256_set1_epi64x(id);
+    uint32_t mask = 0;
+    for (int quad = 0; quad < LANES / 4; quad++) {
+        __m256i equal = _mm256_cmpeq_epi64(_mm256_loadu_si256((const __m256i *)(keys + 4 * quad)), wanted);
+        mask |= (uint32_t)_mm256_movemask_pd(_mm256_castsi256_pd(equal)) << (4 * quad);
+    }
+    return mask;
+}
+#elif defined(__SSE2__)
+#include <emmintrin.h>
+static inline uint32_t match_mask(const int64_t *keys, int64_t id) {
+    const __m128i wanted = _mm_set1_epi64x(id);
+    uint32_t mask = 0;
+    for (int pair = 0; pair < LANES / 2; pair++) {
+        /* SSE2 compares 32-bit halves: a key matches where both of its halves do */
+        __m128i halves = _mm_cmpeq_epi32(_mm_loadu_si128((const __m128i *)(keys + 2 * pair)), wanted);
+        __m128i both = _mm_and_si128(halves, _mm_shuffle_epi32(halves, _MM_SHUFFLE(2, 3, 0, 1)));
+        mask |= (uint32_t)_mm_movemask_pd(_mm_castsi128_pd(both)) << (2 * pair);
+    }
+    return mask;
+}
+#else
+static inline uint32_t match_mask(const int64_t *keys, int64_t id) {
+    uint32_t mask = 0;
+    for (int lane = 0; lane < LANES; lane++) mask |= (uint32_t)(keys[lane] == id) << lane;
+    return mask;
+}
+#endif
+
+static inline uint32_t empty_mask(const int32_t *slots) {
+    uint32_t mask = 0;
+    for (int lane = 0; lane < LANES; lane++) mask |= (uint32_t)(slots[lane] == -1) << lane;
+    return mask;
+}
+
+/* 1 where this processor runs AVX2 code (the kernel is then built again with it), 0 otherwise. */
+int paramserver_cpu_has_avx2(void) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") ? 1 : 0;
+#else
+    return 0;
+#endif
+}
+
+/* For each of ids[0..n): its slot in the index (buckets of LANES lanes: keys int64, slots int32, -1 empty,
    -2 removed), probing from its Fibonacci-hashed bucket through full buckets, at most max_run further;
    -1 where it is not held.  Then, when touch is not NULL, touch[slot] = step for every id found; when
    rows_out is not NULL, the id's row (row_bytes of table) is copied to rows_out, zeros where it is not held.
    Two passes (find, then touch and copy), each asking for the memory of the id AHEAD places on.  Returns the
    number of ids found. */
-int64_t paramserver_find(const int64_t *keys, const int32_t *slots, int64_t buckets, int bits, int lanes,
+int64_t paramserver_find(const int64_t *keys, const int32_t *slots, int64_t buckets, int bits,
                          int64_t max_run, const int64_t *ids, int64_t n, int64_t *out, int32_t *touch, int32_t step,
                          const char *table, int64_t row_bytes, char *rows_out) {
     const uint64_t mask = (uint64_t)buckets - 1;
@@ -59,22 +115,18 @@ int64_t paramserver_find(const int64_t *keys, const int32_t *slots, int64_t buck
     for (int64_t i = 0; i < n; i++) {
         if (i + AHEAD < n) {
             uint64_t ahead = home_bucket(ids[i + AHEAD], bits);
-            __builtin_prefetch(keys + ahead * lanes);
-            __builtin_prefetch(keys + ahead * lanes + 8);
-            __builtin_prefetch(slots + ahead * lanes);
+            __builtin_prefetch(keys + ahead * LANES);
+            __builtin_prefetch(keys + ahead * LANES + 8);
+            __builtin_prefetch(slots + ahead * LANES);
         }
         const int64_t id = ids[i];
         uint64_t bucket = home_bucket(id, bits);
         int64_t found = -1;
         for (int64_t run = 0; run <= max_run; run++) {
-            const int64_t *k = keys + bucket * lanes;
-            const int32_t *s = slots + bucket * lanes;
-            int empty = 0;
-            for (int lane = 0; lane < lanes; lane++) {
-                if (s[lane] >= 0 && k[lane] == id) { found = s[lane]; break; }
-                if (s[lane] == -1) empty = 1;
-            }
-            if (found >= 0 || empty) break;
+            /* an unused lane's key never matches an id looked for in its bucket: a match is the id */
+            const uint32_t matches = match_mask(keys + bucket * LANES, id);
+            if (matches) { found = slots[bucket * LANES + __builtin_ctz(matches)]; break; }
+            if (empty_mask(slots + bucket * LANES)) break;
             bucket = (bucket + 1) & mask;
         }
         out[i] = found;
@@ -99,15 +151,30 @@ int64_t paramserver_find(const int64_t *keys, const int32_t *slots, int64_t buck
 """
 
 
-class Kernel:
-    """The loaded kernel: ``find`` (see ``SOURCE``)."""
+#: Lanes per bucket the kernel reads (the source's ``LANES``): ``IdIndex.LANES``.
+LANES = 16
 
-    def __init__(self, library: ctypes.CDLL):
+#: The builds: ``baseline`` for any processor the compiler targets by default (SSE2 vectors on x86-64),
+#: ``avx2`` for processors that run AVX2, used where this one does.
+BUILD_FLAGS = {"baseline": [], "avx2": ["-mavx2"]}
+
+
+class Kernel:
+    """The loaded kernel: ``find`` (see ``SOURCE``), of one build (``variant``)."""
+
+    def __init__(self, library: ctypes.CDLL, variant: str):
+        self.variant = variant
         self._find = library.paramserver_find
         self._find.restype = ctypes.c_int64
-        self._find.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
-                               ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                               ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+        self._find.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int64,
+                               ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
+                               ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+        self._has_avx2 = library.paramserver_cpu_has_avx2
+        self._has_avx2.restype = ctypes.c_int
+        self._has_avx2.argtypes = []
+
+    def cpu_has_avx2(self) -> bool:
+        return bool(self._has_avx2())
 
     def find(self, keys: Tensor, slots: Tensor, bits: int, max_run: int, ids: Tensor,
              touch: Optional[Tensor] = None, step: int = -1, table: Optional[Tensor] = None) -> tuple:
@@ -115,7 +182,7 @@ class Kernel:
         how many were found).  With ``touch``, ``touch[slot] = step`` for every id found."""
         buckets, lanes = keys.shape
         if not (keys.dtype == torch.int64 and slots.dtype == torch.int32 and slots.shape == keys.shape
-                and keys.is_contiguous() and slots.is_contiguous() and buckets == 1 << bits):
+                and lanes == LANES and keys.is_contiguous() and slots.is_contiguous() and buckets == 1 << bits):
             raise ValueError("the index's tensors are not laid out as the kernel reads them")
         ids = ids.to(torch.int64).contiguous()
         out = torch.empty(ids.numel(), dtype=torch.int64)
@@ -128,7 +195,7 @@ class Kernel:
             row_bytes = table.size(1) * table.element_size()
         if touch is not None and (touch.dtype != torch.int32 or not touch.is_contiguous()):
             raise ValueError("touches must be a contiguous int32 tensor")
-        found = self._find(keys.data_ptr(), slots.data_ptr(), buckets, bits, lanes, max_run, ids.data_ptr(),
+        found = self._find(keys.data_ptr(), slots.data_ptr(), buckets, bits, max_run, ids.data_ptr(),
                            ids.numel(), out.data_ptr(), touch.data_ptr() if touch is not None else None,
                            step, table.data_ptr() if table is not None else None, row_bytes,
                            rows.data_ptr() if rows is not None else None)
@@ -136,44 +203,52 @@ class Kernel:
 
 
 class _Loader:
-    """Builds and loads the kernel once per process (``None`` when it cannot be built)."""
+    """Builds and loads the kernel once per process and build (``None`` when it cannot be built)."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._tried = False
-        self._kernel: Optional[Kernel] = None
+        self._kernels: Dict[str, Optional[Kernel]] = {}
 
     def kernel(self) -> Optional[Kernel]:
-        if os.environ.get("PARAMSERVER_NATIVE", "1") == "0":
+        choice = os.environ.get("PARAMSERVER_NATIVE", "1")
+        if choice == "0":
             return None
         with self._lock:
-            if not self._tried:
-                self._tried = True
-                try:
-                    self._kernel = Kernel(ctypes.CDLL(str(self._build())))
-                except (OSError, subprocess.SubprocessError) as error:
-                    logger.info("dynamic tables use their torch path: the C kernel could not be built (%s)", error)
-            return self._kernel
+            baseline = self._load_locked("baseline")
+            if choice == "baseline" or baseline is None or not baseline.cpu_has_avx2():
+                return baseline
+            return self._load_locked("avx2") or baseline
+
+    def _load_locked(self, variant: str) -> Optional[Kernel]:
+        if variant not in self._kernels:
+            self._kernels[variant] = None
+            try:
+                self._kernels[variant] = Kernel(ctypes.CDLL(str(self._build(variant))), variant)
+            except (OSError, subprocess.SubprocessError) as error:
+                logger.info("dynamic tables: the C kernel's %s build failed (%s); %s", variant, error,
+                            "they use their torch path" if variant == "baseline" else "the baseline build runs")
+        return self._kernels[variant]
 
     @staticmethod
-    def _build() -> pathlib.Path:
+    def _build(variant: str) -> pathlib.Path:
         compiler = os.environ.get("CC", "cc")
+        flags = BUILD_FLAGS[variant]
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30,
                                  check=True).stdout
-        digest = hashlib.sha256((SOURCE + version).encode()).hexdigest()[:16]
+        digest = hashlib.sha256((SOURCE + version + " ".join(flags)).encode()).hexdigest()[:16]
         for directory in _cache_directories():
             try:
                 directory.mkdir(parents=True, exist_ok=True)
             except OSError:
                 continue
-            library = directory / f"dynamic-tables-{digest}.so"
+            library = directory / f"dynamic-tables-{variant}-{digest}.so"
             if library.exists():
                 return library
-            source = directory / f"dynamic-tables-{digest}.{os.getpid()}.c"
-            partial = directory / f"dynamic-tables-{digest}.{os.getpid()}.so"
+            source = directory / f"dynamic-tables-{variant}-{digest}.{os.getpid()}.c"
+            partial = directory / f"dynamic-tables-{variant}-{digest}.{os.getpid()}.so"
             try:
                 source.write_text(SOURCE)
-                subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", str(partial), str(source)],
+                subprocess.run([compiler, "-O2", *flags, "-shared", "-fPIC", "-o", str(partial), str(source)],
                                capture_output=True, text=True, timeout=120, check=True)
                 os.replace(partial, library)  # whole or not at all, if processes build it at once
                 return library
@@ -197,5 +272,6 @@ _loader = _Loader()
 
 
 def kernel() -> Optional[Kernel]:
-    """The built kernel, or ``None`` (no compiler, or ``PARAMSERVER_NATIVE=0``): use the torch path."""
+    """The built kernel (the AVX2 build where this processor runs it), or ``None`` (no compiler, or
+    ``PARAMSERVER_NATIVE=0``): use the torch path.  ``PARAMSERVER_NATIVE=baseline`` keeps the baseline build."""
     return _loader.kernel()
