@@ -1,0 +1,279 @@
+"""``FileReader``: a worker's batches from files, read and parsed ahead in background threads, resumable.
+
+Owns reading one worker's share of a set of files (``parts.parts_of``:
+over every worker, each line or row of an epoch is read exactly once)
+as ``paramserver.Batch``es: a producer thread walks the parts chunk by
+chunk (text: about ``parts.CHUNK_BYTES`` of whole lines; Parquet: a row
+group) and hands each to a pool of ``threads`` parsing threads (pyarrow
+and numpy work without the GIL); the consumer takes parsed chunks in
+order and cuts them into batches of ``batch_size`` (a batch may span
+chunks and parts; the last one of the data may be shorter).  At most
+``ahead`` chunks wait, so memory is bounded and a step does not wait for
+data in steady state.
+
+Position: ``state_dict()`` is where the next batch starts (epoch, part,
+chunk offset, rows of that chunk already given, lines skipped so far);
+``load_state_dict()`` makes the next iteration start there, as torchdata's
+``StatefulDataLoader`` does, so a Trainer saves it in checkpoints and a
+restored run reads on from the same sample.  Every ``iter()`` starts from
+the loaded position (or the beginning), so an evaluation set is
+re-iterable.
+
+Malformed input stops the reader with ``MalformedInput`` naming the file
+and line (Parquet: row group and row), or, with ``skip_malformed``, is
+skipped, counted (``malformed``) and logged at a bounded rate.  Every
+wait is bounded and returns promptly on ``close()``.
+"""
+
+import concurrent.futures
+import dataclasses
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+from ..logs import RateLimitedLog
+from ..train.contract import Batch
+from . import criteo, parts as parts_module
+from .criteo import Parsed
+from .errors import MalformedInput
+from .parquet import ParquetSchema, read_row_group
+from .parts import Part
+from .samples import Samples
+
+logger = logging.getLogger(__name__)
+
+#: How often a wait looks up (a stop request, a dead producer).
+_POLL = 0.2
+FORMATS = ("criteo", "parquet")
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where reading resumes: chunk ``offset`` of part ``part`` in epoch ``epoch``, ``rows`` of it given."""
+
+    epoch: int = 0
+    part: int = 0
+    offset: int = 0
+    rows: int = 0
+    malformed: int = 0
+
+
+@dataclass
+class _Chunk:
+    part: int
+    epoch: int
+    offset: int
+    after: Position  # where the chunk after this one starts
+    parsed: "concurrent.futures.Future"
+
+
+class FileReader:
+    """Worker ``worker`` of ``workers``'s batches from ``paths`` (paths or globs) in ``format`` ("criteo" or
+    "parquet" with ``schema``), for ``epochs`` epochs (``None``: without end); an iteration ends after
+    ``max_rows`` samples when that is given (a bounded evaluation set)."""
+
+    def __init__(self, paths: Union[str, Sequence[str]], batch_size: int, *, format: str = "criteo",
+                 schema: Optional[ParquetSchema] = None, worker: int = 0, workers: int = 1,
+                 epochs: Optional[int] = 1, skip_malformed: bool = False, threads: int = 2, ahead: int = 4,
+                 chunk_bytes: int = parts_module.CHUNK_BYTES, max_rows: Optional[int] = None):
+        if format not in FORMATS:
+            raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+        if format == "parquet" and schema is None:
+            raise ValueError("Parquet input needs a schema (ParquetSchema: label, dense, categorical columns)")
+        if batch_size < 1 or threads < 1 or ahead < 1 or (epochs is not None and epochs < 0):
+            raise ValueError(f"batch_size, threads and ahead must be >= 1 and epochs >= 0 or None; got "
+                             f"{batch_size}, {threads}, {ahead}, {epochs}")
+        self.format, self.schema, self.batch_size = format, schema, batch_size
+        self.epochs, self.skip_malformed, self.threads, self.ahead = epochs, skip_malformed, threads, ahead
+        self.chunk_bytes, self.max_rows = chunk_bytes, max_rows
+        files = parts_module.expand(paths)
+        every = parts_module.parquet_parts(files) if format == "parquet" else parts_module.text_parts(files, workers)
+        self.parts: List[Part] = parts_module.parts_of(every, worker, workers)
+        if not self.parts:
+            raise ValueError(f"worker {worker} of {workers} has no part of {len(files)} file(s) ({len(every)} "
+                             "parts; a compressed file is one part): give more files, or uncompressed ones")
+        self.tables = list(schema.tables) if format == "parquet" else list(criteo.CATEGORICAL)
+        self.num_dense = len(schema.dense) if format == "parquet" else len(criteo.DENSE)
+        self._start = Position()
+        self._position = Position()
+        self._stop = threading.Event()
+        self._line_starts: Dict[Tuple[str, int], int] = {}
+        self._skipped_log = RateLimitedLog(logger, "skipped {count} malformed line{s}")
+
+    @property
+    def malformed(self) -> int:
+        """Lines (rows) skipped as malformed so far."""
+        return self._position.malformed
+
+    # -- position ----------------------------------------------------------------
+    def state_dict(self) -> Dict[str, int]:
+        return dataclasses.asdict(self._position)
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        position = Position(**{key: int(value) for key, value in state.items()})
+        if not 0 <= position.part <= len(self.parts):
+            raise ValueError(f"saved position names part {position.part}, this reader has {len(self.parts)}")
+        self._start = self._position = position
+
+    def close(self) -> None:
+        """Stop reading (an iteration under way ends at its next batch)."""
+        self._stop.set()
+
+    # -- iteration ---------------------------------------------------------------
+    def __iter__(self) -> Iterator[Batch]:
+        self._stop.clear()
+        self._position = self._start
+        stop = threading.Event()
+        chunks: "queue.Queue" = queue.Queue(maxsize=self.ahead)
+        pool = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix="data-parse")
+        producer = threading.Thread(target=self._produce, args=(self._start, chunks, pool, stop),
+                                    name="data-read", daemon=True)
+        producer.start()
+        try:
+            yield from self._batches(chunks, producer)
+        finally:
+            stop.set()
+            producer.join(10 * _POLL)
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _batches(self, chunks: "queue.Queue", producer: threading.Thread) -> Iterator[Batch]:
+        waiting: List[Samples] = []
+        waiting_rows = 0
+        rows_given = 0
+        skip = self._start.rows
+        malformed = self._start.malformed
+        while True:
+            chunk = self._next_chunk(chunks, producer)
+            if chunk is None:
+                break
+            parsed = self._result(chunk)
+            malformed += self._problems(chunk, parsed)
+            samples = parsed.samples
+            if self.max_rows is not None:
+                samples = samples.slice(0, max(0, min(len(samples), self.max_rows - rows_given)))
+            given = 0
+            if skip:
+                given, skip = min(skip, len(samples)), 0
+            while given < len(samples):
+                take = min(self.batch_size - waiting_rows, len(samples) - given)
+                waiting.append(samples.slice(given, given + take))
+                waiting_rows += take
+                given += take
+                rows_given += take
+                if waiting_rows == self.batch_size:
+                    batch = Samples.join(waiting).batch()
+                    waiting, waiting_rows = [], 0
+                    self._position = (Position(chunk.epoch, chunk.part, chunk.offset, given, malformed)
+                                      if given < len(samples) else dataclasses.replace(chunk.after,
+                                                                                       malformed=malformed))
+                    yield batch
+            if not waiting:
+                self._position = dataclasses.replace(chunk.after, malformed=malformed)
+            if self.max_rows is not None and rows_given >= self.max_rows:
+                break
+        if waiting_rows:
+            self._position = Position(self.epochs or 0, len(self.parts), 0, 0, malformed)
+            yield Samples.join(waiting).batch()
+        self._position = Position(self.epochs or 0, len(self.parts), 0, 0, malformed)
+
+    def _next_chunk(self, chunks: "queue.Queue", producer: threading.Thread) -> Optional[_Chunk]:
+        while True:
+            if self._stop.is_set():
+                return None
+            try:
+                item = chunks.get(timeout=_POLL)
+            except queue.Empty:
+                if not producer.is_alive() and chunks.empty():
+                    raise RuntimeError("the file reader's thread ended without a word") from None
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            return item
+
+    def _result(self, chunk: _Chunk) -> Parsed:
+        while True:
+            if self._stop.is_set():
+                raise concurrent.futures.CancelledError("the file reader was closed")
+            try:
+                return chunk.parsed.result(timeout=_POLL)
+            except concurrent.futures.TimeoutError:
+                continue
+
+    def _problems(self, chunk: _Chunk, parsed: Parsed) -> int:
+        """Raise for the chunk's first malformed line, or (``skip_malformed``) count and log them."""
+        if not parsed.problems:
+            return 0
+        part = self.parts[chunk.part]
+        for problem in parsed.problems:
+            place = self._place(part, chunk.offset, problem.line)
+            if not self.skip_malformed:
+                raise MalformedInput(part.path, place, problem.reason, problem.column)
+            self._skipped_log.record("malformed", f"skipped malformed input: {part.path}, {place}"
+                                     + (f", column {problem.column}" if problem.column else "")
+                                     + f": {problem.reason}")
+        return len(parsed.problems)
+
+    def _place(self, part: Part, offset: int, line: int) -> str:
+        if part.row_group is not None:
+            return f"row group {part.row_group}, row {line}"
+        key = (part.path, offset)
+        if key not in self._line_starts:
+            self._line_starts[key] = parts_module.line_at(part.path, offset)
+        return f"line {self._line_starts[key] + line - 1}"
+
+    # -- the producer thread ----------------------------------------------------
+    def _produce(self, start: Position, chunks: "queue.Queue", pool, stop: threading.Event) -> None:
+        try:
+            epoch = start.epoch
+            part_index, offset = start.part, start.offset
+            while self.epochs is None or epoch < self.epochs:
+                while part_index < len(self.parts):
+                    for chunk in self._chunks_of(epoch, part_index, offset, pool):
+                        if not self._put(chunks, chunk, stop):
+                            return
+                    part_index, offset = part_index + 1, 0
+                epoch, part_index = epoch + 1, 0
+            self._put(chunks, None, stop)
+        except BaseException as error:  # noqa: BLE001 - handed to the consumer, which raises it
+            self._put(chunks, error, stop)
+
+    def _chunks_of(self, epoch: int, index: int, offset: int, pool) -> Iterator[_Chunk]:
+        part = self.parts[index]
+        following = (Position(epoch, index + 1, 0) if index + 1 < len(self.parts) else Position(epoch + 1, 0, 0))
+        if part.row_group is not None:
+            yield _Chunk(index, epoch, 0, following, pool.submit(read_row_group, part.path, part.row_group,
+                                                                 self.schema))
+            return
+        for text in parts_module.text_chunks(part, offset or part.start, self.chunk_bytes):
+            after = following if text.last else Position(epoch, index, text.next_offset)
+            yield _Chunk(index, epoch, text.offset, after, pool.submit(criteo.parse, text.text))
+
+    def _put(self, chunks: "queue.Queue", item, stop: threading.Event) -> bool:
+        while not stop.is_set() and not self._stop.is_set():
+            try:
+                chunks.put(item, timeout=_POLL)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+
+def reader_from_config(config: Dict[str, Any], paths_key: str, batch_size: int, worker: int, workers: int,
+                       epochs: Optional[int], max_rows: Optional[int] = None) -> FileReader:
+    """A reader from a job's ``data`` config: ``format``, ``schema`` (Parquet), ``skip_malformed``,
+    ``threads``, and the files under ``paths_key`` ("train" or "eval"); ``workers`` and ``eval_rows`` are
+    the job's to read."""
+    known = {"format", "train", "eval", "schema", "skip_malformed", "threads", "workers", "eval_rows"}
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise ValueError(f"unknown data config keys: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    if paths_key not in config:
+        raise ValueError(f"the data config names no {paths_key!r} files")
+    schema = ParquetSchema.from_config(config["schema"]) if "schema" in config else None
+    return FileReader(config[paths_key], batch_size, format=config.get("format", "criteo"), schema=schema,
+                      worker=worker, workers=workers, epochs=epochs,
+                      skip_malformed=bool(config.get("skip_malformed", False)), threads=int(config.get("threads", 2)),
+                      max_rows=max_rows)
+
