@@ -167,3 +167,22 @@ def test_the_ctr_job_on_dynamic_tables_over_raw_hashed_ids_reaches_the_auc_of_fi
     dynamic = ctr.main(local_context, table_name="ctr-dynamic", dynamic_tables=True, **options)
     assert dynamic["auc"] == pytest.approx(fixed["auc"], abs=0.005), (fixed, dynamic)
     assert dynamic["auc"] > dynamic["oracle_auc"] - 0.06, dynamic
+
+
+def test_the_ctr_job_trains_on_criteo_format_files_and_reports_their_held_out_auc(local_context, tmp_path):
+    from workers import ctr
+    from workers.ctr_files import PlantedFiles
+    files = PlantedFiles(seed=3)
+    for day in range(2):
+        files.write_criteo(str(tmp_path / f"day_{day}.gz"), day, 10_000,
+                           extra_lines=["1\tnot\ta\tline"] if day == 1 else None)
+    oracle = files.write_criteo(str(tmp_path / "eval.txt"), 99, 4_000)
+    data = {"format": "criteo", "train": str(tmp_path / "day_*.gz"), "eval": str(tmp_path / "eval.txt"),
+            "skip_malformed": True, "epochs": 2}
+    result = ctr.main(local_context, table_name="ctr-files", steps=10 ** 6, batch_size=512, hook="allreduce",
+                      eval_every=10 ** 9, log_every=10 ** 9, data=data)
+    # the data ends after its two epochs (20,000 lines, one malformed, read twice, in batches of 512: 79
+    # batches): the job stops at the agreement of step 70, where fewer than the next 10 steps' batches remain
+    assert result["steps"] == 70 and result["malformed_skipped"] == 2, result
+    assert result["auc"] > 0.5 + 0.6 * (oracle - 0.5), (oracle, result)
+    assert 0 < result["log_loss"] < 0.7, result

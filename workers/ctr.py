@@ -10,6 +10,10 @@ held-out AUC next to the planted model's (``oracle_auc``: the best any
 model can do).  Everything else (the step, faults, checkpoints, reports)
 is ``paramserver.Trainer``'s.
 
+``data={...}`` trains on files instead (``FileSource``: Criteo-format
+text or Parquet, read with ``paramserver.data``), on dynamic tables, and
+reports the held-out AUC and log loss of the ``eval`` files.
+
 ``dynamic_tables=True`` trains the same model on dynamic tables
 (``Table(None, ...)``) over the ids as raw 64-bit hashes, as real
 categorical values come; ``table_options`` passes their admission and
@@ -22,14 +26,21 @@ tuned on the planted data (1500 steps of 2 x 1024 samples reach about
 0.015 below the oracle AUC).
 """
 
+import logging
 from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from paramserver import Table, Trainer
+from paramserver.data import reader_from_config
 from paramserver.optim import QHM
 from workers.ctr_data import CTRSpec, PlantedCTR, PlantedStream, auc, feature_names, to_batch
+
+logger = logging.getLogger(__name__)
+
+#: Samples per batch of the held-out files.
+EVAL_BATCH = 4096
 
 
 def dense_tower(num_inputs: int, hidden: Sequence[int]) -> nn.Module:
@@ -59,25 +70,76 @@ def main(ctx, steps: int = 1500, batch_size: int = 1024, hook: str = "powersgd",
          sparse_lr: float = 128.0, dense_lr: float = 0.5, momentum: float = 0.9, nu: float = 0.7,
          init_std: float = 0.01, row_wise_min_rows: int = 1_000_000, holdout_size: int = 20_000,
          eval_every: int = 500, log_every: int = 100, seed: int = 0, spec: Optional[Dict] = None,
-         table_name: str = "ctr", dynamic_tables: bool = False, table_options: Optional[Dict] = None) -> dict:
-    spec_ = CTRSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in (spec or {}).items()})
-    data = PlantedCTR(spec_, seed=seed)
-    planted_holdout = data.holdout(holdout_size)
-    oracle_auc = auc(torch.cat([b.true_logits for b in planted_holdout]),
-                     torch.cat([b.labels for b in planted_holdout]))
-    features = feature_names(spec_)
-    # dynamic tables read the ids as raw 64-bit hashes, as real categorical values come: no vocabulary needed
-    tables = {name: Table(None if dynamic_tables else rows, embedding_dim, mode="sum" if bag == 1 else "mean",
-                          init_std=init_std, **(table_options or {}))
-              for name, rows, bag in zip(features, spec_.vocab_sizes, spec_.bag_sizes)}
+         table_name: str = "ctr", dynamic_tables: bool = False, table_options: Optional[Dict] = None,
+         data: Optional[Dict] = None) -> dict:
+    if data is not None:
+        source = FileSource(ctx, data, batch_size, embedding_dim, init_std, table_options)
+    else:
+        source = PlantedSource(ctx, spec, seed, batch_size, holdout_size, embedding_dim, init_std, dynamic_tables,
+                               table_options)
     torch.manual_seed(seed)  # every replica starts equal (the group shares one anyway)
     trainer = Trainer(
-        ctx, tables=tables, dense=Tower(features, embedding_dim, spec_.num_dense, hidden),
+        ctx, tables=source.tables, dense=Tower(list(source.tables), embedding_dim, source.num_dense, hidden),
         sparse_optimizer=(QHM, dict(lr=sparse_lr, momentum=momentum, nu=nu)),
         dense_optimizer=lambda params: QHM(params, lr=dense_lr, momentum=momentum, nu=nu),
         loss=nn.BCEWithLogitsLoss(), comm_hook=hook, hook_options=hook_options,
         name=table_name, seed=seed, row_wise_min_rows=row_wise_min_rows)
-    return trainer.fit(PlantedStream(data, ctx.worker_index, batch_size, hashed=dynamic_tables), steps=steps,
-                       eval_data=[to_batch(b, dynamic_tables) for b in planted_holdout], eval_every=eval_every,
-                       log_every=log_every,
-                       figures={"oracle_auc": oracle_auc})
+    result = trainer.fit(source.train, steps=steps, eval_data=source.eval, eval_every=eval_every,
+                         log_every=log_every, figures=source.figures)
+    return dict(result, **source.final_figures())
+
+
+class PlantedSource:
+    """The planted data (``ctr_data``): a stream per worker, the held-out set, the oracle AUC."""
+
+    def __init__(self, ctx, spec: Optional[Dict], seed: int, batch_size: int, holdout_size: int,
+                 embedding_dim: int, init_std: float, dynamic_tables: bool, table_options: Optional[Dict]):
+        spec_ = CTRSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in (spec or {}).items()})
+        data = PlantedCTR(spec_, seed=seed)
+        planted_holdout = data.holdout(holdout_size)
+        oracle_auc = auc(torch.cat([b.true_logits for b in planted_holdout]),
+                         torch.cat([b.labels for b in planted_holdout]))
+        # dynamic tables read the ids as raw 64-bit hashes, as real categorical values come: no vocabulary needed
+        self.tables = {name: Table(None if dynamic_tables else rows, embedding_dim,
+                                   mode="sum" if bag == 1 else "mean", init_std=init_std, **(table_options or {}))
+                       for name, rows, bag in zip(feature_names(spec_), spec_.vocab_sizes, spec_.bag_sizes)}
+        self.num_dense = spec_.num_dense
+        self.train = PlantedStream(data, ctx.worker_index, batch_size, hashed=dynamic_tables)
+        self.eval = [to_batch(b, dynamic_tables) for b in planted_holdout]
+        self.figures = {"oracle_auc": oracle_auc}
+
+    def final_figures(self) -> Dict[str, float]:
+        return {}
+
+
+class FileSource:
+    """Files (``paramserver.data``): ``data`` is ``{"format": "criteo" | "parquet", "train": paths or glob,
+    "eval": paths or glob, "schema": {...} (Parquet), "workers": how many workers share the train files
+    (worker ``i`` reads share ``i % workers``), "epochs" (none: without end), "eval_rows", "skip_malformed",
+    "threads"}``.  Every table is dynamic: the ids are raw hashes."""
+
+    def __init__(self, ctx, data: Dict, batch_size: int, embedding_dim: int, init_std: float,
+                 table_options: Optional[Dict]):
+        data = dict(data)
+        workers = int(data.pop("workers", 1))
+        epochs = data.pop("epochs", None)
+        eval_rows = data.pop("eval_rows", None)
+        share = ctx.worker_index % workers
+        if ctx.worker_index >= workers:
+            logger.warning("%s reads share %d of %d of the train files: set data.workers to the number of "
+                           "workers, or some files are read by more than one", ctx.rpc_name, share, workers)
+        self.train = reader_from_config(data, "train", batch_size, share, workers, epochs)
+        self.eval = (reader_from_config(data, "eval", EVAL_BATCH, 0, 1, 1, eval_rows) if "eval" in data
+                     else None)
+        schema = self.train.schema
+        bags = dict(schema.multi_hot) if schema is not None else {}
+        self.tables = {name: Table(None, embedding_dim, mode="mean" if name in bags else "sum", init_std=init_std,
+                                   **(table_options or {}))
+                       for name in self.train.tables}
+        self.num_dense = self.train.num_dense
+        self.figures: Dict[str, float] = {}
+        logger.info("%s reads %s: %d part(s) of share %d of %d", ctx.rpc_name, data.get("format", "criteo"),
+                    len(self.train.parts), share, workers)
+
+    def final_figures(self) -> Dict[str, float]:
+        return {"malformed_skipped": self.train.malformed}

@@ -142,6 +142,7 @@ class _Run:
         self.samples = self.sparse_steps = self.sparse_steps_lost = 0
         self.times = StepTimes()
         self.start_step = self.replica.step
+        self.evaluated_at: Optional[int] = None
 
     def run(self) -> Dict[str, Any]:
         replica, ctx = self.replica, self.ctx
@@ -150,6 +151,7 @@ class _Run:
         self.started = time.monotonic()
         try:
             self._loop()
+            self._evaluate_at_the_end()
         finally:
             self.batches.close()
             replica.close()
@@ -268,6 +270,7 @@ class _Run:
         if self.eval_data is not None and replica.group.rank == 0 and (step % self.eval_every == 0
                                                                          or step == self.steps):
             self.figures.update(self._evaluate())
+            self.evaluated_at = step
         if reporting:
             ctx.report(step, **{k: v for k, v in self.figures.items() if isinstance(v, (int, float))})
             held_out = (f", held-out AUC {self.figures['auc']:.4f} log loss {self.figures['log_loss']:.4f}"
@@ -275,6 +278,19 @@ class _Run:
             logger.info("%s step %d/%d: loss %.4f%s, %.0f samples/s, %s %d bytes/step", ctx.rpc_name, step,
                         self.steps, self.figures["loss"], held_out, self.figures["samples_per_s"],
                         self.trainer.comm_hook, replica.bytes_per_step)
+
+    def _evaluate_at_the_end(self) -> None:
+        """When the run ended before ``steps`` (its data ended) without being asked to stop: the held-out
+        figures of the model as it ended, once."""
+        replica = self.replica
+        if self.eval_data is None or replica.group.rank != 0 or self.ctx.should_stop() or \
+                replica.step in (self.evaluated_at, self.start_step):
+            return
+        self.figures.update(self._evaluate())
+        self.evaluated_at = replica.step
+        self.ctx.report(replica.step, **{k: v for k, v in self.figures.items() if isinstance(v, (int, float))})
+        logger.info("%s step %d (the end of its data): held-out AUC %.4f log loss %.4f", self.ctx.rpc_name,
+                    replica.step, self.figures["auc"], self.figures["log_loss"])
 
     def _evaluate(self) -> Dict[str, float]:
         module, device = self.replica.module, self.replica.group.device
