@@ -42,6 +42,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/end_to_end.py
 	$(PY) benchmarks/scaling.py
 	$(PY) benchmarks/dynamic_tables.py
+	$(PY) benchmarks/data_reader.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
