@@ -6,8 +6,7 @@ dynamic table's lookup reads an id's bucket in the index, writes its
 touch and reads its row: three or four random places in a gigabyte or
 more.  With 4 KiB pages nearly each one also misses the processor's
 address translation cache (TLB) and walks the page tables; with 2 MiB
-pages the whole table fits in the TLB (``benchmarks/dynamic_tables.py``:
-lookups in the shard about 1.4-1.7x faster at 10M rows held).
+pages a few thousand TLB entries cover the whole table.
 
 Hosts whose transparent huge pages are ``always`` need nothing; those
 set to ``madvise`` (common) need this call; ``never``, other systems, or
