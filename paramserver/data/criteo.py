@@ -119,13 +119,11 @@ def parse(text: bytes) -> Parsed:
                 keep[row] = False
                 problems.append(Problem(int(lines[row]), reason, column))
     problems.sort(key=lambda problem: problem.line)
-    id_matrix = np.stack(ids, 1) if ids else np.empty((table.num_rows, 0), dtype=np.int64)
     label_values = labels.astype(np.float32)
     if keep is not None:
-        label_values, dense, id_matrix = label_values[keep], dense[keep], id_matrix[keep]
-    id_tensor = torch.from_numpy(np.ascontiguousarray(id_matrix))
+        label_values, dense, ids = label_values[keep], dense[keep], [column[keep] for column in ids]
     samples = Samples(torch.from_numpy(label_values), torch.from_numpy(dense),
-                      {name: id_tensor[:, index:index + 1] for index, name in enumerate(CATEGORICAL)})
+                      {name: torch.from_numpy(column).view(-1, 1) for name, column in zip(CATEGORICAL, ids)})
     return Parsed(samples, problems)
 
 
