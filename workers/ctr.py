@@ -59,7 +59,13 @@ class Tower(nn.Module):
     def __init__(self, features: Sequence[str], embedding_dim: int, num_dense: int, hidden: Sequence[int]):
         super().__init__()
         self.features = list(features)
+        self.embedding_dim, self.num_dense, self.hidden = embedding_dim, num_dense, list(hidden)
         self.mlp = dense_tower(len(self.features) * embedding_dim + num_dense, hidden)
+
+    def export_kwargs(self) -> Dict:
+        """What an export records to build this tower again (``paramserver.serving.load``)."""
+        return {"features": self.features, "embedding_dim": self.embedding_dim, "num_dense": self.num_dense,
+                "hidden": self.hidden}
 
     def forward(self, pooled: Dict[str, Tensor], dense: Tensor) -> Tensor:
         return self.mlp(torch.cat([pooled[name] for name in self.features] + [dense], 1)).squeeze(1)

@@ -8,7 +8,8 @@ one all-reduce every ``agree_every`` steps, so all act at the same step).
 A checkpoint is written at a step boundary (``at_boundary``), with no
 step in flight: every member pauses there while rank 0 has every shard
 write its part, writes the dense part (the replica, its optimizer, every
-member's comm-hook state and data position) and commits the checkpoint at
+member's comm-hook state and data position, the model's description for
+an export: ``model``) and commits the checkpoint at
 the coordinator, which writes the manifest.  A checkpoint that fails (a
 shard lost while writing, a full disk) is logged in one line and reported
 to the coordinator, which answers a request waiting for it and removes its
@@ -37,26 +38,27 @@ from .storage import Checkpoint, CheckpointStore, CorruptCheckpoint, first_usabl
 logger = logging.getLogger(__name__)
 
 DENSE_PART = "dense.pt"
-#: 2: data positions are ``{"used": batches, "state": the data's state or None}`` (1: a step count).
-FORMAT = 2
+#: 3: ``"model"`` describes the model (``model.describe_model``; ``None`` when not given).  2: data positions
+#: are ``{"used": batches, "state": the data's state or None}`` (1: a step count).
+FORMAT = 3
 
 
 def restore_point(ctx) -> Optional[Dict[str, Any]]:
     """The dense part of the checkpoint the cluster starts from (``None``: a fresh model).
 
-    ``{"step", "module", "optimizer", "hook", "hook_states", "data_positions", ...}``;
+    ``{"step", "module", "optimizer", "hook", "hook_states", "data_positions", "model", ...}``;
     ``hook_states`` are pickled per rank of the group that wrote it.
     """
     path = ctx.checkpoint.restore_from
     if not path:
         return None
     # A worker joining mid-job: the newest checkpoint may have been damaged since its commit.
-    checkpoint, part = first_usable(path, ctx.checkpoint.restore_step, _dense_part, ctx.rpc_name)
+    checkpoint, part = first_usable(path, ctx.checkpoint.restore_step, dense_part, ctx.rpc_name)
     logger.info("%s starts from checkpoint %s at step %d", ctx.rpc_name, checkpoint.id, part["step"])
     return part
 
 
-def _dense_part(checkpoint: Checkpoint) -> Dict[str, Any]:
+def dense_part(checkpoint: Checkpoint) -> Dict[str, Any]:
     """``checkpoint``'s dense part, checked against its manifest (``CorruptCheckpoint`` naming the file)."""
     record = next((f for f in checkpoint.files if f.name == DENSE_PART), None)
     if record is None:
@@ -72,10 +74,14 @@ class TrainerCheckpoints:
     due); pass ``pending()`` to the sync point.  ``data_position()`` is
     this member's data position (``paramserver.train.data``).
     ``every_steps`` overrides the cluster's ``--checkpoint-every``.
+    ``model``: the model's description (``model.describe_model``), written
+    into every dense part so that the checkpoint can be exported.
     """
 
-    def __init__(self, ctx, replica, data_position: Callable[[], Any], every_steps: Optional[int] = None):
+    def __init__(self, ctx, replica, data_position: Callable[[], Any], every_steps: Optional[int] = None,
+                 model: Optional[Dict[str, Any]] = None):
         self.ctx = ctx
+        self.model = model
         self.replica = replica
         self.data_position = data_position
         self.enabled = bool(ctx.checkpoint.directory) and ctx.trainer_group == 0
@@ -133,7 +139,7 @@ class TrainerCheckpoints:
                 "hook_options": self.replica.hook_options,
                 "hook_states": [m["hook_state"] for m in members],
                 "data_positions": {m["worker_index"]: m["position"] for m in members},
-                "members": [m["rpc_name"] for m in members]})
+                "members": [m["rpc_name"] for m in members], "model": self.model})
             files.append(dense.to_json())
             info = {"shards": shards, "group_members": [m["rpc_name"] for m in members],
                     "data_used": {str(m["worker_index"]): m["position"]["used"] for m in members},

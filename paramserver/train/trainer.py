@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from ..checkpoint.model import describe_model
 from ..checkpoint.trainer import TrainerCheckpoints, restore_point
 from ..ddp import DenseReplica, GroupStopped, TrainerGroup
 from ..logs import one_line
@@ -61,7 +62,11 @@ class Trainer:
     ``comm_hook``/``hook_options``: how the group all-reduces the dense
     gradients (``paramserver.ddp.HOOK_NAMES``).  ``name`` prefixes the
     tables' names on the shards (workers naming the same tables share
-    them); ``seed`` draws their initial rows.
+    them); ``seed`` draws their initial rows.  Every checkpoint records
+    the model's description, so that it can be exported
+    (``paramserver.export``): the tables, and ``dense``'s class with its
+    ``export_kwargs()`` when it has that method (``TypeError`` here when it
+    returns values that are not JSON).
     """
 
     def __init__(self, ctx, tables: Dict[str, Table], dense: nn.Module, sparse_optimizer: Tuple[type, Dict[str, Any]],
@@ -87,6 +92,8 @@ class Trainer:
         self.seed = seed
         self.row_wise_min_rows = row_wise_min_rows
         self.agree_every = agree_every
+        #: What every checkpoint records of the model (``paramserver.checkpoint.model``).
+        self.model_description = describe_model(name, self.tables, dense)
 
     def fit(self, data: Iterable[Batch], steps: int, eval_data: Optional[Iterable[Batch]] = None,
             eval_every: int = 500, log_every: int = 100, figures: Optional[Dict[str, float]] = None) -> Dict[str, Any]:
@@ -136,7 +143,8 @@ class _Run:
                                     initial=restored)
         positions = (restored or {}).get("data_positions", {})
         self.batches = BatchStream(data, _position(positions.get(ctx.worker_index)), prefetch=PREFETCH_BATCHES)
-        self.checkpoints = TrainerCheckpoints(ctx, self.replica, self.batches.position)
+        self.checkpoints = TrainerCheckpoints(ctx, self.replica, self.batches.position,
+                                              model=trainer.model_description)
         self.figures: Dict[str, Any] = dict(figures)
         self.losses: List[float] = []
         self.samples = self.sparse_steps = self.sparse_steps_lost = 0
