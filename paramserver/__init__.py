@@ -5,16 +5,23 @@ every subsystem lives in its own subpackage (``paramserver.optim`` for
 optimizers, ``paramserver.shards`` for the data plane,
 ``paramserver.control`` for the gRPC control plane, ``paramserver.runtime``
 for the processes that join them, ``paramserver.train`` for the training
-loop).  Entry points are imported on first use, so ``import paramserver``
-stays cheap.
+loop, ``paramserver.checkpoint`` for checkpoints and exports,
+``paramserver.serving`` for loading an export).  Entry points are
+imported on first use, so ``import paramserver`` stays cheap.
 """
 
 __version__ = "0.1.0"
 
-__all__ = ["connect", "Cluster", "Trainer", "Table", "Batch", "JobContext", "__version__"]
+__all__ = ["connect", "Cluster", "Trainer", "Table", "Batch", "JobContext", "export", "serving", "__version__"]
 
 
 def __getattr__(name):
+    if name == "export":
+        from .checkpoint.export import export_checkpoint
+        return export_checkpoint
+    if name == "serving":
+        import importlib
+        return importlib.import_module(f"{__name__}.serving")
     if name in ("connect", "Cluster", "JobContext"):
         from . import runtime
         return getattr(runtime, name)

@@ -16,13 +16,14 @@ as the ones that wrote it (4 shards -> 2, 2 -> 4; a dynamic table's ids
 are routed again by their hash).
 
 ``write_part`` is what a trainer calls by RPC (``remote_write_part``)
-while its trainer group is paused at a step boundary.
+while its trainer group is paused at a step boundary.  An export reads a
+checkpoint's tables through ``CheckpointSource`` too (``export``).
 """
 
 import logging
 import pathlib
 import threading
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import Tensor
@@ -124,9 +125,13 @@ class CheckpointSource:
                             table, start, stop = parsed
                             pieces.setdefault(table, []).append((start, stop, entry))
                 self._pieces = pieces
-                logger.info("restoring from %s (step %d): %d tables", self.checkpoint.path, self.checkpoint.step,
+                logger.info("reading checkpoint %s (step %d): %d tables", self.checkpoint.path, self.checkpoint.step,
                             len(pieces))
             return self._pieces
+
+    def table_names(self) -> Set[str]:
+        """Every table the checkpoint holds rows of (fixed and dynamic)."""
+        return set(self._tables()) | set(self._dynamic_pieces)
 
     def _table(self, name: str) -> Optional[Tuple[str, int, int, List[Tuple[int, int, Dict]]]]:
         parsed = parse_range_name(name)
@@ -148,7 +153,7 @@ class CheckpointSource:
             raise ValueError(f"table {table!r} in checkpoint {self.checkpoint.path} has {total} rows of "
                              f"{list(shape)}, asked for rows {start}:{stop} of [{embedding_dim}]")
         rows = assemble_rows([(a, b, e["value"]) for a, b, e in pieces], start, stop, f"table {table!r}")
-        logger.info("%s restored from checkpoint step %d", name, self.checkpoint.step)
+        logger.info("%s read from checkpoint step %d", name, self.checkpoint.step)
         return rows.to(dtype).contiguous()
 
     def dynamic_part(self, table: str, index: int, count: int) -> Optional[Dict]:
@@ -159,7 +164,7 @@ class CheckpointSource:
         if not pieces:
             return None
         part = select_part(pieces, index, count)
-        logger.info("%s restored from checkpoint step %d: %d rows", dynamic_part_name(table, index, count),
+        logger.info("%s read from checkpoint step %d: %d rows", dynamic_part_name(table, index, count),
                     self.checkpoint.step, part["ids"].numel())
         return part
 

@@ -1,0 +1,120 @@
+"""Exporting the trained model of a checkpoint as plain files that need no cluster, nor paramserver, to load.
+
+Owns writing an export directory from a committed checkpoint (given by
+its directory, or by a root: its newest valid checkpoint), or from a live
+cluster (a checkpoint asked for and waited for, then exported).  The
+checkpoint's files are verified against its manifest first (sha256); the
+model's description in its dense part (``model``) says which tables to
+take and how to rebuild the dense module.  An export holds::
+
+    export.json           the manifest, written last (a directory without it holds no export)
+    dense.pt              the dense module's state_dict
+    table-<i>-<name>.pt   a fixed table: {"weight": (rows, dim)}, whole however the shards split it;
+                          a dynamic table: {"ids": (n,) int64, sorted; "rows": (n, dim)}
+
+Every ``.pt`` file loads with ``torch.load(path, weights_only=True)``;
+``export.json`` gives the step, every table's kind, dim, mode and rows,
+the dense module's class (``module:qualname``) and constructor keyword
+arguments, and every file's size and sha256.  Each file is written
+atomically (``storage``).  Loading an export as a module is
+``paramserver.serving``'s business.
+"""
+
+import datetime
+import json
+import logging
+import pathlib
+import re
+import time
+from typing import Any, Dict
+
+import torch
+
+from .model import ModelDescription, NotExportable
+from .shard_part import CheckpointSource
+from .storage import PathLike, atomic_write, open_checkpoint, range_name, save_tensors
+from .trainer import dense_part
+
+logger = logging.getLogger(__name__)
+
+EXPORT_MANIFEST = "export.json"
+EXPORT_FORMAT = 1
+DENSE_FILE = "dense.pt"
+#: How long ``export_from_cluster`` waits for the checkpoint it asks for, unless told.
+CHECKPOINT_TIMEOUT = datetime.timedelta(seconds=120)
+
+__all__ = ["CHECKPOINT_TIMEOUT", "DENSE_FILE", "EXPORT_FORMAT", "EXPORT_MANIFEST", "NotExportable",
+           "export_checkpoint", "export_from_cluster", "table_file"]
+
+
+def table_file(index: int, table: str) -> str:
+    """The file of the ``index``-th table of an export (any character of its name unfit for a file name is
+    written ``_``; the index keeps names apart)."""
+    return f"table-{index}-{re.sub(r'[^A-Za-z0-9_.-]', '_', table)}.pt"
+
+
+def export_checkpoint(checkpoint: PathLike, out: PathLike) -> Dict[str, Any]:
+    """Export the model of ``checkpoint`` (a checkpoint directory, or a root: its newest valid checkpoint) into
+    the directory ``out`` (made if missing; an earlier export there is replaced); returns the manifest.
+
+    ``FileNotFoundError`` when there is no committed checkpoint there, ``CorruptCheckpoint`` naming a file that
+    does not verify, ``NotExportable`` when the checkpoint has no model description or lacks a table's rows,
+    ``FileExistsError`` when ``out`` holds other files and no export.
+    """
+    source = open_checkpoint(checkpoint)
+    dense = dense_part(source)
+    model = ModelDescription.from_dense_part(dense, str(source.path))
+    tables = CheckpointSource(source, verified=True)
+    held = tables.table_names()
+    missing = [name for name in model.tables if model.shard_name(name) not in held]
+    if missing:
+        raise NotExportable(f"checkpoint {source.path} holds no rows of table{'s' if len(missing) > 1 else ''} "
+                            f"{', '.join(map(repr, missing))} (named {', '.join(model.shard_name(n) for n in missing)}"
+                            f" on the shards) that its model describes")
+    out = _export_directory(out)
+    records = [save_tensors(out / DENSE_FILE, dense["module"])]
+    described = {}
+    for index, (name, shape) in enumerate(model.tables.items()):
+        if shape.dynamic:
+            part = tables.dynamic_part(model.shard_name(name), 0, 1)  # every shard's rows, as one shard's
+            ids, order = torch.sort(part["ids"])
+            content, rows = {"ids": ids, "rows": part["values"].index_select(0, order)}, ids.numel()
+        else:
+            rows = shape.num_embeddings
+            content = {"weight": tables.rows(range_name(model.shard_name(name), 0, rows), rows, shape.embedding_dim,
+                                             torch.float32)}  # the Trainer's tables are float32
+        records.append(save_tensors(out / table_file(index, name), content))
+        described[name] = {"kind": "dynamic" if shape.dynamic else "fixed", "dim": shape.embedding_dim,
+                           "mode": shape.mode, "rows": rows, "file": records[-1].name}
+    manifest = {"format": EXPORT_FORMAT, "step": source.step, "checkpoint": str(source.path),
+                "created_unix": time.time(),
+                "dense": {"class": model.dense_class, "kwargs": model.dense_kwargs, "file": DENSE_FILE},
+                "tables": described, "files": [record.to_json() for record in records]}
+    atomic_write(out / EXPORT_MANIFEST, lambda file: file.write(json.dumps(manifest, indent=1).encode()))
+    logger.info("exported checkpoint %s (step %d) to %s: %d tables, %.1f MB", source.path, source.step, out,
+                len(described), sum(record.bytes for record in records) / 1e6)
+    return manifest
+
+
+def export_from_cluster(client, out: PathLike, timeout: datetime.timedelta = CHECKPOINT_TIMEOUT) -> Dict[str, Any]:
+    """Ask the cluster ``client`` (a ``paramserver.control.CoordinatorClient``) talks to for a checkpoint, wait
+    until it is committed (up to ``timeout``: ``CoordinatorError`` when it is not), and export it into ``out``.
+
+    The checkpoint is read where the cluster wrote it: its ``--checkpoint-dir`` must be reachable from here at
+    the same path (this host, or a shared file system)."""
+    written = client.checkpoint(timeout.total_seconds())
+    return export_checkpoint(written.directory, out)
+
+
+def _export_directory(out: PathLike) -> pathlib.Path:
+    """``out``, made if missing, with an earlier export's manifest removed (until the new one is written)."""
+    out = pathlib.Path(out)
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"cannot export to {out}: not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = out / EXPORT_MANIFEST
+    if not manifest.exists() and any(out.iterdir()):
+        raise FileExistsError(f"cannot export to {out}: it holds other files and no export ({EXPORT_MANIFEST}); "
+                              "give a new or empty directory, or an earlier export's")
+    manifest.unlink(missing_ok=True)
+    return out

@@ -1,0 +1,181 @@
+"""Serving an export: ``load(DIR)`` turns what ``ps-ctl export`` wrote into a local module that scores batches.
+
+Owns reading an export (``paramserver.checkpoint.export`` writes one):
+its manifest, every file checked against the size and sha256 recorded
+there, the tables as local modules, and the dense module, rebuilt from
+its recorded class and keyword arguments (the class is imported) or
+given.  The tables pool exactly as the cluster's evaluation does (rows
+read without admitting any id, then ``F.embedding_bag`` with the table's
+mode): a fixed table's rows by id; a dynamic table's found by a binary
+search over its sorted ids, an id without a row reading zeros, which a
+``mean`` counts like any other id.  Needs no cluster: no RPC, no process
+group, no shard.
+"""
+
+import importlib
+import json
+import pathlib
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .checkpoint.export import EXPORT_FORMAT, EXPORT_MANIFEST
+from .checkpoint.model import EXPORT_KWARGS
+from .checkpoint.storage import FileRecord, load_tensors
+
+__all__ = ["DynamicTable", "FixedTable", "NotServable", "ServedModel", "load"]
+
+
+class NotServable(ValueError):
+    """An export that cannot be loaded as asked: no export there, a format this version does not read, a dense
+    module that cannot be rebuilt (its class not importable here, or no keyword arguments recorded) and none
+    given, or weights that do not fit the module given; the message names the export and what to do."""
+
+
+def _check_ids(table: str, ids: Tensor) -> Tensor:
+    """A batch's ``(bags, ids per bag)`` ids of ``table``, as int64."""
+    if ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 2:
+        raise ValueError(f"table {table!r}: ids must be a (batch, bag) int64 tensor, got {ids.dtype} of shape "
+                         f"{list(ids.shape)}")
+    return ids.long()
+
+
+class FixedTable(nn.Module):
+    """A fixed table's rows (``weight``: rows x dim), pooled like ``nn.EmbeddingBag`` with ``mode``."""
+
+    def __init__(self, name: str, weight: Tensor, mode: str):
+        super().__init__()
+        self.name, self.mode = name, mode
+        self.register_buffer("weight", weight)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        ids = _check_ids(self.name, ids)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.weight.size(0)):
+            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+            raise IndexError(f"table {self.name!r}: id {bad} is out of range for a table of {self.weight.size(0)} rows")
+        return F.embedding_bag(ids, self.weight, mode=self.mode)
+
+
+class DynamicTable(nn.Module):
+    """A dynamic table's rows by id (``ids`` sorted, ``rows`` in their order); an id without a row reads zeros."""
+
+    def __init__(self, name: str, ids: Tensor, rows: Tensor, mode: str):
+        super().__init__()
+        self.name, self.mode = name, mode
+        self.register_buffer("ids", ids)
+        # one row of zeros after the rows held: where every id without a row points
+        self.register_buffer("rows", torch.cat((rows, rows.new_zeros(1, rows.size(1)))))
+
+    def forward(self, ids: Tensor) -> Tensor:
+        ids = _check_ids(self.name, ids)
+        held = self.ids.numel()
+        slots = torch.full_like(ids, held)
+        if held:
+            found = torch.searchsorted(self.ids, ids).clamp_(max=held - 1)
+            slots = torch.where(self.ids[found] == ids, found, slots)
+        return F.embedding_bag(slots, self.rows, mode=self.mode)
+
+
+class ServedModel(nn.Module):
+    """An exported model: ``model(batch)`` is the logits, shape ``(batch,)``, of a ``paramserver.Batch`` (or
+    anything with its ``sparse`` and ``dense``), as the trained model scored it on the cluster."""
+
+    def __init__(self, table_names: Sequence[str], tables: Sequence[nn.Module], dense: nn.Module, step: int):
+        super().__init__()
+        self.table_names: List[str] = list(table_names)
+        self.tables = nn.ModuleList(tables)  # a list: table names may hold characters a submodule's name may not
+        self.dense = dense
+        #: The training step of the checkpoint exported.
+        self.step = step
+
+    def table(self, name: str) -> nn.Module:
+        """The table ``name`` (``KeyError`` naming the tables there are)."""
+        if name not in self.table_names:
+            raise KeyError(f"no table {name!r}; the tables are {', '.join(self.table_names)}")
+        return self.tables[self.table_names.index(name)]
+
+    def pool(self, sparse: Mapping[str, Tensor]) -> Dict[str, Tensor]:
+        """Every table's pooled rows, ``(batch, dim)``, for ``sparse[name]``'s ``(batch, bag)`` ids."""
+        missing = [name for name in self.table_names if name not in sparse]
+        if missing:
+            raise ValueError(f"the batch has no ids for table{'s' if len(missing) > 1 else ''} "
+                             f"{', '.join(map(repr, missing))}; the model has {', '.join(self.table_names)}")
+        return {name: table(sparse[name]) for name, table in zip(self.table_names, self.tables)}
+
+    def forward(self, batch) -> Tensor:
+        return self.dense(self.pool(batch.sparse), batch.dense)
+
+
+def load(directory: Union[str, pathlib.Path], dense: Optional[nn.Module] = None) -> ServedModel:
+    """The model exported into ``directory``, in eval mode, on the CPU.
+
+    ``dense``: a module to load the dense weights into, needed when the
+    export cannot rebuild one itself (its class not importable here, or
+    recorded without ``export_kwargs()``).  ``FileNotFoundError`` when
+    there is no export there, ``CorruptCheckpoint`` naming a file that
+    does not match the manifest, ``NotServable`` for the rest.
+    """
+    directory = pathlib.Path(directory)
+    manifest = _manifest(directory)
+    try:
+        records = {entry["name"]: FileRecord.from_json(entry) for entry in manifest["files"]}
+        tables = manifest["tables"]
+        described_dense, step = manifest["dense"], int(manifest["step"])
+        kinds = {name: (table["kind"], table["mode"], table["file"]) for name, table in tables.items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        raise NotServable(f"{directory / EXPORT_MANIFEST}: not a valid export manifest: "
+                          f"{type(error).__name__}: {error}") from None
+
+    def read(name: str) -> Any:
+        if name not in records:
+            raise NotServable(f"{directory / EXPORT_MANIFEST} names {name} without its size and sha256")
+        return load_tensors(directory / name, records[name])
+
+    modules = []
+    for name, (kind, mode, file) in kinds.items():
+        content = read(file)
+        modules.append(FixedTable(name, content["weight"], mode) if kind == "fixed"
+                       else DynamicTable(name, content["ids"], content["rows"], mode))
+    module = dense if dense is not None else _rebuild_dense(directory, described_dense)
+    try:
+        module.load_state_dict(read(described_dense["file"]))
+    except RuntimeError as error:
+        raise NotServable(f"{directory}: the exported dense weights do not fit the {type(module).__name__} "
+                          f"{'given' if dense is not None else 'rebuilt'}: {error}") from None
+    return ServedModel(list(kinds), modules, module, step).eval()
+
+
+def _manifest(directory: pathlib.Path) -> Dict[str, Any]:
+    path = directory / EXPORT_MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"no export in {directory}: it has no {EXPORT_MANIFEST} (ps-ctl export writes one, "
+                                "last)")
+    try:
+        manifest = json.loads(path.read_text())
+        version = manifest["format"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise NotServable(f"{path}: not a valid export manifest: {type(error).__name__}: {error}") from None
+    if version != EXPORT_FORMAT:
+        raise NotServable(f"{path}: export format {version}; this version of paramserver reads {EXPORT_FORMAT}")
+    return manifest
+
+
+def _rebuild_dense(directory: pathlib.Path, described: Mapping[str, Any]) -> nn.Module:
+    """The dense module built again from its recorded class and keyword arguments."""
+    reference, kwargs = described["class"], described["kwargs"]
+    module_name, _, qualname = reference.partition(":")
+    try:
+        found: Any = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            found = getattr(found, part)
+    except (ImportError, AttributeError) as error:
+        raise NotServable(f"{directory}: the dense module's class {reference} cannot be imported here "
+                          f"({type(error).__name__}: {error}); pass dense=<a {qualname} built as in training> "
+                          "to serving.load") from None
+    if kwargs is None:
+        raise NotServable(f"{directory}: the dense module {reference} was exported without its constructor's "
+                          f"arguments (it has no {EXPORT_KWARGS}() method); pass dense=<a {qualname} built as in "
+                          "training> to serving.load")
+    return found(**kwargs)

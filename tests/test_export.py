@@ -1,0 +1,230 @@
+"""Exporting a trained model and serving it, in one process (``JobContext.local``: the process is its own
+shard and a trainer group of one, checkpoints committed by a ``CheckpointStore`` as the coordinator does): the
+newest checkpoint of a Trainer run, exported and loaded with ``serving.load``, scores held-out batches as the
+Trainer's own evaluation did, to 1e-6 (fixed and dynamic tables, sum and mean, ids without a row in a dynamic
+table); bad input refused by type, naming what was wrong.  Tables split by rows
+over several shards, and an export from a live cluster: ``tests/test_checkpoints.py``."""
+
+import dataclasses
+import json
+import pathlib
+import shutil
+import types
+
+import pytest
+import torch
+from torch import nn
+
+import paramserver
+from paramserver import Batch, Table, Trainer, serving
+from paramserver.checkpoint import MANIFEST, CheckpointStore, CorruptCheckpoint, FileRecord, save_tensors
+from paramserver.checkpoint.export import EXPORT_MANIFEST
+from paramserver.checkpoint.model import NotExportable, describe_model
+from paramserver.optim import QHM
+from paramserver.runtime.context import CheckpointSettings, JobContext
+from paramserver.shards.id_hash import salted
+from paramserver.serving import NotServable
+
+pytestmark = pytest.mark.timeout(120)
+
+DIM, DENSE, STEPS = 4, 2, 30
+TABLES = {"user": Table(40, DIM), "items": Table(30, DIM, mode="mean"),
+          "tags": Table(None, DIM, mode="mean", admit_after=2), "video": Table(None, DIM)}
+
+
+class Scorer(nn.Module):
+    """A dense module that can be rebuilt from an export (``export_kwargs``)."""
+
+    def __init__(self, tables, dim: int, dense_features: int):
+        super().__init__()
+        self.tables, self.dim, self.dense_features = list(tables), dim, dense_features
+        self.linear = nn.Linear(len(self.tables) * dim + dense_features, 1)
+
+    def export_kwargs(self):
+        return {"tables": self.tables, "dim": self.dim, "dense_features": self.dense_features}
+
+    def forward(self, pooled, dense):
+        return self.linear(torch.cat([pooled[name] for name in self.tables] + [dense], 1)).squeeze(1)
+
+
+def batch(seed: int, size: int, unseen: bool = False) -> Batch:
+    """Ids of small vocabularies (dynamic tables' as 64-bit hashes); ``unseen``: some ids training never saw."""
+    g = torch.Generator().manual_seed(seed)
+    users = torch.randint(0, 40, (size, 1), generator=g)
+    tags = torch.randint(0, 60 if unseen else 50, (size, 3), generator=g)
+    video = torch.randint(0, 25 if unseen else 20, (size, 1), generator=g)
+    return Batch(sparse={"user": users, "items": torch.randint(0, 30, (size, 3), generator=g),
+                         "tags": salted(tags, 2), "video": salted(video, 3)},
+                 dense=torch.randn(size, DENSE, generator=g), labels=(users[:, 0] % 2 == video[:, 0] % 2).float())
+
+
+def committing(ctx: JobContext, root: pathlib.Path, every_steps: int) -> JobContext:
+    """``ctx`` writing checkpoints under ``root``, committed there as the coordinator would."""
+    store = CheckpointStore(root)
+
+    def commit(written):
+        return store.commit(written.directory, [FileRecord.from_json(f) for f in written.files], written.step,
+                            written.info).id
+    return dataclasses.replace(ctx, checkpoint=CheckpointSettings(directory=str(root), every_steps=every_steps),
+                               _commit_checkpoint=commit)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A Trainer run of ``STEPS`` steps, checkpointed every 10, and its own scores of the held-out batches at
+    the end (the Trainer's evaluation: the dense module's outputs in eval mode)."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    ctx = JobContext.local()
+    try:
+        torch.manual_seed(5)
+        dense = Scorer(list(TABLES), DIM, DENSE)
+        evaluated = []
+        dense.register_forward_hook(lambda module, inputs, output: None if module.training else
+                                    evaluated.append(output.detach().clone()))
+        trainer = Trainer(committing(ctx, root, 10), tables=TABLES, dense=dense,
+                          sparse_optimizer=(QHM, dict(lr=8.0, momentum=0.9, nu=0.7)),
+                          dense_optimizer=lambda params: torch.optim.SGD(params, lr=0.5),
+                          loss=nn.BCEWithLogitsLoss(), name="exported", seed=3)
+        holdout = [batch(1000 + index, 256, unseen=True) for index in range(2)]
+        figures = trainer.fit((batch(index, 64) for index in range(10 ** 6)), steps=STEPS, eval_data=holdout,
+                              eval_every=10 ** 9, log_every=10 ** 9)
+        assert figures["steps"] == STEPS and figures["checkpoints"] == 3, figures
+        yield types.SimpleNamespace(root=root, holdout=holdout, scores=torch.cat(evaluated[-len(holdout):]))
+    finally:
+        ctx.close()
+
+
+def scores(model: nn.Module, batches) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.cat([model(b) for b in batches])
+
+
+def test_the_newest_checkpoint_exported_scores_as_the_trainer_evaluated(trained, tmp_path):
+    out = tmp_path / "model"
+    manifest = paramserver.export(trained.root, out)
+    assert manifest["step"] == STEPS and manifest["checkpoint"] == str(trained.root / f"ckpt-{STEPS:010d}")
+    assert manifest["dense"] == {"class": f"{Scorer.__module__}:Scorer", "file": "dense.pt",
+                                 "kwargs": {"tables": list(TABLES), "dim": DIM, "dense_features": DENSE}}
+    described = {name: (t["kind"], t["dim"], t["mode"]) for name, t in manifest["tables"].items()}
+    assert described == {"user": ("fixed", DIM, "sum"), "items": ("fixed", DIM, "mean"),
+                         "tags": ("dynamic", DIM, "mean"), "video": ("dynamic", DIM, "sum")}
+    assert (manifest["tables"]["user"]["rows"], manifest["tables"]["items"]["rows"]) == (40, 30)
+    # Plain files: every one as the manifest says, each loadable without paramserver's classes.
+    assert sorted(p.name for p in out.iterdir()) == sorted([EXPORT_MANIFEST] + [f["name"] for f in manifest["files"]])
+    for record in manifest["files"]:
+        assert (out / record["name"]).stat().st_size == record["bytes"]
+    assert set(torch.load(out / "dense.pt", weights_only=True)) == {"linear.weight", "linear.bias"}
+    assert torch.load(out / manifest["tables"]["user"]["file"], weights_only=True)["weight"].shape == (40, DIM)
+    tags = torch.load(out / manifest["tables"]["tags"]["file"], weights_only=True)
+    assert tags["rows"].shape == (manifest["tables"]["tags"]["rows"], DIM) and 0 < tags["ids"].numel() <= 50
+    assert bool((tags["ids"][1:] > tags["ids"][:-1]).all())  # sorted, distinct
+    held_out = torch.cat([b.sparse["tags"].reshape(-1) for b in trained.holdout])
+    assert not torch.isin(held_out, tags["ids"]).all()  # some ids read zeros, counted in the mean
+
+    model = serving.load(out)
+    assert isinstance(model, nn.Module) and not model.training and model.step == STEPS
+    served = scores(model, trained.holdout)
+    assert served.shape == trained.scores.shape == (512,)
+    assert (served - trained.scores).abs().max().item() <= 1e-6
+
+
+def rewritten(checkpoint: pathlib.Path, into: pathlib.Path, change) -> pathlib.Path:
+    """A copy of ``checkpoint`` under the root ``into`` whose dense part is ``change``d, committed again."""
+    copy = into / checkpoint.name
+    shutil.copytree(checkpoint, copy)
+    manifest = json.loads((copy / MANIFEST).read_text())
+    (copy / MANIFEST).unlink()
+    dense = torch.load(copy / "dense.pt", weights_only=True)
+    change(dense)
+    files = [FileRecord.from_json(f) for f in manifest["files"] if f["name"] != "dense.pt"]
+    CheckpointStore(into).commit(copy, files + [save_tensors(copy / "dense.pt", dense)], manifest["step"], {})
+    return copy
+
+
+def test_a_checkpoint_that_cannot_be_exported_is_refused_naming_what_is_wrong(trained, tmp_path):
+    newest = trained.root / f"ckpt-{STEPS:010d}"
+    with pytest.raises(FileNotFoundError, match=f"no valid checkpoint under {tmp_path}"):
+        paramserver.export(tmp_path, tmp_path / "out")
+    # A damaged file: named; given a root, the newest checkpoint that verifies is exported instead.
+    damaged = tmp_path / "damaged"
+    shutil.copytree(trained.root, damaged)
+    part = damaged / newest.name / "shard-worker0.pt"
+    part.write_bytes(part.read_bytes()[:-10])
+    with pytest.raises(CorruptCheckpoint, match=f"{part}: size"):
+        paramserver.export(damaged / newest.name, tmp_path / "out")
+    assert paramserver.export(damaged, tmp_path / "older")["step"] == 20
+    # Written before the Trainer recorded the model (an older version's checkpoint).
+    old = rewritten(newest, tmp_path / "old", lambda dense: dense.pop("model"))
+    with pytest.raises(NotExportable, match=f"checkpoint {old} was written without a model description"):
+        paramserver.export(old, tmp_path / "out")
+    # A table the description names, without rows in the checkpoint.
+    ghost = rewritten(newest, tmp_path / "ghost", lambda dense: dense["model"]["tables"].update(
+        ghost=dataclasses.asdict(Table(10, DIM))))
+    with pytest.raises(NotExportable, match=r"holds no rows of table 'ghost' \(named exported.ghost on the shards\)"):
+        paramserver.export(ghost, tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # nothing written for a checkpoint that cannot be exported
+    # An export never lands among other files.
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="holds other files and no export"):
+        paramserver.export(newest, tmp_path / "busy")
+
+
+def test_an_export_that_cannot_be_served_is_refused_naming_what_is_wrong(trained, tmp_path):
+    out = tmp_path / "model"
+    paramserver.export(trained.root, out)
+    manifest = json.loads((out / EXPORT_MANIFEST).read_text())
+    with pytest.raises(FileNotFoundError, match=f"no export in {tmp_path}: it has no {EXPORT_MANIFEST}"):
+        serving.load(tmp_path)
+
+    def with_manifest(change) -> pathlib.Path:
+        copy = tmp_path / f"copy{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(out, copy)
+        edited = json.loads(json.dumps(manifest))
+        change(edited)
+        (copy / EXPORT_MANIFEST).write_text(json.dumps(edited))
+        return copy
+    # A dense class that cannot be imported here (a job file's, say): a module given instead.
+    elsewhere = with_manifest(lambda m: m["dense"].update({"class": "no_such_module:Scorer"}))
+    with pytest.raises(NotServable, match=r"class no_such_module:Scorer cannot be imported here .*pass dense="):
+        serving.load(elsewhere)
+    given = serving.load(elsewhere, dense=Scorer(list(TABLES), DIM, DENSE))
+    assert (scores(given, trained.holdout) - trained.scores).abs().max().item() <= 1e-6
+    # A dense module without export_kwargs(): its weights are there, its arguments are not.
+    bare = with_manifest(lambda m: m["dense"].update({"kwargs": None}))
+    with pytest.raises(NotServable, match=r"without its constructor's arguments \(it has no export_kwargs\(\)"):
+        serving.load(bare)
+    with pytest.raises(NotServable, match="do not fit the Scorer given"):
+        serving.load(out, dense=Scorer(list(TABLES), DIM + 1, DENSE))
+    with pytest.raises(NotServable, match="export format 9; this version of paramserver reads 1"):
+        serving.load(with_manifest(lambda m: m.update(format=9)))
+    table = out / manifest["tables"]["video"]["file"]
+    data = bytearray(table.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # the same size, altered
+    table.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpoint, match=f"{table}: sha256 mismatch"):
+        serving.load(out)
+    # A batch the model cannot score.
+    model = serving.load(elsewhere, dense=Scorer(list(TABLES), DIM, DENSE))
+    held_out = trained.holdout[0]
+    with pytest.raises(ValueError, match="the batch has no ids for table 'video'"):
+        model(Batch({k: v for k, v in held_out.sparse.items() if k != "video"}, held_out.dense, held_out.labels))
+    with pytest.raises(IndexError, match="table 'user': id 40 is out of range for a table of 40 rows"):
+        model(Batch(dict(held_out.sparse, user=torch.full_like(held_out.sparse["user"], 40)), held_out.dense,
+                    held_out.labels))
+
+
+def test_a_dense_module_describes_itself_with_json_or_not_at_all():
+    from workers.ctr import Tower
+    tower = Tower(["a", "b"], 4, 3, (8, 4))
+    rebuilt = Tower(**json.loads(json.dumps(tower.export_kwargs())))
+    assert {k: v.shape for k, v in rebuilt.state_dict().items()} == {k: v.shape for k, v in tower.state_dict().items()}
+    plain = describe_model("m", {"t": Table(5, 2)}, nn.Linear(2, 1))
+    assert plain["dense"] == {"class": "torch.nn.modules.linear:Linear", "kwargs_json": None}
+    assert plain["tables"]["t"]["num_embeddings"] == 5
+
+    class Odd(nn.Module):
+        def export_kwargs(self):
+            return {"weights": torch.ones(2)}
+    with pytest.raises(TypeError, match=r"Odd.export_kwargs\(\) must return JSON-able values"):
+        describe_model("m", {"t": Table(5, 2)}, Odd())
