@@ -2,9 +2,10 @@
 shard and a trainer group of one, checkpoints committed by a ``CheckpointStore`` as the coordinator does): the
 newest checkpoint of a Trainer run, exported and loaded with ``serving.load``, scores held-out batches as the
 Trainer's own evaluation did, to 1e-6 (fixed and dynamic tables, sum and mean, ids without a row in a dynamic
-table); bad input refused by type, naming what was wrong.  Tables split by rows
+table); ``ps-ctl export``'s flags; bad input refused by type, naming what was wrong.  Tables split by rows
 over several shards, and an export from a live cluster: ``tests/test_checkpoints.py``."""
 
+import argparse
 import dataclasses
 import json
 import pathlib
@@ -20,6 +21,9 @@ from paramserver import Batch, Table, Trainer, serving
 from paramserver.checkpoint import MANIFEST, CheckpointStore, CorruptCheckpoint, FileRecord, save_tensors
 from paramserver.checkpoint.export import EXPORT_MANIFEST
 from paramserver.checkpoint.model import NotExportable, describe_model
+from paramserver.cli import ctl
+from paramserver.cli import export as export_command
+from paramserver.cli.common import UsageError, coordinator_client
 from paramserver.optim import QHM
 from paramserver.runtime.context import CheckpointSettings, JobContext
 from paramserver.shards.id_hash import salted
@@ -126,6 +130,33 @@ def test_the_newest_checkpoint_exported_scores_as_the_trainer_evaluated(trained,
     served = scores(model, trained.holdout)
     assert served.shape == trained.scores.shape == (512,)
     assert (served - trained.scores).abs().max().item() <= 1e-6
+
+
+def test_ps_ctl_export_takes_a_checkpoint_directory_or_a_cluster(trained, tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    ctl.add_arguments(parser)
+
+    def run(*argv):
+        code = export_command.run(parser.parse_args(list(argv)))
+        return code, capsys.readouterr()
+    out = tmp_path / "from-20"
+    code, printed = run("export", str(out), "--checkpoint-dir", str(trained.root / "ckpt-0000000020"))
+    assert code == 0, printed.err
+    assert printed.out.startswith(f"exported step 20 of {trained.root / 'ckpt-0000000020'} to {out}: user (fixed, "
+                                  f"40 x {DIM}), items (fixed, 30 x {DIM}), tags (dynamic, ")
+    assert json.loads((out / EXPORT_MANIFEST).read_text())["step"] == 20
+    for argv, message in [
+        (["export", str(out)], "export needs --checkpoint-dir D"),
+        (["--connect", "127.0.0.1:1", "export", str(out), "--checkpoint-dir", str(trained.root)],
+         "--checkpoint-dir or --connect, not both"),
+        (["--connect", "127.0.0.1:1", "export", str(out), "--timeout", "0"], "--timeout must be 0-3600 seconds"),
+    ]:
+        code, printed = run(*argv)
+        assert code == 2 and printed.err.startswith("ps-ctl: ") and message in printed.err, printed.err
+    code, printed = run("export", str(out), "--checkpoint-dir", str(tmp_path / "nothing"))
+    assert code == 1 and printed.err.startswith("ps-ctl: export failed: no checkpoint at"), printed.err
+    with pytest.raises(UsageError, match="status needs --connect HOST:PORT"):
+        coordinator_client(parser.parse_args(["status"]))
 
 
 def rewritten(checkpoint: pathlib.Path, into: pathlib.Path, change) -> pathlib.Path:

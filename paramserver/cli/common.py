@@ -1,20 +1,26 @@
 """Options every command shares: where the coordinator is, the token, TLS, logging, the metrics port.
 
 Owns parsing them and turning them into the objects the runtime takes
-(a token string, ``TlsFiles``), with errors that name the flag at fault;
+(a token string, ``TlsFiles``, a coordinator client, a ``--timeout``),
+with errors that name the flag at fault;
 also reading ps-server's ``--shard-token-file`` (a secret file, read as the
 token is).
 """
 
 import argparse
+import datetime
 import json
 import os
 from typing import Callable, Optional
 
-from ..control import DEFAULT_PORT, TlsFiles, read_token_file
+from ..control import DEFAULT_PORT, CoordinatorClient, TlsFiles, read_token_file
 from ..control.addresses import address_facing
 from ..logs import configure_logging, default_log_level
 from ..runtime.threads import THREADS_ENV
+
+
+#: The longest a command waits for the cluster (``--timeout``).
+MAX_WAIT = datetime.timedelta(hours=1)
 
 
 class UsageError(Exception):
@@ -46,9 +52,11 @@ def add_token_file(parser: argparse.ArgumentParser) -> None:
                         help="file holding the cluster token; every control-plane call carries it")
 
 
-def add_connect(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--connect", required=True, metavar="HOST:PORT",
-                        help=f"the coordinator (ps-server) to talk to; port {DEFAULT_PORT} by default")
+def add_connect(parser: argparse.ArgumentParser, required: bool = True, when: str = "") -> None:
+    """``--connect`` and the credentials that go with it; ``when`` says, for a flag not ``required``, when
+    it is needed."""
+    parser.add_argument("--connect", required=required, metavar="HOST:PORT",
+                        help=f"the coordinator (ps-server) to talk to; port {DEFAULT_PORT} by default{when}")
     add_token_file(parser)
     parser.add_argument("--tls-ca", metavar="PEM",
                         help="speak TLS, trusting this certificate (a self-signed server's own cert.pem)")
@@ -138,6 +146,20 @@ def job_config_from(value: str) -> dict:
 
 def client_tls(args) -> Optional[TlsFiles]:
     return TlsFiles(ca=args.tls_ca) if args.tls_ca else None
+
+
+def coordinator_client(args) -> CoordinatorClient:
+    """A client of the coordinator ``--connect`` names, with ``--token-file`` and ``--tls-ca``."""
+    if not args.connect:
+        raise UsageError(f"{args.command} needs --connect HOST:PORT")
+    return CoordinatorClient(coordinator_address(args.connect), token=token_from(args), tls=client_tls(args))
+
+
+def timeout_from(args, most: datetime.timedelta = MAX_WAIT) -> datetime.timedelta:
+    """``--timeout SECONDS``: more than 0, at most ``most``."""
+    if not 0 < args.timeout <= most.total_seconds():
+        raise UsageError(f"--timeout must be 0-{most.total_seconds():.0f} seconds, got {args.timeout}")
+    return datetime.timedelta(seconds=args.timeout)
 
 
 def setup_logging(process: str, args) -> None:

@@ -3,9 +3,12 @@
     ps-ctl --connect HOST:PORT [--token-file F] [--tls-ca PEM] status [--json]
     ps-ctl --connect HOST:PORT ... checkpoint [--timeout S]
     ps-ctl --connect HOST:PORT ... shutdown
+    ps-ctl [--connect HOST:PORT ...] export DIR [--checkpoint-dir D] [--timeout S]
 
 ``checkpoint`` prints the checkpoint written, or at once why it was not
 (the writer's one-line reason), or that no answer came in time.
+``export`` is ``paramserver.cli.export``'s; it needs no ``--connect``
+when given ``--checkpoint-dir``.
 
 Exit codes: 0 done, 1 the coordinator refused, failed the command (a
 checkpoint not written) or gave no answer, 2 bad flags.
@@ -17,14 +20,15 @@ import sys
 
 from google.protobuf.json_format import MessageToDict
 
-from ..control import CoordinatorClient, CoordinatorError, pb
+from ..control import CoordinatorError, pb
 from ..control.protocol import ROLE_NAMES
-from .common import (UsageError, add_connect, add_log_level, client_tls, command_main, coordinator_address,
-                     setup_logging, token_from)
+from . import export
+from .common import (UsageError, add_connect, add_log_level, command_main, coordinator_client, setup_logging,
+                     timeout_from)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_connect(parser)
+    add_connect(parser, required=False, when=" (every command needs it but export --checkpoint-dir)")
     add_log_level(parser)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     status = commands.add_parser("status", help="members, their liveness and progress; the generation")
@@ -33,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     checkpoint.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS",
                             help="give up after this long (default 120)")
     commands.add_parser("shutdown", help="stop the workers, the shards and the server")
+    export.add_arguments(commands.add_parser(
+        "export", help="write the trained model as plain files (from --checkpoint-dir, or the live cluster)"))
 
 
 def status_as_dict(response: pb.StatusResponse) -> dict:
@@ -71,8 +77,11 @@ def _figure(value: float) -> str:
 
 def run(args) -> int:
     setup_logging("ps-ctl", args)
+    if args.command == "export":
+        return export.run(args)
     try:
-        client = CoordinatorClient(coordinator_address(args.connect), token=token_from(args), tls=client_tls(args))
+        timeout = timeout_from(args) if args.command == "checkpoint" else None
+        client = coordinator_client(args)
     except UsageError as error:
         print(f"ps-ctl: {error}", file=sys.stderr)
         return 2
@@ -81,10 +90,7 @@ def run(args) -> int:
             response = client.status()
             print(json.dumps(status_as_dict(response)) if args.json else format_status(response))
         elif args.command == "checkpoint":
-            if not 0 < args.timeout <= 3600:
-                print(f"ps-ctl: --timeout must be 0-3600 seconds, got {args.timeout}", file=sys.stderr)
-                return 2
-            done = client.checkpoint(args.timeout)
+            done = client.checkpoint(timeout.total_seconds())
             print(f"checkpoint {done.checkpoint_id} written at step {done.step}: {done.directory}")
         elif args.command == "shutdown":
             client.shutdown("ps-ctl shutdown")

@@ -1,0 +1,64 @@
+"""``ps-ctl export``: write the trained model as plain files, from a checkpoint or from a live cluster.
+
+    ps-ctl export DIR --checkpoint-dir D
+    ps-ctl --connect HOST:PORT [--token-file F] [--tls-ca PEM] export DIR [--timeout S]
+
+Owns the command's flags and what it prints; the export itself is
+``paramserver.checkpoint.export``'s.  With ``--checkpoint-dir`` (a
+checkpoint directory, or a root as ``ps-server --checkpoint-dir`` writes
+them: its newest valid checkpoint) no cluster is needed; with
+``--connect`` the cluster writes a checkpoint now, waited for up to
+``--timeout``, and that one is exported (read where the cluster wrote it).
+
+Prints ``exported step N of CHECKPOINT to DIR: ...``.  Exit codes: 0
+exported, 1 not exported (no checkpoint, a damaged file, a checkpoint that
+cannot be exported, the cluster refused or gave no answer), 2 bad flags.
+"""
+
+import argparse
+import sys
+
+from ..checkpoint.export import CHECKPOINT_TIMEOUT, export_checkpoint, export_from_cluster
+from ..control import CoordinatorError
+from .common import UsageError, coordinator_client, timeout_from
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("directory", metavar="DIR",
+                        help="where to write the export (made if missing; an earlier export there is replaced)")
+    parser.add_argument("--checkpoint-dir", metavar="D",
+                        help="export this checkpoint directory, or the newest valid checkpoint under this root "
+                             "(ps-server's --checkpoint-dir); without it, ask the cluster at --connect for one")
+    parser.add_argument("--timeout", type=float, default=CHECKPOINT_TIMEOUT.total_seconds(), metavar="SECONDS",
+                        help="with --connect: how long to wait for the checkpoint (default "
+                             f"{CHECKPOINT_TIMEOUT.total_seconds():.0f})")
+
+
+def run(args) -> int:
+    try:
+        if args.checkpoint_dir and args.connect:
+            raise UsageError("export takes --checkpoint-dir or --connect, not both")
+        if not args.checkpoint_dir and not args.connect:
+            raise UsageError("export needs --checkpoint-dir D (a checkpoint, or a root of them), or --connect "
+                             "HOST:PORT (a live cluster)")
+        timeout = timeout_from(args)
+        client = None if args.checkpoint_dir else coordinator_client(args)
+    except UsageError as error:
+        print(f"ps-ctl: {error}", file=sys.stderr)
+        return 2
+    try:
+        if client is None:
+            manifest = export_checkpoint(args.checkpoint_dir, args.directory)
+        else:
+            manifest = export_from_cluster(client, args.directory, timeout)
+    except (CoordinatorError, OSError, ValueError) as error:  # ValueError: CorruptCheckpoint, NotExportable
+        print(f"ps-ctl: export failed: {error}", file=sys.stderr)
+        return 1
+    finally:
+        if client is not None:
+            client.close()
+    tables = ", ".join(f"{name} ({table['kind']}, {table['rows']} x {table['dim']})"
+                       for name, table in manifest["tables"].items())
+    print(f"exported step {manifest['step']} of {manifest['checkpoint']} to {args.directory}: {tables}; dense "
+          f"{manifest['dense']['class']}")
+    return 0
