@@ -1,12 +1,16 @@
 """Checkpoints through the real commands: the default job writes them every N
-steps and on ``ps-ctl checkpoint``; a restored run of a Trainer job (the
+steps and on ``ps-ctl checkpoint``, and ``ps-ctl export`` has the live
+cluster write one and exports it; a restored run of a Trainer job (the
 second job, ``tests/jobs/watch_next.py``, whose data has no saved position:
 the Trainer skips to it) continues the same trajectory as an undisturbed
 one, also on another number of shards (2 -> 3 and 3 -> 2: rows and their
 optimizer state re-placed, a dynamic table's ids routed again by their
-hash); a damaged newest checkpoint is refused, naming the file, and the
-previous one is used; a shard that takes long to verify the checkpoint it
-restores keeps its heartbeats meanwhile and still obeys a stop."""
+hash); the undisturbed run's newest checkpoint, exported (a table split
+by rows over both shards reassembled whole), scores the held-out batches
+as that run's last evaluation did; a damaged newest checkpoint is
+refused, naming the file, and the previous one is used; a shard that
+takes long to verify the checkpoint it restores keeps its heartbeats
+meanwhile and still obeys a stop."""
 
 import datetime
 import json
@@ -16,16 +20,24 @@ import pathlib
 import re
 import shutil
 import signal
+import sys
 import time
 
 import pytest
 import torch
 
+import paramserver
 from commands import errors, job_config, output, start_server, wait_for_status
+from paramserver import Batch, serving
 from paramserver.checkpoint import MANIFEST, CheckpointStore, assemble_rows, parse_range_name, save_tensors
+from paramserver.checkpoint.export import EXPORT_MANIFEST
 from paramserver.control import CoordinatorClient, CoordinatorServer, CoordinatorSettings
 from paramserver.control.checkpoints import CheckpointOptions
+from paramserver.serving import NotServable
 from paramserver.shards.dynamic import parse_part_name
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent / "jobs"))
+from watch_next import FactorizationMachine, Planted  # noqa: E402
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -77,6 +89,12 @@ def model_at(checkpoint: pathlib.Path) -> dict:
     return model
 
 
+def table_ranges(checkpoint: pathlib.Path, table: str) -> list:
+    """The row ranges the shard parts of ``checkpoint`` hold of fixed table ``table``."""
+    return sorted(name for part in checkpoint.glob("shard-*.pt")
+                  for name in torch.load(part, weights_only=True)["tables"] if name.startswith(f"{table}["))
+
+
 def assert_same_model(restored: dict, straight: dict) -> None:
     assert sorted(restored) == sorted(straight)
     for name in straight:
@@ -87,10 +105,28 @@ def assert_same_model(restored: dict, straight: dict) -> None:
 def test_a_restored_run_continues_the_same_trajectory_on_2_then_3_then_2_shards_and_skips_a_damaged_one(
         commands, tmp_path):
     straight, resumed, again = tmp_path / "straight", tmp_path / "resumed", tmp_path / "again"
-    watch_next = dict(job=WATCH_NEXT, log_every=10, eval_every=1000, dynamic_video=True)
-    log = train(commands, 2, 60, "--checkpoint-dir", str(straight), "--checkpoint-every", "20", **watch_next)
+    # "user" (600 rows) split by rows over every shard
+    watch_next = dict(job=WATCH_NEXT, log_every=10, eval_every=1000, dynamic_video=True, row_wise_min_rows=500)
+    evaluated = tmp_path / "scores.pt"
+    log = train(commands, 2, 60, "--checkpoint-dir", str(straight), "--checkpoint-every", "20",
+                eval_scores=str(evaluated), **watch_next)
     assert sorted(p.name for p in straight.iterdir()) == [f"ckpt-{s:010d}" for s in (20, 40, 60)]
     assert re.search(r"checkpoint ckpt-0000000020 committed at step 20 by worker0: 3 files", log), log[-3000:]
+
+    # Its newest checkpoint exported, served in this process: the scores of the run's last evaluation.
+    exported = tmp_path / "exported"
+    manifest = paramserver.export(straight, exported)
+    assert manifest["step"] == 60 and manifest["checkpoint"] == str(straight / "ckpt-0000000060")
+    assert table_ranges(straight / "ckpt-0000000060", "watch.user") == ["watch.user[0:300]", "watch.user[300:600]"]
+    assert manifest["tables"]["user"] == {"kind": "fixed", "dim": 8, "mode": "sum", "rows": 600,
+                                          "file": "table-0-user.pt"}
+    assert (manifest["tables"]["video"]["kind"], manifest["tables"]["history"]["mode"]) == ("dynamic", "mean")
+    with pytest.raises(NotServable, match="FactorizationMachine cannot be imported here"):  # a job file's class
+        serving.load(exported)
+    model = serving.load(exported, dense=FactorizationMachine(**manifest["dense"]["kwargs"]))
+    with torch.no_grad():
+        scores = torch.cat([model(Planted(7, hashed_videos=True).batch(999, index, 1024)) for index in range(2)])
+    assert (scores - torch.load(evaluated, weights_only=True)).abs().max().item() <= 1e-6
 
     # 2 -> 3 shards: from step 20 to 40 again.
     log = train(commands, 3, 40, "--restore", str(straight / "ckpt-0000000020"), "--checkpoint-dir", str(resumed),
@@ -136,6 +172,27 @@ def test_ps_ctl_checkpoint_waits_for_the_checkpoint_and_names_it(commands, tmp_p
     match = re.match(r"checkpoint (ckpt-\d{10}) written at step (\d+): (.+)$", done.stdout.strip())
     assert match, done.stdout
     assert pathlib.Path(match.group(3)) == root / match.group(1) and (root / match.group(1) / MANIFEST).exists()
+
+    # Exported from the live cluster: a checkpoint written now, its tables whole (the first one split by rows).
+    exported = tmp_path / "exported"
+    done = commands.run("ps-ctl", "--connect", address, "export", str(exported), "--timeout", "120", timeout=150)
+    assert done.returncode == 0, done.stderr
+    match = re.match(r"exported step (\d+) of (\S+) to ", done.stdout)
+    assert match and pathlib.Path(match.group(2)).parent == root, done.stdout
+    checkpoint, manifest = pathlib.Path(match.group(2)), json.loads((exported / EXPORT_MANIFEST).read_text())
+    assert manifest["step"] == int(match.group(1)) and manifest["dense"]["class"] == "workers.ctr:Tower"
+    first = next(iter(manifest["tables"]))  # 2000 rows: split (row_wise_min_rows 1000)
+    assert manifest["tables"][first]["rows"] == 2000 and len(table_ranges(checkpoint, f"ctr.{first}")) == 2
+    written = model_at(checkpoint)
+    for name, table in manifest["tables"].items():
+        weight = torch.load(exported / table["file"], weights_only=True)["weight"]
+        assert torch.equal(weight, written[f"ctr.{name}"]), name
+    dense = torch.load(exported / "dense.pt", weights_only=True)
+    assert all(torch.equal(value, written[f"dense.{key}"]) for key, value in dense.items())
+    model = serving.load(exported)  # the Tower built again from its recorded arguments
+    ids = {name: torch.randint(0, table["rows"], (8, 2)) for name, table in manifest["tables"].items()}
+    with torch.no_grad():
+        assert torch.isfinite(model(Batch(ids, torch.randn(8, 4), torch.zeros(8)))).all()
     worker.terminate()
     assert worker.wait(60) == 0, errors(worker)[-3000:]
     commands.run("ps-ctl", "--connect", address, "shutdown")

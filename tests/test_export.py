@@ -10,6 +10,7 @@ import dataclasses
 import json
 import pathlib
 import shutil
+import sys
 import types
 
 import pytest
@@ -28,6 +29,9 @@ from paramserver.optim import QHM
 from paramserver.runtime.context import CheckpointSettings, JobContext
 from paramserver.shards.id_hash import salted
 from paramserver.serving import NotServable
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent / "jobs"))
+from watch_next import evaluated_scores  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -82,9 +86,7 @@ def trained(tmp_path_factory):
     try:
         torch.manual_seed(5)
         dense = Scorer(list(TABLES), DIM, DENSE)
-        evaluated = []
-        dense.register_forward_hook(lambda module, inputs, output: None if module.training else
-                                    evaluated.append(output.detach().clone()))
+        evaluated = evaluated_scores(dense)
         trainer = Trainer(committing(ctx, root, 10), tables=TABLES, dense=dense,
                           sparse_optimizer=(QHM, dict(lr=8.0, momentum=0.9, nu=0.7)),
                           dense_optimizer=lambda params: torch.optim.SGD(params, lr=0.5),

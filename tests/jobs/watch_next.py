@@ -14,7 +14,10 @@ makes worker 0 SIGKILL itself in the middle of the first checkpoint of
 step ``s`` or later that it writes as rank 0 of its group: after the
 shards wrote their parts, when the Trainer reads the dense part's state.
 ``dynamic_video=True`` makes the candidate video's table a dynamic one,
-over the video ids as raw 64-bit hashes.
+over the video ids as raw 64-bit hashes.  ``row_wise_min_rows``: the
+Trainer's.  ``eval_scores=PATH``: the scores of the last held-out
+evaluation (the tower's outputs in eval mode) are saved there, as one
+tensor, for comparing an export's (worker 0).
 """
 
 import os
@@ -28,6 +31,7 @@ from torch import Tensor, nn
 from paramserver import Batch, Table, Trainer
 from paramserver.optim import QHM
 from paramserver.shards.id_hash import salted
+from paramserver.train.trainer import ROW_WISE_MIN_ROWS
 
 USERS, VIDEOS, CREATORS, RANK, HISTORY, DENSE = 600, 400, 50, 4, 4, 3
 
@@ -88,10 +92,13 @@ class FactorizationMachine(nn.Module):
 
     def __init__(self, tables: List[str], dim: int, dense_features: int):
         super().__init__()
-        self.tables = tables
+        self.tables, self.dim, self.dense_features = tables, dim, dense_features
         pairs = len(tables) * (len(tables) - 1) // 2
         self.pair_weights = nn.Parameter(torch.ones(pairs))
         self.linear = nn.Linear(len(tables) * dim + dense_features, 1)
+
+    def export_kwargs(self) -> Dict:
+        return {"tables": self.tables, "dim": self.dim, "dense_features": self.dense_features}
 
     def forward(self, pooled: Dict[str, Tensor], dense: Tensor) -> Tensor:
         vectors = [pooled[name] for name in self.tables]
@@ -111,9 +118,18 @@ def crash_mid_checkpoint(module: nn.Module, checkpoints: pathlib.Path, from_step
     module.register_state_dict_pre_hook(before_state_dict)
 
 
+def evaluated_scores(module: nn.Module) -> List[Tensor]:
+    """Every output of ``module`` in eval mode (the Trainer's evaluations), in order."""
+    scores: List[Tensor] = []
+    module.register_forward_hook(lambda _, inputs, output: None if module.training else
+                                 scores.append(output.detach().clone()))
+    return scores
+
+
 def main(ctx, steps: int = 200, batch_size: int = 128, dim: int = 8, lr: float = 16.0, stateful: bool = False,
          crash_in_checkpoint_at: Optional[int] = None, log_every: int = 10, eval_every: int = 50,
-         seed: int = 7, dynamic_video: bool = False) -> dict:
+         seed: int = 7, dynamic_video: bool = False, row_wise_min_rows: int = ROW_WISE_MIN_ROWS,
+         eval_scores: Optional[str] = None) -> dict:
     planted = Planted(seed, hashed_videos=dynamic_video)
     data = (StatefulSessions if stateful else Sessions)(planted, ctx.worker_index, batch_size)
     tables = {"user": Table(USERS, dim, init_std=0.1), "history": Table(VIDEOS, dim, mode="mean", init_std=0.1),
@@ -122,9 +138,14 @@ def main(ctx, steps: int = 200, batch_size: int = 128, dim: int = 8, lr: float =
     tower = FactorizationMachine(list(tables), dim, DENSE)
     if crash_in_checkpoint_at is not None and ctx.worker_index == 0:
         crash_mid_checkpoint(tower, pathlib.Path(ctx.checkpoint.directory), crash_in_checkpoint_at)
+    scores = evaluated_scores(tower) if eval_scores else []
     trainer = Trainer(ctx, tables=tables, dense=tower,
                       sparse_optimizer=(QHM, dict(lr=lr, momentum=0.9, nu=0.7)),
                       dense_optimizer=lambda params: torch.optim.SGD(params, lr=0.5, momentum=0.9),
-                      loss=nn.BCEWithLogitsLoss(), comm_hook="allreduce", name="watch", seed=seed)
+                      loss=nn.BCEWithLogitsLoss(), comm_hook="allreduce", name="watch", seed=seed,
+                      row_wise_min_rows=row_wise_min_rows)
     holdout = [planted.batch(999, index, 1024) for index in range(2)]
-    return trainer.fit(data, steps=steps, eval_data=holdout, eval_every=eval_every, log_every=log_every)
+    figures = trainer.fit(data, steps=steps, eval_data=holdout, eval_every=eval_every, log_every=log_every)
+    if scores:
+        torch.save(torch.cat(scores[-len(holdout):]), eval_scores)
+    return figures
