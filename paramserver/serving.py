@@ -52,9 +52,11 @@ class FixedTable(nn.Module):
 
     def forward(self, ids: Tensor) -> Tensor:
         ids = _check_ids(self.name, ids)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.weight.size(0)):
-            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
-            raise IndexError(f"table {self.name!r}: id {bad} is out of range for a table of {self.weight.size(0)} rows")
+        if ids.numel():
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high >= self.weight.size(0):
+                raise IndexError(f"table {self.name!r}: id {low if low < 0 else high} is out of range for a table "
+                                 f"of {self.weight.size(0)} rows")
         return F.embedding_bag(ids, self.weight, mode=self.mode)
 
 
