@@ -109,6 +109,12 @@ def test_a_malformed_line_is_named_or_skipped_and_counted(tmp_path, bad, reason,
     assert reason in str(raised.value) and "line 212" in str(raised.value)
     reader = FileReader(path, 64, chunk_bytes=5_000, skip_malformed=True)
     assert first_ids(reader) == list(range(300)) and reader.malformed == 1
+    for stop_after in (3, 4):  # resumed in the malformed line's chunk, and after it: counted once
+        partial = FileReader(path, 64, chunk_bytes=5_000, skip_malformed=True)
+        head = [b for _, b in zip(range(stop_after), partial)]
+        resumed = FileReader(path, 64, chunk_bytes=5_000, skip_malformed=True)
+        resumed.load_state_dict(partial.state_dict())
+        assert first_ids(head) + first_ids(resumed) == list(range(300)) and resumed.malformed == 1
 
 
 def test_a_malformed_line_in_a_later_part_of_a_split_file_names_its_line(tmp_path):

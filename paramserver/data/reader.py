@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 #: How often a wait looks up (a stop request, a dead producer).
 _POLL = 0.2
+_STOPPED = object()
 FORMATS = ("criteo", "parquet")
 
 
@@ -146,10 +147,15 @@ class FileReader:
         malformed = self._start.malformed
         while True:
             chunk = self._next_chunk(chunks, producer)
+            if chunk is _STOPPED:
+                return  # closed: the position stays where the last batch given left it
             if chunk is None:
                 break
             parsed = self._result(chunk)
-            malformed += self._problems(chunk, parsed)
+            if parsed is None:
+                return
+            if skip == 0:  # a chunk resumed in its middle had its malformed lines counted before
+                malformed += self._problems(chunk, parsed)
             samples = parsed.samples
             if self.max_rows is not None:
                 samples = samples.slice(0, max(0, min(len(samples), self.max_rows - rows_given)))
@@ -178,10 +184,11 @@ class FileReader:
             yield Samples.join(waiting).batch()
         self._position = Position(self.epochs or 0, len(self.parts), 0, 0, malformed)
 
-    def _next_chunk(self, chunks: "queue.Queue", producer: threading.Thread) -> Optional[_Chunk]:
+    def _next_chunk(self, chunks: "queue.Queue", producer: threading.Thread):
+        """The next chunk; ``None`` at the end of the data; ``_STOPPED`` once ``close()`` was called."""
         while True:
             if self._stop.is_set():
-                return None
+                return _STOPPED
             try:
                 item = chunks.get(timeout=_POLL)
             except queue.Empty:
@@ -192,10 +199,11 @@ class FileReader:
                 raise item
             return item
 
-    def _result(self, chunk: _Chunk) -> Parsed:
+    def _result(self, chunk: _Chunk) -> Optional[Parsed]:
+        """The chunk parsed (its parsing error raised); ``None`` once ``close()`` was called."""
         while True:
             if self._stop.is_set():
-                raise concurrent.futures.CancelledError("the file reader was closed")
+                return None
             try:
                 return chunk.parsed.result(timeout=_POLL)
             except concurrent.futures.TimeoutError:
@@ -263,9 +271,8 @@ class FileReader:
 def reader_from_config(config: Dict[str, Any], paths_key: str, batch_size: int, worker: int, workers: int,
                        epochs: Optional[int], max_rows: Optional[int] = None) -> FileReader:
     """A reader from a job's ``data`` config: ``format``, ``schema`` (Parquet), ``skip_malformed``,
-    ``threads``, and the files under ``paths_key`` ("train" or "eval"); ``workers`` and ``eval_rows`` are
-    the job's to read."""
-    known = {"format", "train", "eval", "schema", "skip_malformed", "threads", "workers", "eval_rows"}
+    ``threads``, and the files under ``paths_key`` ("train" or "eval")."""
+    known = {"format", "train", "eval", "schema", "skip_malformed", "threads"}
     unknown = sorted(set(config) - known)
     if unknown:
         raise ValueError(f"unknown data config keys: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
