@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from paramserver.cli import ctl, server, worker
+from paramserver.cli import ctl, demo, server, worker
 from paramserver.cli.common import UsageError, coordinator_address, data_plane_host
 from paramserver.control.protocol import pb
 
@@ -183,3 +183,11 @@ def test_worker_hook_flags_become_job_arguments(hook, options, expected):
 def test_worker_hook_flags_are_checked(hook, options, message):
     with pytest.raises(UsageError, match=re.escape(message)):
         worker.hook_overrides(hook, options)
+
+
+def test_ps_demo_shares_the_job_files_among_its_workers():
+    args = argparse.Namespace(shards=2, workers=3, steps=None,
+                              job_config=json.dumps({"data": {"train": "/data/*.gz"}}))
+    assert demo._job_config(args)["data"] == {"train": "/data/*.gz", "workers": 3}
+    args.job_config = json.dumps({"data": {"train": "/data/*.gz", "workers": 2}})
+    assert demo._job_config(args)["data"]["workers"] == 2  # as given

@@ -203,6 +203,8 @@ def _job_config(args) -> dict:
     config = job_config_from(args.job_config)
     if args.steps is not None:
         config["steps"] = args.steps
+    if isinstance(config.get("data"), dict):  # the demo's workers share the files (docs/data.md)
+        config["data"].setdefault("workers", args.workers)
     return config
 
 
