@@ -33,7 +33,6 @@ import torch
 from torch import Tensor, nn
 
 from paramserver import Table, Trainer
-from paramserver.data import reader_from_config
 from paramserver.optim import QHM
 from workers.ctr_data import CTRSpec, PlantedCTR, PlantedStream, auc, feature_names, to_batch
 
@@ -126,6 +125,8 @@ class FileSource:
 
     def __init__(self, ctx, data: Dict, batch_size: int, embedding_dim: int, init_std: float,
                  table_options: Optional[Dict]):
+        from paramserver.data import reader_from_config  # pyarrow is loaded by jobs on files only
+
         data = dict(data)
         workers = int(data.pop("workers", 1))
         epochs = data.pop("epochs", None)
