@@ -41,8 +41,8 @@ What it measures
            at least 20x faster.
 
     (2) Memory per row held: the table's own structures
-        (``DynamicRows.stats()["bytes"]``: slab, slot ids, last touches, id
-        index, admission counts) plus the optimizer's momentum buffer (shaped
+        (``DynamicRows.stats()["bytes"]``: slab, id index with each id's slot
+        and last touch, admission counts) plus the optimizer's momentum buffer (shaped
         like the slab; its size read from the optimizer's state), over the
         rows held, against the floor: the row (dim x 4 bytes) + its momentum
         (dim x 4) + an 8-byte key.  Cross-check: the process's RSS growth
@@ -235,6 +235,7 @@ class Memory:
     rss_growth_trimmed: int
     slab_slots: int
     index_lanes: int
+    index_bytes: int
 
     @property
     def per_row(self) -> float:
@@ -247,7 +248,7 @@ def memory_of(rows: DynamicRows, optimizer: OwnerOptimizer, rss_growth: int, rss
     momentum_bytes = sum(value.numel() * value.element_size() for value in state.values() if value.dim() > 0)
     del state
     return Memory(stats["rows"], stats["bytes"], momentum_bytes, rss_growth, rss_growth_trimmed, rows.slab.size(0),
-                  rows.index.keys.numel())
+                  rows.index.lanes, rows.index.nbytes)
 
 
 def kernel_case(args, results: Dict) -> Memory:
@@ -423,13 +424,14 @@ def report(args, results: Dict, memory: Memory) -> None:
     floor = 2 * args.dim * 4 + KEY_BYTES
     per_row = memory.per_row
     slack = dynamic_module.GROWTH
-    index_worst = 12 * 2 / id_index.MAX_LOAD  # 12 bytes a lane, ids at MAX_LOAD / 2 of the lanes after a rebuild
-    slot_bytes = 2 * args.dim * 4 + 8 + 4  # slab + momentum + slot id + last touch
+    lane_bytes = memory.index_bytes / memory.index_lanes  # id, slot and last touch
+    index_worst = lane_bytes * 2 / id_index.MAX_LOAD  # ids at MAX_LOAD / 2 of the lanes after a rebuild
+    slot_bytes = 2 * args.dim * 4  # slab + momentum
     worst = slot_bytes * slack + index_worst  # per row held, right after both grew
     print(f"| memory, {memory.rows:,} rows held | bytes | bytes per row |")
     print("|---|---:|---:|")
-    print(f"| table's own structures (stats()[\"bytes\"]: slab of {memory.slab_slots:,} slots, slot ids, last touches, "
-          f"index of {memory.index_lanes:,} lanes) | {memory.table_bytes:,} | {memory.table_bytes / memory.rows:.1f} |")
+    print(f"| table's own structures (stats()[\"bytes\"]: slab of {memory.slab_slots:,} slots, index of "
+          f"{memory.index_lanes:,} lanes: ids, slots, last touches) | {memory.table_bytes:,} | {memory.table_bytes / memory.rows:.1f} |")
     print(f"| QHM momentum buffer (shaped like the slab) | {memory.momentum_bytes:,} "
           f"| {memory.momentum_bytes / memory.rows:.1f} |")
     print(f"| total | {memory.table_bytes + memory.momentum_bytes:,} | {per_row:.1f} |")

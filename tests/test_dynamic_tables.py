@@ -268,15 +268,16 @@ def test_the_c_kernel_and_the_torch_path_find_touch_and_read_alike(kernel_path):
     index.insert(ids, torch.arange(ids.numel()))
     index.remove(ids[:3_000])
     table = torch.randn(ids.numel(), DIM)
-    touch = torch.full((ids.numel(),), -1, dtype=torch.int32)
     asked = torch.cat([ids[:5_000], spread_ids(500, seed=9)]).unique()
-    slots, rows, all_held = index.find_rows(asked, table, touch, 7)
+    slots, rows, all_held = index.find_rows(asked, table, 7)
     expected = torch.tensor([int(torch.nonzero(ids == i)) if bool((ids[3_000:] == i).any()) else -1
                              for i in asked.tolist()])
     assert torch.equal(slots, expected) and not all_held
     held = expected >= 0
     assert torch.equal(rows[held], table[expected[held]]) and not rows[~held].any()
-    assert torch.equal((touch == 7).nonzero().view(-1), expected[held].sort().values)
+    _, _, held_slots, touches = index.held()
+    assert torch.equal(held_slots[touches == 7].sort().values, expected[held].sort().values)
+    assert bool((touches[touches != 7] == -1).all())  # inserted without a touch, not asked for since
     assert torch.equal(index.find(asked), expected)
 
 

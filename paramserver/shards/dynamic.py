@@ -3,9 +3,9 @@
 Owns, on a shard server, the rows of a table without a fixed size: the
 ids that hash to this shard (``id_hash.shard_of``) get a row on first
 admission (``Admission``), found through an ``IdIndex``; rows live in one
-slab tensor (the hosted parameter, which grows in place by ``GROWTH``),
-each slot with its id and the step it was last touched; large ones on
-huge pages (``huge_pages``).  A lookup finds,
+slab tensor (the hosted parameter, which grows in place by ``GROWTH``;
+large ones on huge pages, ``huge_pages``); the index keeps each id's slot
+and the step it was last touched.  A lookup finds,
 touches and reads its ids in one call (``IdIndex.find_rows``: a C kernel
 where one could be built, torch operations otherwise).  The slab is an
 ordinary parameter to the owner-side optimizer
@@ -94,10 +94,8 @@ class DynamicRows:
                  options: DynamicOptions, lock_for: Callable[[Tensor], threading.Lock]):
         self.name, self.embedding_dim, self.dtype = name, embedding_dim, dtype
         self.seed, self.init_std, self.options = seed, init_std, options
-        #: The hosted parameter: row ``slot`` holds the id ``slot_ids[slot]`` where ``last_touch[slot] >= 0``.
+        #: The hosted parameter: row ``slot`` holds the id the index maps to ``slot`` (free slots: none).
         self.slab = torch.empty(0, embedding_dim, dtype=dtype)
-        self.slot_ids = torch.empty(0, dtype=torch.int64)
-        self.last_touch = torch.empty(0, dtype=torch.int32)
         self._free = torch.empty(0, dtype=torch.int64)
         self._used = 0  # slots below this were used at least once
         self.index = IdIndex()
@@ -130,7 +128,7 @@ class DynamicRows:
             if step >= 0:
                 self._advance_locked(step)  # before finding the ids: a TTL sweep frees the slots it evicts
             # the ids held are touched now, before any eviction: they must stay
-            slots, rows, all_held = self.index.find_rows(ids, self.slab, self.last_touch if step >= 0 else None, step)
+            slots, rows, all_held = self.index.find_rows(ids, self.slab, step)
             if step >= 0 and not all_held:
                 missing = (slots < 0).nonzero().view(-1)
                 admitted = missing[self.admission.admit(ids[missing], step)]
@@ -152,8 +150,9 @@ class DynamicRows:
         ttl = self.options.ttl_steps
         if ttl is not None and step - self._last_sweep >= max(1, ttl // 8):
             self._last_sweep = step
-            touch = self.last_touch[:self._used]
-            self._evict_locked(((touch >= 0) & (touch < step - ttl)).nonzero().view(-1))
+            lanes, _, slots, touches = self.index.held()
+            expired = (touches < step - ttl).nonzero().view(-1)
+            self._evict_locked(lanes[expired], slots[expired])
 
     def _create_locked(self, ids: Tensor, step: int) -> Tensor:
         """Rows for ``ids`` (distinct, none held), made room for; their slots, -1 for those left without."""
@@ -173,9 +172,7 @@ class DynamicRows:
         taken = self._take_slots_locked(count)
         self.slab.index_copy_(0, taken, initial_rows(new_ids, self.seed, self.embedding_dim, self.init_std,
                                                      self.dtype))
-        self.slot_ids.index_copy_(0, taken, new_ids)
-        self.last_touch.index_fill_(0, taken, step)
-        self.index.insert(new_ids, taken)
+        self.index.insert(new_ids, taken, step)
         for optimizer, index in self._each_optimizer():
             optimizer.reset_state_rows(index, taken)
         self.admitted += count
@@ -185,20 +182,20 @@ class DynamicRows:
     def _evict_least_recent_locked(self, needed: int, step: int) -> int:
         """Evict at least ``needed`` rows (``capacity // 64`` if more) of those least recently touched before
         ``step``; returns how many were evicted (fewer when too few rows were touched before ``step``)."""
-        touch = self.last_touch[:self._used]
-        evictable = (touch >= 0) & (touch < step)
+        lanes, _, slots, touches = self.index.held()
+        evictable = touches < step
         count = min(max(needed, (self.options.capacity or 0) // 64), int(evictable.sum()))
         if count <= 0:
             return 0
-        victims = torch.topk(torch.where(evictable, touch, _NEVER), count, largest=False, sorted=False).indices
-        self._evict_locked(victims)
+        victims = torch.topk(torch.where(evictable, touches, _NEVER), count, largest=False, sorted=False).indices
+        self._evict_locked(lanes[victims], slots[victims])
         return count
 
-    def _evict_locked(self, slots: Tensor) -> None:
+    def _evict_locked(self, lanes: Tensor, slots: Tensor) -> None:
+        """Drop the ids in index lanes ``lanes``; their ``slots`` become free."""
         if slots.numel() == 0:
             return
-        self.index.remove(self.slot_ids.index_select(0, slots))
-        self.last_touch.index_fill_(0, slots, -1)
+        self.index.remove_lanes(lanes)
         self._free = torch.cat((self._free, slots))
         self.evicted += slots.numel()
 
@@ -220,22 +217,19 @@ class DynamicRows:
             rows = max(needed, min(rows, self.options.capacity))
         # The slab changes its memory in place (set_): the optimizers and RRefs hold this very tensor.
         self.slab.set_(huge_pages.grown(self.slab, rows))
-        self.slot_ids = huge_pages.grown(self.slot_ids, rows, 0)
-        self.last_touch = huge_pages.grown(self.last_touch, rows, -1)
         for optimizer, index in self._each_optimizer():
             optimizer.resize_state_rows(index, rows)
 
     # -- figures -------------------------------------------------------------------
     def stats(self) -> Dict[str, int]:
         """Rows held, admitted, evicted, not admitted (below the admission bar, or no room), and bytes of the
-        rows, ids, touches, index and admission counts (optimizer state not included)."""
+        rows, the index (ids, slots, touches) and admission counts (optimizer state not included)."""
         with self._lock:
             return {"rows": len(self.index), "admitted": self.admitted, "evicted": self.evicted,
                     "not_admitted": self.not_admitted, "bytes": self._nbytes_locked()}
 
     def _nbytes_locked(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.slab, self.slot_ids, self.last_touch)) + \
-            self.index.nbytes + self.admission.nbytes
+        return self.slab.numel() * self.slab.element_size() + self.index.nbytes + self.admission.nbytes
 
     # -- checkpoints -------------------------------------------------------------------
     def checkpoint_entry(self) -> Dict:
@@ -247,11 +241,11 @@ class DynamicRows:
         """The rows held (ids, values, last touches), with the rows of ``state`` (the slab's state in
         ``optimizer``, a class name; its caller holds the optimizer's locks, so no step runs meanwhile),
         admission counts and clock."""
-        ids, slots = self.index.items()
+        _, ids, slots, touches = self.index.held()
         order = torch.argsort(slots)
-        ids, slots = ids[order], slots[order]
+        ids, slots, touches = ids[order], slots[order], touches[order]
         return {"dynamic": True, "ids": ids, "value": self.slab.index_select(0, slots),
-                "last_touch": self.last_touch.index_select(0, slots), "optimizer": optimizer,
+                "last_touch": touches, "optimizer": optimizer,
                 "state": {key: value.index_select(0, slots) if value.dim() > 0 else value.clone()
                           for key, value in state.items()},
                 "admission": self.admission.state_dict(), "clock": self.clock}
@@ -267,9 +261,7 @@ class DynamicRows:
             if count:
                 slots = self._take_slots_locked(count)
                 self.slab[:count] = values.to(self.dtype)
-                self.slot_ids[:count] = ids
-                self.last_touch[:count] = last_touch.to(torch.int32)
-                self.index.insert(ids, slots)
+                self.index.insert(ids, slots, last_touch.to(torch.int32))
             self.admission.merge_state(admission)
             self.clock = self._last_sweep = clock
             self._restored_state = (optimizer, state) if optimizer else None

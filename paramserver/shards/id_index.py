@@ -1,18 +1,19 @@
-"""``IdIndex``: a hash map from int64 ids to row slots, with every operation vectorized over a batch of ids.
+"""``IdIndex``: a hash map from int64 ids to row slots and last touches, vectorized over a batch of ids.
 
-Owns where a dynamic table's ids are (``paramserver.shards.dynamic``).  A
-Python dict costs a Python object and a trip through the interpreter per
-id; this index is two tensors of buckets, ``LANES`` lanes each (the ids, and
-the slots they map to), probed a batch at a time with torch operations:
-an id goes to the bucket its Fibonacci hash names (``id_hash.bucket_of``),
-or, when that bucket is full, to the next one that is not.  A lookup reads
-the id's whole bucket at once (sixteen ids: two adjacent cache lines) and
-stops at the first bucket with an empty lane, so nearly every id is found
-in the first round (the others in a round or two more).  Where a C
-compiler exists, lookups run in a C kernel over the same tensors
-(``paramserver.shards.native``), which also touches and reads the ids'
-rows in the same pass; the torch code here is the fallback, with the same
-results.  Large indexes live on huge pages (``huge_pages``).
+Owns where a dynamic table's ids are (``paramserver.shards.dynamic``) and
+the step each was last touched.  A Python dict costs a Python object and
+a trip through the interpreter per id; this index is one tensor of
+buckets of ``LANES`` lanes, each bucket 128 bytes in one piece (two
+adjacent cache lines): the lanes' ids, then their slots (int32), then
+their last touches (int32).  An id goes to the bucket its Fibonacci hash
+names (``id_hash.bucket_of``), or, when that bucket is full, to the next
+one that is not.  A lookup reads the id's whole bucket at once, writes its
+touch in the same lines, and stops at the first bucket with an empty lane,
+so nearly every id is found in the first round (the others in a round or
+two more).  Where a C compiler exists, lookups run in a C kernel over the
+same tensor (``paramserver.shards.native``), which also reads the ids'
+rows; the torch code here is the fallback, with the same results.  Large
+indexes live on huge pages (``huge_pages``).
 
 Removing an id leaves a tombstone (the lane is reused by a later insert,
 but still counts as taken for lookups, so that ids placed past it stay
@@ -21,7 +22,7 @@ found); the index is rebuilt when ids and tombstones together fill
 than half.  Not thread-safe: its owner serializes calls.
 """
 
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import torch
 from torch import Tensor
@@ -39,7 +40,7 @@ _GOLDEN_INVERSE -= (1 << 64) if _GOLDEN_INVERSE >= 1 << 63 else 0
 
 
 class IdIndex:
-    """int64 id -> slot (a non-negative int32), for batches of ids."""
+    """int64 id -> (slot, a non-negative int32; last touch, an int32 step or -1), for batches of ids."""
 
     def __init__(self, expected: int = 0):
         self._allocate(self._buckets_for(expected))
@@ -59,9 +60,13 @@ class IdIndex:
         #: Overflow never goes further than this past an id's own bucket (the index grows instead), so the
         #: unused key below can never be an id looked for in that bucket.
         self._max_run = max(1, buckets // 4)
-        self.keys = huge_pages.empty((buckets, LANES), torch.int64)
+        #: Each bucket: LANES ids, then LANES int32 slots and LANES int32 touches (as int64 pairs).
+        self.table = huge_pages.empty((buckets, 2 * LANES), torch.int64)
+        self.keys = self.table[:, :LANES]
+        self.slots = self.table[:, LANES:LANES + LANES // 2].view(torch.int32)
+        self.touches = self.table[:, LANES + LANES // 2:].view(torch.int32)
         self.keys.copy_(self._unused_keys(torch.arange(buckets)).unsqueeze(1).expand(buckets, LANES))
-        self.slots = huge_pages.full((buckets, LANES), EMPTY, torch.int32)
+        self.table[:, LANES:] = -1  # every slot EMPTY, every touch -1
 
     def _unused_keys(self, buckets: Tensor) -> Tensor:
         """A key for an unused lane of each of ``buckets``: an id whose own bucket is half the index away."""
@@ -73,29 +78,32 @@ class IdIndex:
 
     @property
     def nbytes(self) -> int:
-        return self.keys.numel() * self.keys.element_size() + self.slots.numel() * self.slots.element_size()
+        return self.table.numel() * self.table.element_size()
+
+    @property
+    def lanes(self) -> int:
+        return self.keys.numel()
 
     def find(self, ids: Tensor) -> Tensor:
         """The slot of each of ``ids`` (int64), -1 where an id is not held."""
         kernel = native.kernel()
         if kernel is not None:
-            return kernel.find(self.keys, self.slots, self._bits, self._max_run, ids)[0]
-        return self._find_in_torch(ids)
+            return kernel.find(self.table, self._bits, self._max_run, ids)[0]
+        return self._find_in_torch(ids)[0]
 
-    def find_rows(self, ids: Tensor, table: Tensor, touch: Optional[Tensor] = None, step: int = -1
-                  ) -> Tuple[Tensor, Tensor, bool]:
+    def find_rows(self, ids: Tensor, table: Tensor, step: int = -1) -> Tuple[Tensor, Tensor, bool]:
         """(slots of ``ids`` as ``find`` gives them; their rows of ``table`` (the rows of the slots; zeros where
-        an id is not held); whether every id is held).  With ``touch``, ``touch[slot] = step`` for each id held."""
+        an id is not held); whether every id is held).  With ``step`` >= 0 each id held is touched at it."""
         kernel = native.kernel()
         if kernel is not None:
-            slots, rows, found = kernel.find(self.keys, self.slots, self._bits, self._max_run, ids, touch, step,
-                                             table)
+            slots, rows, found = kernel.find(self.table, self._bits, self._max_run, ids, step, table)
             return slots, rows, found == ids.numel()
-        slots = self._find_in_torch(ids)
+        slots, at = self._find_in_torch(ids)
         held = slots >= 0
         everywhere = bool(held.all())
-        if touch is not None:
-            touch.index_fill_(0, slots if everywhere else slots[held], step)
+        if step >= 0:
+            lanes = at if everywhere else at[held]
+            self.touches[lanes // LANES, lanes % LANES] = step
         if everywhere:
             return slots, table.index_select(0, slots), True
         rows = torch.zeros(ids.numel(), table.size(1), dtype=table.dtype)
@@ -103,16 +111,21 @@ class IdIndex:
         rows[where] = table.index_select(0, slots[where])
         return slots, rows, False
 
-    def _find_in_torch(self, ids: Tensor) -> Tensor:
+    def _find_in_torch(self, ids: Tensor) -> Tuple[Tensor, Tensor]:
+        """(the slot of each id, -1 where not held; its lane as bucket * LANES + lane, -1 where not held)."""
         slots = torch.full((ids.numel(),), -1, dtype=torch.int64)
+        at = torch.full((ids.numel(),), -1, dtype=torch.int64)
         active, wanted, probe = None, ids, bucket_of(ids, self._bits)
         for _ in range(self._max_run + 1):
             lane, hit = self._matching_lane(self.keys.index_select(0, probe), wanted)
-            found = self.slots.view(-1).index_select(0, probe * LANES + lane).long()
+            found = self.slots[probe, lane].long()
+            where = probe * LANES + lane
             if active is None:
                 slots = torch.where(hit, found, slots)
+                at = torch.where(hit, where, at)
             else:
                 slots[active[hit]] = found[hit]
+                at[active[hit]] = where[hit]
             # an id not found goes on only past a bucket with no empty lane (it could have overflowed)
             missed = (~hit).nonzero().view(-1)
             if missed.numel() == 0:
@@ -122,7 +135,7 @@ class IdIndex:
                 break
             active = going_on if active is None else active[going_on]
             wanted, probe = wanted[going_on], (probe[going_on] + 1) & self._mask
-        return slots
+        return slots, at
 
     @staticmethod
     def _matching_lane(rows: Tensor, wanted: Tensor) -> Tuple[Tensor, Tensor]:
@@ -137,59 +150,68 @@ class IdIndex:
         byte = ((torch.frexp(word.double()).exponent.long() - 1) >> 3).clamp_(min=0)  # 0 where none matched
         return word_index.long() * 8 + byte, word != 0
 
-    def insert(self, ids: Tensor, slots: Tensor) -> None:
-        """Map ``ids`` (distinct, none held) to ``slots``."""
+    def insert(self, ids: Tensor, slots: Tensor, touches=-1) -> None:
+        """Map ``ids`` (distinct, none held) to ``slots``, last touched at ``touches`` (a step for all, or one
+        per id)."""
         if ids.numel() == 0:
             return
-        if (self.size + self.removed + ids.numel()) > MAX_LOAD * self.keys.numel():
+        if (self.size + self.removed + ids.numel()) > MAX_LOAD * self.lanes:
             self._rebuild(self.size + ids.numel())
-        wanted, values = ids, slots.to(torch.int32)
+        touches = touches.to(torch.int32) if isinstance(touches, Tensor) else \
+            torch.full((ids.numel(),), int(touches), dtype=torch.int32)
+        wanted, values, steps = ids, slots.to(torch.int32), touches
         while True:
-            wanted, values = self._place(wanted, values)
+            wanted, values, steps = self._place(wanted, values, steps)
             if wanted.numel() == 0:
                 break
             self._rebuild(2 * (self.size + wanted.numel()))  # a run grew too long: a bigger index
         self.size += ids.numel()
 
-    def _place(self, ids: Tensor, slots: Tensor) -> Tuple[Tensor, Tensor]:
+    def _place(self, ids: Tensor, slots: Tensor, touches: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         """Place what can be within ``_max_run`` buckets of its own; returns what could not."""
         home = bucket_of(ids, self._bits)
-        wanted, values, probe = ids, slots, home
+        wanted, values, steps, probe = ids, slots, touches, home
         while wanted.numel():
             lanes_free = self.slots.index_select(0, probe) < 0
             has_free = lanes_free.any(1)
             lane = lanes_free.int().argmax(1).long()
             trying = has_free.nonzero().view(-1)
-            at = probe[trying] * LANES + lane[trying]
+            bucket, lane_tried = probe[trying], lane[trying]
             # ids after the same free lane all write it; the one whose write stands takes it, the others retry
-            self.keys.view(-1)[at] = wanted[trying]
-            won = self.keys.view(-1)[at] == wanted[trying]
-            at_won = at[won]
-            self.removed -= int((self.slots.view(-1)[at_won] == REMOVED).sum())
-            self.slots.view(-1)[at_won] = values[trying[won]]
+            self.keys[bucket, lane_tried] = wanted[trying]
+            won = self.keys[bucket, lane_tried] == wanted[trying]
+            bucket, lane_won, winners = bucket[won], lane_tried[won], trying[won]
+            self.removed -= int((self.slots[bucket, lane_won] == REMOVED).sum())
+            self.slots[bucket, lane_won] = values[winners]
+            self.touches[bucket, lane_won] = steps[winners]
             placed = torch.zeros(wanted.numel(), dtype=torch.bool)
-            placed[trying[won]] = True
+            placed[winners] = True
             probe = torch.where(has_free, probe, (probe + 1) & self._mask)
             rest = ~placed
-            wanted, values, probe, home = wanted[rest], values[rest], probe[rest], home[rest]
+            wanted, values, steps, probe, home = wanted[rest], values[rest], steps[rest], probe[rest], home[rest]
             too_far = ((probe - home) & self._mask) > self._max_run
             if too_far.any():
-                return wanted, values
-        return wanted, values
+                return wanted, values, steps
+        return wanted, values, steps
 
     def remove(self, ids: Tensor) -> None:
         """Forget ``ids`` (those not held are ignored)."""
-        at = self._lanes_of(ids)
+        self.remove_lanes(self._lanes_of(ids))
+
+    def remove_lanes(self, at: Tensor) -> None:
+        """Forget the ids in lanes ``at`` (bucket * LANES + lane, each held)."""
         if at.numel() == 0:
             return
-        self.keys.view(-1)[at] = self._unused_keys(at // LANES)
-        self.slots.view(-1)[at] = REMOVED
+        bucket, lane = at // LANES, at % LANES
+        self.keys[bucket, lane] = self._unused_keys(bucket)
+        self.slots[bucket, lane] = REMOVED
+        self.touches[bucket, lane] = -1
         self.size -= at.numel()
         self.removed += at.numel()
 
     def _lanes_of(self, ids: Tensor) -> Tensor:
-        """Flat lane positions of those of ``ids`` that are held (an unused lane's key matches no id looked
-        for in its bucket, so a match is the id's lane)."""
+        """Lanes (bucket * LANES + lane) of those of ``ids`` that are held (an unused lane's key matches no id
+        looked for in its bucket, so a match is the id's lane)."""
         found: List[Tensor] = []
         wanted, probe = ids, bucket_of(ids, self._bits)
         for _ in range(self._max_run + 1):
@@ -202,16 +224,22 @@ class IdIndex:
 
     def items(self) -> Tuple[Tensor, Tensor]:
         """Every (id, slot) held, as two tensors (int64, int64)."""
-        held = self.slots >= 0
-        return self.keys[held], self.slots[held].long()
+        _, ids, slots, _ = self.held()
+        return ids, slots
+
+    def held(self) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Every id held: its lane (bucket * LANES + lane), id, slot (int64) and last touch (int32)."""
+        mask = self.slots >= 0
+        lanes = mask.view(-1).nonzero().view(-1)
+        return lanes, self.keys[mask], self.slots[mask].long(), self.touches[mask]
 
     def _rebuild(self, ids: int) -> None:
-        keys, slots = self.items()
+        _, keys, slots, touches = self.held()
         buckets = max(self._buckets_for(ids), self.keys.size(0))
         while True:
             self._allocate(buckets)
             self.removed = 0
-            left, _ = self._place(keys, slots.to(torch.int32))
+            left, _, _ = self._place(keys, slots.to(torch.int32), touches)
             if left.numel() == 0:
                 return
             buckets *= 2

@@ -5,12 +5,12 @@ system's C compiler (``cc``, or ``$CC``) into a cache directory
 (``$PARAMSERVER_CACHE``, else ``~/.cache/paramserver``, else the temporary
 directory), named by a hash of the source, the compiler and the flags, and
 loaded with ctypes, which releases the GIL for the call.  A lookup in torch
-operations reads each id's bucket, then its slot, then writes its touch,
-then reads its row, each a separate pass over the batch with tensors in
-between; the kernel makes two passes (find; touch and copy), each asking
-for the memory of the id 16 places ahead, so the processor overlaps the
-misses of consecutive ids, and compares a bucket's 16 keys at once in
-vector registers.  It is built twice where the processor runs AVX2: a
+operations reads each id's bucket, then writes its touch, then reads its
+row, each a separate pass over the batch with tensors in between; the
+kernel makes two passes (find and touch; copy), each asking for the
+memory of the id 16 places ahead, so the processor overlaps the misses of
+consecutive ids, and compares a bucket's 8 keys at once in vector
+registers.  It is built twice where the processor runs AVX2: a
 baseline build (SSE2 on x86-64, plain C elsewhere), which also says
 whether the processor has AVX2, and an AVX2 build, used where it does.
 
@@ -44,8 +44,10 @@ SOURCE = r"""
 /* How many ids ahead the memory an id needs is asked for (prefetched), so that the misses of consecutive ids
    overlap instead of following one another. */
 #define AHEAD 16
-/* Lanes per bucket: IdIndex.LANES (the caller checks). */
-#define LANES 16
+/* Lanes per bucket: IdIndex.LANES (the caller checks).  A bucket is 2 * LANES int64 words: the lanes' keys,
+   then their slots (int32), then their last touches (int32). */
+#define LANES 8
+#define BUCKET_WORDS (2 * LANES)
 
 static inline uint64_t home_bucket(int64_t id, int bits) {
     return bits ? ((uint64_t)id * GOLDEN) >> (64 - bits) : 0;
@@ -101,50 +103,48 @@ int paramserver_cpu_has_avx2(void) {
 #endif
 }
 
-/* For each of ids[0..n): its slot in the index (buckets of LANES lanes: keys int64, slots int32, -1 empty,
-   -2 removed), probing from its Fibonacci-hashed bucket through full buckets, at most max_run further;
-   -1 where it is not held.  Then, when touch is not NULL, touch[slot] = step for every id found; when
+/* For each of ids[0..n): its slot in the index (buckets of LANES lanes, see above; slots -1 empty, -2 removed),
+   probing from its Fibonacci-hashed bucket through full buckets, at most max_run further; -1 where it is not
+   held.  When step >= 0 the touch of every id found is set to step, in its bucket (the lines just read).  When
    rows_out is not NULL, the id's row (row_bytes of table) is copied to rows_out, zeros where it is not held.
-   Two passes (find, then touch and copy), each asking for the memory of the id AHEAD places on.  Returns the
+   Two passes (find and touch, then copy), each asking for the memory of the id AHEAD places on.  Returns the
    number of ids found. */
-int64_t paramserver_find(const int64_t *keys, const int32_t *slots, int64_t buckets, int bits,
-                         int64_t max_run, const int64_t *ids, int64_t n, int64_t *out, int32_t *touch, int32_t step,
-                         const char *table, int64_t row_bytes, char *rows_out) {
+int64_t paramserver_find(int64_t *index, int64_t buckets, int bits, int64_t max_run, const int64_t *ids, int64_t n,
+                         int64_t *out, int32_t step, const char *table, int64_t row_bytes, char *rows_out) {
     const uint64_t mask = (uint64_t)buckets - 1;
     int64_t found_count = 0;
     for (int64_t i = 0; i < n; i++) {
         if (i + AHEAD < n) {
-            uint64_t ahead = home_bucket(ids[i + AHEAD], bits);
-            __builtin_prefetch(keys + ahead * LANES);
-            __builtin_prefetch(keys + ahead * LANES + 8);
-            __builtin_prefetch(slots + ahead * LANES);
+            const int64_t *ahead = index + home_bucket(ids[i + AHEAD], bits) * BUCKET_WORDS;
+            __builtin_prefetch(ahead, 1);
+            __builtin_prefetch(ahead + 8, 1);
         }
         const int64_t id = ids[i];
         uint64_t bucket = home_bucket(id, bits);
         int64_t found = -1;
         for (int64_t run = 0; run <= max_run; run++) {
+            int64_t *keys = index + bucket * BUCKET_WORDS;
+            int32_t *slots = (int32_t *)(keys + LANES);
             /* an unused lane's key never matches an id looked for in its bucket: a match is the id */
-            const uint32_t matches = match_mask(keys + bucket * LANES, id);
-            if (matches) { found = slots[bucket * LANES + __builtin_ctz(matches)]; break; }
-            if (empty_mask(slots + bucket * LANES)) break;
+            const uint32_t matches = match_mask(keys, id);
+            if (matches) {
+                const int lane = __builtin_ctz(matches);
+                found = slots[lane];
+                if (step >= 0) slots[LANES + lane] = step;
+                break;
+            }
+            if (empty_mask(slots)) break;
             bucket = (bucket + 1) & mask;
         }
         out[i] = found;
         found_count += found >= 0;
     }
-    if (!touch && !rows_out) return found_count;
+    if (!rows_out) return found_count;
     for (int64_t i = 0; i < n; i++) {
-        if (i + AHEAD < n && out[i + AHEAD] >= 0) {
-            if (touch) __builtin_prefetch(touch + out[i + AHEAD], 1);
-            if (rows_out) __builtin_prefetch(table + out[i + AHEAD] * row_bytes);
-        }
+        if (i + AHEAD < n && out[i + AHEAD] >= 0) __builtin_prefetch(table + out[i + AHEAD] * row_bytes);
         const int64_t found = out[i];
-        if (found >= 0) {
-            if (touch) touch[found] = step;
-            if (rows_out) memcpy(rows_out + i * row_bytes, table + found * row_bytes, (size_t)row_bytes);
-        } else if (rows_out) {
-            memset(rows_out + i * row_bytes, 0, (size_t)row_bytes);
-        }
+        if (found >= 0) memcpy(rows_out + i * row_bytes, table + found * row_bytes, (size_t)row_bytes);
+        else memset(rows_out + i * row_bytes, 0, (size_t)row_bytes);
     }
     return found_count;
 }
@@ -152,7 +152,7 @@ int64_t paramserver_find(const int64_t *keys, const int32_t *slots, int64_t buck
 
 
 #: Lanes per bucket the kernel reads (the source's ``LANES``): ``IdIndex.LANES``.
-LANES = 16
+LANES = 8
 
 #: The builds: ``baseline`` for any processor the compiler targets by default (SSE2 vectors on x86-64),
 #: ``avx2`` for processors that run AVX2, used where this one does.
@@ -166,9 +166,9 @@ class Kernel:
         self.variant = variant
         self._find = library.paramserver_find
         self._find.restype = ctypes.c_int64
-        self._find.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int64,
-                               ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
-                               ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+        self._find.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p,
+                               ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64,
+                               ctypes.c_void_p]
         self._has_avx2 = library.paramserver_cpu_has_avx2
         self._has_avx2.restype = ctypes.c_int
         self._has_avx2.argtypes = []
@@ -176,14 +176,14 @@ class Kernel:
     def cpu_has_avx2(self) -> bool:
         return bool(self._has_avx2())
 
-    def find(self, keys: Tensor, slots: Tensor, bits: int, max_run: int, ids: Tensor,
-             touch: Optional[Tensor] = None, step: int = -1, table: Optional[Tensor] = None) -> tuple:
+    def find(self, index: Tensor, bits: int, max_run: int, ids: Tensor, step: int = -1,
+             table: Optional[Tensor] = None) -> tuple:
         """(slot per id, -1 where not held; the ids' rows of ``table`` (zeros where not held) or ``None``;
-        how many were found).  With ``touch``, ``touch[slot] = step`` for every id found."""
-        buckets, lanes = keys.shape
-        if not (keys.dtype == torch.int64 and slots.dtype == torch.int32 and slots.shape == keys.shape
-                and lanes == LANES and keys.is_contiguous() and slots.is_contiguous() and buckets == 1 << bits):
-            raise ValueError("the index's tensors are not laid out as the kernel reads them")
+        how many were found).  ``index``: ``IdIndex.table``.  With ``step`` >= 0 every id found is touched."""
+        buckets, words = index.shape
+        if not (index.dtype == torch.int64 and words == 2 * LANES and index.is_contiguous()
+                and buckets == 1 << bits):
+            raise ValueError("the index's tensor is not laid out as the kernel reads it")
         ids = ids.to(torch.int64).contiguous()
         out = torch.empty(ids.numel(), dtype=torch.int64)
         rows = None
@@ -193,10 +193,7 @@ class Kernel:
                 raise ValueError("the table must be a contiguous 2-D tensor")
             rows = torch.empty(ids.numel(), table.size(1), dtype=table.dtype)
             row_bytes = table.size(1) * table.element_size()
-        if touch is not None and (touch.dtype != torch.int32 or not touch.is_contiguous()):
-            raise ValueError("touches must be a contiguous int32 tensor")
-        found = self._find(keys.data_ptr(), slots.data_ptr(), buckets, bits, max_run, ids.data_ptr(),
-                           ids.numel(), out.data_ptr(), touch.data_ptr() if touch is not None else None,
+        found = self._find(index.data_ptr(), buckets, bits, max_run, ids.data_ptr(), ids.numel(), out.data_ptr(),
                            step, table.data_ptr() if table is not None else None, row_bytes,
                            rows.data_ptr() if rows is not None else None)
         return out, rows, found
