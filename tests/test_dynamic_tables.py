@@ -283,8 +283,7 @@ def test_the_c_kernel_and_the_torch_path_find_touch_and_read_alike(kernel_path):
 
 def test_huge_page_tensors_hold_what_plain_ones_would(kernel_path):
     big = huge_pages.MIN_BYTES // 4 + 5  # int32 elements: advised (where the system allows)
-    grown = huge_pages.grown(torch.arange(10, dtype=torch.int32), big, -1)
-    assert grown.shape == (big,) and torch.equal(grown[:10], torch.arange(10, dtype=torch.int32))
-    assert bool((grown[10:] == -1).all())
-    assert torch.equal(huge_pages.full((big // 4, 4), 7, torch.int32), torch.full((big // 4, 4), 7, dtype=torch.int32))
+    grown = huge_pages.grown(torch.arange(20, dtype=torch.int32).view(10, 2), big // 2)
+    assert grown.shape == (big // 2, 2) and torch.equal(grown[:10], torch.arange(20, dtype=torch.int32).view(10, 2))
+    assert huge_pages.empty((big // 4, 4), torch.int32).shape == (big // 4, 4)
     assert huge_pages.advise(torch.empty(16)) is False  # small tensors keep ordinary pages

@@ -10,7 +10,6 @@ planted model's AUC on the written samples is the yardstick.
 """
 
 import gzip
-import math
 from typing import List, Optional
 
 import numpy as np
@@ -86,9 +85,3 @@ class PlantedFiles:
         pq.write_table(pa.table(columns), path, row_group_size=row_group_size)
         return auc(logits, torch.from_numpy(labels).float())
 
-
-def lines_per_mib(path: str) -> float:
-    """Lines per MiB of a written text file (for sizing benchmarks)."""
-    with open(path, "rb") as source:
-        data = source.read()
-    return data.count(b"\n") / max(len(data) / (1 << 20), math.ulp(1.0))

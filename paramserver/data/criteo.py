@@ -129,13 +129,8 @@ def parse(text: bytes) -> Parsed:
 
 def _line_numbers(rows: int, problems: List[Problem]) -> np.ndarray:
     """The line (within the chunk, 1-based) of each row read: lines skipped as malformed have no row."""
-    skipped = np.array(sorted(problem.line for problem in problems), dtype=np.int64)
-    lines = np.arange(1, rows + 1, dtype=np.int64)
-    if skipped.size:
-        # row r is line r + (the number of skipped lines at or before it), found by walking the skips
-        for line in skipped:
-            lines[lines >= line] += 1
-    return lines
+    skipped = np.array([problem.line for problem in problems], dtype=np.int64)
+    return np.setdiff1d(np.arange(1, rows + skipped.size + 1, dtype=np.int64), skipped, assume_unique=True)
 
 
 def _integers_checked(table: pa.Table, problems: List[Problem]) -> pa.Table:

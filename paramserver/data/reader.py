@@ -68,6 +68,9 @@ class _Chunk:
     offset: int
     after: Position  # where the chunk after this one starts
     parsed: "concurrent.futures.Future"
+    #: Text: the offset where this reading of the part began, and the lines from there to this chunk.
+    began: int = 0
+    lines_before: int = 0
 
 
 class FileReader:
@@ -100,7 +103,8 @@ class FileReader:
         self._start = Position()
         self._position = Position()
         self._stop = threading.Event()
-        self._line_starts: Dict[Tuple[str, int], int] = {}
+        #: (path, offset) -> the number of the line starting there, counted once when a message needs it.
+        self._line_numbers: Dict[Tuple[str, int], int] = {}
         self._skipped_log = RateLimitedLog(logger, "skipped {count} malformed line{s}")
 
     @property
@@ -215,7 +219,7 @@ class FileReader:
             return 0
         part = self.parts[chunk.part]
         for problem in parsed.problems:
-            place = self._place(part, chunk.offset, problem.line)
+            place = self._place(part, chunk, problem.line)
             if not self.skip_malformed:
                 raise MalformedInput(part.path, place, problem.reason, problem.column)
             self._skipped_log.record("malformed", f"skipped malformed input: {part.path}, {place}"
@@ -223,13 +227,15 @@ class FileReader:
                                      + f": {problem.reason}")
         return len(parsed.problems)
 
-    def _place(self, part: Part, offset: int, line: int) -> str:
+    def _place(self, part: Part, chunk: _Chunk, line: int) -> str:
+        """Where line ``line`` of ``chunk`` is: its row group and row, or its line number in the file (the lines
+        before the part's reading began are counted once per part, only when a message needs them)."""
         if part.row_group is not None:
             return f"row group {part.row_group}, row {line}"
-        key = (part.path, offset)
-        if key not in self._line_starts:
-            self._line_starts[key] = parts_module.line_at(part.path, offset)
-        return f"line {self._line_starts[key] + line - 1}"
+        key = (part.path, chunk.began)
+        if key not in self._line_numbers:
+            self._line_numbers[key] = parts_module.line_at(part.path, chunk.began) if chunk.began else 1
+        return f"line {self._line_numbers[key] + chunk.lines_before + line - 1}"
 
     # -- the producer thread ----------------------------------------------------
     def _produce(self, start: Position, chunks: "queue.Queue", pool, stop: threading.Event) -> None:
@@ -254,9 +260,13 @@ class FileReader:
             yield _Chunk(index, epoch, 0, following, pool.submit(read_row_group, part.path, part.row_group,
                                                                  self.schema))
             return
+        began, lines_before = None, 0
         for text in parts_module.text_chunks(part, offset or part.start, self.chunk_bytes):
+            began = text.offset if began is None else began
             after = following if text.last else Position(epoch, index, text.next_offset)
-            yield _Chunk(index, epoch, text.offset, after, pool.submit(criteo.parse, text.text))
+            yield _Chunk(index, epoch, text.offset, after, pool.submit(criteo.parse, text.text), began,
+                         lines_before)
+            lines_before += text.text.count(b"\n")
 
     def _put(self, chunks: "queue.Queue", item, stop: threading.Event) -> bool:
         while not stop.is_set() and not self._stop.is_set():

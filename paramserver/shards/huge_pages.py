@@ -19,7 +19,7 @@ import ctypes
 import ctypes.util
 import sys
 import threading
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -77,17 +77,9 @@ def empty(shape: Sequence[int], dtype: torch.dtype) -> Tensor:
     return tensor
 
 
-def full(shape: Sequence[int], value, dtype: torch.dtype) -> Tensor:
-    """``torch.full``, advised onto huge pages before it is filled."""
-    return empty(shape, dtype).fill_(value)
-
-
-def grown(tensor: Tensor, rows: int, fill: Optional[float] = None) -> Tensor:
+def grown(tensor: Tensor, rows: int) -> Tensor:
     """A new tensor of ``rows`` rows (at least ``tensor``'s), advised onto huge pages, holding ``tensor``'s
-    rows first and ``fill`` after them (left as they are when ``None``)."""
-    old = tensor.size(0)
+    rows first (the rows after them are left as they are)."""
     result = empty((rows,) + tuple(tensor.shape[1:]), tensor.dtype)
-    result[:old].copy_(tensor)
-    if fill is not None and rows > old:
-        result[old:].fill_(fill)
+    result[:tensor.size(0)].copy_(tensor)
     return result
