@@ -280,12 +280,16 @@ class _Run:
             self.figures.update(self._evaluate())
             self.evaluated_at = step
         if reporting:
-            ctx.report(step, **{k: v for k, v in self.figures.items() if isinstance(v, (int, float))})
+            self._report(step)
             held_out = (f", held-out AUC {self.figures['auc']:.4f} log loss {self.figures['log_loss']:.4f}"
                         if "auc" in self.figures else "")
             logger.info("%s step %d/%d: loss %.4f%s, %.0f samples/s, %s %d bytes/step", ctx.rpc_name, step,
                         self.steps, self.figures["loss"], held_out, self.figures["samples_per_s"],
                         self.trainer.comm_hook, replica.bytes_per_step)
+
+    def _report(self, step: int) -> None:
+        """The figures so far to the coordinator (the numbers among them)."""
+        self.ctx.report(step, **{k: v for k, v in self.figures.items() if isinstance(v, (int, float))})
 
     def _evaluate_at_the_end(self) -> None:
         """When the run ended before ``steps`` (its data ended) without being asked to stop: the held-out
@@ -296,7 +300,7 @@ class _Run:
             return
         self.figures.update(self._evaluate())
         self.evaluated_at = replica.step
-        self.ctx.report(replica.step, **{k: v for k, v in self.figures.items() if isinstance(v, (int, float))})
+        self._report(replica.step)
         logger.info("%s step %d (the end of its data): held-out AUC %.4f log loss %.4f", self.ctx.rpc_name,
                     replica.step, self.figures["auc"], self.figures["log_loss"])
 
