@@ -18,7 +18,7 @@ What it measures
           the slab's lock);
         * served (``--no-served`` skips it): the same through one real shard
           server on loopback (``run_local_cluster``, one shard, one trainer):
-          the fused RPCs ``paramserver.shards.rows.lookup`` / ``push`` sent
+          the fused RPCs ``paramserver.shards.server.service.lookup`` / ``push`` sent
           one at a time, the handles taken from an ``EmbeddingCollection``
           over a ``DistributedOptimizer(QHM, ...)``; latency is the round
           trip the trainer sees.
@@ -92,13 +92,13 @@ import torch
 from torch import Tensor
 
 from paramserver.optim import QHM
-from paramserver.optim.owner import OwnerOptimizer
+from paramserver.shards.server.optimizers import OwnerOptimizer
 from paramserver.optim.registry import functional_optim_map
-from paramserver.shards import dynamic as dynamic_module
-from paramserver.shards import id_index
-from paramserver.shards import native
-from paramserver.shards.dynamic import DynamicOptions, DynamicRows
-from paramserver.shards.state import ShardState
+from paramserver.shards.server import ShardState
+from paramserver.shards.server.dynamic import id_index, native
+from paramserver.shards.server.dynamic import rows as dynamic_module
+from paramserver.shards.server.dynamic.rows import DynamicRows
+from paramserver.tables import DynamicOptions
 
 LR, MOMENTUM, NU = 0.1, 0.9, 0.7
 INT64_MIN, INT64_MAX = -2 ** 63, 2 ** 63 - 1
@@ -320,7 +320,7 @@ def served_trainer(rows: int, dim: int, batch: int, rounds: int, insert_batch: i
 
     from paramserver.optim import DistributedOptimizer
     from paramserver.shards import DynamicEmbeddingBag, EmbeddingCollection, ShardedEmbeddingBag
-    from paramserver.shards import rows as owner_rows
+    from paramserver.shards.server import service
 
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     shard = "shard0"
@@ -338,11 +338,11 @@ def served_trainer(rows: int, dim: int, batch: int, rounds: int, insert_batch: i
     ids = distinct_ids(rows, seed=0)
     started = time.perf_counter()
     for start in range(0, rows, insert_batch):
-        rpc.rpc_sync(shard, owner_rows.lookup, args=(incarnation, [dynamic_slot.table_handle],
+        rpc.rpc_sync(shard, service.lookup, args=(incarnation, [dynamic_slot.table_handle],
                                                      [ids[start:start + insert_batch]], 0), timeout=slow)
     build_s = time.perf_counter() - started
     for slot, first in ((dynamic_slot, ids[:batch].sort().values), (fixed_slot, torch.arange(batch))):
-        rpc.rpc_sync(shard, owner_rows.push, args=(incarnation, handle, [slot.param_index], [first],
+        rpc.rpc_sync(shard, service.push, args=(incarnation, handle, [slot.param_index], [first],
                                                    [torch.zeros(batch, dim)], peer, 0, -1), timeout=slow)
 
     positions = request_batches(rows, batch, seed=1)
@@ -354,13 +354,13 @@ def served_trainer(rows: int, dim: int, batch: int, rounds: int, insert_batch: i
     def lookup(slot, batches):
         def call(round_index: int) -> None:
             step[0] += 1
-            rpc.rpc_sync(shard, owner_rows.lookup, args=(incarnation, [slot.table_handle],
+            rpc.rpc_sync(shard, service.lookup, args=(incarnation, [slot.table_handle],
                                                          [batches[round_index % BATCHES]], step[0]))
         return call
 
     def push(slot, batches):
         def call(round_index: int) -> None:
-            rpc.rpc_sync(shard, owner_rows.push, args=(incarnation, handle, [slot.param_index],
+            rpc.rpc_sync(shard, service.push, args=(incarnation, handle, [slot.param_index],
                                                        [batches[round_index % BATCHES]],
                                                        [gradients[round_index % BATCHES]], peer, 0, -1))
         return call

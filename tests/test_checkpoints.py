@@ -34,7 +34,7 @@ from paramserver.checkpoint.export import EXPORT_MANIFEST
 from paramserver.control import CoordinatorClient, CoordinatorServer, CoordinatorSettings
 from paramserver.control.checkpoints import CheckpointOptions
 from paramserver.serving import NotServable
-from paramserver.shards.dynamic import parse_part_name
+from paramserver.tables import parse_part_name
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent / "jobs"))
 from watch_next import FactorizationMachine, Planted  # noqa: E402

@@ -12,10 +12,9 @@ import torch.distributed.rpc as rpc
 
 from dataplane import run_cluster, shard_names
 from paramserver.optim import QHM, DistributedOptimizer
-from paramserver.runtime.shard_figures import installed_figures, installed_parts
 from paramserver.shards import DynamicEmbeddingBag, EmbeddingCollection, ShardedEmbeddingBag, ShardRequestFailed
-from paramserver.shards.id_hash import initial_rows
-from paramserver.shards import rows as owner_rows
+from paramserver.tables.id_hash import initial_rows
+from paramserver.shards.server import service
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -112,12 +111,12 @@ def trainer_fused_equals_unfused():
     handle, incarnation = collection.optimizer_handle(shards[1]), collection.incarnation(shards[1])
     push = (handle, [99], [torch.tensor([0])], [torch.ones(1, DIM)], "x")
     with pytest.raises(RuntimeError, match="names parameter 99"):
-        rpc.rpc_sync(shards[1], owner_rows.push, args=(incarnation, *push))
+        rpc.rpc_sync(shards[1], service.push, args=(incarnation, *push))
     # Handles of another process of the shard (one that was restarted) are refused, whatever they name here.
     with pytest.raises(RuntimeError, match="StaleHandles: the handles were made by an earlier process"):
-        rpc.rpc_sync(shards[1], owner_rows.push, args=(incarnation + 1, *push))
+        rpc.rpc_sync(shards[1], service.push, args=(incarnation + 1, *push))
     with pytest.raises(RuntimeError, match="StaleHandles"):
-        rpc.rpc_sync(shards[1], owner_rows.lookup, args=(incarnation + 1, [1], [torch.tensor([0])]))
+        rpc.rpc_sync(shards[1], service.lookup, args=(incarnation + 1, [1], [torch.tensor([0])]))
     assert all(torch.equal(a, b) for a, b in zip(_weights(fused_tables).values(), fused.values()))
 
 
@@ -203,9 +202,9 @@ def trainer_dynamic_equals_fixed():
     unseen = dynamic(torch.tensor([[12345678987654321]]))
     assert torch.equal(unseen, torch.zeros(1, DIM))
     # What each shard serves as metrics and heartbeats: a row per id seen in training, none evicted.
-    parts = [part for shard in shards for part in rpc.rpc_sync(shard, installed_parts)]
+    parts = [part for shard in shards for part in rpc.rpc_sync(shard, service.dynamic_table_parts)]
     assert sorted((table, part) for table, part, _ in parts) == [("dyn", "0/3"), ("dyn", "1/3"), ("dyn", "2/3")]
-    figures = [rpc.rpc_sync(shard, installed_figures) for shard in shards]
+    figures = [rpc.rpc_sync(shard, service.dynamic_table_figures) for shard in shards]
     assert [f["dynamic.rows"] for f in figures] == [f["dynamic.admitted"] for f in figures] == [
         stats["rows"] for _, _, stats in sorted(parts, key=lambda part: part[1])]
     assert sum(f["dynamic.rows"] for f in figures) == int(seen.sum())

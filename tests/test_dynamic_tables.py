@@ -8,13 +8,15 @@ import torch
 from torch.optim import SGD
 
 from paramserver.optim import QHM
-from paramserver.optim.owner import OwnerOptimizer
+from paramserver.shards.server.optimizers import OwnerOptimizer
 from paramserver.optim.registry import functional_optim_map
-from paramserver.shards.dynamic import DynamicOptions, DynamicRows, select_part
-from paramserver.shards.id_hash import initial_rows, shard_of
-from paramserver.shards import huge_pages, native
-from paramserver.shards.id_index import IdIndex
-from paramserver.shards.state import ShardState
+from paramserver.checkpoint.shard_part import select_part
+from paramserver.shards.server.dynamic import DynamicRows
+from paramserver.tables import DynamicOptions
+from paramserver.tables.id_hash import initial_rows, shard_of
+from paramserver.shards.server.dynamic import huge_pages, native
+from paramserver.shards.server.dynamic.id_index import IdIndex
+from paramserver.shards.server import ShardState
 from paramserver.train.contract import Table
 
 DIM = 4

@@ -27,7 +27,7 @@ from paramserver.cli import export as export_command
 from paramserver.cli.common import UsageError, coordinator_client
 from paramserver.optim import QHM
 from paramserver.runtime.context import CheckpointSettings, JobContext
-from paramserver.shards.id_hash import salted
+from paramserver.tables.id_hash import salted
 from paramserver.serving import NotServable
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent / "jobs"))

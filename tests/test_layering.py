@@ -1,7 +1,13 @@
-"""The house's layering, read from the source: ``paramserver.shards`` never imports ``paramserver.optim``
-(the owner side of optimizers reads the shard's state, not the other way round), so there is no import
-cycle between them; the control plane never imports the data plane's internals, nor they it; private torch
-names appear only in ``paramserver/_torch_compat.py``."""
+"""The house's layering, read from the source.
+
+Imports only run down a floor: ``checkpoint/`` is a leaf (it imports nothing of the package but ``logs``,
+``tables`` and ``_torch_compat``), ``shards/`` and ``ddp/`` never import ``metrics/`` (a recorder is handed
+down), ``optim/``'s optimizers never import ``shards/`` (only ``DistributedOptimizer``, a client of the shard
+service, does); the control plane never imports the data plane's internals, nor they it.  A shard answers
+through one door: every RPC target a trainer names lives in ``shards/server/service.py``, the only module
+that defines custom ops or finds the process's state.  No module keeps mutable state in a global, besides
+the registries meant to be extended.  Private torch names appear only in ``paramserver/_torch_compat.py``.
+"""
 
 import ast
 import pathlib
@@ -9,10 +15,15 @@ import pathlib
 from paramserver._torch_compat import TORCHSCRIPT_PRIVATE_OPS, TORCHSCRIPT_PRIVATE_TENSOR_METHODS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "paramserver"
+SERVICE = ROOT / "shards" / "server" / "service.py"
 
 
-def imported_packages(module: pathlib.Path) -> set:
-    """The ``paramserver.<package>`` names a module imports (relative imports resolved)."""
+def modules():
+    return [path for path in ROOT.rglob("*.py") if path.parent.name != "v1"]  # v1: generated stubs
+
+
+def imported_modules(module: pathlib.Path) -> set:
+    """The ``paramserver.*`` modules ``module`` imports (relative imports resolved), as dotted names."""
     package = ["paramserver", *module.relative_to(ROOT).parent.parts]
     found = set()
     for node in ast.walk(ast.parse(module.read_text())):
@@ -28,11 +39,13 @@ def imported_packages(module: pathlib.Path) -> set:
             names = [alias.name for alias in node.names]
         else:
             continue
-        for name in names:
-            parts = name.split(".")
-            if parts[0] == "paramserver" and len(parts) > 1:
-                found.add(parts[1])
+        found.update(name for name in names if name.startswith("paramserver."))
     return found
+
+
+def imported_packages(module: pathlib.Path) -> set:
+    """The ``paramserver.<package>`` names a module imports."""
+    return {name.split(".")[1] for name in imported_modules(module)}
 
 
 def importers(of: str, within: str) -> list:
@@ -40,15 +53,87 @@ def importers(of: str, within: str) -> list:
                   if of in imported_packages(path))
 
 
-def test_shards_never_import_optim_so_there_is_no_cycle():
-    assert importers("optim", "shards") == []
-    assert importers("shards", "optim")  # the direction that is allowed, and used
+def test_checkpoint_is_a_leaf():
+    allowed = {"checkpoint", "logs", "tables", "_torch_compat"}
+    for module in (ROOT / "checkpoint").rglob("*.py"):
+        assert imported_packages(module) <= allowed, (module.name, imported_packages(module) - allowed)
+
+
+def test_export_and_serving_load_neither_the_runtime_nor_the_shards():
+    for module in (ROOT / "serving.py", ROOT / "checkpoint" / "export.py"):
+        assert not imported_packages(module) & {"runtime", "shards", "train"}, module.name
+
+
+def test_shards_and_ddp_are_handed_their_recorders_and_never_import_metrics():
+    assert importers("metrics", "shards") == []
+    assert importers("metrics", "ddp") == []
+
+
+def test_optimizers_never_import_shards_only_the_distributed_optimizer_does():
+    assert importers("shards", "optim") == ["optim/distributed.py"]
+    assert importers("optim", "shards") == ["shards/server/optimizers.py"]  # the owner side runs optim's optimizers
 
 
 def test_the_control_plane_and_the_data_plane_do_not_import_each_other():
     for data_plane in ("shards", "optim", "ddp"):
         assert importers(data_plane, "control") == [], data_plane
         assert importers("control", data_plane) == [], data_plane
+
+
+def _rpc_targets(module: pathlib.Path):
+    """The functions ``module`` names in ``rpc.rpc_async / rpc_sync / remote`` calls, as written."""
+    for node in ast.walk(ast.parse(module.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                node.func.attr in ("rpc_async", "rpc_sync", "remote") and len(node.args) >= 2:
+            yield ast.unparse(node.args[1])
+
+
+def test_every_rpc_target_is_the_shard_services():
+    named = {target for module in modules() for target in _rpc_targets(module)}
+    assert named, "no RPC call found: the check reads the wrong tree"
+    # ``function``: a parameter of a helper whose callers pass service functions (checked below by name).
+    assert {target for target in named if not target.startswith("service.")} <= {"function"}, named
+    for module in modules():
+        if module == SERVICE:
+            continue
+        text = module.read_text()
+        assert "torch.library.Library(" not in text, f"{module.relative_to(ROOT)} defines custom ops"
+        assert "_door" not in text and "ShardState.current" not in text, \
+            f"{module.relative_to(ROOT)} looks up the shard's state"
+        for node in ast.walk(ast.parse(text)):  # helpers that send RPCs are handed the service's functions
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    node.func.attr in ("_on_every_owner", "_per_owner"):
+                assert ast.unparse(node.args[0 if node.func.attr == "_on_every_owner" else 1]).startswith("service.")
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "_per_owner":
+                assert ast.unparse(node.args[1]).startswith("service.")
+
+
+#: Module-level state meant to be there: registries meant to be extended, and the shard service's door and
+#: custom ops (torch RPC has one agent per process: the door is the one place a request finds its state).
+ALLOWED_GLOBALS = {("optim/registry.py", "functional_optim_map"), ("shards/server/service.py", "_door"),
+                   ("shards/server/service.py", "_ops")}
+_IMMUTABLE_CALLS = {"logging.getLogger", "TypeVar", "re.compile", "datetime.timedelta", "tuple", "frozenset",
+                    "object", "pow", "_signed", "np.full"}
+
+
+def test_no_module_keeps_mutable_state_in_a_global():
+    found = set()
+    for module in modules():
+        for node in ast.parse(module.read_text()).body:
+            if not isinstance(node, (ast.Assign, ast.AnnAssign)) or node.value is None:
+                continue
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                name = getattr(target, "id", "")
+                if not name or name == "__all__" or name.lstrip("_").isupper():
+                    continue  # constants are named in capitals
+                value = node.value
+                callee = ast.unparse(value.func) if isinstance(value, ast.Call) else ""
+                mutable = isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp)) or \
+                    (isinstance(value, ast.Call) and callee not in _IMMUTABLE_CALLS)
+                if mutable:
+                    found.add((str(module.relative_to(ROOT)), name))
+    assert found == ALLOWED_GLOBALS, sorted(found ^ ALLOWED_GLOBALS)
 
 
 def private_torch_names(module: pathlib.Path) -> set:
@@ -69,8 +154,8 @@ def private_torch_names(module: pathlib.Path) -> set:
 
 def test_private_torch_names_go_through_the_compat_module():
     allowed = set(TORCHSCRIPT_PRIVATE_OPS) | set(TORCHSCRIPT_PRIVATE_TENSOR_METHODS)
-    for module in ROOT.rglob("*.py"):
-        if module.name == "_torch_compat.py" or module.parent.name == "v1":  # v1: generated stubs
+    for module in modules():
+        if module.name == "_torch_compat.py":
             continue
         leftover = private_torch_names(module) - allowed
         assert not leftover, f"{module.relative_to(ROOT)} uses {sorted(leftover)}: name it in _torch_compat"

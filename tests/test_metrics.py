@@ -32,11 +32,12 @@ from paramserver.metrics import data_plane, training
 from paramserver.metrics.cluster import ClusterCollector
 from paramserver.metrics.exporter import MetricsExporter, new_registry, shard_metrics_port
 from paramserver.metrics.process import ProcessMetrics, shard_metrics, worker_metrics
-from paramserver.optim.owner import gradient_stats
+from paramserver.shards.server.optimizers import gradient_stats
 from paramserver.runtime.context import GroupChannel, Inbox, JobContext
-from paramserver.runtime.shard_figures import dynamic_figures, dynamic_parts
-from paramserver.shards.dynamic import DynamicOptions, DynamicRows, part_name
-from paramserver.shards.state import ShardState
+from paramserver.shards.server.figures import dynamic_figures, dynamic_parts
+from paramserver.shards.server.dynamic import DynamicRows
+from paramserver.tables import DynamicOptions, part_name
+from paramserver.shards.server import ShardState
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from paramserver.shards.placement import plan_dense, shard_loads, split_rows
+from paramserver.shards.client.placement import plan_dense, shard_loads, split_rows
 
 SHARDS = ["shard0", "shard1", "shard2", "shard3"]
 

@@ -6,13 +6,13 @@ import datetime
 import pytest
 import torch
 
-from paramserver.optim import owner
-from paramserver.shards import PeerOptions, hosted
+from paramserver.shards import PeerOptions
+from paramserver.shards.server import service
 
 
 def test_the_step_rpc_and_the_lookups_are_torchscript_calls():
     # No pickling and no Python on the way in or out of these RPCs.
-    for function in (owner.remote_step, hosted.lookup_rows, hosted.gather):
+    for function in (service.optimizer_step, service.lookup_rows, service.gather, service.lookup, service.push):
         assert isinstance(function, torch.jit.ScriptFunction), function
 
 

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 import paramserver
-from paramserver.shards.id_hash import salted
+from paramserver.tables.id_hash import salted
 from paramserver.train.evaluation import auc  # noqa: F401 - this module's AUC, kept where it was
 
 HOLDOUT_STREAM = 1_000_003  # a stream number no worker reads

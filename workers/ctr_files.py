@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from paramserver.data.criteo import CATEGORICAL, DENSE
-from paramserver.shards.id_hash import salted
+from paramserver.tables.id_hash import salted
 from workers.ctr_data import CTRSpec, PlantedCTR, auc
 
 #: Share of fields left empty.

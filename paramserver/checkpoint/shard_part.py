@@ -1,11 +1,10 @@
-"""A shard's part of a checkpoint: writing what it serves, and serving it again after a restart.
+"""A shard's part of a checkpoint: its format, and reading it back after a restart or into an export.
 
-Owns, on a shard server, the file it writes into a checkpoint
-(``shard-<name>.pt``: every shared table's row range, with the optimizer
-state of those rows, each parameter copied together with its state
-between two steps, read from the shard's ``ShardState``; for a dynamic
-table's part, the rows it holds with their ids, last touches, optimizer
-state and admission counts), and
+Owns the file a shard writes into a checkpoint (``shard-<name>.pt``, format
+``FORMAT``: every shared table's row range, with the optimizer state of
+those rows; for a dynamic table's part, the rows it holds with their ids,
+last touches, optimizer state and admission counts; the shard service
+writes it, ``paramserver.shards.server.checkpoint_part``), and
 ``CheckpointSource``: the restore source a shard started from a
 checkpoint is given (``ShardState.restore_source``), so that a table's
 rows, and their optimizer state, come from the checkpoint when a trainer
@@ -13,27 +12,22 @@ asks for the table again.  The source reads every shard file of
 the checkpoint (memory-mapped) and cuts the rows each request names, so
 the new shards need not be as many, nor split the tables the same way,
 as the ones that wrote it (4 shards -> 2, 2 -> 4; a dynamic table's ids
-are routed again by their hash).
-
-``write_part`` is what a trainer calls by RPC (``remote_write_part``)
-while its trainer group is paused at a step boundary.  An export reads a
+are routed again by their hash, ``select_part``).  An export reads a
 checkpoint's tables through ``CheckpointSource`` too (``export``).
 """
 
 import logging
-import pathlib
 import threading
 from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import Tensor
 
-from ..shards.dynamic import parse_part_name, select_part
-from ..shards.dynamic import part_name as dynamic_part_name
-from ..shards.state import ShardState
 from ..logs import one_line
-from .storage import (Checkpoint, CorruptCheckpoint, assemble_rows, first_usable, load_tensors, parse_range_name,
-                      save_tensors)
+from ..tables import parse_part_name
+from ..tables import part_name as dynamic_part_name
+from ..tables.id_hash import shard_of
+from .storage import Checkpoint, CorruptCheckpoint, assemble_rows, first_usable, load_tensors, parse_range_name
 
 logger = logging.getLogger(__name__)
 
@@ -42,37 +36,8 @@ PART_PREFIX = "shard-"
 
 
 def part_name(shard: str) -> str:
+    """The file shard ``shard`` writes into a checkpoint."""
     return f"{PART_PREFIX}{shard}.pt"
-
-
-def remote_write_part(directory: str) -> Dict:
-    """RPC target: write this shard's part into checkpoint ``directory``; its ``FileRecord`` as JSON."""
-    import torch.distributed.rpc as rpc  # the RPC agent only exists in a serving shard
-    return write_part(pathlib.Path(directory), rpc.get_worker_info().name).to_json()
-
-
-def write_part(directory: pathlib.Path, shard: str):
-    """Every shared table hosted here, with its optimizer state, into ``directory/shard-<shard>.pt``."""
-    shard_state = ShardState.current()
-    tables = shard_state.shared_tables()
-    entries: Dict[str, Dict] = {}
-    # Parameters with an optimizer: value and state copied together, under its locks (a dynamic table's come
-    # as its entry: the rows held, by id, with their state).
-    for optimizer in shard_state.optimizers():
-        values, state = optimizer.snapshot()
-        for index, (param, value) in enumerate(zip(optimizer.params, values)):
-            name = shard_state.name_of(param)
-            if name in tables and name not in entries:
-                entries[name] = value if isinstance(value, dict) else \
-                    {"value": value, "optimizer": optimizer.class_name, "state": state.get(index, {})}
-    for name, table in tables.items():  # no optimizer (yet): the values alone
-        if name not in entries:
-            dynamic = shard_state.dynamic_rows(table)
-            entries[name] = dynamic.checkpoint_entry() if dynamic is not None else \
-                {"value": table.detach().clone(), "optimizer": "", "state": {}}
-    record = save_tensors(directory / part_name(shard), {"format": FORMAT, "shard": shard, "tables": entries})
-    logger.info("checkpoint part %s written: %d table ranges, %.1f MB", record.name, len(entries), record.bytes / 1e6)
-    return record
 
 
 class CheckpointSource:
@@ -185,3 +150,20 @@ class CheckpointSource:
                 state[key] = assemble_rows([(a, b, e["state"][key]) for a, b, e in with_state], start, stop,
                                            f"optimizer state {key!r} of table {table!r}")
         return state
+def select_part(pieces: List[Dict], index: int, count: int) -> Dict:
+    """The rows of shard ``index`` of ``count`` among checkpoint entries of every part of one dynamic table
+    (written by any number of shards): ids re-routed by ``shard_of``; admission counts of all parts."""
+    ids = torch.cat([piece["ids"] for piece in pieces])
+    mine = (shard_of(ids, count) == index).nonzero().view(-1)
+    with_state = [piece for piece in pieces if piece["optimizer"]]
+    optimizer = with_state[0]["optimizer"] if with_state and len(with_state) == len(pieces) else ""
+    state = {}
+    if optimizer:
+        for key, value in with_state[0]["state"].items():
+            state[key] = value.clone() if value.dim() == 0 else \
+                torch.cat([piece["state"][key] for piece in pieces]).index_select(0, mine)
+    return {"ids": ids.index_select(0, mine),
+            "values": torch.cat([piece["value"] for piece in pieces]).index_select(0, mine),
+            "last_touch": torch.cat([piece["last_touch"] for piece in pieces]).index_select(0, mine),
+            "optimizer": optimizer, "state": state, "admission": [piece["admission"] for piece in pieces],
+            "clock": max(int(piece["clock"]) for piece in pieces)}

@@ -32,7 +32,7 @@ import torch.distributed.rpc as rpc
 from .._torch_compat import remote_error_cause
 from ..logs import one_line
 from ..runtime.context import CheckpointCommit, CheckpointFailure
-from . import shard_part
+from ..shards.server import service
 from .storage import Checkpoint, CheckpointStore, CorruptCheckpoint, first_usable, load_tensors, save_tensors
 
 logger = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ class TrainerCheckpoints:
         try:
             directory = CheckpointStore(self.ctx.checkpoint.directory).new_directory(step)
             shards = list(self.ctx.shards)
-            futures = [rpc.rpc_async(shard, shard_part.remote_write_part, args=(str(directory),)) for shard in shards]
+            futures = [rpc.rpc_async(shard, service.write_checkpoint_part, args=(str(directory),)) for shard in shards]
             files = _every_part(futures, shards)
             dense = save_tensors(directory / DENSE_PART, {
                 "format": FORMAT, "step": step, "module": self.replica.module.state_dict(),

@@ -1,8 +1,8 @@
 """Metrics of the data plane: RPCs and bytes per peer, optimizer steps on the owners.
 
 Owns the metric definitions and the recording functions that the data
-plane's hot paths call (``paramserver.shards.embedding``,
-``paramserver.optim.distributed`` on the trainer; ``paramserver.optim.owner``
+plane's hot paths call (``paramserver.shards.client.embedding``,
+``paramserver.optim.distributed`` on the trainer; ``paramserver.shards.server.optimizers``
 on the shards) when this process serves metrics (``slot.active`` is not
 ``None``).  Recording is a few counter increments on label children
 cached per peer: no lock of ours, no I/O.  It never sends RPCs and never

@@ -2,7 +2,7 @@
 
 Owns ``DynamicTablesCollector``, which reads, at scrape time, the figures
 each dynamic table part on the shard keeps anyway
-(``paramserver.shards.dynamic.DynamicRows.stats``, through the callable the
+(``paramserver.shards.server.dynamic.DynamicRows.stats``, through the callable the
 runtime gives it), so lookups and pushes record nothing for metrics.  A part
 is labelled with its table and ``part``, ``"index/count"``: which of the
 table's shards this process serves.  It never touches a tensor and imports

@@ -4,7 +4,8 @@ Owns the client side: grouping parameter RRefs by owner, asking each owner
 (concurrently) for its ``OwnerOptimizer``, one step RPC per owner per step
 (all owners at once), gathering and restoring optimizer state, and turning
 owners' failures into one error that names them.  The owner side, where the
-math runs, is ``paramserver.optim.owner``.  Step RPCs are counted per owner
+math runs, is ``paramserver.shards.server.optimizers``, reached through the
+shard service (``paramserver.shards.server.service``).  Step RPCs are counted per owner
 in the process's metrics when it serves them (``paramserver.metrics.data_plane``).
 
 Same call shape and semantics as ``torch.distributed.optim.DistributedOptimizer``
@@ -23,7 +24,8 @@ from torch.distributed.rpc import RRef
 from .._torch_compat import check_autograd_context, remote_error_cause
 from ..metrics import data_plane
 from ..shards.peer import creation_timeout, settle
-from . import owner
+from ..shards.server import service
+from .registry import class_name
 
 
 class OwnerFailedError(RuntimeError):
@@ -78,7 +80,7 @@ class DistributedOptimizer:
             self._by_owner.setdefault(rref.owner().name, []).append((index, rref))
         self.num_params = len(params_rref)
         futures = {
-            name: rpc.rpc_async(name, owner.remote_new_owner_optimizer,
+            name: rpc.rpc_async(name, service.new_owner_optimizer,
                                 args=(optimizer_class, [r for _, r in entries], [i for i, _ in entries], args, kwargs),
                                 timeout=creation_timeout())
             for name, entries in self._by_owner.items()
@@ -106,7 +108,7 @@ class DistributedOptimizer:
 
     def owner_layout(self) -> Dict[str, tuple]:
         """Per owner: ``(handle, [index in params_rref of its local parameter 0, 1, ...])``, what a fused push
-        (``paramserver.shards.rows.push``) names its optimizer and parameters by."""
+        (``paramserver.shards.server.service.push``) names its optimizer and parameters by."""
         return {name: (self._handles[name], [index for index, _ in entries])
                 for name, entries in self._by_owner.items()}
 
@@ -128,14 +130,14 @@ class DistributedOptimizer:
         if metrics is not None:
             for name in self._handles:
                 metrics.client_request(name, "step")
-        self._on_every_owner(owner.remote_step, "DistributedOptimizer.step",
+        self._on_every_owner(service.optimizer_step, "DistributedOptimizer.step",
                              {name: (context_id,) for name in self._handles})
 
     def owner_step_stats(self) -> Dict[str, Dict[str, float]]:
         """Per owner: steps applied there and the seconds they took on the owner
         (``steps``, ``total_seconds``, ``last_seconds``), to tell the owners'
         work from the network's share of a step's latency."""
-        return self._on_every_owner(owner.remote_step_stats, "reading step statistics")
+        return self._on_every_owner(service.optimizer_step_stats, "reading step statistics")
 
     def state_dict(self) -> Dict[str, Any]:
         """Every owner's optimizer state: ``{"optimizer": name, "state": {index: {name: tensor}}}``.
@@ -143,13 +145,13 @@ class DistributedOptimizer:
         Indices are positions in the ``params_rref`` list this optimizer was
         built with, as in ``torch.optim.Optimizer.state_dict``.
         """
-        per_owner = self._on_every_owner(owner.remote_state_dict, "gathering optimizer state")
+        per_owner = self._on_every_owner(service.optimizer_state_dict, "gathering optimizer state")
         state: Dict[int, Dict[str, torch.Tensor]] = {}
         for name, local_state in per_owner.items():
             entries = self._by_owner[name]
             for local_index, entry in local_state.items():
                 state[entries[local_index][0]] = entry
-        return {"optimizer": owner.class_name(self.optimizer_class), "state": dict(sorted(state.items()))}
+        return {"optimizer": class_name(self.optimizer_class), "state": dict(sorted(state.items()))}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore a ``state_dict()`` on every owner; all or nothing.
@@ -157,7 +159,7 @@ class DistributedOptimizer:
         An owner that refuses its part (a shape that does not fit, ...) makes
         every owner return to the state it had before, and the error names it.
         """
-        expected = owner.class_name(self.optimizer_class)
+        expected = class_name(self.optimizer_class)
         if state_dict.get("optimizer") != expected:
             raise ValueError(f"state dict is for optimizer {state_dict.get('optimizer')!r}, not {expected!r}")
         state = state_dict.get("state", {})
@@ -176,4 +178,4 @@ class DistributedOptimizer:
         per_owner = {name: ({local_index: state[index] for local_index, (index, _) in enumerate(entries)
                              if index in state},)
                      for name, entries in self._by_owner.items()}
-        self._on_every_owner(owner.remote_load_state_dict, "restoring optimizer state", per_owner)
+        self._on_every_owner(service.optimizer_load_state_dict, "restoring optimizer state", per_owner)

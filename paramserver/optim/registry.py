@@ -76,3 +76,8 @@ def register_functional_optim(local_cls, functional_cls) -> None:
         raise TypeError(f"local optimizer must be a torch.optim.Optimizer subclass, got {local_cls!r}")
     check_functional_contract(functional_cls)
     functional_optim_map[local_cls] = functional_cls
+
+
+def class_name(cls) -> str:
+    """How checkpoints name an optimizer class (``module.QualName``)."""
+    return f"{cls.__module__}.{cls.__qualname__}"

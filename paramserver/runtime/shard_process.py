@@ -2,7 +2,8 @@
 
 Owns the life of one supervised shard process: join the coordinator as a
 shard (its RPC name, rank, the store and the checkpoint to restore from
-come back), heartbeat (with its dynamic tables' figures, ``shard_figures``),
+come back), heartbeat (with its dynamic tables' figures,
+``paramserver.shards.server.figures``),
 serve parameters over torch RPC (``paramserver.shards.run_shard_server``)
 until told to stop (a STOP command, SIGTERM/SIGINT, or losing the
 coordinator), then leave.  With a metrics port it serves its data-plane and
@@ -32,13 +33,14 @@ from typing import Optional
 import grpc
 
 from ..control import CoordinatorError, TlsFiles, pb
-from ..shards import PeerOptions, ShardServerOptions, request_stop, run_shard_server
 from ..checkpoint.shard_part import CheckpointSource
 from ..checkpoint.storage import CorruptCheckpoint
 from ..logs import configure_logging, exit_now, one_line
 from ..metrics.process import shard_metrics
+from ..shards import PeerOptions, ShardServerOptions, run_shard_server
+from ..shards.server import ShardState
+from ..shards.server.figures import dynamic_figures, dynamic_parts
 from .member import MemberSession
-from .shard_figures import installed_figures, installed_parts
 from .threads import apply_threads
 
 logger = logging.getLogger(__name__)
@@ -67,16 +69,18 @@ def run_shard_member(address: str, name: str, host: str, token: Optional[str] = 
     that its supervisor can report its exit (``ShardSupervisor.member_id``).
     """
     configure_logging(name, log_level)
+    state = ShardState()  # what this process serves: its tables are asked for once it serves
     metrics = None  # serves until the process exits
     if metrics_port is not None:
         try:
-            metrics = shard_metrics(host, metrics_port.value, name, dynamic_tables=installed_parts)
+            metrics = shard_metrics(host, metrics_port.value, name, dynamic_tables=lambda: dynamic_parts(state))
             metrics_port.value = metrics.port
         except OSError as error:
             logger.error("shard %s: %s", name, error)
             sys.exit(1)
+        state.recorder = metrics.data_plane
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # kill -USR1: every thread's stack
-    stops = _StopRequests()
+    stops = _StopRequests(state)
     # SIGTERM means "stop" for the whole life of the process, not only while serving.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda _signum, _frame: stops.request())
@@ -91,7 +95,7 @@ def run_shard_member(address: str, name: str, host: str, token: Optional[str] = 
         member_id.value = assignment.member_id.encode()
     # Heartbeats from now on: verifying a big checkpoint may take longer than the heartbeat timeout.
     # Its dynamic tables' rows, admissions, evictions and bytes go with every beat (ps-ctl status shows them).
-    session.start_heartbeats(progress=lambda: (0, installed_figures()), on_stop=stops.request,
+    session.start_heartbeats(progress=lambda: (0, dynamic_figures(state)), on_stop=stops.request,
                              on_lost=lambda reason, refused: stops.request())
     restore_source = None
     if assignment.checkpoint.restore_from:
@@ -112,15 +116,13 @@ def run_shard_member(address: str, name: str, host: str, token: Optional[str] = 
         exit_now(0)
 
     def serving() -> None:
-        if stops.asked:  # asked before the server's state was installed: that request went elsewhere
-            request_stop(graceful=False)
-        else:  # the coordinator hands this shard to workers once it says it is ready
+        if not stops.asked:  # the coordinator hands this shard to workers once it says it is ready
             session.mark_ready()
     try:
         apply_threads("shard", assignment.rpc_name)  # so the data plane leaves PyTorch's threads as they are
         run_shard_server(assignment.rpc_name, assignment.rpc_rank, None, session.init_method,
                          ShardServerOptions(peer=PeerOptions(intra_op_threads=None)), bind_host=host,
-                         on_serving=serving, restore_source=restore_source)
+                         on_serving=serving, restore_source=restore_source, state=state)
     finally:
         session.leave("stopped")
     logger.info("shard %s (pid %d) exits", assignment.rpc_name, os.getpid())
@@ -132,15 +134,15 @@ def run_shard_member(address: str, name: str, host: str, token: Optional[str] = 
 
 class _StopRequests:
     """Stops asked of this shard process (SIGTERM, the coordinator's STOP, losing the coordinator) from its
-    start on.  ``request_stop`` reaches the shard server's state, which exists only once it serves: one asked
-    earlier is remembered here and passed on then (or the shard leaves before it serves)."""
+    start on, passed to the state it serves (a stop asked before it serves ends it before it serves)."""
 
-    def __init__(self):
+    def __init__(self, state: ShardState):
+        self._state = state
         self._asked = threading.Event()
 
     def request(self) -> None:
         self._asked.set()
-        request_stop(graceful=False)
+        self._state.request_stop(graceful=False)
 
     @property
     def asked(self) -> bool:

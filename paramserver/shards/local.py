@@ -14,7 +14,7 @@ from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
 from .._torch_compat import current_rpc_agent
 from ..processes import Child, free_port, run_children
 from .peer import PeerOptions, join, leave
-from .server import ShardServerOptions, run_shard_server, stop_shards
+from .server.process import ShardServerOptions, run_shard_server, stop_shards
 
 
 def shard_names(num_shards: int):

@@ -4,13 +4,13 @@ Owns the two plain types of the Trainer's contract and their checks;
 nothing here talks to a shard or a trainer group.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, Optional
 
 import torch
 from torch import Tensor
 
-from ..shards.dynamic import DynamicOptions
+from ..tables import DynamicOptions
 
 MODES = ("sum", "mean")
 
@@ -41,20 +41,21 @@ class Table:
     admit_after: int = 1
     admit_probability: float = 1.0
 
+    #: The admission and eviction options as one value (made and checked once, here): what travels to the
+    #: shards for a dynamic table.
+    options: DynamicOptions = field(init=False, repr=False, compare=False)
+
     @property
     def dynamic(self) -> bool:
         return self.num_embeddings is None
 
-    def dynamic_options(self, name: str) -> DynamicOptions:
-        """The admission and eviction options (``ValueError`` naming table ``name`` when one is wrong)."""
-        return DynamicOptions(self.capacity, self.ttl_steps, self.admit_after, self.admit_probability).check(name)
-
     def __post_init__(self):
+        options = DynamicOptions(self.capacity, self.ttl_steps, self.admit_after, self.admit_probability)
+        object.__setattr__(self, "options", options)
         if self.num_embeddings is None:
             if self.embedding_dim <= 0:
                 raise ValueError(f"a table needs a positive embedding_dim, got {self.embedding_dim}")
-            self.dynamic_options("?")
-        elif self.dynamic_options("?") != DynamicOptions():
+        elif options != DynamicOptions():
             raise ValueError("capacity, ttl_steps, admit_after and admit_probability are for dynamic tables "
                              "(num_embeddings=None)")
         elif self.num_embeddings <= 0 or self.embedding_dim <= 0:

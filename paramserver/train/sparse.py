@@ -38,7 +38,7 @@ from torch import Tensor
 from ..logs import one_line
 from ..optim import DistributedOptimizer
 from ..shards import DynamicEmbeddingBag, EmbeddingCollection, ShardedEmbeddingBag, plan_dense
-from ..shards.collection import CollectionLookup
+from ..shards.client.collection import CollectionLookup
 from .contract import Batch, Table
 
 logger = logging.getLogger(__name__)
@@ -69,11 +69,8 @@ def build_tables(tables: Dict[str, Table], shards: Sequence[str], prefix: str, s
     built: Dict[str, Union[ShardedEmbeddingBag, DynamicEmbeddingBag]] = {}
     for index, (name, table) in enumerate(tables.items()):
         if table.dynamic:  # over every shard, by the ids' hash
-            options = table.dynamic_options(name)
             built[name] = DynamicEmbeddingBag(table.embedding_dim, table.mode, shards=list(shards), name=names[name],
-                                              seed=seed + index, init_std=table.init_std, capacity=options.capacity,
-                                              ttl_steps=options.ttl_steps, admit_after=options.admit_after,
-                                              admit_probability=options.admit_probability)
+                                              seed=seed + index, init_std=table.init_std, options=table.options)
         else:
             built[name] = ShardedEmbeddingBag(table.num_embeddings, table.embedding_dim, table.mode,
                                               shards=[plan[names[name]]] if names[name] in plan else list(shards),

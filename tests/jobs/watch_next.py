@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from paramserver import Batch, Table, Trainer
 from paramserver.optim import QHM
-from paramserver.shards.id_hash import salted
+from paramserver.tables.id_hash import salted
 from paramserver.train.trainer import ROW_WISE_MIN_ROWS
 
 USERS, VIDEOS, CREATORS, RANK, HISTORY, DENSE = 600, 400, 50, 4, 4, 3

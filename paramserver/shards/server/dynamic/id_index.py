@@ -1,6 +1,6 @@
 """``IdIndex``: a hash map from int64 ids to row slots and last touches, vectorized over a batch of ids.
 
-Owns where a dynamic table's ids are (``paramserver.shards.dynamic``) and
+Owns where a dynamic table's ids are (``rows.DynamicRows``) and
 the step each was last touched.  A Python dict costs a Python object and
 a trip through the interpreter per id; this index is one tensor of
 buckets of ``LANES`` lanes, each bucket 128 bytes in one piece (two
@@ -11,7 +11,7 @@ one that is not.  A lookup reads the id's whole bucket at once, writes its
 touch in the same lines, and stops at the first bucket with an empty lane,
 so nearly every id is found in the first round (the others in a round or
 two more).  Where a C compiler exists, lookups run in a C kernel over the
-same tensor (``paramserver.shards.native``), which also reads the ids'
+same tensor (``native``), which also reads the ids'
 rows; the torch code here is the fallback, with the same results.  Large
 indexes live on huge pages (``huge_pages``).
 
@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from . import huge_pages, native
-from .id_hash import bucket_of, _GOLDEN
+from ....tables.id_hash import bucket_of, _GOLDEN
 
 LANES = native.LANES  # the C kernel reads buckets of this many lanes
 EMPTY = -1

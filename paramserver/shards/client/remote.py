@@ -18,7 +18,7 @@ import torch.distributed.rpc as rpc
 from torch import Tensor, nn
 from torch.distributed.rpc import RRef
 
-from . import hosted
+from ..server import service
 from .placement import plan_dense
 
 
@@ -32,7 +32,7 @@ def place_parameters(named_tensors: Iterable[Tuple[str, Tensor]], shards: Sequen
     tensors = OrderedDict(named_tensors)
     sizes = {name: t.numel() * t.element_size() for name, t in tensors.items()}
     plan = plan_dense(sizes, list(shards), initial_load)
-    futures = {name: rpc.rpc_async(plan[name], hosted.host_tensor, args=(prefix + name, tensor.detach()))
+    futures = {name: rpc.rpc_async(plan[name], service.host_tensor, args=(prefix + name, tensor.detach()))
                for name, tensor in tensors.items()}
     return {name: future.wait() for name, future in futures.items()}
 
@@ -53,12 +53,12 @@ def _per_owner(rrefs: Sequence[RRef], function) -> List:
 
 def gather(rrefs: Sequence[RRef]) -> List[Tensor]:
     """The parameters, for a forward pass: inside a dist_autograd context, backward reaches their owners."""
-    return _per_owner(rrefs, hosted.gather)
+    return _per_owner(rrefs, service.gather)
 
 
 def fetch(rrefs: Sequence[RRef]) -> List[Tensor]:
     """Detached copies of the parameters' current values."""
-    return _per_owner(rrefs, hosted.values)
+    return _per_owner(rrefs, service.values)
 
 
 class PlacedModule(nn.Module):

@@ -1,7 +1,7 @@
 """``Admission``: which new ids of a dynamic table get a row, in bounded memory.
 
 Owns the admission policy of a dynamic table's shard
-(``paramserver.shards.dynamic``): an id gets a row once it has been seen
+(``rows.DynamicRows``): an id gets a row once it has been seen
 ``admit_after`` times (then, optionally, with probability
 ``admit_probability``).  Counts are kept in a count-min sketch
 (``SKETCH_DEPTH`` rows of ``SKETCH_WIDTH`` int32 counters, allocated only
@@ -17,7 +17,7 @@ from typing import Dict, Optional
 import torch
 from torch import Tensor
 
-from .id_hash import salted, unit_interval
+from ....tables.id_hash import salted, unit_interval
 
 SKETCH_DEPTH = 2
 SKETCH_WIDTH = 1 << 18

@@ -4,18 +4,18 @@ Owns, for a shard server (or any torch RPC peer that owns parameters, such
 as a trainer in a test): the hosted tensors, their names and their integer handles (held weakly:
 a tensor lives as long as some RRef to it does), the shared tables (kept
 for the process's life: the model the shard serves), the dynamic table
-parts among them (``paramserver.shards.dynamic``, by their slab; ``dynamic_stats`` reads their
+parts among them (``paramserver.shards.server.dynamic``, by their slab; ``dynamic_stats`` reads their
 figures for metrics and heartbeats), the owner-side
 optimizers over them (by what they were asked for and by handle), a lock
 per parameter in one global order, the TorchScript compile lock, where
-restored values come from (``restore_source``), and the stop request.
+restored values come from (``restore_source``), where its optimizer steps are
+counted (``recorder``), and the stop request.
 
-``run_shard_server`` creates one and installs it; every RPC target finds it
-with ``ShardState.current()``, the one place that looks it up (a process
-that owns parameters without being a shard server gets one on first use);
-readers that must not make one (metrics, heartbeats) use ``installed()``.
-What the optimizers are is ``paramserver.optim.owner``'s business: this
-module holds them as objects and never imports ``paramserver.optim``.
+A shard process makes one and hands it to ``run_shard_server``, which
+installs it in the shard service (``paramserver.shards.server.service``),
+the one place an RPC finds it; everything else is handed the object.  Two
+can live in one process (tests).  What the optimizers are is
+``optimizers``' business: this module holds them as objects.
 """
 
 import itertools
@@ -39,14 +39,21 @@ class RestoreSource(Protocol):
     def optimizer_state(self, name: str, optimizer: str) -> Optional[Dict[str, Tensor]]: ...
 
 
+class OwnerStepRecorder(Protocol):
+    """What the owner side records of its optimizer steps (``paramserver.metrics.data_plane.DataPlaneMetrics``
+    has it): one call per step applied, after its locks are released."""
+
+    def owner_step(self, optimizer: str, seconds: float, peer: str, rows: int, gradient_bytes: int,
+                   rpc: str = "step") -> None: ...
+
+
 class ShardState:
     """One process's hosted tensors, their optimizers and locks, its restore source and stop request."""
 
-    _current: Optional["ShardState"] = None
-    _current_guard = threading.Lock()
-
-    def __init__(self, restore_source: Optional[RestoreSource] = None):
+    def __init__(self, restore_source: Optional[RestoreSource] = None, recorder: Optional["OwnerStepRecorder"] = None):
         self.restore_source = restore_source
+        #: Where the optimizer steps applied here are counted (the process's data-plane metrics), or ``None``.
+        self.recorder = recorder
         #: Names this process among every process that serves under the same RPC name (a restarted shard is
         #: another): integer handles made here are good only where it matches.
         self.incarnation = secrets.randbits(62)
@@ -69,28 +76,6 @@ class ShardState:
         self._lock_order = itertools.count()
         self._stop = threading.Event()
         self.stop_graceful = True
-
-    # -- the process's state ---------------------------------------------
-    @classmethod
-    def current(cls) -> "ShardState":
-        """This process's state (created on first use by a process that is not a shard server)."""
-        with cls._current_guard:
-            if cls._current is None:
-                cls._current = ShardState()
-            return cls._current
-
-    @classmethod
-    def installed(cls) -> Optional["ShardState"]:
-        """This process's state, or ``None`` before there is one (never creates one: for readers such as
-        metrics and heartbeats, which may run before the shard server installs its state)."""
-        with cls._current_guard:
-            return cls._current
-
-    @classmethod
-    def install(cls, state: "ShardState") -> None:
-        """Make ``state`` this process's (a shard server, before it serves)."""
-        with cls._current_guard:
-            cls._current = state
 
     # -- hosted tensors ----------------------------------------------------
     def register(self, name: str, tensor: Tensor) -> Tensor:
@@ -120,7 +105,7 @@ class ShardState:
             return table
 
     def shared_dynamic(self, name: str, create: Callable[[], object]) -> object:
-        """The dynamic table part ``name`` (a ``paramserver.shards.dynamic.DynamicRows``), made by ``create()``
+        """The dynamic table part ``name`` (a ``paramserver.shards.server.dynamic.DynamicRows``), made by ``create()``
         if there is none; its slab is hosted as a shared table under ``name``."""
         with self._tensors_lock:
             existing = self._shared.get(name)

@@ -10,7 +10,6 @@ Each lookup it sends is counted in the process's metrics when it serves them
 (``paramserver.metrics.data_plane``).
 """
 
-import itertools
 import uuid
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -20,15 +19,20 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.rpc import RRef
 
-from ..metrics import data_plane
-from . import hosted
-from .client import fetch
-from .peer import creation_timeout
+from ...metrics import data_plane
+from ..peer import creation_timeout
+from ..server import service
 from .placement import RowRange, split_rows
+from .remote import fetch
 
 _MODES = ("sum", "mean")
-_default_seeds = itertools.count()
 
+
+
+def draw_seed() -> int:
+    """A table's seed when none is given: drawn from torch's default generator, so ``torch.manual_seed``
+    fixes it as it fixes a local ``nn.EmbeddingBag``'s initial rows."""
+    return int(torch.randint(0, 2**62, (1,)).item())
 
 class ShardedEmbeddingBag(nn.Module):
     """Like ``nn.EmbeddingBag(num_embeddings, embedding_dim, mode=...)``, with its rows on ``shards``.
@@ -69,16 +73,16 @@ class ShardedEmbeddingBag(nn.Module):
         self.ranges: List[RowRange] = split_rows(num_embeddings, list(shards))
         #: The shards holding rows of it.
         self.shards: List[str] = [rows.shard for rows in self.ranges]
-        seed = next(_default_seeds) if seed is None else seed
+        seed = draw_seed() if seed is None else seed
         futures, timeout = [], creation_timeout()
         for rows in self.ranges:
             part = f"{self.name}[{rows.start}:{rows.stop}]"
             if _weight is None:
-                futures.append(rpc.rpc_async(rows.shard, hosted.host_rows, args=(
+                futures.append(rpc.rpc_async(rows.shard, service.host_rows, args=(
                     part, rows.num_rows, embedding_dim, dtype, seed, rows.start, shared, init_std), timeout=timeout))
             else:
                 # Each shard gets a compact copy of just its rows.
-                futures.append(rpc.rpc_async(rows.shard, hosted.host_tensor, args=(
+                futures.append(rpc.rpc_async(rows.shard, service.host_tensor, args=(
                     part, _weight[rows.start:rows.stop].to(dtype).clone()), timeout=timeout))
         self._shard_rrefs: List[RRef] = [future.wait() for future in futures]
         #: Bytes of one row (what a lookup returns per id).
@@ -117,7 +121,7 @@ class ShardedEmbeddingBag(nn.Module):
         metrics = data_plane.slot.active
         pending = []
         for index, local in route.requests:
-            pending.append(rpc.rpc_async(self.ranges[index].shard, hosted.lookup_rows,
+            pending.append(rpc.rpc_async(self.ranges[index].shard, service.lookup_rows,
                                          args=(self._shard_rrefs[index], local)))
             if metrics is not None:
                 metrics.lookup(self.ranges[index].shard, local.numel(), local.numel() * local.element_size(),

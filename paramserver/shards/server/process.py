@@ -1,10 +1,9 @@
 """The shard server process: an RPC peer that owns parameter shards.
 
-Owns a shard server's life: create its ``ShardState`` (what it serves,
-restored from ``restore_source`` when given), join the data plane, serve
-(hosting tensors and running optimizer steps happen in RPC threads, see
-``hosted`` and ``paramserver.optim.owner``), and leave when asked, by an
-RPC (``request_stop``) or by SIGTERM/SIGINT.  ``run_shard_server`` is a plain
+Owns a shard server's life: install its ``ShardState`` (what it serves,
+made by the caller or here) in the shard service, join the data plane,
+serve (every request runs in an RPC thread, see ``service``), and leave when
+asked, by an RPC (``service.request_stop``) or by SIGTERM/SIGINT.  ``run_shard_server`` is a plain
 function, so tests can start it with ``torch.multiprocessing`` and the
 ``ps-server`` command can supervise it.
 """
@@ -18,8 +17,9 @@ from typing import Callable, Optional
 
 import torch.distributed.rpc as rpc
 
-from ..logs import configure_logging
-from .peer import PeerOptions, join, leave
+from ...logs import configure_logging
+from ..peer import PeerOptions, join, leave
+from . import service
 from .state import RestoreSource, ShardState
 
 logger = logging.getLogger(__name__)
@@ -35,31 +35,28 @@ class ShardServerOptions:
     shutdown_timeout: datetime.timedelta = datetime.timedelta(seconds=60)
 
 
-def request_stop(graceful: bool = True) -> None:
-    """RPC target (or local call): ask this shard server to leave.
-
-    Graceful: it waits for every peer to leave and for outstanding work;
-    otherwise it leaves at once (for when some peer is known to be gone).
-    """
-    ShardState.current().request_stop(graceful)
-
-
 def run_shard_server(name: str, rank: int, world_size: Optional[int], init_method: str,
                      options: Optional[ShardServerOptions] = None, bind_host: Optional[str] = None,
                      on_serving: Optional[Callable[[], None]] = None,
-                     restore_source: Optional[RestoreSource] = None) -> None:
+                     restore_source: Optional[RestoreSource] = None, state: Optional[ShardState] = None) -> None:
     """Join as RPC peer ``name``, serve until asked to stop, leave.  Returns normally on a clean stop.
 
     ``world_size`` ``None`` joins an open group (see ``peer.join``);
     ``bind_host`` keeps the data plane on that address's interface;
     ``on_serving()`` runs once peers can reach this shard; ``restore_source``:
-    where the tables it is asked for come from (a checkpoint), if not drawn afresh.
+    where the tables it is asked for come from (a checkpoint), if not drawn afresh;
+    ``state``: what it serves (made by the caller, who may read it meanwhile: a
+    fresh one with ``restore_source`` otherwise).
     """
     options = options or ShardServerOptions()
     configure_logging(name, replace=False)
-    state = ShardState(restore_source)
-    ShardState.install(state)
-    previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    if state is None:
+        state = ShardState(restore_source)
+    elif restore_source is not None:
+        state.restore_source = restore_source
+    service.install(state)
+    previous = {sig: signal.signal(sig, lambda signum, _frame: _on_signal(state, signum))
+                for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         join(name, rank, world_size, init_method, options.peer, bind_host=bind_host)
         logger.info("shard %s serving (rank %d%s)", name, rank,
@@ -76,9 +73,9 @@ def run_shard_server(name: str, rank: int, world_size: Optional[int], init_metho
             signal.signal(sig, handler)
 
 
-def _on_signal(signum, _frame) -> None:
+def _on_signal(state: ShardState, signum) -> None:
     logger.info("shard server got %s", signal.Signals(signum).name)
-    request_stop(graceful=False)
+    state.request_stop(graceful=False)
 
 
 def stop_shards(names, graceful: bool = True) -> None:
@@ -87,7 +84,7 @@ def stop_shards(names, graceful: bool = True) -> None:
     Not graceful: a shard that is gone already, or leaves before its answer
     arrives, counts as stopped.
     """
-    futures = [rpc.rpc_async(name, request_stop, args=(graceful,)) for name in names]
+    futures = [rpc.rpc_async(name, service.request_stop, args=(graceful,)) for name in names]
     for future in futures:
         try:
             future.wait()

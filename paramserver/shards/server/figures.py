@@ -1,20 +1,21 @@
 """What a shard process tells of its dynamic tables: per part for its metrics, summed for its heartbeats.
 
-Owns reading a shard server's state (``ShardState``; ``installed_*`` read
-the one this process's shard server installed, if any yet: nothing to tell
-before) into the two shapes the shard process hands on: each dynamic table
-part's figures as ``(table, "index/count", stats)`` for
-``paramserver.metrics.dynamic_tables``, and the ``dynamic.*`` heartbeat
+Owns reading a shard server's state (``ShardState``, handed in by the
+shard process that made it) into the two shapes the shard process hands
+on: each dynamic table part's figures as ``(table, "index/count", stats)``
+for ``paramserver.metrics.dynamic_tables``, and the ``dynamic.*`` heartbeat
 figures that ``ps-ctl status`` shows, summed over the shard's dynamic
 tables (none on a shard that holds no dynamic table).  It reads figures the
 parts keep anyway (``DynamicRows.stats``) and changes nothing.
 """
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Mapping, Optional, Tuple
 
-from ..metrics.dynamic_tables import PartStats
-from ..shards.dynamic import parse_part_name
-from ..shards.state import ShardState
+from ...tables import parse_part_name
+from .state import ShardState
+
+#: One part's figures: ``(table, "index/count", {"rows", "admitted", "evicted", "not_admitted", "bytes"})``.
+PartStats = Tuple[str, str, Mapping[str, int]]
 
 #: The heartbeat figures' names: ``dynamic.`` and these ``DynamicRows.stats`` keys.
 FIGURE_PREFIX = "dynamic."
@@ -40,13 +41,3 @@ def dynamic_figures(state: Optional[ShardState]) -> Dict[str, float]:
     if not parts:
         return {}
     return {f"{FIGURE_PREFIX}{key}": float(sum(stats[key] for stats in parts)) for key in FIGURES}
-
-
-def installed_parts() -> List[PartStats]:
-    """``dynamic_parts`` of this process's shard server (``[]`` before it installs its state)."""
-    return dynamic_parts(ShardState.installed())
-
-
-def installed_figures() -> Dict[str, float]:
-    """``dynamic_figures`` of this process's shard server (``{}`` before it installs its state)."""
-    return dynamic_figures(ShardState.installed())

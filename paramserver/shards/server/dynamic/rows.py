@@ -9,7 +9,7 @@ and the step it was last touched.  A lookup finds,
 touches and reads its ids in one call (``IdIndex.find_rows``: a C kernel
 where one could be built, torch operations otherwise).  The slab is an
 ordinary parameter to the owner-side optimizer
-(``paramserver.optim.owner``): a push's ids become slots, and the same
+(``paramserver.shards.server.optimizers``): a push's ids become slots, and the same
 fused sparse update as a fixed table's runs over them.  The optimizer's
 per-row state lives in tensors shaped like the slab, so it follows the
 rows: this object tells every optimizer attached to it when the slab
@@ -32,15 +32,15 @@ negative step reads only: nothing is admitted, touched or counted.
 
 import threading
 import weakref
-from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from ....tables import DynamicOptions
+from ....tables.id_hash import initial_rows
 from . import huge_pages
 from .admission import Admission
-from .id_hash import initial_rows, shard_of
 from .id_index import IdIndex
 
 #: The slab grows by this factor (at least ``MIN_SLOTS`` rows) when it has no free slot: small, so that at
@@ -49,42 +49,6 @@ from .id_index import IdIndex
 GROWTH = 1.125
 MIN_SLOTS = 1024
 _NEVER = torch.iinfo(torch.int32).max
-
-
-@dataclass(frozen=True)
-class DynamicOptions:
-    """How a dynamic table's shards admit and evict rows (every limit is per shard)."""
-
-    capacity: Optional[int] = None
-    ttl_steps: Optional[int] = None
-    admit_after: int = 1
-    admit_probability: float = 1.0
-
-    def check(self, table: str) -> "DynamicOptions":
-        """``ValueError`` naming ``table`` and the option that is wrong."""
-        if self.capacity is not None and self.capacity < 1:
-            raise ValueError(f"table {table!r}: capacity must be at least 1 row per shard, got {self.capacity}")
-        if self.ttl_steps is not None and self.ttl_steps < 1:
-            raise ValueError(f"table {table!r}: ttl_steps must be at least 1, got {self.ttl_steps}")
-        if self.admit_after < 1:
-            raise ValueError(f"table {table!r}: admit_after must be at least 1, got {self.admit_after}")
-        if not 0.0 < self.admit_probability <= 1.0:
-            raise ValueError(f"table {table!r}: admit_probability must be in (0, 1], got {self.admit_probability}")
-        return self
-
-
-def part_name(table: str, index: int, count: int) -> str:
-    """How shard ``index`` of ``count`` hosts its part of dynamic table ``table``."""
-    return f"{table}@{index}/{count}"
-
-
-def parse_part_name(name: str) -> Optional[Tuple[str, int, int]]:
-    """``"t@1/4"`` -> ``("t", 1, 4)``; ``None`` for a name that is no dynamic part."""
-    table, at, where = name.rpartition("@")
-    index, slash, count = where.partition("/")
-    if not at or not slash or not index.isdigit() or not count.isdigit():
-        return None
-    return table, int(index), int(count)
 
 
 class DynamicRows:
@@ -280,22 +244,3 @@ class DynamicRows:
                 value[:rows.size(0)] = rows
                 full[key] = value
             return full
-
-
-def select_part(pieces: List[Dict], index: int, count: int) -> Dict:
-    """The rows of shard ``index`` of ``count`` among checkpoint entries of every part of one dynamic table
-    (written by any number of shards): ids re-routed by ``shard_of``; admission counts of all parts."""
-    ids = torch.cat([piece["ids"] for piece in pieces])
-    mine = (shard_of(ids, count) == index).nonzero().view(-1)
-    with_state = [piece for piece in pieces if piece["optimizer"]]
-    optimizer = with_state[0]["optimizer"] if with_state and len(with_state) == len(pieces) else ""
-    state = {}
-    if optimizer:
-        for key, value in with_state[0]["state"].items():
-            state[key] = value.clone() if value.dim() == 0 else \
-                torch.cat([piece["state"][key] for piece in pieces]).index_select(0, mine)
-    return {"ids": ids.index_select(0, mine),
-            "values": torch.cat([piece["value"] for piece in pieces]).index_select(0, mine),
-            "last_touch": torch.cat([piece["last_touch"] for piece in pieces]).index_select(0, mine),
-            "optimizer": optimizer, "state": state, "admission": [piece["admission"] for piece in pieces],
-            "clock": max(int(piece["clock"]) for piece in pieces)}

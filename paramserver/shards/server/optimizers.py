@@ -1,7 +1,8 @@
-"""The owner's side of ``DistributedOptimizer``.
+"""The optimizers a shard applies: ``OwnerOptimizer``, the owner's side of ``DistributedOptimizer``.
 
 Owns, in each process that owns parameters (shard servers, or any torch RPC
-peer):
+peer), as plain objects of its ``ShardState`` (``service`` holds the RPC
+targets that reach them):
 
 * ``OwnerOptimizer``: the optimizer over the parameters one
   DistributedOptimizer has here.  With a functional class (looked up in
@@ -13,22 +14,16 @@ peer):
 * Serialization: every parameter has a lock; a step takes the locks of its
   parameters in one global order, so concurrent steps from several trainers
   are applied one after another per parameter and none is lost.
-* Sharing: trainers that ask for the same optimizer (class, hyperparameters,
-  parameters) get the same ``OwnerOptimizer``, so the server keeps one
-  optimizer state per parameter, which all trainers' gradients update (the
-  parameter-server semantics) and which checkpoints save.
-
-The locks, the live optimizers and the restore source are the process's
-``ShardState`` (``paramserver.shards.state``), which the RPC targets here
-look up; this module keeps no state of its own.
-* Step figures: when the process serves metrics (``paramserver.metrics.data_plane``),
+* Sharing (``owner_optimizer_for``): trainers that ask for the same optimizer
+  (class, hyperparameters, parameters) get the same ``OwnerOptimizer``, so the
+  server keeps one optimizer state per parameter, which all trainers'
+  gradients update (the parameter-server semantics) and which checkpoints
+  save; a shard started from a checkpoint restores that state.
+* Step figures: when the state has a recorder (the process serves metrics),
   each step's time (measured around the compiled call) goes there, with the
   rows and bytes of the gradients it applied (counted inside the compiled
   step, without the GIL, and only then).
 
-Functions named ``remote_*`` are what DistributedOptimizer calls by RPC;
-``OwnerOptimizer.apply_rows`` is what a fused push
-(``paramserver.shards.rows.push``) calls.
 This module never sends RPCs.
 """
 
@@ -40,16 +35,18 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed.autograd as dist_autograd
 from torch import Tensor, nn
-from torch.distributed.rpc import RRef
 
-from .._torch_compat import torchscript_enabled
-from ..metrics import data_plane
-from ..shards.state import ShardState
-from .kernels import resize_rows_
-from .registry import functional_optim_map
-from .scripted import reraise_script_error
+from ..._torch_compat import torchscript_enabled
+from ..._torch_compat import autograd_context_creator, current_rpc_agent
+from ...optim.kernels import resize_rows_
+from ...optim.registry import class_name, functional_optim_map
+from ...optim.scripted import reraise_script_error
+from .state import ShardState
 
 StateDict = Dict[int, Dict[str, Tensor]]
+
+#: The peer named in a step's figures when the RPC agent cannot name the trainer (gone, or no agent).
+UNKNOWN_PEER = "unknown"
 
 logger = logging.getLogger(__name__)
 
@@ -256,8 +253,9 @@ class OwnerOptimizer:
                 self._impl = _compile_step(functional_cls, self.params, self.names, args, kwargs)
         else:
             self._impl = _PythonStep(optimizer_cls, self.params, self.names, args, kwargs)
+        self._state = state
         self._locks = [lock for _, lock in sorted({state.lock_for(p) for p in self.params}, key=lambda e: e[0])]
-        #: Dynamic tables' slabs among the parameters (``paramserver.shards.dynamic``): pushes name their rows
+        #: Dynamic tables' slabs among the parameters (``paramserver.shards.server.dynamic``): pushes name their rows
         #: by id, and their per-row state follows the rows.
         self._dynamic = [state.dynamic_rows(p) for p in self.params]
         for index, rows in enumerate(self._dynamic):
@@ -289,7 +287,7 @@ class OwnerOptimizer:
 
     def step(self, context_id: int) -> None:
         """One step with the gradients ``dist_autograd`` context ``context_id`` holds here."""
-        self._timed(lambda measure: self._impl.step(context_id, measure), lambda: data_plane.context_peer(context_id),
+        self._timed(lambda measure: self._impl.step(context_id, measure), lambda: context_peer(context_id),
                     "step")
 
     def apply_rows(self, params: Sequence[int], ids: Sequence[Tensor], gradients: Sequence[Tensor],
@@ -339,7 +337,7 @@ class OwnerOptimizer:
                once: Optional[Tuple[int, int]] = None) -> bool:
         """``run(measure)`` under the parameters' locks, timed, and counted in the process's metrics as served
         for ``peer()`` by an RPC of kind ``rpc``; with ``once`` (see ``apply_rows``) at most once per step."""
-        metrics = data_plane.slot.active
+        metrics = self._state.recorder
         with self._locked():
             if once is not None and self._last_push.get(once[0], -1) >= once[1]:
                 return False
@@ -416,11 +414,6 @@ class OwnerOptimizer:
         return getattr(self._impl, name)
 
 
-def class_name(cls) -> str:
-    """How checkpoints name an optimizer class (``module.QualName``)."""
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
 def _copy(value):
     return value.detach().clone() if isinstance(value, Tensor) else value
 
@@ -430,13 +423,28 @@ def _parameter_name(state: ShardState, param: Tensor, index: int) -> str:
     return repr(hosted) if hosted is not None else f"#{index} of the optimizer"
 
 
-def remote_new_owner_optimizer(optimizer_cls, param_rrefs: List[RRef], indices: List[int], args: tuple,
-                               kwargs: dict) -> Tuple[RRef, int, bool]:
-    """RPC target: the OwnerOptimizer for these parameters (shared when it exists):
-    an RRef that keeps it alive, the handle that steps use, and whether it
-    runs compiled (this owner's ``functional_optim_map`` has the class)."""
+def context_peer(context_id: int) -> str:
+    """The RPC name of the worker that created dist_autograd context ``context_id`` (``UNKNOWN_PEER`` if none).
+
+    A context id carries its creator's worker id in its top bits: the trainer
+    whose backward pass sent the gradients and who asks for the step.
+    """
+    agent = current_rpc_agent()
+    if agent is None:
+        return UNKNOWN_PEER
+    try:
+        return agent.get_worker_info(autograd_context_creator(context_id)).name
+    except RuntimeError:  # a peer that has left
+        return UNKNOWN_PEER
+
+
+def owner_optimizer_for(state: ShardState, optimizer_cls, params: List[Tensor], indices: List[int], args: tuple,
+                        kwargs: dict) -> OwnerOptimizer:
+    """The OwnerOptimizer over ``params`` (hosted in ``state``; ``indices``: their places in the trainer's
+    optimizer) that ``optimizer_cls(params, *args, **kwargs)`` asks for, shared when it exists; a new one runs
+    compiled when this process's ``functional_optim_map`` has the class, and starts from the state the
+    checkpoint ``state`` was restored from kept for its parameters."""
     functional_cls = functional_optim_map.get(optimizer_cls) if torchscript_enabled() else None
-    params = [rref.local_value() for rref in param_rrefs]
     for index, param in zip(indices, params):
         if not isinstance(param, Tensor):
             raise TypeError(f"parameter #{index} of the optimizer is a {type(param).__name__}, not a tensor")
@@ -444,7 +452,6 @@ def remote_new_owner_optimizer(optimizer_cls, param_rrefs: List[RRef], indices: 
     # handle rather than an RRef, which spares every step the RRef fork/acknowledge messages.  The state
     # holds optimizers weakly: the RRefs that DistributedOptimizers keep are what keeps one alive.
     key = (optimizer_cls, functional_cls, tuple(id(p) for p in params), repr(args), repr(sorted(kwargs.items())))
-    state = ShardState.current()
 
     def create(handle: int) -> OwnerOptimizer:
         names = [_parameter_name(state, p, i) for p, i in zip(params, indices)]
@@ -456,7 +463,7 @@ def remote_new_owner_optimizer(optimizer_cls, param_rrefs: List[RRef], indices: 
                     optimizer_cls.__qualname__, len(params),
                     "TorchScript" if functional_cls is not None else "Python, under a lock")
         _restore_state(state, owner_optimizer)
-    return RRef(owner_optimizer), owner_optimizer.handle, owner_optimizer.is_scripted
+    return owner_optimizer
 
 
 def _restore_state(state: ShardState, owner_optimizer: OwnerOptimizer) -> None:
@@ -478,53 +485,3 @@ def _restore_state(state: ShardState, owner_optimizer: OwnerOptimizer) -> None:
         owner_optimizer.load_state_dict(restored)
         logger.info("optimizer %d: state of %d of its %d parameters restored from the checkpoint",
                     owner_optimizer.handle, len(restored), len(owner_optimizer.params))
-
-
-def _lookup(handle: int) -> OwnerOptimizer:
-    return ShardState.current().optimizer(handle)
-
-
-# The step RPC is a TorchScript function, so requests and replies are
-# TorchScript calls (ints in and out: no pickling, no Python on the way in or
-# out; benchmarks/dist_optim.py prints what that saves).  It reaches the OwnerOptimizer
-# through a custom op with a Python kernel, which holds the GIL only to look
-# the handle up and take the locks: the step itself runs in TorchScript, which
-# releases the GIL.  The op returns the number of parameters it stepped; the
-# script function returns that, because TorchScript drops calls to ops whose
-# results nobody uses.
-_library = torch.library.Library("paramserver", "DEF")
-_library.define("owner_step(int handle, int context_id) -> int")
-
-
-def _owner_step_kernel(handle: int, context_id: int) -> int:
-    owner_optimizer = _lookup(handle)
-    try:
-        owner_optimizer.step(context_id)
-    except ValueError as error:
-        logger.warning("optimizer %d refused a step: %s", handle, error)
-        raise
-    return len(owner_optimizer.params)
-
-
-_library.impl("owner_step", _owner_step_kernel, "CompositeExplicitAutograd")
-
-
-@torch.jit.script
-def remote_step(handle: int, context_id: int) -> int:
-    """RPC target: one step of an OwnerOptimizer with the gradients of ``context_id``."""
-    return torch.ops.paramserver.owner_step(handle, context_id)
-
-
-def remote_step_stats(handle: int) -> Dict[str, float]:
-    """RPC target: the OwnerOptimizer's step counters."""
-    return _lookup(handle).step_stats()
-
-
-def remote_state_dict(handle: int) -> StateDict:
-    """RPC target: the OwnerOptimizer's state (copies)."""
-    return _lookup(handle).state_dict()
-
-
-def remote_load_state_dict(handle: int, state: StateDict) -> None:
-    """RPC target: restore the OwnerOptimizer's state."""
-    _lookup(handle).load_state_dict(state)

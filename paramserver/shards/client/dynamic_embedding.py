@@ -1,8 +1,8 @@
 """``DynamicEmbeddingBag``: an embedding table keyed by any int64 id, its rows made on the shards as ids come.
 
 Owns the trainer side of dynamic tables: creating a table's part on every
-shard (``hosted.host_dynamic``; the rows themselves are
-``paramserver.shards.dynamic``'s business), checking a lookup's ids and
+shard (``service.host_dynamic``; the rows themselves are the business
+of ``paramserver.shards.server.dynamic``), checking a lookup's ids and
 routing them to the shard their fixed hash names (``id_hash.shard_of``:
 every worker routes an id alike, without asking anyone), and pooling the
 rows that come back like ``nn.EmbeddingBag``.  Training goes through an
@@ -11,7 +11,6 @@ named as they are); ``forward`` reads rows without admitting or touching
 any (evaluation).
 """
 
-import itertools
 import uuid
 from typing import List, Optional, Sequence
 
@@ -20,14 +19,13 @@ import torch.distributed.rpc as rpc
 from torch import Tensor, nn
 from torch.distributed.rpc import RRef
 
-from . import hosted
-from .dynamic import DynamicOptions
-from .embedding import Route
-from .id_hash import shard_of
-from .peer import creation_timeout
+from ...tables import DynamicOptions
+from ...tables.id_hash import shard_of
+from ..peer import creation_timeout
+from ..server import service
+from .embedding import Route, draw_seed
 
 _MODES = ("sum", "mean")
-_default_seeds = itertools.count()
 
 
 class DynamicEmbeddingBag(nn.Module):
@@ -38,7 +36,9 @@ class DynamicEmbeddingBag(nn.Module):
     ``admit_probability``), starting N(0, ``init_std``²) as a function of
     (``seed``, id); until then an id reads zeros and its gradient is
     dropped.  ``capacity`` (rows per shard) and ``ttl_steps`` bound what a
-    shard keeps (``paramserver.shards.dynamic``).  Every trainer naming the
+    shard keeps; the four limits come as keywords or whole as ``options``
+    (a ``paramserver.tables.DynamicOptions``, which the ``Trainer`` passes on
+    from a ``Table``), and travel whole to the shards.  Every trainer naming the
     same table (``name``) shares it; it lives as long as the shards.
     """
 
@@ -46,8 +46,7 @@ class DynamicEmbeddingBag(nn.Module):
 
     def __init__(self, embedding_dim: int, mode: str = "sum", *, shards: Sequence[str], name: Optional[str] = None,
                  seed: Optional[int] = None, dtype: torch.dtype = torch.float32, init_std: float = 0.01,
-                 capacity: Optional[int] = None, ttl_steps: Optional[int] = None, admit_after: int = 1,
-                 admit_probability: float = 1.0):
+                 options: Optional[DynamicOptions] = None, **limits):
         super().__init__()
         self.name = name or f"dynamic-{uuid.uuid4().hex[:8]}"
         if mode not in _MODES:
@@ -56,12 +55,14 @@ class DynamicEmbeddingBag(nn.Module):
             raise ValueError(f"table {self.name!r}: embedding_dim must be positive, got {embedding_dim}")
         if not shards:
             raise ValueError(f"table {self.name!r}: no shards given")
-        self.options = DynamicOptions(capacity, ttl_steps, admit_after, admit_probability).check(self.name)
+        if options is not None and limits:
+            raise TypeError(f"table {self.name!r}: give the limits as options= or as keywords, not both")
+        self.options = options if options is not None else DynamicOptions.for_table(self.name, **limits)
         self.embedding_dim, self.mode, self.dtype = embedding_dim, mode, dtype
         self.shards: List[str] = list(shards)
-        seed = next(_default_seeds) if seed is None else seed
+        seed = draw_seed() if seed is None else seed
         timeout = creation_timeout()
-        futures = [rpc.rpc_async(shard, hosted.host_dynamic, args=(
+        futures = [rpc.rpc_async(shard, service.host_dynamic, args=(
             self.name, embedding_dim, dtype, seed, init_std, self.options, index, len(self.shards)), timeout=timeout)
             for index, shard in enumerate(self.shards)]
         self._shard_rrefs: List[RRef] = [future.wait() for future in futures]
@@ -111,7 +112,7 @@ class DynamicEmbeddingBag(nn.Module):
                 per_sample_weights: Optional[Tensor] = None) -> Tensor:
         """The bags' embeddings from the rows held now (read only: nothing admitted, touched or trained)."""
         route = self.route(input, offsets)
-        futures = [rpc.rpc_async(self.shards[index], hosted.read_dynamic, args=(self._shard_rrefs[index], ids))
+        futures = [rpc.rpc_async(self.shards[index], service.read_dynamic, args=(self._shard_rrefs[index], ids))
                    for index, ids in route.requests]
         rows = torch.cat([future.wait() for future in futures]) if futures else self.no_rows(False)
         return route.pool(rows, offsets, per_sample_weights)

@@ -9,7 +9,7 @@ each id's hash names), then grouped by shard, so that a step sends
 each shard ONE lookup carrying the ids of every table it serves, and from
 the backward pass ONE push carrying their row gradients (sent after it, or
 from inside it as soon as the rows' gradients exist), which the shard's
-optimizer applies on arrival (``paramserver.shards.rows``), once per step.  The unfused
+optimizer applies on arrival (``paramserver.shards.server.rows``), once per step.  The unfused
 path (a lookup RPC per row range inside a ``dist_autograd`` context, a
 gradient message per lookup, then a step RPC per owner) stays what
 ``ShardedEmbeddingBag`` and ``DistributedOptimizer`` do for any RRef
@@ -27,12 +27,12 @@ import torch
 import torch.distributed.rpc as rpc
 from torch import Tensor
 
-from .._torch_compat import remote_error_cause
-from ..metrics import data_plane
-from . import rows as owner_rows
+from ..._torch_compat import remote_error_cause
+from ...metrics import data_plane
+from ..peer import creation_timeout, settle
+from ..server import service
 from .dynamic_embedding import DynamicEmbeddingBag
 from .embedding import Route, ShardedEmbeddingBag
-from .peer import creation_timeout, settle
 
 
 class ShardRequestFailed(RuntimeError):
@@ -84,7 +84,7 @@ class EmbeddingCollection:
         for global_index, (name, range_index, rref) in enumerate(ranges):
             owner, local = owner_of_param[global_index]
             by_shard.setdefault(owner, []).append((name, range_index, rref, local))
-        handles = {shard: rpc.rpc_async(shard, owner_rows.table_handles, args=([entry[2] for entry in entries],),
+        handles = {shard: rpc.rpc_async(shard, service.table_handles, args=([entry[2] for entry in entries],),
                                         timeout=creation_timeout())
                    for shard, entries in by_shard.items()}
         self._incarnations: Dict[str, int] = {}
@@ -103,7 +103,7 @@ class EmbeddingCollection:
         return self._optimizers[shard]
 
     def incarnation(self, shard: str) -> int:
-        """Which process of ``shard`` the handles were made by (``paramserver.shards.rows``)."""
+        """Which process of ``shard`` the handles were made by (``paramserver.shards.server.rows``)."""
         return self._incarnations[shard]
 
     def lookup(self, features: Mapping[str, Tensor], step: int = -1) -> "CollectionLookup":
@@ -119,7 +119,7 @@ class EmbeddingCollection:
                 handles.append(slot.table_handle)
                 ids.append(local_ids)
                 keys.append((name, position))
-        futures = {shard: rpc.rpc_async(shard, owner_rows.lookup, args=(self.incarnation(shard), handles, ids, step))
+        futures = {shard: rpc.rpc_async(shard, service.lookup, args=(self.incarnation(shard), handles, ids, step))
                    for shard, (handles, ids, _) in requests.items()}
         metrics = data_plane.slot.active
         if metrics is not None:  # one lookup RPC per shard, whatever the tables it serves
@@ -182,7 +182,7 @@ class CollectionLookup:
         for shard, (params, ids, values) in requests.items():
             if metrics is not None:
                 metrics.client_request(shard, "push", sum(g.numel() * g.element_size() for g in values))
-            futures[shard] = rpc.rpc_async(shard, owner_rows.push, args=(
+            futures[shard] = rpc.rpc_async(shard, service.push, args=(
                 collection.incarnation(shard), collection.optimizer_handle(shard), params, ids, values,
                 collection.peer, collection.token, step))
         return PendingPush(futures)

@@ -1,0 +1,43 @@
+"""Writing a shard's part of a checkpoint from its ``ShardState``.
+
+Owns copying what a shard serves into ``shard-<name>.pt`` (the format is
+``paramserver.checkpoint.shard_part``'s): every shared table hosted in the
+state, each parameter with an optimizer copied together with its state
+between two steps (under its locks), a dynamic table's part as its entry
+(the rows held, by id, with their state).  A trainer asks for it by RPC
+(``service.write_checkpoint_part``) while its trainer group is paused at a
+step boundary.  Plain functions of a state: nothing here knows of RPC.
+"""
+
+import logging
+import pathlib
+from typing import Dict
+
+from ...checkpoint.shard_part import FORMAT, part_name
+from ...checkpoint.storage import FileRecord, save_tensors
+from .state import ShardState
+
+logger = logging.getLogger(__name__)
+
+
+def write_part(shard_state: ShardState, directory: pathlib.Path, shard: str) -> FileRecord:
+    """Every shared table hosted in ``shard_state``, with its optimizer state, into ``directory/shard-<shard>.pt``."""
+    tables = shard_state.shared_tables()
+    entries: Dict[str, Dict] = {}
+    # Parameters with an optimizer: value and state copied together, under its locks (a dynamic table's come
+    # as its entry: the rows held, by id, with their state).
+    for optimizer in shard_state.optimizers():
+        values, state = optimizer.snapshot()
+        for index, (param, value) in enumerate(zip(optimizer.params, values)):
+            name = shard_state.name_of(param)
+            if name in tables and name not in entries:
+                entries[name] = value if isinstance(value, dict) else \
+                    {"value": value, "optimizer": optimizer.class_name, "state": state.get(index, {})}
+    for name, table in tables.items():  # no optimizer (yet): the values alone
+        if name not in entries:
+            dynamic = shard_state.dynamic_rows(table)
+            entries[name] = dynamic.checkpoint_entry() if dynamic is not None else \
+                {"value": table.detach().clone(), "optimizer": "", "state": {}}
+    record = save_tensors(directory / part_name(shard), {"format": FORMAT, "shard": shard, "tables": entries})
+    logger.info("checkpoint part %s written: %d table ranges, %.1f MB", record.name, len(entries), record.bytes / 1e6)
+    return record

@@ -1,0 +1,87 @@
+"""What a shard hosts: named parameter tensors, embedding row ranges and dynamic table parts.
+
+Owns creating the tensors a shard serves and finding them again, in a
+``ShardState`` it is handed: a hosted tensor lives as long as some RRef to
+it does.  A *shared* table (``host_rows(..., shared=True)``) is created by
+the first caller and found by name by the others, and lives as long as the
+shard: it is the model the shard serves, whichever worker asked for it
+first.  A dynamic table's part (``host_dynamic``) is always shared.  When
+the shard was started from a checkpoint (the state's ``restore_source``), a
+shared table's rows come from it instead of the seed.  Optimizer state is
+not kept here (see ``optimizers``).  Plain functions of a state: they know
+nothing of RPC (``service`` calls them and wraps what they return in RRefs).
+"""
+
+import torch
+from torch import Tensor
+
+from ...tables import DynamicOptions, part_name
+from .dynamic import DynamicRows
+from .state import ShardState
+
+
+def host_tensor(state: ShardState, name: str, value: Tensor) -> Tensor:
+    """A copy of ``value`` hosted as a trainable (leaf, requires-grad) parameter named ``name``."""
+    if not isinstance(value, Tensor) or not value.is_floating_point():
+        raise TypeError(f"parameter {name!r} must be a floating-point tensor, got {type(value).__name__}"
+                        + (f" of {value.dtype}" if isinstance(value, Tensor) else ""))
+    return state.register(name, value.detach().clone().contiguous().requires_grad_(True))
+
+
+def host_rows(state: ShardState, name: str, num_rows: int, embedding_dim: int, dtype: torch.dtype, seed: int,
+              start_row: int, shared: bool = False, init_std: float = 1.0) -> Tensor:
+    """``num_rows`` embedding rows, initialized N(0, init_std²) (N(0, 1) like ``nn.EmbeddingBag``).
+
+    Each row's values come from ``(seed, start_row)``, drawn here, so a big
+    table never crosses the network to be created.  With ``shared``, a table
+    already hosted under ``name`` (by another trainer) is reused when its
+    shape and dtype match, and kept for the shard's lifetime.
+    """
+    if num_rows <= 0 or embedding_dim <= 0:
+        raise ValueError(f"table {name!r}: rows and embedding_dim must be positive, "
+                         f"got {num_rows} x {embedding_dim}")
+
+    def initial_rows() -> Tensor:
+        rows = state.restore_source.rows(name, num_rows, embedding_dim, dtype) \
+            if shared and state.restore_source is not None else None
+        if rows is None:
+            generator = torch.Generator().manual_seed((seed * 0x9E3779B97F4A7C15 + start_row) % 2**63)
+            rows = torch.empty(num_rows, embedding_dim, dtype=dtype)
+            rows.normal_(0.0, init_std, generator=generator)
+        return rows.requires_grad_(True)
+
+    if not shared:
+        return state.register(name, initial_rows())
+    table = state.shared_table(name, initial_rows)  # one creator wins; the others find its table
+    if tuple(table.shape) != (num_rows, embedding_dim) or table.dtype != dtype:
+        raise ValueError(f"shared table {name!r} is hosted here as {list(table.shape)} "
+                         f"{table.dtype}, asked for [{num_rows}, {embedding_dim}] {dtype}")
+    return table
+
+
+def host_dynamic(state: ShardState, table: str, embedding_dim: int, dtype: torch.dtype, seed: int, init_std: float,
+                 options: DynamicOptions, index: int, count: int) -> Tensor:
+    """This shard's part (``index`` of ``count``) of dynamic table ``table`` (every trainer naming it shares
+    it; kept for the shard's lifetime), restored from the checkpoint the shard started from, if any, whatever
+    the number of shards that wrote it; returns its slab.  ``options`` were checked where they were made."""
+    if embedding_dim <= 0:
+        raise ValueError(f"dynamic table {table!r}: embedding_dim must be positive, got {embedding_dim}")
+    name = part_name(table, index, count)
+
+    def create() -> DynamicRows:
+        rows = DynamicRows(name, embedding_dim, dtype, seed, init_std, options, lambda t: state.lock_for(t)[1])
+        restored = state.restore_source.dynamic_part(table, index, count) if state.restore_source else None
+        if restored is not None:
+            rows.restore(**restored)
+        return rows
+
+    rows = state.shared_dynamic(name, create)
+    if rows.embedding_dim != embedding_dim or rows.dtype != dtype or rows.options != options:
+        raise ValueError(f"dynamic table {name!r} is hosted here with rows of {rows.embedding_dim} {rows.dtype} and "
+                         f"{rows.options}, asked for {embedding_dim} {dtype} and {options}")
+    return rows.slab
+
+
+def read_dynamic(state: ShardState, slab: Tensor, ids: Tensor) -> Tensor:
+    """Rows of ``ids`` (distinct) in a dynamic table's part, read only (zeros for ids without one)."""
+    return state.dynamic_rows(slab).lookup(ids, -1)

@@ -1,0 +1,79 @@
+"""A step's row traffic on the owner: one fused lookup and one fused push per shard per step.
+
+Owns what a trainer's ``EmbeddingCollection`` (``paramserver.shards.client.collection``)
+asks of each shard, as plain functions of the shard's ``ShardState``
+(``service`` holds the RPC targets and custom ops that call them):
+
+* ``table_handles`` (once, when the collection is built): the integer
+  handles naming its row ranges here.  A step names tables by handle, not
+  by RRef, which spares it the RRef fork and acknowledge messages that
+  every RRef argument costs.  Every request carries the process's
+  incarnation with them: a restarted shard serves under the same name,
+  and handles of the process that died are refused (``StaleHandles``),
+  never taken for its successor's.
+* ``lookup``: the rows of every table this shard serves to the step (plain
+  values: no autograd is recorded); a dynamic table's part
+  (``dynamic.DynamicRows``) is asked by id, and admits and touches them at
+  the step.
+* ``push``: the step's row gradients for every one of those tables,
+  applied on arrival by the owner-side optimizer named by its handle (an
+  ``optimizers.OwnerOptimizer``), under its parameters' locks, with the
+  same compiled update that ``DistributedOptimizer.step`` runs on a
+  ``dist_autograd`` context's row-sparse gradients: the rows come out
+  equal to the unfused path's.
+"""
+
+import logging
+from typing import List, Tuple
+
+import torch
+from torch import Tensor
+
+from .state import ShardState
+
+logger = logging.getLogger(__name__)
+
+
+class StaleHandles(RuntimeError):
+    """A request names handles made by another process serving under this shard's name (it was restarted)."""
+
+
+def table_handles(state: ShardState, tables: List[Tensor]) -> Tuple[int, List[int]]:
+    """This process's incarnation and the handles naming ``tables`` (row ranges hosted here) in ``lookup``."""
+    return state.incarnation, [state.table_handle(table) for table in tables]
+
+
+def check_incarnation(state: ShardState, incarnation: int) -> ShardState:
+    """``state``, when ``incarnation`` is its own; ``StaleHandles`` otherwise."""
+    if state.incarnation != incarnation:
+        raise StaleHandles("the handles were made by an earlier process of this shard (it was restarted): "
+                           "build the tables' handles again")
+    return state
+
+
+def lookup(state: ShardState, incarnation: int, tables: List[int], ids: List[Tensor], step: int) -> List[Tensor]:
+    """Rows ``ids[i]`` (local indices; ids of a dynamic table) of table handle ``tables[i]``, for every ``i``.
+    ``step``: the trainer's step (a dynamic table touches and admits ids then); negative to read only."""
+    check_incarnation(state, incarnation)
+    with torch.no_grad():
+        return [_rows(state, state.table(handle), rows, step) for handle, rows in zip(tables, ids)]
+
+
+def _rows(state: ShardState, table: Tensor, ids: Tensor, step: int) -> Tensor:
+    dynamic = state.dynamic_rows(table)
+    return torch.index_select(table, 0, ids) if dynamic is None else dynamic.lookup(ids, step)
+
+
+def push(state: ShardState, incarnation: int, optimizer: int, params: List[int], ids: List[Tensor],
+         gradients: List[Tensor], peer: str, pusher: int, step: int) -> int:
+    """Apply row gradients ``gradients[i]`` (rows ``ids[i]``, local indices) to parameter ``params[i]`` of
+    optimizer handle ``optimizer``, all in one step of it, unless ``step`` >= 0 and this optimizer already
+    applied a push of ``pusher`` for that step or a later one (a step's push sent again is applied once);
+    returns the number of parameters named."""
+    owner_optimizer = check_incarnation(state, incarnation).optimizer(optimizer)
+    try:
+        owner_optimizer.apply_rows(params, ids, gradients, peer, (pusher, step) if step >= 0 else None)
+    except ValueError as error:
+        logger.warning("optimizer %d refused a push from %s: %s", optimizer, peer, error)
+        raise
+    return len(params)

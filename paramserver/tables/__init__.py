@@ -1,0 +1,12 @@
+"""What every side agrees on about a table without asking anyone: a dynamic table's options, how its parts
+are named on the shards, and the fixed hashes that route and seed its ids.
+
+Owns plain values and pure functions: the trainer side (``paramserver.shards.client``), the shard side
+(``paramserver.shards.server``), checkpoints and exports all read them, and this package imports none of
+them (nor any C kernel): importing ``paramserver`` or building a ``Table`` loads nothing else.
+"""
+
+from .options import DynamicOptions
+from .parts import parse_part_name, part_name
+
+__all__ = ["DynamicOptions", "parse_part_name", "part_name"]
