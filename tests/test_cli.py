@@ -191,3 +191,12 @@ def test_ps_demo_shares_the_job_files_among_its_workers():
     assert demo._job_config(args)["data"] == {"train": "/data/*.gz", "workers": 3}
     args.job_config = json.dumps({"data": {"train": "/data/*.gz", "workers": 2}})
     assert demo._job_config(args)["data"]["workers"] == 2  # as given
+
+
+def test_ps_ctl_starts_without_torch_which_only_its_export_loads():
+    # ps-ctl talks gRPC: status, checkpoint and shutdown start in a fraction of the time torch takes to import.
+    import subprocess
+    import sys
+    loaded = subprocess.run([sys.executable, "-c", "import sys, paramserver.cli.ctl; print('torch' in sys.modules)"],
+                            capture_output=True, text=True, timeout=60, check=True)
+    assert loaded.stdout.strip() == "False", loaded.stderr

@@ -21,7 +21,7 @@ import sys
 from google.protobuf.json_format import MessageToDict
 
 from ..control import CoordinatorError, pb
-from ..control.protocol import ROLE_NAMES
+from ..control.protocol import CHECKPOINT_WAIT, ROLE_NAMES
 from . import export
 from .common import (UsageError, add_connect, add_log_level, command_main, coordinator_client, setup_logging,
                      timeout_from)
@@ -34,8 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     status = commands.add_parser("status", help="members, their liveness and progress; the generation")
     status.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     checkpoint = commands.add_parser("checkpoint", help="write a checkpoint now; waits until it is committed")
-    checkpoint.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS",
-                            help="give up after this long (default 120)")
+    checkpoint.add_argument("--timeout", type=float, default=CHECKPOINT_WAIT.total_seconds(), metavar="SECONDS",
+                            help=f"give up after this long (default {CHECKPOINT_WAIT.total_seconds():.0f})")
     commands.add_parser("shutdown", help="stop the workers, the shards and the server")
     export.add_arguments(commands.add_parser(
         "export", help="write the trained model as plain files (from --checkpoint-dir, or the live cluster)"))

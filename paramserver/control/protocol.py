@@ -22,6 +22,8 @@ DEFAULT_PORT = 50051
 HEARTBEAT_INTERVAL = datetime.timedelta(seconds=1)
 HEARTBEAT_TIMEOUT = datetime.timedelta(seconds=5)
 HEARTBEAT_TIMEOUT_ENV = "PARAMSERVER_HEARTBEAT_TIMEOUT"
+#: How long a checkpoint asked for (``ps-ctl checkpoint``, ``ps-ctl export``) is waited for, unless said.
+CHECKPOINT_WAIT = datetime.timedelta(seconds=120)
 
 #: The transport refuses messages above this many bytes (RESOURCE_EXHAUSTED);
 #: the handlers' own field limits (``validation``) are far below it, so a

@@ -22,7 +22,7 @@ from google.protobuf.message import DecodeError
 from ..logs import RateLimitedLog, one_line
 from .addresses import loopback_from_afar
 from .membership import Membership
-from .protocol import SERVICE_NAME, pb
+from .protocol import CHECKPOINT_WAIT, SERVICE_NAME, pb
 from .security import ShardCredential
 from .validation import (RequestError, check_member_id, invalid, validate_heartbeat, validate_join, validate_leave,
                          validate_shutdown)
@@ -33,7 +33,6 @@ if TYPE_CHECKING:  # the checkpoint side loads torch; it is only imported by a s
 logger = logging.getLogger(__name__)
 
 #: How long the Checkpoint call waits for the checkpoint unless told (as ``checkpoints.DEFAULT_WAIT``).
-DEFAULT_CHECKPOINT_WAIT = datetime.timedelta(seconds=120)
 
 _DESCRIPTOR = pb.DESCRIPTOR.services_by_name["Coordinator"]
 
@@ -149,7 +148,7 @@ class CoordinatorService:
         if not (0 <= request.timeout_seconds <= 3600):  # NaN fails this too
             raise invalid(f"timeout_seconds must be 0-3600, got {request.timeout_seconds}")
         timeout = (datetime.timedelta(seconds=request.timeout_seconds) if request.timeout_seconds
-                   else DEFAULT_CHECKPOINT_WAIT)
+                   else CHECKPOINT_WAIT)
         checkpoint = checkpoints.wait(checkpoints.request("ps-ctl checkpoint"), timeout)
         return pb.CheckpointResponse(checkpoint_id=checkpoint.id, step=checkpoint.step,
                                      directory=str(checkpoint.path))
