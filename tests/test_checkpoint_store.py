@@ -16,8 +16,10 @@ import torch
 
 from paramserver.checkpoint import storage as checkpoint_module
 from paramserver.checkpoint.shard_part import CheckpointSource
-from paramserver.checkpoint.trainer import DENSE_PART, TrainerCheckpoints, restore_point
-from paramserver.runtime.context import CheckpointFailure, CheckpointSettings, JobContext
+from paramserver.checkpoint.dense_part import DENSE_PART
+from paramserver.checkpoint.records import CheckpointFailure, CheckpointSettings
+from paramserver.runtime.context import JobContext
+from paramserver.train.checkpoints import TrainerCheckpoints, restore_point
 from paramserver.checkpoint import (MANIFEST, CheckpointStore, CorruptCheckpoint, FileRecord, assemble_rows,
                                     atomic_write, load_tensors, open_checkpoint, parse_range_name, range_name,
                                     save_tensors)

@@ -22,11 +22,12 @@ from paramserver import Batch, Table, Trainer, serving
 from paramserver.checkpoint import MANIFEST, CheckpointStore, CorruptCheckpoint, FileRecord, save_tensors
 from paramserver.checkpoint.export import EXPORT_MANIFEST
 from paramserver.checkpoint.model import NotExportable, describe_model
+from paramserver.checkpoint.records import CheckpointSettings
 from paramserver.cli import ctl
 from paramserver.cli import export as export_command
 from paramserver.cli.common import UsageError, coordinator_client
 from paramserver.optim import QHM
-from paramserver.runtime.context import CheckpointSettings, JobContext
+from paramserver.runtime.context import JobContext
 from paramserver.tables.id_hash import salted
 from paramserver.serving import NotServable
 

@@ -1,20 +1,27 @@
-"""Checkpoints: sharded, atomic, verified; what each role writes into one, and starting again from one.
+"""Checkpoints: sharded, atomic, verified; their files, formats and records, and exports.
 
-Modules: ``storage`` (atomic files with sizes and sha256s, the manifest
-written last, the store of checkpoints, refusing corrupt ones by file
-name, cutting row ranges for resharding; it knows no process nor
-protocol), ``shard_part`` (a shard's part: its tables' rows with their
-optimizer state, written from the shard's ``ShardState``; and
-``CheckpointSource``, what a restarted or resharded shard restores from)
-and ``trainer`` (trainer group 0's side: when it writes, the dense part
-and data positions, committing at the coordinator; the restore point).
-The coordinator's side is ``paramserver.control.checkpoints``.
+A leaf: it imports nothing of the package but ``logs``, ``tables`` and
+``_torch_compat``, and knows no process, collective nor RPC.  Modules:
+``storage`` (atomic files with sizes and sha256s, the manifest written
+last, the store of checkpoints, refusing corrupt ones by file name,
+cutting row ranges for resharding), ``records`` (the plain records
+checkpoints are exchanged in: ``CheckpointSettings``,
+``CheckpointCommit``, ``CheckpointFailure``), ``shard_part`` (a shard's
+part: its format; and ``CheckpointSource``, what a restarted or resharded
+shard or an export reads from), ``dense_part`` (the trainers' part: its
+format, writing and reading it), ``model`` (the model's description in
+the dense part) and ``export`` (a checkpoint's model as plain files).
+Who writes when: the shard service (``paramserver.shards.server``),
+trainer group 0 (``paramserver.train.checkpoints``), and the coordinator,
+which commits (``paramserver.control.checkpoints``).
 """
 
+from .records import CheckpointCommit, CheckpointFailure, CheckpointSettings
 from .storage import (CHECKPOINT_PREFIX, MANIFEST, Checkpoint, CheckpointStore, CorruptCheckpoint, FileRecord,
                       assemble_rows, atomic_write, load_tensors, open_checkpoint, parse_range_name, range_name,
                       read_manifest, save_tensors, verify_file)
 
-__all__ = ["CHECKPOINT_PREFIX", "MANIFEST", "Checkpoint", "CheckpointStore", "CorruptCheckpoint", "FileRecord",
+__all__ = ["CHECKPOINT_PREFIX", "MANIFEST", "Checkpoint", "CheckpointCommit", "CheckpointFailure",
+           "CheckpointSettings", "CheckpointStore", "CorruptCheckpoint", "FileRecord",
            "assemble_rows", "atomic_write", "load_tensors", "open_checkpoint", "parse_range_name", "range_name",
            "read_manifest", "save_tensors", "verify_file"]

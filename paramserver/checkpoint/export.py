@@ -33,7 +33,7 @@ import torch
 from .model import ModelDescription, NotExportable
 from .shard_part import CheckpointSource
 from .storage import PathLike, atomic_write, open_checkpoint, range_name, save_tensors
-from .trainer import dense_part
+from .dense_part import read_dense_part
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def export_checkpoint(checkpoint: PathLike, out: PathLike) -> Dict[str, Any]:
     ``FileExistsError`` when ``out`` holds other files and no export.
     """
     source = open_checkpoint(checkpoint)
-    dense = dense_part(source)
+    dense = read_dense_part(source)
     model = ModelDescription.from_dense_part(dense, str(source.path))
     tables = CheckpointSource(source, verified=True)
     held = tables.table_names()

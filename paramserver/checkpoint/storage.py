@@ -13,7 +13,7 @@ previous one.  Also the pure tensor logic of resharding: naming row ranges
 checkpoint holds.
 
 It knows nothing of processes, ``torch.distributed`` or gRPC, nor of who
-wrote what: ``shard_part`` and ``trainer`` beside it decide what goes in
+wrote what: ``shard_part`` and ``dense_part`` beside it say what goes in
 the files.
 """
 

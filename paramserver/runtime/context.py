@@ -1,8 +1,10 @@
 """The job contract: what a running job sees of the cluster, in plain Python types.
 
-Owns ``JobContext`` (a job's first argument), the plain types it hands
-out (``GroupView``, ``CheckpointSettings``, ``CheckpointCommit``) and
-``GroupChannel``, the narrow interface a trainer group forms through.  A
+Owns ``JobContext`` (a job's first argument), ``GroupView`` (a plain
+type it hands out) and ``GroupChannel``, the narrow interface a trainer
+group forms through; the checkpoint records it hands out and takes
+(``CheckpointSettings``, ``CheckpointCommit``, ``CheckpointFailure``) are
+``paramserver.checkpoint.records``'s, importable from here too.  A
 context is built in one call: ``JobContext.from_assignment`` for a
 ``ps-worker`` (the coordinator's answer and the worker's session), or
 ``JobContext.local`` for one process with no cluster (a job or a Trainer
@@ -19,6 +21,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from ..checkpoint.records import CheckpointCommit, CheckpointFailure, CheckpointSettings
 
 #: How long a job waits for its trainer group to form before giving up.
 GROUP_WAIT = datetime.timedelta(seconds=120)
@@ -41,47 +45,6 @@ class GroupView:
 
     def describe(self) -> str:
         return f"generation {self.generation} of {', '.join(self.members) or 'nobody'}"
-
-
-@dataclass(frozen=True)
-class CheckpointSettings:
-    """Where the cluster keeps checkpoints (``directory`` empty: none) and where this run starts from."""
-
-    directory: str = ""
-    every_steps: int = 0
-    restore_from: str = ""
-    restore_step: int = 0
-
-    @classmethod
-    def from_message(cls, settings) -> "CheckpointSettings":
-        return cls(directory=settings.directory, every_steps=int(settings.every_steps),
-                   restore_from=settings.restore_from, restore_step=int(settings.restore_step))
-
-
-@dataclass(frozen=True)
-class CheckpointCommit:
-    """A written checkpoint, handed to the coordinator to verify and commit (it writes the manifest).
-
-    ``files``: ``{"name", "bytes", "sha256"}`` records; ``request``: the
-    checkpoint request it answers (0: written by steps).
-    """
-
-    request: int
-    directory: str
-    step: int
-    files: Tuple[Dict, ...]
-    info: Dict
-
-
-@dataclass(frozen=True)
-class CheckpointFailure:
-    """A checkpoint that could not be written, reported to the coordinator: it fails the request (a waiting
-    ``ps-ctl checkpoint`` hears ``reason`` at once) and removes ``directory``'s parts ("" when none)."""
-
-    request: int
-    directory: str
-    step: int
-    reason: str
 
 
 class Inbox:

@@ -131,7 +131,7 @@ class MemberSession:
         self.beat_now()
 
     def commit_checkpoint(self, commit) -> str:
-        """Hand a written checkpoint (a ``context.CheckpointCommit``) to the coordinator; returns its id."""
+        """Hand a written checkpoint (a ``checkpoint.records.CheckpointCommit``) to the coordinator; returns its id."""
         request = pb.CommitCheckpointRequest(
             member_id=self.assignment.member_id, request=commit.request, directory=commit.directory,
             step=commit.step, files=[pb.CheckpointFile(**record) for record in commit.files],
@@ -139,7 +139,7 @@ class MemberSession:
         return self.client.commit_checkpoint(request).checkpoint_id
 
     def fail_checkpoint(self, failure) -> None:
-        """Tell the coordinator that a checkpoint (a ``context.CheckpointFailure``) could not be written."""
+        """Tell the coordinator that a checkpoint (a ``checkpoint.records.CheckpointFailure``) could not be written."""
         self.client.commit_checkpoint(pb.CommitCheckpointRequest(
             member_id=self.assignment.member_id, request=failure.request, directory=failure.directory,
             step=failure.step, failure=failure.reason))

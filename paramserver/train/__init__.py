@@ -7,6 +7,8 @@ Where the planes meet for a job: the Trainer drives the data plane
 what happens when any of them fails.  Modules: ``contract`` (Table,
 Batch), ``sparse`` (tables on the shards, lost shards), ``step`` (one
 step), ``data`` (the data position), ``evaluation`` (AUC, log loss),
+``checkpoints`` (the trainers' checkpoint protocol: when group 0 writes
+one, its collectives and the RPC to every shard, the restore point),
 ``trainer`` (the loop).
 """
 

@@ -27,9 +27,9 @@ import torch
 from torch import Tensor, nn
 
 from ..checkpoint.model import describe_model
-from ..checkpoint.trainer import TrainerCheckpoints, restore_point
 from ..ddp import DenseReplica, GroupStopped, TrainerGroup
 from ..logs import one_line
+from .checkpoints import TrainerCheckpoints, restore_point
 from .contract import Batch, Table
 from .data import BatchStream
 from .evaluation import evaluate

@@ -1,24 +1,29 @@
 """A trainer group's side of checkpoints: when trainer group 0 writes one, writing it, starting from one.
 
-Owns the trainer side of checkpoints: trainer group 0
+Owns the trainers' checkpoint protocol: trainer group 0
 checkpoints every ``every_steps`` steps (every member holds the same step,
 so all decide alike without a message) and when the coordinator asks
 (``KIND_CHECKPOINT``: members agree on it in the group's agreement, the
 one all-reduce every ``agree_every`` steps, so all act at the same step).
 A checkpoint is written at a step boundary (``at_boundary``), with no
-step in flight: every member pauses there while rank 0 has every shard
-write its part, writes the dense part (the replica, its optimizer, every
-member's comm-hook state and data position, the model's description for
-an export: ``model``) and commits the checkpoint at
-the coordinator, which writes the manifest.  A checkpoint that fails (a
-shard lost while writing, a full disk) is logged in one line and reported
-to the coordinator, which answers a request waiting for it and removes its
-parts; training goes on.
+step in flight: every member hands rank 0 its data position and comm-hook
+state (a collective in the trainer group) and pauses there while rank 0
+has every shard write its part (one RPC to each,
+``service.write_checkpoint_part``), writes the dense part and commits the
+checkpoint at the coordinator, which writes the manifest.  A checkpoint
+that fails (a shard lost while writing, a full disk) is logged in one
+line and reported to the coordinator, which answers a request waiting for
+it and removes its parts; training goes on.
 
 ``restore_point(ctx)`` is the dense part of the checkpoint the cluster
 starts from, for ``DenseReplica(..., initial=...)``, with every member's
 data position: the one the coordinator names, or when its dense part does
 not verify (damaged after its commit), the newest older one whose does.
+
+The files themselves (their layout, writing and verifying them) are
+``paramserver.checkpoint``'s: ``dense_part`` for the dense part,
+``storage`` for directories and manifests, ``records`` for what is
+handed to the coordinator.
 """
 
 import logging
@@ -30,17 +35,13 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from .._torch_compat import remote_error_cause
+from ..checkpoint.dense_part import read_dense_part, write_dense_part
+from ..checkpoint.records import CheckpointCommit, CheckpointFailure
+from ..checkpoint.storage import CheckpointStore, first_usable
 from ..logs import one_line
-from ..runtime.context import CheckpointCommit, CheckpointFailure
 from ..shards.server import service
-from .storage import Checkpoint, CheckpointStore, CorruptCheckpoint, first_usable, load_tensors, save_tensors
 
 logger = logging.getLogger(__name__)
-
-DENSE_PART = "dense.pt"
-#: 3: ``"model"`` describes the model (``model.describe_model``; ``None`` when not given).  2: data positions
-#: are ``{"used": batches, "state": the data's state or None}`` (1: a step count).
-FORMAT = 3
 
 
 def restore_point(ctx) -> Optional[Dict[str, Any]]:
@@ -53,17 +54,9 @@ def restore_point(ctx) -> Optional[Dict[str, Any]]:
     if not path:
         return None
     # A worker joining mid-job: the newest checkpoint may have been damaged since its commit.
-    checkpoint, part = first_usable(path, ctx.checkpoint.restore_step, dense_part, ctx.rpc_name)
+    checkpoint, part = first_usable(path, ctx.checkpoint.restore_step, read_dense_part, ctx.rpc_name)
     logger.info("%s starts from checkpoint %s at step %d", ctx.rpc_name, checkpoint.id, part["step"])
     return part
-
-
-def dense_part(checkpoint: Checkpoint) -> Dict[str, Any]:
-    """``checkpoint``'s dense part, checked against its manifest (``CorruptCheckpoint`` naming the file)."""
-    record = next((f for f in checkpoint.files if f.name == DENSE_PART), None)
-    if record is None:
-        raise CorruptCheckpoint(f"{checkpoint.path}: no {DENSE_PART} in its manifest")
-    return load_tensors(checkpoint.file(DENSE_PART), record)
 
 
 class TrainerCheckpoints:
@@ -133,13 +126,12 @@ class TrainerCheckpoints:
             shards = list(self.ctx.shards)
             futures = [rpc.rpc_async(shard, service.write_checkpoint_part, args=(str(directory),)) for shard in shards]
             files = _every_part(futures, shards)
-            dense = save_tensors(directory / DENSE_PART, {
-                "format": FORMAT, "step": step, "module": self.replica.module.state_dict(),
-                "optimizer": self.replica.optimizer.state_dict(), "hook": self.replica.hook,
-                "hook_options": self.replica.hook_options,
-                "hook_states": [m["hook_state"] for m in members],
-                "data_positions": {m["worker_index"]: m["position"] for m in members},
-                "members": [m["rpc_name"] for m in members], "model": self.model})
+            dense = write_dense_part(
+                directory, step=step, module=self.replica.module.state_dict(),
+                optimizer=self.replica.optimizer.state_dict(), hook=self.replica.hook,
+                hook_options=self.replica.hook_options, hook_states=[m["hook_state"] for m in members],
+                data_positions={m["worker_index"]: m["position"] for m in members},
+                members=[m["rpc_name"] for m in members], model=self.model)
             files.append(dense.to_json())
             info = {"shards": shards, "group_members": [m["rpc_name"] for m in members],
                     "data_used": {str(m["worker_index"]): m["position"]["used"] for m in members},
