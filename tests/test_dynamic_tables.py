@@ -4,6 +4,7 @@ routing, and a checkpoint restored onto another number of shards; every case on 
 ``kernel`` fixture: the C kernel's best build, its baseline build, the torch path).  Where the kernel comes
 from: a shard's state loads it when it hosts its first dynamic table, never at import."""
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -297,6 +298,26 @@ def test_importing_the_package_compiles_and_loads_no_kernel(kernel, tmp_path):
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False" and not cache.exists()
+
+
+def test_an_install_time_build_is_used_only_when_made_from_the_kernel_c_beside_it(monkeypatch, tmp_path):
+    installed = native.installed_library("baseline")
+    if installed is None:
+        pytest.skip("no install-time build here (no compiler at install, or the package is not installed)")
+    probe = native.Kernel(ctypes.CDLL(str(installed)), "baseline", installed, installed=True)
+    current = probe.digest == native.source_digest(native.SOURCE_PATH.read_bytes())
+    build = native.NativeKernels().build("baseline")
+    assert build.installed == current and (build.origin == installed) == current
+    # kernel.c edited since the install: its build is passed over for one made on first use from the new source
+    edited = tmp_path / "kernel.c"
+    edited.write_bytes(native.SOURCE_PATH.read_bytes() + b"/* edited */\n")
+    monkeypatch.setattr(native, "SOURCE_PATH", edited)
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "cache"))
+    rebuilt = native.NativeKernels().build("baseline")
+    if rebuilt is None:
+        pytest.skip("no C compiler to build the edited source with")
+    assert not rebuilt.installed and rebuilt.origin.parent == tmp_path / "cache"
+    assert rebuilt.digest == native.source_digest(edited.read_bytes())
 
 
 def test_a_row_swept_by_ttl_in_the_lookup_that_asks_for_it_comes_back_fresh_in_a_slot_of_its_own(kernel):
