@@ -19,11 +19,12 @@ $(PY):
 	# torch first, pinned: the local CPU build; an unpinned torch would pull CUDA wheels.
 	$(PIP) install --quiet $(TORCH_PIN)
 
-# setup.py generates the gRPC stubs from protos/ at install time, so a changed
-# .proto re-runs the install too.
+# setup.py generates the gRPC stubs from protos/ and builds the dynamic tables'
+# C kernel at install time, so a changed .proto or kernel.c re-runs the install too.
 PROTOS := $(shell find protos -name '*.proto')
+KERNEL := paramserver/shards/server/dynamic/kernel.c
 
-$(STAMP): $(PY) setup.cfg setup.py pyproject.toml $(PROTOS)
+$(STAMP): $(PY) setup.cfg setup.py pyproject.toml $(PROTOS) $(KERNEL)
 	$(PIP) install --quiet $(TORCH_PIN) -e '.[test]'
 	touch $(STAMP)
 
@@ -47,3 +48,4 @@ bench: $(STAMP)
 clean:
 	rm -rf $(VENV) build *.egg-info
 	find paramserver -name '*_pb2*.py*' -delete
+	find paramserver -name '*.so' -delete

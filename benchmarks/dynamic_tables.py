@@ -95,7 +95,7 @@ from paramserver.optim import QHM
 from paramserver.shards.server.optimizers import OwnerOptimizer
 from paramserver.optim.registry import functional_optim_map
 from paramserver.shards.server import ShardState
-from paramserver.shards.server.dynamic import id_index, native
+from paramserver.shards.server.dynamic import id_index
 from paramserver.shards.server.dynamic import rows as dynamic_module
 from paramserver.shards.server.dynamic.rows import DynamicRows
 from paramserver.tables import DynamicOptions
@@ -194,7 +194,8 @@ def owner_optimizer(state: ShardState, param: Tensor, name: str) -> OwnerOptimiz
 
 def build_dynamic(state: ShardState, ids: Tensor, dim: int, insert_batch: int):
     rows = state.shared_dynamic("bench@0/1", lambda: DynamicRows(
-        "bench@0/1", dim, torch.float32, 7, 0.01, DynamicOptions(), lambda t: state.lock_for(t)[1]))
+        "bench@0/1", dim, torch.float32, 7, 0.01, DynamicOptions(), lambda t: state.lock_for(t)[1],
+        kernel=state.kernels.chosen(), huge_pages=state.huge_pages))
     optimizer = owner_optimizer(state, rows.slab, "bench@0/1")
     for start in range(0, ids.numel(), insert_batch):
         rows.lookup(ids[start:start + insert_batch], 0)
@@ -268,6 +269,9 @@ def kernel_case(args, results: Dict) -> Memory:
     trim_heap()
     memory = memory_of(rows, optimizer, grown, rss_bytes() - before)
     results["build_s"] = build_s
+    kernel = rows.index.kernel
+    results["found_by"] = "the torch path (no C kernel)" if kernel is None else \
+        f"the C kernel's {kernel.variant} build ({'built at install' if kernel.installed else 'built on first use'})"
 
     progress("building the fixed table and the dict of rows ...")
     fixed = torch.randn(args.rows, args.dim) * 0.01
@@ -406,7 +410,7 @@ def report(args, results: Dict, memory: Memory) -> None:
     print(f"# Dynamic tables: torch {torch.__version__}, {args.rows:,} rows x {args.dim} float32 held, "
           f"batches of {batch:,} distinct sorted ids, {args.threads} intra-op thread(s) in-process, "
           f"{args.rounds} rounds (dict: {args.dict_rounds}){', --quick' if args.quick else ''}; ids found by "
-          f"{'the C kernel' if native.kernel() is not None else 'the torch path (no C kernel)'}")
+          f"{results['found_by']}")
     print()
     print("| per shard, per request | dynamic | fixed tensor | dynamic / fixed "
           f"| dict of rows ({args.dict_rows:,} held) | dynamic / dict |")

@@ -1,6 +1,13 @@
 """Dynamic tables in one process: the id index, admission, capacity and TTL eviction, rows re-created from
 their initial values, optimizer state following the rows (equal to a fixed table's on the rows both hold),
-routing, and a checkpoint restored onto another number of shards."""
+routing, and a checkpoint restored onto another number of shards; every case on each lookup path (the
+``kernel`` fixture: the C kernel's best build, its baseline build, the torch path).  Where the kernel comes
+from: a shard's state loads it when it hosts its first dynamic table, never at import."""
+
+import ctypes
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,12 +22,37 @@ from paramserver.shards.server.dynamic import DynamicRows
 from paramserver.tables import DynamicOptions
 from paramserver.tables.id_hash import initial_rows, shard_of
 from paramserver.shards.server.dynamic import huge_pages, native
+from paramserver.shards.server.dynamic.huge_pages import HugePages
 from paramserver.shards.server.dynamic.id_index import IdIndex
 from paramserver.shards.server import ShardState
+from paramserver.shards.server.hosted import host_dynamic
 from paramserver.train.contract import Table
 
 DIM = 4
 INT64_MIN, INT64_MAX = -2 ** 63, 2 ** 63 - 1
+
+
+@pytest.fixture(scope="module")
+def kernels() -> native.NativeKernels:
+    """The C kernel's builds, loaded once for the tests here (``PARAMSERVER_NATIVE`` honoured)."""
+    return native.NativeKernels()
+
+
+@pytest.fixture(params=["native", "baseline", "torch"], autouse=True)
+def kernel(request, kernels):
+    """Every test here on each path: ids found by the C kernel (its best build for this processor, and its
+    baseline build where that is another one), and by the torch path (``None``)."""
+    if request.param == "torch":
+        return None
+    best = kernels.chosen()
+    if best is None:
+        pytest.skip("the C kernel is not available here (no C compiler, or PARAMSERVER_NATIVE=0)")
+    if request.param == "baseline":
+        if best.variant == "baseline":
+            pytest.skip("the best build of the C kernel here is its baseline build (run as 'native')")
+        best = kernels.build("baseline")
+        assert best.variant == "baseline"
+    return best
 
 
 def spread_ids(count: int, seed: int = 0) -> torch.Tensor:
@@ -31,18 +63,21 @@ def spread_ids(count: int, seed: int = 0) -> torch.Tensor:
     return ids[torch.randperm(ids.numel(), generator=generator)]
 
 
-def dynamic(options: DynamicOptions = DynamicOptions(), state: ShardState = None, seed: int = 3) -> DynamicRows:
+def dynamic(kernel, options: DynamicOptions = DynamicOptions(), state: ShardState = None,
+            seed: int = 3) -> DynamicRows:
+    """A table part whose lookups run in ``kernel`` (a ``native.Kernel``, or ``None``: the torch path)."""
     state = state or ShardState()
     return state.shared_dynamic("t@0/1", lambda: DynamicRows("t@0/1", DIM, torch.float32, seed, 0.1, options,
-                                                             lambda t: state.lock_for(t)[1]))
+                                                             lambda t: state.lock_for(t)[1], kernel=kernel,
+                                                             huge_pages=state.huge_pages))
 
 
 def held_ids(rows: DynamicRows) -> set:
     return set(rows.index.items()[0].tolist())
 
 
-def test_the_index_maps_ids_over_the_whole_int64_range_through_growth_and_removal():
-    index = IdIndex()
+def test_the_index_maps_ids_over_the_whole_int64_range_through_growth_and_removal(kernel):
+    index = IdIndex(kernel, HugePages())
     ids = spread_ids(60_000)
     for start in range(0, ids.numel(), 5_000):  # grows several times
         index.insert(ids[start:start + 5_000], torch.arange(start, min(start + 5_000, ids.numel())))
@@ -58,7 +93,7 @@ def test_the_index_maps_ids_over_the_whole_int64_range_through_growth_and_remova
     assert len(index) == ids.numel() - 15_000
     # ids crowding one bucket make the index grow, never lose one
     crowd = torch.arange(3_000) << 40
-    crowded = IdIndex()
+    crowded = IdIndex(kernel, HugePages())
     crowded.insert(crowd, torch.arange(3_000))
     assert torch.equal(crowded.find(crowd), torch.arange(3_000))
 
@@ -74,8 +109,8 @@ def test_routing_and_initial_rows_are_fixed_functions_of_the_id():
     assert rows.std().item() == pytest.approx(0.5, rel=0.05) and abs(rows.mean().item()) < 0.01
 
 
-def test_rows_are_made_on_first_lookup_and_read_as_their_initial_values():
-    rows = dynamic()
+def test_rows_are_made_on_first_lookup_and_read_as_their_initial_values(kernel):
+    rows = dynamic(kernel)
     ids = spread_ids(500)
     assert torch.equal(rows.lookup(ids, -1), torch.zeros(ids.numel(), DIM))  # reading admits nothing
     assert len(rows.index) == 0
@@ -84,22 +119,22 @@ def test_rows_are_made_on_first_lookup_and_read_as_their_initial_values():
     assert rows.stats()["rows"] == ids.numel() == rows.stats()["admitted"]
 
 
-def test_an_id_is_admitted_once_seen_in_admit_after_lookups():
-    rows = dynamic(DynamicOptions(admit_after=3))
+def test_an_id_is_admitted_once_seen_in_admit_after_lookups(kernel):
+    rows = dynamic(kernel, DynamicOptions(admit_after=3))
     ids = spread_ids(200)
     for step in range(2):
         assert torch.equal(rows.lookup(ids, step), torch.zeros(ids.numel(), DIM))
     assert len(rows.index) == 0 and rows.stats()["not_admitted"] == 2 * ids.numel()
     assert torch.equal(rows.lookup(ids, 2), initial_rows(ids, 3, DIM, 0.1, torch.float32))
     assert len(rows.index) == ids.numel()
-    sampled = dynamic(DynamicOptions(admit_probability=0.25))
+    sampled = dynamic(kernel, DynamicOptions(admit_probability=0.25))
     sampled.lookup(spread_ids(4_000), 0)
     assert 800 < len(sampled.index) < 1_200
 
 
-def test_capacity_is_never_exceeded_and_the_hot_ids_are_never_evicted():
+def test_capacity_is_never_exceeded_and_the_hot_ids_are_never_evicted(kernel):
     capacity = 300
-    rows = dynamic(DynamicOptions(capacity=capacity))
+    rows = dynamic(kernel, DynamicOptions(capacity=capacity))
     hot = spread_ids(100, seed=5)
     generator = torch.Generator().manual_seed(1)
     for step in range(40):
@@ -112,13 +147,13 @@ def test_capacity_is_never_exceeded_and_the_hot_ids_are_never_evicted():
         assert (values.abs().sum(1) > 0).all()
     assert rows.stats()["evicted"] >= 40 * 90 - capacity
     # a step asking for more new ids than the shard can hold: the extra ones read zeros, none evicted from it
-    full = dynamic(DynamicOptions(capacity=50))
+    full = dynamic(kernel, DynamicOptions(capacity=50))
     values = full.lookup(spread_ids(80), 0)
     assert len(full.index) == 50 and int((values.abs().sum(1) > 0).sum()) == 50
 
 
-def test_rows_untouched_for_ttl_steps_are_evicted_and_come_back_from_their_initial_values():
-    rows = dynamic(DynamicOptions(ttl_steps=3))
+def test_rows_untouched_for_ttl_steps_are_evicted_and_come_back_from_their_initial_values(kernel):
+    rows = dynamic(kernel, DynamicOptions(ttl_steps=3))
     old, kept = spread_ids(50, seed=1), spread_ids(50, seed=2)
     kept = kept[~torch.isin(kept, old)]
     rows.lookup(torch.cat([old, kept]), 0)
@@ -143,9 +178,10 @@ def _owner_optimizer(state: ShardState, params, optimizer=QHM, **options):
 
 @pytest.mark.parametrize("optimizer,options", [(QHM, dict(lr=0.5, momentum=0.9, nu=0.7)),
                                                (SGD, dict(lr=0.5, momentum=0.9, dampening=0.1))])
-def test_updates_equal_a_fixed_table_holding_the_same_rows_with_state_following_the_rows(optimizer, options):
+def test_updates_equal_a_fixed_table_holding_the_same_rows_with_state_following_the_rows(optimizer, options,
+                                                                                         kernel):
     state = ShardState()
-    rows = dynamic(DynamicOptions(capacity=1500), state)
+    rows = dynamic(kernel, DynamicOptions(capacity=1500), state)
     universe = spread_ids(2_000)
     fixed = initial_rows(universe, 3, DIM, 0.1, torch.float32)
     fixed_optimizer = _owner_optimizer(state, [fixed], optimizer, **options)
@@ -180,16 +216,16 @@ def test_updates_equal_a_fixed_table_holding_the_same_rows_with_state_following_
         assert_same(value[slots], fixed_state[key][order])
 
 
-def test_an_optimizer_whose_state_cannot_follow_rows_is_refused_naming_the_table():
+def test_an_optimizer_whose_state_cannot_follow_rows_is_refused_naming_the_table(kernel):
     state = ShardState()
-    rows = dynamic(state=state)
+    rows = dynamic(kernel, state=state)
     with pytest.raises(TypeError, match="t@0/1"):
         _owner_optimizer(state, [rows.slab], torch.optim.Adagrad, lr=0.1)
 
 
-def test_a_checkpoint_is_restored_onto_another_number_of_shards():
+def test_a_checkpoint_is_restored_onto_another_number_of_shards(kernel):
     states = [ShardState(), ShardState()]
-    parts = [dynamic(DynamicOptions(admit_after=2), state, seed=3) for state in states]
+    parts = [dynamic(kernel, DynamicOptions(admit_after=2), state, seed=3) for state in states]
     optimizers = [_owner_optimizer(state, [part.slab], lr=0.5, momentum=0.9, nu=0.7)
                   for state, part in zip(states, parts)]
     ids = spread_ids(3_000)
@@ -211,7 +247,7 @@ def test_a_checkpoint_is_restored_onto_another_number_of_shards():
         restored_ids = set()
         for index in range(count):
             new_state = ShardState()
-            part = dynamic(DynamicOptions(admit_after=2), new_state)
+            part = dynamic(kernel, DynamicOptions(admit_after=2), new_state)
             part.restore(**select_part(entries, index, count))
             optimizer = _owner_optimizer(new_state, [part.slab], lr=0.5, momentum=0.9, nu=0.7)
             optimizer.load_state_dict({0: part.restored_optimizer_state(optimizer.class_name)})
@@ -233,8 +269,59 @@ def test_tables_check_their_options_and_route_any_int64_id():
     assert Table(None, 8, ttl_steps=5).dynamic
 
 
-def test_a_row_swept_by_ttl_in_the_lookup_that_asks_for_it_comes_back_fresh_in_a_slot_of_its_own():
-    rows = dynamic(DynamicOptions(ttl_steps=1))
+def test_a_state_loads_its_kernel_when_it_hosts_its_first_dynamic_table_and_two_states_live_in_one_process(kernel):
+    choice = "torch" if kernel is None else "best" if kernel.variant == "avx2" else "baseline"
+    states = [ShardState(kernels=native.NativeKernels(choice)) for _ in range(2)]
+    ids = spread_ids(2_000)
+    read = []
+    for state in states:
+        assert state.kernels.loaded() == {}  # nothing loaded before a dynamic table is hosted
+        rows = state.dynamic_rows(host_dynamic(state, "t", DIM, torch.float32, 3, 0.1, DynamicOptions(), 0, 1))
+        assert (rows.index.kernel and rows.index.kernel.variant) == (kernel and kernel.variant)
+        read.append(rows.lookup(ids, 0))
+    assert torch.equal(read[0], read[1]) and torch.equal(read[0], initial_rows(ids, 3, DIM, 0.1, torch.float32))
+
+
+def test_importing_the_package_compiles_and_loads_no_kernel(kernel, tmp_path):
+    """Whatever ``PARAMSERVER_NATIVE`` says: importing, and making a ``ShardState``, load nothing."""
+    if not os.path.exists("/proc/self/maps"):
+        pytest.skip("reads the libraries a process loaded from /proc/self/maps (Linux)")
+    choice = "0" if kernel is None else "1" if kernel.variant == "avx2" else "baseline"
+    code = ("import paramserver, paramserver.shards\n"
+            "from paramserver.train import Table\n"
+            "from paramserver.shards.server import ShardState\n"
+            "ShardState()\n"
+            "maps = open('/proc/self/maps').read()\n"
+            "print('_kernel_' in maps or 'dynamic-tables-' in maps)\n")
+    cache = tmp_path / "cache"
+    env = dict(os.environ, PARAMSERVER_CACHE=str(cache), PARAMSERVER_NATIVE=choice)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False" and not cache.exists()
+
+
+def test_an_install_time_build_is_used_only_when_made_from_the_kernel_c_beside_it(monkeypatch, tmp_path):
+    installed = native.installed_library("baseline")
+    if installed is None:
+        pytest.skip("no install-time build here (no compiler at install, or the package is not installed)")
+    probe = native.Kernel(ctypes.CDLL(str(installed)), "baseline", installed, installed=True)
+    current = probe.digest == native.source_digest(native.SOURCE_PATH.read_bytes())
+    build = native.NativeKernels().build("baseline")
+    assert build.installed == current and (build.origin == installed) == current
+    # kernel.c edited since the install: its build is passed over for one made on first use from the new source
+    edited = tmp_path / "kernel.c"
+    edited.write_bytes(native.SOURCE_PATH.read_bytes() + b"/* edited */\n")
+    monkeypatch.setattr(native, "SOURCE_PATH", edited)
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "cache"))
+    rebuilt = native.NativeKernels().build("baseline")
+    if rebuilt is None:
+        pytest.skip("no C compiler to build the edited source with")
+    assert not rebuilt.installed and rebuilt.origin.parent == tmp_path / "cache"
+    assert rebuilt.digest == native.source_digest(edited.read_bytes())
+
+
+def test_a_row_swept_by_ttl_in_the_lookup_that_asks_for_it_comes_back_fresh_in_a_slot_of_its_own(kernel):
+    rows = dynamic(kernel, DynamicOptions(ttl_steps=1))
     stale, others = spread_ids(40, seed=3), spread_ids(40, seed=4)
     others = others[~torch.isin(others, stale)]
     rows.lookup(stale, 0)
@@ -246,26 +333,8 @@ def test_a_row_swept_by_ttl_in_the_lookup_that_asks_for_it_comes_back_fresh_in_a
     assert torch.equal(values, initial_rows(asked, 3, DIM, 0.1, torch.float32))
 
 
-@pytest.fixture(params=["native", "baseline", "torch"], autouse=True)
-def kernel_path(request, monkeypatch):
-    """Every test here on each path: ids found by the C kernel (its best build for this processor, and its
-    baseline build where that is another one), and by the torch path."""
-    if request.param == "torch":
-        monkeypatch.setenv("PARAMSERVER_NATIVE", "0")
-        return request.param
-    best = native.kernel()
-    if best is None:
-        pytest.skip("the C kernel is not available here (no C compiler, or PARAMSERVER_NATIVE=0)")
-    if request.param == "baseline":
-        if best.variant == "baseline":
-            pytest.skip("the best build of the C kernel here is its baseline build (run as 'native')")
-        monkeypatch.setenv("PARAMSERVER_NATIVE", "baseline")
-        assert native.kernel().variant == "baseline"
-    return request.param
-
-
-def test_the_c_kernel_and_the_torch_path_find_touch_and_read_alike(kernel_path):
-    index = IdIndex()
+def test_the_c_kernel_and_the_torch_path_find_touch_and_read_alike(kernel):
+    index = IdIndex(kernel, HugePages())
     ids = spread_ids(20_000)
     index.insert(ids, torch.arange(ids.numel()))
     index.remove(ids[:3_000])
@@ -283,9 +352,10 @@ def test_the_c_kernel_and_the_torch_path_find_touch_and_read_alike(kernel_path):
     assert torch.equal(index.find(asked), expected)
 
 
-def test_huge_page_tensors_hold_what_plain_ones_would(kernel_path):
+def test_huge_page_tensors_hold_what_plain_ones_would():
+    pages = HugePages()
     big = huge_pages.MIN_BYTES // 4 + 5  # int32 elements: advised (where the system allows)
-    grown = huge_pages.grown(torch.arange(20, dtype=torch.int32).view(10, 2), big // 2)
+    grown = pages.grown(torch.arange(20, dtype=torch.int32).view(10, 2), big // 2)
     assert grown.shape == (big // 2, 2) and torch.equal(grown[:10], torch.arange(20, dtype=torch.int32).view(10, 2))
-    assert huge_pages.empty((big // 4, 4), torch.int32).shape == (big // 4, 4)
-    assert huge_pages.advise(torch.empty(16)) is False  # small tensors keep ordinary pages
+    assert pages.empty((big // 4, 4), torch.int32).shape == (big // 4, 4)
+    assert pages.advise(torch.empty(16)) is False  # small tensors keep ordinary pages

@@ -284,7 +284,8 @@ def test_the_cluster_collector_reads_the_membership_table():
 def dynamic_part(state: ShardState, table: str, index: int, count: int, options: DynamicOptions) -> DynamicRows:
     name = part_name(table, index, count)
     return state.shared_dynamic(name, lambda: DynamicRows(name, 4, torch.float32, 1, 0.1, options,
-                                                          lambda t: state.lock_for(t)[1]))
+                                                          lambda t: state.lock_for(t)[1],
+                                                          kernel=state.kernels.chosen(), huge_pages=state.huge_pages))
 
 
 def test_a_shard_serves_its_dynamic_tables_rows_and_heartbeats_their_sums():

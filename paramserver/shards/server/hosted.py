@@ -69,7 +69,8 @@ def host_dynamic(state: ShardState, table: str, embedding_dim: int, dtype: torch
     name = part_name(table, index, count)
 
     def create() -> DynamicRows:
-        rows = DynamicRows(name, embedding_dim, dtype, seed, init_std, options, lambda t: state.lock_for(t)[1])
+        rows = DynamicRows(name, embedding_dim, dtype, seed, init_std, options, lambda t: state.lock_for(t)[1],
+                           kernel=state.kernels.chosen(), huge_pages=state.huge_pages)
         restored = state.restore_source.dynamic_part(table, index, count) if state.restore_source else None
         if restored is not None:
             rows.restore(**restored)

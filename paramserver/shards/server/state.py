@@ -9,7 +9,9 @@ figures for metrics and heartbeats), the owner-side
 optimizers over them (by what they were asked for and by handle), a lock
 per parameter in one global order, the TorchScript compile lock, where
 restored values come from (``restore_source``), where its optimizer steps are
-counted (``recorder``), and the stop request.
+counted (``recorder``), the stop request, and what its dynamic tables call
+outside Python: the C kernel's builds (``kernels``, loaded when it hosts
+its first dynamic table, not before) and huge pages (``huge_pages``).
 
 A shard process makes one and hands it to ``run_shard_server``, which
 installs it in the shard service (``paramserver.shards.server.service``),
@@ -26,6 +28,9 @@ from typing import Callable, Dict, List, Optional, Protocol, Tuple
 
 import torch
 from torch import Tensor
+
+from .dynamic.huge_pages import HugePages
+from .dynamic.native import NativeKernels
 
 
 class RestoreSource(Protocol):
@@ -50,10 +55,15 @@ class OwnerStepRecorder(Protocol):
 class ShardState:
     """One process's hosted tensors, their optimizers and locks, its restore source and stop request."""
 
-    def __init__(self, restore_source: Optional[RestoreSource] = None, recorder: Optional["OwnerStepRecorder"] = None):
+    def __init__(self, restore_source: Optional[RestoreSource] = None, recorder: Optional["OwnerStepRecorder"] = None,
+                 kernels: Optional[NativeKernels] = None, huge_pages: Optional[HugePages] = None):
         self.restore_source = restore_source
         #: Where the optimizer steps applied here are counted (the process's data-plane metrics), or ``None``.
         self.recorder = recorder
+        #: The C kernel's builds its dynamic tables' lookups run in (``chosen()``), loaded on first use.
+        self.kernels = kernels if kernels is not None else NativeKernels()
+        #: What makes its dynamic tables' large tensors (on huge pages where the system offers them).
+        self.huge_pages = huge_pages if huge_pages is not None else HugePages()
         #: Names this process among every process that serves under the same RPC name (a restarted shard is
         #: another): integer handles made here are good only where it matches.
         self.incarnation = secrets.randbits(62)

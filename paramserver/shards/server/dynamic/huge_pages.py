@@ -12,7 +12,8 @@ Hosts whose transparent huge pages are ``always`` need nothing; those
 set to ``madvise`` (common) need this call; ``never``, other systems, or
 a refused call leave ordinary pages, with the same results.  Only
 tensors of at least ``MIN_BYTES`` are advised: the advice covers whole
-2 MiB pages inside the tensor's memory.
+2 MiB pages inside the tensor's memory.  A ``HugePages`` object makes
+them; its owner (a ``ShardState``) hands it to the tables it hosts.
 """
 
 import ctypes
@@ -30,56 +31,51 @@ MIN_BYTES = 8 * HUGE_PAGE
 _MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
 
 
-class _Madvise:
-    """libc's ``madvise``, looked up once per process (``None`` off Linux or without it)."""
+class HugePages:
+    """Large tensors asked onto huge pages, for one owner (a ``ShardState`` has one); libc's ``madvise`` is
+    looked up on first use, once (none off Linux or without it).  Thread-safe."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._looked_up = False
-        self._call = None
+        self._madvise = None
 
-    def call(self):
+    def _madvise_call(self):
         with self._lock:
             if not self._looked_up:
                 self._looked_up = True
                 if sys.platform.startswith("linux"):
                     try:
                         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-                        self._call = libc.madvise
-                        self._call.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-                        self._call.restype = ctypes.c_int
+                        self._madvise = libc.madvise
+                        self._madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+                        self._madvise.restype = ctypes.c_int
                     except (OSError, AttributeError):
-                        self._call = None
-            return self._call
+                        self._madvise = None
+            return self._madvise
 
+    def advise(self, tensor: Tensor) -> bool:
+        """Ask for huge pages under the whole 2 MiB pages of ``tensor``'s memory; whether the system took it.
+        Only pages not yet touched get them, so call it on a new tensor before writing to it."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes < MIN_BYTES or tensor.device.type != "cpu":
+            return False
+        madvise = self._madvise_call()
+        if madvise is None:
+            return False
+        start = -(-tensor.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+        length = (tensor.data_ptr() + nbytes - start) // HUGE_PAGE * HUGE_PAGE
+        return length > 0 and madvise(start, length, _MADV_HUGEPAGE) == 0
 
-_madvise = _Madvise()
+    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
+        """``torch.empty(shape, dtype=dtype)``, advised onto huge pages (see ``advise``)."""
+        tensor = torch.empty(tuple(shape), dtype=dtype)
+        self.advise(tensor)
+        return tensor
 
-
-def advise(tensor: Tensor) -> bool:
-    """Ask for huge pages under the whole 2 MiB pages of ``tensor``'s memory; whether the system took it.
-    Only pages not yet touched get them, so call it on a new tensor before writing to it."""
-    nbytes = tensor.numel() * tensor.element_size()
-    if nbytes < MIN_BYTES or tensor.device.type != "cpu":
-        return False
-    call = _madvise.call()
-    if call is None:
-        return False
-    start = -(-tensor.data_ptr() // HUGE_PAGE) * HUGE_PAGE
-    length = (tensor.data_ptr() + nbytes - start) // HUGE_PAGE * HUGE_PAGE
-    return length > 0 and call(start, length, _MADV_HUGEPAGE) == 0
-
-
-def empty(shape: Sequence[int], dtype: torch.dtype) -> Tensor:
-    """``torch.empty(shape, dtype=dtype)``, advised onto huge pages (see ``advise``)."""
-    tensor = torch.empty(tuple(shape), dtype=dtype)
-    advise(tensor)
-    return tensor
-
-
-def grown(tensor: Tensor, rows: int) -> Tensor:
-    """A new tensor of ``rows`` rows (at least ``tensor``'s), advised onto huge pages, holding ``tensor``'s
-    rows first (the rows after them are left as they are)."""
-    result = empty((rows,) + tuple(tensor.shape[1:]), tensor.dtype)
-    result[:tensor.size(0)].copy_(tensor)
-    return result
+    def grown(self, tensor: Tensor, rows: int) -> Tensor:
+        """A new tensor of ``rows`` rows (at least ``tensor``'s), advised onto huge pages, holding ``tensor``'s
+        rows first (the rows after them are left as they are)."""
+        result = self.empty((rows,) + tuple(tensor.shape[1:]), tensor.dtype)
+        result[:tensor.size(0)].copy_(tensor)
+        return result

@@ -10,10 +10,10 @@ names (``id_hash.bucket_of``), or, when that bucket is full, to the next
 one that is not.  A lookup reads the id's whole bucket at once, writes its
 touch in the same lines, and stops at the first bucket with an empty lane,
 so nearly every id is found in the first round (the others in a round or
-two more).  Where a C compiler exists, lookups run in a C kernel over the
-same tensor (``native``), which also reads the ids'
-rows; the torch code here is the fallback, with the same results.  Large
-indexes live on huge pages (``huge_pages``).
+two more).  Lookups run in the C kernel it is handed (``native.Kernel``)
+over the same tensor, which also reads the ids' rows; with none, in the
+torch code here, with the same results.  Large indexes live on huge pages
+(the ``huge_pages.HugePages`` it is handed).
 
 Removing an id leaves a tombstone (the lane is reused by a later insert,
 but still counts as taken for lookups, so that ids placed past it stay
@@ -22,12 +22,13 @@ found); the index is rebuilt when ids and tombstones together fill
 than half.  Not thread-safe: its owner serializes calls.
 """
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from . import huge_pages, native
+from . import native
+from .huge_pages import HugePages
 from ....tables.id_hash import bucket_of, _GOLDEN
 
 LANES = native.LANES  # the C kernel reads buckets of this many lanes
@@ -40,9 +41,14 @@ _GOLDEN_INVERSE -= (1 << 64) if _GOLDEN_INVERSE >= 1 << 63 else 0
 
 
 class IdIndex:
-    """int64 id -> (slot, a non-negative int32; last touch, an int32 step or -1), for batches of ids."""
+    """int64 id -> (slot, a non-negative int32; last touch, an int32 step or -1), for batches of ids.
 
-    def __init__(self, expected: int = 0):
+    ``kernel``: the C kernel build its lookups run in, or ``None`` for the torch path; ``huge_pages``: what
+    makes its tensors (both its owner's, ``ShardState.kernels`` and ``ShardState.huge_pages``)."""
+
+    def __init__(self, kernel: Optional[native.Kernel], huge_pages: HugePages, expected: int = 0):
+        self.kernel = kernel
+        self._huge_pages = huge_pages
         self._allocate(self._buckets_for(expected))
         self.size = 0
         self.removed = 0
@@ -61,7 +67,7 @@ class IdIndex:
         #: unused key below can never be an id looked for in that bucket.
         self._max_run = max(1, buckets // 4)
         #: Each bucket: LANES ids, then LANES int32 slots and LANES int32 touches (as int64 pairs).
-        self.table = huge_pages.empty((buckets, 2 * LANES), torch.int64)
+        self.table = self._huge_pages.empty((buckets, 2 * LANES), torch.int64)
         self.keys = self.table[:, :LANES]
         self.slots = self.table[:, LANES:LANES + LANES // 2].view(torch.int32)
         self.touches = self.table[:, LANES + LANES // 2:].view(torch.int32)
@@ -86,17 +92,15 @@ class IdIndex:
 
     def find(self, ids: Tensor) -> Tensor:
         """The slot of each of ``ids`` (int64), -1 where an id is not held."""
-        kernel = native.kernel()
-        if kernel is not None:
-            return kernel.find(self.table, self._bits, self._max_run, ids)[0]
+        if self.kernel is not None:
+            return self.kernel.find(self.table, self._bits, self._max_run, ids)[0]
         return self._find_in_torch(ids)[0]
 
     def find_rows(self, ids: Tensor, table: Tensor, step: int = -1) -> Tuple[Tensor, Tensor, bool]:
         """(slots of ``ids`` as ``find`` gives them; their rows of ``table`` (the rows of the slots; zeros where
         an id is not held); whether every id is held).  With ``step`` >= 0 each id held is touched at it."""
-        kernel = native.kernel()
-        if kernel is not None:
-            slots, rows, found = kernel.find(self.table, self._bits, self._max_run, ids, step, table)
+        if self.kernel is not None:
+            slots, rows, found = self.kernel.find(self.table, self._bits, self._max_run, ids, step, table)
             return slots, rows, found == ids.numel()
         slots, at = self._find_in_torch(ids)
         held = slots >= 0

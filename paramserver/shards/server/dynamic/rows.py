@@ -6,9 +6,9 @@ admission (``Admission``), found through an ``IdIndex``; rows live in one
 slab tensor (the hosted parameter, which grows in place by ``GROWTH``;
 large ones on huge pages, ``huge_pages``); the index keeps each id's slot
 and the step it was last touched.  A lookup finds,
-touches and reads its ids in one call (``IdIndex.find_rows``: a C kernel
-where one could be built, torch operations otherwise).  The slab is an
-ordinary parameter to the owner-side optimizer
+touches and reads its ids in one call (``IdIndex.find_rows``: in the C
+kernel build it is handed, ``native``, or torch operations without one).
+The slab is an ordinary parameter to the owner-side optimizer
 (``paramserver.shards.server.optimizers``): a push's ids become slots, and the same
 fused sparse update as a fixed table's runs over them.  The optimizer's
 per-row state lives in tensors shaped like the slab, so it follows the
@@ -39,9 +39,10 @@ from torch import Tensor
 
 from ....tables import DynamicOptions
 from ....tables.id_hash import initial_rows
-from . import huge_pages
 from .admission import Admission
+from .huge_pages import HugePages
 from .id_index import IdIndex
+from .native import Kernel
 
 #: The slab grows by this factor (at least ``MIN_SLOTS`` rows) when it has no free slot: small, so that at
 #: most an eighth of it (and of the optimizer state shaped like it) is ever unused, at the price of more copies
@@ -52,17 +53,22 @@ _NEVER = torch.iinfo(torch.int32).max
 
 
 class DynamicRows:
-    """The rows of ids ``shard_index`` of ``shard_count`` serves, of one dynamic table."""
+    """The rows of ids ``shard_index`` of ``shard_count`` serves, of one dynamic table.
+
+    ``kernel``: the C kernel build its lookups run in, or ``None`` for the torch path; ``huge_pages``: what
+    makes its large tensors.  Its owner's (``ShardState.kernels.chosen()``, ``ShardState.huge_pages``)."""
 
     def __init__(self, name: str, embedding_dim: int, dtype: torch.dtype, seed: int, init_std: float,
-                 options: DynamicOptions, lock_for: Callable[[Tensor], threading.Lock]):
+                 options: DynamicOptions, lock_for: Callable[[Tensor], threading.Lock], *,
+                 kernel: Optional[Kernel], huge_pages: HugePages):
         self.name, self.embedding_dim, self.dtype = name, embedding_dim, dtype
         self.seed, self.init_std, self.options = seed, init_std, options
         #: The hosted parameter: row ``slot`` holds the id the index maps to ``slot`` (free slots: none).
         self.slab = torch.empty(0, embedding_dim, dtype=dtype)
         self._free = torch.empty(0, dtype=torch.int64)
         self._used = 0  # slots below this were used at least once
-        self.index = IdIndex()
+        self._huge_pages = huge_pages
+        self.index = IdIndex(kernel, huge_pages)
         self.admission = Admission(options.admit_after, options.admit_probability, seed)
         self.clock = -1
         self._last_sweep = -1
@@ -180,7 +186,7 @@ class DynamicRows:
         if self.options.capacity is not None:
             rows = max(needed, min(rows, self.options.capacity))
         # The slab changes its memory in place (set_): the optimizers and RRefs hold this very tensor.
-        self.slab.set_(huge_pages.grown(self.slab, rows))
+        self.slab.set_(self._huge_pages.grown(self.slab, rows))
         for optimizer, index in self._each_optimizer():
             optimizer.resize_state_rows(index, rows)
 
