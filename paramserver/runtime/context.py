@@ -4,8 +4,8 @@ Owns ``JobContext`` (a job's first argument), the plain types it hands
 out (``GroupView``, ``CheckpointSettings``, ``CheckpointCommit``),
 ``Recorders`` (the worker's metric sets, for a job to hand to what it
 builds: a ``Trainer`` does) and ``GroupChannel``, the narrow interface a
-trainer group forms through.  A
-context is built in one call: ``JobContext.from_assignment`` for a
+trainer group forms through.  A context is built in one call:
+``JobContext.from_assignment`` for a
 ``ps-worker`` (the coordinator's answer and the worker's session), or
 ``JobContext.local`` for one process with no cluster (a job or a Trainer
 under test: the process is its own shard and a trainer group of one).
