@@ -7,6 +7,7 @@ import datetime
 import logging
 import os
 import pathlib
+import pickle
 import re
 import signal
 import socket
@@ -32,8 +33,8 @@ from paramserver.metrics import data_plane, training
 from paramserver.metrics.cluster import ClusterCollector
 from paramserver.metrics.exporter import MetricsExporter, new_registry, shard_metrics_port
 from paramserver.metrics.process import ProcessMetrics, shard_metrics, worker_metrics
-from paramserver.shards.server.optimizers import gradient_stats
-from paramserver.runtime.context import GroupChannel, Inbox, JobContext
+from paramserver.shards.server.optimizers import UNKNOWN_PEER, context_peer, gradient_stats
+from paramserver.runtime.context import GroupChannel, Inbox, JobContext, Recorders
 from paramserver.shards.server.figures import dynamic_figures, dynamic_parts
 from paramserver.shards.server.dynamic import DynamicRows
 from paramserver.tables import DynamicOptions, part_name
@@ -127,20 +128,24 @@ def test_the_shard_port_rule():
     assert [shard_metrics_port(0, i) for i in range(3)] == [0, 0, 0]
 
 
-def test_process_metrics_install_while_serving_and_put_back_what_was_there():
-    assert data_plane.slot.active is None and training.slot.active is None  # off unless a process serves them
+def test_process_metrics_hand_out_their_sets_and_install_nothing_process_wide():
+    off = Recorders()
+    assert off.data_plane is None and off.training is None  # off unless a process serves them
     first = worker_metrics("127.0.0.1", 0)
     second = ProcessMetrics("127.0.0.1", 0, "a shard", serves_data_plane=True)
     try:
-        assert data_plane.slot.active is second.data_plane and training.slot.active is first.training
-        data_plane.slot.active.client_request("shard0", "step")
+        assert first.data_plane is not None and first.training is not None  # a worker: both, to hand down
+        assert second.data_plane is not None and second.training is None and second.data_plane is not first.data_plane
+        second.data_plane.client_request("shard0", "step")
         assert value(scrape(second.url), "paramserver_rpc_client_requests_total", peer="shard0") == 1
         assert "paramserver_rpc_client_requests_total" not in scrape(first.url)  # registries of their own
     finally:
         second.close()
-    assert data_plane.slot.active is first.data_plane
+    assert refused("127.0.0.1", second.port)
+    first.data_plane.client_request("shard1", "step")  # the first one serves on, unchanged by the second's close
+    assert value(scrape(first.url), "paramserver_rpc_client_requests_total", peer="shard1") == 1
     first.close()
-    assert data_plane.slot.active is None and training.slot.active is None
+    assert refused("127.0.0.1", first.port)
 
 
 # -- the metric sets ------------------------------------------------------------
@@ -183,7 +188,7 @@ def test_gradient_stats_count_sparse_rows_and_value_bytes():
 
 
 def test_a_context_of_no_known_peer_is_labelled_unknown():
-    assert data_plane.context_peer(5 << 48) == data_plane.UNKNOWN_PEER  # no RPC agent in this process
+    assert context_peer(5 << 48) == UNKNOWN_PEER  # no RPC agent in this process
 
 
 class _Bucket:
@@ -197,17 +202,20 @@ class _Bucket:
 def test_comm_hook_bytes_and_steps_are_counted_together(monkeypatch):
     monkeypatch.setattr(hooks.dist, "all_reduce", lambda tensor, group=None, async_op=False: None)
     registry = CollectorRegistry()
-    with training.slot.installed(training.TrainingMetrics(registry)):
-        state = hooks.CommHookState("allreduce")
-        for _ in range(3):  # a step of two buckets: 10 float32 and 6 bfloat16 elements
-            state.all_reduce(torch.zeros(10))
-            state.end_bucket(_Bucket(last=False))
-            state.all_reduce(torch.zeros(6, dtype=torch.bfloat16))
-            state.end_bucket(_Bucket(last=True))
-        hooks.CommHookState("noop").end_bucket(_Bucket(last=True))
+    metrics = training.TrainingMetrics(registry)
+    state = hooks.comm_hook("allreduce", recorder=metrics).state
+    for _ in range(3):  # a step of two buckets: 10 float32 and 6 bfloat16 elements
+        state.all_reduce(torch.zeros(10))
+        state.end_bucket(_Bucket(last=False))
+        state.all_reduce(torch.zeros(6, dtype=torch.bfloat16))
+        state.end_bucket(_Bucket(last=True))
+    hooks.CommHookState("noop", recorder=metrics).end_bucket(_Bucket(last=True))
     assert state.last_step_bytes == 52
+    state = pickle.loads(pickle.dumps(state))  # as a checkpoint keeps it: without its recorder
+    assert state.recorder is None and state.steps == 3
     state.all_reduce(torch.zeros(10))
     state.end_bucket(_Bucket(last=True))  # metrics off again: not counted
+    hooks.CommHookState("allreduce").end_bucket(_Bucket(last=True))  # never handed a recorder: not counted
     samples = parse(prometheus_client.generate_latest(registry).decode())
     assert by_label(samples, "paramserver_comm_hook_steps_total", "hook") == {"allreduce": 3, "noop": 1}
     assert by_label(samples, "paramserver_comm_hook_bytes_total", "hook") == {"allreduce": 3 * 52, "noop": 0}

@@ -1,6 +1,7 @@
 """The Trainer in one process (``JobContext.local``: the process is its own shard and a trainer group of
 one), and its parts that need no cluster: the job contract's checks and the data position."""
 
+import dataclasses
 import datetime
 import pathlib
 import sys
@@ -8,10 +9,13 @@ import time
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from paramserver import Batch, Table, Trainer
+from paramserver.metrics.data_plane import DataPlaneMetrics
+from paramserver.metrics.training import TrainingMetrics
 from paramserver.optim import QHM
-from paramserver.runtime.context import JobContext
+from paramserver.runtime.context import JobContext, Recorders
 from paramserver.train.data import BatchStream, DataExhausted
 from paramserver.train.sparse import ShardLost, SparseTables
 
@@ -67,6 +71,27 @@ def test_data_that_ends_stops_the_group_at_an_agreement(local_context):
     # 25 batches: at step 20 the next agreement's 10 batches are not there, so the group stops at step 20.
     figures = small_trainer(local_context, "ends").fit(Counting(25), steps=100, log_every=5)
     assert figures["steps"] == 20 and figures["sparse_steps"] == 20, figures
+
+
+def test_the_trainer_hands_the_contexts_recorders_down(local_context):
+    """The collection, the trainer group, the dense replica and its comm hook record into the context's metric
+    sets (``ps-worker --metrics-port``); nothing is found process-wide."""
+    registry = CollectorRegistry()
+    ctx = dataclasses.replace(local_context, recorders=Recorders(data_plane=DataPlaneMetrics(registry),
+                                                                 training=TrainingMetrics(registry)))
+    figures = small_trainer(ctx, "recorded").fit(Counting(30), steps=10, log_every=5)
+    assert figures["steps"] == 10 and figures["bytes_per_step"] > 0, figures
+    sample = registry.get_sample_value
+    assert sample("paramserver_training_steps_total") == 10
+    assert sample("paramserver_trainer_group_generation", {"group": "0"}) == 1
+    assert sample("paramserver_comm_hook_steps_total", {"hook": "allreduce"}) == 10
+    assert sample("paramserver_comm_hook_bytes_total", {"hook": "allreduce"}) == 10 * figures["bytes_per_step"]
+    assert sample("paramserver_rpc_client_requests_total", {"peer": "worker0", "rpc": "push"}) == 10
+    lookups = sample("paramserver_rpc_client_requests_total", {"peer": "worker0", "rpc": "lookup"})
+    assert lookups >= 10 and sample("paramserver_lookup_rows_total", {"peer": "worker0"}) >= lookups
+    # The same context without them (metrics off): the Trainer records nowhere.
+    small_trainer(local_context, "unrecorded").fit(Counting(30), steps=10, log_every=5)
+    assert sample("paramserver_training_steps_total") == 10
 
 
 def test_a_rebuild_gives_up_at_once_on_a_shard_that_will_not_serve_again(local_context):

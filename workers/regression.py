@@ -6,7 +6,9 @@ Each worker learns, on its own data stream, a planted model
 ``DistributedOptimizer(QHM)``.  It exercises the whole path (join, data
 plane, server-side optimizer, progress in heartbeats) in seconds; the
 loss falls towards the noise floor (``noise ** 2``).  Returns the first
-and final loss, the noise floor and the steps taken.
+and final loss, the noise floor and the steps taken.  With its own loop,
+it hands the table and the optimizer the worker's data-plane recorder
+itself (``ctx.recorders``: set when the worker serves metrics).
 """
 
 import time
@@ -23,8 +25,9 @@ def main(ctx, steps: int = 200, num_ids: int = 1000, bag_size: int = 8, batch_si
     truth = torch.Generator().manual_seed(seed + 10_000)
     planted = torch.randn(num_ids, 1, generator=truth)
     data = torch.Generator().manual_seed(seed + 1 + ctx.worker_index)
-    table = ShardedEmbeddingBag(num_ids, 1, "sum", shards=ctx.shards)
-    optimizer = DistributedOptimizer(QHM, table.remote_parameters(), lr=lr, momentum=0.9, nu=0.7)
+    recorder = ctx.recorders.data_plane
+    table = ShardedEmbeddingBag(num_ids, 1, "sum", shards=ctx.shards, recorder=recorder)
+    optimizer = DistributedOptimizer(QHM, table.remote_parameters(), lr=lr, momentum=0.9, nu=0.7, recorder=recorder)
     started = time.monotonic()
     first_loss = loss_value = float("nan")
     step = 0

@@ -29,15 +29,16 @@ members: ``rpc_name``, ``worker_index``, ``trainer_group``, ``gpu`` (optional),
 ``store_host``/``store_port``, ``group_view()``, ``wait_for_group_view()``,
 and ``request_regroup()`` if it has one).
 What is trained and how state moves is ``replica``'s business.  Each
-generation formed is noted in the process's metrics when it serves them
-(``paramserver.metrics.training``).
+generation formed is noted by the group's ``recorder`` when it was handed
+one (a ``GroupRecorder``: the worker's training metrics, when it serves
+them).
 """
 
 import datetime
 import logging
 import os
 import threading
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Protocol, Tuple
 
 import torch
 import torch.distributed as dist
@@ -48,7 +49,6 @@ import torch.distributed as dist
 # of its collectives after a failure would wait for the timeout instead of failing.
 import torch.distributed.nn  # noqa: F401
 
-from ..metrics import training
 from ..shards.peer import TENSORPIPE_INTERFACE_ENV
 
 logger = logging.getLogger(__name__)
@@ -64,6 +64,13 @@ REGROUP_AFTER = datetime.timedelta(seconds=20)
 #: How often the watcher looks for a view that dropped a member of the current generation.
 WATCH_VIEWS_EVERY = datetime.timedelta(seconds=0.2)
 STORE_PREFIX = "trainer_group"
+
+
+class GroupRecorder(Protocol):
+    """What a trainer group records (``paramserver.metrics.training.TrainingMetrics`` has it): each generation
+    formed here."""
+
+    def group_formed(self, group: int, generation: int) -> None: ...
 
 
 class Agreement(NamedTuple):
@@ -107,11 +114,16 @@ def _collectives_on_data_plane_interface() -> None:
 
 
 class TrainerGroup:
-    """This worker's membership in its trainer group; ``join`` forms the first generation."""
+    """This worker's membership in its trainer group; ``join`` forms the first generation.
+
+    ``recorder``: where each generation formed is noted (``None``: nowhere).
+    """
 
     def __init__(self, source, timeout: datetime.timedelta = FORM_TIMEOUT,
-                 collective_timeout: datetime.timedelta = COLLECTIVE_TIMEOUT):
+                 collective_timeout: datetime.timedelta = COLLECTIVE_TIMEOUT, *,
+                 recorder: Optional[GroupRecorder] = None):
         self._source = source
+        self.recorder = recorder
         self._timeout = timeout
         self._collective_timeout = collective_timeout
         self._store = dist.TCPStore(source.store_host, source.store_port, is_master=False, timeout=timeout)
@@ -132,9 +144,11 @@ class TrainerGroup:
         self._watcher = threading.Thread(target=self._watch_views, name="trainer-group-views", daemon=True)
 
     @classmethod
-    def join(cls, source, timeout: datetime.timedelta = FORM_TIMEOUT) -> "TrainerGroup":
-        """Wait for the first view that includes this worker and form its process group."""
-        group = cls(source, timeout)
+    def join(cls, source, timeout: datetime.timedelta = FORM_TIMEOUT, *,
+             recorder: Optional[GroupRecorder] = None) -> "TrainerGroup":
+        """Wait for the first view that includes this worker and form its process group (noted by ``recorder``,
+        as every generation formed after it)."""
+        group = cls(source, timeout, recorder=recorder)
         view = source.wait_for_group_view(0, timeout)
         if view is None:
             raise GroupStopped(f"{source.rpc_name} was asked to stop before its trainer group formed")
@@ -173,9 +187,8 @@ class TrainerGroup:
             torch.cuda.set_device(self.device)
         dist.init_process_group(view.backend, store=dist.PrefixStore(prefix, self._store), rank=rank,
                                 world_size=len(view.members), timeout=self._collective_timeout)
-        metrics = training.slot.active
-        if metrics is not None:
-            metrics.group_formed(view.group, view.generation)
+        if self.recorder is not None:
+            self.recorder.group_formed(view.group, view.generation)
 
     def _drop_process_group(self) -> None:
         """Destroy the current generation's process group; an abandoned one is kept aside until its collectives

@@ -55,11 +55,12 @@ so the hooks run on NCCL/CUDA as on gloo/CPU.
 Bytes are measured, not assumed: every all-reduce goes through
 ``CommHookState.all_reduce``, which adds ``numel * element_size`` of the
 tensor actually sent; a step closes on the bucket DDP reports as last, and
-its bytes go to the process's metrics when it serves them
-(``paramserver.metrics.training``).
+its bytes go to the state's ``recorder`` when it was handed one (a
+``HookRecorder``: the worker's training metrics, when it serves them).
 
-Checkpoints: a state pickles without its process group; after unpickling,
-``state.attach(group)`` (or nothing: ``None`` means the default group),
+Checkpoints: a state pickles without its process group and its recorder;
+after unpickling, ``state.attach(group, recorder)`` (or nothing: ``None``
+means the default group, and no recorder),
 register it on the new DDP model and training goes on with the restored step
 counter and PowerSGD's error and Q memory.  ``state_dict()`` /
 ``load_state_dict()`` do the same with a plain dict.  The first backward
@@ -71,16 +72,21 @@ ones (DDP rebuilds them after it), and the memory belongs to the later ones.
 import logging
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from ..metrics import training
-
 log = logging.getLogger(__name__)
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future]
+
+
+class HookRecorder(Protocol):
+    """What a comm hook's state records (``paramserver.metrics.training.TrainingMetrics`` has it): one call per
+    completed backward pass, with the bytes handed to all-reduce in it."""
+
+    def hook_step(self, hook: str, step_bytes: int) -> None: ...
 
 
 class CommHookState:
@@ -90,25 +96,30 @@ class CommHookState:
     DDP reports as last); ``last_step_bytes`` is the payload handed to
     all-reduce in the last completed step, all buckets together;
     ``total_bytes`` everything so far; ``steps_since_restore`` the steps
-    since this object was built, unpickled or loaded.
+    since this object was built, unpickled or loaded.  ``recorder``: where
+    each completed step's bytes are counted too (``None``: nowhere).
 
-    Pickling drops the process group (nothing else is tied to the process);
-    after unpickling call ``attach(group)``, or leave it: ``None`` means the
-    default group.
+    Pickling drops the process group and the recorder (nothing else is tied
+    to the process); after unpickling call ``attach(group, recorder)``, or
+    leave it: ``None`` means the default group, and no recorder.
     """
 
-    def __init__(self, hook_name: str, process_group: Optional[dist.ProcessGroup] = None):
+    def __init__(self, hook_name: str, process_group: Optional[dist.ProcessGroup] = None,
+                 recorder: Optional[HookRecorder] = None):
         self.hook_name = hook_name
         self.process_group = process_group
+        self.recorder = recorder
         self.steps = 0
         self.total_bytes = 0
         self.last_step_bytes = 0
         self.steps_since_restore = 0
         self._open_step_bytes = 0
 
-    def attach(self, process_group: Optional[dist.ProcessGroup] = None) -> "CommHookState":
-        """Use ``process_group`` (``None``: the default group) from now on; returns self."""
-        self.process_group = process_group
+    def attach(self, process_group: Optional[dist.ProcessGroup] = None,
+               recorder: Optional[HookRecorder] = None) -> "CommHookState":
+        """Use ``process_group`` (``None``: the default group) and record to ``recorder`` (``None``: nowhere)
+        from now on; returns self."""
+        self.process_group, self.recorder = process_group, recorder
         return self
 
     @property
@@ -132,9 +143,8 @@ class CommHookState:
             self.last_step_bytes, self._open_step_bytes = self._open_step_bytes, 0
             self.steps += 1
             self.steps_since_restore += 1
-            metrics = training.slot.active
-            if metrics is not None:
-                metrics.hook_step(self.hook_name, self.last_step_bytes)
+            if self.recorder is not None:
+                self.recorder.hook_step(self.hook_name, self.last_step_bytes)
 
     def options(self) -> Dict[str, Any]:
         """The options this hook was built with (none for the plain hooks)."""
@@ -155,10 +165,10 @@ class CommHookState:
         self.steps_since_restore = 0
 
     def __getstate__(self) -> Dict[str, Any]:
-        return {**self.__dict__, "process_group": None}
+        return {**self.__dict__, "process_group": None, "recorder": None}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
-        self.__dict__.update(state, steps_since_restore=0, _open_step_bytes=0)
+        self.__dict__.update(state, recorder=None, steps_since_restore=0, _open_step_bytes=0)
 
 
 @dataclass(frozen=True)
@@ -223,8 +233,9 @@ class PowerSGDState(CommHookState):
     with a log line.
     """
 
-    def __init__(self, hook_name: str, process_group: Optional[dist.ProcessGroup], options: PowerSGDOptions):
-        super().__init__(hook_name, process_group)
+    def __init__(self, hook_name: str, process_group: Optional[dist.ProcessGroup], options: PowerSGDOptions,
+                 recorder: Optional[HookRecorder] = None):
+        super().__init__(hook_name, process_group, recorder)
         self.powersgd_options = options
         self.error_memory: Dict[int, torch.Tensor] = {}
         self.q_memory: Dict[int, torch.Tensor] = {}
@@ -468,11 +479,13 @@ _HOOKS: Dict[str, Hook] = {name: _make_hook(name, kind.reduce, kind.precision) f
 HOOK_NAMES: Tuple[str, ...] = tuple(_KINDS)
 
 
-def comm_hook(name: str, process_group: Optional[dist.ProcessGroup] = None, **options: Any) -> CommHook:
+def comm_hook(name: str, process_group: Optional[dist.ProcessGroup] = None, *,
+              recorder: Optional[HookRecorder] = None, **options: Any) -> CommHook:
     """The hook called ``name`` and a fresh state for it: ``ddp_model.register_comm_hook(state, hook)``.
 
     ``process_group=None`` means the default group (looked up when the hook
-    runs).  Options (PowerSGD hooks only): see ``PowerSGDOptions``.  An
+    runs).  ``recorder``: where the state counts each backward pass's bytes
+    (``None``: nowhere).  Options (PowerSGD hooks only): see ``PowerSGDOptions``.  An
     unknown name, an unknown option or a bad value raises ValueError naming
     it and what is accepted.
     """
@@ -485,9 +498,9 @@ def comm_hook(name: str, process_group: Optional[dist.ProcessGroup] = None, **op
     if unknown:
         raise ValueError(f"comm hook {name!r} got unknown option(s) {', '.join(unknown)}; {accepted_text}")
     if kind.options is None:
-        return CommHook(CommHookState(name, process_group), _HOOKS[name])
+        return CommHook(CommHookState(name, process_group, recorder), _HOOKS[name])
     try:
         hook_options = kind.options(**options)
     except ValueError as error:
         raise ValueError(f"comm hook {name!r}: {error}; {accepted_text}") from None
-    return CommHook(PowerSGDState(name, process_group, hook_options), _HOOKS[name])
+    return CommHook(PowerSGDState(name, process_group, hook_options, recorder), _HOOKS[name])

@@ -17,8 +17,10 @@ The training loop calls ``sync_point()`` at the start of every step; every
 re-form, to stop, or to write a checkpoint.
 All members hold the same step count (a newcomer takes the group's), so
 they agree on the same steps, and a change takes effect within
-``agree_every`` steps.  Finished steps are counted in the process's metrics
-when it serves them (``paramserver.metrics.training``).
+``agree_every`` steps.  Finished steps are counted by the replica's
+``recorder`` when it was handed one (a ``ReplicaRecorder``: the worker's
+training metrics, when it serves them), and so is every backward pass
+through the comm hook (the replica hands it to each hook state it makes).
 
 Surviving a lost member: its peers' next collective fails (in DDP's
 all-reduce during backward, or in the agreement).  The training loop asks
@@ -40,7 +42,7 @@ import logging
 import pickle
 import time
 import traceback
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -49,15 +51,21 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .._torch_compat import is_collective_failure
-from ..metrics import training
 from .group import GroupStopped, TrainerGroup
-from .hooks import comm_hook
+from .hooks import HookRecorder, comm_hook
 
 logger = logging.getLogger(__name__)
 
 #: Re-formations after failed collectives in a row (no step completed between
 #: them) before the replica gives up.
 MAX_RECOVERIES = 3
+
+
+class ReplicaRecorder(HookRecorder, Protocol):
+    """What a dense replica records (``paramserver.metrics.training.TrainingMetrics`` has it): every finished
+    step, and (through each comm-hook state it makes) every backward pass's all-reduced bytes."""
+
+    def step_finished(self) -> None: ...
 
 
 class HookMismatch(ValueError):
@@ -82,15 +90,19 @@ class DenseReplica:
     ``reformations`` counts agreed re-formations, ``recoveries`` those after
     a failed collective, ``steps_skipped`` the steps this member took from
     another instead of training them (on joining, or after a failure).
+    ``recorder``: where finished steps and the hook's bytes are counted
+    (``None``: nowhere).
     """
 
     def __init__(self, group: TrainerGroup, module: nn.Module,
                  make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
                  hook: str = "allreduce", hook_options: Optional[Dict[str, Any]] = None,
-                 agree_every: int = 10, initial: Optional[Dict[str, Any]] = None):
+                 agree_every: int = 10, initial: Optional[Dict[str, Any]] = None, *,
+                 recorder: Optional[ReplicaRecorder] = None):
         if agree_every < 1:
             raise ValueError(f"agree_every must be at least 1, got {agree_every}")
         self.group = group
+        self.recorder = recorder
         self.module = module.to(group.device)
         self.optimizer = make_optimizer(self.module.parameters())
         self.hook = hook
@@ -131,7 +143,7 @@ class DenseReplica:
         source = self._share_state()
         device_ids = [self.group.device] if self.group.device.type == "cuda" else None
         self.ddp = DistributedDataParallel(self.module, device_ids=device_ids)
-        self.hook_state, hook = comm_hook(self.hook, None, **self.hook_options)
+        self.hook_state, hook = comm_hook(self.hook, None, recorder=self.recorder, **self.hook_options)
         self._restore_hook_state()
         self.ddp.register_comm_hook(self.hook_state, self._watched(hook))
         self._hook_failure = None
@@ -286,9 +298,8 @@ class DenseReplica:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self._failures_in_a_row = 0
-        metrics = training.slot.active
-        if metrics is not None:
-            metrics.step_finished()
+        if self.recorder is not None:
+            self.recorder.step_finished()
 
     def close(self) -> None:
         """Leave the group: DDP (its reducer and hook) goes first, while its process group still exists."""

@@ -1,12 +1,16 @@
 """Metrics of the data plane: RPCs and bytes per peer, optimizer steps on the owners.
 
 Owns the metric definitions and the recording functions that the data
-plane's hot paths call (``paramserver.shards.client.embedding``,
-``paramserver.optim.distributed`` on the trainer; ``paramserver.shards.server.optimizers``
-on the shards) when this process serves metrics (``slot.active`` is not
-``None``).  Recording is a few counter increments on label children
-cached per peer: no lock of ours, no I/O.  It never sends RPCs and never
-touches a tensor; callers measure and pass plain numbers.
+plane's hot paths call when this process serves metrics and they were
+handed a ``DataPlaneMetrics``: on a worker ``paramserver.shards.client``'s
+``EmbeddingCollection`` and ``ShardedEmbeddingBag`` (``lookup``,
+``client_request``) and ``paramserver.optim.DistributedOptimizer``
+(``client_request``); on a shard ``paramserver.shards.server.optimizers``
+(``owner_step``, through ``ShardState.recorder``).  Each of them names the
+part it calls as a recorder protocol of its own; this class has them all.
+Recording is a few counter increments on label children cached per peer:
+no lock of ours, no I/O.  It never sends RPCs and never touches a tensor;
+callers measure and pass plain numbers (the peer of an owner's step too).
 
 Bytes are tensor payload bytes (``numel * element_size``), not wire bytes.
 """
@@ -14,12 +18,6 @@ Bytes are tensor payload bytes (``numel * element_size``), not wire bytes.
 from typing import Dict, Tuple
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-
-from .._torch_compat import autograd_context_creator, current_rpc_agent
-from .slot import Slot
-
-#: The peer label when the RPC agent cannot name a peer (gone, or no agent).
-UNKNOWN_PEER = "unknown"
 
 STEP_SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                         2.5, 10.0)
@@ -103,22 +101,3 @@ class DataPlaneMetrics:
         if rows:  # steps of dense gradients only touch no rows: they would only crowd the first bucket
             timing[1].observe(rows)
             served[2].inc(rows)
-
-
-def context_peer(context_id: int) -> str:
-    """The RPC name of the worker that created dist_autograd context ``context_id`` (``UNKNOWN_PEER`` if none).
-
-    A context id carries its creator's worker id in its top bits: the trainer
-    whose backward pass sent the gradients and who asks for the step.
-    """
-    agent = current_rpc_agent()
-    if agent is None:
-        return UNKNOWN_PEER
-    try:
-        return agent.get_worker_info(autograd_context_creator(context_id)).name
-    except RuntimeError:  # a peer that has left
-        return UNKNOWN_PEER
-
-
-#: This process's data-plane metrics, or ``None`` (metrics off).
-slot: "Slot[DataPlaneMetrics]" = Slot()

@@ -1,16 +1,17 @@
 """Which metrics each kind of process serves, from start to close.
 
 Owns ``ProcessMetrics``: a process's registry, its exporter, and the
-metric sets installed as the process's active ones while it serves
-(the coordinator: ``cluster``; a shard: ``data_plane`` and, read from
-its state, ``dynamic_tables``; a worker:
+metric sets it serves (the coordinator: ``cluster``; a shard:
+``data_plane`` and, read from its state, ``dynamic_tables``; a worker:
 ``data_plane`` and ``training``, plus the running job's figures).  The
 runtime (``paramserver.runtime``) starts one per process when given
-``--metrics-port``; nothing here is global until then, and ``close()``
-puts back what was active before (tests start several in one process).
+``--metrics-port`` and hands its ``data_plane`` and ``training`` sets to
+what records into them (a shard's ``ShardState``, a worker's
+``JobContext``); nothing here is process-wide, so tests start several in
+one process.
 """
 
-from typing import Callable, Iterable, List, Optional
+from typing import Callable, Iterable, Optional
 
 from prometheus_client import CollectorRegistry
 
@@ -22,7 +23,11 @@ from .training import JobCollector, JobProgress
 
 
 class ProcessMetrics:
-    """One process's metrics, served at ``self.url`` until ``close()``."""
+    """One process's metrics, served at ``self.url`` until ``close()``.
+
+    ``data_plane`` and ``training`` are the metric sets for the runtime to
+    hand down (``None`` where this process does not serve that set).
+    """
 
     def __init__(self, host: str, port: int, process: str, *, serves_data_plane: bool = False,
                  trains: bool = False, collectors=()):
@@ -36,11 +41,6 @@ class ProcessMetrics:
         if trains:
             self.training = training.TrainingMetrics(self.registry)
         self.exporter = MetricsExporter(host, port, self.registry, process)
-        # Active from now until close() (not tied to this object's life: a process may drop it).
-        self._uninstall: List[Callable[[], None]] = []
-        for slot, metrics in ((data_plane.slot, self.data_plane), (training.slot, self.training)):
-            if metrics is not None:
-                self._uninstall.append(_installer(slot, metrics))
         self.port, self.url = self.exporter.port, self.exporter.url
 
     def watch_job(self, job: JobProgress) -> None:
@@ -48,21 +48,8 @@ class ProcessMetrics:
         self.registry.register(JobCollector(job))
 
     def close(self) -> None:
-        """Stop serving; the metric sets active before this one are active again."""
+        """Stop serving (what was handed its metric sets may go on recording into them, unread)."""
         self.exporter.close()
-        while self._uninstall:
-            self._uninstall.pop()()
-
-
-def _installer(slot, metrics) -> Callable[[], None]:
-    """Make ``metrics`` the slot's active instance; returns how to put back the previous one (unless
-    another was installed since)."""
-    previous = slot.install(metrics)
-
-    def uninstall() -> None:
-        if slot.active is metrics:
-            slot.install(previous)
-    return uninstall
 
 
 def coordinator_metrics(host: str, port: int, membership, checkpoints=None) -> ProcessMetrics:

@@ -1,10 +1,12 @@
 """Metrics of a worker's training: steps, DDP comm-hook bytes, its trainer group, the job's figures.
 
 Owns the definitions and the recording functions that the trainer side
-calls when this process serves metrics (``slot.active`` is not ``None``):
-``paramserver.ddp.hooks`` at the end of every backward pass,
-``paramserver.ddp.replica`` at every finished step,
-``paramserver.ddp.group`` when a generation of the trainer group forms;
+calls when this process serves metrics and they were handed a
+``TrainingMetrics`` (a ``Trainer`` hands its context's on):
+``paramserver.ddp.hooks``' comm-hook state at the end of every backward
+pass (``hook_step``), ``paramserver.ddp.replica`` at every finished step
+(``step_finished``), ``paramserver.ddp.group`` when a generation of the
+trainer group forms (``group_formed``);
 and ``JobCollector``, which reads a running job's reported step and
 figures (``JobContext.report``) at scrape time, so reporting costs nothing
 more.  Hook bytes and hook steps are counted together under one lock and
@@ -18,8 +20,6 @@ from typing import Dict, Iterator, List, Protocol, Tuple
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-
-from .slot import Slot
 
 
 class TrainingMetrics:
@@ -93,7 +93,3 @@ class JobCollector(Collector):
         for name, value in sorted(figures.items()):
             family.add_metric([name], value)
         yield family
-
-
-#: This process's training metrics, or ``None`` (metrics off).
-slot: "Slot[TrainingMetrics]" = Slot()

@@ -6,7 +6,8 @@ Owns the client side: grouping parameter RRefs by owner, asking each owner
 owners' failures into one error that names them.  The owner side, where the
 math runs, is ``paramserver.shards.server.optimizers``, reached through the
 shard service (``paramserver.shards.server.service``).  Step RPCs are counted per owner
-in the process's metrics when it serves them (``paramserver.metrics.data_plane``).
+by its ``recorder`` when it was handed one (a ``StepRequestRecorder``: the
+worker's data-plane metrics, when it serves them).
 
 Same call shape and semantics as ``torch.distributed.optim.DistributedOptimizer``
 (a drop-in with plain ``torch.distributed.rpc``), plus ``state_dict()`` /
@@ -15,17 +16,23 @@ Same call shape and semantics as ``torch.distributed.optim.DistributedOptimizer`
 
 import warnings
 from collections import OrderedDict
-from typing import Any, Dict, List, Mapping
+from typing import Any, Dict, List, Mapping, Optional, Protocol
 
 import torch
 import torch.distributed.rpc as rpc
 from torch.distributed.rpc import RRef
 
 from .._torch_compat import check_autograd_context, remote_error_cause
-from ..metrics import data_plane
 from ..shards.peer import creation_timeout, settle
 from ..shards.server import service
 from .registry import class_name
+
+
+class StepRequestRecorder(Protocol):
+    """What ``DistributedOptimizer`` records of its step RPCs (``paramserver.metrics.data_plane.DataPlaneMetrics``
+    has it): ``client_request(owner, "step")`` per owner, per step."""
+
+    def client_request(self, peer: str, rpc: str, sent_bytes: int = 0, received_bytes: int = 0) -> None: ...
 
 
 class OwnerFailedError(RuntimeError):
@@ -67,13 +74,17 @@ class DistributedOptimizer:
     (TorchScript) form and steps it without the GIL; a class with no
     functional form runs as a Python optimizer on the owner (with a
     warning).  Trainers asking for the same optimizer over the same
-    parameters share one owner-side optimizer and its state.
+    parameters share one owner-side optimizer and its state.  ``recorder``
+    (keyword only, not passed to the optimizer): where its step RPCs are
+    counted (``None``: nowhere).
     """
 
-    def __init__(self, optimizer_class, params_rref: List[RRef], *args, **kwargs):
+    def __init__(self, optimizer_class, params_rref: List[RRef], *args,
+                 recorder: Optional[StepRequestRecorder] = None, **kwargs):
         if not params_rref:
             raise ValueError("DistributedOptimizer got an empty parameter list")
         self.optimizer_class = optimizer_class
+        self.recorder = recorder
         # owner name -> [(index in params_rref, rref)], in first-seen order.
         self._by_owner: "OrderedDict[str, List[tuple]]" = OrderedDict()
         for index, rref in enumerate(params_rref):
@@ -126,10 +137,10 @@ class DistributedOptimizer:
         failed owner; an owner that refused a gradient changed nothing.
         """
         check_autograd_context(context_id)
-        metrics = data_plane.slot.active
-        if metrics is not None:
+        recorder = self.recorder
+        if recorder is not None:
             for name in self._handles:
-                metrics.client_request(name, "step")
+                recorder.client_request(name, "step")
         self._on_every_owner(service.optimizer_step, "DistributedOptimizer.step",
                              {name: (context_id,) for name in self._handles})
 

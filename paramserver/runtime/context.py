@@ -1,11 +1,13 @@
 """The job contract: what a running job sees of the cluster, in plain Python types.
 
 Owns ``JobContext`` (a job's first argument), ``GroupView`` (a plain
-type it hands out) and ``GroupChannel``, the narrow interface a trainer
-group forms through; the checkpoint records it hands out and takes
-(``CheckpointSettings``, ``CheckpointCommit``, ``CheckpointFailure``) are
-``paramserver.checkpoint.records``'s, importable from here too.  A
-context is built in one call: ``JobContext.from_assignment`` for a
+type it hands out), ``Recorders`` (the worker's metric sets, for a job to
+hand to what it builds: a ``Trainer`` does) and ``GroupChannel``, the
+narrow interface a trainer group forms through; the checkpoint records it
+hands out and takes (``CheckpointSettings``, ``CheckpointCommit``,
+``CheckpointFailure``) are ``paramserver.checkpoint.records``'s,
+importable from here too.  A context is built in one call:
+``JobContext.from_assignment`` for a
 ``ps-worker`` (the coordinator's answer and the worker's session), or
 ``JobContext.local`` for one process with no cluster (a job or a Trainer
 under test: the process is its own shard and a trainer group of one).
@@ -20,7 +22,11 @@ import datetime
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+
+if TYPE_CHECKING:
+    from ..metrics.data_plane import DataPlaneMetrics
+    from ..metrics.training import TrainingMetrics
 
 from ..checkpoint.records import CheckpointCommit, CheckpointFailure, CheckpointSettings
 
@@ -45,6 +51,21 @@ class GroupView:
 
     def describe(self) -> str:
         return f"generation {self.generation} of {', '.join(self.members) or 'nobody'}"
+
+
+@dataclass(frozen=True)
+class Recorders:
+    """Where a worker's job records what it does, when the worker serves metrics (``ps-worker --metrics-port``);
+    ``None`` each when it does not.
+
+    ``data_plane``: the RPCs it sends the shards (hand it to an
+    ``EmbeddingCollection``, a ``ShardedEmbeddingBag`` looked up outside
+    one, a ``DistributedOptimizer``); ``training``: its trainer group,
+    dense replica and comm hook.  A ``Trainer`` hands both on itself.
+    """
+
+    data_plane: Optional["DataPlaneMetrics"] = None
+    training: Optional["TrainingMetrics"] = None
 
 
 class Inbox:
@@ -163,6 +184,8 @@ class JobContext:
     #: The member id the coordinator knows this worker by.
     member_id: str = ""
     inbox: Inbox = field(default_factory=Inbox, repr=False)
+    #: The worker's metric sets to record into (each ``None``: this worker serves no metrics).
+    recorders: Recorders = field(default_factory=Recorders, repr=False)
     #: The shards serving now, as of the last word from the coordinator.
     _live_shards: Optional[Callable[[], List[str]]] = field(default=None, repr=False)
     #: The shards that will not serve again (name -> why), as of the last word from the coordinator.
@@ -182,9 +205,10 @@ class JobContext:
 
     # -- building ------------------------------------------------------
     @classmethod
-    def from_assignment(cls, assignment, session, gpu: Optional[int] = None) -> "JobContext":
-        """A worker's context: the coordinator's ``Assignment``, the worker's ``MemberSession``, and the GPU it
-        holds (``None``: none)."""
+    def from_assignment(cls, assignment, session, gpu: Optional[int] = None,
+                        recorders: Optional[Recorders] = None) -> "JobContext":
+        """A worker's context: the coordinator's ``Assignment``, the worker's ``MemberSession``, the GPU it
+        holds (``None``: none) and the metric sets it serves (``None``: none)."""
         inbox = Inbox()
         group = GroupChannel(assignment.rpc_name, assignment.index, assignment.trainer_group,
                              assignment.store.host, assignment.store.port, inbox, refresh=session.beat_now,
@@ -193,15 +217,18 @@ class JobContext:
         return cls(rpc_name=assignment.rpc_name, worker_index=assignment.index,
                    trainer_group=assignment.trainer_group, shards=list(assignment.shards), group=group,
                    checkpoint=CheckpointSettings.from_message(assignment.checkpoint),
-                   member_id=assignment.member_id, inbox=inbox, _live_shards=lambda: session.shards,
+                   member_id=assignment.member_id, inbox=inbox, recorders=recorders or Recorders(),
+                   _live_shards=lambda: session.shards,
                    _shards_gone=lambda: session.shards_gone,
                    _refresh=session.beat_now, _commit_checkpoint=session.commit_checkpoint,
                    _fail_checkpoint=session.fail_checkpoint)
 
     @classmethod
-    def local(cls, name: str = "worker0", worker_index: int = 0) -> "JobContext":
+    def local(cls, name: str = "worker0", worker_index: int = 0,
+              recorders: Optional[Recorders] = None) -> "JobContext":
         """A context for one process and no cluster: it joins torch RPC as its own only peer (so it is the
-        shard of every table) and forms a trainer group of one over gloo.  ``close()`` leaves both."""
+        shard of every table) and forms a trainer group of one over gloo.  ``close()`` leaves both.
+        ``recorders``: metric sets for the job to record into (``None``: none)."""
         import torch.distributed as dist
 
         from ..processes import free_port
@@ -217,7 +244,7 @@ class JobContext:
 
         group = GroupChannel(name, worker_index, 0, "127.0.0.1", store.port, inbox)
         return cls(rpc_name=name, worker_index=worker_index, trainer_group=0, shards=[name], group=group,
-                   inbox=inbox, _close=close)
+                   inbox=inbox, recorders=recorders or Recorders(), _close=close)
 
     def close(self) -> None:
         """Leave what ``local`` joined (nothing for a worker's context: its runtime leaves)."""

@@ -7,7 +7,9 @@ both planes when it returns.  A stop command, SIGTERM/SIGINT, or losing
 the coordinator asks the job to stop; a job that ignores the request is
 ended after a grace period.  With a metrics port the worker serves its
 metrics there from before it joins until it exits (its RPCs to the shards,
-its training, the job's reported figures).  Losing the cluster ends the
+its training, the job's reported figures): the job's context carries the
+metric sets (``JobContext.recorders``) for the job to hand to what records
+into them.  Losing the cluster ends the
 worker within a bound: refused by the coordinator (declared dead while it
 hung), it exits at once; the coordinator unreachable for the heartbeat
 timeout, the job is asked to stop and the process ends within
@@ -34,7 +36,7 @@ from ..control import CoordinatorError, CoordinatorUnavailable, NotAuthenticated
 from ..metrics.process import ProcessMetrics, worker_metrics
 from ..logs import exit_now, one_line
 from ..shards import peer
-from .context import JobContext
+from .context import JobContext, Recorders
 from .devices import claim_gpu
 from .threads import apply_threads
 from .job import JobError, unpack_job
@@ -97,7 +99,9 @@ def _run(options: WorkerOptions, say, metrics: Optional[ProcessMetrics]) -> int:
         say(f"ps-worker: could not join: {error}")
         # A join refused for what it said (a loopback --host from another host...) is this worker's to fix.
         return EXIT_REFUSED if error.code == grpc.StatusCode.INVALID_ARGUMENT else EXIT_FAILED
-    context = JobContext.from_assignment(assignment, session, gpu.index)
+    recorders = Recorders() if metrics is None else Recorders(data_plane=metrics.data_plane,
+                                                              training=metrics.training)
+    context = JobContext.from_assignment(assignment, session, gpu.index, recorders)
     if metrics is not None:
         metrics.watch_job(context)
     watchdog = _StopWatchdog(context, options.stop_grace, say, assignment.rpc_name)

@@ -22,7 +22,9 @@ the dead process is not dropped but retired (``retire``): releasing it
 would message an owner that no longer exists, and torch logs a C++ stack
 trace for each one; the runtime drops retired handles as it leaves the
 data plane, without telling their owners.  Which steps are redone is the
-training loop's decision (``paramserver.train.step``).
+training loop's decision (``paramserver.train.step``).  The ``recorder``
+it is handed (the worker's data-plane metrics, or ``None``) goes to every
+collection and optimizer it builds, rebuilt ones included.
 """
 
 import datetime
@@ -38,7 +40,7 @@ from torch import Tensor
 from ..logs import one_line
 from ..optim import DistributedOptimizer
 from ..shards import DynamicEmbeddingBag, EmbeddingCollection, ShardedEmbeddingBag, plan_dense
-from ..shards.client.collection import CollectionLookup
+from ..shards.client.collection import CollectionLookup, CollectionRecorder
 from .contract import Batch, Table
 
 logger = logging.getLogger(__name__)
@@ -85,6 +87,8 @@ class SparseTables:
     ``live_shards()`` lists the shards serving now (the coordinator's view,
     refreshed by ``refresh()``), ``shards_gone()`` those that will not serve
     again (name -> why); ``should_stop()`` ends a wait for a lost shard.
+    ``recorder``: where the collection's lookups and pushes and the
+    optimizer's step RPCs are counted (``None``: nowhere).
     """
 
     def __init__(self, specs: Dict[str, Table], optimizer: Tuple[type, Dict], shards: Sequence[str], prefix: str,
@@ -93,8 +97,9 @@ class SparseTables:
                  timeout: datetime.timedelta = SHARD_RETURN_TIMEOUT,
                  max_consecutive: int = MAX_CONSECUTIVE_REBUILDS,
                  shards_gone: Callable[[], Dict[str, str]] = dict,
-                 retire: Optional[Callable[[Any], None]] = None):
+                 retire: Optional[Callable[[Any], None]] = None, recorder: Optional[CollectionRecorder] = None):
         self.specs = dict(specs)
+        self._recorder = recorder
         self.shards = list(shards)
         self._optimizer_class, self._optimizer_options = optimizer
         self._prefix, self._seed, self._row_wise_min_rows = prefix, seed, row_wise_min_rows
@@ -113,9 +118,9 @@ class SparseTables:
         tables = build_tables(self.specs, self.shards, self._prefix, self._seed, self._row_wise_min_rows)
         optimizer = DistributedOptimizer(self._optimizer_class,
                                          [rref for table in tables.values() for rref in table.remote_parameters()],
-                                         **self._optimizer_options)
+                                         recorder=self._recorder, **self._optimizer_options)
         return tables, optimizer, EmbeddingCollection(tables, optimizer.owner_layout(), rpc.get_worker_info().name,
-                                                      self._pusher)
+                                                      self._pusher, recorder=self._recorder)
 
     def lookup(self, batch: Batch, step: int = -1) -> CollectionLookup:
         """Send the batch's lookups for training step ``step`` (negative: evaluation, reading only), one RPC

@@ -17,6 +17,11 @@ again once the lost shard serves again (skipping the agreement it
 passed already); a failed collective re-forms the group and the step is
 done again from its agreement, in the new group; every other error ends
 the job.
+
+Metrics: the context's recorders (``JobContext.recorders``, set when the
+worker serves metrics) are handed down here: the data-plane one to the
+sparse part (its collection and optimizer), the training one to the
+trainer group and the dense replica (which hands it to its comm hook).
 """
 
 import logging
@@ -119,7 +124,7 @@ class Trainer:
             raise ValueError(f"steps must be >= 0 and eval_every, log_every >= 1; got {steps}, {eval_every}, "
                              f"{log_every}")
         try:
-            group = TrainerGroup.join(self.ctx.group)
+            group = TrainerGroup.join(self.ctx.group, recorder=self.ctx.recorders.training)
         except GroupStopped:  # asked to stop before the group formed: nothing trained
             logger.info("%s: stopped before its trainer group formed", self.ctx.rpc_name)
             return dict(figures or {}, steps=0)
@@ -137,10 +142,11 @@ class _Run:
         restored = restore_point(ctx)
         self.sparse = SparseTables(trainer.tables, trainer.sparse_optimizer, ctx.shards, trainer.name, trainer.seed,
                                    trainer.row_wise_min_rows, ctx.live_shards, ctx.refresh, ctx.should_stop,
-                                   shards_gone=ctx.shards_gone, retire=ctx.retire_handles)
+                                   shards_gone=ctx.shards_gone, retire=ctx.retire_handles,
+                                   recorder=ctx.recorders.data_plane)
         self.replica = DenseReplica(group, trainer.dense, trainer.dense_optimizer, hook=trainer.comm_hook,
                                     hook_options=trainer.hook_options, agree_every=trainer.agree_every,
-                                    initial=restored)
+                                    initial=restored, recorder=ctx.recorders.training)
         positions = (restored or {}).get("data_positions", {})
         self.batches = BatchStream(data, _position(positions.get(ctx.worker_index)), prefetch=PREFETCH_BATCHES)
         self.checkpoints = TrainerCheckpoints(ctx, self.replica, self.batches.position,

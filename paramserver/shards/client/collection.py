@@ -17,22 +17,32 @@ parameters; both paths give the same rows.
 
 A lookup's rows are a local leaf per table: the model's backward pass
 fills their gradients, and ``push`` sends them.  Tensors sent are compact
-copies (an RPC sends a view's whole storage).
+copies (an RPC sends a view's whole storage).  Each lookup and push RPC is
+counted by the collection's ``recorder`` when it was handed one (a
+``CollectionRecorder``: the worker's data-plane metrics, when it serves
+them).
 """
 
 import secrets
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
 import torch.distributed.rpc as rpc
 from torch import Tensor
 
 from ..._torch_compat import remote_error_cause
-from ...metrics import data_plane
 from ..peer import creation_timeout, settle
 from ..server import service
 from .dynamic_embedding import DynamicEmbeddingBag
-from .embedding import Route, ShardedEmbeddingBag
+from .embedding import LookupRecorder, Route, ShardedEmbeddingBag
+
+
+class CollectionRecorder(LookupRecorder, Protocol):
+    """What a collection records of its RPCs (``paramserver.metrics.data_plane.DataPlaneMetrics`` has it): a
+    ``lookup`` per shard a lookup asks, a ``client_request(shard, "push", sent_bytes)`` per shard a push
+    reaches."""
+
+    def client_request(self, peer: str, rpc: str, sent_bytes: int = 0, received_bytes: int = 0) -> None: ...
 
 
 class ShardRequestFailed(RuntimeError):
@@ -63,13 +73,16 @@ class EmbeddingCollection:
     shards count what each peer pushes).  ``token``: names this pusher in
     idempotent pushes (random by default; keep it when the collection is
     built again in the same process, so that a step's push is recognised).
+    ``recorder``: where its lookup and push RPCs are counted (``None``:
+    nowhere).
     """
 
     def __init__(self, tables: Mapping[str, Union[ShardedEmbeddingBag, DynamicEmbeddingBag]],
                  optimizer_layout: Mapping[str, Tuple[int, List[int]]],
-                 peer: str, token: Optional[int] = None):
+                 peer: str, token: Optional[int] = None, *, recorder: Optional[CollectionRecorder] = None):
         self.tables = dict(tables)
         self.peer = peer
+        self.recorder = recorder
         #: Names this pusher on the shards, for idempotent pushes (``CollectionLookup.push(step=...)``).
         self.token = secrets.randbits(62) if token is None else token
         ranges = [(name, index, rref) for name, table in self.tables.items()
@@ -121,13 +134,13 @@ class EmbeddingCollection:
                 keys.append((name, position))
         futures = {shard: rpc.rpc_async(shard, service.lookup, args=(self.incarnation(shard), handles, ids, step))
                    for shard, (handles, ids, _) in requests.items()}
-        metrics = data_plane.slot.active
-        if metrics is not None:  # one lookup RPC per shard, whatever the tables it serves
+        recorder = self.recorder
+        if recorder is not None:  # one lookup RPC per shard, whatever the tables it serves
             for shard, (_, ids, keys) in requests.items():
                 rows = sum(local.numel() for local in ids)
                 sent = sum(local.numel() * local.element_size() for local in ids)
                 returned = sum(local.numel() * self.tables[name].row_bytes for local, (name, _) in zip(ids, keys))
-                metrics.lookup(shard, rows, sent, returned)
+                recorder.lookup(shard, rows, sent, returned)
         return CollectionLookup(self, routes, {shard: keys for shard, (_, _, keys) in requests.items()}, futures)
 
 
@@ -177,11 +190,11 @@ class CollectionLookup:
                 ids.append(local_ids)
                 values.append(gradient[start:stop].clone() if (start, stop) != (0, gradient.size(0)) else gradient)
                 start = stop
-        metrics = data_plane.slot.active
+        recorder = collection.recorder
         futures = {}
         for shard, (params, ids, values) in requests.items():
-            if metrics is not None:
-                metrics.client_request(shard, "push", sum(g.numel() * g.element_size() for g in values))
+            if recorder is not None:
+                recorder.client_request(shard, "push", sum(g.numel() * g.element_size() for g in values))
             futures[shard] = rpc.rpc_async(shard, service.push, args=(
                 collection.incarnation(shard), collection.optimizer_handle(shard), params, ids, values,
                 collection.peer, collection.token, step))

@@ -6,12 +6,13 @@ the ids it owns, pool the returned rows locally), and fetching the table.
 Inside a ``dist_autograd`` context the forward is differentiable: backward
 sends each shard a row-sparse gradient of just the rows it served, and
 ``DistributedOptimizer`` over ``remote_parameters()`` updates only those rows.
-Each lookup it sends is counted in the process's metrics when it serves them
-(``paramserver.metrics.data_plane``).
+Each lookup it sends is counted by its ``recorder`` when it was handed one
+(a ``LookupRecorder``: the worker's data-plane metrics, when it serves
+them); an ``EmbeddingCollection`` counts the lookups it sends itself.
 """
 
 import uuid
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 import torch.distributed.rpc as rpc
@@ -19,7 +20,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.rpc import RRef
 
-from ...metrics import data_plane
 from ..peer import creation_timeout
 from ..server import service
 from .placement import RowRange, split_rows
@@ -27,6 +27,12 @@ from .remote import fetch
 
 _MODES = ("sum", "mean")
 
+
+class LookupRecorder(Protocol):
+    """What a table records of the lookups it sends (``paramserver.metrics.data_plane.DataPlaneMetrics`` has
+    it): one call per lookup RPC, with the distinct rows asked of ``peer`` and the tensor bytes each way."""
+
+    def lookup(self, peer: str, rows: int, sent_bytes: int, received_bytes: int) -> None: ...
 
 
 def draw_seed() -> int:
@@ -44,7 +50,8 @@ class ShardedEmbeddingBag(nn.Module):
     makes every trainer that builds the same table use one copy on the
     shards: the first creates it, the others find it by name.  ``init_std``
     scales the initial rows (recommendation models often start near zero,
-    so that rows of ids never seen add no noise).
+    so that rows of ids never seen add no noise).  ``recorder``: where the
+    lookups its forward pass sends are counted (``None``: nowhere).
 
     ``forward(input, offsets=None, per_sample_weights=None)`` takes the
     arguments of ``nn.EmbeddingBag``: a 2-D ``(bags, ids per bag)`` tensor,
@@ -54,7 +61,7 @@ class ShardedEmbeddingBag(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, mode: str = "sum", *,
                  shards: Sequence[str], name: Optional[str] = None, seed: Optional[int] = None,
                  dtype: torch.dtype = torch.float32, shared: bool = False, init_std: float = 1.0,
-                 _weight: Optional[Tensor] = None):
+                 recorder: Optional[LookupRecorder] = None, _weight: Optional[Tensor] = None):
         super().__init__()
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
@@ -69,6 +76,7 @@ class ShardedEmbeddingBag(nn.Module):
         self.embedding_dim = embedding_dim
         self.mode = mode
         self.dtype = dtype
+        self.recorder = recorder
         self.name = name or f"embedding-{uuid.uuid4().hex[:8]}"
         self.ranges: List[RowRange] = split_rows(num_embeddings, list(shards))
         #: The shards holding rows of it.
@@ -92,12 +100,13 @@ class ShardedEmbeddingBag(nn.Module):
 
     @classmethod
     def from_pretrained(cls, weight: Tensor, mode: str = "sum", *, shards: Sequence[str],
-                        name: Optional[str] = None) -> "ShardedEmbeddingBag":
+                        name: Optional[str] = None, recorder: Optional[LookupRecorder] = None
+                        ) -> "ShardedEmbeddingBag":
         """A sharded table holding a copy of ``weight`` (rows x dim)."""
         if weight.dim() != 2:
             raise ValueError(f"weight must be 2-D (rows x dim), got shape {list(weight.shape)}")
         return cls(weight.size(0), weight.size(1), mode, shards=shards, name=name, dtype=weight.dtype,
-                   _weight=weight.detach())
+                   recorder=recorder, _weight=weight.detach())
 
     def remote_parameters(self) -> List[RRef]:
         """RRefs to the row ranges (in ``ranges`` order), for ``DistributedOptimizer``."""
@@ -118,13 +127,13 @@ class ShardedEmbeddingBag(nn.Module):
         ``EmbeddingCollection`` sends one RPC per shard for many tables.
         """
         route = self.route(input, offsets)
-        metrics = data_plane.slot.active
+        recorder = self.recorder
         pending = []
         for index, local in route.requests:
             pending.append(rpc.rpc_async(self.ranges[index].shard, service.lookup_rows,
                                          args=(self._shard_rrefs[index], local)))
-            if metrics is not None:
-                metrics.lookup(self.ranges[index].shard, local.numel(), local.numel() * local.element_size(),
+            if recorder is not None:
+                recorder.lookup(self.ranges[index].shard, local.numel(), local.numel() * local.element_size(),
                                local.numel() * self.row_bytes)
 
         def finish() -> Tensor:
