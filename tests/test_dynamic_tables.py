@@ -5,9 +5,6 @@ routing, and a checkpoint restored onto another number of shards; every case on 
 from: a shard's state loads it when it hosts its first dynamic table, never at import."""
 
 import ctypes
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -280,24 +277,6 @@ def test_a_state_loads_its_kernel_when_it_hosts_its_first_dynamic_table_and_two_
         assert (rows.index.kernel and rows.index.kernel.variant) == (kernel and kernel.variant)
         read.append(rows.lookup(ids, 0))
     assert torch.equal(read[0], read[1]) and torch.equal(read[0], initial_rows(ids, 3, DIM, 0.1, torch.float32))
-
-
-def test_importing_the_package_compiles_and_loads_no_kernel(kernel, tmp_path):
-    """Whatever ``PARAMSERVER_NATIVE`` says: importing, and making a ``ShardState``, load nothing."""
-    if not os.path.exists("/proc/self/maps"):
-        pytest.skip("reads the libraries a process loaded from /proc/self/maps (Linux)")
-    choice = "0" if kernel is None else "1" if kernel.variant == "avx2" else "baseline"
-    code = ("import paramserver, paramserver.shards\n"
-            "from paramserver.train import Table\n"
-            "from paramserver.shards.server import ShardState\n"
-            "ShardState()\n"
-            "maps = open('/proc/self/maps').read()\n"
-            "print('_kernel_' in maps or 'dynamic-tables-' in maps)\n")
-    cache = tmp_path / "cache"
-    env = dict(os.environ, PARAMSERVER_CACHE=str(cache), PARAMSERVER_NATIVE=choice)
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "False" and not cache.exists()
 
 
 def test_an_install_time_build_is_used_only_when_made_from_the_kernel_c_beside_it(monkeypatch, tmp_path):

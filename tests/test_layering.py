@@ -10,7 +10,12 @@ the registries meant to be extended.  Private torch names appear only in ``param
 """
 
 import ast
+import os
 import pathlib
+import subprocess
+import sys
+
+import pytest
 
 from paramserver._torch_compat import TORCHSCRIPT_PRIVATE_OPS, TORCHSCRIPT_PRIVATE_TENSOR_METHODS
 
@@ -159,3 +164,22 @@ def test_private_torch_names_go_through_the_compat_module():
             continue
         leftover = private_torch_names(module) - allowed
         assert not leftover, f"{module.relative_to(ROOT)} uses {sorted(leftover)}: name it in _torch_compat"
+
+
+def test_importing_the_package_and_making_a_shard_state_compiles_and_loads_no_kernel(tmp_path):
+    """The dynamic tables' C kernel is loaded by a shard state when it hosts its first dynamic table, not
+    before: importing the package (and ``Table``) and making a ``ShardState`` load nothing."""
+    if not os.path.exists("/proc/self/maps"):
+        pytest.skip("reads the libraries a process loaded from /proc/self/maps (Linux)")
+    code = ("import paramserver, paramserver.shards\n"
+            "from paramserver.train import Table\n"
+            "from paramserver.shards.server import ShardState\n"
+            "ShardState()\n"
+            "maps = open('/proc/self/maps').read()\n"
+            "print('_kernel_' in maps or 'dynamic-tables-' in maps)\n")
+    cache = tmp_path / "cache"
+    env = {key: value for key, value in os.environ.items() if key != "PARAMSERVER_NATIVE"}  # the best build
+    done = subprocess.run([sys.executable, "-c", code], env=dict(env, PARAMSERVER_CACHE=str(cache)),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False" and not cache.exists()

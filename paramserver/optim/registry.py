@@ -14,23 +14,67 @@ It owns no optimizer math.
 """
 
 import inspect
-from typing import Dict, List, Optional
+import threading
+from collections.abc import MutableMapping
+from typing import Dict, Iterator, List, Optional
 
 import torch
 from torch import Tensor
-from torch.distributed.optim import utils as _torch_functional
 
 from .functional_qhm import FunctionalQHM
 from .functional_sgd import FunctionalSGD
 from .qhm import QHM
 
-#: local optimizer class -> TorchScript functional class.  PyTorch's own
-#: functional optimizers fill in the rest; SGD is replaced by ours (fused,
-#: row-sparse gradients, state_dict).  The tests step each of them in
-#: TorchScript against its local optimizer.
-functional_optim_map: Dict[type, type] = dict(_torch_functional.functional_optim_map)
-functional_optim_map[torch.optim.SGD] = FunctionalSGD
-functional_optim_map[QHM] = FunctionalQHM
+
+class FunctionalOptimMap(MutableMapping):
+    """local optimizer class -> TorchScript functional class: a mapping, filled with ours (``QHM``, and ``SGD``
+    replaced by ours: fused, row-sparse gradients, ``state_dict``) and with PyTorch's own functional optimizers
+    (Adam, Adagrad, ...).
+
+    PyTorch's are read from ``torch.distributed.optim`` the first time a class that is not ours is looked up,
+    or the whole map is read: importing that package costs every process about a second (it loads DTensor),
+    and a shard running QHM or SGD never needs it.  A class set here (``register_functional_optim``) is kept
+    over PyTorch's for the same local class.
+    """
+
+    def __init__(self, ours: Dict[type, type]):
+        self._entries: Dict[type, type] = dict(ours)
+        self._lock = threading.Lock()
+        self._with_torchs = False
+
+    def _all(self) -> Dict[type, type]:
+        """Every entry, PyTorch's read in first if they were not yet."""
+        with self._lock:
+            if not self._with_torchs:
+                from torch.distributed.optim import utils as torch_functional  # about a second: see the class
+                for local_cls, functional_cls in torch_functional.functional_optim_map.items():
+                    self._entries.setdefault(local_cls, functional_cls)
+                self._with_torchs = True
+        return self._entries
+
+    def __getitem__(self, local_cls: type) -> type:
+        found = self._entries.get(local_cls)
+        return found if found is not None else self._all()[local_cls]
+
+    def __setitem__(self, local_cls: type, functional_cls: type) -> None:
+        self._entries[local_cls] = functional_cls
+
+    def __delitem__(self, local_cls: type) -> None:
+        del self._all()[local_cls]
+
+    def __iter__(self) -> Iterator[type]:
+        return iter(list(self._all()))
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+    def __repr__(self) -> str:
+        return f"FunctionalOptimMap({self._all()!r})"
+
+
+#: local optimizer class -> TorchScript functional class (``FunctionalOptimMap``).  The tests step each of
+#: them in TorchScript against its local optimizer.
+functional_optim_map = FunctionalOptimMap({torch.optim.SGD: FunctionalSGD, QHM: FunctionalQHM})
 
 _PROBE_SOURCE = """
 def _step_contract(optimizer: FunctionalClass, gradients: List[Optional[Tensor]]) -> None:
