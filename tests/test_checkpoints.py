@@ -52,7 +52,8 @@ WATCH_NEXT = f"{pathlib.Path(__file__).parent / 'jobs' / 'watch_next.py'}:main"
 
 def train(commands, shards: int, steps: int, *flags: str, job: str = "workers.ctr:main", **config) -> str:
     """Run one ps-server and one worker to ``steps``; returns the server's log."""
-    server, address = start_server(commands, "--shards", str(shards), "--job", job, "--job-config",
+    # --group-size 1: its one worker's group forms as it joins, without waiting for more to come.
+    server, address = start_server(commands, "--shards", str(shards), "--group-size", "1", "--job", job, "--job-config",
                                    job_config(**dict(config or SMALL, steps=steps)), *flags)
     worker = commands.start("ps-worker", "--connect", address)
     assert worker.wait(240) == 0, errors(worker)[-3000:]
@@ -149,7 +150,7 @@ def test_a_restored_run_continues_the_same_trajectory_on_2_then_3_then_2_shards_
     newest = damaged / "ckpt-0000000060" / "shard-shard1.pt"
     newest.write_bytes(newest.read_bytes()[:-100])  # truncated, as by a full disk
     config = {key: value for key, value in watch_next.items() if key != "job"}
-    server, address = start_server(commands, "--shards", "2", "--job", WATCH_NEXT, "--restore", str(damaged),
+    server, address = start_server(commands, "--shards", "2", "--group-size", "1", "--job", WATCH_NEXT, "--restore", str(damaged),
                                    "--job-config", job_config(**dict(config, steps=50)))
     assert re.search(rf"refusing checkpoint .*ckpt-0000000060.*{re.escape(str(newest))}", errors(server)), \
         errors(server)[-3000:]
@@ -163,7 +164,7 @@ def test_a_restored_run_continues_the_same_trajectory_on_2_then_3_then_2_shards_
 
 def test_ps_ctl_checkpoint_waits_for_the_checkpoint_and_names_it(commands, tmp_path):
     root = tmp_path / "checkpoints"
-    server, address = start_server(commands, "--shards", "2", "--checkpoint-dir", str(root), "--job-config",
+    server, address = start_server(commands, "--shards", "2", "--group-size", "1", "--checkpoint-dir", str(root), "--job-config",
                                    job_config(**dict(SMALL, steps=100_000)))
     worker = commands.start("ps-worker", "--connect", address)
     wait_for_status(commands, address, lambda s: s["workers"] and s["workers"][0]["step"] > 0, 120)

@@ -61,8 +61,8 @@ def _wait_for_exit(process, seconds):
 
 
 def test_a_hung_worker_is_cut_out_then_refused_and_a_lost_coordinator_ends_the_survivor(commands):
-    server, address = start_server(commands, "--shards", "2", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S),
-                                   "--job", JOB, "--job-config", job_config(steps=100_000, log_every=2,
+    server, address = start_server(commands, "--shards", "2", "--group-size", "2",
+                                   "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), "--job", JOB, "--job-config", job_config(steps=100_000, log_every=2,
                                                                             eval_every=100_000))
     started = [commands.start("ps-worker", "--connect", address) for _ in range(2)]
     state = wait_for_status(commands, address, lambda s: len(s["workers"]) == 2 and all(
@@ -118,7 +118,8 @@ def _shard(state, name):
 def test_a_restarted_shard_skips_a_damaged_checkpoint_and_one_past_its_budget_fails_the_worker_at_once(
         commands, tmp_path):
     root = tmp_path / "checkpoints"
-    server, address = start_server(commands, "--shards", "2", "--shard-restarts", "1", "--checkpoint-dir", str(root),
+    server, address = start_server(commands, "--shards", "2", "--group-size", "1", "--shard-restarts", "1",
+                                   "--checkpoint-dir", str(root),
                                    "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), "--job", JOB,
                                    "--job-config", job_config(steps=100_000, log_every=2, eval_every=100_000))
     worker = commands.start("ps-worker", "--connect", address)
@@ -154,7 +155,8 @@ def test_a_restarted_shard_skips_a_damaged_checkpoint_and_one_past_its_budget_fa
 
 
 def test_a_checkpoint_that_fills_the_disk_fails_ps_ctl_at_once_naming_it_and_leaves_no_parts(commands, tiny_disk):
-    server, address = start_server(commands, "--shards", "2", "--checkpoint-dir", str(tiny_disk), "--job", JOB,
+    server, address = start_server(commands, "--shards", "2", "--group-size", "1", "--checkpoint-dir", str(tiny_disk),
+                                   "--job", JOB,
                                    "--job-config", job_config(steps=100_000, log_every=2, eval_every=100_000))
     worker = commands.start("ps-worker", "--connect", address)
     wait_for_status(commands, address, lambda s: s["workers"] and s["workers"][0]["step"] >= 10, 120)

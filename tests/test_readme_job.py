@@ -26,7 +26,7 @@ def readme_job() -> str:
 def test_the_readme_job_runs_as_printed(commands, tmp_path):
     job = tmp_path / "myjob.py"
     job.write_text(readme_job())
-    server, address = start_server(commands, "--shards", "2", "--job", f"{job}:main",
+    server, address = start_server(commands, "--shards", "2", "--group-size", "1", "--job", f"{job}:main",
                                    "--job-config", job_config(steps=200))
     worker = commands.start("ps-worker", "--connect", address)
     assert worker.wait(180) == 0, errors(worker)[-3000:]

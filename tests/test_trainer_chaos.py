@@ -32,8 +32,9 @@ MIN_AUC = 0.68
 
 def test_a_trainer_job_survives_a_crash_mid_checkpoint_a_lost_worker_and_a_lost_shard(commands, tmp_path):
     root = tmp_path / "checkpoints"
-    server, address = start_server(commands, "--shards", "2", "--heartbeat-timeout", "3", "--checkpoint-dir",
-                                   str(root), "--checkpoint-every", "20", "--job", JOB,
+    # --group-size 3: the three workers form one group as the last joins (a loss re-forms it as before).
+    server, address = start_server(commands, "--shards", "2", "--group-size", "3", "--heartbeat-timeout", "3",
+                                   "--checkpoint-dir", str(root), "--checkpoint-every", "20", "--job", JOB,
                                    "--job-config", job_config(steps=STEPS, stateful=True,
                                                               crash_in_checkpoint_at=CRASH_AT))
     started = [commands.start("ps-worker", "--connect", address) for _ in range(3)]
