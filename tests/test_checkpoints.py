@@ -50,8 +50,8 @@ SMALL = dict(spec={"vocab_sizes": [2000, 500, 200, 50], "bag_sizes": [1, 2, 1, 1
 WATCH_NEXT = f"{pathlib.Path(__file__).parent / 'jobs' / 'watch_next.py'}:main"
 
 
-def train(commands, shards: int, steps: int, *flags: str, job: str = "workers.ctr:main", **config) -> str:
-    """Run one ps-server and one worker to ``steps``; returns the server's log."""
+def train(commands, shards: int, steps: int, *flags: str, job: str = "workers.ctr:main", **config):
+    """Run one ps-server and one worker to ``steps``; returns the server's log and the worker's."""
     # --group-size 1: its one worker's group forms as it joins, without waiting for more to come.
     server, address = start_server(commands, "--shards", str(shards), "--group-size", "1", "--job", job, "--job-config",
                                    job_config(**dict(config or SMALL, steps=steps)), *flags)
@@ -60,7 +60,7 @@ def train(commands, shards: int, steps: int, *flags: str, job: str = "workers.ct
     assert f"at step {steps}" in output(worker), output(worker)
     commands.run("ps-ctl", "--connect", address, "shutdown")
     assert server.wait(30) == 0, errors(server)[-3000:]
-    return errors(server)
+    return errors(server), errors(worker)
 
 
 def model_at(checkpoint: pathlib.Path) -> dict:
@@ -109,8 +109,8 @@ def test_a_restored_run_continues_the_same_trajectory_on_2_then_3_then_2_shards_
     # "user" (600 rows) split by rows over every shard
     watch_next = dict(job=WATCH_NEXT, log_every=10, eval_every=1000, dynamic_video=True, row_wise_min_rows=500)
     evaluated = tmp_path / "scores.pt"
-    log = train(commands, 2, 60, "--checkpoint-dir", str(straight), "--checkpoint-every", "20",
-                eval_scores=str(evaluated), **watch_next)
+    log, _ = train(commands, 2, 60, "--checkpoint-dir", str(straight), "--checkpoint-every", "20",
+                   eval_scores=str(evaluated), **watch_next)
     assert sorted(p.name for p in straight.iterdir()) == [f"ckpt-{s:010d}" for s in (20, 40, 60)]
     assert re.search(r"checkpoint ckpt-0000000020 committed at step 20 by worker0: 3 files", log), log[-3000:]
 
@@ -130,36 +130,27 @@ def test_a_restored_run_continues_the_same_trajectory_on_2_then_3_then_2_shards_
     assert (scores - torch.load(evaluated, weights_only=True)).abs().max().item() <= 1e-6
 
     # 2 -> 3 shards: from step 20 to 40 again.
-    log = train(commands, 3, 40, "--restore", str(straight / "ckpt-0000000020"), "--checkpoint-dir", str(resumed),
-                "--checkpoint-every", "20", **watch_next)
+    log, _ = train(commands, 3, 40, "--restore", str(straight / "ckpt-0000000020"), "--checkpoint-dir",
+                   str(resumed), "--checkpoint-every", "20", **watch_next)
     assert "restoring from checkpoint" in log
     assert [p.name for p in resumed.iterdir()] == ["ckpt-0000000040"]  # not the starting point again
     assert_same_model(model_at(resumed / "ckpt-0000000040"), model_at(straight / "ckpt-0000000040"))
 
-    # 3 -> 2 shards, restoring from a root: its newest checkpoint (step 40, written on 3 shards).
-    train(commands, 2, 60, "--restore", str(resumed), "--checkpoint-dir", str(again), "--checkpoint-every", "20",
-          **watch_next)
+    # 3 -> 2 shards, restoring from a root whose newest checkpoint is damaged: it is refused by name, and the
+    # one before it used (step 40, written on 3 shards).  The damaged one is the straight run's step 60, copied.
+    damaged = resumed / "ckpt-0000000060"
+    shutil.copytree(straight / "ckpt-0000000060", damaged)
+    newest = damaged / "shard-shard1.pt"
+    newest.write_bytes(newest.read_bytes()[:-100])  # truncated, as by a full disk
+    log, worker_log = train(commands, 2, 60, "--restore", str(resumed), "--checkpoint-dir", str(again),
+                            "--checkpoint-every", "20", **watch_next)
+    assert re.search(rf"refusing checkpoint .*ckpt-0000000060.*{re.escape(str(newest))}", log), log[-3000:]
+    assert re.search(r"restoring from checkpoint .*ckpt-0000000040 \(step 40\)", log)
+    assert "starts from checkpoint ckpt-0000000040 at step 40" in worker_log
     assert_same_model(model_at(again / "ckpt-0000000060"), model_at(straight / "ckpt-0000000060"))
     fresh = model_at(straight / "ckpt-0000000020")
     assert (fresh["watch.user"] - model_at(again / "ckpt-0000000060")["watch.user"]).abs().max() > 1e-3
     assert fresh["watch.video.ids"].numel() > 100  # the dynamic table's rows, re-routed to 3 shards and back
-
-    # A damaged newest checkpoint is refused by name, and the one before it used (the straight run's, copied).
-    damaged = tmp_path / "damaged"
-    shutil.copytree(straight, damaged)
-    newest = damaged / "ckpt-0000000060" / "shard-shard1.pt"
-    newest.write_bytes(newest.read_bytes()[:-100])  # truncated, as by a full disk
-    config = {key: value for key, value in watch_next.items() if key != "job"}
-    server, address = start_server(commands, "--shards", "2", "--group-size", "1", "--job", WATCH_NEXT, "--restore", str(damaged),
-                                   "--job-config", job_config(**dict(config, steps=50)))
-    assert re.search(rf"refusing checkpoint .*ckpt-0000000060.*{re.escape(str(newest))}", errors(server)), \
-        errors(server)[-3000:]
-    assert re.search(r"restoring from checkpoint .*ckpt-0000000040 \(step 40\)", errors(server))
-    worker = commands.start("ps-worker", "--connect", address)
-    assert worker.wait(240) == 0, errors(worker)[-3000:]
-    assert "starts from checkpoint ckpt-0000000040 at step 40" in errors(worker)
-    commands.run("ps-ctl", "--connect", address, "shutdown")
-    assert server.wait(30) == 0
 
 
 def test_ps_ctl_checkpoint_waits_for_the_checkpoint_and_names_it(commands, tmp_path):
