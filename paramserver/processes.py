@@ -24,10 +24,11 @@ from typing import Callable, Dict, Mapping, Optional, Sequence
 PRELOAD = ("torch", "torch.distributed.rpc", "torch.distributed.autograd", "paramserver.shards", "paramserver.ddp")
 
 
-def _child_context() -> multiprocessing.context.BaseContext:
-    """The context children start in: a fork server that has imported ``PRELOAD``."""
+def child_context(preload: Sequence[str] = PRELOAD) -> multiprocessing.context.BaseContext:
+    """The context children start in: this process's fork server, which imports ``preload`` when it starts
+    (it starts with the first child; one fork server per process, so the first caller's ``preload`` holds)."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(PRELOAD))
+    context.set_forkserver_preload(list(preload))
     return context
 
 
@@ -76,7 +77,7 @@ def run_children(children: Sequence[Child], timeout: datetime.timedelta,
         raise ValueError(f"child names must be unique, got {names}")
     expected = {name: 0 for name in names}
     expected.update(expected_exit_codes or {})
-    context = _child_context()
+    context = child_context()
     processes = {}
     timed_out = []
     try:
