@@ -13,6 +13,7 @@ run.  Exit codes are checked against what was expected.
 
 import datetime
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import socket
 import time
@@ -37,6 +38,13 @@ def _in_environment(environment: Dict[str, str], target: Callable, args: tuple, 
     os.environ.clear()
     os.environ.update(environment)
     target(*args, **kwargs)
+
+
+def start_fork_server(preload: Sequence[str]) -> None:
+    """Start this process's fork server now (it imports ``preload``), rather than with the first child: a
+    caller about to import for seconds itself lets the two imports run side by side."""
+    child_context(preload)
+    multiprocessing.forkserver.ensure_running()
 
 
 def free_port(host: str = "127.0.0.1") -> int:

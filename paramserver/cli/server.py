@@ -26,14 +26,12 @@ import re
 import sys
 from typing import Optional
 
-from ..control import DEFAULT_PORT, CoordinatorSettings, TlsFiles
-from ..control.checkpoints import CheckpointOptions
+from ..control import DEFAULT_PORT, TlsFiles
 from ..control.protocol import HEARTBEAT_INTERVAL
 from ..control.security import ShardCredential
+from ..processes import start_fork_server
 from ..runtime.job import DEFAULT_JOB, JobError, pack_job
-from ..runtime.server import ServerOptions, serve
-from ..runtime.shard_host import ShardHostOptions, serve_shard_host
-from ..runtime.supervisor import MAX_RESTARTS
+from ..runtime.shard_policy import MAX_RESTARTS, SHARD_PRELOAD
 from .common import (UsageError, add_log_level, add_metrics_port, add_threads, add_token_file, command_main,
                      coordinator_address,
                      data_plane_host, job_config_from, metrics_port_from, own_host, secret_from, setup_logging,
@@ -114,8 +112,10 @@ def shard_prefix(value: str) -> str:
     return value
 
 
-def shard_host_options_from(args) -> ShardHostOptions:
-    """``ps-server --join``'s options; the coordinator's own flags are refused, naming them."""
+def shard_host_options_from(args):
+    """``ps-server --join``'s options (``ShardHostOptions``); the coordinator's own flags are refused, naming
+    them."""
+    from ..runtime.shard_host import ShardHostOptions
     defaults = argparse.ArgumentParser()
     add_arguments(defaults)
     given = [f"--{name.replace('_', '-')}" for name in COORDINATOR_FLAGS
@@ -140,7 +140,10 @@ def shard_host_options_from(args) -> ShardHostOptions:
                             log_level=args.log_level, metrics_port=metrics_port_from(args, 1 + args.shards))
 
 
-def options_from(args) -> ServerOptions:
+def options_from(args):
+    """The coordinator's ``ps-server``'s options (``ServerOptions``)."""
+    from ..control import CoordinatorSettings
+    from ..runtime.server import ServerOptions
     if args.tls_ca:
         raise UsageError("--tls-ca is for --join (trusting the coordinator); a coordinator takes --tls-cert and "
                          "--tls-key")
@@ -188,7 +191,9 @@ def shard_token_from(args, token: Optional[str]) -> Optional[str]:
     return shard_token
 
 
-def checkpoint_options_from(args) -> Optional[CheckpointOptions]:
+def checkpoint_options_from(args):
+    """``--checkpoint-*``'s ``CheckpointOptions``, or ``None`` when there are no checkpoints."""
+    from ..control.checkpoints import CheckpointOptions
     if args.checkpoint_keep < 1:
         raise UsageError(f"--checkpoint-keep must be at least 1, got {args.checkpoint_keep}")
     if not args.checkpoint_dir and not args.restore:
@@ -216,12 +221,18 @@ def checkpoint_options_from(args) -> Optional[CheckpointOptions]:
 
 def run(args) -> int:
     setup_logging("ps-server", args)
+    if args.shards > 0:
+        # The shard processes come from a fork server: started first, it imports their code (torch) while this
+        # process imports the coordinator's below, instead of after it.  This module imports neither.
+        start_fork_server(SHARD_PRELOAD)
     try:
         threads_from(args)
         options = shard_host_options_from(args) if args.join else options_from(args)
     except UsageError as error:
         print(f"ps-server: {error}", file=sys.stderr)
         return 2
+    from ..runtime.server import serve
+    from ..runtime.shard_host import serve_shard_host
     try:
         return serve_shard_host(options) if args.join else serve(options)
     except (OSError, ValueError) as error:

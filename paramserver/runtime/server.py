@@ -21,7 +21,8 @@ from typing import Optional
 from ..control import CoordinatorServer, CoordinatorSettings, TlsFiles, pb
 from ..control.server import format_address
 from ..metrics.process import coordinator_metrics
-from .supervisor import MAX_RESTARTS, ShardSupervisor
+from .shard_policy import MAX_RESTARTS
+from .supervisor import ShardSupervisor
 from .threads import apply_threads
 
 logger = logging.getLogger(__name__)

@@ -28,7 +28,8 @@ from ..control import TlsFiles
 from ..control.client import JOIN_RETRY_FOR, CoordinatorClient, CoordinatorError
 from .server import READY_TIMEOUT, SHARDS_STOP_WITHIN
 from .shard_process import EXIT_REFUSED
-from .supervisor import MAX_RESTARTS, ShardSupervisor
+from .shard_policy import MAX_RESTARTS
+from .supervisor import ShardSupervisor
 
 logger = logging.getLogger(__name__)
 

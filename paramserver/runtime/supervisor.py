@@ -26,15 +26,13 @@ from typing import Callable, Dict, Optional
 from ..control import TlsFiles
 from ..metrics.exporter import shard_metrics_port
 from ..processes import child_context
+from .shard_policy import MAX_RESTARTS, SHARD_PRELOAD
 from .shard_process import EXIT_NO_CHECKPOINT, EXIT_REFUSED, run_shard_member
 
 logger = logging.getLogger(__name__)
 
 
-#: How many times one shard is restarted before the supervisor gives up on it.
-MAX_RESTARTS = 3
-#: What the fork server that starts the shard processes imports once.
-SHARD_PRELOAD = ("paramserver.runtime.shard_process",)
+
 
 
 class ShardSupervisor:
@@ -65,7 +63,7 @@ class ShardSupervisor:
         self._lock = threading.Lock()
         self._restart = restart
         self._max_restarts = max_restarts
-        # Handed to each child through its spawn pipe (never its command line or environment).
+        # Handed to each child through the fork server's pipe (never its command line or environment).
         self._kwargs = dict(address=coordinator_address, host=host, token=token, tls=tls, log_level=log_level,
                             shard_token=shard_token)
         self.restarts: Dict[str, int] = {}

@@ -2,7 +2,7 @@
 
 Owns ``run_local_cluster``, which tests, benchmarks and demos use to run
 trainer functions against N shard servers, every process a child started
-with ``spawn`` on loopback (see ``paramserver.processes``).  Trainers are
+from a fork server on loopback (see ``paramserver.processes``).  Trainers are
 named ``trainer0..``, shards ``shard0..``; ``trainer0`` hosts the rendezvous
 and, when its function returns, asks the shards to leave.
 """
