@@ -33,8 +33,9 @@ def child_context(preload: Sequence[str] = PRELOAD) -> multiprocessing.context.B
     return context
 
 
-def _in_environment(environment: Dict[str, str], target: Callable, args: tuple, kwargs: dict) -> None:
-    """Child: ``target(*args, **kwargs)`` under the caller's environment (the fork server keeps its own)."""
+def run_in_environment(environment: Dict[str, str], target: Callable, args: tuple, kwargs: dict) -> None:
+    """Child: ``target(*args, **kwargs)`` under ``environment``, the caller's when it started the child (the
+    fork server's own is the one it started with)."""
     os.environ.clear()
     os.environ.update(environment)
     target(*args, **kwargs)
@@ -90,7 +91,7 @@ def run_children(children: Sequence[Child], timeout: datetime.timedelta,
     timed_out = []
     try:
         for child in children:
-            process = context.Process(target=_in_environment, name=child.name,
+            process = context.Process(target=run_in_environment, name=child.name,
                                       args=(dict(os.environ), child.target, child.args, child.kwargs))
             process.start()
             processes[child.name] = process

@@ -10,3 +10,9 @@ def exit_with(code: int) -> None:
 
 def sleep_for(seconds: float) -> None:
     time.sleep(seconds)
+
+
+def exit_with_variable(name: str) -> None:
+    """Exit with the integer in environment variable ``name`` (0 when unset)."""
+    import os
+    sys.exit(int(os.environ.get(name, "0")))

@@ -1,11 +1,12 @@
-"""The child-process launcher: exit codes checked, hangs killed, nothing left behind."""
+"""The child-process launcher: exit codes checked, hangs killed, nothing left behind, children in the caller's
+environment (they come from a fork server started earlier)."""
 
 import datetime
 import os
 
 import pytest
 
-from child_targets import exit_with, sleep_for
+from child_targets import exit_with, exit_with_variable, sleep_for
 from paramserver.processes import Child, ChildProcessesFailed, free_port, run_children
 
 SHORT = datetime.timedelta(seconds=20)
@@ -35,3 +36,10 @@ def test_child_names_must_be_unique_and_ports_are_free():
     with pytest.raises(ValueError, match="unique"):
         run_children([Child("a", exit_with, (0,)), Child("a", exit_with, (0,))], SHORT)
     assert 0 < free_port() < 65536
+
+
+def test_a_child_runs_in_the_environment_of_its_caller_not_the_fork_servers(monkeypatch):
+    run_children([Child("first", exit_with, (0,))], SHORT)  # the fork server is running from here on
+    monkeypatch.setenv("PARAMSERVER_TEST_EXIT", "7")
+    assert run_children([Child("told", exit_with_variable, ("PARAMSERVER_TEST_EXIT",))], SHORT,
+                        expected_exit_codes={"told": 7}) == {"told": 7}

@@ -221,12 +221,16 @@ def checkpoint_options_from(args):
 
 def run(args) -> int:
     setup_logging("ps-server", args)
+    try:
+        threads_from(args)  # --threads reaches the shard processes through the environment
+    except UsageError as error:
+        print(f"ps-server: {error}", file=sys.stderr)
+        return 2
     if args.shards > 0:
         # The shard processes come from a fork server: started first, it imports their code (torch) while this
         # process imports the coordinator's below, instead of after it.  This module imports neither.
         start_fork_server(SHARD_PRELOAD)
     try:
-        threads_from(args)
         options = shard_host_options_from(args) if args.join else options_from(args)
     except UsageError as error:
         print(f"ps-server: {error}", file=sys.stderr)

@@ -19,13 +19,14 @@ import logging
 import multiprocessing
 import multiprocessing.sharedctypes
 import multiprocessing.connection
+import os
 import threading
 import time
 from typing import Callable, Dict, Optional
 
 from ..control import TlsFiles
 from ..metrics.exporter import shard_metrics_port
-from ..processes import child_context
+from ..processes import child_context, run_in_environment
 from .shard_policy import MAX_RESTARTS, SHARD_PRELOAD
 from .shard_process import EXIT_NO_CHECKPOINT, EXIT_REFUSED, run_shard_member
 
@@ -79,9 +80,10 @@ class ShardSupervisor:
 
     def _new_process(self, name: str) -> multiprocessing.Process:
         self._member_ids[name].value = b""
-        return self._context.Process(target=run_shard_member, name=name,
-                                     kwargs=dict(self._kwargs, name=name, metrics_port=self._metrics_ports.get(name),
-                                                 member_id=self._member_ids[name]))
+        kwargs = dict(self._kwargs, name=name, metrics_port=self._metrics_ports.get(name),
+                      member_id=self._member_ids[name])
+        return self._context.Process(target=run_in_environment, name=name,
+                                     args=(dict(os.environ), run_shard_member, (), kwargs))
 
     def member_id(self, name: str) -> str:
         """The member id of shard ``name``'s current (or just exited) process; "" before it joined."""
