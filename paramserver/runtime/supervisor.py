@@ -33,9 +33,6 @@ from .shard_process import EXIT_NO_CHECKPOINT, EXIT_REFUSED, run_shard_member
 logger = logging.getLogger(__name__)
 
 
-
-
-
 class ShardSupervisor:
     """N shard processes named ``<prefix>0..`` (``shard0..``); ``on_exit(name, exit_code, not_restarted)`` runs
     when one exits on its own, before it is restarted (``not_restarted`` ``None``), or saying why it will not

@@ -25,6 +25,7 @@ import torch.distributed.rpc as rpc
 
 from .._torch_compat import (current_rpc_agent, forget_rpc_peer, is_open_rpc_group, release_rrefs,
                              reset_rpc_init_counter, tensorpipe_options)
+from ..logs import one_line
 
 logger = logging.getLogger(__name__)
 
@@ -220,5 +221,4 @@ def leave(graceful: bool = True, timeout: Optional[datetime.timedelta] = None) -
         # finishes the local shutdown whatever the barrier's end).
         if not graceful:
             raise
-        logger.info("left the RPC group; its store closed during the last step (%s)",
-                    str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__)
+        logger.info("left the RPC group; its store closed during the last step (%s)", one_line(error))

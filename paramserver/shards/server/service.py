@@ -59,6 +59,9 @@ class _Door:
             self._state = state
 
     def state(self) -> ShardState:
+        installed = self._state  # every request reads it: no lock once there is one
+        if installed is not None:
+            return installed
         with self._lock:
             if self._state is None:
                 self._state = ShardState()

@@ -17,6 +17,7 @@ from typing import Dict, Optional
 import torch
 from torch import Tensor
 
+from ....tables import DynamicOptions
 from ....tables.id_hash import salted, unit_interval
 
 SKETCH_DEPTH = 2
@@ -26,14 +27,11 @@ SKETCH_WIDTH = 1 << 18
 class Admission:
     """Counts the ids a shard was asked for and says which may have a row now."""
 
-    def __init__(self, admit_after: int = 1, admit_probability: float = 1.0, seed: int = 0):
-        if admit_after < 1:
-            raise ValueError(f"admit_after must be 1 or more, got {admit_after}")
-        if not 0.0 < admit_probability <= 1.0:
-            raise ValueError(f"admit_probability must be in (0, 1], got {admit_probability}")
-        self.admit_after, self.admit_probability, self.seed = admit_after, admit_probability, seed
+    def __init__(self, options: DynamicOptions, seed: int = 0):
+        """``options``' ``admit_after`` and ``admit_probability`` (checked where the options were made)."""
+        self.admit_after, self.admit_probability, self.seed = options.admit_after, options.admit_probability, seed
         self.counts: Optional[Tensor] = torch.zeros(SKETCH_DEPTH, SKETCH_WIDTH, dtype=torch.int32) \
-            if admit_after > 1 else None
+            if self.admit_after > 1 else None
 
     def admit(self, ids: Tensor, step: int) -> Tensor:
         """Count ``ids`` (distinct, none with a row) as seen once more; which of them may have a row now."""

@@ -69,7 +69,7 @@ class DynamicRows:
         self._used = 0  # slots below this were used at least once
         self._huge_pages = huge_pages
         self.index = IdIndex(kernel, huge_pages)
-        self.admission = Admission(options.admit_after, options.admit_probability, seed)
+        self.admission = Admission(options, seed)
         self.clock = -1
         self._last_sweep = -1
         self.admitted = self.evicted = self.not_admitted = 0
