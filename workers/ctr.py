@@ -14,6 +14,10 @@ is ``paramserver.Trainer``'s.
 text or Parquet, read with ``paramserver.data``), on dynamic tables, and
 reports the held-out AUC and log loss of the ``eval`` files.
 
+``staleness=k`` lets a step read rows missing the sparse updates of at
+most the last ``k`` steps, which are applied in the background
+(``paramserver.train.pipeline``); 0, the default, is exact.
+
 ``dynamic_tables=True`` trains the same model on dynamic tables
 (``Table(None, ...)``) over the ids as raw 64-bit hashes, as real
 categorical values come; ``table_options`` passes their admission and
@@ -76,7 +80,7 @@ def main(ctx, steps: int = 1500, batch_size: int = 1024, hook: str = "powersgd",
          init_std: float = 0.01, row_wise_min_rows: int = 1_000_000, holdout_size: int = 20_000,
          eval_every: int = 500, log_every: int = 100, seed: int = 0, spec: Optional[Dict] = None,
          table_name: str = "ctr", dynamic_tables: bool = False, table_options: Optional[Dict] = None,
-         data: Optional[Dict] = None) -> dict:
+         data: Optional[Dict] = None, staleness: int = 0) -> dict:
     if data is not None:
         source = FileSource(ctx, data, batch_size, embedding_dim, init_std, table_options)
     else:
@@ -88,7 +92,7 @@ def main(ctx, steps: int = 1500, batch_size: int = 1024, hook: str = "powersgd",
         sparse_optimizer=(QHM, dict(lr=sparse_lr, momentum=momentum, nu=nu)),
         dense_optimizer=lambda params: QHM(params, lr=dense_lr, momentum=momentum, nu=nu),
         loss=nn.BCEWithLogitsLoss(), comm_hook=hook, hook_options=hook_options,
-        name=table_name, seed=seed, row_wise_min_rows=row_wise_min_rows)
+        name=table_name, seed=seed, row_wise_min_rows=row_wise_min_rows, staleness=staleness)
     result = trainer.fit(source.train, steps=steps, eval_data=source.eval, eval_every=eval_every,
                          log_every=log_every, figures=source.figures)
     return dict(result, **source.final_figures())

@@ -101,6 +101,11 @@ class BatchStream:
             raise DataExhausted(f"the data ended after {self.used} batches, between two agreements of the group")
         return self._ahead[0][0]
 
+    def ahead(self, offset: int) -> Optional[Batch]:
+        """The batch ``offset`` steps after the step at hand (0: its own), read ahead; ``None`` when the data
+        ends first."""
+        return self._ahead[offset][0] if self.ensure(offset + 1) else None
+
     def finished(self) -> None:
         """The step at hand is done: its batch is used."""
         self._ahead.popleft()

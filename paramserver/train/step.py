@@ -1,12 +1,15 @@
 """One training step of a Trainer, in three phases, and what each phase's failure means.
 
-Owns ``train_step``: the lookups (one RPC per shard for every table it
-serves), the forward and one backward pass under DDP (the comm hook
-all-reduces the dense gradients; the looked-up rows get theirs), during
-which the push leaves (one RPC per shard: the row gradients, applied
-there on arrival by the shard's optimizer) as soon as the rows'
-gradients are computed, overlapping the all-reduce, then the dense
-optimizer's step while the push is applied.  Its phases decide what a
+Owns ``train_step``: the rows (read ahead by an earlier step's push, or
+looked up now: one RPC per shard for every table it serves; see
+``pipeline.RowPipeline``), the forward and one backward pass under DDP
+(the comm hook all-reduces the dense gradients; the looked-up rows get
+theirs), during which the push leaves (one RPC per shard: the row
+gradients, applied there on arrival by the shard's optimizer, carrying a
+later step's lookups) as soon as the rows' gradients are computed,
+overlapping the all-reduce, then the dense optimizer's step while the
+push is applied, then the wait for the push the staleness bound names
+(this step's, with the default staleness 0).  Its phases decide what a
 failure means, so that no update is applied twice:
 
 1. Lookups fail (a lost shard) -> ``ShardStepFailed``: nothing of the
@@ -21,17 +24,19 @@ failure means, so that no update is applied twice:
 3. The push fails against a shard after the all-reduce -> the dense step
    goes on (the group took it together); this worker's sparse update of
    the step is lost (some shards may have applied their part), never
-   applied twice.  Returned, not raised.
+   applied twice.  Returned, not raised (with staleness, by the step
+   that waits for it).
 """
 
 import time
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from torch import Tensor
 
 from ..ddp import DenseReplica
 from ..logs import one_line
 from .contract import Batch
+from .pipeline import RowPipeline
 from .sparse import SparseTables
 
 
@@ -70,15 +75,17 @@ class StepTimes:
         return {phase: 1e3 * seconds / max(1, self.steps) for phase, seconds in self.seconds.items()}
 
 
-def train_step(sparse: SparseTables, replica: DenseReplica, batch: Batch,
+def train_step(sparse: SparseTables, pipeline: RowPipeline, replica: DenseReplica, batch: Batch,
                loss_fn: Callable[[Tensor, Tensor], Tensor],
-               times: Optional[StepTimes] = None) -> Tuple[float, Optional[Exception]]:
-    """One step; returns the loss and, if the sparse update failed against a shard (phase 3), its error.
+               times: Optional[StepTimes] = None) -> Tuple[float, List[Tuple[int, BaseException]]]:
+    """One step; returns the loss and the steps whose sparse updates failed against a shard (phase 3), with
+    why: this step's, or with staleness an earlier one's, found as the pipeline waited for it.
     ``times``: where the step's time went is added there (from its last mark)."""
     times = times or StepTimes()
     device = replica.group.device
+    step, collection = replica.step, sparse.collection
     try:
-        lookup = sparse.lookup(batch, replica.step)
+        lookup = pipeline.rows(collection, step, batch)
         pooled = lookup.pooled()
     except (RuntimeError, TimeoutError) as error:
         raise ShardStepFailed(error) from error
@@ -87,17 +94,14 @@ def train_step(sparse: SparseTables, replica: DenseReplica, batch: Batch,
     loss = loss_fn(logits, batch.labels.to(device))
     times.mark("forward")
     # The push leaves as soon as the backward pass has the rows' gradients, while DDP's last all-reduce is in
-    # flight; it is idempotent per step, so a step redone after that all-reduce failed is not applied twice.
-    push = lookup.push_during_backward(replica.step)
+    # flight, carrying a later step's lookups; it is idempotent per step, so a step redone after that
+    # all-reduce failed is not applied twice.
+    push = lookup.push_during_backward(step, then=pipeline.carried(collection, step))
     loss.backward()
     times.mark("backward")
     replica.finish_step()  # the dense optimizer's step, while the push travels and is applied
     times.mark("dense_step")
-    sparse_failure = None
-    try:
-        push.wait()
-    except (RuntimeError, TimeoutError) as error:
-        sparse_failure = error
+    sparse_failures = pipeline.pushed(step, push)
     times.mark("push_wait")
     times.steps += 1
-    return loss.item(), sparse_failure
+    return loss.item(), sparse_failures

@@ -38,6 +38,7 @@ from .checkpoints import TrainerCheckpoints, restore_point
 from .contract import Batch, Table
 from .data import BatchStream
 from .evaluation import evaluate
+from .pipeline import RowPipeline
 from .sparse import RebuildStopped, SparseTables
 from .step import ShardStepFailed, StepTimes, train_step
 
@@ -72,18 +73,31 @@ class Trainer:
     (``paramserver.export``): the tables, and ``dense``'s class with its
     ``export_kwargs()`` when it has that method (``TypeError`` here when it
     returns values that are not JSON).
+
+    ``staleness``: how many steps of sparse updates a step may read rows
+    without (``paramserver.train.pipeline``).  0 (the default) gives the
+    same results as looking every step's rows up after the previous step's
+    update, with one message per shard per step for both; ``k >= 1`` applies
+    pushes in the background, at most ``k`` steps behind.  ``read_ahead``:
+    False looks every step's rows up when it starts and waits for its push
+    (the step without its pipeline, for comparisons).
     """
 
     def __init__(self, ctx, tables: Dict[str, Table], dense: nn.Module, sparse_optimizer: Tuple[type, Dict[str, Any]],
                  dense_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
                  loss: Callable[[Tensor, Tensor], Tensor], comm_hook: str = "allreduce",
                  hook_options: Optional[Dict[str, Any]] = None, *, name: str = "model", seed: int = 0,
-                 row_wise_min_rows: int = ROW_WISE_MIN_ROWS, agree_every: int = 10):
+                 row_wise_min_rows: int = ROW_WISE_MIN_ROWS, agree_every: int = 10, staleness: int = 0,
+                 read_ahead: bool = True):
         if not tables:
             raise ValueError("a Trainer needs at least one table")
         for table_name, table in tables.items():
             if not isinstance(table, Table):
                 raise TypeError(f"table {table_name!r} must be a paramserver.Table, got {type(table).__name__}")
+        if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
+            raise ValueError(f"staleness must be a whole number of steps, 0 or more; got {staleness!r}")
+        if staleness > 0 and not read_ahead:
+            raise ValueError(f"staleness {staleness} needs read_ahead=True (its rows are read ahead)")
         optimizer_class, optimizer_options = sparse_optimizer
         self.ctx = ctx
         self.tables = dict(tables)
@@ -97,6 +111,7 @@ class Trainer:
         self.seed = seed
         self.row_wise_min_rows = row_wise_min_rows
         self.agree_every = agree_every
+        self.staleness, self.read_ahead = staleness, read_ahead
         #: What every checkpoint records of the model (``paramserver.checkpoint.model``).
         self.model_description = describe_model(name, self.tables, dense)
 
@@ -148,12 +163,15 @@ class _Run:
                                     hook_options=trainer.hook_options, agree_every=trainer.agree_every,
                                     initial=restored, recorder=ctx.recorders.training)
         positions = (restored or {}).get("data_positions", {})
-        self.batches = BatchStream(data, _position(positions.get(ctx.worker_index)), prefetch=PREFETCH_BATCHES)
+        self.batches = BatchStream(data, _position(positions.get(ctx.worker_index)),
+                                   prefetch=PREFETCH_BATCHES + trainer.staleness)
+        self.pipeline = RowPipeline(trainer.staleness, self.batches.ahead, trainer.tables, trainer.agree_every, steps,
+                                    read_ahead=trainer.read_ahead)
         self.checkpoints = TrainerCheckpoints(ctx, self.replica, self.batches.position,
                                               model=trainer.model_description)
         self.figures: Dict[str, Any] = dict(figures)
         self.losses: List[float] = []
-        self.samples = self.sparse_steps = self.sparse_steps_lost = 0
+        self.samples = 0
         self.times = StepTimes()
         self.start_step = self.replica.step
         self.evaluated_at: Optional[int] = None
@@ -165,8 +183,10 @@ class _Run:
         self.started = time.monotonic()
         try:
             self._loop()
+            self._settled(self.pipeline.drain())  # the pushes of the last steps, when the loop ended early
             self._evaluate_at_the_end()
         finally:
+            self.pipeline.close()
             self.batches.close()
             replica.close()
             self.sparse.close()  # what the tables hold on the shards is released now, not whenever this is collected
@@ -174,8 +194,8 @@ class _Run:
         checksum = sum(float(p.detach().double().sum()) for p in replica.module.parameters())
         return dict(self.figures, steps=replica.step, start_step=self.start_step, group_rank=replica.group.rank,
                     group_size=replica.group.world_size, reformations=replica.reformations,
-                    recoveries=replica.recoveries, sparse_steps=self.sparse_steps,
-                    sparse_steps_lost=self.sparse_steps_lost, steps_skipped=replica.steps_skipped,
+                    recoveries=replica.recoveries, sparse_steps=self.pipeline.applied,
+                    sparse_steps_lost=self.pipeline.lost, steps_skipped=replica.steps_skipped,
                     shard_rebuilds=self.sparse.rebuilds, checkpoints=len(self.checkpoints.written),
                     replica_checksum=checksum)
 
@@ -186,20 +206,18 @@ class _Run:
             if not redo and not self._boundary():
                 return
             redo = False
-            step = replica.step
             self.times.start()
             batch = self.batches.current()
             batch.check(self.trainer.tables)  # bad input ends the job, naming the table and the shape
             self.times.mark("data")
             try:
-                loss, sparse_failure = train_step(sparse, replica, batch, self.trainer.loss, self.times)
+                loss, sparse_failures = train_step(sparse, self.pipeline, replica, batch, self.trainer.loss,
+                                                   self.times)
             except Exception as error:  # noqa: BLE001 - failed collectives and lost shards are recovered from
                 if isinstance(error, ShardStepFailed):
                     # Before any collective of the step: done again, while the group's other members wait
                     # for it in the step's all-reduce (up to the collective timeout).
-                    try:
-                        sparse.rebuild(error.cause)
-                    except RebuildStopped:
+                    if not self._settled(self.pipeline.drain(), rebuild_for=error.cause):
                         return
                     redo = True
                     continue
@@ -207,21 +225,35 @@ class _Run:
                     return
                 continue
             self.batches.finished()
-            if sparse_failure is None:
-                self.sparse_steps += 1
+            if not sparse_failures:
                 sparse.step_succeeded()
-            else:  # failed against a shard after the group's all-reduce: the step is not redone
-                self.sparse_steps_lost += 1
-                logger.warning("the sparse update of step %d failed against the shards; the dense one goes on: %s",
-                               step, one_line(sparse_failure))
-                try:
-                    sparse.rebuild(sparse_failure)
-                except RebuildStopped:
-                    return
+            elif not self._settled(sparse_failures):
+                return
             self.samples += len(batch)
             self.losses.append(loss)
             self._after_step()
         self._boundary(final=True)
+
+    def _settled(self, failures: List[Tuple[int, BaseException]],
+                 rebuild_for: Optional[BaseException] = None) -> bool:
+        """After pushes settled: when some failed against the shards (their sparse updates are lost, the
+        dense steps went on), or a step's lookups failed (``rebuild_for``), every push still in flight is
+        waited for, the reads ahead are dropped and the sparse part is rebuilt.  False when the worker was
+        asked to stop meanwhile."""
+        for step, failure in failures:
+            logger.warning("the sparse update of step %d failed against the shards; the dense one goes on: %s",
+                           step, one_line(failure))
+        cause = rebuild_for if rebuild_for is not None else (failures[-1][1] if failures else None)
+        if cause is None:
+            return True
+        for step, failure in self.pipeline.drain():
+            logger.warning("the sparse update of step %d failed against the shards too: %s", step, one_line(failure))
+        self.pipeline.drop_reads()
+        try:
+            self.sparse.rebuild(cause)
+        except RebuildStopped:
+            return False
+        return True
 
     def _boundary(self, final: bool = False) -> bool:
         """A step boundary: agree with the group (on some steps), then write a checkpoint if one is due.
@@ -231,6 +263,8 @@ class _Run:
         recovered from like one lost in a step; that checkpoint is skipped.
         """
         replica = self.replica
+        if (final or replica.step % replica.agree_every == 0) and not self._settled(self.pipeline.drain()):
+            return False  # every push is applied before an agreement (a checkpoint holds every update to its step)
         skipped_before = replica.steps_skipped
         try:
             if not final:
@@ -263,6 +297,9 @@ class _Run:
         replica = self.replica
         if not replica.collective_failed(error):
             raise error
+        self.pipeline.drop_reads()  # the group may skip steps; a step redone looks its rows up again
+        if not self._settled(self.pipeline.drain()):
+            return False
         skipped_before = replica.steps_skipped
         try:
             recovered = replica.recover(error)
@@ -311,6 +348,7 @@ class _Run:
                     replica.step, self.figures["auc"], self.figures["log_loss"])
 
     def _evaluate(self) -> Dict[str, float]:
+        self._settled(self.pipeline.drain())  # held-out figures of the model with every update applied
         module, device = self.replica.module, self.replica.group.device
         was_training = module.training
         module.eval()

@@ -123,25 +123,52 @@ class EmbeddingCollection:
         """Send every table's lookups of ``features[name]`` (``(bags, ids per bag)`` ids): one RPC per shard.
         ``step``: the training step they are for (dynamic tables admit and touch ids then); negative for a
         lookup that only reads (evaluation)."""
+        return self.lookup_planned(self.plan_lookup(features, step))
+
+    def lookup_planned(self, plan: "LookupPlan") -> "CollectionLookup":
+        """Send the lookups of ``plan`` (made by ``plan_lookup``): one RPC per shard."""
+        return plan.sent({shard: rpc.rpc_async(shard, service.lookup, args=(self.incarnation(shard), *request))
+                          for shard, request in plan.requests().items()})
+
+    def plan_lookup(self, features: Mapping[str, Tensor], step: int) -> "LookupPlan":
+        """The lookups of ``features`` routed and grouped by shard, not sent yet (``lookup`` sends them; a push
+        can carry them, see ``CollectionLookup.push``)."""
         routes = {name: table.route(features[name]) for name, table in self.tables.items()}
-        requests: Dict[str, Tuple[List[int], List[Tensor], List[Tuple[str, int]]]] = {}
+        by_shard: Dict[str, Tuple[List[int], List[Tensor], List[Tuple[str, int]]]] = {}
         for name, route in routes.items():
             for position, (range_index, local_ids) in enumerate(route.requests):
                 shard, slot = self.where(name, range_index)
-                handles, ids, keys = requests.setdefault(shard, ([], [], []))
+                handles, ids, keys = by_shard.setdefault(shard, ([], [], []))
                 handles.append(slot.table_handle)
                 ids.append(local_ids)
                 keys.append((name, position))
-        futures = {shard: rpc.rpc_async(shard, service.lookup, args=(self.incarnation(shard), handles, ids, step))
-                   for shard, (handles, ids, _) in requests.items()}
-        recorder = self.recorder
+        return LookupPlan(self, routes, by_shard, step)
+
+
+class LookupPlan:
+    """A step's lookups routed to their shards, before they leave: ``requests()`` is what each shard is asked
+    (table handles, ids, step), ``sent(futures)`` the lookup once they left (and counts them)."""
+
+    def __init__(self, collection: EmbeddingCollection, routes: Dict[str, Route],
+                 by_shard: Dict[str, Tuple[List[int], List[Tensor], List[Tuple[str, int]]]], step: int):
+        self.collection, self.step = collection, step
+        self._routes, self._by_shard = routes, by_shard
+
+    def requests(self) -> Dict[str, Tuple[List[int], List[Tensor], int]]:
+        return {shard: (handles, ids, self.step) for shard, (handles, ids, _) in self._by_shard.items()}
+
+    def sent(self, futures: Dict[str, torch.futures.Future]) -> "CollectionLookup":
+        """The lookup, its requests sent as ``futures`` (one per shard, each answering the shard's rows)."""
+        recorder = self.collection.recorder
         if recorder is not None:  # one lookup RPC per shard, whatever the tables it serves
-            for shard, (_, ids, keys) in requests.items():
+            for shard, (_, ids, keys) in self._by_shard.items():
                 rows = sum(local.numel() for local in ids)
                 sent = sum(local.numel() * local.element_size() for local in ids)
-                returned = sum(local.numel() * self.tables[name].row_bytes for local, (name, _) in zip(ids, keys))
+                returned = sum(local.numel() * self.collection.tables[name].row_bytes
+                               for local, (name, _) in zip(ids, keys))
                 recorder.lookup(shard, rows, sent, returned)
-        return CollectionLookup(self, routes, {shard: keys for shard, (_, _, keys) in requests.items()}, futures)
+        return CollectionLookup(self.collection, self._routes,
+                                {shard: keys for shard, (_, _, keys) in self._by_shard.items()}, futures, self.step)
 
 
 class CollectionLookup:
@@ -149,8 +176,10 @@ class CollectionLookup:
     the pooled embeddings, ``push()`` sends the row gradients."""
 
     def __init__(self, collection: EmbeddingCollection, routes: Dict[str, Route],
-                 keys: Dict[str, List[Tuple[str, int]]], futures: Dict[str, torch.futures.Future]):
-        self._collection, self._routes, self._keys, self._futures = collection, routes, keys, futures
+                 keys: Dict[str, List[Tuple[str, int]]], futures: Dict[str, torch.futures.Future], step: int = -1):
+        self.collection, self._routes, self._keys, self._futures = collection, routes, keys, futures
+        #: The step the lookups are for (negative: a read only).
+        self.step = step
         self.rows: Dict[str, Tensor] = {}
 
     def pooled(self, differentiable: bool = True) -> Dict[str, Tensor]:
@@ -162,18 +191,24 @@ class CollectionLookup:
                 pieces[name][position] = rows
         pooled = {}
         for name, route in self._routes.items():
-            table = self._collection.tables[name]
+            table = self.collection.tables[name]
             rows = torch.cat(pieces[name]) if pieces[name] else table.no_rows(False)
             self.rows[name] = rows.requires_grad_(differentiable)
             pooled[name] = route.pool(self.rows[name])
         return pooled
 
-    def push(self, step: int = -1, gradients: Optional[Mapping[str, Optional[Tensor]]] = None) -> "PendingPush":
+    def push(self, step: int = -1, gradients: Optional[Mapping[str, Optional[Tensor]]] = None,
+             then: Optional[LookupPlan] = None) -> "PendingPush":
         """Send the looked-up rows' gradients (``gradients``, by table; by default what the backward pass left
         in their ``.grad``): one RPC per shard, applied there on arrival.  Tables whose rows got no gradient
         send nothing.  ``step`` (0 or more) makes the push idempotent: a shard applies one push per
-        (collection's ``token``, step), so a step's push sent again is not applied twice."""
-        collection = self._collection
+        (collection's ``token``, step), so a step's push sent again is not applied twice.
+
+        ``then``: a later step's lookups (``EmbeddingCollection.plan_lookup``), carried by the push (ps-lite's
+        push-pull): each shard reads their rows right after applying this push, in the same message, and
+        the pending push's ``then`` is that lookup.  A shard the push does not reach is asked on its own.
+        """
+        collection = self.collection
         if gradients is None:
             gradients = {name: rows.grad for name, rows in self.rows.items()}
         requests: Dict[str, Tuple[List[int], List[Tensor], List[Tensor]]] = {}
@@ -190,54 +225,74 @@ class CollectionLookup:
                 ids.append(local_ids)
                 values.append(gradient[start:stop].clone() if (start, stop) != (0, gradient.size(0)) else gradient)
                 start = stop
+        reads = then.requests() if then is not None and then.collection is collection else {}
         recorder = collection.recorder
-        futures = {}
+        futures, read_futures = {}, {}
         for shard, (params, ids, values) in requests.items():
             if recorder is not None:
                 recorder.client_request(shard, "push", sum(g.numel() * g.element_size() for g in values))
-            futures[shard] = rpc.rpc_async(shard, service.push, args=(
-                collection.incarnation(shard), collection.optimizer_handle(shard), params, ids, values,
-                collection.peer, collection.token, step))
-        return PendingPush(futures)
+            pushed = (collection.incarnation(shard), collection.optimizer_handle(shard), params, ids, values,
+                      collection.peer, collection.token, step)
+            if shard in reads:
+                futures[shard] = read_futures[shard] = rpc.rpc_async(shard, service.push_lookup,
+                                                                     args=(*pushed, *reads[shard]))
+            else:
+                futures[shard] = rpc.rpc_async(shard, service.push, args=pushed)
+        for shard, read in reads.items():
+            if shard not in read_futures:
+                read_futures[shard] = rpc.rpc_async(shard, service.lookup, args=(collection.incarnation(shard), *read))
+        return PendingPush(futures, then.sent(read_futures) if reads else None)
 
-    def push_during_backward(self, step: int) -> "PushOnGradients":
+    def push_during_backward(self, step: int, then: Optional[LookupPlan] = None) -> "PushOnGradients":
         """Push as soon as the next backward pass has computed every looked-up row's gradient, while it goes
-        on (a DDP all-reduce still in flight): the push of ``step``, idempotent (see ``push``)."""
-        return PushOnGradients(self, step)
+        on (a DDP all-reduce still in flight): the push of ``step``, idempotent, carrying ``then`` (see
+        ``push``)."""
+        return PushOnGradients(self, step, then)
 
 
 class PushOnGradients:
     """A push sent from inside a backward pass (``CollectionLookup.push_during_backward``); ``pending`` is
     the push once sent (``None`` if the backward pass never reached the rows)."""
 
-    def __init__(self, lookup: CollectionLookup, step: int):
+    def __init__(self, lookup: CollectionLookup, step: int, then: Optional[LookupPlan] = None):
         self.pending: Optional[PendingPush] = None
         self.failure: Optional[BaseException] = None
         names = [name for name, rows in lookup.rows.items() if rows.requires_grad]
 
         def send(grads: Sequence[Optional[Tensor]]) -> None:
             try:
-                self.pending = lookup.push(step, dict(zip(names, grads)))
+                self.pending = lookup.push(step, dict(zip(names, grads)), then)
             except Exception as error:  # noqa: BLE001 - raised by wait(), not into the backward pass
                 self.failure = error
         self._handle = torch.autograd.graph.register_multi_grad_hook([lookup.rows[n] for n in names], send) \
             if names else None
 
-    def wait(self) -> None:
-        """Wait for the push (``ShardRequestFailed`` naming the shards that failed)."""
+    def sent(self) -> "PendingPush":
+        """The push as it left (after the backward pass): raises what sending it raised; a push that had
+        nothing to send is an empty one."""
         if self._handle is not None:
             self._handle.remove()
+            self._handle = None
         if self.failure is not None:
             raise self.failure
-        if self.pending is not None:
-            self.pending.wait()
+        return self.pending if self.pending is not None else PendingPush({})
+
+    def wait(self) -> None:
+        """Wait for the push (``ShardRequestFailed`` naming the shards that failed)."""
+        self.sent().wait()
 
 
 class PendingPush:
-    """Pushes in flight; ``wait()`` raises ``ShardRequestFailed`` naming the shards that failed."""
+    """Pushes in flight; ``wait()`` raises ``ShardRequestFailed`` naming the shards that failed.  ``then``:
+    the later step's lookup the push carries (``None``: none)."""
 
-    def __init__(self, futures: Dict[str, torch.futures.Future]):
+    def __init__(self, futures: Dict[str, torch.futures.Future], then: Optional[CollectionLookup] = None):
         self._futures = futures
+        self.then = then
+
+    def done(self) -> bool:
+        """Whether every shard answered (or failed): ``wait`` returns at once."""
+        return all(future.done() for future in self._futures.values())
 
     def wait(self) -> None:
         _wait_all(self._futures, "push")

@@ -11,9 +11,10 @@ of what a shard answers:
 * hosting: ``host_tensor``, ``host_rows``, ``host_dynamic`` (RRefs to what
   is hosted), ``read_dynamic``, ``lookup_rows`` and ``gather`` (TorchScript:
   differentiable reads inside a ``dist_autograd`` context), ``values``;
-* a step's rows: ``table_handles``, ``lookup`` and ``push`` (TorchScript
-  functions over the custom ops ``paramserver::lookup`` and
-  ``paramserver::push``: requests and replies are TorchScript calls, no
+* a step's rows: ``table_handles``, ``lookup``, ``push`` and
+  ``push_lookup`` (a push that carries a later step's lookup; TorchScript
+  functions over the custom ops ``paramserver::lookup``,
+  ``paramserver::push`` and ``paramserver::push_lookup``: requests and replies are TorchScript calls, no
   Python pickling; the ops' Python kernels hold the GIL to look handles up,
   and the row copies and the compiled update release it);
 * optimizers: ``new_owner_optimizer``, ``optimizer_step`` (TorchScript over
@@ -136,6 +137,14 @@ def _push_kernel(incarnation: int, optimizer: int, params: List[int], ids: List[
     return rows.push(_state(), incarnation, optimizer, params, ids, gradients, peer, pusher, step)
 
 
+def _push_lookup_kernel(incarnation: int, optimizer: int, params: List[int], ids: List[Tensor],
+                        gradients: List[Tensor], peer: str, pusher: int, step: int, tables: List[int],
+                        lookup_ids: List[Tensor], lookup_step: int) -> List[Tensor]:
+    state = _state()
+    rows.push(state, incarnation, optimizer, params, ids, gradients, peer, pusher, step)
+    return rows.lookup(state, incarnation, tables, lookup_ids, lookup_step)
+
+
 def _owner_step_kernel(handle: int, context_id: int) -> int:
     owner_optimizer = _state().optimizer(handle)
     try:
@@ -152,9 +161,12 @@ _ops = torch.library.Library("paramserver", "DEF")
 _ops.define("lookup(int incarnation, int[] tables, Tensor[] ids, int step) -> Tensor[]")
 _ops.define("push(int incarnation, int optimizer, int[] params, Tensor[] ids, Tensor[] gradients, str peer, "
             "int pusher, int step) -> int")
+_ops.define("push_lookup(int incarnation, int optimizer, int[] params, Tensor[] ids, Tensor[] gradients, "
+            "str peer, int pusher, int step, int[] tables, Tensor[] lookup_ids, int lookup_step) -> Tensor[]")
 _ops.define("owner_step(int handle, int context_id) -> int")
 _ops.impl("lookup", _lookup_kernel, "CompositeExplicitAutograd")
 _ops.impl("push", _push_kernel, "CompositeExplicitAutograd")
+_ops.impl("push_lookup", _push_lookup_kernel, "CompositeExplicitAutograd")
 _ops.impl("owner_step", _owner_step_kernel, "CompositeExplicitAutograd")
 
 
@@ -172,6 +184,16 @@ def push(incarnation: int, optimizer: int, params: List[int], ids: List[Tensor],
     """RPC target: apply a step's row gradients with optimizer handle ``optimizer``, at most once per
     ``(pusher, step)`` when ``step`` >= 0 (``rows.push``); returns the number of parameters named."""
     return torch.ops.paramserver.push(incarnation, optimizer, params, ids, gradients, peer, pusher, step)
+
+
+@torch.jit.script
+def push_lookup(incarnation: int, optimizer: int, params: List[int], ids: List[Tensor], gradients: List[Tensor],
+                peer: str, pusher: int, step: int, tables: List[int], lookup_ids: List[Tensor],
+                lookup_step: int) -> List[Tensor]:
+    """RPC target: ``push``, then ``lookup`` of a later step's rows, read after this push is applied (the
+    push-pull of a pipelined step: one message each way instead of two)."""
+    return torch.ops.paramserver.push_lookup(incarnation, optimizer, params, ids, gradients, peer, pusher, step,
+                                             tables, lookup_ids, lookup_step)
 
 
 # -- optimizers ---------------------------------------------------------------
