@@ -94,8 +94,9 @@ class ProcessTreeCPU:
                 parent_key = (parent, self._parents.get(parent, (0, -1))[1])
                 if pid != self.root and parent_key not in self._kinds and key not in self._kinds:
                     continue  # not of the tree
-                # Classified again at every poll: a child reads as its parent until it calls exec.
-                self._cmdlines[key] = read_cmdline(pid)
+                # Classified again at every poll: a child reads as its parent until it calls exec.  An exited
+                # process not yet reaped has an empty command line: the last one read stays.
+                self._cmdlines[key] = read_cmdline(pid) or self._cmdlines.get(key, "")
                 if pid == self.root:
                     self._kinds[key] = self.root_kind
                 elif parent_key in self._kinds:

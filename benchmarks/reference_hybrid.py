@@ -4,7 +4,10 @@ Owns the process bodies of the reference run and nothing else; it imports
 from ``paramserver`` only the optimizer math (``QHM`` and its functional
 form, registered in torch's own ``functional_optim_map``) and from
 ``workers`` only the model's dense tower and the data, so that both sides
-train the same model on the same batches with the same update.
+train the same model on the same batches with the same update.  Each
+process names itself (``process_cpu.name_this_process``: ``master``,
+``psN``, ``trainerN``) so that end_to_end can count its CPU by kind, and
+runs the intra-op threads end_to_end gives its role.
 
 The structure is that of PyTorch's tutorial "Combining Distributed
 DataParallel with Distributed RPC Framework": a master creates one
