@@ -9,7 +9,9 @@ per sample, "mean" for bags) as ``nn.EmbeddingBag(sparse=True)``
 ``torch.manual_seed(seed)``, ``BCEWithLogitsLoss``; the same batches, as the
 job's two workers draw them (step ``s`` trains on
 ``PlantedCTR(seed=0).batch(w, s, batch)`` of every worker ``w``, joined: the
-global batch, 2 x 1024 samples by default, generated inside the timed loop);
+global batch, 2 x 1024 samples by default, made inside the timed loop, the
+next step's in a background thread while a step trains, as the job's
+Trainer reads ahead; ``--no-read-ahead`` makes it when its step starts);
 the same update, QHM with the job's defaults (momentum 0.9, nu 0.7):
 
 * the tower: ``paramserver.optim.QHM`` at the dense lr 0.5 on the global
@@ -26,7 +28,7 @@ the same update, QHM with the job's defaults (momentum 0.9, nu 0.7):
   in one momentum step instead of one per worker.
 
 Run alone: ``python benchmarks/local_floor.py [--steps N] [--batch N]
-[--workers N] [--threads T]`` (``--threads``: intra-op threads, default
+[--workers N] [--threads T] [--no-read-ahead]`` (``--threads``: intra-op threads, default
 every core of the host, ``paramserver.runtime.threads.host_cores``); it
 prints one line of JSON.  ``train`` is the contestant ``end_to_end.py``
 runs (in a child process of its own).  Throughput is measured as
@@ -37,6 +39,7 @@ over the same window.
 """
 
 import argparse
+import concurrent.futures
 import json
 import os
 import statistics
@@ -91,10 +94,12 @@ class LocalCTR(nn.Module):
 
 
 def train(steps: int, batch_size: int = WORKER_BATCH, workers: int = WORKERS, threads: Optional[int] = None,
-          loss_window: int = 50, config: Optional[Dict] = None) -> Dict:
+          loss_window: int = 50, config: Optional[Dict] = None, read_ahead: bool = True) -> Dict:
     """Train the floor for ``steps`` steps of ``workers`` x ``batch_size`` samples with ``threads`` intra-op
-    threads (default: every core); returns samples_per_s, loss (mean of the last ``loss_window`` steps),
-    cpu_seconds (this process, over the timed window), seconds, threads and phase_ms (mean per step)."""
+    threads (default: every core); with ``read_ahead`` the next step's batch is made in a background thread
+    while a step trains (as the job's Trainer reads ahead).  Returns samples_per_s, loss (mean of the last
+    ``loss_window`` steps), cpu_seconds (this process, over the timed window), seconds, threads and phase_ms
+    (mean per step; "data": waiting for the batch)."""
     config = dict(JOB_DEFAULTS, **(config or {}))
     threads = threads or host_cores()[0]
     torch.set_num_threads(threads)
@@ -108,10 +113,17 @@ def train(steps: int, batch_size: int = WORKER_BATCH, workers: int = WORKERS, th
     loss_fn = nn.BCEWithLogitsLoss()
     losses: List[float] = []
     phases = {phase: 0.0 for phase in PHASES}
+    reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="floor-data") if read_ahead else None
     started, cpu_started = time.monotonic(), time.process_time()
+    ahead = reader.submit(global_batch, data, workers, 0, batch_size) if reader else None
     for step in range(steps):
         t0 = time.perf_counter()
-        batch = global_batch(data, workers, step, batch_size)
+        if ahead is None:
+            batch = global_batch(data, workers, step, batch_size)
+        else:
+            batch = ahead.result()
+            if step + 1 < steps:
+                ahead = reader.submit(global_batch, data, workers, step + 1, batch_size)
         t1 = time.perf_counter()
         loss = loss_fn(model(batch.ids, batch.dense), batch.labels)
         t2 = time.perf_counter()
@@ -126,6 +138,8 @@ def train(steps: int, batch_size: int = WORKER_BATCH, workers: int = WORKERS, th
         for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
             phases[phase] += seconds
     elapsed, cpu = time.monotonic() - started, time.process_time() - cpu_started
+    if reader is not None:
+        reader.shutdown()
     return {"samples_per_s": steps * workers * batch_size / elapsed, "loss": statistics.mean(losses[-loss_window:]),
             "cpu_seconds": cpu, "seconds": elapsed, "threads": threads,
             "phase_ms": {phase: 1e3 * seconds / steps for phase, seconds in phases.items()}}
@@ -147,10 +161,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help=f"workers whose batches make the global batch (default {WORKERS})")
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: every core)")
     parser.add_argument("--log-every", type=int, default=50, help="window of the final loss (default 50)")
+    parser.add_argument("--no-read-ahead", action="store_true",
+                        help="make each step's batch when the step starts, not in a background thread")
     args = parser.parse_args(argv)
     if min(args.steps, args.batch, args.workers, args.log_every, args.threads or 1) < 1:
         parser.error("--steps, --batch, --workers, --threads and --log-every must be at least 1")
-    print(json.dumps(train(args.steps, args.batch, args.workers, args.threads, args.log_every)))
+    print(json.dumps(train(args.steps, args.batch, args.workers, args.threads, args.log_every,
+                           read_ahead=not args.no_read_ahead)))
     return 0
 
 
