@@ -343,10 +343,12 @@ def report(runs: Dict[str, List[Dict]], args, load_before: float) -> None:
           f"{args.steps} steps x batch {args.batch} per trainer, {reference_hybrid.TRAINERS} trainers, "
           f"{reference_hybrid.NUM_PS} parameter servers, {args.repeats} repeat(s){staleness}; 1-min load average "
           f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
-    print(f"# intra-op threads{' (--threads)' if args.threads else ''}: floor {threads[FLOOR]['floor']}; "
-          f"paramserver {', '.join(f'{kind} {n}' for kind, n in threads[OURS].items())}"
-          f"{'' if args.threads else ' (as ps-demo sizes them)'}; reference "
-          f"{', '.join(f'{kind} {n}' for kind, n in threads[REFERENCE].items())}\n")
+    if args.threads:
+        print(f"# intra-op threads (--threads): {args.threads} in every process of every contestant\n")
+    else:
+        print(f"# intra-op threads: floor {threads[FLOOR]['floor']}; paramserver "
+              f"{', '.join(f'{kind} {n}' for kind, n in threads[OURS].items())} (as ps-demo sizes them); reference "
+              f"{', '.join(f'{kind} {n}' for kind, n in threads[REFERENCE].items())}\n")
     print("| implementation | samples/s | vs reference | vs floor | ms/step | final loss | runs (samples/s) |")
     print("|---|---:|---:|---:|---:|---:|---|")
     for name, results in runs.items():
