@@ -1,8 +1,9 @@
-"""End-to-end training throughput of the default job: this framework vs the same model on plain torch RPC + DDP.
+"""End-to-end training throughput of the default job: this framework vs plain torch RPC + DDP vs one process.
 
 What it measures
     Samples per second of the default CTR job (``workers/ctr.py``) trained on
-    this machine, in one run, two ways, with the same shape: 4 parameter-server
+    this machine, in one run: two distributed ways with the same shape, and
+    the floor of both, the same model in one process.  The distributed ones: 4 parameter-server
     processes, 2 trainers in one DDP group (gloo), the 8 tables of
     ``CTRSpec()`` (same vocabulary sizes, dimension 16, "sum" for one id per
     sample, "mean" for bags), the same MLP (``workers.ctr.dense_tower``), the
@@ -41,6 +42,12 @@ What it measures
       idle peer's polling thread would eat the cores (``PeerOptions``'
       docstring measures ~4x slower training with it), which would make the
       reference look worse for a reason that is not its design.
+    * **floor** (``benchmarks/local_floor.py``): the same model, batches
+      and update trained in one process at the global batch (2 x
+      ``--batch`` samples a step: both workers' batches), no RPC, no DDP:
+      ``EmbeddingBag(sparse=True)`` tables stepped on the touched rows by
+      ``FunctionalQHM`` (as the shards step them), the tower by ``QHM``.
+      What a sample costs beyond it is the price of distribution.
     * **tutorial's dense-gradient variant** (unless ``--no-dense-variant``):
       the same reference with the tutorial's literal ``EmbeddingBag()``
       (``sparse=False``): each table owner's backward materialises a gradient
@@ -51,24 +58,56 @@ What it measures
     Throughput is measured the same way on both sides: per trainer, samples
     over the wall time from the start of its first training step to the end
     of its last (the batch's generation included, process start and table
-    creation excluded), summed over the two trainers.
+    creation excluded), summed over the two trainers; the floor's is its one
+    loop's, the same way.
     Final loss: mean training loss of the last ``--log-every`` steps (ours:
     ps-demo's figure, one worker's; reference: the mean of both trainers'), a
     check that both learn the same thing.  Close, not equal: the tables start
     from other random draws, and server-side updates are asynchronous.  The
     reference's momentum is per trainer (torch's DistributedOptimizer builds
     one optimizer per trainer on each owner, and steps them without a lock),
-    ours is one per parameter, shared.
+    ours is one per parameter, shared.  The floor's is the mean of its last
+    steps' losses over the global batch.
+
+    Threads, fairly: every contestant has the whole host.  By default the
+    floor, one process, gets every core (``host_cores()``: the CPU affinity,
+    capped by the cgroup quota) as intra-op threads; a distributed run has 7
+    processes on the host, and each gets what ``paramserver.runtime.threads``
+    gives it (ps-demo's own sizing): a trainer ``cores // 7`` (at least 1),
+    a server (shard, parameter server) and the coordinator (or master) 1;
+    the reference's processes get the same by role.  ``--threads N`` gives
+    every process of every contestant N intra-op threads instead (ours:
+    ``PARAMSERVER_THREADS`` and ``OMP_NUM_THREADS``, which size shards and
+    coordinator too).  The header prints what each contestant ran.
+
+    CPU seconds per 1,000 samples by kind of process: where a sample's cost
+    goes, next to the floor's.  ``process_cpu`` follows this benchmark's
+    descendants in ``/proc`` by parent pid and keeps each process's last
+    utime + stime; ours' kinds come from their command lines (``python -m
+    paramserver.cli.demo`` the driver, ``.server`` the coordinator, with its
+    fork server and resource tracker, ``.worker`` a worker; a process forked
+    by the coordinator's fork server a shard), the reference's processes name
+    themselves (``master``, ``psN``, ``trainerN``).  Counted from when both
+    trainers start their loops (ours: the Trainer's "from step" log line; the
+    reference's: a file each trainer touches) to the end, so imports and
+    start-up are left out (the header of the table says if the start was not
+    seen), and divided by every sample trained; CPU a process spends in its
+    last half second before exiting is missed.  The floor's is its own
+    process's over its timed loop.
 
 How to run
     ``.venv/bin/python benchmarks/end_to_end.py [--steps N] [--batch N]
-    [--repeats N] [--log-every N] [--no-dense-variant]``; the defaults (300
-    steps, batch 1024 per trainer, 1 repeat) take about 2.5-3 minutes on 2
-    cores.  Repeats alternate the order of the contestants; each row shows
-    the median and every run.  Progress goes to stderr, results to stdout.
+    [--repeats N] [--log-every N] [--threads N] [--staleness K]
+    [--no-dense-variant]``; the defaults (300 steps, batch 1024 per trainer,
+    1 repeat) take about 3-4 minutes on 2 cores.  ``--staleness K`` is for
+    ours only: the job configuration gets ``"staleness": K`` (without the
+    flag the key is not set: the job's default).  Repeats alternate the order
+    of the contestants; each row shows the median and every run.  Progress
+    goes to stderr, results to stdout.
 
 How to read it
-    vs reference: a row's samples/s over the sparse reference's, same run.
+    vs reference: a row's samples/s over the sparse reference's, same run;
+    vs floor: over the floor's, same run.
     The step phases of each side (trainer means) show where its time goes
     (ours: the Trainer's ``phase_ms:`` figures, ``paramserver.train.step.PHASES``;
     its push is sent right after the backward pass and waited for after
@@ -77,9 +116,10 @@ How to read it
     (1 minute, before and after) help tell whether something else was
     running (the run itself keeps 7-8 processes busy).  With more processes
     than cores, throughput is set by the CPU time a step costs over all
-    processes, trainers and servers alike.  The target (ours at least 1.5x
-    the reference) says PASS or BELOW; the script exits 0 either
-    way, 1 if a contestant failed.
+    processes, trainers and servers alike.  The targets (ours at least 2x
+    the reference; at least 0.6x the floor, 0.9x with ``--staleness`` above
+    0) say PASS or BELOW; the script exits 0 either way, 1 if a contestant
+    failed.
 """
 
 import argparse
@@ -99,24 +139,39 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # reference_hybrid, also in spawned children
 
+import local_floor  # noqa: E402
 import reference_hybrid  # noqa: E402
+from local_floor import JOB_DEFAULTS  # noqa: E402
+from process_cpu import PollingThread, ProcessTreeCPU  # noqa: E402
 
 from paramserver.processes import Child, ChildProcessesFailed, free_port, run_children  # noqa: E402
+from paramserver.runtime.threads import HOST_PROCESSES_ENV, THREADS_ENV, choose_threads, host_cores  # noqa: E402
 from paramserver.train.step import PHASES  # noqa: E402
 from paramserver.train.trainer import PHASE_FIGURE  # noqa: E402
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
-TARGET = 1.5
-OURS, REFERENCE, DENSE = "paramserver", "reference", "dense"
+#: Targets: ours over the reference; ours over the floor, without and with staleness.
+REFERENCE_TARGET, FLOOR_TARGET, FLOOR_TARGET_STALE = 2.0, 0.6, 0.9
+OURS, FLOOR, REFERENCE, DENSE = "paramserver", "floor", "reference", "dense"
 LABELS = {
     OURS: "paramserver (ps-demo, allreduce hook)",
+    FLOOR: "floor: one process, no RPC, no DDP (local_floor.py)",
     REFERENCE: "torch RPC+DDP reference (RemoteModule EmbeddingBag sparse=True)",
     DENSE: "torch RPC+DDP, tutorial's dense-gradient EmbeddingBag",
 }
-#: The job's defaults (workers/ctr.py main) that the reference copies.
-JOB_DEFAULTS = dict(embedding_dim=16, hidden=[128, 64], sparse_lr=128.0, dense_lr=0.5, momentum=0.9, nu=0.7,
-                    init_std=0.01, seed=0)
 DEMO_STOPS_WITHIN = 30.0
+#: Processes of one distributed run on this host (ours: coordinator, shards, workers; the reference's:
+#: master, parameter servers, trainers): the share of the cores each gets by default.
+DISTRIBUTED_PROCESSES = 1 + reference_hybrid.NUM_PS + reference_hybrid.TRAINERS
+#: Kinds of process whose CPU is counted, per contestant: (row label, ours' kind, the reference's kind).
+CPU_ROWS = (("trainers (ps-worker / trainer)", "worker", "trainer"),
+            ("servers (shard / ps)", "shard", "ps"),
+            ("coordinator (ps-server) / master", "coordinator", reference_hybrid.MASTER),
+            ("driver (ps-demo)", "driver", None))
+#: How a process of ours shows on its command line: (``python -m`` module, kind).
+DEMO_MODULES = (("paramserver.cli.demo", "driver"), ("paramserver.cli.server", "coordinator"),
+                ("paramserver.cli.worker", "worker"))
+FORK_SERVER = "multiprocessing.forkserver"
 
 
 def progress(message: str) -> None:
@@ -127,26 +182,85 @@ class ContestantFailed(RuntimeError):
     """One side of the comparison did not finish; the message says why."""
 
 
+def process_kind(cmdline: str, name: str, parent_cmdline: str, parent_kind: str) -> Optional[str]:
+    """The kind of a process under this benchmark (``process_cpu.Classify``): the reference's processes
+    name themselves; ps-demo's exec ``python -m paramserver.cli.*``; a child of ps-server's fork server
+    (it has the fork server's command line) is a shard; anything else counts as its parent."""
+    if name in reference_hybrid.process_names():
+        return reference_hybrid.role(name)
+    if FORK_SERVER in cmdline and FORK_SERVER in parent_cmdline and parent_kind == "coordinator":
+        return "shard"  # ps-server's fork server starts its shard processes (paramserver.runtime.supervisor)
+    for module, kind in DEMO_MODULES:
+        if f"-m {module}" in cmdline:
+            return kind
+    return None
+
+
+def watch_cpu(started: Callable[[], bool]) -> PollingThread:
+    """Counts the CPU of this benchmark's descendants by kind, from when ``started()`` first holds."""
+    return PollingThread(ProcessTreeCPU(os.getpid(), "benchmark", process_kind), started)
+
+
+def cpu_per_1000(cpu: PollingThread, samples: int) -> Dict:
+    """CPU seconds per 1,000 samples of each kind counted by ``cpu``, and whether start-up is left out."""
+    return {"cpu_per_1000": {kind: 1e3 * seconds / samples for kind, seconds in cpu.tree.cpu_by_kind().items()},
+            "cpu_window": cpu.tree.marked}
+
+
+def threads_of(args) -> Dict[str, Dict[str, int]]:
+    """Intra-op threads of every kind of process, per contestant: ``--threads`` for every process of every
+    contestant; by default the floor gets every core, and each distributed run splits them as
+    ``paramserver.runtime.threads`` does (trainers a share, servers and coordinator one)."""
+    if args.threads:
+        every = {kind: args.threads for kind in ("worker", "shard", "coordinator", *reference_hybrid.ROLES)}
+        return {FLOOR: {"floor": args.threads}, OURS: every, REFERENCE: every}
+    environ = {HOST_PROCESSES_ENV: str(DISTRIBUTED_PROCESSES)}
+    ours = {role: choose_threads(role, environ).intra_op for role in ("worker", "shard", "coordinator")}
+    return {FLOOR: {"floor": host_cores()[0]}, OURS: ours,
+            REFERENCE: {reference_hybrid.MASTER: ours["coordinator"], "ps": ours["shard"], "trainer": ours["worker"]}}
+
+
 def run_ours(args, folder: pathlib.Path) -> Dict:
-    """``ps-demo --hook allreduce`` as a subprocess; its final JSON line's figures."""
-    summary = run_demo(folder, args.steps, args.batch, args.log_every, args.timeout)
-    return {"samples_per_s": summary["samples_per_s"], "loss": summary["loss"],
-            "phase_ms": {key[len(PHASE_FIGURE):]: value for key, value in summary.items()
-                         if key.startswith(PHASE_FIGURE)}}
+    """``ps-demo --hook allreduce`` as a subprocess; its final JSON line's figures, and its processes' CPU
+    from when both workers start their first step."""
+    extra = {} if args.staleness is None else {"staleness": args.staleness}
+    environment = {THREADS_ENV: str(args.threads), "OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
+    worker_logs = [folder / "logs" / f"ps-worker{i}.log" for i in range(reference_hybrid.TRAINERS)]
+    with watch_cpu(lambda: all(training_started(log) for log in worker_logs)) as cpu:
+        summary = run_demo(folder, args.steps, args.batch, args.log_every, args.timeout, extra_config=extra,
+                           environment=environment)
+    return dict(cpu_per_1000(cpu, args.steps * reference_hybrid.TRAINERS * args.batch),
+                samples_per_s=summary["samples_per_s"], loss=summary["loss"],
+                phase_ms={key[len(PHASE_FIGURE):]: value for key, value in summary.items()
+                          if key.startswith(PHASE_FIGURE)})
+
+
+def training_started(worker_log: pathlib.Path) -> bool:
+    """Whether a ps-worker's log says its training loop starts (the Trainer's "... from step N" line)."""
+    try:
+        return " from step " in worker_log.read_text(errors="replace")
+    except OSError:
+        return False
+
+
+def demo_config(batch: int, log_every: int, extra_config: Optional[Dict] = None) -> Dict:
+    """The job configuration ps-demo is given: no evaluation, the batch, the log interval, ``extra_config``."""
+    return {"eval_every": 1_000_000, "log_every": log_every, "batch_size": batch, **(extra_config or {})}
 
 
 def run_demo(folder: pathlib.Path, steps: int, batch: int, log_every: int, timeout: float, *flags: str,
-             watch: Optional[Callable[[pathlib.Path], None]] = None) -> Dict:
-    """``ps-demo --hook allreduce --steps STEPS [flags]`` (no evaluation) as a subprocess, logging under
-    ``folder``; its final JSON line.  ``watch(log_dir)`` is called about every 0.5 s while it runs."""
-    config = {"eval_every": 1_000_000, "log_every": log_every, "batch_size": batch}
+             watch: Optional[Callable[[pathlib.Path], None]] = None, extra_config: Optional[Dict] = None,
+             environment: Optional[Dict[str, str]] = None) -> Dict:
+    """``ps-demo --hook allreduce --steps STEPS [flags]`` (no evaluation; ``extra_config`` added to the job
+    configuration; ``environment`` added to this process's) as a subprocess, logging under ``folder``; its
+    final JSON line.  ``watch(log_dir)`` is called about every 0.5 s while it runs."""
     command = [sys.executable, "-m", "paramserver.cli.demo", "--hook", "allreduce", "--steps", str(steps),
-               "--job-config", json.dumps(config), "--log-dir", str(folder / "logs"),
-               "--timeout", str(timeout), *flags]
+               "--job-config", json.dumps(demo_config(batch, log_every, extra_config)),
+               "--log-dir", str(folder / "logs"), "--timeout", str(timeout), *flags]
     out_path, err_path = folder / "ps-demo.out", folder / "ps-demo.err"
     with open(out_path, "w") as out, open(err_path, "w") as err:
         demo = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=REPO_ROOT,
-                                start_new_session=True)
+                                start_new_session=True, env=dict(os.environ, **(environment or {})))
     try:
         deadline = time.monotonic() + timeout + DEMO_STOPS_WITHIN
         while demo.poll() is None and time.monotonic() < deadline:
@@ -169,45 +283,81 @@ def run_demo(folder: pathlib.Path, steps: int, batch: int, log_every: int, timeo
     return json.loads(lines[-1])
 
 
+def run_floor(args, folder: pathlib.Path) -> Dict:
+    """``local_floor.train`` in a child process; its figures (its CPU is its own, over its timed steps)."""
+    results_path = str(folder / "floor.json")
+    threads = threads_of(args)[FLOOR]["floor"]
+    child = Child("floor", local_floor.train_to_file,
+                  (results_path, args.steps, args.batch, reference_hybrid.TRAINERS, threads, args.log_every))
+    try:
+        run_children([child], datetime.timedelta(seconds=args.timeout))
+    except ChildProcessesFailed as error:
+        raise ContestantFailed(f"the floor failed: {error}") from error
+    with open(results_path) as results_file:
+        result = json.load(results_file)
+    samples = args.steps * reference_hybrid.TRAINERS * args.batch
+    return dict(result, cpu_per_1000={"floor": 1e3 * result["cpu_seconds"] / samples}, cpu_window=True)
+
+
 def run_reference(args, folder: pathlib.Path, sparse: bool) -> Dict:
-    """The torch RPC + DDP reference, 7 spawned processes; the trainers' figures combined."""
+    """The torch RPC + DDP reference, 7 spawned processes; the trainers' figures combined, and the
+    processes' CPU from when both trainers start their first step."""
+    variant = "sparse" if sparse else "dense"
+    started_path = folder / f"reference-{variant}.started"
     config = dict(JOB_DEFAULTS, steps=args.steps, batch_size=args.batch, loss_window=args.log_every,
-                  sparse=sparse, transports=["uv"])
-    results_path = str(folder / f"reference-{'sparse' if sparse else 'dense'}.json")
+                  sparse=sparse, transports=["uv"], threads=threads_of(args)[REFERENCE],
+                  started_path=str(started_path))
+    results_path = str(folder / f"reference-{variant}.json")
     rpc_port, ddp_port = free_port(), free_port()
     children = [Child(name, reference_hybrid.run_process, (name, rank, rpc_port, ddp_port, config, results_path))
                 for rank, name in enumerate(reference_hybrid.process_names())]
+    markers = [pathlib.Path(f"{started_path}.{rank}") for rank in range(reference_hybrid.TRAINERS)]
     try:
-        run_children(children, datetime.timedelta(seconds=args.timeout))
+        with watch_cpu(lambda: all(marker.exists() for marker in markers)) as cpu:
+            run_children(children, datetime.timedelta(seconds=args.timeout))
     except ChildProcessesFailed as error:
         raise ContestantFailed(f"the reference failed: {error}") from error
     with open(results_path) as results_file:
         trainers = json.load(results_file)
-    return {"samples_per_s": sum(t["samples_per_s"] for t in trainers),
-            "loss": statistics.mean(t["loss"] for t in trainers),
-            "phase_ms": {phase: statistics.mean(t["phase_ms"][phase] for t in trainers)
-                         for phase in reference_hybrid.PHASES}}
+    return dict(cpu_per_1000(cpu, args.steps * reference_hybrid.TRAINERS * args.batch),
+                samples_per_s=sum(t["samples_per_s"] for t in trainers),
+                loss=statistics.mean(t["loss"] for t in trainers),
+                phase_ms={phase: statistics.mean(t["phase_ms"][phase] for t in trainers)
+                          for phase in reference_hybrid.PHASES})
 
 
 def ratio(numerator: float, denominator: float) -> float:
     return numerator / denominator if denominator else float("inf")
 
 
+def verdict(name: str, value: float, target: float) -> str:
+    return f"{name} = {value:.2f}x (target >= {target:.1f}x) {'PASS' if value >= target else 'BELOW'}"
+
+
 def report(runs: Dict[str, List[Dict]], args, load_before: float) -> None:
     median = {name: statistics.median(r["samples_per_s"] for r in results) for name, results in runs.items()}
     reference = median[REFERENCE]
+    threads = threads_of(args)
+    staleness = "" if args.staleness is None else f", ours with staleness {args.staleness}"
     print(f"# End-to-end training throughput: torch {torch.__version__}, {os.cpu_count()} cores, "
           f"{args.steps} steps x batch {args.batch} per trainer, {reference_hybrid.TRAINERS} trainers, "
-          f"{reference_hybrid.NUM_PS} parameter servers, {args.repeats} repeat(s); 1-min load average "
-          f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after\n")
-    print("| implementation | samples/s | vs reference | ms/step | final loss | runs (samples/s) |")
-    print("|---|---:|---:|---:|---:|---|")
+          f"{reference_hybrid.NUM_PS} parameter servers, {args.repeats} repeat(s){staleness}; 1-min load average "
+          f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
+    if args.threads:
+        print(f"# intra-op threads (--threads): {args.threads} in every process of every contestant\n")
+    else:
+        print(f"# intra-op threads: floor {threads[FLOOR]['floor']}; paramserver "
+              f"{', '.join(f'{kind} {n}' for kind, n in threads[OURS].items())} (as ps-demo sizes them); reference "
+              f"{', '.join(f'{kind} {n}' for kind, n in threads[REFERENCE].items())}\n")
+    print("| implementation | samples/s | vs reference | vs floor | ms/step | final loss | runs (samples/s) |")
+    print("|---|---:|---:|---:|---:|---:|---|")
     for name, results in runs.items():
         per_step_ms = 1e3 * reference_hybrid.TRAINERS * args.batch / median[name]
         loss = statistics.mean(r["loss"] for r in results)
         every = ", ".join(f"{r['samples_per_s']:,.0f}" for r in results)
-        print(f"| {LABELS[name]} | {median[name]:,.0f} | {ratio(median[name], reference):.2f}x | {per_step_ms:.1f} "
-              f"| {loss:.4f} | {every} |")
+        print(f"| {LABELS[name]} | {median[name]:,.0f} | {ratio(median[name], reference):.2f}x "
+              f"| {ratio(median[name], median[FLOOR]):.2f}x | {per_step_ms:.1f} | {loss:.4f} | {every} |")
+    report_cpu(runs)
     references = [name for name in (REFERENCE, DENSE) if name in runs]
     print("\n| where a reference step's time goes (trainer mean, ms) | "
           + " | ".join(f"{'sparse=True' if n == REFERENCE else 'dense gradient'}" for n in references) + " |")
@@ -219,26 +369,61 @@ def report(runs: Dict[str, List[Dict]], args, load_before: float) -> None:
         print("\n| where a paramserver step's time goes (worker mean, ms) | |\n|---|---:|")
         for phase, label in PHASES.items():
             print(f"| {label} | {statistics.mean(r['phase_ms'].get(phase, 0.0) for r in runs[OURS]):.1f} |")
-    ours = ratio(median[OURS], reference)
-    print(f"\nend-to-end: paramserver / torch RPC+DDP reference = {ours:.2f}x "
-          f"(target >= {TARGET:.1f}x) {'PASS' if ours >= TARGET else 'BELOW'}")
+    print("\n| where a floor step's time goes (ms) | |\n|---|---:|")
+    for phase in local_floor.PHASES:
+        print(f"| {phase} | {statistics.mean(r['phase_ms'][phase] for r in runs[FLOOR]):.1f} |")
+    stale = bool(args.staleness)
+    print()
+    print("end-to-end: " + verdict("paramserver / floor (one process)", ratio(median[OURS], median[FLOOR]),
+                                   FLOOR_TARGET_STALE if stale else FLOOR_TARGET)
+          + f" [{'with staleness' if stale else 'staleness 0'}]")
+    print("end-to-end: " + verdict("paramserver / torch RPC+DDP reference", ratio(median[OURS], reference),
+                                   REFERENCE_TARGET))
+
+
+def report_cpu(runs: Dict[str, List[Dict]]) -> None:
+    """CPU seconds per 1,000 samples by kind of process (means over repeats): where a sample's cost goes."""
+    def cell(name: str, kind: Optional[str]) -> str:
+        if kind is None or name not in runs:
+            return ""
+        return f"{statistics.mean(r['cpu_per_1000'].get(kind, 0.0) for r in runs[name]):.3f}"
+
+    def total(name: str, kinds: Sequence[Optional[str]]) -> str:
+        return f"{statistics.mean(sum(r['cpu_per_1000'].get(k, 0.0) for k in kinds if k) for r in runs[name]):.3f}"
+
+    windowed = all(r["cpu_window"] for results in runs.values() for r in results)
+    print(f"\n| CPU seconds per 1,000 samples ({'training only' if windowed else 'start-up included in some'}) "
+          f"| paramserver | reference | floor |\n|---|---:|---:|---:|")
+    for label, ours, theirs in CPU_ROWS:
+        floor = cell(FLOOR, "floor") if ours == "worker" else ""  # the floor's one process trains
+        print(f"| {label} | {cell(OURS, ours)} | {cell(REFERENCE, theirs)} | {floor} |")
+    print(f"| total | {total(OURS, [row[1] for row in CPU_ROWS])} | {total(REFERENCE, [row[2] for row in CPU_ROWS])} "
+          f"| {total(FLOOR, ['floor'])} |")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description="The default job's samples/s: paramserver vs torch RPC+DDP.")
+    parser = argparse.ArgumentParser(description="The default job's samples/s: paramserver vs torch RPC+DDP "
+                                                 "vs the same model in one process.")
     parser.add_argument("--steps", type=int, default=300, help="training steps per trainer (default 300)")
     parser.add_argument("--batch", type=int, default=1024, help="samples per trainer per step (default 1024)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each contestant (default 1)")
     parser.add_argument("--log-every", type=int, default=50,
                         help="the job's log_every; also the window of the final loss (default 50)")
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
+                        help="intra-op threads of every process of every contestant (default: the floor every "
+                             "core, each distributed process its share; see the module's docstring)")
+    parser.add_argument("--staleness", type=int, default=None, metavar="K",
+                        help='ours only: the job configuration\'s "staleness": K (default: not set, the job\'s own)')
     parser.add_argument("--no-dense-variant", action="store_true",
                         help="skip the tutorial's dense-gradient EmbeddingBag variant")
     parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                         help="give up on one contestant's run after this long (default 600)")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.batch < 1 or args.repeats < 1 or args.log_every < 1:
-        parser.error("--steps, --batch, --repeats and --log-every must be at least 1")
-    contestants = [OURS, REFERENCE] + ([] if args.no_dense_variant else [DENSE])
+    if min(args.steps, args.batch, args.repeats, args.log_every, args.threads or 1) < 1:
+        parser.error("--steps, --batch, --repeats, --log-every and --threads must be at least 1")
+    if args.staleness is not None and args.staleness < 0:
+        parser.error("--staleness must be at least 0")
+    contestants = [OURS, FLOOR, REFERENCE] + ([] if args.no_dense_variant else [DENSE])
     runs: Dict[str, List[Dict]] = {name: [] for name in contestants}
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="end_to_end-") as folder:
@@ -250,6 +435,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     run_folder.mkdir()
                     if name == OURS:
                         result = run_ours(args, run_folder)
+                    elif name == FLOOR:
+                        result = run_floor(args, run_folder)
                     else:
                         result = run_reference(args, run_folder, sparse=name == REFERENCE)
                     progress(f"  {result['samples_per_s']:,.0f} samples/s, loss {result['loss']:.4f}")

@@ -4,7 +4,10 @@ Owns the process bodies of the reference run and nothing else; it imports
 from ``paramserver`` only the optimizer math (``QHM`` and its functional
 form, registered in torch's own ``functional_optim_map``) and from
 ``workers`` only the model's dense tower and the data, so that both sides
-train the same model on the same batches with the same update.
+train the same model on the same batches with the same update.  Each
+process names itself (``process_cpu.name_this_process``: ``master``,
+``psN``, ``trainerN``) so that end_to_end can count its CPU by kind, and
+runs the intra-op threads end_to_end gives its role.
 
 The structure is that of PyTorch's tutorial "Combining Distributed
 DataParallel with Distributed RPC Framework": a master creates one
@@ -20,6 +23,7 @@ never touches the framework's data plane, shards or control plane.
 
 import datetime
 import json
+import pathlib
 import statistics
 import time
 import warnings
@@ -37,6 +41,7 @@ from torch.distributed.rpc import RRef
 from torch.nn.parallel import DistributedDataParallel
 
 from paramserver.optim import QHM, FunctionalQHM
+from process_cpu import name_this_process
 from workers.ctr import dense_tower
 from workers.ctr_data import CTRSpec, PlantedCTR
 
@@ -48,6 +53,8 @@ NUM_PS = 4
 TRAINERS = 2
 MASTER = "master"
 RPC_TIMEOUT = datetime.timedelta(minutes=5)
+#: The kinds of process of the run (``role``).
+ROLES = (MASTER, "ps", "trainer")
 #: Phases of a reference step whose mean time the trainers report.
 PHASES = ("data", "lookups", "dense forward + loss", "backward (DDP allreduce)", "sparse step", "dense step")
 
@@ -105,6 +112,8 @@ def run_trainer(tables: Sequence[RemoteModule], rank: int, config: Dict) -> Dict
     steps, batch_size = config["steps"], config["batch_size"]
     losses: List[float] = []
     phases = {phase: 0.0 for phase in PHASES}
+    if config.get("started_path"):  # tells a watcher of the processes' CPU that training starts
+        pathlib.Path(f"{config['started_path']}.{rank}").touch()
     started = time.monotonic()
     for step in range(steps):
         t0 = time.perf_counter()
@@ -144,12 +153,18 @@ def master(config: Dict, results_path: str) -> None:
         json.dump(results, out)
 
 
+def role(name: str) -> str:
+    """The kind of a process of the run: ``master``, ``ps`` or ``trainer`` (``ROLES``)."""
+    return name.rstrip("0123456789")
+
+
 def run_process(name: str, rank: int, rpc_port: int, ddp_port: int, config: Dict, results_path: str) -> None:
-    """Process body: ``master``, ``psN`` or ``trainerN``; returns once every peer is done (rpc.shutdown)."""
+    """Process body: ``master``, ``psN`` or ``trainerN``; returns once every peer is done (rpc.shutdown).
+    It runs ``config["threads"][role(name)]`` intra-op threads and names itself ``name`` (its comm)."""
     warnings.filterwarnings("ignore", message="You are using a Backend")  # torch's own use, at shutdown
+    name_this_process(name)
     world_size = 1 + NUM_PS + TRAINERS
-    if name.startswith("ps") or name == MASTER:
-        torch.set_num_threads(1)  # as the framework's shard servers run
+    torch.set_num_threads(config["threads"][role(name)])
     if name.startswith("trainer"):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ddp_port}", rank=int(name[len("trainer"):]),
                                 world_size=TRAINERS, timeout=RPC_TIMEOUT)

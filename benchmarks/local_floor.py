@@ -1,0 +1,175 @@
+"""The floor of ``benchmarks/end_to_end.py``: the default CTR job trained in one process, no RPC, no DDP.
+
+Owns the single-process training loop that sets how fast the default job
+can go on this host with no distribution at all: what a parameter server
+costs is measured against it.  The same model as the job (``workers/ctr.py``):
+the tables of ``CTRSpec()`` (dimension 16, rows N(0, 0.01), "sum" for one id
+per sample, "mean" for bags) as ``nn.EmbeddingBag(sparse=True)``
+(``reference_hybrid.CTREmbeddingBag``), the job's ``Tower`` built after
+``torch.manual_seed(seed)``, ``BCEWithLogitsLoss``; the same batches, as the
+job's two workers draw them (step ``s`` trains on
+``PlantedCTR(seed=0).batch(w, s, batch)`` of every worker ``w``, joined: the
+global batch, 2 x 1024 samples by default, made inside the timed loop, the
+next step's in a background thread while a step trains, as the job's
+Trainer reads ahead; ``--no-read-ahead`` makes it when its step starts);
+the same update, QHM with the job's defaults (momentum 0.9, nu 0.7):
+
+* the tower: ``paramserver.optim.QHM`` at the dense lr 0.5 on the global
+  batch's mean loss, as the job's DDP all-reduce (a mean over the workers)
+  followed by its local QHM;
+* the tables: row-sparse, as the shards: ``FunctionalQHM`` (scripted, as the
+  shards run it) steps only the rows the step touched and their momentum
+  (``EmbeddingBag(sparse=True)`` gradients, duplicates summed).  On the
+  shards every worker's push (the gradient of its own 1024-sample mean
+  loss) is applied at the sparse lr 128; here the rows get one step with
+  the sum of the workers' gradients at lr 128 (implemented as lr 128 x
+  workers on the global mean's gradient, the same update since QHM is
+  linear in the gradient): each row moves as far per step as in the job,
+  in one momentum step instead of one per worker.
+
+Run alone: ``python benchmarks/local_floor.py [--steps N] [--batch N]
+[--workers N] [--threads T] [--no-read-ahead]`` (``--threads``: intra-op threads, default
+every core of the host, ``paramserver.runtime.threads.host_cores``); it
+prints one line of JSON.  ``train`` is the contestant ``end_to_end.py``
+runs (in a child process of its own).  Throughput is measured as
+end_to_end measures the others: samples over the wall time from the start
+of the first step to the end of the last, batch generation included
+(tables' creation excluded); CPU seconds are this process's (every thread)
+over the same window.
+"""
+
+import argparse
+import concurrent.futures
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # reference_hybrid, also in spawned children
+
+from reference_hybrid import CTREmbeddingBag  # noqa: E402
+
+from paramserver.optim import QHM, FunctionalQHM, ScriptedOptimizer  # noqa: E402
+from paramserver.runtime.threads import host_cores  # noqa: E402
+from workers.ctr import Tower  # noqa: E402
+from workers.ctr_data import Batch, CTRSpec, PlantedCTR, feature_names  # noqa: E402
+
+#: The job's defaults (workers/ctr.py main) that the floor and the reference copy.
+JOB_DEFAULTS = dict(embedding_dim=16, hidden=[128, 64], sparse_lr=128.0, dense_lr=0.5, momentum=0.9, nu=0.7,
+                    init_std=0.01, seed=0)
+#: The job's shape in end_to_end: workers, each reading batches of this size.
+WORKERS, WORKER_BATCH = 2, 1024
+#: Phases of a floor step whose mean time ``train`` reports.
+PHASES = ("data", "forward + loss", "backward", "sparse step", "dense step")
+
+
+def global_batch(data: PlantedCTR, workers: int, step: int, batch_size: int) -> Batch:
+    """Step ``step``'s batches of every worker (worker ``w`` reads stream ``w``, as the job's do), joined."""
+    parts = [data.batch(worker, step, batch_size) for worker in range(workers)]
+    return Batch(ids=[torch.cat(feature) for feature in zip(*(part.ids for part in parts))],
+                 dense=torch.cat([part.dense for part in parts]), labels=torch.cat([part.labels for part in parts]),
+                 true_logits=torch.cat([part.true_logits for part in parts]))
+
+
+class LocalCTR(nn.Module):
+    """The job's model in one process: a row-sparse ``EmbeddingBag`` per feature and the job's ``Tower``."""
+
+    def __init__(self, spec: CTRSpec, embedding_dim: int, hidden: Sequence[int], init_std: float, seed: int):
+        super().__init__()
+        self.features = feature_names(spec)
+        self.tables = nn.ModuleList(
+            CTREmbeddingBag(rows, embedding_dim, "sum" if bag == 1 else "mean", True, init_std, seed + index)
+            for index, (rows, bag) in enumerate(zip(spec.vocab_sizes, spec.bag_sizes)))
+        torch.manual_seed(seed)  # the job's tower initialisation
+        self.tower = Tower(self.features, embedding_dim, spec.num_dense, hidden)
+
+    def forward(self, ids: List[torch.Tensor], dense: torch.Tensor) -> torch.Tensor:
+        pooled = {name: table(feature_ids) for name, table, feature_ids in zip(self.features, self.tables, ids)}
+        return self.tower(pooled, dense)
+
+
+def train(steps: int, batch_size: int = WORKER_BATCH, workers: int = WORKERS, threads: Optional[int] = None,
+          loss_window: int = 50, config: Optional[Dict] = None, read_ahead: bool = True) -> Dict:
+    """Train the floor for ``steps`` steps of ``workers`` x ``batch_size`` samples with ``threads`` intra-op
+    threads (default: every core); with ``read_ahead`` the next step's batch is made in a background thread
+    while a step trains (as the job's Trainer reads ahead).  Returns samples_per_s, loss (mean of the last
+    ``loss_window`` steps), cpu_seconds (this process, over the timed window), seconds, threads and phase_ms
+    (mean per step; "data": waiting for the batch)."""
+    config = dict(JOB_DEFAULTS, **(config or {}))
+    threads = threads or host_cores()[0]
+    torch.set_num_threads(threads)
+    spec = CTRSpec()
+    data = PlantedCTR(spec, seed=config["seed"])
+    model = LocalCTR(spec, config["embedding_dim"], config["hidden"], config["init_std"], config["seed"])
+    qhm = dict(momentum=config["momentum"], nu=config["nu"])
+    table_weights = [table.weight for table in model.tables]
+    sparse_optimizer = ScriptedOptimizer(FunctionalQHM, table_weights, config["sparse_lr"] * workers, **qhm)
+    dense_optimizer = QHM(model.tower.parameters(), lr=config["dense_lr"], **qhm)
+    loss_fn = nn.BCEWithLogitsLoss()
+    losses: List[float] = []
+    phases = {phase: 0.0 for phase in PHASES}
+    reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="floor-data") if read_ahead else None
+    started, cpu_started = time.monotonic(), time.process_time()
+    ahead = reader.submit(global_batch, data, workers, 0, batch_size) if reader else None
+    for step in range(steps):
+        t0 = time.perf_counter()
+        if ahead is None:
+            batch = global_batch(data, workers, step, batch_size)
+        else:
+            batch = ahead.result()
+            if step + 1 < steps:
+                ahead = reader.submit(global_batch, data, workers, step + 1, batch_size)
+        t1 = time.perf_counter()
+        loss = loss_fn(model(batch.ids, batch.dense), batch.labels)
+        t2 = time.perf_counter()
+        loss.backward()
+        t3 = time.perf_counter()
+        sparse_optimizer.step([weight.grad for weight in table_weights])
+        t4 = time.perf_counter()
+        dense_optimizer.step()
+        t5 = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
+            phases[phase] += seconds
+    elapsed, cpu = time.monotonic() - started, time.process_time() - cpu_started
+    if reader is not None:
+        reader.shutdown()
+    return {"samples_per_s": steps * workers * batch_size / elapsed, "loss": statistics.mean(losses[-loss_window:]),
+            "cpu_seconds": cpu, "seconds": elapsed, "threads": threads,
+            "phase_ms": {phase: 1e3 * seconds / steps for phase, seconds in phases.items()}}
+
+
+def train_to_file(results_path: str, *args, **kwargs) -> None:
+    """Process body for end_to_end: ``train(*args, **kwargs)``, its figures written to ``results_path``."""
+    result = train(*args, **kwargs)
+    with open(results_path, "w") as out:
+        json.dump(result, out)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description="The default job trained in one process: the floor of end_to_end.")
+    parser.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
+    parser.add_argument("--batch", type=int, default=WORKER_BATCH,
+                        help=f"samples per worker per step (default {WORKER_BATCH})")
+    parser.add_argument("--workers", type=int, default=WORKERS,
+                        help=f"workers whose batches make the global batch (default {WORKERS})")
+    parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: every core)")
+    parser.add_argument("--log-every", type=int, default=50, help="window of the final loss (default 50)")
+    parser.add_argument("--no-read-ahead", action="store_true",
+                        help="make each step's batch when the step starts, not in a background thread")
+    args = parser.parse_args(argv)
+    if min(args.steps, args.batch, args.workers, args.log_every, args.threads or 1) < 1:
+        parser.error("--steps, --batch, --workers, --threads and --log-every must be at least 1")
+    print(json.dumps(train(args.steps, args.batch, args.workers, args.threads, args.log_every,
+                           read_ahead=not args.no_read_ahead)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
