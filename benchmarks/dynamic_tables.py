@@ -342,12 +342,13 @@ def served_trainer(rows: int, dim: int, batch: int, rounds: int, insert_batch: i
     ids = distinct_ids(rows, seed=0)
     started = time.perf_counter()
     for start in range(0, rows, insert_batch):
-        rpc.rpc_sync(shard, service.lookup, args=(incarnation, [dynamic_slot.table_handle],
-                                                     [ids[start:start + insert_batch]], 0), timeout=slow)
+        inserted = ids[start:start + insert_batch]
+        rpc.rpc_sync(shard, service.lookup, args=(incarnation, [dynamic_slot.table_handle], inserted,
+                                                     [inserted.numel()], 0), timeout=slow)
     build_s = time.perf_counter() - started
     for slot, first in ((dynamic_slot, ids[:batch].sort().values), (fixed_slot, torch.arange(batch))):
-        rpc.rpc_sync(shard, service.push, args=(incarnation, handle, [slot.param_index], [first],
-                                                   [torch.zeros(batch, dim)], peer, 0, -1), timeout=slow)
+        rpc.rpc_sync(shard, service.push, args=(incarnation, handle, [slot.param_index], first, [batch],
+                                                   torch.zeros(batch * dim), peer, 0, -1), timeout=slow)
 
     positions = request_batches(rows, batch, seed=1)
     dynamic_batches = [ids.index_select(0, p).sort().values for p in positions]
@@ -359,14 +360,14 @@ def served_trainer(rows: int, dim: int, batch: int, rounds: int, insert_batch: i
         def call(round_index: int) -> None:
             step[0] += 1
             rpc.rpc_sync(shard, service.lookup, args=(incarnation, [slot.table_handle],
-                                                         [batches[round_index % BATCHES]], step[0]))
+                                                         batches[round_index % BATCHES], [batch], step[0]))
         return call
 
     def push(slot, batches):
         def call(round_index: int) -> None:
             rpc.rpc_sync(shard, service.push, args=(incarnation, handle, [slot.param_index],
-                                                       [batches[round_index % BATCHES]],
-                                                       [gradients[round_index % BATCHES]], peer, 0, -1))
+                                                       batches[round_index % BATCHES], [batch],
+                                                       gradients[round_index % BATCHES].reshape(-1), peer, 0, -1))
         return call
 
     medians = time_round_robin([

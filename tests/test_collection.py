@@ -109,14 +109,18 @@ def trainer_fused_equals_unfused():
         assert not any(t.requires_grad for t in collection.lookup(features).pooled(differentiable=False).values())
     # A push naming a parameter the optimizer does not have is refused, naming it, and changes nothing.
     handle, incarnation = collection.optimizer_handle(shards[1]), collection.incarnation(shards[1])
-    push = (handle, [99], [torch.tensor([0])], [torch.ones(1, DIM)], "x")
+    push = (handle, [99], torch.tensor([0]), [1], torch.ones(DIM), "x")
     with pytest.raises(RuntimeError, match="names parameter 99"):
         rpc.rpc_sync(shards[1], service.push, args=(incarnation, *push))
     # Handles of another process of the shard (one that was restarted) are refused, whatever they name here.
     with pytest.raises(RuntimeError, match="StaleHandles: the handles were made by an earlier process"):
         rpc.rpc_sync(shards[1], service.push, args=(incarnation + 1, *push))
     with pytest.raises(RuntimeError, match="StaleHandles"):
-        rpc.rpc_sync(shards[1], service.lookup, args=(incarnation + 1, [1], [torch.tensor([0])]))
+        rpc.rpc_sync(shards[1], service.lookup, args=(incarnation + 1, [1], torch.tensor([0]), [1]))
+    # Packed ids and rows that do not add up are refused, naming what was wrong.
+    with pytest.raises(RuntimeError, match="do not split into counts"):
+        rpc.rpc_sync(shards[1], service.push, args=(incarnation, handle, [0], torch.tensor([0]), [2], torch.ones(DIM),
+                                                    "x"))
     assert all(torch.equal(a, b) for a, b in zip(_weights(fused_tables).values(), fused.values()))
 
 

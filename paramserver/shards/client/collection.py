@@ -16,8 +16,10 @@ gradient message per lookup, then a step RPC per owner) stays what
 parameters; both paths give the same rows.
 
 A lookup's rows are a local leaf per table: the model's backward pass
-fills their gradients, and ``push`` sends them.  Tensors sent are compact
-copies (an RPC sends a view's whole storage).  Each lookup and push RPC is
+fills their gradients, and ``push`` sends them.  A message's ids, rows and
+row gradients travel packed, a few tensors each (``paramserver.shards.wire``):
+compact copies (an RPC sends a view's whole storage).  A collection's tables
+share a dtype.  Each lookup and push RPC is
 counted by the collection's ``recorder`` when it was handed one (a
 ``CollectionRecorder``: the worker's data-plane metrics, when it serves
 them).
@@ -32,6 +34,7 @@ from torch import Tensor
 
 from ..._torch_compat import remote_error_cause
 from ..peer import creation_timeout, settle
+from .. import wire
 from ..server import service
 from .dynamic_embedding import DynamicEmbeddingBag
 from .embedding import LookupRecorder, Route, ShardedEmbeddingBag
@@ -81,6 +84,10 @@ class EmbeddingCollection:
                  optimizer_layout: Mapping[str, Tuple[int, List[int]]],
                  peer: str, token: Optional[int] = None, *, recorder: Optional[CollectionRecorder] = None):
         self.tables = dict(tables)
+        dtypes = {name: table.dtype for name, table in self.tables.items()}
+        if len(set(dtypes.values())) > 1:
+            raise ValueError(f"the tables of one collection share a dtype (their rows travel packed in one tensor "
+                             f"per shard, see paramserver.shards.wire); got {dtypes}")
         self.peer = peer
         self.recorder = recorder
         #: Names this pusher on the shards, for idempotent pushes (``CollectionLookup.push(step=...)``).
@@ -154,8 +161,10 @@ class LookupPlan:
         self.collection, self.step = collection, step
         self._routes, self._by_shard = routes, by_shard
 
-    def requests(self) -> Dict[str, Tuple[List[int], List[Tensor], int]]:
-        return {shard: (handles, ids, self.step) for shard, (handles, ids, _) in self._by_shard.items()}
+    def requests(self) -> Dict[str, Tuple[List[int], Tensor, List[int], int]]:
+        """Per shard: table handles, their ids packed, the count of each, the step (``wire``)."""
+        return {shard: (handles, wire.pack_ids(ids), wire.counts(ids), self.step)
+                for shard, (handles, ids, _) in self._by_shard.items()}
 
     def sent(self, futures: Dict[str, torch.futures.Future]) -> "CollectionLookup":
         """The lookup, its requests sent as ``futures`` (one per shard, each answering the shard's rows)."""
@@ -168,7 +177,8 @@ class LookupPlan:
                                for local, (name, _) in zip(ids, keys))
                 recorder.lookup(shard, rows, sent, returned)
         return CollectionLookup(self.collection, self._routes,
-                                {shard: keys for shard, (_, _, keys) in self._by_shard.items()}, futures, self.step)
+                                {shard: (keys, wire.counts(ids)) for shard, (_, ids, keys) in self._by_shard.items()},
+                                futures, self.step)
 
 
 class CollectionLookup:
@@ -176,7 +186,8 @@ class CollectionLookup:
     the pooled embeddings, ``push()`` sends the row gradients."""
 
     def __init__(self, collection: EmbeddingCollection, routes: Dict[str, Route],
-                 keys: Dict[str, List[Tuple[str, int]]], futures: Dict[str, torch.futures.Future], step: int = -1):
+                 keys: Dict[str, Tuple[List[Tuple[str, int]], List[int]]], futures: Dict[str, torch.futures.Future],
+                 step: int = -1):
         self.collection, self._routes, self._keys, self._futures = collection, routes, keys, futures
         #: The step the lookups are for (negative: a read only).
         self.step = step
@@ -186,8 +197,11 @@ class CollectionLookup:
         """Every table's pooled embeddings; raises ``ShardRequestFailed`` naming the shards that failed."""
         pieces: Dict[str, List[Optional[Tensor]]] = {name: [None] * len(route.requests)
                                                       for name, route in self._routes.items()}
-        for shard, replies in _wait_all(self._futures, "lookup").items():
-            for (name, position), rows in zip(self._keys[shard], replies):
+        tables = self.collection.tables
+        for shard, reply in _wait_all(self._futures, "lookup").items():
+            keys, row_counts = self._keys[shard]
+            widths = [tables[name].embedding_dim for name, _ in keys]
+            for (name, position), rows in zip(keys, wire.unpack_rows(reply, row_counts, widths)):
                 pieces[name][position] = rows
         pooled = {}
         for name, route in self._routes.items():
@@ -223,7 +237,7 @@ class CollectionLookup:
                 params, ids, values = requests.setdefault(shard, ([], [], []))
                 params.append(slot.param_index)
                 ids.append(local_ids)
-                values.append(gradient[start:stop].clone() if (start, stop) != (0, gradient.size(0)) else gradient)
+                values.append(gradient[start:stop])  # packed (copied) below
                 start = stop
         reads = then.requests() if then is not None and then.collection is collection else {}
         recorder = collection.recorder
@@ -231,8 +245,8 @@ class CollectionLookup:
         for shard, (params, ids, values) in requests.items():
             if recorder is not None:
                 recorder.client_request(shard, "push", sum(g.numel() * g.element_size() for g in values))
-            pushed = (collection.incarnation(shard), collection.optimizer_handle(shard), params, ids, values,
-                      collection.peer, collection.token, step)
+            pushed = (collection.incarnation(shard), collection.optimizer_handle(shard), params, wire.pack_ids(ids),
+                      wire.counts(ids), wire.pack_rows(values), collection.peer, collection.token, step)
             if shard in reads:
                 futures[shard] = read_futures[shard] = rpc.rpc_async(shard, service.push_lookup,
                                                                      args=(*pushed, *reads[shard]))

@@ -290,6 +290,13 @@ class OwnerOptimizer:
         self._timed(lambda measure: self._impl.step(context_id, measure), lambda: context_peer(context_id),
                     "step")
 
+    def row_width(self, index: int) -> int:
+        """The width of parameter ``index``'s rows (``ValueError`` when there is no such 2-D parameter)."""
+        if not 0 <= index < len(self.params) or self.params[index].dim() != 2:
+            raise ValueError(f"a push names parameter {index} of an optimizer over {len(self.params)} parameters, "
+                             f"which has no rows")
+        return self.params[index].size(1)
+
     def apply_rows(self, params: Sequence[int], ids: Sequence[Tensor], gradients: Sequence[Tensor],
                    peer: str, once: Optional[Tuple[int, int]] = None) -> bool:
         """One step with row gradients pushed by ``peer``: ``gradients[i]`` (rows x dim) for rows ``ids[i]``

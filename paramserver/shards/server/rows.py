@@ -12,7 +12,7 @@ asks of each shard, as plain functions of the shard's ``ShardState``
   and handles of the process that died are refused (``StaleHandles``),
   never taken for its successor's.
 * ``lookup``: the rows of every table this shard serves to the step (plain
-  values: no autograd is recorded); a dynamic table's part
+  values: no autograd is recorded; ids and rows travel packed, ``wire``); a dynamic table's part
   (``dynamic.DynamicRows``) is asked by id, and admits and touches them at
   the step.
 * ``push``: the step's row gradients for every one of those tables,
@@ -29,6 +29,7 @@ from typing import List, Tuple
 import torch
 from torch import Tensor
 
+from .. import wire
 from .state import ShardState
 
 logger = logging.getLogger(__name__)
@@ -51,12 +52,15 @@ def check_incarnation(state: ShardState, incarnation: int) -> ShardState:
     return state
 
 
-def lookup(state: ShardState, incarnation: int, tables: List[int], ids: List[Tensor], step: int) -> List[Tensor]:
-    """Rows ``ids[i]`` (local indices; ids of a dynamic table) of table handle ``tables[i]``, for every ``i``.
-    ``step``: the trainer's step (a dynamic table touches and admits ids then); negative to read only."""
+def lookup(state: ShardState, incarnation: int, tables: List[int], ids: Tensor, counts: List[int],
+           step: int) -> Tensor:
+    """The rows of table handle ``tables[i]`` for its ``counts[i]`` ids of ``ids`` (local indices; ids of a
+    dynamic table), every table's in turn, packed (``wire``).  ``step``: the trainer's step (a dynamic table
+    touches and admits ids then); negative to read only."""
     check_incarnation(state, incarnation)
     with torch.no_grad():
-        return [_rows(state, state.table(handle), rows, step) for handle, rows in zip(tables, ids)]
+        return wire.pack_rows([_rows(state, state.table(handle), rows, step)
+                               for handle, rows in zip(tables, wire.unpack_ids(ids, counts))])
 
 
 def _rows(state: ShardState, table: Tensor, ids: Tensor, step: int) -> Tensor:
@@ -64,15 +68,17 @@ def _rows(state: ShardState, table: Tensor, ids: Tensor, step: int) -> Tensor:
     return torch.index_select(table, 0, ids) if dynamic is None else dynamic.lookup(ids, step)
 
 
-def push(state: ShardState, incarnation: int, optimizer: int, params: List[int], ids: List[Tensor],
-         gradients: List[Tensor], peer: str, pusher: int, step: int) -> int:
-    """Apply row gradients ``gradients[i]`` (rows ``ids[i]``, local indices) to parameter ``params[i]`` of
-    optimizer handle ``optimizer``, all in one step of it, unless ``step`` >= 0 and this optimizer already
-    applied a push of ``pusher`` for that step or a later one (a step's push sent again is applied once);
-    returns the number of parameters named."""
+def push(state: ShardState, incarnation: int, optimizer: int, params: List[int], ids: Tensor, counts: List[int],
+         gradients: Tensor, peer: str, pusher: int, step: int) -> int:
+    """Apply the row gradients of parameter ``params[i]`` of optimizer handle ``optimizer``: ``counts[i]``
+    rows of ``ids`` (local indices) and of ``gradients`` (packed, ``wire``), all in one step of it, unless
+    ``step`` >= 0 and this optimizer already applied a push of ``pusher`` for that step or a later one (a
+    step's push sent again is applied once); returns the number of parameters named."""
     owner_optimizer = check_incarnation(state, incarnation).optimizer(optimizer)
     try:
-        owner_optimizer.apply_rows(params, ids, gradients, peer, (pusher, step) if step >= 0 else None)
+        widths = [owner_optimizer.row_width(index) for index in params]
+        owner_optimizer.apply_rows(params, wire.unpack_ids(ids, counts), wire.unpack_rows(gradients, counts, widths),
+                                   peer, (pusher, step) if step >= 0 else None)
     except ValueError as error:
         logger.warning("optimizer %d refused a push from %s: %s", optimizer, peer, error)
         raise

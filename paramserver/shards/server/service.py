@@ -128,21 +128,21 @@ def table_handles(tables: List[RRef]) -> Tuple[int, List[int]]:
     return rows.table_handles(_state(), [table.local_value() for table in tables])
 
 
-def _lookup_kernel(incarnation: int, tables: List[int], ids: List[Tensor], step: int) -> List[Tensor]:
-    return rows.lookup(_state(), incarnation, tables, ids, step)
+def _lookup_kernel(incarnation: int, tables: List[int], ids: Tensor, counts: List[int], step: int) -> Tensor:
+    return rows.lookup(_state(), incarnation, tables, ids, counts, step)
 
 
-def _push_kernel(incarnation: int, optimizer: int, params: List[int], ids: List[Tensor], gradients: List[Tensor],
-                 peer: str, pusher: int, step: int) -> int:
-    return rows.push(_state(), incarnation, optimizer, params, ids, gradients, peer, pusher, step)
+def _push_kernel(incarnation: int, optimizer: int, params: List[int], ids: Tensor, counts: List[int],
+                 gradients: Tensor, peer: str, pusher: int, step: int) -> int:
+    return rows.push(_state(), incarnation, optimizer, params, ids, counts, gradients, peer, pusher, step)
 
 
-def _push_lookup_kernel(incarnation: int, optimizer: int, params: List[int], ids: List[Tensor],
-                        gradients: List[Tensor], peer: str, pusher: int, step: int, tables: List[int],
-                        lookup_ids: List[Tensor], lookup_step: int) -> List[Tensor]:
+def _push_lookup_kernel(incarnation: int, optimizer: int, params: List[int], ids: Tensor, counts: List[int],
+                        gradients: Tensor, peer: str, pusher: int, step: int, tables: List[int], lookup_ids: Tensor,
+                        lookup_counts: List[int], lookup_step: int) -> Tensor:
     state = _state()
-    rows.push(state, incarnation, optimizer, params, ids, gradients, peer, pusher, step)
-    return rows.lookup(state, incarnation, tables, lookup_ids, lookup_step)
+    rows.push(state, incarnation, optimizer, params, ids, counts, gradients, peer, pusher, step)
+    return rows.lookup(state, incarnation, tables, lookup_ids, lookup_counts, lookup_step)
 
 
 def _owner_step_kernel(handle: int, context_id: int) -> int:
@@ -158,11 +158,12 @@ def _owner_step_kernel(handle: int, context_id: int) -> int:
 # The TorchScript targets reach the state through custom ops with Python kernels.  Each op returns
 # something, and each script function returns it, because TorchScript drops calls whose results nobody uses.
 _ops = torch.library.Library("paramserver", "DEF")
-_ops.define("lookup(int incarnation, int[] tables, Tensor[] ids, int step) -> Tensor[]")
-_ops.define("push(int incarnation, int optimizer, int[] params, Tensor[] ids, Tensor[] gradients, str peer, "
-            "int pusher, int step) -> int")
-_ops.define("push_lookup(int incarnation, int optimizer, int[] params, Tensor[] ids, Tensor[] gradients, "
-            "str peer, int pusher, int step, int[] tables, Tensor[] lookup_ids, int lookup_step) -> Tensor[]")
+_ops.define("lookup(int incarnation, int[] tables, Tensor ids, int[] counts, int step) -> Tensor")
+_ops.define("push(int incarnation, int optimizer, int[] params, Tensor ids, int[] counts, Tensor gradients, "
+            "str peer, int pusher, int step) -> int")
+_ops.define("push_lookup(int incarnation, int optimizer, int[] params, Tensor ids, int[] counts, Tensor gradients, "
+            "str peer, int pusher, int step, int[] tables, Tensor lookup_ids, int[] lookup_counts, "
+            "int lookup_step) -> Tensor")
 _ops.define("owner_step(int handle, int context_id) -> int")
 _ops.impl("lookup", _lookup_kernel, "CompositeExplicitAutograd")
 _ops.impl("push", _push_kernel, "CompositeExplicitAutograd")
@@ -171,29 +172,29 @@ _ops.impl("owner_step", _owner_step_kernel, "CompositeExplicitAutograd")
 
 
 @torch.jit.script
-def lookup(incarnation: int, tables: List[int], ids: List[Tensor], step: int = -1) -> List[Tensor]:
-    """RPC target: rows ``ids[i]`` (local indices; ids of a dynamic table) of table handle ``tables[i]``, for
-    every ``i`` (``rows.lookup``).  ``step``: the trainer's step (a dynamic table touches and admits ids then);
-    negative to read only (evaluation)."""
-    return torch.ops.paramserver.lookup(incarnation, tables, ids, step)
+def lookup(incarnation: int, tables: List[int], ids: Tensor, counts: List[int], step: int = -1) -> Tensor:
+    """RPC target: the rows of table handle ``tables[i]`` for its ``counts[i]`` ids of ``ids`` (local indices;
+    ids of a dynamic table), packed (``rows.lookup``, ``paramserver.shards.wire``).  ``step``: the trainer's
+    step (a dynamic table touches and admits ids then); negative to read only (evaluation)."""
+    return torch.ops.paramserver.lookup(incarnation, tables, ids, counts, step)
 
 
 @torch.jit.script
-def push(incarnation: int, optimizer: int, params: List[int], ids: List[Tensor], gradients: List[Tensor],
+def push(incarnation: int, optimizer: int, params: List[int], ids: Tensor, counts: List[int], gradients: Tensor,
          peer: str, pusher: int = 0, step: int = -1) -> int:
-    """RPC target: apply a step's row gradients with optimizer handle ``optimizer``, at most once per
+    """RPC target: apply a step's row gradients (packed) with optimizer handle ``optimizer``, at most once per
     ``(pusher, step)`` when ``step`` >= 0 (``rows.push``); returns the number of parameters named."""
-    return torch.ops.paramserver.push(incarnation, optimizer, params, ids, gradients, peer, pusher, step)
+    return torch.ops.paramserver.push(incarnation, optimizer, params, ids, counts, gradients, peer, pusher, step)
 
 
 @torch.jit.script
-def push_lookup(incarnation: int, optimizer: int, params: List[int], ids: List[Tensor], gradients: List[Tensor],
-                peer: str, pusher: int, step: int, tables: List[int], lookup_ids: List[Tensor],
-                lookup_step: int) -> List[Tensor]:
+def push_lookup(incarnation: int, optimizer: int, params: List[int], ids: Tensor, counts: List[int],
+                gradients: Tensor, peer: str, pusher: int, step: int, tables: List[int], lookup_ids: Tensor,
+                lookup_counts: List[int], lookup_step: int) -> Tensor:
     """RPC target: ``push``, then ``lookup`` of a later step's rows, read after this push is applied (the
     push-pull of a pipelined step: one message each way instead of two)."""
-    return torch.ops.paramserver.push_lookup(incarnation, optimizer, params, ids, gradients, peer, pusher, step,
-                                             tables, lookup_ids, lookup_step)
+    return torch.ops.paramserver.push_lookup(incarnation, optimizer, params, ids, counts, gradients, peer, pusher,
+                                             step, tables, lookup_ids, lookup_counts, lookup_step)
 
 
 # -- optimizers ---------------------------------------------------------------
