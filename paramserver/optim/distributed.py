@@ -119,7 +119,7 @@ class DistributedOptimizer:
         # What ``_send_steps`` takes, made once: owner names and their handles, in the same order.
         self._owner_names: List[str] = list(self._handles)
         self._owner_handles: List[int] = [self._handles[name] for name in self._owner_names]
-        self._send_steps = torch.jit.script(_send_steps)
+        self._step_sender = torch.jit.script(_send_steps)
         python_owners = [name for name in self._by_owner if not created[name][2]]
         self.is_functional_optim = not python_owners
         if python_owners:
@@ -161,7 +161,7 @@ class DistributedOptimizer:
         if recorder is not None:
             for name in self._owner_names:
                 recorder.client_request(name, "step")
-        futures = self._send_steps(self._owner_names, self._owner_handles, context_id)
+        futures = self._step_sender(self._owner_names, self._owner_handles, context_id)
         _wait_all(dict(zip(self._owner_names, futures)), "DistributedOptimizer.step")
 
     def owner_step_stats(self) -> Dict[str, Dict[str, float]]:
