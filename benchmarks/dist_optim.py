@@ -30,6 +30,12 @@ How to read it
     repeats its two phases alternately and reports the median rate of each.
     Each target says PASS or BELOW; the script exits 0 either way.  This
     machine is shared and noisy: compare runs, not digits.
+
+    (1) is bounded by its owners' math: both contestants send one RPC per
+    owner per step and nothing else, so a step is that RPC's round trip plus
+    the owners' steps (4 owners on the cores there are), and its ratio stays
+    below the ratio of one owner's step from memory (the context table's
+    last two rows; 4 owners' 48 MB do not stay in cache between steps).
 """
 
 import argparse
