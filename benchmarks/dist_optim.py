@@ -33,8 +33,8 @@ How to read it
 
     (1) is bounded by its owners' math: both contestants send one RPC per
     owner per step and nothing else, so a step is that RPC's round trip plus
-    the owners' steps (4 owners on the cores there are), and its ratio stays
-    below the ratio of one owner's step from memory (the context table's
+    the owners' steps (4 owners on the cores there are), and its ratio can
+    only approach the ratio of one owner's step from memory (the context table's
     last two rows; 4 owners' 48 MB do not stay in cache between steps).
 """
 
