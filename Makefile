@@ -41,6 +41,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/dist_optim.py
 	$(PY) benchmarks/comm_hooks.py
 	$(PY) benchmarks/end_to_end.py
+	$(PY) benchmarks/staleness.py
 	$(PY) benchmarks/scaling.py
 	$(PY) benchmarks/dynamic_tables.py
 	$(PY) benchmarks/data_reader.py

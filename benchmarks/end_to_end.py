@@ -244,14 +244,15 @@ def training_started(worker_log: pathlib.Path) -> bool:
 
 
 def demo_config(batch: int, log_every: int, extra_config: Optional[Dict] = None) -> Dict:
-    """The job configuration ps-demo is given: no evaluation, the batch, the log interval, ``extra_config``."""
+    """The job configuration ps-demo is given: held-out evaluation only at the end (the Trainer always
+    evaluates its last step), the batch, the log interval, ``extra_config``."""
     return {"eval_every": 1_000_000, "log_every": log_every, "batch_size": batch, **(extra_config or {})}
 
 
 def run_demo(folder: pathlib.Path, steps: int, batch: int, log_every: int, timeout: float, *flags: str,
              watch: Optional[Callable[[pathlib.Path], None]] = None, extra_config: Optional[Dict] = None,
              environment: Optional[Dict[str, str]] = None) -> Dict:
-    """``ps-demo --hook allreduce --steps STEPS [flags]`` (no evaluation; ``extra_config`` added to the job
+    """``ps-demo --hook allreduce --steps STEPS [flags]`` (evaluation at the end only; ``extra_config`` added to the job
     configuration; ``environment`` added to this process's) as a subprocess, logging under ``folder``; its
     final JSON line.  ``watch(log_dir)`` is called about every 0.5 s while it runs."""
     command = [sys.executable, "-m", "paramserver.cli.demo", "--hook", "allreduce", "--steps", str(steps),

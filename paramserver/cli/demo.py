@@ -7,7 +7,7 @@ Starts ``ps-server --shards N`` (the coordinator and its shard servers) and
 with the chosen comm hook and train the default CTR job; shows their
 progress from the coordinator's status (a bar on a terminal, plain lines
 otherwise); and ends by printing one line of JSON on stdout: steps,
-samples_per_s (all workers together), auc and oracle_auc (held out),
+samples_per_s (all workers together), auc, log_loss and oracle_auc (held out),
 hook, bytes_per_step (what the hook all-reduced per step), loss, seconds.
 Every process it started is stopped and reaped however it ends; their
 logs stay in ``--log-dir`` (a temporary folder by default), with
@@ -111,7 +111,7 @@ def _figures(workers) -> Dict[str, float]:
     """The group's figures from its workers' reports: rank 0 evaluates, every worker counts its samples."""
     figures: Dict[str, float] = {}
     for worker in workers:
-        for key in ("auc", "oracle_auc", "bytes_per_step", "loss", "first_loss"):
+        for key in ("auc", "log_loss", "oracle_auc", "bytes_per_step", "loss", "first_loss"):
             if key in worker.metrics:
                 figures[key] = worker.metrics[key]
     figures["samples_per_s"] = sum(w.metrics.get("samples_per_s", 0.0) for w in workers)
@@ -184,6 +184,7 @@ def run_demo(args, config: dict, processes: _Processes) -> dict:
         raise processes.failure("ps-server", f"exited with code {code} when stopped")
     summary = {"steps": steps, "samples_per_s": round(figures["samples_per_s"], 1),
                "auc": round(figures.get("auc", float("nan")), 4),
+               "log_loss": round(figures.get("log_loss", float("nan")), 4),
                "oracle_auc": round(figures.get("oracle_auc", float("nan")), 4),
                "hook": args.hook, "bytes_per_step": int(figures.get("bytes_per_step", 0)),
                "loss": round(figures.get("loss", float("nan")), 4),
