@@ -24,12 +24,15 @@ def local_context():
     ctx.close()
 
 
-def overlapping_batches(count: int, size: int = 16):
-    """Batches whose ids overlap from step to step (few ids: most rows a step updates, the next reads)."""
+def overlapping_batches(count: int, size: int = 16, hashed_ids: bool = True):
+    """Batches whose ids overlap from step to step (few ids: most rows a step updates, the next reads); the
+    second table's ids are 40 raw 64-bit hashes, or ``0..39`` without ``hashed_ids``."""
     generator = torch.Generator().manual_seed(7)
     for _ in range(count):
         fixed = torch.randint(0, FIXED_ROWS, (size, BAG), generator=generator)
-        hashed = torch.randint(0, 40, (size, 1), generator=generator) * 0x9E3779B97F4A7C15 % (2 ** 62)
+        hashed = torch.randint(0, 40, (size, 1), generator=generator)
+        if hashed_ids:
+            hashed = hashed * 0x9E3779B97F4A7C15 % (2 ** 62)
         dense = torch.randn(size, 2, generator=generator)
         labels = (torch.rand(size, generator=generator) < 0.5).float()
         yield Batch(sparse={"fixed": fixed, "hashed": hashed}, dense=dense, labels=labels)
@@ -57,22 +60,28 @@ class RecordedLoss:
         return loss
 
 
-def trainer(ctx, name: str, loss, dynamic_options=None, **options) -> Trainer:
+def trainer(ctx, name: str, loss, dynamic_options=None, dynamic: bool = True, **options) -> Trainer:
+    """The second table is dynamic (with ``dynamic_options``), or fixed with 40 rows."""
     torch.manual_seed(0)  # the same tower in every run
-    tables = {"fixed": Table(FIXED_ROWS, 4, mode="mean"), "hashed": Table(None, 4, **(dynamic_options or {}))}
+    second = Table(None, 4, **(dynamic_options or {})) if dynamic else Table(40, 4)
+    tables = {"fixed": Table(FIXED_ROWS, 4, mode="mean"), "hashed": second}
     return Trainer(ctx, tables=tables, dense=Tower(), sparse_optimizer=(QHM, dict(lr=0.5, momentum=0.9, nu=0.7)),
                    dense_optimizer=lambda params: torch.optim.SGD(params, lr=0.1), loss=loss, name=name,
                    **dict(dict(agree_every=5), **options))
 
 
-@pytest.mark.parametrize("dynamic_options", [None, {"admit_after": 2}], ids=["plain", "admission"])
-def test_reads_carried_by_pushes_train_bit_identically_to_the_unpipelined_step(local_context, dynamic_options):
+@pytest.mark.parametrize("dynamic, dynamic_options", [(False, None), (True, None), (True, {"admit_after": 2})],
+                         ids=["fixed", "dynamic", "admission"])
+def test_reads_carried_by_pushes_train_bit_identically_to_the_unpipelined_step(local_context, dynamic,
+                                                                                dynamic_options):
+    # Reads of fixed tables cross the agreements (every 5 steps); with a dynamic table they stop there.
     runs = {}
     for how in ("unpipelined", "pipelined", "stale"):
         loss = RecordedLoss()
         options = dict(read_ahead=how != "unpipelined", staleness=int(how == "stale"))
-        figures = trainer(local_context, f"exact-{how}-{bool(dynamic_options)}", loss, dynamic_options,
-                          **options).fit(overlapping_batches(23), steps=23, log_every=5)
+        figures = trainer(local_context, f"exact-{how}-{dynamic}-{bool(dynamic_options)}", loss, dynamic_options,
+                          dynamic, **options).fit(overlapping_batches(23, hashed_ids=dynamic), steps=23,
+                                                  log_every=5)
         assert figures["sparse_steps"] == 23 and figures["steps"] == 23, figures
         runs[how] = (torch.stack(loss.values), figures["replica_checksum"])
     (plain_losses, plain_checksum), (piped_losses, piped_checksum) = runs["unpipelined"], runs["pipelined"]

@@ -23,12 +23,14 @@ applying the push.
   within a step of the others, so the bound for them is ``k + 1``.  The
   dense part stays synchronous (DDP).
 
-Reads never cross an agreement of the group (every ``agree_every``
-steps, where checkpoints are written), nor the last step.  Before an
-agreement every push is applied (``drain``), so a checkpoint holds every
-update up to its step and no read of a later step.  After an agreement,
-the next steps' rows are looked up on their own, all at once, until
-pushes carry them again.  A step's batch is read ahead only when its
+Reads never go past the last step.  Before an agreement of the group
+(every ``agree_every`` steps, where checkpoints are written) every push
+is applied (``drain``), so a checkpoint holds every update up to its step.
+A read changes nothing on a fixed table, so reads of fixed tables cross
+agreements.  A dynamic table's read admits and touches ids, so with one
+among the tables reads stop at the next agreement, and a checkpoint holds
+no read of a later step.  After such an agreement the next steps' rows
+are looked up on their own, all at once, until pushes carry them again.  A step's batch is read ahead only when its
 checks pass: a bad batch is refused in its turn, by the step it belongs
 to.  When the step is redone, the group re-forms, or the sparse part is
 rebuilt, the reads ahead are dropped (``drop_reads``).  Their steps look
@@ -60,7 +62,7 @@ class RowPipeline:
     ``read_ahead``: False looks every step's rows up when the step
     starts and waits for its push (the unpipelined step, kept for
     comparison).  ``agree_every`` and ``last_step`` bound the reads
-    ahead.  ``applied``/``lost`` count the pushes that were applied, and
+    ahead (agreements only when a table is dynamic).  ``applied``/``lost`` count the pushes that were applied, and
     those that failed against a shard.
     """
 
@@ -73,6 +75,7 @@ class RowPipeline:
         self.staleness, self.read_ahead = staleness, read_ahead
         self._upcoming, self._tables = upcoming, tables
         self._agree_every, self._last_step = agree_every, last_step
+        self._reads_cross_agreements = not any(table.dynamic for table in tables.values())
         self._reads: Dict[int, CollectionLookup] = {}
         self._pushes: Deque[Tuple[int, PendingPush]] = collections.deque()
         self.applied = self.lost = 0
@@ -81,7 +84,10 @@ class RowPipeline:
         self._slow = RateLimitedLog(logger, "waited for {count} slow push{s} of earlier steps", level=logging.WARNING)
 
     def _horizon(self, step: int) -> int:
-        """The first step whose rows must not be read during ``step``: the next agreement, or the end."""
+        """The first step whose rows must not be read during ``step``: the end, or the next agreement when a
+        table is dynamic."""
+        if self._reads_cross_agreements:
+            return self._last_step
         return min(self._last_step, (step // self._agree_every + 1) * self._agree_every)
 
     def _plan(self, collection: EmbeddingCollection, step: int, later: int) -> Optional[LookupPlan]:

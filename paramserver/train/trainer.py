@@ -269,6 +269,8 @@ class _Run:
         try:
             if not final:
                 going_on = replica.sync_point(self._want_stop(), self.checkpoints.pending())
+                if replica.steps_skipped != skipped_before:  # the group moved on: the reads ahead are for other steps
+                    self.pipeline.drop_reads()
                 self.batches.skip(replica.steps_skipped - skipped_before)
                 if not going_on:
                     return False
