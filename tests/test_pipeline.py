@@ -119,7 +119,7 @@ def test_a_worker_stops_exactly_staleness_steps_ahead_of_a_held_push_and_goes_on
     fitting = threading.Thread(target=lambda: result.update(job.fit(overlapping_batches(12), steps=12, log_every=4)))
     fitting.start()
     try:
-        time.sleep(3)  # long enough for many steps, were the worker not held back
+        time.sleep(2)  # long enough for many steps, were the worker not held back
         # Steps 0..3+staleness finished; the step after waits for the push of step 3.
         assert len(loss.values) == 3 + staleness + 1
     finally:
