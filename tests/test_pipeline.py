@@ -119,9 +119,14 @@ def test_a_worker_stops_exactly_staleness_steps_ahead_of_a_held_push_and_goes_on
     fitting = threading.Thread(target=lambda: result.update(job.fit(overlapping_batches(12), steps=12, log_every=4)))
     fitting.start()
     try:
-        time.sleep(2)  # long enough for many steps, were the worker not held back
-        # Steps 0..3+staleness finished; the step after waits for the push of step 3.
-        assert len(loss.values) == 3 + staleness + 1
+        # Steps 0..3+staleness finish (however slow the machine); the step after waits for the push of step 3,
+        # and a second is long enough for many steps, were the worker not held back.
+        held_at = 3 + staleness + 1
+        deadline = time.monotonic() + 60
+        while len(loss.values) < held_at and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1)
+        assert len(loss.values) == held_at
     finally:
         held.release()
         fitting.join(60)

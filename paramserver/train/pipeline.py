@@ -62,16 +62,13 @@ class RowPipeline:
     ``read_ahead``: False looks every step's rows up when the step
     starts and waits for its push (the unpipelined step, kept for
     comparison).  ``agree_every`` and ``last_step`` bound the reads
-    ahead (agreements only when a table is dynamic).  ``applied``/``lost`` count the pushes that were applied, and
-    those that failed against a shard.
+    ahead (agreements only when a table is dynamic).  ``applied``/``lost``
+    count the pushes that were applied, and those that failed against a
+    shard.  The Trainer checks ``staleness`` and ``read_ahead``.
     """
 
     def __init__(self, staleness: int, upcoming: Callable[[int], Optional[Batch]], tables: Mapping[str, Table],
                  agree_every: int, last_step: int, read_ahead: bool = True):
-        if staleness < 0:
-            raise ValueError(f"staleness must be 0 or more steps, got {staleness}")
-        if staleness > 0 and not read_ahead:
-            raise ValueError("staleness needs reads ahead (read_ahead=True)")
         self.staleness, self.read_ahead = staleness, read_ahead
         self._upcoming, self._tables = upcoming, tables
         self._agree_every, self._last_step = agree_every, last_step
@@ -79,8 +76,6 @@ class RowPipeline:
         self._reads: Dict[int, CollectionLookup] = {}
         self._pushes: Deque[Tuple[int, PendingPush]] = collections.deque()
         self.applied = self.lost = 0
-        #: Seconds spent waiting for pushes of earlier steps (the staleness bound held the worker back).
-        self.waited = 0.0
         self._slow = RateLimitedLog(logger, "waited for {count} slow push{s} of earlier steps", level=logging.WARNING)
 
     def _horizon(self, step: int) -> int:
@@ -99,7 +94,7 @@ class RowPipeline:
         try:
             batch.check(self._tables)
             return collection.plan_lookup(batch.sparse, later)
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, IndexError):  # what Batch.check and a table's route refuse
             return None
 
     def rows(self, collection: EmbeddingCollection, step: int, batch: Batch) -> CollectionLookup:
@@ -160,7 +155,6 @@ class RowPipeline:
                 self.lost += 1
                 failures.append((step, error))
             waited = time.perf_counter() - started
-            self.waited += waited
             if waited > SLOW_PUSH.total_seconds():
                 self._slow.record("slow", f"waited {waited:.1f} s for the push of step {step} "
                                           f"(staleness {self.staleness})")

@@ -217,7 +217,7 @@ class _Run:
                 if isinstance(error, ShardStepFailed):
                     # Before any collective of the step: done again, while the group's other members wait
                     # for it in the step's all-reduce (up to the collective timeout).
-                    if not self._settled(self.pipeline.drain(), rebuild_for=error.cause):
+                    if not self._settled([], rebuild_for=error.cause):
                         return
                     redo = True
                     continue
@@ -240,14 +240,14 @@ class _Run:
         dense steps went on), or a step's lookups failed (``rebuild_for``), every push still in flight is
         waited for, the reads ahead are dropped and the sparse part is rebuilt.  False when the worker was
         asked to stop meanwhile."""
+        if failures or rebuild_for is not None:
+            failures = failures + self.pipeline.drain()
         for step, failure in failures:
             logger.warning("the sparse update of step %d failed against the shards; the dense one goes on: %s",
                            step, one_line(failure))
         cause = rebuild_for if rebuild_for is not None else (failures[-1][1] if failures else None)
         if cause is None:
             return True
-        for step, failure in self.pipeline.drain():
-            logger.warning("the sparse update of step %d failed against the shards too: %s", step, one_line(failure))
         self.pipeline.drop_reads()
         try:
             self.sparse.rebuild(cause)

@@ -304,10 +304,6 @@ class PendingPush:
         self._futures = futures
         self.then = then
 
-    def done(self) -> bool:
-        """Whether every shard answered (or failed): ``wait`` returns at once."""
-        return all(future.done() for future in self._futures.values())
-
     def wait(self) -> None:
         _wait_all(self._futures, "push")
 
