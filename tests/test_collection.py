@@ -80,7 +80,8 @@ def trainer_fused_equals_unfused():
         # One lookup and one push to each shard serving a looked-up row; nothing else.
         serving = {rows.shard for name, table in fused_tables.items() for rows in table.ranges
                    if ((features[name] >= rows.start) & (features[name] < rows.stop)).any()}
-        assert counted.calls == {(kind, shard): 1 for kind in ("lookup", "push") for shard in serving}, counted.calls
+        assert counted.calls == {(kind, shard): 1 for kind in ("lookup", "push_lookup") for shard in serving}, \
+            counted.calls
         with dist_autograd.context() as context_id:
             plain = {name: table(features[name]) for name, table in plain_tables.items()}
             for name in TABLES:
@@ -199,7 +200,8 @@ def trainer_dynamic_equals_fixed():
             target = torch.randn(16, DIM)
             ((pooled["dynamic"] * target).sum() + (pooled["fixed"] * target).sum()).backward()
             lookup.push(step).wait()
-        assert counted.calls == {(kind, shard): 1 for kind in ("lookup", "push") for shard in shards}, counted.calls
+        assert counted.calls == {(kind, shard): 1 for kind in ("lookup", "push_lookup") for shard in shards}, \
+            counted.calls
     rows = dynamic(universe.view(-1, 1))  # reading only: ids never looked up in training have no row
     torch.testing.assert_close(rows[seen], fixed.fetch_weight()[seen], rtol=1e-6, atol=1e-7)
     assert torch.equal(rows[~seen], torch.zeros(int((~seen).sum()), DIM))

@@ -92,36 +92,42 @@ def test_reads_carried_by_pushes_train_bit_identically_to_the_unpipelined_step(l
 
 
 class HeldPushes:
-    """Holds every push of step ``from_step`` or later on this process's shard until ``release()``."""
+    """Holds every message with a push of step ``from_step`` or later on this process's shard until
+    ``release()``."""
 
     def __init__(self, monkeypatch, from_step: int):
         self.from_step = from_step
         self._released = threading.Event()
-        apply = shard_rows.push
+        apply = shard_rows.pushes
 
         def held(*arguments):
-            if arguments[-1] >= self.from_step:  # the push's step
+            if max(arguments[-1]) >= self.from_step:  # the steps of the message's pushes
                 self._released.wait(60)
             return apply(*arguments)
-        monkeypatch.setattr(shard_rows, "push", held)
+        monkeypatch.setattr(shard_rows, "pushes", held)
 
     def release(self) -> None:
         self._released.set()
 
 
-@pytest.mark.parametrize("staleness", [0, 2])
+@pytest.mark.parametrize("staleness, cache_steps, from_step", [(0, None, 3), (2, None, 3), (2, 3, 3), (2, 2, 4)],
+                         ids=["exact", "stale", "stale-window-3", "stale-window-2"])
 def test_a_worker_stops_exactly_staleness_steps_ahead_of_a_held_push_and_goes_on_when_released(
-        local_context, monkeypatch, staleness):
-    held, loss = HeldPushes(monkeypatch, from_step=3), RecordedLoss()
+        local_context, monkeypatch, staleness, cache_steps, from_step):
+    # With a row cache, pushes leave every cache_steps steps (after steps 2, 5, 8... with 3; 1, 3, 5... with
+    # 2): the held push is the first of its message, which the worker waits for before step from_step + k + 1.
+    held, loss = HeldPushes(monkeypatch, from_step=from_step), RecordedLoss()
+    cache = {} if cache_steps is None else dict(cache_rows=10_000, cache_steps=cache_steps)
     # (no agreement before step 10: every push is applied before one)
-    job = trainer(local_context, f"bound-{staleness}", loss, staleness=staleness, agree_every=10)
+    job = trainer(local_context, f"bound-{staleness}-{cache_steps}", loss, staleness=staleness, agree_every=10,
+                  **cache)
     result = {}
     fitting = threading.Thread(target=lambda: result.update(job.fit(overlapping_batches(12), steps=12, log_every=4)))
     fitting.start()
     try:
-        # Steps 0..3+staleness finish (however slow the machine); the step after waits for the push of step 3,
-        # and a second is long enough for many steps, were the worker not held back.
-        held_at = 3 + staleness + 1
+        # Steps 0..from_step+staleness finish (however slow the machine); the step after waits for the push
+        # of step from_step, and a second is long enough for many steps, were the worker not held back.
+        held_at = from_step + staleness + 1
         deadline = time.monotonic() + 60
         while len(loss.values) < held_at and time.monotonic() < deadline:
             time.sleep(0.05)

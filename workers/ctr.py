@@ -17,6 +17,10 @@ reports the held-out AUC and log loss of the ``eval`` files.
 ``staleness=k`` lets a step read rows missing the sparse updates of at
 most the last ``k`` steps, which are applied in the background
 (``paramserver.train.pipeline``); 0, the default, is exact.
+``cache_rows=N`` adds the worker's row cache (at most N rows held): with
+``staleness=k`` the rows of ``k + 1`` steps are read at once and their
+pushes leave together (``cache_steps`` sets fewer), one message per shard
+every ``k + 1`` steps.
 
 ``dynamic_tables=True`` trains the same model on dynamic tables
 (``Table(None, ...)``) over the ids as raw 64-bit hashes, as real
@@ -80,7 +84,8 @@ def main(ctx, steps: int = 1500, batch_size: int = 1024, hook: str = "powersgd",
          init_std: float = 0.01, row_wise_min_rows: int = 1_000_000, holdout_size: int = 20_000,
          eval_every: int = 500, log_every: int = 100, seed: int = 0, spec: Optional[Dict] = None,
          table_name: str = "ctr", dynamic_tables: bool = False, table_options: Optional[Dict] = None,
-         data: Optional[Dict] = None, staleness: int = 0) -> dict:
+         data: Optional[Dict] = None, staleness: int = 0, cache_rows: Optional[int] = None,
+         cache_steps: Optional[int] = None) -> dict:
     if data is not None:
         source = FileSource(ctx, data, batch_size, embedding_dim, init_std, table_options)
     else:
@@ -92,7 +97,8 @@ def main(ctx, steps: int = 1500, batch_size: int = 1024, hook: str = "powersgd",
         sparse_optimizer=(QHM, dict(lr=sparse_lr, momentum=momentum, nu=nu)),
         dense_optimizer=lambda params: QHM(params, lr=dense_lr, momentum=momentum, nu=nu),
         loss=nn.BCEWithLogitsLoss(), comm_hook=hook, hook_options=hook_options,
-        name=table_name, seed=seed, row_wise_min_rows=row_wise_min_rows, staleness=staleness)
+        name=table_name, seed=seed, row_wise_min_rows=row_wise_min_rows, staleness=staleness,
+        cache_rows=cache_rows, cache_steps=cache_steps)
     result = trainer.fit(source.train, steps=steps, eval_data=source.eval, eval_every=eval_every,
                          log_every=log_every, figures=source.figures)
     return dict(result, **source.final_figures())

@@ -4,7 +4,8 @@ Owns the metric definitions and the recording functions that the data
 plane's hot paths call when this process serves metrics and they were
 handed a ``DataPlaneMetrics``: on a worker ``paramserver.shards.client``'s
 ``EmbeddingCollection`` and ``ShardedEmbeddingBag`` (``lookup``,
-``client_request``) and ``paramserver.optim.DistributedOptimizer``
+``client_request``), ``paramserver.train.pipeline``'s row cache
+(``row_cache``) and ``paramserver.optim.DistributedOptimizer``
 (``client_request``); on a shard ``paramserver.shards.server.optimizers``
 (``owner_step``, through ``ShardState.recorder``).  Each of them names the
 part it calls as a recorder protocol of its own; this class has them all.
@@ -17,7 +18,7 @@ Bytes are tensor payload bytes (``numel * element_size``), not wire bytes.
 
 from typing import Dict, Tuple
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 STEP_SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                         2.5, 10.0)
@@ -41,6 +42,17 @@ class DataPlaneMetrics:
             "Tensor bytes asked for in data-plane RPCs (the rows a lookup returns), by peer and kind", "peer", "rpc")
         self.lookup_rows = counter("paramserver_lookup_rows_total",
                                    "Embedding rows looked up (distinct per lookup), by peer", "peer")
+        # The trainer's row cache (paramserver.train.pipeline): rows read, hits, bytes saved, evictions, held.
+        self.cache_rows_read = Counter("paramserver_row_cache_rows_read_total",
+                                       "Rows the worker's row cache read from the shards", registry=registry)
+        self.cache_hits = Counter("paramserver_row_cache_hits_total",
+                                  "Rows a step needed that its row cache window had read already", registry=registry)
+        self.cache_bytes_saved = Counter("paramserver_row_cache_saved_bytes_total",
+                                         "Row bytes the row cache's hits kept off the wire", registry=registry)
+        self.cache_evictions = Counter("paramserver_row_cache_evictions_total",
+                                       "Rows the row cache dropped (their window ended or was dropped)",
+                                       registry=registry)
+        self.cache_rows_held = Gauge("paramserver_row_cache_rows", "Rows the row cache holds now", registry=registry)
         # The owner's side (server): optimizer steps applied here.
         self.server_requests = counter("paramserver_rpc_server_requests_total",
                                        "Data-plane RPCs served, by calling peer and kind (step, push)", "peer", "rpc")
@@ -80,6 +92,18 @@ class DataPlaneMetrics:
         """An embedding lookup of ``rows`` distinct rows on ``peer``."""
         self.client_request(peer, "lookup", sent_bytes, received_bytes)
         self._client_children[(peer, "lookup")][3].inc(rows)
+
+    def row_cache(self, rows_read: int, hits: int, bytes_saved: int, evictions: int, rows_held: int) -> None:
+        """The row cache read, hit, saved and evicted these since the last call, and holds ``rows_held`` rows."""
+        if rows_read:
+            self.cache_rows_read.inc(rows_read)
+        if hits:
+            self.cache_hits.inc(hits)
+        if bytes_saved:
+            self.cache_bytes_saved.inc(bytes_saved)
+        if evictions:
+            self.cache_evictions.inc(evictions)
+        self.cache_rows_held.set(rows_held)
 
     # -- the owner's side --------------------------------------------------
     def owner_step(self, optimizer: str, seconds: float, peer: str, rows: int, gradient_bytes: int,

@@ -1,50 +1,69 @@
-"""A worker's row traffic across steps: rows read ahead, pushes in flight, and the staleness bound between them.
+"""A worker's row traffic across steps: rows read ahead, the row cache, pushes in flight, and the staleness bound.
 
 Owns ``RowPipeline``.  A step needs its batch's rows before its forward
 pass and sends their gradients during its backward pass.  Sent one after
 the other, a step waits for a lookup, then for its push, and each shard
 handles two messages per worker per step.  The pipeline lets one message
-do both (ps-lite's push-pull): the push of step ``t`` carries the lookups
-of step ``t + 1 + staleness``, and each shard reads those rows right after
-applying the push.
+do both (ps-lite's push-pull): a message carries pushes and the lookups
+of later steps, and each shard reads those rows right after applying the
+pushes.  Two numbers shape it: the staleness ``k`` and the row cache's
+window ``L`` (``cache_steps``, 1 to ``k + 1``; 1 without a cache).  A
+message leaves every ``L`` steps, carrying the pushes of those ``L``
+steps and the rows of the next ``L`` steps from ``d = k + 1 - L`` steps
+on; the ``L`` steps of a window share one read (``row_cache.RowWindow``):
+a row several of them need crosses the wire once.
 
-* ``staleness = 0`` (the default): the push of step ``t`` carries step
-  ``t + 1``'s lookups, and step ``t`` ends once it is applied.  Step
-  ``t + 1``'s rows are read after step ``t``'s update, as an unpipelined
+* ``staleness = 0`` (the default, ``L = 1``): the push of step ``t``
+  carries step ``t + 1``'s lookups, and step ``t`` ends once it is applied.
+  Step ``t + 1``'s rows are read after step ``t``'s update, as an unpipelined
   step reads them (its lookup leaves after the push is applied), so the
   results are bit-identical to it.  Each shard handles one message per
   worker per step instead of two.
-* ``staleness = k >= 1``: pushes are applied in the background.  After
-  step ``t`` the worker waits only for the push of step ``t - k``, which
-  carried step ``t + 1``'s rows.  So it never runs more than ``k`` steps
-  ahead of its oldest unapplied push, and rows it reads miss at most its
-  own updates of the last ``k`` steps.  Other workers' rows are bound by
-  the same rule one step later: the group's all-reduce keeps every member
-  within a step of the others, so the bound for them is ``k + 1``.  The
-  dense part stays synchronous (DDP).
+* ``staleness = k >= 1``: pushes are applied in the background.  The
+  message sent after step ``r`` is waited for before step ``r + d + 1``
+  (with ``L = 1``: after step ``t`` the worker waits for the push of step
+  ``t - k``).  Rows read by it serve steps up to ``r + d + L``, so they miss
+  at most the updates of the ``k`` steps before the one they serve, and a
+  worker never runs more than ``k`` steps ahead of its oldest unapplied
+  push (a held one included: pushes wait at most ``L - 1`` steps for their
+  message).  Other workers' rows are bound by the same rule one step later:
+  the group's all-reduce keeps every member within a step of the others.
+  The dense part stays synchronous (DDP).  Fewer messages are what the
+  cache buys: each shard handles one per worker every ``L`` steps.
 
+A read that no message carried (the first steps, after an agreement that
+reads do not cross, after ``drop_reads``) is sent when its step starts:
+for up to ``k + 1`` steps when no push is outstanding, else for that step
+alone (its rows then miss only the outstanding pushes, within the bound).
 Reads never go past the last step.  Before an agreement of the group
 (every ``agree_every`` steps, where checkpoints are written) every push
-is applied (``drain``), so a checkpoint holds every update up to its step.
-A read changes nothing on a fixed table, so reads of fixed tables cross
-agreements.  A dynamic table's read admits and touches ids, so with one
-among the tables reads stop at the next agreement, and a checkpoint holds
-no read of a later step.  After such an agreement the next steps' rows
-are looked up on their own, all at once, until pushes carry them again.  A step's batch is read ahead only when its
-checks pass: a bad batch is refused in its turn, by the step it belongs
-to.  When the step is redone, the group re-forms, or the sparse part is
-rebuilt, the reads ahead are dropped (``drop_reads``).  Their steps look
-their rows up again.
+is sent and applied (``drain``), so a checkpoint holds every update up to
+its step.  A read changes nothing on a fixed table, so reads of fixed
+tables cross agreements.  A dynamic table's read admits and touches ids
+(once per window, at its first step), so with one among the tables reads
+stop at the next agreement, and a checkpoint holds no read of a later
+step.  A step's batch is read ahead only when its checks pass: a bad batch
+is refused in its turn, by the step it belongs to.  When the step is
+redone, the group re-forms, or the sparse part is rebuilt, the reads ahead
+are dropped (``drop_reads``).  Their steps look their rows up again.
+
+The cache's memory is bounded (``cache_rows``): the windows alive at once
+(the one in use and those read ahead) hold at most that many rows, each
+window being cut short to fit its share.  Its figures (``cache``): rows
+read, hits (rows a step needed that its window had read already), bytes
+those saved, evictions (rows dropped when their window ends) and rows held.
 """
 
 import collections
 import datetime
 import logging
+import math
 import time
-from typing import Callable, Deque, Dict, List, Mapping, Optional, Tuple
+from typing import Callable, Deque, Dict, List, Mapping, Optional, Protocol, Tuple
 
 from ..logs import RateLimitedLog
-from ..shards.client.collection import CollectionLookup, EmbeddingCollection, LookupPlan, PendingPush, PushOnGradients
+from ..shards.client.collection import CollectionLookup, EmbeddingCollection, PendingPush, PushOnGradients, StepPush
+from ..shards.client.row_cache import RowWindow
 from .contract import Batch, Table
 
 logger = logging.getLogger(__name__)
@@ -53,8 +72,31 @@ logger = logging.getLogger(__name__)
 SLOW_PUSH = datetime.timedelta(seconds=1)
 
 
+class RowCacheRecorder(Protocol):
+    """What the pipeline records of its row cache (``paramserver.metrics.data_plane.DataPlaneMetrics`` has
+    it): rows read, hits, bytes the hits saved and evictions since the last call, and rows held now."""
+
+    def row_cache(self, rows_read: int, hits: int, bytes_saved: int, evictions: int, rows_held: int) -> None: ...
+
+
+class RowCacheFigures:
+    """The row cache's counters (``RowPipeline.cache``): rows read, hits, bytes saved, evictions, rows held."""
+
+    def __init__(self):
+        self.rows_read = self.hits = self.bytes_saved = self.evictions = self.rows_held = 0
+        self.windows = 0
+
+    def figures(self) -> Dict[str, float]:
+        """The job's figures (``row_cache.*``)."""
+        needed = self.rows_read + self.hits
+        return {"row_cache.hit_rate": self.hits / needed if needed else 0.0, "row_cache.rows_read": self.rows_read,
+                "row_cache.hits": self.hits, "row_cache.bytes_saved": self.bytes_saved,
+                "row_cache.evictions": self.evictions, "row_cache.rows_held": self.rows_held,
+                "row_cache.windows": self.windows}
+
+
 class RowPipeline:
-    """The reads ahead and pushes in flight of one worker's steps (see the module's docstring).
+    """The reads ahead, row cache and pushes in flight of one worker's steps (see the module's docstring).
 
     ``upcoming(offset)``: the batch ``offset`` steps after the current
     one, or ``None`` when the data ends first.  ``tables``: the Trainer's
@@ -62,20 +104,33 @@ class RowPipeline:
     ``read_ahead``: False looks every step's rows up when the step
     starts and waits for its push (the unpipelined step, kept for
     comparison).  ``agree_every`` and ``last_step`` bound the reads
-    ahead (agreements only when a table is dynamic).  ``applied``/``lost``
-    count the pushes that were applied, and those that failed against a
-    shard.  The Trainer checks ``staleness`` and ``read_ahead``.
+    ahead (agreements only when a table is dynamic).  ``cache_steps``
+    (``L``, 1 to ``staleness + 1``): steps per window and per message;
+    ``cache_rows``: the most rows the windows alive at once hold (``None``:
+    no bound); ``recorder``: where the cache's figures go (``None``:
+    nowhere).  ``applied``/``lost`` count the steps whose pushes were
+    applied, and those that failed against a shard.  The Trainer checks
+    its arguments.
     """
 
     def __init__(self, staleness: int, upcoming: Callable[[int], Optional[Batch]], tables: Mapping[str, Table],
-                 agree_every: int, last_step: int, read_ahead: bool = True):
+                 agree_every: int, last_step: int, read_ahead: bool = True, cache_steps: int = 1,
+                 cache_rows: Optional[int] = None, recorder: Optional[RowCacheRecorder] = None):
         self.staleness, self.read_ahead = staleness, read_ahead
+        self.window, self._depth = cache_steps, staleness + 1 - cache_steps
+        # The windows alive at once: the one in use and those read ahead, up to k + 1 steps on.
+        self._window_rows = None if cache_rows is None else \
+            max(1, cache_rows // (1 + math.ceil((staleness + 1) / cache_steps)))
         self._upcoming, self._tables = upcoming, tables
         self._agree_every, self._last_step = agree_every, last_step
         self._reads_cross_agreements = not any(table.dynamic for table in tables.values())
-        self._reads: Dict[int, CollectionLookup] = {}
+        self._reads: Dict[int, RowWindow] = {}
+        self._held: List[StepPush] = []
+        self._planned: Optional[RowWindow] = None  # the window the push being made carries (``push``/``pushed``)
         self._pushes: Deque[Tuple[int, PendingPush]] = collections.deque()
         self.applied = self.lost = 0
+        self.cache = RowCacheFigures()
+        self._recorder = recorder
         self._slow = RateLimitedLog(logger, "waited for {count} slow push{s} of earlier steps", level=logging.WARNING)
 
     def _horizon(self, step: int) -> int:
@@ -85,79 +140,148 @@ class RowPipeline:
             return self._last_step
         return min(self._last_step, (step // self._agree_every + 1) * self._agree_every)
 
-    def _plan(self, collection: EmbeddingCollection, step: int, later: int) -> Optional[LookupPlan]:
-        """Step ``later``'s lookups, planned during ``step``; ``None`` when its batch is not there or is refused
-        (the step it belongs to raises that in its turn)."""
-        batch = self._upcoming(later - step)
-        if batch is None:
+    def _window(self, collection: EmbeddingCollection, step: int, first: int, last: int,
+                batch: Optional[Batch] = None) -> Optional[RowWindow]:
+        """Steps ``first`` to ``last`` (planned during ``step``; ``batch`` is ``step``'s own) as one window, cut
+        where a batch is missing or refused (the step it belongs to raises that in its turn) or at the row
+        bound; ``None`` when not even ``first`` is there."""
+        steps = []
+        for later in range(first, last + 1):
+            ahead = batch if later == step else self._upcoming(later - step)
+            if ahead is None:
+                break
+            if later != step:
+                try:
+                    ahead.check(self._tables)
+                except (ValueError, TypeError, IndexError):  # what Batch.check refuses
+                    break
+            steps.append((later, ahead.sparse))
+        if not steps:
             return None
         try:
-            batch.check(self._tables)
-            return collection.plan_lookup(batch.sparse, later)
-        except (ValueError, TypeError, IndexError):  # what Batch.check and a table's route refuse
+            return RowWindow(collection, steps, self._window_rows)
+        except (ValueError, TypeError, IndexError):  # a table's route refuses a later batch's ids: not read ahead
+            if steps[0][0] == step:
+                return RowWindow(collection, steps[:1], self._window_rows)  # the step's own refusal raises
             return None
 
     def rows(self, collection: EmbeddingCollection, step: int, batch: Batch) -> CollectionLookup:
-        """Step ``step``'s lookup: read ahead, or sent now (with the following steps' up to the staleness,
-        none of whose rows a push carries)."""
-        lookup = self._reads.pop(step, None)
-        if lookup is not None and lookup.collection is collection:
-            return lookup
-        lookup = collection.lookup(batch.sparse, step)
-        if self.read_ahead:
-            for later in range(step + 1, min(step + self.staleness, self._horizon(step) - 1) + 1):
-                if later not in self._reads:
-                    plan = self._plan(collection, step, later)
-                    if plan is None:
-                        break
-                    self._reads[later] = collection.lookup_planned(plan)
+        """Step ``step``'s lookup: from its window, read ahead, or sent now (for the following steps too, up to
+        the staleness, when no push is outstanding)."""
+        window = self._reads.pop(step, None)
+        if window is None or window.collection is not collection:
+            quiet = not self._pushes and not self._held
+            last = min(step + self.staleness, self._horizon(step) - 1) if self.read_ahead and quiet else step
+            window = self._window(collection, step, step, max(step, last), batch)
+            window.read(collection.lookup_planned(window.plan))
+            self._count_read(window)
+            for later in window.steps[1:]:
+                self._reads[later] = window
+        lookup = window.lookup(step)
+        if window.steps[-1] == step:  # its last step: its rows go
+            self._evict(window)
         return lookup
 
-    def carried(self, collection: EmbeddingCollection, step: int) -> Optional[LookupPlan]:
-        """The lookups step ``step``'s push carries: step ``step + staleness + 1``'s, unless that is at or past
-        the next agreement or the end, or its rows are read already."""
-        later = step + self.staleness + 1
-        if not self.read_ahead or later >= self._horizon(step) or later in self._reads:
-            return None
-        return self._plan(collection, step, later)
+    def push(self, lookup: CollectionLookup, step: int) -> PushOnGradients:
+        """Step ``step``'s push, made during its backward pass: held for a later message (a window's steps but
+        its last), or sent with the pushes held so far, carrying the next window's reads."""
+        collection = lookup.collection
+        horizon = self._horizon(step)
+        if self.read_ahead and len(self._held) + 1 < self.window and step + 1 in self._reads and \
+                step + 1 < horizon:
+            return lookup.push_during_backward(step, hold=True)
+        then = None
+        if self.read_ahead:
+            first = step + 1
+            while first in self._reads:
+                first += 1
+            last = min(step + self._depth + self.window, horizon - 1)
+            if first <= last:
+                window = self._window(collection, step, first, last)
+                if window is not None:
+                    self._planned = window
+                    then = window.plan
+        return lookup.push_during_backward(step, then=then, earlier=list(self._held))
 
     def pushed(self, step: int, push: PushOnGradients) -> List[Tuple[int, BaseException]]:
-        """Step ``step``'s push left (during its backward pass): keep it in flight, then wait for the pushes
-        beyond the staleness.  Returns the steps whose pushes failed, with why."""
+        """Step ``step``'s push was made (during its backward pass): held, or in flight with the pushes held
+        before it; then wait for the messages beyond the staleness.  Returns the steps whose pushes failed,
+        with why."""
+        planned, self._planned = self._planned, None
         try:
             pending = push.sent()
-        except Exception as error:  # noqa: BLE001 - sending it failed: that step's update is lost
-            self.lost += 1
-            return [(step, error)] + self.drain()
-        if pending.then is not None:
-            self._reads[pending.then.step] = pending.then
-        self._pushes.append((step, pending))
-        return self._settle(keep=self.staleness)
+        except Exception as error:  # noqa: BLE001 - sending it failed: those steps' updates are lost
+            steps = [held.step for held in self._held] + [step]
+            self._held.clear()
+            self.lost += len(steps)
+            return [(lost, error) for lost in steps] + self.drain()
+        if push.holding:
+            if push.held is not None:  # (none when the backward pass never reached the rows)
+                self._held.append(push.held)
+        else:
+            self._held.clear()
+            if pending.then is not None and planned is not None:
+                window = planned.read(pending.then)
+                self._count_read(window)
+                for later in window.steps:
+                    self._reads[later] = window
+            if pending.steps:
+                self._pushes.append((step, pending))
+        return self._settle(lambda sent_after: sent_after <= step - self._depth)
 
     def drain(self) -> List[Tuple[int, BaseException]]:
-        """Wait until every push in flight is applied (or failed): before an agreement, an evaluation, a
-        rebuild, the end."""
-        return self._settle(keep=0)
+        """Send the held pushes and wait until every push in flight is applied (or failed): before an
+        agreement, an evaluation, a rebuild, the end."""
+        failures = []
+        if self._held:
+            held, self._held = self._held, []
+            try:
+                self._pushes.append((held[-1].step, held[0].collection.send(held)))
+            except Exception as error:  # noqa: BLE001 - sending them failed: those steps' updates are lost
+                self.lost += len(held)
+                failures.extend((push.step, error) for push in held)
+        return failures + self._settle(lambda _sent_after: True)
 
     def drop_reads(self) -> None:
         """Forget the rows read ahead: their steps look them up again."""
+        for window in set(self._reads.values()):
+            self._evict(window)
         self._reads.clear()
 
-    def _settle(self, keep: int) -> List[Tuple[int, BaseException]]:
+    def _count_read(self, window: RowWindow) -> None:
+        cache = self.cache
+        cache.windows += 1
+        cache.rows_read += window.rows_held
+        cache.hits += window.row_hits
+        cache.bytes_saved += window.bytes_saved
+        cache.rows_held += window.rows_held
+        if self._recorder is not None:
+            self._recorder.row_cache(window.rows_held, window.row_hits, window.bytes_saved, 0, cache.rows_held)
+
+    def _evict(self, window: RowWindow) -> None:
+        cache = self.cache
+        cache.evictions += window.rows_held
+        cache.rows_held -= window.rows_held
+        if self._recorder is not None:
+            self._recorder.row_cache(0, 0, 0, window.rows_held, cache.rows_held)
+
+    def _settle(self, due: Callable[[int], bool]) -> List[Tuple[int, BaseException]]:
+        """Wait for the messages in flight, oldest first, while ``due(the step they were sent after)``."""
         failures = []
-        while len(self._pushes) > keep:
-            step, pending = self._pushes.popleft()
+        while self._pushes and due(self._pushes[0][0]):
+            sent_after, pending = self._pushes.popleft()
             started = time.perf_counter()
             try:
                 pending.wait()
-                self.applied += 1
+                self.applied += len(pending.steps)
             except (RuntimeError, TimeoutError) as error:
-                self.lost += 1
-                failures.append((step, error))
+                self.lost += len(pending.steps)
+                failures.extend((step, error) for step in pending.steps)
             waited = time.perf_counter() - started
             if waited > SLOW_PUSH.total_seconds():
-                self._slow.record("slow", f"waited {waited:.1f} s for the push of step {step} "
-                                          f"(staleness {self.staleness})")
+                steps = ", ".join(map(str, pending.steps))
+                self._slow.record("slow", f"waited {waited:.1f} s for the push of step{'s' if len(pending.steps) > 1 else ''} "
+                                          f"{steps} (staleness {self.staleness})")
         return failures
 
     def close(self) -> None:

@@ -96,7 +96,7 @@ def train_step(sparse: SparseTables, pipeline: RowPipeline, replica: DenseReplic
     # The push leaves as soon as the backward pass has the rows' gradients, while DDP's last all-reduce is in
     # flight, carrying a later step's lookups; it is idempotent per step, so a step redone after that
     # all-reduce failed is not applied twice.
-    push = lookup.push_during_backward(step, then=pipeline.carried(collection, step))
+    push = pipeline.push(lookup, step)
     loss.backward()
     times.mark("backward")
     replica.finish_step()  # the dense optimizer's step, while the push travels and is applied

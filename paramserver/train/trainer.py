@@ -81,6 +81,14 @@ class Trainer:
     pushes in the background, at most ``k`` steps behind.  ``read_ahead``:
     False looks every step's rows up when it starts and waits for its push
     (the step without its pipeline, for comparisons).
+
+    ``cache_rows``: the worker's row cache (``paramserver.shards.client.row_cache``), at most this many rows
+    held at once (``None``: no cache).  With ``staleness = k >= 1`` the rows of ``cache_steps`` consecutive
+    steps (default ``k + 1``, at most that) are read in one lookup, each row once however many of those
+    steps need it, and those steps' pushes leave together in one message per shard carrying the next
+    window's reads: a shard handles one message per worker every ``cache_steps`` steps, every row still
+    within the staleness bound.  With staleness 0 a window is one step and results are unchanged.  Its
+    figures are the job's ``row_cache.*`` (hit rate, rows read, bytes saved, evictions, rows held).
     """
 
     def __init__(self, ctx, tables: Dict[str, Table], dense: nn.Module, sparse_optimizer: Tuple[type, Dict[str, Any]],
@@ -88,7 +96,7 @@ class Trainer:
                  loss: Callable[[Tensor, Tensor], Tensor], comm_hook: str = "allreduce",
                  hook_options: Optional[Dict[str, Any]] = None, *, name: str = "model", seed: int = 0,
                  row_wise_min_rows: int = ROW_WISE_MIN_ROWS, agree_every: int = 10, staleness: int = 0,
-                 read_ahead: bool = True):
+                 read_ahead: bool = True, cache_rows: Optional[int] = None, cache_steps: Optional[int] = None):
         if not tables:
             raise ValueError("a Trainer needs at least one table")
         for table_name, table in tables.items():
@@ -98,6 +106,15 @@ class Trainer:
             raise ValueError(f"staleness must be a whole number of steps, 0 or more; got {staleness!r}")
         if staleness > 0 and not read_ahead:
             raise ValueError(f"staleness {staleness} needs read_ahead=True (its rows are read ahead)")
+        if cache_rows is not None and (isinstance(cache_rows, bool) or not isinstance(cache_rows, int)
+                                       or cache_rows < 1):
+            raise ValueError(f"cache_rows must be a whole number of rows, 1 or more (or None: no cache); "
+                             f"got {cache_rows!r}")
+        if cache_steps is not None and (cache_rows is None or isinstance(cache_steps, bool)
+                                        or not isinstance(cache_steps, int)
+                                        or not 1 <= cache_steps <= staleness + 1):
+            raise ValueError(f"cache_steps must be 1 to staleness + 1 ({staleness + 1}) steps, with cache_rows "
+                             f"set; got {cache_steps!r} (cache_rows {cache_rows!r})")
         optimizer_class, optimizer_options = sparse_optimizer
         self.ctx = ctx
         self.tables = dict(tables)
@@ -112,6 +129,8 @@ class Trainer:
         self.row_wise_min_rows = row_wise_min_rows
         self.agree_every = agree_every
         self.staleness, self.read_ahead = staleness, read_ahead
+        self.cache_rows = cache_rows
+        self.cache_steps = 1 if cache_rows is None else (cache_steps or staleness + 1)
         #: What every checkpoint records of the model (``paramserver.checkpoint.model``).
         self.model_description = describe_model(name, self.tables, dense)
 
@@ -166,7 +185,8 @@ class _Run:
         self.batches = BatchStream(data, _position(positions.get(ctx.worker_index)),
                                    prefetch=PREFETCH_BATCHES + trainer.staleness)
         self.pipeline = RowPipeline(trainer.staleness, self.batches.ahead, trainer.tables, trainer.agree_every, steps,
-                                    read_ahead=trainer.read_ahead)
+                                    read_ahead=trainer.read_ahead, cache_steps=trainer.cache_steps,
+                                    cache_rows=trainer.cache_rows, recorder=ctx.recorders.data_plane)
         self.checkpoints = TrainerCheckpoints(ctx, self.replica, self.batches.position,
                                               model=trainer.model_description)
         self.figures: Dict[str, Any] = dict(figures)
@@ -319,6 +339,8 @@ class _Run:
                                 bytes_per_step=replica.bytes_per_step, shard_rebuilds=self.sparse.rebuilds)
             self.figures.update({f"{PHASE_FIGURE}{phase}": ms for phase, ms in self.times.ms_per_step().items()})
             self.figures.setdefault("first_loss", self.figures["loss"])
+            if self.trainer.cache_rows is not None:
+                self.figures.update(self.pipeline.cache.figures())
             self.losses.clear()
         if self.eval_data is not None and replica.group.rank == 0 and (step % self.eval_every == 0
                                                                          or step == self.steps):

@@ -140,7 +140,11 @@ class EmbeddingCollection:
     def plan_lookup(self, features: Mapping[str, Tensor], step: int) -> "LookupPlan":
         """The lookups of ``features`` routed and grouped by shard, not sent yet (``lookup`` sends them; a push
         can carry them, see ``CollectionLookup.push``)."""
-        routes = {name: table.route(features[name]) for name, table in self.tables.items()}
+        return self.plan_routes({name: table.route(features[name]) for name, table in self.tables.items()}, step)
+
+    def plan_routes(self, routes: Mapping[str, Route], step: int) -> "LookupPlan":
+        """The lookups of ``routes`` (a ``Route`` per table: ``table.route(...)``, or the union of several
+        steps' a row cache reads at once) grouped by shard, not sent yet."""
         by_shard: Dict[str, Tuple[List[int], List[Tensor], List[Tuple[str, int]]]] = {}
         for name, route in routes.items():
             for position, (range_index, local_ids) in enumerate(route.requests):
@@ -149,7 +153,57 @@ class EmbeddingCollection:
                 handles.append(slot.table_handle)
                 ids.append(local_ids)
                 keys.append((name, position))
-        return LookupPlan(self, routes, by_shard, step)
+        return LookupPlan(self, dict(routes), by_shard, step)
+
+    def send(self, pushes: Sequence["StepPush"], then: Optional["LookupPlan"] = None) -> "PendingPush":
+        """Send ``pushes`` (one or more steps' row gradients, ``CollectionLookup.step_push``) and ``then``'s
+        lookups: ONE message per shard, whose pushes the shard applies in order (each at most once per
+        (``token``, step)) before it reads ``then``'s rows (ps-lite's push-pull).  A shard that only reads is
+        asked with a plain lookup.  The pending push's ``then`` is that lookup (``None`` without one)."""
+        reads = then.requests() if then is not None and then.collection is self else {}
+        recorder = self.recorder
+        shards = dict.fromkeys([shard for push in pushes for shard in push.by_shard] + list(reads))
+        futures, read_futures = {}, {}
+        for shard in shards:
+            params, param_counts, ids, values, steps = [], [], [], [], []
+            for push in pushes:
+                entry = push.by_shard.get(shard)
+                if entry is not None:
+                    params.extend(entry[0])
+                    param_counts.append(len(entry[0]))
+                    ids.extend(entry[1])
+                    values.extend(entry[2])
+                    steps.append(push.step)
+            read = reads.get(shard)
+            if not steps:
+                read_futures[shard] = rpc.rpc_async(shard, service.lookup, args=(self.incarnation(shard), *read))
+                continue
+            if recorder is not None:
+                recorder.client_request(shard, "push", sum(g.numel() * g.element_size() for g in values))
+            future = rpc.rpc_async(shard, service.push_lookup, args=(
+                self.incarnation(shard), self.optimizer_handle(shard), params, param_counts, wire.pack_ids(ids),
+                wire.counts(ids), wire.pack_rows(values), self.peer, self.token, steps,
+                *(read if read is not None else _NO_READ)))
+            futures[shard] = future
+            if read is not None:
+                read_futures[shard] = future
+        return PendingPush(futures, then.sent(read_futures) if reads else None, [push.step for push in pushes])
+
+
+#: The lookup part of a push that reads nothing: no tables, no ids, no counts, no step.
+_NO_READ = ([], torch.empty(0, dtype=torch.long), [], -1)
+
+
+class StepPush:
+    """One step's row gradients grouped by shard, ready to leave with ``collection.send``
+    (``CollectionLookup.step_push``): ``by_shard[shard]`` is (parameter indices in the shard's optimizer, each
+    one's row ids, its gradient rows)."""
+
+    __slots__ = ("collection", "step", "by_shard")
+
+    def __init__(self, collection: EmbeddingCollection, step: int,
+                 by_shard: Dict[str, Tuple[List[int], List[Tensor], List[Tensor]]]):
+        self.collection, self.step, self.by_shard = collection, step, by_shard
 
 
 class LookupPlan:
@@ -195,6 +249,15 @@ class CollectionLookup:
 
     def pooled(self, differentiable: bool = True) -> Dict[str, Tensor]:
         """Every table's pooled embeddings; raises ``ShardRequestFailed`` naming the shards that failed."""
+        pooled = {}
+        for name, rows in self.unique_rows().items():
+            self.rows[name] = rows.requires_grad_(differentiable)
+            pooled[name] = self._routes[name].pool(self.rows[name])
+        return pooled
+
+    def unique_rows(self) -> Dict[str, Tensor]:
+        """Every table's rows of its distinct ids, in its route's order (plain values: no autograd); waits for
+        the shards (``ShardRequestFailed`` naming those that failed)."""
         pieces: Dict[str, List[Optional[Tensor]]] = {name: [None] * len(route.requests)
                                                       for name, route in self._routes.items()}
         tables = self.collection.tables
@@ -203,25 +266,13 @@ class CollectionLookup:
             widths = [tables[name].embedding_dim for name, _ in keys]
             for (name, position), rows in zip(keys, wire.unpack_rows(reply, row_counts, widths)):
                 pieces[name][position] = rows
-        pooled = {}
-        for name, route in self._routes.items():
-            table = self.collection.tables[name]
-            rows = torch.cat(pieces[name]) if pieces[name] else table.no_rows(False)
-            self.rows[name] = rows.requires_grad_(differentiable)
-            pooled[name] = route.pool(self.rows[name])
-        return pooled
+        return {name: torch.cat(pieces[name]) if pieces[name] else tables[name].no_rows(False)
+                for name in self._routes}
 
-    def push(self, step: int = -1, gradients: Optional[Mapping[str, Optional[Tensor]]] = None,
-             then: Optional[LookupPlan] = None) -> "PendingPush":
-        """Send the looked-up rows' gradients (``gradients``, by table; by default what the backward pass left
-        in their ``.grad``): one RPC per shard, applied there on arrival.  Tables whose rows got no gradient
-        send nothing.  ``step`` (0 or more) makes the push idempotent: a shard applies one push per
-        (collection's ``token``, step), so a step's push sent again is not applied twice.
-
-        ``then``: a later step's lookups (``EmbeddingCollection.plan_lookup``), carried by the push (ps-lite's
-        push-pull): each shard reads their rows right after applying this push, in the same message, and
-        the pending push's ``then`` is that lookup.  A shard the push does not reach is asked on its own.
-        """
+    def step_push(self, step: int = -1, gradients: Optional[Mapping[str, Optional[Tensor]]] = None) -> StepPush:
+        """The looked-up rows' gradients (``gradients``, by table; by default what the backward pass left in
+        their ``.grad``) grouped by shard, for ``EmbeddingCollection.send``.  Tables whose rows got no
+        gradient have none."""
         collection = self.collection
         if gradients is None:
             gradients = {name: rows.grad for name, rows in self.rows.items()}
@@ -237,59 +288,76 @@ class CollectionLookup:
                 params, ids, values = requests.setdefault(shard, ([], [], []))
                 params.append(slot.param_index)
                 ids.append(local_ids)
-                values.append(gradient[start:stop])  # packed (copied) below
+                values.append(gradient[start:stop])  # packed (copied) as it leaves
                 start = stop
-        reads = then.requests() if then is not None and then.collection is collection else {}
-        recorder = collection.recorder
-        futures, read_futures = {}, {}
-        for shard, (params, ids, values) in requests.items():
-            if recorder is not None:
-                recorder.client_request(shard, "push", sum(g.numel() * g.element_size() for g in values))
-            pushed = (collection.incarnation(shard), collection.optimizer_handle(shard), params, wire.pack_ids(ids),
-                      wire.counts(ids), wire.pack_rows(values), collection.peer, collection.token, step)
-            if shard in reads:
-                futures[shard] = read_futures[shard] = rpc.rpc_async(shard, service.push_lookup,
-                                                                     args=(*pushed, *reads[shard]))
-            else:
-                futures[shard] = rpc.rpc_async(shard, service.push, args=pushed)
-        for shard, read in reads.items():
-            if shard not in read_futures:
-                read_futures[shard] = rpc.rpc_async(shard, service.lookup, args=(collection.incarnation(shard), *read))
-        return PendingPush(futures, then.sent(read_futures) if reads else None)
+        return StepPush(collection, step, requests)
 
-    def push_during_backward(self, step: int, then: Optional[LookupPlan] = None) -> "PushOnGradients":
+    def push(self, step: int = -1, gradients: Optional[Mapping[str, Optional[Tensor]]] = None,
+             then: Optional[LookupPlan] = None) -> "PendingPush":
+        """Send the looked-up rows' gradients (``step_push``): one RPC per shard, applied there on arrival.
+        ``step`` (0 or more) makes the push idempotent: a shard applies one push per (collection's
+        ``token``, step), so a step's push sent again is not applied twice.
+
+        ``then``: a later step's lookups (``EmbeddingCollection.plan_lookup``), carried by the push (ps-lite's
+        push-pull): each shard reads their rows right after applying this push, in the same message, and
+        the pending push's ``then`` is that lookup.  A shard the push does not reach is asked on its own.
+        """
+        return self.collection.send([self.step_push(step, gradients)], then)
+
+    def push_during_backward(self, step: int, then: Optional[LookupPlan] = None, earlier: Sequence[StepPush] = (),
+                             hold: bool = False) -> "PushOnGradients":
         """Push as soon as the next backward pass has computed every looked-up row's gradient, while it goes
-        on (a DDP all-reduce still in flight): the push of ``step``, idempotent, carrying ``then`` (see
-        ``push``)."""
-        return PushOnGradients(self, step, then)
+        on (a DDP all-reduce still in flight): the push of ``step``, idempotent, after the held pushes of
+        ``earlier`` steps and carrying ``then``, all in one message per shard (see ``push`` and
+        ``EmbeddingCollection.send``).  ``hold``: send nothing; ``PushOnGradients.held`` is the step's push,
+        for a later message (a row cache's window)."""
+        return PushOnGradients(self, step, then, earlier, hold)
 
 
 class PushOnGradients:
-    """A push sent from inside a backward pass (``CollectionLookup.push_during_backward``); ``pending`` is
-    the push once sent (``None`` if the backward pass never reached the rows)."""
+    """A push made from inside a backward pass (``CollectionLookup.push_during_backward``): sent, with the
+    earlier steps' held pushes, as ``pending``, or held back as ``held`` (``sent()`` tells, after the
+    backward pass)."""
 
-    def __init__(self, lookup: CollectionLookup, step: int, then: Optional[LookupPlan] = None):
+    def __init__(self, lookup: CollectionLookup, step: int, then: Optional[LookupPlan] = None,
+                 earlier: Sequence[StepPush] = (), hold: bool = False):
         self.pending: Optional[PendingPush] = None
+        self.held: Optional[StepPush] = None
         self.failure: Optional[BaseException] = None
+        self._collection, self._then, self._earlier, self._hold = lookup.collection, then, list(earlier), hold
+        self._made = False
         names = [name for name, rows in lookup.rows.items() if rows.requires_grad]
 
-        def send(grads: Sequence[Optional[Tensor]]) -> None:
+        def made(grads: Sequence[Optional[Tensor]]) -> None:
+            self._made = True
             try:
-                self.pending = lookup.push(step, dict(zip(names, grads)), then)
-            except Exception as error:  # noqa: BLE001 - raised by wait(), not into the backward pass
+                push = lookup.step_push(step, dict(zip(names, grads)))
+                if hold:
+                    self.held = push
+                else:
+                    self.pending = self._collection.send(self._earlier + [push], then)
+            except Exception as error:  # noqa: BLE001 - raised by sent(), not into the backward pass
                 self.failure = error
-        self._handle = torch.autograd.graph.register_multi_grad_hook([lookup.rows[n] for n in names], send) \
+        self._handle = torch.autograd.graph.register_multi_grad_hook([lookup.rows[n] for n in names], made) \
             if names else None
 
     def sent(self) -> "PendingPush":
-        """The push as it left (after the backward pass): raises what sending it raised; a push that had
-        nothing to send is an empty one."""
+        """The message as it left (after the backward pass): raises what sending it raised.  When the backward
+        pass never reached the rows, the earlier pushes and ``then`` leave now (unless held); a held push is an
+        empty pending push and ``held``."""
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
         if self.failure is not None:
             raise self.failure
+        if not self._made and not self._hold and (self._earlier or self._then is not None):
+            self.pending = self._collection.send(self._earlier, self._then)
         return self.pending if self.pending is not None else PendingPush({})
+
+    @property
+    def holding(self) -> bool:
+        """Whether the step's push is held back (``held``, once made) rather than sent."""
+        return self._hold
 
     def wait(self) -> None:
         """Wait for the push (``ShardRequestFailed`` naming the shards that failed)."""
@@ -298,11 +366,14 @@ class PushOnGradients:
 
 class PendingPush:
     """Pushes in flight; ``wait()`` raises ``ShardRequestFailed`` naming the shards that failed.  ``then``:
-    the later step's lookup the push carries (``None``: none)."""
+    the later steps' lookup the message carries (``None``: none); ``steps``: the steps whose pushes it
+    carries, in order."""
 
-    def __init__(self, futures: Dict[str, torch.futures.Future], then: Optional[CollectionLookup] = None):
+    def __init__(self, futures: Dict[str, torch.futures.Future], then: Optional[CollectionLookup] = None,
+                 steps: Sequence[int] = ()):
         self._futures = futures
         self.then = then
+        self.steps = list(steps)
 
     def wait(self) -> None:
         _wait_all(self._futures, "push")

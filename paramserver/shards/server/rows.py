@@ -15,7 +15,7 @@ asks of each shard, as plain functions of the shard's ``ShardState``
   values: no autograd is recorded; ids and rows travel packed, ``wire``); a dynamic table's part
   (``dynamic.DynamicRows``) is asked by id, and admits and touches them at
   the step.
-* ``push``: the step's row gradients for every one of those tables,
+* ``push`` (``pushes``: several steps' in one message, in order): the step's row gradients for every one of those tables,
   applied on arrival by the owner-side optimizer named by its handle (an
   ``optimizers.OwnerOptimizer``), under its parameters' locks, with the
   same compiled update that ``DistributedOptimizer.step`` runs on a
@@ -74,11 +74,29 @@ def push(state: ShardState, incarnation: int, optimizer: int, params: List[int],
     rows of ``ids`` (local indices) and of ``gradients`` (packed, ``wire``), all in one step of it, unless
     ``step`` >= 0 and this optimizer already applied a push of ``pusher`` for that step or a later one (a
     step's push sent again is applied once); returns the number of parameters named."""
+    return pushes(state, incarnation, optimizer, params, [len(params)], ids, counts, gradients, peer, pusher, [step])
+
+
+def pushes(state: ShardState, incarnation: int, optimizer: int, params: List[int], param_counts: List[int],
+           ids: Tensor, counts: List[int], gradients: Tensor, peer: str, pusher: int, steps: List[int]) -> int:
+    """Several steps' pushes of one pusher in one message, applied in order, each as ``push`` applies one:
+    push ``j`` names the next ``param_counts[j]`` entries of ``params`` (and of ``counts``, ids and
+    gradients) and is for ``steps[j]``.  A push refused (``ValueError``) leaves the earlier ones applied:
+    each is idempotent per step, so the message sent again applies only the rest.  Returns the number of
+    parameters named."""
     owner_optimizer = check_incarnation(state, incarnation).optimizer(optimizer)
     try:
+        if len(param_counts) != len(steps) or sum(param_counts) != len(params) or min(param_counts, default=0) < 0:
+            raise ValueError(f"pushes for steps {list(steps)} name {list(param_counts)} parameters each, "
+                             f"which do not add up to the {len(params)} named")
         widths = [owner_optimizer.row_width(index) for index in params]
-        owner_optimizer.apply_rows(params, wire.unpack_ids(ids, counts), wire.unpack_rows(gradients, counts, widths),
-                                   peer, (pusher, step) if step >= 0 else None)
+        all_ids, all_gradients = wire.unpack_ids(ids, counts), wire.unpack_rows(gradients, counts, widths)
+        start = 0
+        for count, step in zip(param_counts, steps):
+            stop = start + count
+            owner_optimizer.apply_rows(params[start:stop], all_ids[start:stop], all_gradients[start:stop], peer,
+                                       (pusher, step) if step >= 0 else None)
+            start = stop
     except ValueError as error:
         logger.warning("optimizer %d refused a push from %s: %s", optimizer, peer, error)
         raise

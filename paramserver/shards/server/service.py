@@ -12,7 +12,7 @@ of what a shard answers:
   is hosted), ``read_dynamic``, ``lookup_rows`` and ``gather`` (TorchScript:
   differentiable reads inside a ``dist_autograd`` context), ``values``;
 * a step's rows: ``table_handles``, ``lookup``, ``push`` and
-  ``push_lookup`` (a push that carries a later step's lookup; TorchScript
+  ``push_lookup`` (one or more steps' pushes that carry later steps' lookups; TorchScript
   functions over the custom ops ``paramserver::lookup``,
   ``paramserver::push`` and ``paramserver::push_lookup``: requests and replies are TorchScript calls, no
   Python pickling; the ops' Python kernels hold the GIL to look handles up,
@@ -137,11 +137,11 @@ def _push_kernel(incarnation: int, optimizer: int, params: List[int], ids: Tenso
     return rows.push(_state(), incarnation, optimizer, params, ids, counts, gradients, peer, pusher, step)
 
 
-def _push_lookup_kernel(incarnation: int, optimizer: int, params: List[int], ids: Tensor, counts: List[int],
-                        gradients: Tensor, peer: str, pusher: int, step: int, tables: List[int], lookup_ids: Tensor,
-                        lookup_counts: List[int], lookup_step: int) -> Tensor:
+def _push_lookup_kernel(incarnation: int, optimizer: int, params: List[int], param_counts: List[int], ids: Tensor,
+                        counts: List[int], gradients: Tensor, peer: str, pusher: int, steps: List[int],
+                        tables: List[int], lookup_ids: Tensor, lookup_counts: List[int], lookup_step: int) -> Tensor:
     state = _state()
-    rows.push(state, incarnation, optimizer, params, ids, counts, gradients, peer, pusher, step)
+    rows.pushes(state, incarnation, optimizer, params, param_counts, ids, counts, gradients, peer, pusher, steps)
     return rows.lookup(state, incarnation, tables, lookup_ids, lookup_counts, lookup_step)
 
 
@@ -161,9 +161,9 @@ _ops = torch.library.Library("paramserver", "DEF")
 _ops.define("lookup(int incarnation, int[] tables, Tensor ids, int[] counts, int step) -> Tensor")
 _ops.define("push(int incarnation, int optimizer, int[] params, Tensor ids, int[] counts, Tensor gradients, "
             "str peer, int pusher, int step) -> int")
-_ops.define("push_lookup(int incarnation, int optimizer, int[] params, Tensor ids, int[] counts, Tensor gradients, "
-            "str peer, int pusher, int step, int[] tables, Tensor lookup_ids, int[] lookup_counts, "
-            "int lookup_step) -> Tensor")
+_ops.define("push_lookup(int incarnation, int optimizer, int[] params, int[] param_counts, Tensor ids, int[] counts, "
+            "Tensor gradients, str peer, int pusher, int[] steps, int[] tables, Tensor lookup_ids, "
+            "int[] lookup_counts, int lookup_step) -> Tensor")
 _ops.define("owner_step(int handle, int context_id) -> int")
 _ops.impl("lookup", _lookup_kernel, "CompositeExplicitAutograd")
 _ops.impl("push", _push_kernel, "CompositeExplicitAutograd")
@@ -188,13 +188,16 @@ def push(incarnation: int, optimizer: int, params: List[int], ids: Tensor, count
 
 
 @torch.jit.script
-def push_lookup(incarnation: int, optimizer: int, params: List[int], ids: Tensor, counts: List[int],
-                gradients: Tensor, peer: str, pusher: int, step: int, tables: List[int], lookup_ids: Tensor,
-                lookup_counts: List[int], lookup_step: int) -> Tensor:
-    """RPC target: ``push``, then ``lookup`` of a later step's rows, read after this push is applied (the
-    push-pull of a pipelined step: one message each way instead of two)."""
-    return torch.ops.paramserver.push_lookup(incarnation, optimizer, params, ids, counts, gradients, peer, pusher,
-                                             step, tables, lookup_ids, lookup_counts, lookup_step)
+def push_lookup(incarnation: int, optimizer: int, params: List[int], param_counts: List[int], ids: Tensor,
+                counts: List[int], gradients: Tensor, peer: str, pusher: int, steps: List[int], tables: List[int],
+                lookup_ids: Tensor, lookup_counts: List[int], lookup_step: int) -> Tensor:
+    """RPC target: the pushes of one or more steps in order (``rows.pushes``: push ``j`` names the next
+    ``param_counts[j]`` parameters and is for ``steps[j]``), then ``lookup`` of later steps' rows (none when
+    ``tables`` is empty), read after these pushes are applied: the push-pull of a pipelined step, one message
+    each way per shard for a step's push and a later step's reads (or, with a row cache, for several steps'
+    pushes and the reads of several later steps)."""
+    return torch.ops.paramserver.push_lookup(incarnation, optimizer, params, param_counts, ids, counts, gradients,
+                                             peer, pusher, steps, tables, lookup_ids, lookup_counts, lookup_step)
 
 
 # -- optimizers ---------------------------------------------------------------

@@ -1,0 +1,115 @@
+"""A worker's row cache: the rows of several steps read in one lookup, each step's served from there.
+
+Owns ``RowWindow``: the steps of a window (consecutive steps whose batches
+are known), their ids routed once per step, the union of those ids per
+table and row range (what one lookup per shard asks), and, once that
+lookup's rows are back, each step's rows taken from them
+(``RowWindow.lookup(step)``: a ``CollectionLookup`` that pools and pushes
+like one sent for that step alone).  A row several steps of a window need
+crosses the wire once: those are the cache's hits.  Which steps make a
+window, when it is read and when it is dropped is the worker's pipeline's
+business (``paramserver.train.pipeline``), under the staleness bound: rows
+read once serve steps that run later, so a window never spans more steps
+than the staleness allows.  Its size is bounded in rows (``max_rows``):
+the longest run of the steps offered whose union fits, at least one step.
+"""
+
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .collection import CollectionLookup, EmbeddingCollection, LookupPlan
+from .embedding import Route
+
+
+class RowWindow:
+    """The steps ``steps`` (``(step, features)`` pairs, consecutive) of ``collection``, read as one lookup:
+    the longest leading run of them whose distinct rows, over every table, are at most ``max_rows``
+    (``None``: no bound; the first step always).  ``plan`` is that lookup, not sent: send it (on its own with
+    ``collection.lookup_planned``, or carried by a push) and hand the sent lookup to ``read``."""
+
+    def __init__(self, collection: EmbeddingCollection, steps: Sequence[Tuple[int, Mapping[str, Tensor]]],
+                 max_rows: Optional[int] = None):
+        if not steps:
+            raise ValueError("a row window needs at least one step")
+        self.collection = collection
+        self._routes: Dict[int, Dict[str, Route]] = {}
+        union: Dict[Tuple[str, int], Tensor] = {}
+        self.rows_needed = 0  # each step's distinct rows, summed: what the steps would read one by one
+        bytes_needed = 0
+        for step, features in steps:
+            routes = {name: table.route(features[name]) for name, table in collection.tables.items()}
+            grown = dict(union)
+            for name, route in routes.items():
+                for range_index, local_ids in route.requests:
+                    held = grown.get((name, range_index))
+                    grown[(name, range_index)] = local_ids if held is None else \
+                        torch.unique(torch.cat((held, local_ids)))
+            if self._routes and max_rows is not None and sum(ids.numel() for ids in grown.values()) > max_rows:
+                break
+            self._routes[step], union = routes, grown
+            self.rows_needed += sum(local_ids.numel() for route in routes.values() for _, local_ids in route.requests)
+            bytes_needed += sum(local_ids.numel() * collection.tables[name].row_bytes
+                                for name, route in routes.items() for _, local_ids in route.requests)
+        #: The steps it serves, in order.
+        self.steps: List[int] = list(self._routes)
+        #: Distinct rows it reads (and holds once read).
+        self.rows_held = sum(ids.numel() for ids in union.values())
+        #: Bytes of rows its steps need that cross the wire once instead of once per step.
+        self.bytes_saved = bytes_needed - sum(ids.numel() * collection.tables[name].row_bytes
+                                              for (name, _), ids in union.items())
+        self._union: Dict[str, List[Tuple[int, Tensor]]] = {name: [] for name in collection.tables}
+        for (name, range_index), ids in sorted(union.items(), key=lambda item: item[0]):
+            self._union[name].append((range_index, ids))
+        # One step: its own routes are the lookup's, and the lookup is the step's (as if sent for it alone).
+        self._single = len(self.steps) == 1
+        self.plan: LookupPlan = collection.plan_routes(
+            self._routes[self.steps[0]] if self._single else
+            {name: Route(collection.tables[name], torch.empty(0, dtype=torch.long), requests)
+             for name, requests in self._union.items()}, self.steps[0])
+        self._read: Optional[CollectionLookup] = None
+        self._rows: Optional[Dict[str, Tensor]] = None
+
+    @property
+    def row_hits(self) -> int:
+        """Rows its steps need that a step before them in the window read already (they cross the wire once)."""
+        return self.rows_needed - self.rows_held
+
+    def read(self, lookup: CollectionLookup) -> "RowWindow":
+        """``plan``'s lookup, sent."""
+        self._read = lookup
+        return self
+
+    def lookup(self, step: int) -> CollectionLookup:
+        """Step ``step``'s lookup, its rows taken from the window's (waits for them the first time;
+        ``ShardRequestFailed`` when the read failed)."""
+        if self._read is None:
+            raise RuntimeError(f"the row window of steps {self.steps} was not read")
+        if self._single:
+            return self._read
+        if self._rows is None:
+            self._rows = self._read.unique_rows()
+        routes, rows = self._routes[step], {}
+        for name, route in routes.items():
+            offsets, start = {}, 0
+            for range_index, ids in self._union[name]:
+                offsets[range_index] = (start, ids)
+                start += ids.numel()
+            positions = [offsets[range_index][0] + torch.searchsorted(offsets[range_index][1], local_ids)
+                         for range_index, local_ids in route.requests]
+            rows[name] = self._rows[name].index_select(0, torch.cat(positions)) if positions else \
+                self.collection.tables[name].no_rows(False)
+        return CachedLookup(self.collection, routes, rows, step)
+
+
+class CachedLookup(CollectionLookup):
+    """A step's lookup whose rows were read already (a ``RowWindow``'s): it pools and pushes like any."""
+
+    def __init__(self, collection: EmbeddingCollection, routes: Dict[str, Route], rows: Dict[str, Tensor],
+                 step: int):
+        super().__init__(collection, routes, {}, {}, step)
+        self._cached = rows
+
+    def unique_rows(self) -> Dict[str, Tensor]:
+        return self._cached
