@@ -98,10 +98,14 @@ What it measures
 How to run
     ``.venv/bin/python benchmarks/end_to_end.py [--steps N] [--batch N]
     [--repeats N] [--log-every N] [--threads N] [--staleness K]
-    [--no-dense-variant]``; the defaults (300 steps, batch 1024 per trainer,
-    1 repeat) take about 3-4 minutes on 2 cores.  ``--staleness K`` is for
-    ours only: the job configuration gets ``"staleness": K`` (without the
-    flag the key is not set: the job's default).  Repeats alternate the order
+    [--cache-rows N [--cache-steps L]] [--no-dense-variant]``; the defaults
+    (300 steps, batch 1024 per trainer, 1 repeat) take about 3-4 minutes on
+    2 cores.  ``--staleness K`` is for ours only: the job configuration gets
+    ``"staleness": K`` (without the flag the key is not set: the job's
+    default); ``--cache-rows N`` adds the workers' row cache (``"cache_rows":
+    N``, and ``"cache_steps": L`` with ``--cache-steps``), whose figures
+    (hit rate, rows read, bytes saved, evictions) follow the tables, with
+    the workers' peak resident memory.  Repeats alternate the order
     of the contestants; each row shows the median and every run.  Progress
     goes to stderr, results to stdout.
 
@@ -147,7 +151,7 @@ from process_cpu import PollingThread, ProcessTreeCPU  # noqa: E402
 from paramserver.processes import Child, ChildProcessesFailed, free_port, run_children  # noqa: E402
 from paramserver.runtime.threads import HOST_PROCESSES_ENV, THREADS_ENV, choose_threads, host_cores  # noqa: E402
 from paramserver.train.step import PHASES  # noqa: E402
-from paramserver.train.trainer import PHASE_FIGURE  # noqa: E402
+from paramserver.train.trainer import PHASE_FIGURE, ROW_CACHE_FIGURE  # noqa: E402
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 #: Targets: ours over the reference; ours over the floor, without and with staleness.
@@ -204,7 +208,7 @@ def watch_cpu(started: Callable[[], bool]) -> PollingThread:
 def cpu_per_1000(cpu: PollingThread, samples: int) -> Dict:
     """CPU seconds per 1,000 samples of each kind counted by ``cpu``, and whether start-up is left out."""
     return {"cpu_per_1000": {kind: 1e3 * seconds / samples for kind, seconds in cpu.tree.cpu_by_kind().items()},
-            "cpu_window": cpu.tree.marked}
+            "cpu_window": cpu.tree.marked, "rss_growth_mib": cpu.tree.rss_growth_by_kind()}
 
 
 def threads_of(args) -> Dict[str, Dict[str, int]]:
@@ -224,6 +228,10 @@ def run_ours(args, folder: pathlib.Path) -> Dict:
     """``ps-demo --hook allreduce`` as a subprocess; its final JSON line's figures, and its processes' CPU
     from when both workers start their first step."""
     extra = {} if args.staleness is None else {"staleness": args.staleness}
+    if args.cache_rows is not None:
+        extra["cache_rows"] = args.cache_rows
+        if args.cache_steps is not None:
+            extra["cache_steps"] = args.cache_steps
     environment = {THREADS_ENV: str(args.threads), "OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
     worker_logs = [folder / "logs" / f"ps-worker{i}.log" for i in range(reference_hybrid.TRAINERS)]
     with watch_cpu(lambda: all(training_started(log) for log in worker_logs)) as cpu:
@@ -232,7 +240,9 @@ def run_ours(args, folder: pathlib.Path) -> Dict:
     return dict(cpu_per_1000(cpu, args.steps * reference_hybrid.TRAINERS * args.batch),
                 samples_per_s=summary["samples_per_s"], loss=summary["loss"],
                 phase_ms={key[len(PHASE_FIGURE):]: value for key, value in summary.items()
-                          if key.startswith(PHASE_FIGURE)})
+                          if key.startswith(PHASE_FIGURE)},
+                row_cache={key[len(ROW_CACHE_FIGURE):]: value for key, value in summary.items()
+                           if key.startswith(ROW_CACHE_FIGURE)})
 
 
 def training_started(worker_log: pathlib.Path) -> bool:
@@ -340,6 +350,9 @@ def report(runs: Dict[str, List[Dict]], args, load_before: float) -> None:
     reference = median[REFERENCE]
     threads = threads_of(args)
     staleness = "" if args.staleness is None else f", ours with staleness {args.staleness}"
+    if args.cache_rows is not None:
+        staleness += f", row cache of {args.cache_rows:,} rows" + \
+            ("" if args.cache_steps is None else f" over {args.cache_steps} steps")
     print(f"# End-to-end training throughput: torch {torch.__version__}, {os.cpu_count()} cores, "
           f"{args.steps} steps x batch {args.batch} per trainer, {reference_hybrid.TRAINERS} trainers, "
           f"{reference_hybrid.NUM_PS} parameter servers, {args.repeats} repeat(s){staleness}; 1-min load average "
@@ -373,6 +386,12 @@ def report(runs: Dict[str, List[Dict]], args, load_before: float) -> None:
     print("\n| where a floor step's time goes (ms) | |\n|---|---:|")
     for phase in local_floor.PHASES:
         print(f"| {phase} | {statistics.mean(r['phase_ms'][phase] for r in runs[FLOOR]):.1f} |")
+    if args.cache_rows is not None:
+        print("\n| the workers' row cache (the workers' mean, mean of the runs) | |\n|---|---:|")
+        for name in ("hit_rate", "rows_read", "hits", "bytes_saved", "evictions", "windows"):
+            print(f"| {name} | {statistics.mean(r['row_cache'].get(name, 0.0) for r in runs[OURS]):,.3f} |")
+        growth = statistics.mean(r["rss_growth_mib"].get("worker", 0.0) for r in runs[OURS])
+        print(f"| worker resident memory growth over training (MiB, largest of the workers) | {growth:.1f} |")
     stale = bool(args.staleness)
     print()
     print("end-to-end: " + verdict("paramserver / floor (one process)", ratio(median[OURS], median[FLOOR]),
@@ -415,6 +434,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              "core, each distributed process its share; see the module's docstring)")
     parser.add_argument("--staleness", type=int, default=None, metavar="K",
                         help='ours only: the job configuration\'s "staleness": K (default: not set, the job\'s own)')
+    parser.add_argument("--cache-rows", type=int, default=None, metavar="N",
+                        help='ours only: the job configuration\'s "cache_rows": N (the workers\' row cache)')
+    parser.add_argument("--cache-steps", type=int, default=None, metavar="L",
+                        help='ours only, with --cache-rows: "cache_steps": L (default: staleness + 1)')
     parser.add_argument("--no-dense-variant", action="store_true",
                         help="skip the tutorial's dense-gradient EmbeddingBag variant")
     parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
@@ -424,6 +447,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("--steps, --batch, --repeats, --log-every and --threads must be at least 1")
     if args.staleness is not None and args.staleness < 0:
         parser.error("--staleness must be at least 0")
+    if (args.cache_rows is not None and args.cache_rows < 1) or \
+            (args.cache_steps is not None and (args.cache_rows is None or args.cache_steps < 1)):
+        parser.error("--cache-rows must be at least 1, and --cache-steps (at least 1) needs --cache-rows")
     contestants = [OURS, FLOOR, REFERENCE] + ([] if args.no_dense_variant else [DENSE])
     runs: Dict[str, List[Dict]] = {name: [] for name in contestants}
     load_before = os.getloadavg()[0]

@@ -52,6 +52,14 @@ def read_stat(pid: int) -> Optional[Tuple[int, int, float]]:
     return int(fields[1]), int(fields[19]), (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
+def read_rss(pid: int) -> int:
+    """Resident memory of ``pid`` in bytes (``VmRSS``), 0 when it is gone."""
+    for line in (_read(f"/proc/{pid}/status") or "").splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def read_cmdline(pid: int) -> str:
     return (_read(f"/proc/{pid}/cmdline") or "").replace("\0", " ").strip()
 
@@ -72,6 +80,8 @@ class ProcessTreeCPU:
         self._cmdlines: Dict[ProcessKey, str] = {}
         self._readings: Dict[ProcessKey, float] = {}
         self._baseline: Optional[Dict[ProcessKey, float]] = None
+        self._rss: Dict[ProcessKey, int] = {}  # the largest resident memory seen
+        self._rss_baseline: Dict[ProcessKey, int] = {}
 
     def poll(self) -> None:
         """Read the CPU time of every process of the tree now (new ones are classified first)."""
@@ -104,12 +114,14 @@ class ProcessTreeCPU:
                     self._kinds[key] = self.classify(self._cmdlines[key], read_name(pid),
                                                      self._cmdlines.get(parent_key, ""), parent_kind) or parent_kind
                 self._readings[key] = cpu
+                self._rss[key] = max(self._rss.get(key, 0), read_rss(pid))
 
     def mark(self) -> None:
         """Poll, and count from now on."""
         self.poll()
         with self._lock:
             self._baseline = dict(self._readings)
+            self._rss_baseline = dict(self._rss)
 
     @property
     def marked(self) -> bool:
@@ -123,6 +135,18 @@ class ProcessTreeCPU:
                 kind = self._kinds[key]
                 spent[kind] = spent.get(kind, 0.0) + cpu - (self._baseline or {}).get(key, 0.0)
             return spent
+
+
+    def rss_growth_by_kind(self) -> Dict[str, float]:
+        """Per kind, the most any one of its processes' resident memory grew from ``mark`` to its largest
+        reading after it, in MiB (processes that started after the mark: from their first reading)."""
+        with self._lock:
+            growth: Dict[str, float] = {}
+            for key, peak in self._rss.items():
+                kind = self._kinds[key]
+                grown = (peak - self._rss_baseline.get(key, peak)) / 2**20
+                growth[kind] = max(growth.get(kind, 0.0), grown)
+            return growth
 
 
 class PollingThread:

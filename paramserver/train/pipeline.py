@@ -89,10 +89,10 @@ class RowCacheFigures:
     def figures(self) -> Dict[str, float]:
         """The job's figures (``row_cache.*``)."""
         needed = self.rows_read + self.hits
-        return {"row_cache.hit_rate": self.hits / needed if needed else 0.0, "row_cache.rows_read": self.rows_read,
-                "row_cache.hits": self.hits, "row_cache.bytes_saved": self.bytes_saved,
-                "row_cache.evictions": self.evictions, "row_cache.rows_held": self.rows_held,
-                "row_cache.windows": self.windows}
+        figures = {"hit_rate": self.hits / needed if needed else 0.0, "rows_read": self.rows_read,
+                   "hits": self.hits, "bytes_saved": self.bytes_saved, "evictions": self.evictions,
+                   "rows_held": self.rows_held, "windows": self.windows}
+        return {f"row_cache.{name}": value for name, value in figures.items()}
 
 
 class RowPipeline:
@@ -280,8 +280,9 @@ class RowPipeline:
             waited = time.perf_counter() - started
             if waited > SLOW_PUSH.total_seconds():
                 steps = ", ".join(map(str, pending.steps))
-                self._slow.record("slow", f"waited {waited:.1f} s for the push of step{'s' if len(pending.steps) > 1 else ''} "
-                                          f"{steps} (staleness {self.staleness})")
+                plural = "s" if len(pending.steps) > 1 else ""
+                self._slow.record("slow", f"waited {waited:.1f} s for the push of step{plural} {steps} "
+                                          f"(staleness {self.staleness})")
         return failures
 
     def close(self) -> None:

@@ -50,6 +50,8 @@ POWERSGD_DEFAULTS = {"start_iter": 10}
 #: Prefix of the figures saying where a step's time goes (``phase_ms.lookups``...: ms per step, see
 #: ``step.PHASES``).
 PHASE_FIGURE = "phase_ms."
+#: The prefix of the row cache's figures (``pipeline.RowCacheFigures``).
+ROW_CACHE_FIGURE = "row_cache."
 #: Batches read ahead in the background while steps run.
 PREFETCH_BATCHES = 2
 #: Tables of this many rows or more are split by rows over every shard; smaller ones are placed whole.
