@@ -13,6 +13,7 @@ import torch.distributed.rpc as rpc
 from dataplane import run_cluster, shard_names
 from paramserver.optim import QHM, DistributedOptimizer
 from paramserver.shards import DynamicEmbeddingBag, EmbeddingCollection, ShardedEmbeddingBag, ShardRequestFailed
+from paramserver.shards.client.row_cache import RowWindow
 from paramserver.tables.id_hash import initial_rows
 from paramserver.shards.server import service
 
@@ -217,6 +218,49 @@ def trainer_dynamic_equals_fixed():
     assert all(f["dynamic.evicted"] == 0 and f["dynamic.rows"] > 0 and f["dynamic.bytes"] > 0 for f in figures)
 
 
+def trainer_row_window_reads_once_and_pushes_in_order():
+    """A row window serves each step the rows a lookup of that step alone reads, reading each row once; the
+    pushes of its steps in one message per shard leave the tables as the same pushes sent one by one."""
+    shards = shard_names(3)
+    weights = {name: torch.randn(rows, DIM) for name, (rows, _, _) in TABLES.items()}
+    one_by_one, together = _tables(shards, "window-a", weights), _tables(shards, "window-b", weights)
+    peer = rpc.get_worker_info().name
+    optimizers = [_optimizer(one_by_one), _optimizer(together)]  # (their owners' optimizers live as long)
+    plain = EmbeddingCollection(one_by_one, optimizers[0].owner_layout(), peer)
+    cached = EmbeddingCollection(together, optimizers[1].owner_layout(), peer)
+    generator = torch.Generator().manual_seed(3)
+    steps = [(step, {name: torch.randint(0, rows, (6, 2), generator=generator)
+                     for name, (rows, _, _) in TABLES.items()}) for step in range(3)]
+    targets = {name: torch.randn(6, DIM, generator=generator) for name in TABLES}
+
+    def backward(lookup):  # linear in the rows: each step's gradients are the same on both sides
+        pooled = lookup.pooled()
+        sum((pooled[name] * targets[name]).sum() for name in TABLES).backward()
+
+    window = RowWindow(cached, steps)
+    assert window.steps == [0, 1, 2] and 0 < window.rows_held < window.rows_needed  # shared rows read once
+    with _CountedRpc() as counted:
+        window.read(cached.lookup_planned(window.plan))
+    assert counted.calls == {("lookup", shard): 1 for shard in shards}, counted.calls
+    pushes = []
+    for step, features in steps:
+        lookup = window.lookup(step)
+        alone = cached.lookup(features).unique_rows()  # nothing was pushed yet: the same rows
+        assert all(torch.equal(lookup.unique_rows()[name], alone[name]) for name in TABLES)
+        backward(lookup)
+        pushes.append(lookup.step_push(step))
+        lookup = plain.lookup(features)
+        backward(lookup)
+        lookup.push(step).wait()
+    with _CountedRpc() as counted:
+        cached.send(pushes).wait()
+    assert counted.calls == {("push_lookup", shard): 1 for shard in shards}, counted.calls
+    assert all(torch.equal(one, two) for one, two in zip(_weights(one_by_one).values(), _weights(together).values()))
+    # A bound on the rows held cuts the window short (its first step always stays).
+    assert RowWindow(cached, steps, max_rows=1).steps == [0]
+
+
 def test_one_lookup_and_one_push_per_shard_with_rows_equal_to_the_unfused_path():
     run_cluster([(trainer_fused_equals_unfused, ()), (trainer_failures_name_the_shard, ()),
-                 (trainer_pushes_are_idempotent_per_step, ()), (trainer_dynamic_equals_fixed, ())], num_shards=3)
+                 (trainer_pushes_are_idempotent_per_step, ()), (trainer_dynamic_equals_fixed, ()),
+                 (trainer_row_window_reads_once_and_pushes_in_order, ())], num_shards=3)

@@ -146,3 +146,51 @@ def test_staleness_is_refused_unless_a_whole_number_of_steps(local_context):
             trainer(local_context, "refused", RecordedLoss(), staleness=staleness)
     with pytest.raises(ValueError, match="read_ahead"):
         trainer(local_context, "refused", RecordedLoss(), staleness=1, read_ahead=False)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["fixed", "dynamic"])
+def test_a_row_cache_at_staleness_0_changes_nothing(local_context, dynamic):
+    runs = []
+    for cache in ({}, dict(cache_rows=1000)):
+        loss = RecordedLoss()
+        figures = trainer(local_context, f"cache0-{dynamic}-{bool(cache)}", loss, dynamic=dynamic,
+                          **cache).fit(overlapping_batches(17, hashed_ids=dynamic), steps=17, log_every=5)
+        assert figures["sparse_steps"] == 17, figures
+        runs.append((torch.stack(loss.values), figures["replica_checksum"], figures))
+    assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]
+    assert runs[1][2]["row_cache.hits"] == 0  # a window of one step: nothing read twice
+
+
+@pytest.mark.parametrize("dynamic, cache_rows", [(False, 10_000), (True, 10_000), (False, 50)],
+                         ids=["fixed", "dynamic", "fixed-tight"])
+def test_a_row_cache_reads_shared_rows_once_holds_at_most_cache_rows_and_applies_every_push(
+        local_context, monkeypatch, dynamic, cache_rows):
+    from paramserver.train import pipeline
+    most_held = []
+    count_read = pipeline.RowPipeline._count_read
+
+    def counted(self, window):
+        count_read(self, window)
+        most_held.append(self.cache.rows_held)
+    monkeypatch.setattr(pipeline.RowPipeline, "_count_read", counted)
+    loss = RecordedLoss()
+    # Agreements every 6 steps: windows of 3 steps line up with them (a dynamic table's reads stop there).
+    figures = trainer(local_context, f"cache2-{dynamic}-{cache_rows}", loss, dynamic=dynamic, staleness=2,
+                      cache_rows=cache_rows, agree_every=6).fit(
+        overlapping_batches(24, hashed_ids=dynamic), steps=24, log_every=4)
+    assert figures["steps"] == 24 and figures["sparse_steps"] == 24 and len(loss.values) == 24, figures
+    assert max(most_held) <= cache_rows, (max(most_held), cache_rows)
+    assert figures["row_cache.rows_held"] == 0  # every window was dropped by the end
+    assert figures["row_cache.evictions"] == figures["row_cache.rows_read"]
+    if cache_rows >= 1000:  # 3 steps a window: each shared row read once
+        assert figures["row_cache.windows"] == 8 and figures["row_cache.hit_rate"] > 0.3, figures
+    else:  # windows cut short to hold at most 50 rows (a step of these batches needs at most 30 + 16)
+        assert figures["row_cache.windows"] > 8, figures
+
+
+def test_row_cache_options_are_refused_unless_they_make_sense(local_context):
+    for options in (dict(cache_rows=0), dict(cache_rows=True), dict(cache_rows=1.5),
+                    dict(cache_rows=10, staleness=1, cache_steps=3), dict(cache_steps=1),
+                    dict(cache_rows=10, staleness=1, cache_steps=0)):
+        with pytest.raises(ValueError, match="cache_"):
+            trainer(local_context, "refused", RecordedLoss(), **options)

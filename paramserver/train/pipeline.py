@@ -48,8 +48,9 @@ redone, the group re-forms, or the sparse part is rebuilt, the reads ahead
 are dropped (``drop_reads``).  Their steps look their rows up again.
 
 The cache's memory is bounded (``cache_rows``): the windows alive at once
-(the one in use and those read ahead) hold at most that many rows, each
-window being cut short to fit its share.  Its figures (``cache``): rows
+(those read ahead: a window goes when its last step takes its rows) hold
+at most that many rows, each window being cut short to fit its share,
+except that a step's own rows are read even when they alone exceed it.  Its figures (``cache``): rows
 read, hits (rows a step needed that its window had read already), bytes
 those saved, evictions (rows dropped when their window ends) and rows held.
 """
@@ -118,9 +119,10 @@ class RowPipeline:
                  cache_rows: Optional[int] = None, recorder: Optional[RowCacheRecorder] = None):
         self.staleness, self.read_ahead = staleness, read_ahead
         self.window, self._depth = cache_steps, staleness + 1 - cache_steps
-        # The windows alive at once: the one in use and those read ahead, up to k + 1 steps on.
+        # The windows alive at once: those read ahead, up to k + 1 steps on (a window goes when its last step
+        # takes its rows, before the next is read).
         self._window_rows = None if cache_rows is None else \
-            max(1, cache_rows // (1 + math.ceil((staleness + 1) / cache_steps)))
+            max(1, cache_rows // math.ceil((staleness + 1) / cache_steps))
         self._upcoming, self._tables = upcoming, tables
         self._agree_every, self._last_step = agree_every, last_step
         self._reads_cross_agreements = not any(table.dynamic for table in tables.values())

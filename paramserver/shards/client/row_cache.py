@@ -11,7 +11,8 @@ window, when it is read and when it is dropped is the worker's pipeline's
 business (``paramserver.train.pipeline``), under the staleness bound: rows
 read once serve steps that run later, so a window never spans more steps
 than the staleness allows.  Its size is bounded in rows (``max_rows``):
-the longest run of the steps offered whose union fits, at least one step.
+the longest run of the steps offered whose union fits, at least one step
+(a step's own rows are read whatever their number).
 """
 
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
