@@ -325,8 +325,7 @@ class OwnerOptimizer:
                     held = (slots >= 0).nonzero().view(-1)
                     rows, values = (slots, values) if held.numel() == slots.numel() else \
                         (slots.index_select(0, held), values.index_select(0, held))
-                by_param[index] = torch.sparse_coo_tensor(rows.unsqueeze(0), values, self.params[index].shape,
-                                                          check_invariants=True)
+                by_param[index] = _row_gradient(rows, values, self.params[index].shape)
             return self._impl.apply(by_param, measure)
         return self._timed(run, lambda: peer, "push", once)
 
@@ -492,3 +491,14 @@ def _restore_state(state: ShardState, owner_optimizer: OwnerOptimizer) -> None:
         owner_optimizer.load_state_dict(restored)
         logger.info("optimizer %d: state of %d of its %d parameters restored from the checkpoint",
                     owner_optimizer.handle, len(restored), len(owner_optimizer.params))
+
+
+def _row_gradient(rows: Tensor, values: Tensor, shape: torch.Size) -> Tensor:
+    """The row-sparse gradient of ``values`` at ``rows``, built coalesced when the rows are distinct (as pushes
+    send them: sorted for a fixed table, in slot order for a dynamic one), so that the optimizer's step does
+    not sort and deduplicate them again; the same tensor ``coalesce()`` would make, so the same update."""
+    if rows.numel() > 1 and not bool((rows[1:] > rows[:-1]).all()):
+        rows, order = rows.sort()
+        values = values.index_select(0, order)
+    distinct = rows.numel() < 2 or bool((rows[1:] > rows[:-1]).all())
+    return torch.sparse_coo_tensor(rows.unsqueeze(0), values, shape, check_invariants=True, is_coalesced=distinct)
