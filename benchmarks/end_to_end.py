@@ -389,7 +389,8 @@ def report(runs: Dict[str, List[Dict]], args, load_before: float) -> None:
     if args.cache_rows is not None:
         print("\n| the workers' row cache (the workers' mean, mean of the runs) | |\n|---|---:|")
         for name in ("hit_rate", "rows_read", "hits", "bytes_saved", "evictions", "windows"):
-            print(f"| {name} | {statistics.mean(r['row_cache'].get(name, 0.0) for r in runs[OURS]):,.3f} |")
+            value = statistics.mean(r["row_cache"].get(name, 0.0) for r in runs[OURS])
+            print(f"| {name} | {value:.3f} |" if name == "hit_rate" else f"| {name} | {value:,.0f} |")
         growth = statistics.mean(r["rss_growth_mib"].get("worker", 0.0) for r in runs[OURS])
         print(f"| worker resident memory growth over training (MiB, largest of the workers) | {growth:.1f} |")
     stale = bool(args.staleness)

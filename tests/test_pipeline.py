@@ -6,10 +6,12 @@ import time
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from paramserver import Batch, Table, Trainer
+from paramserver.metrics.data_plane import DataPlaneMetrics
 from paramserver.optim import QHM
-from paramserver.runtime.context import JobContext
+from paramserver.runtime.context import JobContext, Recorders
 from paramserver.shards.server import rows as shard_rows
 
 pytestmark = pytest.mark.timeout(120)
@@ -173,6 +175,8 @@ def test_a_row_cache_reads_shared_rows_once_holds_at_most_cache_rows_and_applies
         count_read(self, window)
         most_held.append(self.cache.rows_held)
     monkeypatch.setattr(pipeline.RowPipeline, "_count_read", counted)
+    registry = CollectorRegistry()  # what the worker's metrics port would serve
+    monkeypatch.setattr(local_context, "recorders", Recorders(data_plane=DataPlaneMetrics(registry)))
     loss = RecordedLoss()
     # Agreements every 6 steps: windows of 3 steps line up with them (a dynamic table's reads stop there).
     figures = trainer(local_context, f"cache2-{dynamic}-{cache_rows}", loss, dynamic=dynamic, staleness=2,
@@ -182,6 +186,11 @@ def test_a_row_cache_reads_shared_rows_once_holds_at_most_cache_rows_and_applies
     assert max(most_held) <= cache_rows, (max(most_held), cache_rows)
     assert figures["row_cache.rows_held"] == 0  # every window was dropped by the end
     assert figures["row_cache.evictions"] == figures["row_cache.rows_read"]
+    served = {name: registry.get_sample_value(f"paramserver_row_cache_{name}") for name in
+              ("rows_read_total", "hits_total", "saved_bytes_total", "evictions_total", "rows")}
+    assert served == {"rows_read_total": figures["row_cache.rows_read"], "hits_total": figures["row_cache.hits"],
+                      "saved_bytes_total": figures["row_cache.bytes_saved"],
+                      "evictions_total": figures["row_cache.evictions"], "rows": 0}, (served, figures)
     if cache_rows >= 1000:  # 3 steps a window: each shared row read once
         assert figures["row_cache.windows"] == 8 and figures["row_cache.hit_rate"] > 0.3, figures
     else:  # windows cut short to hold at most 50 rows (a step of these batches needs at most 30 + 16)

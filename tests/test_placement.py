@@ -1,10 +1,11 @@
-"""Placement: row ranges of tables, bin packing of dense parameters (pure logic)."""
+"""Placement: row ranges of tables, bin packing of dense parameters, whole tables packed onto few shards (pure
+logic)."""
 
 import random
 
 import pytest
 
-from paramserver.shards.client.placement import plan_dense, shard_loads, split_rows
+from paramserver.shards.client.placement import pack_whole, plan_dense, shard_loads, split_rows
 
 SHARDS = ["shard0", "shard1", "shard2", "shard3"]
 
@@ -79,3 +80,17 @@ def test_plan_is_deterministic_and_rejects_bad_sizes():
     assert plan_dense(sizes, SHARDS) == plan_dense(dict(reversed(list(sizes.items()))), SHARDS)
     with pytest.raises(ValueError, match="'bad' has a negative size"):
         plan_dense({"bad": -1}, SHARDS)
+
+
+def test_whole_tables_pack_onto_few_shards_no_fuller_than_the_balanced_plan():
+    # The default job's tables (rows x 16 floats): the largest alone, the seven others together.
+    sizes = {f"t{i}": rows * 64 for i, rows in enumerate((100_000, 20_000, 10_000, 5_000, 1_000, 500, 100, 20))}
+    packed, balanced = pack_whole(sizes, SHARDS), plan_dense(sizes, SHARDS)
+    assert len(set(balanced.values())) == 4 and set(packed.values()) == {"shard0", "shard1"}
+    assert max(shard_loads(packed, sizes, SHARDS).values()) <= max(shard_loads(balanced, sizes, SHARDS).values())
+    # Equal tables: as many on one shard as the balanced plan's fullest holds.
+    equal = {f"e{i}": 10 for i in range(6)}
+    loads = shard_loads(pack_whole(equal, SHARDS), equal, SHARDS)
+    assert max(loads.values()) <= max(shard_loads(plan_dense(equal, SHARDS), equal, SHARDS).values())
+    assert sum(1 for load in loads.values() if load) < 4
+    assert pack_whole(sizes, SHARDS) == pack_whole(dict(reversed(list(sizes.items()))), SHARDS)  # deterministic

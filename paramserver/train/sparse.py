@@ -2,8 +2,10 @@
 
 Owns building a job's ``Table``s as shared ``ShardedEmbeddingBag``s (a
 table of ``row_wise_min_rows`` rows or more split by rows over every
-shard, smaller ones placed whole by size: splitting a small table only
-adds messages), the owner-side optimizers that update their rows on the
+shard, smaller ones placed whole and packed onto as few shards as keep
+the fullest no fuller than a balanced plan's, ``placement.pack_whole``:
+a step sends one message to every shard holding a table it reads, so
+splitting or spreading small tables only adds messages), the owner-side optimizers that update their rows on the
 shards (created through ``DistributedOptimizer``), the
 ``EmbeddingCollection`` through which a step looks them up and pushes
 their gradients (one RPC per shard each way), and rebuilding all of it
@@ -39,7 +41,8 @@ from torch import Tensor
 
 from ..logs import one_line
 from ..optim import DistributedOptimizer
-from ..shards import DynamicEmbeddingBag, EmbeddingCollection, ShardedEmbeddingBag, plan_dense
+from ..shards import DynamicEmbeddingBag, EmbeddingCollection, ShardedEmbeddingBag
+from ..shards.client.placement import pack_whole
 from ..shards.client.collection import CollectionLookup, CollectionRecorder
 from .contract import Batch, Table
 
@@ -67,7 +70,7 @@ def build_tables(tables: Dict[str, Table], shards: Sequence[str], prefix: str, s
     names = {name: f"{prefix}.{name}" for name in tables}
     whole = {names[name]: table.num_embeddings * table.embedding_dim for name, table in tables.items()
              if not table.dynamic and table.num_embeddings < row_wise_min_rows}
-    plan = plan_dense(whole, list(shards)) if whole else {}
+    plan = pack_whole(whole, list(shards)) if whole else {}
     built: Dict[str, Union[ShardedEmbeddingBag, DynamicEmbeddingBag]] = {}
     for index, (name, table) in enumerate(tables.items()):
         if table.dynamic:  # over every shard, by the ids' hash

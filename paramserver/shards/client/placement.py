@@ -7,7 +7,10 @@ Owns the placement decisions, as pure functions over sizes and shard names
   largest first onto the least-loaded shard, then a pass of moves and swaps
   between the fullest and the emptiest shard while that narrows the gap;
 * an embedding table is split row-wise into one contiguous range per shard,
-  sizes differing by at most one row.
+  sizes differing by at most one row;
+* whole tables are packed onto as few shards as keep the fullest no fuller
+  than the balanced plan's (``pack_whole``): every shard a step's tables
+  live on costs a message per worker and step.
 
 Shards that already hold something (``initial_load``) are filled around it.
 """
@@ -115,3 +118,30 @@ def _check_shards(shards: Sequence[str]) -> None:
         raise ValueError("placement needs at least one shard")
     if len(set(shards)) != len(shards):
         raise ValueError(f"shard names must be unique, got {list(shards)}")
+
+
+def pack_whole(sizes: Mapping[str, int], shards: Sequence[str]) -> Dict[str, str]:
+    """Assign whole tables (name -> bytes) to as few shards as keep the fullest no fuller than ``plan_dense``'s
+    would be; returns name -> shard.
+
+    A step sends one message to every shard holding a table it reads, so
+    small tables spread over every shard cost every shard a message per
+    worker and step, where the same tables on fewer shards cost fewer
+    (each message's fixed cost, not its rows, dominates for small tables).
+    The bound is the fullest shard of ``plan_dense``'s balanced plan
+    (never less than the largest table): tables go largest first onto the
+    first shard they fit in (first fit decreasing).  When that needs more
+    shards than there are, the balanced plan is the answer.  Deterministic.
+    """
+    _check_shards(shards)
+    balanced = plan_dense(sizes, shards)
+    bound = max(shard_loads(balanced, sizes, shards).values(), default=0)
+    load = [0] * len(shards)
+    plan: Dict[str, str] = {}
+    for name, size in sorted(sizes.items(), key=lambda item: (-item[1], item[0])):
+        target = next((i for i, held in enumerate(load) if held + size <= bound), None)
+        if target is None:
+            return balanced
+        plan[name] = shards[target]
+        load[target] += size
+    return plan
