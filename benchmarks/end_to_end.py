@@ -104,8 +104,10 @@ How to run
     ``"staleness": K`` (without the flag the key is not set: the job's
     default); ``--cache-rows N`` adds the workers' row cache (``"cache_rows":
     N``, and ``"cache_steps": L`` with ``--cache-steps``), whose figures
-    (hit rate, rows read, bytes saved, evictions) follow the tables, with
-    the workers' peak resident memory.  Repeats alternate the order
+    (hit rate, rows read, bytes saved, evictions) follow the tables.  Every
+    run of ours also prints how much a worker's resident memory grew over
+    training (its largest reading after the first step, minus its reading
+    then).  Repeats alternate the order
     of the contestants; each row shows the median and every run.  Progress
     goes to stderr, results to stdout.
 
@@ -391,8 +393,9 @@ def report(runs: Dict[str, List[Dict]], args, load_before: float) -> None:
         for name in ("hit_rate", "rows_read", "hits", "bytes_saved", "evictions", "windows"):
             value = statistics.mean(r["row_cache"].get(name, 0.0) for r in runs[OURS])
             print(f"| {name} | {value:.3f} |" if name == "hit_rate" else f"| {name} | {value:,.0f} |")
-        growth = statistics.mean(r["rss_growth_mib"].get("worker", 0.0) for r in runs[OURS])
-        print(f"| worker resident memory growth over training (MiB, largest of the workers) | {growth:.1f} |")
+    growth = statistics.mean(r.get("rss_growth_mib", {}).get("worker", 0.0) for r in runs[OURS])
+    print(f"\npeak growth of a worker's resident memory over training (ours, the larger of the two, mean of the "
+          f"runs): {growth:.1f} MiB")
     stale = bool(args.staleness)
     print()
     print("end-to-end: " + verdict("paramserver / floor (one process)", ratio(median[OURS], median[FLOOR]),
