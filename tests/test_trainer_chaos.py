@@ -9,9 +9,10 @@ its own), through the real commands, on one cluster of two shards and three work
    waits for it, rebuilds its handles and finishes, with a clean exit (no C++ stack traces).
 
 Every step of the survivor is accounted for exactly once, and the model it ends with still learned.  The job
-runs with pushes applied in the background two steps behind (``staleness=2``), the harder case: the faults of
-exact steps (the default) are the other fault tests' (``test_fault_bounds``, ``test_multihost``,
-``test_checkpoints``, ``test_cluster_commands``).
+runs with pushes applied in the background two steps behind (``staleness=2``) and the row cache (windows of 3
+steps read at once, their pushes held and sent together), the harder case: the faults of exact steps (the
+default) are the other fault tests' (``test_fault_bounds``, ``test_multihost``, ``test_checkpoints``,
+``test_cluster_commands``).
 """
 
 import os
@@ -42,7 +43,7 @@ def test_a_trainer_job_survives_a_crash_mid_checkpoint_a_lost_worker_and_a_lost_
     server, address = start_server(commands, "--shards", "2", "--group-size", "3", "--heartbeat-timeout", "3",
                                    "--checkpoint-dir", str(root), "--checkpoint-every", "20", "--job", JOB,
                                    "--job-config", job_config(steps=STEPS, stateful=True, staleness=STALENESS,
-                                                              crash_in_checkpoint_at=CRASH_AT))
+                                                              cache_rows=10_000, crash_in_checkpoint_at=CRASH_AT))
     started = [commands.start("ps-worker", "--connect", address) for _ in range(3)]
     joined = wait_for_status(commands, address, lambda s: len(s["workers"]) == 3, 60)
     workers = {w["name"]: next(p for p in started if p.pid == w["pid"]) for w in joined["workers"]}
