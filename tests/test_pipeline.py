@@ -1,5 +1,6 @@
 """The Trainer's row pipeline in one process (``JobContext.local``): reads carried by pushes give the same
-results as the unpipelined step, and the staleness bound holds the worker back where it says."""
+results as the unpipelined step (across a lost shard and a lost member too), the staleness bound holds the
+worker back where it says, and the row cache reads shared rows once within its bounds."""
 
 import threading
 import time
@@ -9,9 +10,10 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from paramserver import Batch, Table, Trainer
+from paramserver.ddp.hooks import CommHookState
 from paramserver.metrics.data_plane import DataPlaneMetrics
 from paramserver.optim import QHM
-from paramserver.runtime.context import JobContext, Recorders
+from paramserver.runtime.context import GroupView, JobContext, Recorders
 from paramserver.shards.server import rows as shard_rows
 
 pytestmark = pytest.mark.timeout(120)
@@ -230,5 +232,62 @@ def test_across_a_lost_shard_the_pipelined_step_stays_bit_identical_to_the_unpip
                                                              log_every=5)
         assert failed == [9] and figures["shard_rebuilds"] == 1 and figures["sparse_steps"] == 17, figures
         runs[how] = (torch.stack(loss.values), figures["replica_checksum"])
+    assert torch.equal(runs["unpipelined"][0], runs["pipelined"][0])
+    assert runs["unpipelined"][1] == runs["pipelined"][1]
+
+
+class LostMember:
+    """A member of the group lost at step ``at`` (counting from 0), as its survivors see it: the backward pass
+    fails like a collective does (``DistError``) in the loss's gradient (before anything of the step left) or
+    in the group's all-reduce (the comm hook), after the coordinator's next view of the group was published
+    (the same one member, a newer generation), so that the group re-forms and the step is redone."""
+
+    def __init__(self, ctx, monkeypatch, at: int, where: str):
+        self.ctx, self.at, self.where, self.calls = ctx, at, where, 0
+        if where == "all-reduce":
+            all_reduce = CommHookState.all_reduce
+
+            def failing(state, tensor):
+                if self._now():
+                    raise torch.distributed.DistError("a member of the group was lost (simulated)")
+                return all_reduce(state, tensor)
+            monkeypatch.setattr(CommHookState, "all_reduce", failing)
+
+    def _now(self) -> bool:
+        self.calls += 1
+        if self.calls != self.at + 1:
+            return False
+        view = self.ctx.inbox.group_view()
+        self.ctx.inbox.set_group_view(GroupView(view.group, view.generation + 1, view.members, view.backend))
+        return True
+
+    def loss(self, recorded: RecordedLoss):
+        def loss(logits, labels):
+            value = recorded(logits, labels)
+            if self.where == "loss" and self._now():
+                def lost(_gradient):
+                    raise torch.distributed.DistError("a member of the group was lost (simulated)")
+                value.register_hook(lost)
+            return value
+        return loss
+
+
+@pytest.mark.parametrize("dynamic, where", [(False, "loss"), (True, "all-reduce")],
+                         ids=["fixed-in-loss", "dynamic-in-all-reduce"])
+def test_across_a_lost_worker_the_pipelined_step_stays_bit_identical_to_the_unpipelined_one(
+        local_context, monkeypatch, dynamic, where):
+    # Step 7's backward fails as a collective does when a member is lost: the group re-forms, the reads ahead
+    # are dropped, every push in flight is waited for, and the step is redone (its push, if it left, is not
+    # applied twice).
+    runs = {}
+    for how in ("unpipelined", "pipelined"):
+        recorded = RecordedLoss()
+        lost = LostMember(local_context, monkeypatch, at=7, where=where)
+        figures = trainer(local_context, f"member-{how}-{dynamic}", lost.loss(recorded), dynamic=dynamic,
+                          read_ahead=how == "pipelined").fit(overlapping_batches(17, hashed_ids=dynamic), steps=17,
+                                                             log_every=5)
+        assert figures["recoveries"] == 1 and figures["steps"] == 17 and figures["sparse_steps"] == 17, figures
+        assert len(recorded.values) == 18  # step 7 twice
+        runs[how] = (torch.stack(recorded.values), figures["replica_checksum"])
     assert torch.equal(runs["unpipelined"][0], runs["pipelined"][0])
     assert runs["unpipelined"][1] == runs["pipelined"][1]
