@@ -16,23 +16,24 @@ import pytest
 
 from paramserver.checkpoint import MANIFEST, CheckpointStore, save_tensors
 from paramserver.control import CoordinatorClient
-from paramserver.control.checkpoints import CheckpointCoordinator
+from paramserver.control.checkpoints import CheckpointCoordinator, CheckpointOptions
 from paramserver.control.client import CoordinatorError, CoordinatorUnavailable
 from paramserver.control.protocol import pb
 from paramserver.control.validation import RequestError
 
 
 class Workers:
-    """Stands in for the membership table: records the commands sent to the workers."""
+    """Stands in for the membership table: records the commands sent to the workers (``live`` of them)."""
 
-    def __init__(self):
+    def __init__(self, live: int = 2):
         self.commands = []
         self.lock = threading.Lock()
+        self.live = live
 
     def __call__(self, command: pb.Command) -> int:
         with self.lock:
             self.commands.append(command)
-        return 2
+        return self.live
 
 
 def written(store: CheckpointStore, step: int):
@@ -205,3 +206,32 @@ def test_a_bad_commit_is_refused_naming_what_and_writes_no_manifest(tmp_path, da
 def test_negative_intervals_are_refused(tmp_path):
     with pytest.raises(ValueError, match="must not be negative"):
         CheckpointCoordinator(CheckpointStore(tmp_path), Workers(), every_seconds=-1)
+
+
+def test_with_no_trainer_training_a_checkpoint_request_is_answered_at_once_with_the_newest(tmp_path):
+    store, workers = CheckpointStore(tmp_path), Workers(live=0)
+    coordinator = CheckpointCoordinator(store, workers)
+    long = datetime.timedelta(seconds=120)
+    with pytest.raises(RequestError) as none:  # none joined yet and nothing committed: nothing to answer with
+        coordinator.checkpoint_now("ps-ctl checkpoint", long)
+    assert none.value.code == grpc.StatusCode.FAILED_PRECONDITION and "no trainer is training" in \
+        none.value.message and "no committed checkpoint" in none.value.message
+    directory, files = written(store, 60)
+    committed = coordinator.commit("worker0", commit_request(directory, files, 60))
+    started = time.monotonic()
+    assert coordinator.checkpoint_now("ps-ctl checkpoint", long) == (committed, False)  # the job ended
+    assert time.monotonic() - started < 60  # at once, not after the timeout
+    workers.live = 1  # a trainer again: a new checkpoint is asked for and waited for
+    with pytest.raises(RequestError, match="was not written within"):
+        coordinator.checkpoint_now("ps-ctl checkpoint", datetime.timedelta(seconds=0.2))
+
+
+def test_a_relative_checkpoint_directory_is_handed_to_members_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    store = CheckpointStore(tmp_path / "ckpt")
+    directory, files = written(store, 20)
+    CheckpointCoordinator(store, Workers()).commit("worker0", commit_request(directory, files, 20))
+    coordinator = CheckpointCoordinator.from_options(CheckpointOptions(directory="ckpt", restore="ckpt"), Workers())
+    settings = coordinator.settings()
+    assert settings.directory == str(tmp_path / "ckpt")
+    assert settings.restore_from == str(tmp_path / "ckpt" / directory.name) and settings.restore_step == 20

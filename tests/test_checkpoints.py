@@ -153,7 +153,8 @@ def test_a_restored_run_continues_the_same_trajectory_on_2_then_3_then_2_shards_
     assert fresh["watch.video.ids"].numel() > 100  # the dynamic table's rows, re-routed to 3 shards and back
 
 
-def test_ps_ctl_checkpoint_waits_for_the_checkpoint_and_names_it(commands, tmp_path):
+def test_ps_ctl_checkpoint_waits_for_the_checkpoint_and_names_it_and_answers_with_the_newest_after_the_job(
+        commands, tmp_path):
     root = tmp_path / "checkpoints"
     server, address = start_server(commands, "--shards", "2", "--group-size", "1", "--checkpoint-dir", str(root), "--job-config",
                                    job_config(**dict(SMALL, steps=100_000)))
@@ -187,6 +188,16 @@ def test_ps_ctl_checkpoint_waits_for_the_checkpoint_and_names_it(commands, tmp_p
         assert torch.isfinite(model(Batch(ids, torch.randn(8, 4), torch.zeros(8)))).all()
     worker.terminate()
     assert worker.wait(60) == 0, errors(worker)[-3000:]
+    # No trainer left: asked for a checkpoint, or an export, the cluster answers at once with its newest one.
+    wait_for_status(commands, address, lambda s: not any(w["alive"] for w in s["workers"]), 60)
+    done = commands.run("ps-ctl", "--connect", address, "checkpoint", "--timeout", "600", timeout=120)
+    assert done.returncode == 0, done.stderr
+    match = re.match(r"no trainer group is training: the newest checkpoint is (ckpt-\d{10}), written at step "
+                     r"(\d+): (.+)$", done.stdout.strip())
+    assert match and (root / match.group(1) / MANIFEST).exists(), done.stdout
+    done = commands.run("ps-ctl", "--connect", address, "export", str(tmp_path / "after"), "--timeout", "600",
+                        timeout=120)
+    assert done.returncode == 0 and f"of {root / match.group(1)} to " in done.stdout, (done.stdout, done.stderr)
     commands.run("ps-ctl", "--connect", address, "shutdown")
     assert server.wait(30) == 0
     shutil.rmtree(root)

@@ -6,7 +6,10 @@
     ps-ctl [--connect HOST:PORT ...] export DIR [--checkpoint-dir D] [--timeout S]
 
 ``checkpoint`` prints the checkpoint written, or at once why it was not
-(the writer's one-line reason), or that no answer came in time.
+(the writer's one-line reason), or that no answer came in time.  With no
+trainer training (the job ended, or none joined yet) it answers at once
+with the newest committed checkpoint, saying so; ``export`` through the
+cluster exports that one.
 ``export`` is ``paramserver.cli.export``'s; it needs no ``--connect``
 when given ``--checkpoint-dir``.
 
@@ -91,7 +94,11 @@ def run(args) -> int:
             print(json.dumps(status_as_dict(response)) if args.json else format_status(response))
         elif args.command == "checkpoint":
             done = client.checkpoint(timeout.total_seconds())
-            print(f"checkpoint {done.checkpoint_id} written at step {done.step}: {done.directory}")
+            if done.no_group_training:
+                print(f"no trainer group is training: the newest checkpoint is {done.checkpoint_id}, written at "
+                      f"step {done.step}: {done.directory}")
+            else:
+                print(f"checkpoint {done.checkpoint_id} written at step {done.step}: {done.directory}")
         elif args.command == "shutdown":
             client.shutdown("ps-ctl shutdown")
             print(f"cluster at {client.address} is shutting down")

@@ -18,11 +18,12 @@ writers' business.
 import datetime
 import json
 import logging
+import os
 import pathlib
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import grpc
 
@@ -86,14 +87,16 @@ class CheckpointCoordinator:
     def from_options(cls, options: CheckpointOptions,
                      command_workers: Callable[[pb.Command], int]) -> "CheckpointCoordinator":
         """Open the restore point (``FileNotFoundError`` / ``CorruptCheckpoint`` naming what is wrong)."""
-        restored = open_checkpoint(options.restore) if options.restore else None
+        # Paths are made absolute here, against the coordinator's working directory: members are handed them
+        # as they are, and a worker started in another directory must find the same files.
+        restored = open_checkpoint(os.path.abspath(options.restore)) if options.restore else None
         if restored is not None:
             logger.info("restoring from checkpoint %s (step %d)", restored.path, restored.step)
         root = options.directory or (str(restored.path.parent) if restored is not None else None)
         if root is None:
             raise ValueError("checkpoints need a directory (--checkpoint-dir) or a checkpoint to restore")
-        return cls(CheckpointStore(root, keep=options.keep), command_workers, every_steps=options.every_steps,
-                   every_seconds=options.every_seconds, restored=restored)
+        return cls(CheckpointStore(os.path.abspath(root), keep=options.keep), command_workers,
+                   every_steps=options.every_steps, every_seconds=options.every_seconds, restored=restored)
 
     # -- what members are told ----------------------------------------
     @property
@@ -113,12 +116,33 @@ class CheckpointCoordinator:
     # -- requests -----------------------------------------------------
     def request(self, reason: str) -> int:
         """Ask the trainers for a checkpoint; returns the request's number."""
+        return self._ask(reason)[0]
+
+    def _ask(self, reason: str) -> Tuple[int, int]:
+        """Ask the trainers for a checkpoint: the request's number, and how many workers were told."""
         with self._changed:
             self._requests += 1
             number = self._requests
         told = self._command_workers(pb.Command(kind=pb.Command.KIND_CHECKPOINT, checkpoint_id=str(number)))
         logger.info("checkpoint %d requested (%s); told %d worker%s", number, reason, told, "" if told == 1 else "s")
-        return number
+        return number, told
+
+    def checkpoint_now(self, reason: str, timeout: datetime.timedelta) -> Tuple[Checkpoint, bool]:
+        """A checkpoint for whoever asks (``ps-ctl checkpoint``, an export through the cluster), and whether it
+        is a new one: the one answering a request to the trainers (waited for up to ``timeout``, see
+        ``wait``); or, when no worker is there to write one (the job ended, or none joined yet), the newest
+        committed at once (``FAILED_PRECONDITION`` when there is none)."""
+        number, told = self._ask(reason)
+        if told:
+            return self.wait(number, timeout), True
+        newest = self.newest
+        if newest is None:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"no trainer is training to write checkpoint request {number}, and this cluster has "
+                               f"no committed checkpoint under {self.store.root} to answer with")
+        logger.info("checkpoint %d: no trainer is training; answered with the newest, %s (step %d)", number,
+                    newest.id, newest.step)
+        return newest, False
 
     def wait(self, number: int, timeout: datetime.timedelta) -> Checkpoint:
         """The checkpoint that answers request ``number``; ``RequestError`` when its writing failed

@@ -143,15 +143,16 @@ class CoordinatorService:
         return response
 
     def checkpoint(self, request: pb.CheckpointRequest) -> pb.CheckpointResponse:
-        """Ask trainer group 0 for a checkpoint and answer once it is committed."""
+        """Ask trainer group 0 for a checkpoint and answer once it is committed; with no trainer training,
+        answer at once with the newest committed one."""
         checkpoints = self._checkpoints()
         if not (0 <= request.timeout_seconds <= 3600):  # NaN fails this too
             raise invalid(f"timeout_seconds must be 0-3600, got {request.timeout_seconds}")
         timeout = (datetime.timedelta(seconds=request.timeout_seconds) if request.timeout_seconds
                    else CHECKPOINT_WAIT)
-        checkpoint = checkpoints.wait(checkpoints.request("ps-ctl checkpoint"), timeout)
+        checkpoint, new = checkpoints.checkpoint_now("ps-ctl checkpoint", timeout)
         return pb.CheckpointResponse(checkpoint_id=checkpoint.id, step=checkpoint.step,
-                                     directory=str(checkpoint.path))
+                                     directory=str(checkpoint.path), no_group_training=not new)
 
     def commit_checkpoint(self, request: pb.CommitCheckpointRequest) -> pb.CommitCheckpointResponse:
         checkpoints = self._checkpoints()
