@@ -12,7 +12,8 @@ imported on first use, so ``import paramserver`` stays cheap.
 
 __version__ = "0.1.0"
 
-__all__ = ["connect", "Cluster", "Trainer", "Table", "Batch", "JobContext", "export", "serving", "__version__"]
+__all__ = ["connect", "Cluster", "Trainer", "Table", "Batch", "JobContext", "export", "serving", "string_ids",
+           "__version__"]
 
 
 def __getattr__(name):
@@ -25,6 +26,9 @@ def __getattr__(name):
     if name in ("connect", "Cluster", "JobContext"):
         from . import runtime
         return getattr(runtime, name)
+    if name == "string_ids":  # string categorical values as ids, as a Parquet reader hashes them
+        from .tables.id_hash import string_ids
+        return string_ids
     if name in ("Trainer", "Table", "Batch"):
         from . import train
         return getattr(train, name)

@@ -11,6 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+import xxhash
+
+import paramserver
 
 from paramserver.data import CATEGORICAL, MISSING_ID, FileReader, MalformedInput, ParquetSchema, UnreadableFile
 from paramserver.data import criteo
@@ -188,6 +191,31 @@ def test_a_parquet_row_without_a_label_is_named_by_row_group_and_row(tmp_path):
     with pytest.raises(UnreadableFile, match="no column"):
         list(FileReader(str(tmp_path / "p.parquet"), 4, format="parquet",
                         schema=ParquetSchema(label="y", categorical=["nope"])))
+
+
+def test_parquet_string_categoricals_are_hashed_as_serving_hashes_them(tmp_path):
+    words = ["shoes", "ünïcode", "", None, "shoes", "a much longer category value"]
+    table = pa.table({"y": pa.array([1, 0] * 3, pa.int8()), "c": pa.array(words),
+                      "tags": pa.array([["red", "blue"], [], None, ["blue"], ["x", "y", "z"], ["red"]])})
+    pq.write_table(table, tmp_path / "s.parquet", row_group_size=4)
+    schema = ParquetSchema.from_config({"label": "y", "categorical": ["c"], "multi_hot": {"tags": 2},
+                                        "strings": "hash"})
+    batches = list(FileReader(str(tmp_path / "s.parquet"), 6, format="parquet", schema=schema))
+    ids = torch.cat([b.sparse["c"] for b in batches]).view(-1)
+    assert torch.equal(ids, paramserver.string_ids(words))  # what a serving client computes for the same values
+    assert ids[2] == ids[3] == MISSING_ID and ids[0] == ids[4] != ids[1]
+    assert paramserver.string_ids(["shoes"]).item() == xxhash.xxh64_intdigest(b"shoes") - (1 << 64) * (
+        xxhash.xxh64_intdigest(b"shoes") >= 1 << 63)  # XXH64, seed 0, as a signed int64
+    tags = torch.cat([b.sparse["tags"] for b in batches])
+    red, blue = paramserver.string_ids(["red", "blue"]).tolist()
+    assert tags[0].tolist() == [red, blue] and tags[1].tolist() == [MISSING_ID] * 2 and tags[5].tolist() == [
+        red, MISSING_ID]
+    # The default reads strings as hexadecimal hashes, as Criteo's are: these are refused as not hexadecimal.
+    with pytest.raises(MalformedInput, match="hexadecimal"):
+        list(FileReader(str(tmp_path / "s.parquet"), 6, format="parquet",
+                        schema=ParquetSchema(label="y", categorical=["c"])))
+    with pytest.raises(ValueError, match="strings must be one of 'hex', 'hash'"):
+        ParquetSchema(label="y", categorical=["c"], strings="md5")
 
 
 def test_epochs_max_rows_and_a_reader_that_is_closed(tmp_path):

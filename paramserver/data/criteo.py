@@ -30,14 +30,15 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import torch
 
+from ..tables import id_hash
 from .samples import Samples
 
 LABEL = "label"
 DENSE = tuple(f"I{i}" for i in range(1, 14))
 CATEGORICAL = tuple(f"C{i}" for i in range(1, 27))
 FIELDS = (LABEL,) + DENSE + CATEGORICAL
-#: The id of an empty categorical feature (no hash spells it but 8000000000000000).
-MISSING_ID = -(1 << 63)
+#: The id of an empty categorical feature (no hash spells it but 8000000000000000): ``tables.id_hash``'s.
+MISSING_ID = id_hash.MISSING_ID
 MAX_HEX_DIGITS = 16
 
 _NOT_HEX = 255

@@ -8,8 +8,12 @@ columns (integers, one id per sample, in a table named after the column;
 empty reads ``MISSING_ID``) and multi-hot columns (lists of integers, a
 bag of ``bag`` ids per sample: longer lists are cut, shorter ones padded
 with ``MISSING_ID``).  Columns of strings are taken as hexadecimal
-hashes, as in Criteo's files.  A row with an empty or other label is
-malformed (its row group and row are named).
+hashes, as in Criteo's files (``strings="hex"``, the default), or any
+string is hashed to its id (``strings="hash"``: XXH64 of its UTF-8 bytes,
+``paramserver.tables.id_hash.string_ids``, which a serving client calls
+for the same ids); an empty string or a null reads ``MISSING_ID``.  A row
+with an empty or other label is malformed (its row group and row are
+named).
 """
 
 from dataclasses import dataclass, field
@@ -21,9 +25,14 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
+from ..tables.id_hash import string_ids
 from .criteo import MISSING_ID, Parsed, Problem, hex_ids
 from .errors import UnreadableFile
 from .samples import Samples
+
+
+#: How a column of strings becomes ids (``ParquetSchema.strings``).
+STRING_IDS = ("hex", "hash")
 
 
 @dataclass(frozen=True)
@@ -37,6 +46,8 @@ class ParquetSchema:
     multi_hot: Dict[str, int] = field(default_factory=dict)
     #: Dense values as ``log(1 + x)`` for ``x > 0``, else 0 (as for Criteo's counts); as they are otherwise.
     dense_log: bool = False
+    #: What a string id is: ``"hex"``, a hexadecimal hash (Criteo's); ``"hash"``, any string, hashed.
+    strings: str = "hex"
 
     def __post_init__(self):
         names = [self.label, *self.dense, *self.categorical, *self.multi_hot]
@@ -48,10 +59,13 @@ class ParquetSchema:
         for name, bag in self.multi_hot.items():
             if bag < 1:
                 raise ValueError(f"multi_hot column {name!r}: the bag size must be at least 1, got {bag}")
+        if self.strings not in STRING_IDS:
+            raise ValueError(f"Parquet schema key strings must be one of {', '.join(map(repr, STRING_IDS))}, got "
+                             f"{self.strings!r}")
 
     @classmethod
     def from_config(cls, config: Dict) -> "ParquetSchema":
-        unknown = sorted(set(config) - {"label", "dense", "categorical", "multi_hot", "dense_log"})
+        unknown = sorted(set(config) - {"label", "dense", "categorical", "multi_hot", "dense_log", "strings"})
         if unknown:
             raise ValueError(f"unknown Parquet schema keys: {', '.join(unknown)}")
         return cls(**{key: tuple(value) if isinstance(value, list) else value for key, value in config.items()})
@@ -90,11 +104,11 @@ def read_row_group(path: str, group: int, schema: ParquetSchema) -> Parsed:
         np.log1p(np.maximum(dense, 0, out=dense), out=dense)
     ids: Dict[str, torch.Tensor] = {}
     for name in schema.categorical:
-        column_ids, bad = _ids(table.column(name).combine_chunks())
+        column_ids, bad = _ids(table.column(name).combine_chunks(), schema.strings)
         _report(problems, keep, bad, name)
         ids[name] = torch.from_numpy(column_ids).view(rows, 1)
     for name, bag in schema.multi_hot.items():
-        bags, bad = _bags(table.column(name).combine_chunks(), bag)
+        bags, bad = _bags(table.column(name).combine_chunks(), bag, schema.strings)
         _report(problems, keep, bad, name)
         ids[name] = torch.from_numpy(bags)
     problems.sort(key=lambda problem: problem.line)
@@ -115,17 +129,29 @@ def _kept(samples: Samples, keep: np.ndarray) -> Samples:
     return Samples(samples.labels[where], samples.dense[where], {n: i[where] for n, i in samples.ids.items()})
 
 
-def _ids(array: pa.Array):
-    """(int64 ids, ``MISSING_ID`` where empty; which are malformed) of an integer or string column."""
+def _ids(array: pa.Array, strings: str):
+    """(int64 ids, ``MISSING_ID`` where empty; which are malformed) of an integer or string column (its strings
+    read as ``strings`` says)."""
     if pa.types.is_string(array.type) or pa.types.is_large_string(array.type) or pa.types.is_binary(array.type):
+        if strings == "hash":
+            return _hashed_ids(array)
         return hex_ids(array.cast(pa.binary()).fill_null(b""))
     if not pa.types.is_integer(array.type):
-        raise TypeError(f"column of {array.type}: categorical columns must hold integers or hexadecimal strings")
+        raise TypeError(f"column of {array.type}: categorical columns must hold integers or strings")
     values = np.array(pc.fill_null(array.cast(pa.int64()), MISSING_ID).to_numpy(), dtype=np.int64)  # writable
     return values, np.zeros(len(values), dtype=bool)
 
 
-def _bags(array: pa.Array, bag: int):
+def _hashed_ids(array: pa.Array):
+    """(each string's ``string_id``, ``MISSING_ID`` where empty or null; none malformed): each distinct string
+    hashed once."""
+    encoded = pc.dictionary_encode(array.cast(pa.binary()).fill_null(b""))
+    distinct = string_ids(encoded.dictionary.to_pylist()).numpy()
+    ids = distinct[encoded.indices.to_numpy()] if len(distinct) else np.empty(0, dtype=np.int64)
+    return np.array(ids, dtype=np.int64), np.zeros(len(array), dtype=bool)
+
+
+def _bags(array: pa.Array, bag: int, strings: str):
     """(a (rows, bag) int64 matrix of each list's first ``bag`` ids, padded with ``MISSING_ID``; which rows
     are malformed) of a list column."""
     if not (pa.types.is_list(array.type) or pa.types.is_large_list(array.type)):
@@ -133,7 +159,7 @@ def _bags(array: pa.Array, bag: int):
     rows = len(array)
     offsets = array.offsets.to_numpy()
     lengths = np.where(array.is_null().to_numpy(zero_copy_only=False), 0, np.diff(offsets))
-    values, bad_values = _ids(array.values)
+    values, bad_values = _ids(array.values, strings)
     matrix = np.full((rows, bag), MISSING_ID, dtype=np.int64)
     bad = np.zeros(rows, dtype=bool)
     for position in range(bag):  # at most `bag` vectorized passes

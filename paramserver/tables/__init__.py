@@ -6,7 +6,8 @@ Owns plain values and pure functions: the trainer side (``paramserver.shards.cli
 them (nor any C kernel): importing ``paramserver`` or building a ``Table`` loads nothing else.
 """
 
+from .id_hash import MISSING_ID, string_ids
 from .options import DynamicOptions
 from .parts import parse_part_name, part_name
 
-__all__ = ["DynamicOptions", "parse_part_name", "part_name"]
+__all__ = ["MISSING_ID", "DynamicOptions", "parse_part_name", "part_name", "string_ids"]

@@ -1,4 +1,5 @@
-"""Fixed hashes of int64 ids: which shard serves an id, its bucket in an index, and its initial row.
+"""Fixed hashes of int64 ids: which shard serves an id, its bucket in an index, and its initial row; and the
+id of a string.
 
 Owns the pure functions over id tensors that dynamic tables agree on
 without asking anyone: every worker routes an id to the same shard
@@ -6,12 +7,19 @@ without asking anyone: every worker routes an id to the same shard
 re-created anywhere starts from the same values (``initial_rows``, a
 function of the table's seed and the id only).  Everything is vectorized
 torch integer arithmetic on int64 (products wrap around, as in C), so the
-results are the same on every machine and in every process.  No state.
+results are the same on every machine and in every process.  A string
+categorical value becomes an id through ``string_ids``: xxHash's XXH64 of
+its UTF-8 bytes with seed 0, read as a signed int64 (the ``xxhash``
+package; the same value any XXH64 implementation gives), so a reader in
+training and a client in serving agree without sharing anything.  No
+state.
 """
 
 import math
+from typing import Iterable, Optional, Union
 
 import torch
+import xxhash
 from torch import Tensor
 
 
@@ -81,3 +89,22 @@ def initial_rows(ids: Tensor, seed: int, embedding_dim: int, std: float, dtype: 
     radius = torch.sqrt(-2.0 * torch.log(high))
     normals = torch.stack((radius * torch.cos(low), radius * torch.sin(low)), dim=2).reshape(ids.numel(), 2 * pairs)
     return (normals[:, :embedding_dim] * std).to(dtype)
+
+
+#: The id of a missing categorical value (an empty field, a null): the smallest int64.
+MISSING_ID = -(1 << 63)
+#: The seed of ``string_ids``' XXH64 (part of the documented hash: changing it changes every string's id).
+STRING_HASH_SEED = 0
+
+
+def string_id(value: Union[str, bytes]) -> int:
+    """The int64 id of one string (UTF-8) or byte string: XXH64 with seed ``STRING_HASH_SEED``, signed."""
+    data = value.encode() if isinstance(value, str) else bytes(value)
+    return _signed(xxhash.xxh64_intdigest(data, STRING_HASH_SEED))
+
+
+def string_ids(values: Iterable[Optional[Union[str, bytes]]]) -> Tensor:
+    """The int64 ids of ``values`` (``string_id`` of each), ``MISSING_ID`` for ``None`` and empty strings:
+    what a Parquet reader with ``"strings": "hash"`` gives for a column of them, for the same ids in
+    serving."""
+    return torch.tensor([string_id(value) if value else MISSING_ID for value in values], dtype=torch.int64)
