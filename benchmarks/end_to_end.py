@@ -14,7 +14,12 @@ What it measures
     * **paramserver**: ``ps-demo --hook allreduce`` (``python -m
       paramserver.cli.demo``: ps-server with 4 shard servers, 2 ps-workers,
       the gRPC control plane), its final JSON line's samples_per_s.  The
-      allreduce hook is plain DDP all-reduce, like the reference's.
+      allreduce hook is plain DDP all-reduce, like the reference's.  Its
+      tables are placed by the Trainer (``placement.pack_whole``: the eight
+      small tables on 2 of the 4 shards, so a step sends 2 messages per
+      worker); the reference's by its design, one per table round-robin,
+      which does not change its message count (one RPC per table either
+      way).
     * **torch RPC+DDP reference** (``benchmarks/reference_hybrid.py``): the
       structure of PyTorch's tutorial "Combining Distributed DataParallel with
       Distributed RPC Framework".  A master process creates one
