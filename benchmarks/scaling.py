@@ -37,7 +37,7 @@ from typing import Dict, List, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # end_to_end, also in spawned children
 
-from end_to_end import ContestantFailed, run_demo  # noqa: E402
+from end_to_end import FORK_SERVER, ContestantFailed, run_demo  # noqa: E402
 
 from workers.ctr_data import CTRSpec  # noqa: E402
 
@@ -66,8 +66,15 @@ def _children(pid: int) -> List[int]:
     return found
 
 
+def _cmdline(pid: int) -> bytes:
+    with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+        return cmdline.read()
+
+
 class ShardMemory:
-    """The highest resident set of each shard process of a ps-demo run (ps-server's spawned children)."""
+    """The highest resident set of each shard process of a ps-demo run: the children of ps-server's fork
+    server (``paramserver.runtime.supervisor`` starts them there; they carry its command line), or of
+    ps-server itself when spawned."""
 
     def __init__(self):
         self.peak: Dict[int, int] = {}
@@ -77,12 +84,19 @@ class ShardMemory:
             server = json.loads((log_dir / "pids.json").read_text())["ps-server"]
         except (OSError, ValueError, KeyError):
             return
+        shards = []
         for child in _children(server):
             try:
-                with open(f"/proc/{child}/cmdline", "rb") as cmdline:
-                    if b"spawn_main" not in cmdline.read():
-                        continue  # multiprocessing's resource tracker
-                self.peak[child] = max(self.peak.get(child, 0), resident_bytes(child))
+                command = _cmdline(child)
+            except OSError:
+                continue
+            if FORK_SERVER.encode() in command:
+                shards += _children(child)  # the fork server's children are the shard processes
+            elif b"spawn_main" in command:
+                shards.append(child)  # (anything else: multiprocessing's resource tracker)
+        for shard in shards:
+            try:
+                self.peak[shard] = max(self.peak.get(shard, 0), resident_bytes(shard))
             except OSError:
                 continue
 
