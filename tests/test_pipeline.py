@@ -291,3 +291,24 @@ def test_across_a_lost_worker_the_pipelined_step_stays_bit_identical_to_the_unpi
         runs[how] = (torch.stack(recorded.values), figures["replica_checksum"])
     assert torch.equal(runs["unpipelined"][0], runs["pipelined"][0])
     assert runs["unpipelined"][1] == runs["pipelined"][1]
+
+
+class DenseOnly(torch.nn.Module):
+    """A tower that ignores the pooled rows: no row ever gets a gradient, so every step's push is empty."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 1)
+
+    def forward(self, pooled, dense):
+        return self.linear(dense).squeeze(1)
+
+
+@pytest.mark.parametrize("options", [dict(), dict(staleness=2, cache_rows=1000)], ids=["exact", "stale-cache"])
+def test_steps_whose_rows_get_no_gradient_are_counted_once_each(local_context, options):
+    job = Trainer(local_context, tables={"fixed": Table(FIXED_ROWS, 4, mode="mean"), "hashed": Table(None, 4)},
+                  dense=DenseOnly(), sparse_optimizer=(QHM, dict(lr=0.5, momentum=0.9, nu=0.7)),
+                  dense_optimizer=lambda params: torch.optim.SGD(params, lr=0.1), loss=RecordedLoss(),
+                  name=f"empty-{bool(options)}", agree_every=5, **options)
+    figures = job.fit(overlapping_batches(12), steps=12, log_every=4)
+    assert figures["steps"] == 12 and figures["sparse_steps"] == 12 and figures["sparse_steps_lost"] == 0, figures

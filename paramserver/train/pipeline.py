@@ -218,8 +218,10 @@ class RowPipeline:
             self.lost += len(steps)
             return [(lost, error) for lost in steps] + self.drain()
         if push.holding:
-            if push.held is not None:  # (none when the backward pass never reached the rows)
+            if push.held is not None:
                 self._held.append(push.held)
+            else:  # the backward pass never reached the rows: nothing to apply, the step's update is done
+                self.applied += 1
         else:
             self._held.clear()
             if pending.then is not None and planned is not None:

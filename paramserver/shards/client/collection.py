@@ -325,6 +325,7 @@ class PushOnGradients:
         self.held: Optional[StepPush] = None
         self.failure: Optional[BaseException] = None
         self._collection, self._then, self._earlier, self._hold = lookup.collection, then, list(earlier), hold
+        self._step = step
         self._made = False
         names = [name for name, rows in lookup.rows.items() if rows.requires_grad]
 
@@ -343,15 +344,22 @@ class PushOnGradients:
 
     def sent(self) -> "PendingPush":
         """The message as it left (after the backward pass): raises what sending it raised.  When the backward
-        pass never reached the rows, the earlier pushes and ``then`` leave now (unless held); a held push is an
-        empty pending push and ``held``."""
+        pass never reached the rows, the earlier pushes and ``then`` leave now (unless held) and the step's
+        push is an empty one (its ``steps`` count it); a held push is an empty pending push and ``held``."""
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
         if self.failure is not None:
             raise self.failure
-        if not self._made and not self._hold and (self._earlier or self._then is not None):
-            self.pending = self._collection.send(self._earlier, self._then)
+        if not self._made and not self._hold:  # once: the earlier pushes and ``then`` leave, this step's is empty
+            self._made = True
+            try:
+                self.pending = self._collection.send(self._earlier, self._then) \
+                    if self._earlier or self._then is not None else PendingPush({})
+            except Exception as error:  # noqa: BLE001 - raised now and by every later call
+                self.failure = error
+                raise
+            self.pending.steps.append(self._step)
         return self.pending if self.pending is not None else PendingPush({})
 
     @property
