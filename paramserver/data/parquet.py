@@ -147,8 +147,7 @@ def _hashed_ids(array: pa.Array):
     hashed once."""
     encoded = pc.dictionary_encode(array.cast(pa.binary()).fill_null(b""))
     distinct = string_ids(encoded.dictionary.to_pylist()).numpy()
-    ids = distinct[encoded.indices.to_numpy()] if len(distinct) else np.empty(0, dtype=np.int64)
-    return np.array(ids, dtype=np.int64), np.zeros(len(array), dtype=bool)
+    return distinct[encoded.indices.to_numpy()], np.zeros(len(array), dtype=bool)  # (a new, writable array)
 
 
 def _bags(array: pa.Array, bag: int, strings: str):

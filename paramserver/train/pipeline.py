@@ -174,7 +174,7 @@ class RowPipeline:
         if window is None or window.collection is not collection:
             quiet = not self._pushes and not self._held
             last = min(step + self.staleness, self._horizon(step) - 1) if self.read_ahead and quiet else step
-            window = self._window(collection, step, step, max(step, last), batch)
+            window = self._window(collection, step, step, last, batch)
             window.read(collection.lookup_planned(window.plan))
             self._count_read(window)
             for later in window.steps[1:]:

@@ -37,8 +37,7 @@ class RowWindow:
         self.collection = collection
         self._routes: Dict[int, Dict[str, Route]] = {}
         union: Dict[Tuple[str, int], Tensor] = {}
-        self.rows_needed = 0  # each step's distinct rows, summed: what the steps would read one by one
-        bytes_needed = 0
+        self.rows_needed = bytes_needed = 0  # each step's distinct rows, summed: what it would read alone
         for step, features in steps:
             routes = {name: table.route(features[name]) for name, table in collection.tables.items()}
             grown = dict(union)
@@ -50,9 +49,10 @@ class RowWindow:
             if self._routes and max_rows is not None and sum(ids.numel() for ids in grown.values()) > max_rows:
                 break
             self._routes[step], union = routes, grown
-            self.rows_needed += sum(local_ids.numel() for route in routes.values() for _, local_ids in route.requests)
-            bytes_needed += sum(local_ids.numel() * collection.tables[name].row_bytes
-                                for name, route in routes.items() for _, local_ids in route.requests)
+            for name, route in routes.items():
+                rows = sum(local_ids.numel() for _, local_ids in route.requests)
+                self.rows_needed += rows
+                bytes_needed += rows * collection.tables[name].row_bytes
         #: The steps it serves, in order.
         self.steps: List[int] = list(self._routes)
         #: Distinct rows it reads (and holds once read).
@@ -60,15 +60,20 @@ class RowWindow:
         #: Bytes of rows its steps need that cross the wire once instead of once per step.
         self.bytes_saved = bytes_needed - sum(ids.numel() * collection.tables[name].row_bytes
                                               for (name, _), ids in union.items())
-        self._union: Dict[str, List[Tuple[int, Tensor]]] = {name: [] for name in collection.tables}
+        # Per table, its row ranges' distinct ids in range order (what the lookup asks), and where each range's
+        # rows start among the table's rows the lookup returns.
+        requests: Dict[str, List[Tuple[int, Tensor]]] = {name: [] for name in collection.tables}
+        self._starts: Dict[Tuple[str, int], int] = {}
         for (name, range_index), ids in sorted(union.items(), key=lambda item: item[0]):
-            self._union[name].append((range_index, ids))
+            self._starts[(name, range_index)] = sum(held.numel() for _, held in requests[name])
+            requests[name].append((range_index, ids))
+        self._union = union
         # One step: its own routes are the lookup's, and the lookup is the step's (as if sent for it alone).
         self._single = len(self.steps) == 1
         self.plan: LookupPlan = collection.plan_routes(
             self._routes[self.steps[0]] if self._single else
-            {name: Route(collection.tables[name], torch.empty(0, dtype=torch.long), requests)
-             for name, requests in self._union.items()}, self.steps[0])
+            {name: Route(collection.tables[name], torch.empty(0, dtype=torch.long), pieces)
+             for name, pieces in requests.items()}, self.steps[0])
         self._read: Optional[CollectionLookup] = None
         self._rows: Optional[Dict[str, Tensor]] = None
 
@@ -93,11 +98,8 @@ class RowWindow:
             self._rows = self._read.unique_rows()
         routes, rows = self._routes[step], {}
         for name, route in routes.items():
-            offsets, start = {}, 0
-            for range_index, ids in self._union[name]:
-                offsets[range_index] = (start, ids)
-                start += ids.numel()
-            positions = [offsets[range_index][0] + torch.searchsorted(offsets[range_index][1], local_ids)
+            positions = [self._starts[(name, range_index)] + torch.searchsorted(self._union[(name, range_index)],
+                                                                                 local_ids)
                          for range_index, local_ids in route.requests]
             rows[name] = self._rows[name].index_select(0, torch.cat(positions)) if positions else \
                 self.collection.tables[name].no_rows(False)

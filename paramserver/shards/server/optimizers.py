@@ -497,8 +497,9 @@ def _row_gradient(rows: Tensor, values: Tensor, shape: torch.Size) -> Tensor:
     """The row-sparse gradient of ``values`` at ``rows``, built coalesced when the rows are distinct (as pushes
     send them: sorted for a fixed table, in slot order for a dynamic one), so that the optimizer's step does
     not sort and deduplicate them again; the same tensor ``coalesce()`` would make, so the same update."""
-    if rows.numel() > 1 and not bool((rows[1:] > rows[:-1]).all()):
+    increasing = rows.numel() < 2 or bool((rows[1:] > rows[:-1]).all())
+    if not increasing:  # a dynamic table's slots, or duplicates
         rows, order = rows.sort()
         values = values.index_select(0, order)
-    distinct = rows.numel() < 2 or bool((rows[1:] > rows[:-1]).all())
-    return torch.sparse_coo_tensor(rows.unsqueeze(0), values, shape, check_invariants=True, is_coalesced=distinct)
+        increasing = bool((rows[1:] > rows[:-1]).all())  # false only with duplicates: coalesce() sums them
+    return torch.sparse_coo_tensor(rows.unsqueeze(0), values, shape, check_invariants=True, is_coalesced=increasing)
