@@ -66,3 +66,25 @@ def tiny_disk(tmp_path):
         yield point
     finally:
         subprocess.run(["umount", str(point)], check=True)
+
+
+@pytest.fixture(scope="session")
+def _s3_server():
+    from object_store import S3Store
+    store = S3Store()
+    yield store
+    store.stop()
+
+
+@pytest.fixture
+def s3(_s3_server, monkeypatch):
+    """The session's S3 server on loopback, a bucket of this test's own (``s3.bucket``), and its endpoint and
+    credentials in the environment (so spawned children reach it too), and fsspec's configuration in this process."""
+    import fsspec.config
+    for name, value in _s3_server.environment.items():
+        monkeypatch.setenv(name, value)
+    # fsspec read its FSSPEC_* variables when imported: this process is told as children will be.
+    monkeypatch.setitem(fsspec.config.conf, "s3", {**fsspec.config.conf.get("s3", {}),
+                                                   "endpoint_url": _s3_server.endpoint})
+    _s3_server.bucket = _s3_server.new_bucket()
+    return _s3_server
