@@ -17,7 +17,7 @@ named).
 """
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -29,6 +29,9 @@ from ..tables.id_hash import string_ids
 from .criteo import MISSING_ID, Parsed, Problem, hex_ids
 from .errors import UnreadableFile
 from .samples import Samples
+
+if TYPE_CHECKING:
+    from .parts import InputFiles
 
 
 #: How a column of strings becomes ids (``ParquetSchema.strings``).
@@ -79,10 +82,11 @@ class ParquetSchema:
         return [*self.categorical, *self.multi_hot]
 
 
-def read_row_group(path: str, group: int, schema: ParquetSchema) -> Parsed:
-    """Row group ``group`` of ``path`` as samples; its malformed rows (numbered from 1 within the group)."""
+def read_row_group(path: str, group: int, schema: ParquetSchema, inputs: Optional["InputFiles"] = None) -> Parsed:
+    """Row group ``group`` of ``path`` (opened through ``inputs``, where it is listed) as samples; its malformed
+    rows (numbered from 1 within the group)."""
     try:
-        parquet = pq.ParquetFile(path)
+        parquet = inputs.parquet(path) if inputs is not None else pq.ParquetFile(path)
         names = parquet.schema_arrow.names
         missing = [name for name in schema.columns if name not in names]
         if missing:

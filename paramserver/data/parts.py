@@ -1,11 +1,12 @@
-"""Which files a reader reads and how they are shared among workers: ``Part``s, and reading a text part.
+"""Which files a reader reads and how they are shared among workers: ``InputFiles``, ``Part``s, and reading
+a text part.
 
-Owns naming the input (a path, a glob, or a list of them, expanded in
-sorted order; nothing found is an error naming the pattern), cutting it
-into parts, giving each worker its own (``parts_of``: worker ``w`` of
-``n`` takes parts ``w, w + n, ...``; every part goes to exactly one
-worker), and reading a text part as chunks of whole lines
-(``text_chunks``).
+Owns naming the input (a path, a glob, a directory or prefix, or a list of them, on any storage fsspec
+reaches: ``s3://bucket/data/*/part-*.gz`` as well as a local path; ``InputFiles``), listing it (each
+pattern's matches sorted; nothing found is an error naming the pattern, unless the reader follows new
+files), cutting it into parts, giving each worker its own (``parts_of``: worker ``w`` of ``n`` takes parts
+``w, w + n, ...``; every part goes to exactly one worker), and reading a text part as chunks of whole
+lines (``text_chunks``).
 
 A plain text file is cut by bytes into ranges of at most ``PART_BYTES``
 and at least as many as there are workers, so that one large file is
@@ -13,16 +14,26 @@ shared by all of them; a line belongs to the range holding its first
 byte.  A compressed file (``.gz``, ``.bz2``, ``.zst``, ``.lz4``) cannot be
 entered in the middle, so it is one part.  A Parquet file gives one part
 per row group.
+
+Which listed files are complete (``InputFiles.ready``): writers such as Spark, Flink and Hadoop's tools
+write a file under a temporary or hidden name and give it its final name once it is whole, so a file
+whose name (or a directory on its way below the pattern's root) starts with ``_`` or ``.``, or ends with
+``.tmp``, ``.inprogress`` or ``._COPYING_``, is not read when a glob or directory finds it (naming it
+exactly still reads it); an object store shows an object only once its upload completed.  With
+``ready_marker`` (for example ``"_SUCCESS"``, which Spark and Hadoop write last), a file is read only once
+its directory holds that marker.
 """
 
 import glob
 import math
 import os
+import posixpath
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 import pyarrow as pa
 
+from ..filesystems import Location, locate
 from .errors import UnreadableFile
 
 #: Text parts are at most this long (bytes), so that workers get similar shares.
@@ -30,6 +41,8 @@ PART_BYTES = 256 << 20
 #: A text chunk (parsed at once) is about this long (bytes), cut after its last whole line.
 CHUNK_BYTES = 4 << 20
 COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".lz4": "lz4"}
+#: Names writers give files still being written (see the module's text).
+UNFINISHED_SUFFIXES = (".tmp", ".inprogress", "._COPYING_")
 
 
 @dataclass(frozen=True)
@@ -47,34 +60,131 @@ class Part:
             return f"{self.path} row group {self.row_group}"
         return self.path if self.start == 0 and self.stop is None else f"{self.path} bytes {self.start}-{self.stop}"
 
+    @property
+    def key(self) -> str:
+        """A name for the part that stays the same however the files are listed (a followed input's position
+        names parts by it)."""
+        if self.row_group is not None:
+            return f"{self.path}#{self.row_group}"
+        return self.path if self.start == 0 and self.stop is None else f"{self.path}@{self.start}-{self.stop}"
 
-def expand(paths: Union[str, Sequence[str]]) -> List[str]:
-    """The files ``paths`` names (paths or globs), each pattern's matches sorted; ``UnreadableFile`` for a
-    pattern that matches nothing."""
-    patterns = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
-    if not patterns:
-        raise ValueError("no input files given")
-    files: List[str] = []
-    for pattern in map(str, patterns):
-        matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
-        if not matches:
-            raise UnreadableFile(pattern, "no file matches this pattern")
-        for path in matches:
-            if not os.path.isfile(path):
-                raise UnreadableFile(path, "no such file")
-        files.extend(matches)
-    return files
+
+def _unfinished(relative: str) -> bool:
+    """Whether a file found below a pattern's root (``relative``: its path from there) is still being written
+    by the usual writers' conventions (see the module's text)."""
+    names = [name for name in relative.split("/") if name]
+    return any(name.startswith(("_", ".")) for name in names) or relative.endswith(UNFINISHED_SUFFIXES)
+
+
+class InputFiles:
+    """The files ``paths`` names (paths, globs, directories or prefixes; local or URLs, one storage for all of
+    them), listed and opened; ``storage_options`` for a remote store (fsspec's own configuration otherwise);
+    ``ready_marker``: read a file only once its directory holds a file of that name."""
+
+    def __init__(self, paths: Union[str, Sequence[str]], storage_options: Optional[Mapping[str, Any]] = None,
+                 ready_marker: Optional[str] = None):
+        patterns = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+        if not patterns:
+            raise ValueError("no input files given")
+        self.patterns: List[Location] = [locate(os.fspath(pattern), storage_options) for pattern in patterns]
+        self.ready_marker = ready_marker
+        self._sizes: Dict[str, int] = {}
+
+    def list(self, missing_ok: bool = False) -> List[str]:
+        """The complete files named now, each pattern's in name order (a file named by two patterns once);
+        ``UnreadableFile`` for a pattern that names nothing, unless ``missing_ok`` (a followed input whose
+        files are still to come)."""
+        files: List[str] = []
+        seen = set()
+        for pattern in self.patterns:
+            try:
+                matches = self._matches(pattern)
+            except (OSError, pa.ArrowException) as error:
+                raise UnreadableFile(pattern.url, f"cannot list it: {error}") from error
+            if not matches and not missing_ok:
+                raise UnreadableFile(pattern.url, "no file matches this pattern")
+            for name in matches:
+                if name not in seen:
+                    seen.add(name)
+                    files.append(name)
+        return files
+
+    def _matches(self, pattern: Location) -> List[str]:
+        fs, path = pattern.fs, pattern.path
+        if pattern.is_local and not glob.has_magic(path) and os.path.isfile(path):
+            return [path]
+        if not pattern.is_local:
+            fs.invalidate_cache()  # a followed input lists again: what was listed before may have grown
+        if glob.has_magic(path):
+            magic = min(path.index(character) for character in "*?[" if character in path)
+            root = path[:magic].rsplit("/", 1)[0]
+            found = fs.glob(path, detail=True)
+        elif fs.isdir(path):
+            root, found = path, fs.find(path, detail=True)
+        elif fs.exists(path):
+            return [self._name(pattern, path)]
+        else:
+            return []
+        files = sorted(name for name, info in found.items() if info.get("type") == "file"
+                       and not _unfinished(posixpath.relpath(name, root) if root else name))
+        for name in files:
+            if found[name].get("size") is not None:
+                self._sizes[self._name(pattern, name)] = int(found[name]["size"])
+        if self.ready_marker:
+            marked = {directory for directory in {posixpath.dirname(name) for name in files}
+                      if fs.exists(posixpath.join(directory, self.ready_marker))}
+            files = [name for name in files if posixpath.dirname(name) in marked]
+        return [self._name(pattern, name) for name in files]
+
+    @staticmethod
+    def _name(pattern: Location, path: str) -> str:
+        return path if pattern.is_local else pattern.fs.unstrip_protocol(path)
+
+    def location(self, name: str) -> Location:
+        return locate(name, self.patterns[0].storage_options)
+
+    def size(self, name: str) -> int:
+        if name not in self._sizes:
+            location = self.location(name)
+            try:
+                self._sizes[name] = int(location.fs.size(location.path))
+            except (OSError, pa.ArrowException) as error:
+                raise UnreadableFile(name, str(error)) from error
+        return self._sizes[name]
+
+    def open(self, name: str):
+        """The file's bytes, decompressed when its name says it is compressed (a binary stream)."""
+        compression = compression_of(name)
+        location = self.location(name)
+        if location.is_local:
+            return open(location.path, "rb") if compression is None else pa.input_stream(location.path,
+                                                                                      compression=compression)
+        raw = location.open("rb")
+        return raw if compression is None else pa.CompressedInputStream(pa.PythonFile(raw, mode="r"), compression)
+
+    def parquet(self, name: str):
+        """The Parquet file ``name`` (``pyarrow.parquet.ParquetFile``)."""
+        import pyarrow.parquet as pq
+
+        location = self.location(name)
+        return pq.ParquetFile(location.path if location.is_local else location.open("rb"))
+
+
+def expand(paths: Union[str, Sequence[str]], storage_options: Optional[Mapping[str, Any]] = None) -> List[str]:
+    """The files ``paths`` names (paths, globs or directories), each pattern's matches sorted; ``UnreadableFile``
+    for a pattern that matches nothing."""
+    return InputFiles(paths, storage_options).list()
 
 
 def compression_of(path: str) -> Optional[str]:
     return COMPRESSIONS.get(os.path.splitext(path)[1].lower())
 
 
-def text_parts(files: Sequence[str], workers: int) -> List[Part]:
+def text_parts(files: Sequence[str], workers: int, inputs: Optional[InputFiles] = None) -> List[Part]:
     """Every text file's parts: compressed files whole, plain ones in ranges (see the module's text)."""
     parts: List[Part] = []
     for path in files:
-        size = os.path.getsize(path)
+        size = inputs.size(path) if inputs is not None else os.path.getsize(path)
         if compression_of(path) is not None or size == 0:
             parts.append(Part(path))
             continue
@@ -83,13 +193,12 @@ def text_parts(files: Sequence[str], workers: int) -> List[Part]:
     return parts
 
 
-def parquet_parts(files: Sequence[str]) -> List[Part]:
-    import pyarrow.parquet as pq
-
+def parquet_parts(files: Sequence[str], inputs: Optional[InputFiles] = None) -> List[Part]:
+    inputs = inputs or InputFiles(list(files))
     parts: List[Part] = []
     for path in files:
         try:
-            groups = pq.ParquetFile(path).num_row_groups
+            groups = inputs.parquet(path).num_row_groups
         except (OSError, pa.ArrowException) as error:
             raise UnreadableFile(path, str(error)) from error
         parts.extend(Part(path, row_group=group) for group in range(groups))
@@ -113,10 +222,11 @@ class TextChunk:
     last: bool  # the part ends with it
 
 
-def text_chunks(part: Part, offset: int, chunk_bytes: int = CHUNK_BYTES) -> Iterator[TextChunk]:
+def text_chunks(part: Part, offset: int, chunk_bytes: int = CHUNK_BYTES,
+                inputs: Optional[InputFiles] = None) -> Iterator[TextChunk]:
     """The part's lines, in chunks, from ``offset`` (a line's first byte, or ``part.start``)."""
     try:
-        stream = _open(part.path)
+        stream = (inputs or InputFiles(part.path)).open(part.path)
     except (OSError, pa.ArrowException) as error:
         raise UnreadableFile(part.path, str(error)) from error
     try:
@@ -125,13 +235,6 @@ def text_chunks(part: Part, offset: int, chunk_bytes: int = CHUNK_BYTES) -> Iter
         raise UnreadableFile(part.path, str(error)) from error
     finally:
         stream.close()
-
-
-def _open(path: str):
-    compression = compression_of(path)
-    if compression is None:
-        return open(path, "rb")
-    return pa.input_stream(path, compression=compression)
 
 
 def _chunks(stream, part: Part, offset: int, chunk_bytes: int) -> Iterator[TextChunk]:
@@ -187,9 +290,9 @@ def _seek(stream, offset: int, path: str) -> int:
     return offset
 
 
-def line_at(path: str, offset: int) -> int:
+def line_at(path: str, offset: int, inputs: Optional[InputFiles] = None) -> int:
     """The number (1-based) of the line starting at byte ``offset`` of ``path`` (uncompressed), counted."""
-    stream = _open(path)
+    stream = (inputs or InputFiles(path)).open(path)
     try:
         lines, remaining = 1, offset
         while remaining > 0:

@@ -19,6 +19,16 @@ restored run reads on from the same sample.  Every ``iter()`` starts from
 the loaded position (or the beginning), so an evaluation set is
 re-iterable.
 
+Following (``follow=True``, online training): the input (globs, directories or prefixes, local or on
+an object store) is listed again every ``poll`` while reading, and files that appear are read as they
+come, each exactly once, complete files only (``parts.InputFiles.ready``: final names, or a
+``ready_marker``), in name order within what one listing found; the iteration never ends by itself
+(it waits for files, in bounded polls, with a log line at a bounded rate) and ends on ``close()``.  A
+followed input's parts go to workers by a hash of their names (``crc32 % workers``), so that every
+worker decides alone and alike which new file is whose.  Its position names parts by name: the parts
+done, the one under way (its chunk offset and rows given), so that after a restore nothing is read
+twice and no file from its start again.
+
 Malformed input stops the reader with ``MalformedInput`` naming the file
 and line (Parquet: row group and row), or, with ``skip_malformed``, is
 skipped, counted (``malformed``) and logged at a bounded rate.  Every
@@ -27,11 +37,14 @@ wait is bounded and returns promptly on ``close()``.
 
 import concurrent.futures
 import dataclasses
+import datetime
 import logging
 import queue
 import threading
+import time
+import zlib
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ..logs import RateLimitedLog
 from ..train.contract import Batch
@@ -39,7 +52,7 @@ from . import criteo, parts as parts_module
 from .criteo import Parsed
 from .errors import MalformedInput
 from .parquet import ParquetSchema, read_row_group
-from .parts import Part
+from .parts import InputFiles, Part
 from .samples import Samples
 
 logger = logging.getLogger(__name__)
@@ -48,24 +61,30 @@ logger = logging.getLogger(__name__)
 _POLL = 0.2
 _STOPPED = object()
 FORMATS = ("criteo", "parquet")
+#: How often a followed input is listed again by default.
+FOLLOW_POLL = datetime.timedelta(seconds=10)
 
 
 @dataclass(frozen=True)
 class Position:
-    """Where reading resumes: chunk ``offset`` of part ``part`` in epoch ``epoch``, ``rows`` of it given."""
+    """Where reading resumes: chunk ``offset`` of part ``part`` in epoch ``epoch``, ``rows`` of it given.
+
+    A followed input names its parts instead of numbering them: ``done`` (the keys of parts read whole)
+    and ``key`` (the part under way; ``part`` is then only this process's index of it)."""
 
     epoch: int = 0
     part: int = 0
     offset: int = 0
     rows: int = 0
     malformed: int = 0
+    done: Tuple[str, ...] = ()
+    key: str = ""
 
 
 @dataclass
 class _Chunk:
     part: int
-    epoch: int
-    offset: int
+    here: Position  # where this chunk starts
     after: Position  # where the chunk after this one starts
     parsed: "concurrent.futures.Future"
     #: Text: the offset where this reading of the part began, and the lines from there to this chunk.
@@ -74,14 +93,18 @@ class _Chunk:
 
 
 class FileReader:
-    """Worker ``worker`` of ``workers``'s batches from ``paths`` (paths or globs) in ``format`` ("criteo" or
-    "parquet" with ``schema``), for ``epochs`` epochs (``None``: without end); an iteration ends after
-    ``max_rows`` samples when that is given (a bounded evaluation set)."""
+    """Worker ``worker`` of ``workers``'s batches from ``paths`` (paths, globs, directories; local or URLs, with
+    ``storage_options``) in ``format`` ("criteo" or "parquet" with ``schema``), for ``epochs`` epochs
+    (``None``: without end); an iteration ends after ``max_rows`` samples when that is given (a bounded
+    evaluation set).  ``follow``: read files as they appear (see the module's text), listing again every
+    ``poll``; ``ready_marker``: read a file only once its directory holds a file of that name."""
 
     def __init__(self, paths: Union[str, Sequence[str]], batch_size: int, *, format: str = "criteo",
                  schema: Optional[ParquetSchema] = None, worker: int = 0, workers: int = 1,
                  epochs: Optional[int] = 1, skip_malformed: bool = False, threads: int = 2, ahead: int = 4,
-                 chunk_bytes: int = parts_module.CHUNK_BYTES, max_rows: Optional[int] = None):
+                 chunk_bytes: int = parts_module.CHUNK_BYTES, max_rows: Optional[int] = None,
+                 follow: bool = False, poll: datetime.timedelta = FOLLOW_POLL, ready_marker: Optional[str] = None,
+                 storage_options: Optional[Mapping[str, Any]] = None):
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
         if format == "parquet" and schema is None:
@@ -92,10 +115,24 @@ class FileReader:
         self.format, self.schema, self.batch_size = format, schema, batch_size
         self.epochs, self.skip_malformed, self.threads, self.ahead = epochs, skip_malformed, threads, ahead
         self.chunk_bytes, self.max_rows = chunk_bytes, max_rows
-        files = parts_module.expand(paths)
-        every = parts_module.parquet_parts(files) if format == "parquet" else parts_module.text_parts(files, workers)
-        self.parts: List[Part] = parts_module.parts_of(every, worker, workers)
-        if not self.parts:
+        if not 0 <= worker < workers:
+            raise ValueError(f"worker must be in [0, {workers}), got {worker}")
+        if follow and (epochs != 1 or max_rows is not None):
+            raise ValueError(f"a followed input reads every file once: epochs must be 1 (got {epochs}) and "
+                             f"max_rows unset (got {max_rows})")
+        if poll.total_seconds() <= 0:
+            raise ValueError(f"poll must be positive, got {poll}")
+        self.follow, self.poll, self.worker, self.workers = follow, poll, worker, workers
+        self.inputs = InputFiles(paths, storage_options, ready_marker)
+        self.parts: List[Part] = []
+        self._waiting_log = RateLimitedLog(logger, "listed {count} time{s} without finding a new file")
+        if follow:
+            self._discover()
+        else:
+            files = self.inputs.list()
+            every = self._parts_of_files(files)
+            self.parts = parts_module.parts_of(every, worker, workers)
+        if not self.parts and not follow:
             raise ValueError(f"worker {worker} of {workers} has no part of {len(files)} file(s) ({len(every)} "
                              "parts; a compressed file is one part): give more files, or uncompressed ones")
         self.tables = list(schema.tables) if format == "parquet" else list(criteo.CATEGORICAL)
@@ -112,13 +149,39 @@ class FileReader:
         """Lines (rows) skipped as malformed so far."""
         return self._position.malformed
 
+    def _parts_of_files(self, files: Sequence[str]) -> List[Part]:
+        if self.format == "parquet":
+            return parts_module.parquet_parts(files, self.inputs)
+        return parts_module.text_parts(files, self.workers, self.inputs)
+
+    def _discover(self) -> List[Part]:
+        """A followed input: list it again; this worker's parts of files not seen before, in name order,
+        appended to ``parts`` and returned."""
+        known = {part.path for part in self.parts}
+        new_files = [name for name in self.inputs.list(missing_ok=True) if name not in known]
+        mine = [part for part in self._parts_of_files(new_files)
+                if zlib.crc32(part.key.encode()) % self.workers == self.worker]
+        mine.sort(key=lambda part: (part.path, part.start, part.row_group or 0))
+        self.parts.extend(mine)
+        return mine
+
     # -- position ----------------------------------------------------------------
-    def state_dict(self) -> Dict[str, int]:
-        return dataclasses.asdict(self._position)
+    def state_dict(self) -> Dict[str, Any]:
+        state = dataclasses.asdict(self._position)
+        if self.follow:
+            state["done"] = list(self._position.done)
+        else:  # the fields of a followed input's position are not a fixed input's
+            del state["done"], state["key"]
+        return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        position = Position(**{key: int(value) for key, value in state.items()})
-        if not 0 <= position.part <= len(self.parts):
+        fields = {key: value for key, value in state.items() if key not in ("done", "key")}
+        position = Position(**{key: int(value) for key, value in fields.items()},
+                            done=tuple(map(str, state.get("done", ()))), key=str(state.get("key", "")))
+        if self.follow != ("done" in state):
+            raise ValueError(f"saved position is of {'a followed' if 'done' in state else 'a fixed'} input, "
+                             f"this reader's is {'followed' if self.follow else 'fixed'}")
+        if not self.follow and not 0 <= position.part <= len(self.parts):
             raise ValueError(f"saved position names part {position.part}, this reader has {len(self.parts)}")
         self._start = self._position = position
 
@@ -129,6 +192,10 @@ class FileReader:
     # -- iteration ---------------------------------------------------------------
     def __iter__(self) -> Iterator[Batch]:
         self._stop.clear()
+        if self.follow and self._start.key and self._start.key not in {part.key for part in self.parts}:
+            logger.warning("the saved reading position is in %s, which this input no longer has: reading on "
+                           "from the parts not read yet", self._start.key)
+            self._start = dataclasses.replace(self._start, key="", offset=0, rows=0)
         self._position = self._start
         stop = threading.Event()
         chunks: "queue.Queue" = queue.Queue(maxsize=self.ahead)
@@ -175,7 +242,7 @@ class FileReader:
                 if waiting_rows == self.batch_size:
                     batch = Samples.join(waiting).batch()
                     waiting, waiting_rows = [], 0
-                    self._position = (Position(chunk.epoch, chunk.part, chunk.offset, given, malformed)
+                    self._position = (dataclasses.replace(chunk.here, rows=given, malformed=malformed)
                                       if given < len(samples) else dataclasses.replace(chunk.after,
                                                                                        malformed=malformed))
                     yield batch
@@ -196,7 +263,7 @@ class FileReader:
             try:
                 item = chunks.get(timeout=_POLL)
             except queue.Empty:
-                if not producer.is_alive() and chunks.empty():
+                if not producer.is_alive() and chunks.empty() and not self._stop.is_set():
                     raise RuntimeError("the file reader's thread ended without a word") from None
                 continue
             if isinstance(item, BaseException):
@@ -234,17 +301,23 @@ class FileReader:
             return f"row group {part.row_group}, row {line}"
         key = (part.path, chunk.began)
         if key not in self._line_numbers:
-            self._line_numbers[key] = parts_module.line_at(part.path, chunk.began) if chunk.began else 1
+            self._line_numbers[key] = (parts_module.line_at(part.path, chunk.began, self.inputs) if chunk.began
+                                       else 1)
         return f"line {self._line_numbers[key] + chunk.lines_before + line - 1}"
 
     # -- the producer thread ----------------------------------------------------
     def _produce(self, start: Position, chunks: "queue.Queue", pool, stop: threading.Event) -> None:
         try:
+            if self.follow:
+                self._produce_following(start, chunks, pool, stop)
+                return
             epoch = start.epoch
             part_index, offset = start.part, start.offset
             while self.epochs is None or epoch < self.epochs:
                 while part_index < len(self.parts):
-                    for chunk in self._chunks_of(epoch, part_index, offset, pool):
+                    following = (Position(epoch, part_index + 1, 0) if part_index + 1 < len(self.parts)
+                                 else Position(epoch + 1, 0, 0))
+                    for chunk in self._chunks_of(Position(epoch, part_index, offset), following, pool):
                         if not self._put(chunks, chunk, stop):
                             return
                     part_index, offset = part_index + 1, 0
@@ -253,19 +326,52 @@ class FileReader:
         except BaseException as error:  # noqa: BLE001 - handed to the consumer, which raises it
             self._put(chunks, error, stop)
 
-    def _chunks_of(self, epoch: int, index: int, offset: int, pool) -> Iterator[_Chunk]:
-        part = self.parts[index]
-        following = (Position(epoch, index + 1, 0) if index + 1 < len(self.parts) else Position(epoch + 1, 0, 0))
+    def _produce_following(self, start: Position, chunks: "queue.Queue", pool, stop: threading.Event) -> None:
+        """A followed input's chunks: the part under way first, then every part not done, listing again
+        (every ``poll``, stop-aware) when none is left; never ends by itself."""
+        done = start.done
+        finished = set(done)
+        under_way = start.key
+        while not stop.is_set() and not self._stop.is_set():
+            pending = [index for index, part in enumerate(self.parts) if part.key not in finished]
+            pending.sort(key=lambda index: self.parts[index].key != under_way)  # the part under way first
+            if not pending:
+                if not self._discover():
+                    self._waiting_log.record("no new file", f"{self.inputs.patterns[0].url}: no new file to read; "
+                                             f"listing again every {self.poll.total_seconds():g} s "
+                                             f"({len(finished)} part(s) read)")
+                    self._pause(stop, self.poll.total_seconds())
+                continue
+            for index in pending:
+                part = self.parts[index]
+                offset = start.offset if part.key == under_way else 0
+                finished.add(part.key)
+                done = done + (part.key,)
+                here = Position(0, index, offset, done=done[:-1], key=part.key)
+                for chunk in self._chunks_of(here, Position(0, index + 1, 0, done=done), pool):
+                    if not self._put(chunks, chunk, stop):
+                        return
+            under_way = ""
+
+    def _pause(self, stop: threading.Event, seconds: float) -> None:
+        """Wait ``seconds``, or less once this iteration or the reader is stopped."""
+        deadline = time.monotonic() + seconds
+        while not stop.is_set() and not self._stop.is_set() and time.monotonic() < deadline:
+            stop.wait(min(_POLL, max(0.0, deadline - time.monotonic())))
+
+    def _chunks_of(self, here: Position, following: Position, pool) -> Iterator[_Chunk]:
+        """The chunks of part ``here.part`` from ``here.offset``; ``following``: where the part after it starts."""
+        index, part = here.part, self.parts[here.part]
         if part.row_group is not None:
-            yield _Chunk(index, epoch, 0, following, pool.submit(read_row_group, part.path, part.row_group,
-                                                                 self.schema))
+            yield _Chunk(index, here, following, pool.submit(read_row_group, part.path, part.row_group,
+                                                             self.schema, self.inputs))
             return
         began, lines_before = None, 0
-        for text in parts_module.text_chunks(part, offset or part.start, self.chunk_bytes):
+        for text in parts_module.text_chunks(part, here.offset or part.start, self.chunk_bytes, self.inputs):
             began = text.offset if began is None else began
-            after = following if text.last else Position(epoch, index, text.next_offset)
-            yield _Chunk(index, epoch, text.offset, after, pool.submit(criteo.parse, text.text), began,
-                         lines_before)
+            after = following if text.last else dataclasses.replace(here, offset=text.next_offset)
+            yield _Chunk(index, dataclasses.replace(here, offset=text.offset), after,
+                         pool.submit(criteo.parse, text.text), began, lines_before)
             lines_before += text.text.count(b"\n")
 
     def _put(self, chunks: "queue.Queue", item, stop: threading.Event) -> bool:
@@ -281,16 +387,23 @@ class FileReader:
 def reader_from_config(config: Dict[str, Any], paths_key: str, batch_size: int, worker: int, workers: int,
                        epochs: Optional[int], max_rows: Optional[int] = None) -> FileReader:
     """A reader from a job's ``data`` config: ``format``, ``schema`` (Parquet), ``skip_malformed``,
-    ``threads``, and the files under ``paths_key`` ("train" or "eval")."""
-    known = {"format", "train", "eval", "schema", "skip_malformed", "threads"}
+    ``threads``, ``storage_options`` (for URLs), the files under ``paths_key`` ("train" or "eval"), and for
+    the train files ``follow`` (read files as they land), ``poll_seconds`` and ``ready_marker``."""
+    known = {"format", "train", "eval", "schema", "skip_malformed", "threads", "storage_options", "follow",
+             "poll_seconds", "ready_marker"}
     unknown = sorted(set(config) - known)
     if unknown:
         raise ValueError(f"unknown data config keys: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
     if paths_key not in config:
         raise ValueError(f"the data config names no {paths_key!r} files")
+    follow = paths_key == "train" and bool(config.get("follow", False))
+    poll = config.get("poll_seconds", FOLLOW_POLL.total_seconds())
+    if not isinstance(poll, (int, float)) or isinstance(poll, bool) or poll <= 0:
+        raise ValueError(f"data config key poll_seconds must be a positive number, got {poll!r}")
     schema = ParquetSchema.from_config(config["schema"]) if "schema" in config else None
     return FileReader(config[paths_key], batch_size, format=config.get("format", "criteo"), schema=schema,
-                      worker=worker, workers=workers, epochs=epochs,
+                      worker=worker, workers=workers, epochs=1 if follow else epochs,
                       skip_malformed=bool(config.get("skip_malformed", False)), threads=int(config.get("threads", 2)),
-                      max_rows=max_rows)
-
+                      max_rows=max_rows, follow=follow, poll=datetime.timedelta(seconds=poll),
+                      ready_marker=config.get("ready_marker") if follow else None,
+                      storage_options=config.get("storage_options"))
