@@ -18,8 +18,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Union
 
-import fsspec
-from fsspec.core import split_protocol
+from fsspec.core import split_protocol, url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
 PathOrUrl = Union[str, "os.PathLike[str]", "Location"]
@@ -119,7 +118,7 @@ def locate(name: PathOrUrl, storage_options: Optional[Mapping[str, Any]] = None)
         path = os.path.abspath(os.path.expanduser(rest))
         return Location(url=path, fs=LocalFileSystem(), path=path, storage_options=options)
     try:
-        fs_class = fsspec.get_filesystem_class(protocol)
+        fs, path = url_to_fs(text, **options)
     except ImportError as error:
         extra = EXTRAS.get(protocol)
         hint = f"pip install 'paramserver[{extra}]'" if extra else f"install fsspec's package for {protocol!r}"
@@ -127,5 +126,4 @@ def locate(name: PathOrUrl, storage_options: Optional[Mapping[str, Any]] = None)
                                   f"({hint}): {error}") from error
     except ValueError as error:
         raise ValueError(f"{text}: unknown storage protocol {protocol!r} ({error})") from None
-    fs = fs_class(**options)
-    return Location(url=text, fs=fs, path=fs_class._strip_protocol(text), storage_options=options)
+    return Location(url=text, fs=fs, path=path, storage_options=options)
