@@ -211,3 +211,42 @@ def test_the_ctr_job_trains_on_criteo_format_files_and_reports_their_held_out_au
     assert result["steps"] == 70 and result["malformed_skipped"] == 2, result
     assert result["auc"] > 0.5 + 0.6 * (oracle - 0.5), (oracle, result)
     assert 0 < result["log_loss"] < 0.7, result
+
+
+def test_the_ctr_job_follows_files_as_they_land_and_waits_for_them_at_an_agreement(local_context, tmp_path):
+    """Online training: the job trains on what has landed, its group agrees to wait while nothing more has
+    (never leaving a member in a step's collective), and trains on the next file once it lands."""
+    import logging
+
+    from workers import ctr
+    from workers.ctr_files import PlantedFiles
+    files = PlantedFiles(seed=5)
+
+    def land(day: int, lines: int) -> None:  # written under a temporary name, renamed once whole
+        files.write_criteo(str(tmp_path / f".day_{day}.txt.tmp"), day, lines)
+        (tmp_path / f".day_{day}.txt.tmp").rename(tmp_path / f"day_{day}.txt")
+
+    class LandOnWait(logging.Handler):
+        """Lands the second file once the group agreed to wait for data."""
+
+        waits = []
+
+        def emit(self, record):
+            if "waits for its group's data" in record.getMessage() and not self.waits:
+                self.waits.append(record.getMessage())
+                land(1, 10 * 256)
+
+    land(0, 10 * 256)  # 10 steps' batches: the next agreement's batches are still to come
+    trainer_log = logging.getLogger("paramserver.train.trainer")
+    handler, level = LandOnWait(), trainer_log.level
+    trainer_log.addHandler(handler)
+    trainer_log.setLevel(logging.INFO)
+    try:
+        data = {"format": "criteo", "train": str(tmp_path), "follow": True, "poll_seconds": 0.2}
+        result = ctr.main(local_context, table_name="ctr-follow", steps=20, batch_size=256, hook="allreduce",
+                          eval_every=10 ** 9, log_every=10 ** 9, data=data)
+    finally:
+        trainer_log.removeHandler(handler)
+        trainer_log.setLevel(level)
+    assert result["steps"] == 20 and result["sparse_steps"] == 20, result
+    assert LandOnWait.waits and "step 10 waits" in LandOnWait.waits[0], LandOnWait.waits

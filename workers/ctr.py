@@ -99,8 +99,11 @@ def main(ctx, steps: int = 1500, batch_size: int = 1024, hook: str = "powersgd",
         loss=nn.BCEWithLogitsLoss(), comm_hook=hook, hook_options=hook_options,
         name=table_name, seed=seed, row_wise_min_rows=row_wise_min_rows, staleness=staleness,
         cache_rows=cache_rows, cache_steps=cache_steps)
-    result = trainer.fit(source.train, steps=steps, eval_data=source.eval, eval_every=eval_every,
-                         log_every=log_every, figures=source.figures)
+    try:
+        result = trainer.fit(source.train, steps=steps, eval_data=source.eval, eval_every=eval_every,
+                             log_every=log_every, figures=source.figures)
+    finally:
+        source.close()
     return dict(result, **source.final_figures())
 
 
@@ -126,12 +129,17 @@ class PlantedSource:
     def final_figures(self) -> Dict[str, float]:
         return {}
 
+    def close(self) -> None:
+        """Nothing is read in the background."""
+
 
 class FileSource:
-    """Files (``paramserver.data``): ``data`` is ``{"format": "criteo" | "parquet", "train": paths or glob,
-    "eval": paths or glob, "schema": {...} (Parquet), "workers": how many workers share the train files
-    (worker ``i`` reads share ``i % workers``), "epochs" (none: without end), "eval_rows", "skip_malformed",
-    "threads"}``.  Every table is dynamic: the ids are raw hashes."""
+    """Files (``paramserver.data``): ``data`` is ``{"format": "criteo" | "parquet", "train": paths, globs,
+    directories or prefixes (local or URLs such as ``s3://bucket/logs/*/part-*.gz``), "eval": the same,
+    "schema": {...} (Parquet), "workers": how many workers share the train files (worker ``i`` reads share
+    ``i % workers``), "epochs" (none: without end), "eval_rows", "skip_malformed", "threads",
+    "storage_options": {...} (for URLs), "follow": true (train on files as they land, each once; with
+    "poll_seconds" and "ready_marker")}``.  Every table is dynamic: the ids are raw hashes."""
 
     def __init__(self, ctx, data: Dict, batch_size: int, embedding_dim: int, init_std: float,
                  table_options: Optional[Dict]):
@@ -155,8 +163,14 @@ class FileSource:
                        for name in self.train.tables}
         self.num_dense = self.train.num_dense
         self.figures: Dict[str, float] = {}
-        logger.info("%s reads %s: %d part(s) of share %d of %d", ctx.rpc_name, data.get("format", "criteo"),
-                    len(self.train.parts), share, workers)
+        logger.info("%s reads %s: %d part(s) of share %d of %d%s", ctx.rpc_name, data.get("format", "criteo"),
+                    len(self.train.parts), share, workers, " so far, following new files" if self.train.follow else "")
 
     def final_figures(self) -> Dict[str, float]:
         return {"malformed_skipped": self.train.malformed}
+
+    def close(self) -> None:
+        """Stop the readers' threads (a followed input's waits for files among them)."""
+        self.train.close()
+        if self.eval is not None:
+            self.eval.close()

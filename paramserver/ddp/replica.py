@@ -112,6 +112,8 @@ class DenseReplica:
         self.reformations = 0
         self.recoveries = 0
         self.steps_skipped = 0
+        #: Whether the last ``sync_point`` agreed to wait for a member's data (the step is not taken yet).
+        self.agreed_wait = False
         #: The checkpoint request the last ``sync_point`` agreed on (0: none).
         self.agreed_checkpoint = 0
         self._failures_in_a_row = 0
@@ -210,24 +212,28 @@ class DenseReplica:
     def __call__(self, *args, **kwargs):
         return self.ddp(*args, **kwargs)
 
-    def sync_point(self, want_stop: bool = False, checkpoint_request: int = 0) -> bool:
+    def sync_point(self, want_stop: bool = False, checkpoint_request: int = 0, waiting: bool = False) -> bool:
         """Start of a step, on every member: re-form if the group changed; False when the group stops.
 
         Every ``agree_every`` steps the members agree (one all-reduce) on
-        re-forming, stopping and the checkpoint request to serve
-        (``agreed_checkpoint``: 0 on other steps, or none).  After
+        re-forming, stopping, the checkpoint request to serve
+        (``agreed_checkpoint``: 0 on other steps, or none) and waiting
+        (``agreed_wait``: a member is ``waiting`` for its data; the step is
+        not taken, and the members agree again once they waited).  After
         re-forming they agree again, in the new group: a member that just
         joined starts with this agreement, so everyone must.  A failed
         agreement is recovered from (``recover``) like a failed step.
         """
         self.agreed_checkpoint = 0
+        self.agreed_wait = False
         while self.step % self.agree_every == 0:
             try:
-                agreement = self.group.agree(want_stop, checkpoint_request)
+                agreement = self.group.agree(want_stop, checkpoint_request, waiting)
                 if agreement.stop:
                     return False
                 if not agreement.reform:
                     self.agreed_checkpoint = agreement.checkpoint_request
+                    self.agreed_wait = agreement.wait
                     return True
                 self._drop_ddp()
                 self.group.reform()

@@ -20,6 +20,7 @@ import collections
 import logging
 import queue
 import threading
+import time
 from typing import Any, Callable, Deque, Dict, Iterable, Optional, Tuple
 
 from .contract import Batch
@@ -82,6 +83,22 @@ class BatchStream:
         if self._reader is not None:
             self._reader.close()
 
+    def ready(self, count: int, patience: float) -> Optional[bool]:
+        """Whether ``count`` batches can be had, waiting at most ``patience`` seconds for them: True, False
+        when the data ends first, ``None`` when they have not come yet (data that follows files as they land,
+        or a slow store); those that came stay read ahead."""
+        deadline = time.monotonic() + patience
+        while len(self._ahead) < count:
+            if self._reader is None:
+                return self.ensure(count)
+            pulled = self._reader.next(max(0.0, deadline - time.monotonic()))
+            if pulled is _Reader.NOT_YET:
+                return None
+            if pulled is None:
+                return False
+            self._ahead.append(pulled)
+        return True
+
     def ensure(self, count: int) -> bool:
         """Read ahead until ``count`` batches are waiting; False when the data ends first."""
         while len(self._ahead) < count:
@@ -134,6 +151,8 @@ class _Reader:
     errors reach the consumer in their turn (an error is raised by ``next`` as it was raised by the data)."""
 
     _END = object()
+    #: What ``next(within)`` returns when nothing came within that time.
+    NOT_YET = object()
 
     def __init__(self, pull: Callable[[], Optional[Tuple[Batch, Any]]], depth: int):
         self._pull = pull
@@ -162,16 +181,22 @@ class _Reader:
             except queue.Full:
                 continue
 
-    def next(self) -> Optional[Tuple[Batch, Any]]:
+    def next(self, within: Optional[float] = None) -> Optional[Tuple[Batch, Any]]:
+        """The next batch and state; ``None`` at the data's end; ``NOT_YET`` when ``within`` seconds (None: no
+        bound) passed first."""
         if self._ended:
             return None
+        deadline = None if within is None else time.monotonic() + within
         while True:
+            wait = _READER_POLL if deadline is None else min(_READER_POLL, max(0.0, deadline - time.monotonic()))
             try:
-                item = self._queue.get(timeout=_READER_POLL)
+                item = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
                 break
             except queue.Empty:
                 if not self._thread.is_alive() and self._queue.empty():
                     raise RuntimeError("the batch reader thread ended without a word") from None
+                if deadline is not None and time.monotonic() >= deadline:
+                    return self.NOT_YET
         if item is self._END:
             self._ended = True
             self._thread.join(_READER_POLL)

@@ -24,6 +24,7 @@ sparse part (its collection and optimizer), the training one to the
 trainer group and the dense replica (which hands it to its comm hook).
 """
 
+import datetime
 import logging
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
@@ -33,7 +34,7 @@ from torch import Tensor, nn
 
 from ..checkpoint.model import describe_model
 from ..ddp import DenseReplica, GroupStopped, TrainerGroup
-from ..logs import one_line
+from ..logs import RateLimitedLog, one_line
 from .checkpoints import TrainerCheckpoints, restore_point
 from .contract import Batch, Table
 from .data import BatchStream
@@ -54,6 +55,9 @@ PHASE_FIGURE = "phase_ms."
 ROW_CACHE_FIGURE = "row_cache."
 #: Batches read ahead in the background while steps run.
 PREFETCH_BATCHES = 2
+#: How long a member waits for its batches up to the next agreement before the group agrees to wait (and
+#: agrees again after as long): data that follows files as they land has none while none landed.
+DATA_PATIENCE = datetime.timedelta(seconds=2)
 #: Tables of this many rows or more are split by rows over every shard; smaller ones are placed whole.
 ROW_WISE_MIN_ROWS = 1_000_000
 
@@ -197,6 +201,7 @@ class _Run:
         self.times = StepTimes()
         self.start_step = self.replica.step
         self.evaluated_at: Optional[int] = None
+        self._waiting_for_data = RateLimitedLog(logger, "waited {count} time{s} for data")
 
     def run(self) -> Dict[str, Any]:
         replica, ctx = self.replica, self.ctx
@@ -283,37 +288,50 @@ class _Run:
         False when the group stops here.  ``final``: after the last step
         (no agreement).  A member lost in the checkpoint's collectives is
         recovered from like one lost in a step; that checkpoint is skipped.
+        While a member's batches up to the next agreement have not come (data
+        that follows files as they land), the group agrees again every
+        ``DATA_PATIENCE`` (serving checkpoint requests and stops meanwhile).
         """
         replica = self.replica
         if (final or replica.step % replica.agree_every == 0) and not self._settled(self.pipeline.drain()):
             return False  # every push is applied before an agreement (a checkpoint holds every update to its step)
-        skipped_before = replica.steps_skipped
-        try:
-            if not final:
-                going_on = replica.sync_point(self._want_stop(), self.checkpoints.pending())
-                if replica.steps_skipped != skipped_before:  # the group moved on: the reads ahead are for other steps
-                    self.pipeline.drop_reads()
+        while True:
+            skipped_before = replica.steps_skipped
+            try:
+                if not final:
+                    want_stop, waiting = self._want_stop()
+                    going_on = replica.sync_point(want_stop, self.checkpoints.pending(), waiting)
+                    if replica.steps_skipped != skipped_before:  # the group moved on: the reads ahead are for other steps
+                        self.pipeline.drop_reads()
+                    self.batches.skip(replica.steps_skipped - skipped_before)
+                    if not going_on:
+                        return False
+                self.checkpoints.at_boundary(replica.agreed_checkpoint)
+                if final or not replica.agreed_wait:
+                    return True
+                self._waiting_for_data.record("waiting", f"{self.ctx.rpc_name}: step {replica.step} waits for "
+                                              f"its group's data (agreeing again every "
+                                              f"{DATA_PATIENCE.total_seconds():g} s)")
+            except GroupStopped:
+                return False
+            except Exception as error:  # noqa: BLE001 - only a failed collective is recovered from
                 self.batches.skip(replica.steps_skipped - skipped_before)
-                if not going_on:
-                    return False
-            self.checkpoints.at_boundary(replica.agreed_checkpoint)
-            return True
-        except GroupStopped:
-            return False
-        except Exception as error:  # noqa: BLE001 - only a failed collective is recovered from
-            self.batches.skip(replica.steps_skipped - skipped_before)
-            return self._recovered(error)
+                return self._recovered(error)
 
-    def _want_stop(self) -> bool:
+    def _want_stop(self) -> Tuple[bool, bool]:
         """What this member says at the group's agreement: stop when asked to, or when its data would end
-        before the next agreement (all members stop here together, none is left in a collective)."""
+        before the next agreement (all members stop here together, none is left in a collective); wait when
+        its batches up to the next agreement have not come within ``DATA_PATIENCE``."""
         replica = self.replica
-        if replica.step % replica.agree_every == 0 and \
-                not self.batches.ensure(min(replica.agree_every, self.steps - replica.step)):
-            logger.warning("%s: the data ends after %d batches; asking the group to stop at step %d",
-                           self.ctx.rpc_name, self.batches.used + len(self.batches), replica.step)
-            return True
-        return self.ctx.should_stop()
+        if replica.step % replica.agree_every == 0:
+            ready = self.batches.ready(min(replica.agree_every, self.steps - replica.step),
+                                       DATA_PATIENCE.total_seconds())
+            if ready is False:
+                logger.warning("%s: the data ends after %d batches; asking the group to stop at step %d",
+                               self.ctx.rpc_name, self.batches.used + len(self.batches), replica.step)
+                return True, False
+            return self.ctx.should_stop(), ready is None
+        return self.ctx.should_stop(), False
 
     def _recovered(self, error: BaseException) -> bool:
         """After a failed step or boundary: re-form the group if a collective failed (else raise again).
