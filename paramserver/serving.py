@@ -10,22 +10,34 @@ mode): a fixed table's rows by id; a dynamic table's found by a binary
 search over its sorted ids, an id without a row reading zeros, which a
 ``mean`` counts like any other id.  Needs no cluster: no RPC, no process
 group, no shard.
+
+A root of live exports (``paramserver.checkpoint.live_export``: a base and deltas that a training job writes
+every few steps, ``Trainer(..., export_to=URL)``) loads as its newest export; ``ServedModel.refresh()``
+applies the exports written since, in place (only their changed rows are read), and ``follow(URL, every)``
+keeps a model refreshed in a background thread.
 """
 
+import datetime
 import importlib
 import json
+import logging
 import pathlib
+import threading
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .checkpoint import live_export
 from .checkpoint.export import EXPORT_FORMAT, EXPORT_MANIFEST
-from .checkpoint.model import EXPORT_KWARGS
+from .checkpoint.model import EXPORT_KWARGS, ModelDescription, NotExportable
 from .checkpoint.storage import FileRecord, load_tensors
+from .filesystems import Location, locate
 
-__all__ = ["DynamicTable", "FixedTable", "NotServable", "ServedModel", "load"]
+__all__ = ["DynamicTable", "FixedTable", "Follower", "NotServable", "ServedModel", "follow", "load"]
+
+logger = logging.getLogger(__name__)
 
 
 class NotServable(ValueError):
@@ -70,6 +82,10 @@ class DynamicTable(nn.Module):
         # one row of zeros after the rows held: where every id without a row points
         self.register_buffer("rows", torch.cat((rows, rows.new_zeros(1, rows.size(1)))))
 
+    def replace(self, ids: Tensor, rows: Tensor) -> None:
+        """Hold ``ids`` (sorted) with ``rows`` from now on."""
+        self.ids, self.rows = ids, torch.cat((rows, rows.new_zeros(1, rows.size(1))))
+
     def forward(self, ids: Tensor) -> Tensor:
         ids = _check_ids(self.name, ids)
         held = self.ids.numel()
@@ -91,6 +107,29 @@ class ServedModel(nn.Module):
         self.dense = dense
         #: The training step of the checkpoint exported.
         self.step = step
+        #: Where a model loaded from live exports finds newer ones (``refresh``).
+        self._live: Optional["_LiveSource"] = None
+        self._refresh_lock = threading.Lock()
+
+    def refresh(self) -> bool:
+        """Apply the live exports written since this model's (in place: only their changed rows are read);
+        True when there were any.  A model loaded from one export directory has nothing to refresh from."""
+        if self._live is None:
+            raise NotServable("this model was loaded from one export, not from a root of live exports: there is "
+                              "nothing to refresh it from")
+        with self._refresh_lock:
+            newer = live_export.chain(self._live.root, after=self._live.applied)
+            if not newer:
+                return False
+            if newer[0].kind == "base":  # a new base: start again from it
+                self._live.reset()
+            for export in newer:
+                dense_state = live_export.apply_export(export, self._live.rows, self._live.prefix)
+                self._live.applied = export.name
+            self._live.publish(self)
+            self.dense.load_state_dict(dense_state)
+            self.step = newer[-1].step
+            return True
 
     def table(self, name: str) -> nn.Module:
         """The table ``name`` (``KeyError`` naming the tables there are)."""
@@ -110,8 +149,12 @@ class ServedModel(nn.Module):
         return self.dense(self.pool(batch.sparse), batch.dense)
 
 
-def load(directory: Union[str, pathlib.Path], dense: Optional[nn.Module] = None) -> ServedModel:
+def load(directory: Union[str, pathlib.Path], dense: Optional[nn.Module] = None,
+         storage_options: Optional[Mapping[str, Any]] = None) -> ServedModel:
     """The model exported into ``directory``, in eval mode, on the CPU.
+
+    A root of live exports (a local path or URL, with ``storage_options``) loads as its newest export, and
+    ``refresh()`` follows it.
 
     ``dense``: a module to load the dense weights into, needed when the
     export cannot rebuild one itself (its class not importable here, or
@@ -119,6 +162,9 @@ def load(directory: Union[str, pathlib.Path], dense: Optional[nn.Module] = None)
     there is no export there, ``CorruptCheckpoint`` naming a file that
     does not match the manifest, ``NotServable`` for the rest.
     """
+    root = locate(directory, storage_options)
+    if live_export.is_chain(root):
+        return _load_live(root, dense)
     directory = pathlib.Path(directory)
     manifest = _manifest(directory)
     try:
@@ -147,6 +193,94 @@ def load(directory: Union[str, pathlib.Path], dense: Optional[nn.Module] = None)
         raise NotServable(f"{directory}: the exported dense weights do not fit the {type(module).__name__} "
                           f"{'given' if dense is not None else 'rebuilt'}: {error}") from None
     return ServedModel(list(kinds), modules, module, step).eval()
+
+
+class _LiveSource:
+    """Where a model loaded from live exports refreshes from: the root, the last export applied, and every
+    table's rows as the exports left them."""
+
+    def __init__(self, root: Location, model: ModelDescription):
+        self.root, self.model, self.prefix = root, model, model.prefix
+        self.applied: Optional[str] = None
+        self.reset()
+
+    def reset(self) -> None:
+        self.rows = {name: live_export.TableRows(name, shape.embedding_dim, shape.num_embeddings)
+                     for name, shape in self.model.tables.items()}
+
+    def modules(self) -> List[nn.Module]:
+        return [FixedTable(name, rows.weight, self.model.tables[name].mode) if not rows.dynamic
+                else DynamicTable(name, rows.ids, rows.rows, self.model.tables[name].mode)
+                for name, rows in self.rows.items()]
+
+    def publish(self, served: ServedModel) -> None:
+        """Hand the tables' rows to ``served``'s modules."""
+        for name, rows in self.rows.items():
+            table = served.table(name)
+            if rows.dynamic:
+                table.replace(rows.ids, rows.rows)
+            else:
+                table.weight = rows.weight
+
+
+def _load_live(root: Location, dense: Optional[nn.Module]) -> ServedModel:
+    exports = live_export.chain(root)
+    if not exports:
+        raise FileNotFoundError(f"no committed live export in {root}: it has no base export with its "
+                                f"{live_export.MANIFEST}")
+    try:
+        model = ModelDescription.from_dense_part(exports[0].manifest, str(exports[0].directory))
+    except NotExportable as error:
+        raise NotServable(str(error)) from None
+    source = _LiveSource(root, model)
+    dense_state = None
+    for export in exports:
+        dense_state = live_export.apply_export(export, source.rows, source.prefix)
+        source.applied = export.name
+    module = dense if dense is not None else _rebuild_dense(root, {"class": model.dense_class,
+                                                                  "kwargs": model.dense_kwargs})
+    try:
+        module.load_state_dict(dense_state)
+    except RuntimeError as error:
+        raise NotServable(f"{root}: the exported dense weights do not fit the {type(module).__name__} "
+                          f"{'given' if dense is not None else 'rebuilt'}: {error}") from None
+    served = ServedModel(list(source.rows), source.modules(), module, exports[-1].step).eval()
+    served._live = source
+    return served
+
+
+class Follower:
+    """Refreshes ``model`` from its live exports every ``every`` in a background thread until ``stop()``; a
+    refresh that fails is logged and tried again next time."""
+
+    def __init__(self, model: ServedModel, every: datetime.timedelta):
+        if every.total_seconds() <= 0:
+            raise ValueError(f"every must be positive, got {every}")
+        self.model, self.every = model, every
+        self.refreshes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="serving-follow", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every.total_seconds()):
+            try:
+                if self.model.refresh():
+                    self.refreshes += 1
+                    logger.info("serving model refreshed to step %d", self.model.step)
+            except Exception as error:  # noqa: BLE001 - serving goes on with the model it has
+                logger.warning("serving model not refreshed (tried again in %.0f s): %s: %s",
+                               self.every.total_seconds(), type(error).__name__, error)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+def follow(root: Union[str, pathlib.Path], every: datetime.timedelta = datetime.timedelta(minutes=1),
+           dense: Optional[nn.Module] = None, storage_options: Optional[Mapping[str, Any]] = None) -> Follower:
+    """``load(root)`` kept refreshed every ``every`` (``Follower``: its ``model`` is the one to serve with)."""
+    return Follower(load(root, dense, storage_options), every)
 
 
 def _manifest(directory: pathlib.Path) -> Dict[str, Any]:

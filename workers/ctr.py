@@ -22,6 +22,9 @@ most the last ``k`` steps, which are applied in the background
 pushes leave together (``cache_steps`` sets fewer), one message per shard
 every ``k + 1`` steps.
 
+``export_to=URL`` writes live exports there every ``export_every`` steps (a base, then deltas of the rows
+changed; ``paramserver.serving.load(URL)`` serves the newest and ``refresh()`` follows).
+
 ``dynamic_tables=True`` trains the same model on dynamic tables
 (``Table(None, ...)``) over the ids as raw 64-bit hashes, as real
 categorical values come; ``table_options`` passes their admission and
@@ -85,7 +88,8 @@ def main(ctx, steps: int = 1500, batch_size: int = 1024, hook: str = "powersgd",
          eval_every: int = 500, log_every: int = 100, seed: int = 0, spec: Optional[Dict] = None,
          table_name: str = "ctr", dynamic_tables: bool = False, table_options: Optional[Dict] = None,
          data: Optional[Dict] = None, staleness: int = 0, cache_rows: Optional[int] = None,
-         cache_steps: Optional[int] = None) -> dict:
+         cache_steps: Optional[int] = None, export_to: Optional[str] = None, export_every: int = 100,
+         export_base_every: int = 24, export_storage_options: Optional[Dict] = None) -> dict:
     if data is not None:
         source = FileSource(ctx, data, batch_size, embedding_dim, init_std, table_options)
     else:
@@ -98,7 +102,8 @@ def main(ctx, steps: int = 1500, batch_size: int = 1024, hook: str = "powersgd",
         dense_optimizer=lambda params: QHM(params, lr=dense_lr, momentum=momentum, nu=nu),
         loss=nn.BCEWithLogitsLoss(), comm_hook=hook, hook_options=hook_options,
         name=table_name, seed=seed, row_wise_min_rows=row_wise_min_rows, staleness=staleness,
-        cache_rows=cache_rows, cache_steps=cache_steps)
+        cache_rows=cache_rows, cache_steps=cache_steps, export_to=export_to, export_every=export_every,
+        export_base_every=export_base_every, export_storage_options=export_storage_options)
     try:
         result = trainer.fit(source.train, steps=steps, eval_data=source.eval, eval_every=eval_every,
                              log_every=log_every, figures=source.figures)

@@ -125,7 +125,7 @@ class TrainerCheckpoints:
             directory = CheckpointStore(self.ctx.checkpoint.directory).new_directory(step)
             shards = list(self.ctx.shards)
             futures = [rpc.rpc_async(shard, service.write_checkpoint_part, args=(str(directory),)) for shard in shards]
-            files = _every_part(futures, shards)
+            files = every_part(futures, shards)
             dense = write_dense_part(
                 directory, step=step, module=self.replica.module.state_dict(),
                 optimizer=self.replica.optimizer.state_dict(), hook=self.replica.hook,
@@ -155,9 +155,9 @@ class TrainerCheckpoints:
             logger.warning("%s: could not report the failed checkpoint: %s", self.ctx.rpc_name, one_line(error))
 
 
-def _every_part(futures, shards: List[str]) -> List[Dict]:
-    """Every shard's part record, once every shard is done (none still writes into the directory when a
-    failed checkpoint's parts are removed); else the first failure, naming its shard."""
+def every_part(futures, shards: List[str], what: str = "shard parts") -> List[Dict]:
+    """Every shard's part record (as JSON), once every shard is done (none still writes into the directory when
+    a failed checkpoint's parts are removed); else the first failure, naming its shard."""
     parts, failures = [], []
     for shard, future in zip(shards, futures):
         try:
@@ -165,5 +165,5 @@ def _every_part(futures, shards: List[str]) -> List[Dict]:
         except Exception as error:  # noqa: BLE001 - named below; a shard's error arrives as text: its cause
             failures.append(f"shard {shard}: {remote_error_cause(error)}")
     if failures:
-        raise RuntimeError(f"{len(failures)} of {len(shards)} shard parts not written: {failures[0]}")
+        raise RuntimeError(f"{len(failures)} of {len(shards)} {what} not written: {failures[0]}")
     return parts

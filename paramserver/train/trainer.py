@@ -39,6 +39,7 @@ from .checkpoints import TrainerCheckpoints, restore_point
 from .contract import Batch, Table
 from .data import BatchStream
 from .evaluation import evaluate
+from .live_exports import LiveExports
 from .pipeline import RowPipeline
 from .sparse import RebuildStopped, SparseTables
 from .step import ShardStepFailed, StepTimes, train_step
@@ -95,6 +96,12 @@ class Trainer:
     window's reads: a shard handles one message per worker every ``cache_steps`` steps, every row still
     within the staleness bound.  With staleness 0 a window is one step and results are unchanged.  Its
     figures are the job's ``row_cache.*`` (hit rate, rows read, bytes saved, evictions, rows held).
+
+    ``export_to``: a root (local path or fsspec URL, with ``export_storage_options``) where trainer group 0
+    writes a live export every ``export_every`` steps and when it stops (``paramserver.train.live_exports``):
+    a base, then deltas holding the rows changed since the export before, a new base every
+    ``export_base_every`` exports; ``paramserver.serving.load(root)`` serves the newest and ``refresh()``
+    follows.
     """
 
     def __init__(self, ctx, tables: Dict[str, Table], dense: nn.Module, sparse_optimizer: Tuple[type, Dict[str, Any]],
@@ -102,7 +109,9 @@ class Trainer:
                  loss: Callable[[Tensor, Tensor], Tensor], comm_hook: str = "allreduce",
                  hook_options: Optional[Dict[str, Any]] = None, *, name: str = "model", seed: int = 0,
                  row_wise_min_rows: int = ROW_WISE_MIN_ROWS, agree_every: int = 10, staleness: int = 0,
-                 read_ahead: bool = True, cache_rows: Optional[int] = None, cache_steps: Optional[int] = None):
+                 read_ahead: bool = True, cache_rows: Optional[int] = None, cache_steps: Optional[int] = None,
+                 export_to: Optional[str] = None, export_every: int = 100, export_base_every: int = 24,
+                 export_storage_options: Optional[Dict[str, Any]] = None):
         if not tables:
             raise ValueError("a Trainer needs at least one table")
         for table_name, table in tables.items():
@@ -139,6 +148,13 @@ class Trainer:
         self.cache_steps = 1 if cache_rows is None else (cache_steps or staleness + 1)
         #: What every checkpoint records of the model (``paramserver.checkpoint.model``).
         self.model_description = describe_model(name, self.tables, dense)
+        if export_to is not None and (isinstance(export_every, bool) or not isinstance(export_every, int)
+                                      or export_every < 1 or isinstance(export_base_every, bool)
+                                      or not isinstance(export_base_every, int) or export_base_every < 1):
+            raise ValueError(f"export_every and export_base_every must be whole numbers, 1 or more; got "
+                             f"{export_every!r} and {export_base_every!r}")
+        self.export_to, self.export_every, self.export_base_every = export_to, export_every, export_base_every
+        self.export_storage_options = dict(export_storage_options or {})
 
     def fit(self, data: Iterable[Batch], steps: int, eval_data: Optional[Iterable[Batch]] = None,
             eval_every: int = 500, log_every: int = 100, figures: Optional[Dict[str, float]] = None) -> Dict[str, Any]:
@@ -195,6 +211,9 @@ class _Run:
                                     cache_rows=trainer.cache_rows, recorder=ctx.recorders.data_plane)
         self.checkpoints = TrainerCheckpoints(ctx, self.replica, self.batches.position,
                                               model=trainer.model_description)
+        self.exports = (LiveExports(trainer.export_to, trainer.export_every, trainer.export_base_every, self.replica,
+                                    list(ctx.shards), trainer.model_description, trainer.export_storage_options)
+                        if trainer.export_to is not None and ctx.trainer_group == 0 else None)
         self.figures: Dict[str, Any] = dict(figures)
         self.losses: List[float] = []
         self.samples = 0
@@ -211,6 +230,8 @@ class _Run:
         try:
             self._loop()
             self._settled(self.pipeline.drain())  # the pushes of the last steps, when the loop ended early
+            if self.exports is not None:
+                self.exports.at_boundary(final=True)  # serving gets the model as training left it
             self._evaluate_at_the_end()
         finally:
             self.pipeline.close()
@@ -307,6 +328,8 @@ class _Run:
                     if not going_on:
                         return False
                 self.checkpoints.at_boundary(replica.agreed_checkpoint)
+                if self.exports is not None and (final or replica.step % replica.agree_every == 0):
+                    self.exports.at_boundary(final)  # every push up to here is applied
                 if final or not replica.agreed_wait:
                     return True
                 self._waiting_for_data.record("waiting", f"{self.ctx.rpc_name}: step {replica.step} waits for "

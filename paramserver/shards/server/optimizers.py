@@ -287,8 +287,11 @@ class OwnerOptimizer:
 
     def step(self, context_id: int) -> None:
         """One step with the gradients ``dist_autograd`` context ``context_id`` holds here."""
-        self._timed(lambda measure: self._impl.step(context_id, measure), lambda: context_peer(context_id),
-                    "step")
+        def run(measure: bool) -> Tuple[int, int]:
+            for param in self.params:  # a live export carries them whole next time
+                self._state.row_marks(param).mark_whole()
+            return self._impl.step(context_id, measure)
+        self._timed(run, lambda: context_peer(context_id), "step")
 
     def row_width(self, index: int) -> int:
         """The width of parameter ``index``'s rows (``ValueError`` when there is no such 2-D parameter)."""
@@ -326,6 +329,7 @@ class OwnerOptimizer:
                     rows, values = (slots, values) if held.numel() == slots.numel() else \
                         (slots.index_select(0, held), values.index_select(0, held))
                 by_param[index] = _row_gradient(rows, values, self.params[index].shape)
+                self._state.row_marks(self.params[index]).mark(rows)
             return self._impl.apply(by_param, measure)
         return self._timed(run, lambda: peer, "push", once)
 

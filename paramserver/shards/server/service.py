@@ -20,7 +20,7 @@ of what a shard answers:
 * optimizers: ``new_owner_optimizer``, ``optimizer_step`` (TorchScript over
   ``paramserver::owner_step``), ``optimizer_step_stats``,
   ``optimizer_state_dict``, ``optimizer_load_state_dict``;
-* checkpoints: ``write_checkpoint_part``;
+* checkpoints and live exports: ``write_checkpoint_part``, ``write_export_part``;
 * figures: ``dynamic_table_parts``, ``dynamic_table_figures`` (``figures``);
 * the process: ``request_stop``.
 
@@ -42,7 +42,7 @@ from torch import Tensor
 from torch.distributed.rpc import RRef
 
 from ...tables import DynamicOptions
-from . import checkpoint_part, figures, hosted, optimizers, rows
+from . import checkpoint_part, export_part, figures, hosted, optimizers, rows
 from .state import ShardState
 
 logger = logging.getLogger(__name__)
@@ -236,6 +236,13 @@ def optimizer_load_state_dict(handle: int, state: optimizers.StateDict) -> None:
 def write_checkpoint_part(directory: str) -> Dict:
     """RPC target: write this shard's part into checkpoint ``directory``; its ``FileRecord`` as JSON."""
     return checkpoint_part.write_part(_state(), pathlib.Path(directory), rpc.get_worker_info().name).to_json()
+
+
+def write_export_part(directory: str, storage_options: Optional[Dict], whole: bool) -> Dict:
+    """RPC target: write this shard's part of live export ``directory`` (what changed since the last one, or
+    ``whole``); its ``FileRecord`` as JSON."""
+    return export_part.write_export_part(_state(), directory, storage_options, rpc.get_worker_info().name,
+                                         whole).to_json()
 
 
 def dynamic_table_parts() -> List[figures.PartStats]:

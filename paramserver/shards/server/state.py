@@ -29,6 +29,7 @@ from typing import Callable, Dict, List, Optional, Protocol, Tuple
 import torch
 from torch import Tensor
 
+from .changes import RowMarks
 from .dynamic.huge_pages import HugePages
 from .dynamic.native import NativeKernels
 
@@ -72,6 +73,7 @@ class ShardState:
         self._names_by_id: Dict[int, str] = {}
         self._shared: Dict[str, Tensor] = {}
         self._dynamic: Dict[int, object] = {}  # id of a dynamic table's slab -> its DynamicRows
+        self._row_marks: Dict[int, RowMarks] = {}  # id of a fixed hosted tensor -> its rows changed since an export
         self._tables_by_handle: "weakref.WeakValueDictionary[int, Tensor]" = weakref.WeakValueDictionary()
         self._table_handles: Dict[int, int] = {}
         self._table_handle_counter = itertools.count(1)
@@ -103,6 +105,7 @@ class ShardState:
     def _forget(self, tensor_id: int) -> None:
         with self._tensors_lock:
             self._names_by_id.pop(tensor_id, None)
+            self._row_marks.pop(tensor_id, None)
 
     def shared_table(self, name: str, create: Callable[[], Tensor]) -> Tensor:
         """The shared table ``name``, made by ``create()`` (under the lock: one creator wins) if there is none."""
@@ -128,6 +131,18 @@ class ShardState:
             self._shared[name] = self._register_locked(name, rows.slab)
             self._dynamic[id(rows.slab)] = rows
             return rows
+
+    def row_marks(self, tensor: Tensor) -> RowMarks:
+        """The rows of ``tensor`` (hosted here) changed since a live export took them (``changes``); callers
+        hold its lock."""
+        dynamic = self._dynamic.get(id(tensor))
+        if dynamic is not None:
+            return dynamic.marks
+        marks = self._row_marks.get(id(tensor))
+        if marks is None:
+            with self._tensors_lock:
+                marks = self._row_marks.setdefault(id(tensor), RowMarks())
+        return marks
 
     def dynamic_rows(self, tensor: Tensor) -> Optional[object]:
         """The ``DynamicRows`` whose slab ``tensor`` is, or ``None`` (a fixed tensor)."""

@@ -39,6 +39,7 @@ from torch import Tensor
 
 from ....tables import DynamicOptions
 from ....tables.id_hash import initial_rows
+from ..changes import RowMarks
 from .admission import Admission
 from .huge_pages import HugePages
 from .id_index import IdIndex
@@ -76,6 +77,8 @@ class DynamicRows:
         self._optimizers: List[Tuple["weakref.ref", int]] = []
         self._restored_state: Optional[Tuple[str, Dict[str, Tensor]]] = None
         self._lock = lock_for(self.slab)
+        #: Slots changed and ids evicted since a live export took them (``changes``; under the lock).
+        self.marks = RowMarks()
 
     # -- the optimizers whose state follows the rows -----------------------------
     def attach(self, optimizer, index: int) -> None:
@@ -120,9 +123,9 @@ class DynamicRows:
         ttl = self.options.ttl_steps
         if ttl is not None and step - self._last_sweep >= max(1, ttl // 8):
             self._last_sweep = step
-            lanes, _, slots, touches = self.index.held()
+            lanes, ids, slots, touches = self.index.held()
             expired = (touches < step - ttl).nonzero().view(-1)
-            self._evict_locked(lanes[expired], slots[expired])
+            self._evict_locked(lanes[expired], slots[expired], ids[expired])
 
     def _create_locked(self, ids: Tensor, step: int) -> Tensor:
         """Rows for ``ids`` (distinct, none held), made room for; their slots, -1 for those left without."""
@@ -143,6 +146,7 @@ class DynamicRows:
         self.slab.index_copy_(0, taken, initial_rows(new_ids, self.seed, self.embedding_dim, self.init_std,
                                                      self.dtype))
         self.index.insert(new_ids, taken, step)
+        self.marks.mark(taken)
         for optimizer, index in self._each_optimizer():
             optimizer.reset_state_rows(index, taken)
         self.admitted += count
@@ -152,19 +156,20 @@ class DynamicRows:
     def _evict_least_recent_locked(self, needed: int, step: int) -> int:
         """Evict at least ``needed`` rows (``capacity // 64`` if more) of those least recently touched before
         ``step``; returns how many were evicted (fewer when too few rows were touched before ``step``)."""
-        lanes, _, slots, touches = self.index.held()
+        lanes, ids, slots, touches = self.index.held()
         evictable = touches < step
         count = min(max(needed, (self.options.capacity or 0) // 64), int(evictable.sum()))
         if count <= 0:
             return 0
         victims = torch.topk(torch.where(evictable, touches, _NEVER), count, largest=False, sorted=False).indices
-        self._evict_locked(lanes[victims], slots[victims])
+        self._evict_locked(lanes[victims], slots[victims], ids[victims])
         return count
 
-    def _evict_locked(self, lanes: Tensor, slots: Tensor) -> None:
-        """Drop the ids in index lanes ``lanes``; their ``slots`` become free."""
+    def _evict_locked(self, lanes: Tensor, slots: Tensor, ids: Tensor) -> None:
+        """Drop ``ids``, in index lanes ``lanes``; their ``slots`` become free."""
         if slots.numel() == 0:
             return
+        self.marks.evicted(ids)
         self.index.remove_lanes(lanes)
         self._free = torch.cat((self._free, slots))
         self.evicted += slots.numel()
@@ -219,6 +224,30 @@ class DynamicRows:
                 "state": {key: value.index_select(0, slots) if value.dim() > 0 else value.clone()
                           for key, value in state.items()},
                 "admission": self.admission.state_dict(), "clock": self.clock}
+
+    def export_entry_locked(self, changes) -> Dict:
+        """A live export's entry (``changes.take()``'s ``Changes``; the caller holds the lock): every row held
+        (``whole``), or the rows of the slots changed that hold an id now and the ids evicted that are not held
+        again."""
+        _, ids, slots, _ = self.index.held()
+        if changes.whole:
+            order = torch.argsort(slots)
+            ids, slots = ids[order], slots[order]
+            evicted = torch.zeros(0, dtype=torch.int64)
+        else:
+            changed = torch.zeros(max(self.slab.size(0), int(changes.rows.max()) + 1 if changes.rows.numel() else 0),
+                                  dtype=torch.bool)
+            changed[changes.rows] = True
+            chosen = changed[slots].nonzero().view(-1)
+            ids, slots = ids[chosen], slots[chosen]
+            evicted = changes.evicted[~torch.isin(changes.evicted, ids)] if changes.evicted.numel() else \
+                changes.evicted
+            evicted = evicted.unique() if evicted.numel() else evicted
+            if evicted.numel():
+                held_now = self.index.find(evicted) >= 0  # evicted, then admitted again to an unchanged slot?
+                evicted = evicted[~held_now]
+        return {"dynamic": True, "whole": changes.whole, "ids": ids.clone(), "values": self.slab.index_select(0, slots),
+                "evicted": evicted}
 
     def restore(self, ids: Tensor, values: Tensor, last_touch: Tensor, optimizer: str, state: Dict[str, Tensor],
                 admission: List[Dict[str, Tensor]], clock: int) -> None:

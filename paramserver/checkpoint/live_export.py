@@ -1,0 +1,233 @@
+"""Live exports: a chain of a base and deltas under one root (local or any fsspec URL) that serving follows.
+
+Owns the format and its reading and writing, none of the cluster: a training job writes an export every
+few steps (``paramserver.train.live_exports``), each shard its own part (``shards.server.export_part``),
+and serving reads the chain (``paramserver.serving``).  Under ``root``::
+
+    <step, 12 digits>/      one export
+        part-<shard>.pt     what that shard hosts: per table range or dynamic table part, either all of it
+                            ("whole") or the rows changed since the export before (and a dynamic part's
+                            evicted ids)
+        dense.pt            the dense module's state_dict
+        export.json         the manifest, written LAST: an export without one is not there (object stores
+                            have no atomic rename, so nothing else commits it); it names its kind ("base":
+                            every part whole; "delta"), its step, the export before it ("previous") and
+                            its base, the model (tables and dense class, as ``model.describe_model``), and
+                            every file's size and sha256
+
+A delta's size grows with the rows changed, not with the tables.  ``chain(root)`` is the newest base and
+the deltas that follow it link by link; ``TableRows`` applies parts to a table's rows as serving holds
+them.  A file that does not match its manifest is a ``CorruptCheckpoint`` naming it.
+"""
+
+import hashlib
+import io
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ..filesystems import Location
+from ..tables import parse_part_name
+from ..tables.id_hash import shard_of
+from .storage import CorruptCheckpoint, FileRecord, parse_range_name
+
+logger = logging.getLogger(__name__)
+
+LIVE_FORMAT = 2
+MANIFEST = "export.json"
+DENSE_FILE = "dense.pt"
+PART_PREFIX = "part-"
+KINDS = ("base", "delta")
+
+
+def export_name(step: int) -> str:
+    """The directory of the export at ``step``."""
+    return f"{step:012d}"
+
+
+def part_file(shard: str) -> str:
+    return f"{PART_PREFIX}{shard}.pt"
+
+
+def write_tensors(location: Location, obj: Any) -> FileRecord:
+    """``torch.save(obj)`` into the file ``location`` (one write: an object store's upload is whole or absent)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    data = buffer.getbuffer()
+    if location.is_local:
+        location.fs.makedirs(location.parent().path, exist_ok=True)
+    with location.open("wb") as file:
+        file.write(data)
+    return FileRecord(name=location.name, bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+
+
+def read_tensors(location: Location, record: FileRecord) -> Any:
+    """What ``write_tensors`` wrote, checked against ``record`` (size and sha256) first."""
+    try:
+        with location.open("rb") as file:
+            data = file.read()
+    except FileNotFoundError:
+        raise CorruptCheckpoint(f"{location}: missing") from None
+    if len(data) != record.bytes or hashlib.sha256(data).hexdigest() != record.sha256:
+        raise CorruptCheckpoint(f"{location}: {len(data)} bytes that do not match the manifest's "
+                                f"{record.bytes} bytes and sha256 (truncated or replaced)")
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as error:  # noqa: BLE001 - any unreadable file is a corrupt export
+        raise CorruptCheckpoint(f"{location}: not loadable: {type(error).__name__}: {error}") from error
+
+
+def commit(directory: Location, *, kind: str, step: int, previous: Optional[str], base: str,
+           model: Mapping[str, Any], files: Sequence[FileRecord]) -> Dict[str, Any]:
+    """Write ``directory``'s manifest (last: the export exists from here on); returns it."""
+    if kind not in KINDS:
+        raise ValueError(f"an export's kind is one of {KINDS}, got {kind!r}")
+    manifest = {"format": LIVE_FORMAT, "kind": kind, "step": step, "previous": previous, "base": base,
+                "model": dict(model), "files": [record.to_json() for record in files]}
+    with directory.join(MANIFEST).open("wb") as file:
+        file.write(json.dumps(manifest, indent=1).encode())
+    return manifest
+
+
+@dataclass(frozen=True)
+class LiveExport:
+    """One committed export of a chain: its directory and manifest."""
+
+    directory: Location
+    manifest: Dict[str, Any]
+
+    @property
+    def name(self) -> str:
+        return self.directory.name
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+    @property
+    def kind(self) -> str:
+        return str(self.manifest["kind"])
+
+    def records(self) -> Dict[str, FileRecord]:
+        return {entry["name"]: FileRecord.from_json(entry) for entry in self.manifest["files"]}
+
+    def read(self, name: str) -> Any:
+        records = self.records()
+        if name not in records:
+            raise CorruptCheckpoint(f"{self.directory.join(MANIFEST)} names no file {name}")
+        return read_tensors(self.directory.join(name), records[name])
+
+    def parts(self) -> List[str]:
+        return sorted(name for name in self.records() if name.startswith(PART_PREFIX))
+
+
+def is_chain(root: Location) -> bool:
+    """Whether ``root`` holds live exports (directories of 12 digits) rather than being one export."""
+    return not root.join(MANIFEST).exists() and bool(_committed(root))
+
+
+def _committed(root: Location) -> List[LiveExport]:
+    """Every export under ``root`` with a readable manifest, by step."""
+    found = []
+    try:
+        entries = root.fs.ls(root.path, detail=False)
+    except FileNotFoundError:
+        return []
+    for path in entries:
+        name = path.rstrip("/").rsplit("/", 1)[-1]
+        if len(name) != 12 or not name.isdigit():
+            continue
+        directory = root.join(name)
+        try:
+            with directory.join(MANIFEST).open("rb") as file:
+                manifest = json.loads(file.read())
+            if manifest.get("format") == LIVE_FORMAT:
+                found.append(LiveExport(directory, manifest))
+        except FileNotFoundError:
+            continue  # not committed (being written, or its writer failed)
+        except (OSError, ValueError) as error:
+            logger.warning("%s: an unreadable export manifest is skipped: %s", directory.join(MANIFEST), error)
+    return sorted(found, key=lambda export: export.step)
+
+
+def chain(root: Location, after: Optional[str] = None) -> List[LiveExport]:
+    """The newest base under ``root`` and the deltas that follow it, in order (``[]`` when there is none).
+
+    ``after``: the name of an export already applied: only what follows it (its own chain's deltas; a newer
+    base and its deltas when one was written since)."""
+    if not root.is_local:
+        root.fs.invalidate_cache()
+    committed = _committed(root)
+    bases = [export for export in committed if export.kind == "base"]
+    if not bases:
+        return []
+    links = [bases[-1]]
+    by_previous = {export.manifest.get("previous"): export for export in committed if export.kind == "delta"}
+    while links[-1].name in by_previous:
+        links.append(by_previous[links[-1].name])
+    if after is not None:
+        names = [export.name for export in links]
+        if after in names:
+            return links[names.index(after) + 1:]
+    return links
+
+
+class TableRows:
+    """A table's rows as serving holds them, changed by export parts: a fixed table's ``weight`` (rows x dim),
+    or a dynamic table's ``ids`` (sorted) and ``rows``."""
+
+    def __init__(self, name: str, dim: int, num_embeddings: Optional[int]):
+        self.name, self.dim = name, dim
+        self.dynamic = num_embeddings is None
+        self.weight = torch.zeros(0 if num_embeddings is None else num_embeddings, dim)
+        self.ids = torch.zeros(0, dtype=torch.int64)
+        self.rows = torch.zeros(0, dim)
+
+    def apply(self, shard_name: str, entry: Mapping[str, Any]) -> None:
+        """One part's entry (``shard_name``: the range or dynamic part it was hosted as)."""
+        if not self.dynamic:
+            parsed = parse_range_name(shard_name)
+            if parsed is None:
+                raise CorruptCheckpoint(f"table {self.name!r}: a fixed table's part is named {shard_name!r}, no "
+                                        "row range")
+            _, start, stop = parsed
+            values = entry["values"].to(self.weight.dtype)
+            if entry["whole"]:
+                self.weight[start:stop] = values
+            else:
+                self.weight.index_copy_(0, entry["rows"] + start, values)
+            return
+        parsed = parse_part_name(shard_name)
+        if parsed is None:
+            raise CorruptCheckpoint(f"table {self.name!r}: a dynamic table's part is named {shard_name!r}")
+        _, index, count = parsed
+        new_ids = entry["ids"]
+        drop = (shard_of(self.ids, count) == index) if entry["whole"] else \
+            torch.isin(self.ids, torch.cat((entry["evicted"], new_ids)))
+        keep = (~drop).nonzero().view(-1)
+        ids = torch.cat((self.ids.index_select(0, keep), new_ids))
+        rows = torch.cat((self.rows.index_select(0, keep), entry["values"].to(self.rows.dtype)))
+        self.ids, order = torch.sort(ids)
+        self.rows = rows.index_select(0, order)
+
+
+def apply_export(export: LiveExport, tables: Mapping[str, TableRows], prefix: str) -> Dict[str, Any]:
+    """Apply every part of ``export`` to ``tables`` (by table name; ``prefix``: how they are named on the
+    shards); returns its dense state_dict."""
+    for part in export.parts():
+        content = export.read(part)
+        for shard_name, entry in content["tables"].items():
+            table = _table_of(shard_name, prefix)
+            if table in tables:
+                tables[table].apply(shard_name, entry)
+    return export.read(DENSE_FILE)
+
+
+def _table_of(shard_name: str, prefix: str) -> Optional[str]:
+    parsed = parse_range_name(shard_name) or parse_part_name(shard_name)
+    name = parsed[0] if parsed else shard_name
+    return name[len(prefix) + 1:] if name.startswith(prefix + ".") else None

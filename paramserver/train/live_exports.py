@@ -1,0 +1,90 @@
+"""A training job's live exports: every few steps, a delta (or a base) that serving follows.
+
+Owns when and how trainer group 0's rank 0 writes an export of the chain under ``root``
+(``paramserver.checkpoint.live_export``: local or any fsspec URL): at a step boundary every ``every``
+steps, after every push up to it was applied, it has every shard write its part at once (one RPC each,
+``service.write_export_part``: the rows changed since the last export, or all of them), writes the dense
+part and commits the manifest last.  The first export of a process is a base, so is every ``base_every``-th,
+and so is the one after an export failed (a shard that wrote its part of an uncommitted export gave its
+changes to it).  A failed export is logged in one line; training goes on.  No collective: the other
+members go on and wait for rank 0 in their next step's all-reduce.
+"""
+
+import datetime
+import logging
+import time
+from typing import Any, Dict, List, Mapping, Optional
+
+import torch.distributed.rpc as rpc
+
+from ..checkpoint.live_export import DENSE_FILE, commit, export_name, write_tensors
+from ..checkpoint.storage import FileRecord
+from ..filesystems import locate
+from ..logs import one_line
+from ..shards.server import service
+from .checkpoints import every_part
+
+logger = logging.getLogger(__name__)
+
+#: How long a shard may take to write its part of an export.
+PART_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+class LiveExports:
+    """Exports of ``replica``'s model into ``root`` every ``every`` steps (see the module's text); ``model`` is
+    the model's description (``checkpoint.model.describe_model``), ``shards`` the shard names."""
+
+    def __init__(self, root: str, every: int, base_every: int, replica, shards: List[str], model: Dict[str, Any],
+                 storage_options: Optional[Mapping[str, Any]] = None, enabled: bool = True):
+        if every < 1 or base_every < 1:
+            raise ValueError(f"export_every and export_base_every must be at least 1, got {every} and {base_every}")
+        self.root = locate(root, storage_options)
+        self.every, self.base_every = every, base_every
+        self.replica, self.shards, self.model = replica, list(shards), model
+        self.enabled = enabled
+        self._previous: Optional[str] = None
+        self._base: Optional[str] = None
+        self._since_base = 0
+        self._last_step = replica.step
+        self.written: List[str] = []
+
+    def at_boundary(self, final: bool = False) -> None:
+        """At a step boundary where every push is applied: write an export if ``every`` steps passed since the
+        last (or, ``final``, any step did); rank 0 of the group writes, the others return at once."""
+        step = self.replica.step
+        due = step - self._last_step >= (1 if final else self.every)
+        if not self.enabled or self.replica.group.rank != 0 or not due:
+            return
+        self._last_step = step
+        self.write()
+
+    def write(self) -> Optional[str]:
+        """Write and commit an export of the model as of now; its name, or ``None`` when it failed."""
+        step = self.replica.step
+        whole = self._previous is None or self._since_base + 1 >= self.base_every
+        name = export_name(step)
+        directory = self.root.join(name)
+        started = time.monotonic()
+        try:
+            futures = [rpc.rpc_async(shard, service.write_export_part,
+                                     args=(directory.url, dict(self.root.storage_options), whole),
+                                     timeout=PART_TIMEOUT.total_seconds()) for shard in self.shards]
+            files = [FileRecord.from_json(part) for part in every_part(futures, self.shards, "export parts")]
+            files.append(write_tensors(directory.join(DENSE_FILE), self.replica.module.state_dict()))
+            commit(directory, kind="base" if whole else "delta", step=step,
+                   previous=None if whole else self._previous, base=name if whole else self._base,
+                   model=self.model, files=files)
+        except Exception as error:  # noqa: BLE001 - a failed export must not end the training
+            logger.error("live export at step %d to %s failed, not committed (the next one is a base): %s", step,
+                         directory, one_line(error))
+            self._previous = None
+            return None
+        if whole:
+            self._base, self._since_base = name, 0
+        else:
+            self._since_base += 1
+        self._previous = name
+        self.written.append(name)
+        logger.info("live export %s (%s) written at step %d in %.2f s: %.1f MB", directory, "base" if whole else
+                    "delta", step, time.monotonic() - started, sum(record.bytes for record in files) / 1e6)
+        return name

@@ -1,0 +1,106 @@
+"""Live exports (``Trainer(..., export_to=...)``) and serving that follows them: a base, then deltas of the
+rows changed, written while the job trains; ``serving.load`` of the root serves the newest, ``refresh()``
+applies newer ones in place and scores as a fresh load of the same exports, and as the Trainer did.
+
+The job runs in this process (``JobContext.local``: the process is its own shard).
+"""
+
+import shutil
+
+import pytest
+import torch
+
+from paramserver import serving
+from paramserver.checkpoint import live_export
+from paramserver.filesystems import locate
+from workers import ctr
+from workers.ctr_data import CTRSpec, PlantedCTR, auc, to_batch
+
+pytestmark = pytest.mark.timeout(180)
+
+HOLDOUT = 4096
+
+
+@pytest.fixture(scope="module")
+def local_context():
+    from paramserver.runtime.context import JobContext
+    ctx = JobContext.local()
+    yield ctx
+    ctx.close()
+
+
+def scores(model, batches) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.cat([model(batch) for batch in batches])
+
+
+def copy_exports(source, target, names) -> None:
+    for name in names:
+        shutil.copytree(source / name, target / name)
+
+
+def test_a_job_exports_live_and_serving_follows_to_the_trainers_model(local_context, tmp_path):
+    root = tmp_path / "live"
+    # dynamic tables whose rows expire after 5 steps untouched: deltas carry evictions as well as rows
+    result = ctr.main(local_context, table_name="live", steps=60, batch_size=256, hook="allreduce",
+                      holdout_size=HOLDOUT, eval_every=60, log_every=10 ** 9, dynamic_tables=True,
+                      table_options={"ttl_steps": 5}, export_to=str(root), export_every=10, export_base_every=3)
+    exports = live_export.chain(locate(root))
+    assert [(e.kind, e.step) for e in exports] == [("base", 40), ("delta", 50), ("delta", 60)]
+    every = sorted(path.name for path in root.iterdir())
+    assert len(every) == 6, every  # 10 base, 20 and 30 deltas, 40 base, 50 and 60 deltas
+
+    # serving follows: loaded at step 20, refreshed with a delta, then across a new base
+    following = tmp_path / "following"
+    following.mkdir()
+    copy_exports(root, following, every[:2])
+    model = serving.load(str(following))
+    assert model.step == 20
+    assert not model.refresh()
+    copy_exports(root, following, every[2:3])
+    assert model.refresh() and model.step == 30
+    holdout = [to_batch(b, hashed=True) for b in PlantedCTR(CTRSpec(), seed=0).holdout(HOLDOUT)]
+    assert torch.allclose(scores(model, holdout), scores(serving.load(str(following)), holdout), atol=1e-6)
+    copy_exports(root, following, every[3:])
+    assert model.refresh() and model.step == 60
+    fresh = serving.load(str(root))
+    assert torch.allclose(scores(model, holdout), scores(fresh, holdout), atol=1e-6)
+
+    # and it is the Trainer's model: the held-out AUC it reported at step 60
+    labels = torch.cat([batch.labels for batch in holdout])
+    assert auc(scores(fresh, holdout), labels) == pytest.approx(result["auc"], abs=1e-6), result
+
+
+def test_a_shards_delta_holds_the_rows_pushed_since_and_a_failed_export_gives_them_back(tmp_path):
+    from paramserver.optim import QHM, functional_optim_map
+    from paramserver.shards.server.export_part import write_export_part
+    from paramserver.shards.server.optimizers import OwnerOptimizer
+    from paramserver.shards.server.state import ShardState
+
+    state = ShardState()
+    table = state.shared_table("m.t[0:10000]", lambda: torch.randn(10_000, 8))
+    optimizer = OwnerOptimizer(QHM, functional_optim_map[QHM], [table], ["t"], (), dict(lr=0.1, momentum=0.9, nu=0.7), state)
+
+    def push(rows):
+        optimizer.apply_rows([0], [torch.tensor(rows)], [torch.ones(len(rows), 8)], "test")
+
+    def part(name, whole=False):
+        record = write_export_part(state, str(tmp_path / name), None, "shard0", whole)
+        return torch.load(tmp_path / name / record.name, weights_only=True)["tables"]["m.t[0:10000]"], record
+
+    base, base_record = part("a")  # the first export of a process holds everything
+    assert base["whole"] and torch.equal(base["values"], table)
+    push([5, 17, 9000])
+    push([17, 42])
+    delta, delta_record = part("b")
+    assert not delta["whole"] and delta["rows"].tolist() == [5, 17, 42, 9000]
+    assert torch.equal(delta["values"], table[[5, 17, 42, 9000]])
+    assert delta_record.bytes < base_record.bytes / 20  # its size grows with the rows pushed, not the table
+    assert part("c")[0]["rows"].numel() == 0  # nothing since
+    push([3])
+    (tmp_path / "blocked").write_text("a file where the export's directory should be")
+    with pytest.raises(Exception):
+        part("blocked")
+    push([4])
+    assert part("d")[0]["rows"].tolist() == [3, 4]  # what the failed export took is carried by the next
+    assert part("e", whole=True)[0]["whole"]
