@@ -250,3 +250,25 @@ def test_the_ctr_job_follows_files_as_they_land_and_waits_for_them_at_an_agreeme
         trainer_log.setLevel(level)
     assert result["steps"] == 20 and result["sparse_steps"] == 20, result
     assert LandOnWait.waits and "step 10 waits" in LandOnWait.waits[0], LandOnWait.waits
+
+
+def test_a_stream_of_new_ids_keeps_a_bounded_table_with_ttl_steps(local_context, tmp_path):
+    """Online data brings new ids all the time: with ``ttl_steps`` the rows not seen for that many steps go,
+    so the rows held stay bounded while the stream goes on (here every line brings ids never seen before)."""
+    import torch.distributed.rpc as rpc
+
+    from paramserver.shards.server import service
+    from test_data_files import line, write
+    from workers import ctr
+
+    for day in range(4):
+        write(tmp_path / f"day_{day}.txt", [line(day * 2560 + i) for i in range(2560)])
+    data = {"format": "criteo", "train": str(tmp_path), "follow": True, "poll_seconds": 0.2}
+    result = ctr.main(local_context, table_name="ctr-ttl", steps=40, batch_size=256, hook="allreduce",
+                      eval_every=10 ** 9, log_every=10 ** 9, data=data, table_options={"ttl_steps": 5})
+    assert result["steps"] == 40, result
+    parts = {table: stats for table, _, stats in rpc.rpc_sync(local_context.rpc_name, service.dynamic_table_parts)
+             if table.startswith("ctr-ttl.")}
+    c1 = parts["ctr-ttl.C1"]
+    assert c1["admitted"] == 40 * 256, c1  # every id new
+    assert c1["rows"] <= 8 * 256 and c1["evicted"] >= 30 * 256, c1  # about ttl_steps' worth held, not 40 steps'
