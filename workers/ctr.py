@@ -38,7 +38,7 @@ tuned on the planted data (1500 steps of 2 x 1024 samples reach about
 """
 
 import logging
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -90,6 +90,29 @@ def main(ctx, steps: int = 1500, batch_size: int = 1024, hook: str = "powersgd",
          data: Optional[Dict] = None, staleness: int = 0, cache_rows: Optional[int] = None,
          cache_steps: Optional[int] = None, export_to: Optional[str] = None, export_every: int = 100,
          export_base_every: int = 24, export_storage_options: Optional[Dict] = None) -> dict:
+    """Train the job (``build``) for ``steps`` steps; the Trainer's figures and the source's.  The signature
+    names every option, so that a worker refuses a config key the job does not take."""
+    options = {name: value for name, value in locals().items()
+               if name not in ("ctx", "steps", "eval_every", "log_every")}
+    trainer, source = build(ctx, **options)
+    try:
+        result = trainer.fit(source.train, steps=steps, eval_data=source.eval, eval_every=eval_every,
+                             log_every=log_every, figures=source.figures)
+    finally:
+        source.close()
+    return dict(result, **source.final_figures())
+
+
+def build(ctx, batch_size: int = 1024, hook: str = "powersgd", hook_options: Optional[Dict] = None,
+          embedding_dim: int = 16, hidden: Sequence[int] = (128, 64), sparse_lr: float = 128.0,
+          dense_lr: float = 0.5, momentum: float = 0.9, nu: float = 0.7, init_std: float = 0.01,
+          row_wise_min_rows: int = 1_000_000, holdout_size: int = 20_000, seed: int = 0,
+          spec: Optional[Dict] = None, table_name: str = "ctr", dynamic_tables: bool = False,
+          table_options: Optional[Dict] = None, data: Optional[Dict] = None, staleness: int = 0,
+          cache_rows: Optional[int] = None, cache_steps: Optional[int] = None, export_to: Optional[str] = None,
+          export_every: int = 100, export_base_every: int = 24,
+          export_storage_options: Optional[Dict] = None) -> Tuple[Trainer, "PlantedSource | FileSource"]:
+    """The job's Trainer and its data (``PlantedSource``, or ``FileSource`` with ``data``), not started."""
     if data is not None:
         source = FileSource(ctx, data, batch_size, embedding_dim, init_std, table_options)
     else:
@@ -104,12 +127,7 @@ def main(ctx, steps: int = 1500, batch_size: int = 1024, hook: str = "powersgd",
         name=table_name, seed=seed, row_wise_min_rows=row_wise_min_rows, staleness=staleness,
         cache_rows=cache_rows, cache_steps=cache_steps, export_to=export_to, export_every=export_every,
         export_base_every=export_base_every, export_storage_options=export_storage_options)
-    try:
-        result = trainer.fit(source.train, steps=steps, eval_data=source.eval, eval_every=eval_every,
-                             log_every=log_every, figures=source.figures)
-    finally:
-        source.close()
-    return dict(result, **source.final_figures())
+    return trainer, source
 
 
 class PlantedSource:
