@@ -93,6 +93,49 @@ def test_drop_in_with_plain_torch_rpc_matches_local_optimizers():
     run_cluster([(trainer_matches_local_optimizers, ())], num_shards=2)
 
 
+def _owner_context_gradients(context_id, rrefs):
+    """RPC target: the gradients dist_autograd context ``context_id`` holds here for ``rrefs``' parameters."""
+    gradients = dist_autograd.get_gradients(context_id)
+    return [gradients[r.local_value()].clone() for r in rrefs]
+
+
+def trainer_context_step_equals_functional_step():
+    """An owner's step from a context (the gradients looked up and checked in one pass, then the functional
+    optimizer's fused update) lands on the same bits as the functional optimizer stepped with those very
+    gradients as a list: parameters and momentum, over several steps (momentum state carried), QHM and SGD."""
+    from paramserver.optim import FunctionalQHM, FunctionalSGD, ScriptedOptimizer
+    for optimizer_cls, functional_cls, config in [
+            (QHM, FunctionalQHM, dict(lr=0.1, momentum=0.9, nu=0.7)),
+            (torch.optim.SGD, FunctionalSGD, dict(lr=0.1, momentum=0.9)),
+            (torch.optim.SGD, FunctionalSGD, dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01))]:
+        init = [torch.randn(64, 32), torch.randn(32, 8), torch.randn(8), torch.randn(300, 200)]
+        rrefs = [rpc.remote("shard0", make_param, args=(value,)) for value in init]
+        dist_opt = DistributedOptimizer(optimizer_cls, rrefs, **config)
+        local = [value.clone() for value in init]
+        reference = ScriptedOptimizer(functional_cls, local, **config)
+        for _ in range(4):
+            x = torch.randn(6, 64)
+            with dist_autograd.context() as context_id:
+                remote = [rpc.rpc_sync("shard0", param_value, args=(r,)) for r in rrefs]
+                w1, w2, b, big = remote
+                loss = ((x @ w1).tanh() @ w2 + b).pow(2).sum() + (big * big).sum()
+                dist_autograd.backward(context_id, [loss])
+                gradients = rpc.rpc_sync("shard0", _owner_context_gradients, args=(context_id, rrefs))
+                dist_opt.step(context_id)
+            reference.step(gradients)
+            for got, expected in zip(fetch(rrefs), local):
+                assert torch.equal(got, expected), optimizer_cls
+        state, expected_state = dist_opt.state_dict()["state"], reference.state_dict()
+        assert sorted(state) == sorted(expected_state) == [0, 1, 2, 3]
+        for index, entry in expected_state.items():
+            for key, value in entry.items():
+                assert torch.equal(state[index][key], value), (optimizer_cls, index, key)
+
+
+def test_a_step_from_a_context_equals_the_functional_step_bit_for_bit():
+    run_cluster([(trainer_context_step_equals_functional_step, ())], num_shards=1)
+
+
 def _step_on(dist_opt, rrefs, x):
     with dist_autograd.context() as context_id:
         remote = [rpc.rpc_sync(r.owner(), param_value, args=(r,)) for r in rrefs]

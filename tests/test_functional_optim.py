@@ -283,3 +283,34 @@ def test_large_and_small_tensors_take_both_kernels_and_match(build_functional, f
         functional.step(grads)
     for p, q in zip(local_params, params):
         torch.testing.assert_close(q, p.detach(), rtol=0, atol=1e-10)
+
+
+MOMENTUM_STEP_CASES = [
+    dict(lr=0.1, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False),
+    dict(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False),
+    dict(lr=0.1, momentum=0.9, dampening=0.3, weight_decay=0.01, nesterov=False, maximize=True),
+    dict(lr=0.05, momentum=0.9, dampening=0.0, weight_decay=0.01, nesterov=True, maximize=False),
+]
+
+
+@pytest.mark.parametrize("scripted", [False, True], ids=["eager", "scripted"])
+@pytest.mark.parametrize("config", MOMENTUM_STEP_CASES, ids=config_id)
+def test_momentum_step_with_every_tensor_fused_equals_the_split_path_bit_for_bit(scripted, config):
+    """``fused_min_elements=0`` (every dense step) hands the lists to the fused kernel as they are; the
+    general path (here with a threshold of 1, which every tensor also meets) splits them first.  Same
+    kernel, same tensors: the same bits, first step and later ones, parameters and momentum."""
+    from paramserver.optim.kernels import momentum_step
+    step = torch.jit.script(momentum_step) if scripted else momentum_step
+    shapes = [(64, 32), (7, 3), (1,), (40000,)]
+    params = [torch.randn(s) for s in shapes]
+    buffers = [torch.zeros(s) for s in shapes] if config["momentum"] != 0.0 else []
+    split_params = [p.clone() for p in params]
+    split_buffers = [b.clone() for b in buffers]
+    args = [config[k] for k in ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize")]
+    for index in range(5):
+        grads = [torch.randn(s) for s in shapes]
+        written = step(params, grads, buffers, *args, index == 0, 0)
+        split_written = step(split_params, grads, split_buffers, *args, index == 0, 1)
+        assert len(written) == len(split_written) == len(params) + len(buffers)
+        for a, b in zip(params + buffers, split_params + split_buffers):
+            assert torch.equal(a, b)

@@ -162,6 +162,12 @@ class DistributedOptimizer:
             for name in self._owner_names:
                 recorder.client_request(name, "step")
         futures = self._step_sender(self._owner_names, self._owner_handles, context_id)
+        try:
+            # One wait (one wake-up of this thread) for all the answers, instead of one per owner; it raises
+            # when one failed, and ``_wait_all`` then names every owner that did.
+            torch.futures.collect_all(futures).wait()
+        except Exception:  # noqa: BLE001 - reported below, owner by owner
+            pass
         _wait_all(dict(zip(self._owner_names, futures)), "DistributedOptimizer.step")
 
     def owner_step_stats(self) -> Dict[str, Dict[str, float]]:

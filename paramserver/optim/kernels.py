@@ -108,6 +108,12 @@ def momentum_step(
     module docstring: otherwise TorchScript may drop the update).
     """
     use_buffers = momentum != 0.0
+    if fused_min_elements <= 0:  # every tensor takes the fused kernel: the lists as given, no split
+        torch._fused_sgd_(
+            params, grads, buffers if use_buffers else [],
+            weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening,
+            nesterov=nesterov, maximize=maximize, is_first_step=is_first_step)
+        return params + buffers if use_buffers else params
     large_params: List[Tensor] = []
     large_grads: List[Tensor] = []
     large_buffers: List[Tensor] = []

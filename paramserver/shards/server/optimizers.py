@@ -65,16 +65,37 @@ def context_gradients(context_id: int, params: List[Tensor]) -> List[Optional[Te
 
 
 @torch.jit.script
+def _refuse_gradient_shape(name: str, gradient: Tensor, param: Tensor) -> None:
+    raise ValueError(
+        "gradient for parameter {} has shape {} but the parameter has shape {}; "
+        "no parameter on this owner was changed".format(name, list(gradient.shape), list(param.shape)))
+
+
+@torch.jit.script
 def check_gradient_shapes(names: List[str], params: List[Tensor], gradients: List[Optional[Tensor]]) -> None:
     """Raise ``ValueError`` naming the first parameter whose gradient has another shape."""
     for i in range(len(params)):
         gradient = gradients[i]
         if gradient is not None:
             if gradient.shape != params[i].shape:
-                raise ValueError(
-                    "gradient for parameter {} has shape {} but the parameter has shape {}; "
-                    "no parameter on this owner was changed".format(
-                        names[i], list(gradient.shape), list(params[i].shape)))
+                _refuse_gradient_shape(names[i], gradient, params[i])
+
+
+@torch.jit.script
+def checked_context_gradients(context_id: int, names: List[str], params: List[Tensor]) -> List[Optional[Tensor]]:
+    """``context_gradients`` and ``check_gradient_shapes`` in one pass over the parameters (a step's way in)."""
+    all_gradients = dist_autograd.get_gradients(context_id)
+    gradients: List[Optional[Tensor]] = []
+    for i in range(len(params)):
+        param = params[i]
+        if param in all_gradients:
+            gradient = all_gradients[param]
+            if gradient.shape != param.shape:
+                _refuse_gradient_shape(names[i], gradient, param)
+            gradients.append(gradient)
+        else:
+            gradients.append(None)
+    return gradients
 
 
 @torch.jit.script
@@ -129,7 +150,11 @@ class _ScriptedStep(nn.Module):
     @torch.jit.export
     def step(self, context_id: int, measure: bool) -> Tuple[int, int]:
         """Apply the context's gradients; with ``measure``, return their ``gradient_stats`` (else zeros)."""
-        return self.apply(context_gradients(context_id, self.params), measure)
+        gradients = checked_context_gradients(context_id, self.names, self.params)
+        self.optim.step(gradients)
+        if measure:
+            return gradient_stats(gradients)
+        return 0, 0
 
     @torch.jit.export
     def apply(self, gradients: List[Optional[Tensor]], measure: bool) -> Tuple[int, int]:
