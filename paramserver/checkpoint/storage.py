@@ -41,7 +41,7 @@ from typing import BinaryIO, Callable, Dict, List, Optional, Sequence, Tuple, Ty
 import torch
 from torch import Tensor
 
-from ..filesystems import Location, PathOrUrl, StorageUnavailable, failures_named, locate
+from ..filesystems import Location, PathOrUrl, StorageUnavailable, failures_named, locate  # noqa: F401 - re-exported
 from ..logs import one_line
 
 logger = logging.getLogger(__name__)
