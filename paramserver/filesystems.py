@@ -157,19 +157,28 @@ def _client_failures() -> Tuple[type, ...]:
 
 
 @contextlib.contextmanager
-def failures_named(location: Location, doing: str) -> Iterator[None]:
+def failures_named(location: Location, doing: str, absent_is_failure: bool = False) -> Iterator[None]:
     """Inside it, a remote filesystem's failure is a ``StorageUnavailable``: ``"<url>: cannot <doing>: <why>"``.
 
-    ``FileNotFoundError`` (something absent, an answer the caller acts on) and a local location's errors (they
-    name their path already) pass as they are.
+    ``FileNotFoundError`` (something absent, an answer the caller acts on; unless ``absent_is_failure``: a
+    write into a bucket that does not exist) and a local location's errors (they name their path already)
+    pass as they are.
     """
     if location.is_local:
         yield
         return
     try:
         yield
-    except (FileNotFoundError, StorageUnavailable):
+    except StorageUnavailable:
         raise
+    except FileNotFoundError as error:
+        if not absent_is_failure:
+            raise
+        raise _unavailable(location, doing, error) from error
     except _client_failures() as error:
-        why = " ".join(str(error).split()) or "no reason given"
-        raise StorageUnavailable(f"{location.url}: cannot {doing}: {type(error).__name__}: {why}") from error
+        raise _unavailable(location, doing, error) from error
+
+
+def _unavailable(location: Location, doing: str, error: BaseException) -> StorageUnavailable:
+    why = " ".join(str(error).split()) or "no reason given"
+    return StorageUnavailable(f"{location.url}: cannot {doing}: {type(error).__name__}: {why}")

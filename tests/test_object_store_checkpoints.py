@@ -212,3 +212,11 @@ def test_a_job_checkpoints_to_s3_survives_a_lost_shard_is_restored_on_3_shards_a
     with torch.no_grad():
         scores = torch.cat([served(Planted(7, hashed_videos=True).batch(999, index, 1024)) for index in range(2)])
     assert (scores - torch.load(evaluated, weights_only=True)).abs().max().item() <= 1e-6
+
+
+def test_a_checkpoint_into_a_bucket_that_does_not_exist_is_named(s3):
+    store = CheckpointStore(f"s3://{s3.bucket}-missing/ckpt")
+    directory = store.new_directory(10)  # nothing is there: a free name
+    with pytest.raises(StorageUnavailable, match=rf"^{re.escape(directory.url)}/dense.pt: cannot write: "
+                                                 r"FileNotFoundError: The specified bucket does not exist"):
+        save_tensors(directory / "dense.pt", {"step": 10})

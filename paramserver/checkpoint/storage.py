@@ -149,7 +149,7 @@ def atomic_write(path: PathLike, write: Callable[[BinaryIO], None]) -> FileRecor
 def _write_object(location: Location, write: Callable[[BinaryIO], None]) -> FileRecord:
     """``atomic_write`` on an object store: an object appears when its upload completes, whole; a failed one is
     abandoned (its multipart upload aborted), never completed."""
-    with failures_named(location, "write"):
+    with failures_named(location, "write", absent_is_failure=True):  # absent: no such bucket
         file = location.open("wb")
         writer = _HashingWriter(file)
         try:
