@@ -10,14 +10,18 @@ Options for a remote filesystem come from fsspec's own configuration (``FSSPEC_S
 standard ``AWS_*`` variables, fsspec's config files) and from ``storage_options`` (a mapping, or the JSON
 text of a ``--storage-options`` flag, ``parse_storage_options``); explicit options win.  A protocol whose
 implementation is not installed is a ``MissingStorageExtra`` naming the URL and the ``pip install`` that
-brings it.  Imports nothing of the package: every floor may use it.
+brings it.  A remote filesystem's own failures (unreachable, credentials refused: an ``OSError`` or its
+client's error, ``botocore``'s for S3) become one ``StorageUnavailable`` naming the URL and what was being
+done (``failures_named``).  Imports nothing of the package: every floor may use it.
 """
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, Mapping, Optional, Union
+from typing import Any, Dict, Iterator, Mapping, Optional, Tuple, Union
 
+import fsspec
 from fsspec.core import split_protocol, url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
@@ -29,6 +33,10 @@ EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 
 class MissingStorageExtra(ImportError):
     """A URL's protocol needs a package that is not installed (``s3fs`` for ``s3://``, ...)."""
+
+
+class StorageUnavailable(OSError):
+    """A remote filesystem failed an operation: unreachable, credentials refused, ...; the message names the URL."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +83,15 @@ class Location:
     def exists(self) -> bool:
         return self.fs.exists(self.path)
 
+    def __truediv__(self, part: str) -> "Location":
+        return self.join(part)
+
+    def __fspath__(self) -> str:
+        """The local path (so that ``open``, ``os`` and ``pathlib`` take a local location); a remote one has none."""
+        if not self.is_local:
+            raise TypeError(f"{self.url} is not on this host's file system")
+        return self.path
+
     def __str__(self) -> str:
         return self.url
 
@@ -118,7 +135,7 @@ def locate(name: PathOrUrl, storage_options: Optional[Mapping[str, Any]] = None)
         path = os.path.abspath(os.path.expanduser(rest))
         return Location(url=path, fs=LocalFileSystem(), path=path, storage_options=options)
     try:
-        fs, path = url_to_fs(text, **options)
+        fsspec.get_filesystem_class(protocol)
     except ImportError as error:
         extra = EXTRAS.get(protocol)
         hint = f"pip install 'paramserver[{extra}]'" if extra else f"install fsspec's package for {protocol!r}"
@@ -126,4 +143,42 @@ def locate(name: PathOrUrl, storage_options: Optional[Mapping[str, Any]] = None)
                                   f"({hint}): {error}") from error
     except ValueError as error:
         raise ValueError(f"{text}: unknown storage protocol {protocol!r} ({error})") from None
+    fs, path = url_to_fs(text, **options)
     return Location(url=text, fs=fs, path=path, storage_options=options)
+
+
+def _client_failures() -> Tuple[type, ...]:
+    """The error types remote filesystems' clients raise besides ``OSError`` (those of the installed ones)."""
+    failures: Tuple[type, ...] = (OSError,)
+    with contextlib.suppress(ImportError):
+        import botocore.exceptions
+        failures += (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError)
+    return failures
+
+
+@contextlib.contextmanager
+def failures_named(location: Location, doing: str, absent_is_failure: bool = False) -> Iterator[None]:
+    """Inside it, a remote filesystem's failure is a ``StorageUnavailable``: ``"<url>: cannot <doing>: <why>"``.
+
+    ``FileNotFoundError`` (something absent, an answer the caller acts on; unless ``absent_is_failure``: a
+    write into a bucket that does not exist) and a local location's errors (they name their path already)
+    pass as they are.
+    """
+    if location.is_local:
+        yield
+        return
+    try:
+        yield
+    except StorageUnavailable:
+        raise
+    except FileNotFoundError as error:
+        if not absent_is_failure:
+            raise
+        raise _unavailable(location, doing, error) from error
+    except _client_failures() as error:
+        raise _unavailable(location, doing, error) from error
+
+
+def _unavailable(location: Location, doing: str, error: BaseException) -> StorageUnavailable:
+    why = " ".join(str(error).split()) or "no reason given"
+    return StorageUnavailable(f"{location.url}: cannot {doing}: {type(error).__name__}: {why}")

@@ -1,7 +1,9 @@
 """Serving an export: ``load(DIR)`` turns what ``ps-ctl export`` wrote into a local module that scores batches.
 
-Owns reading an export (``paramserver.checkpoint.export`` writes one):
-its manifest, every file checked against the size and sha256 recorded
+Owns reading an export (``paramserver.checkpoint.export`` writes one), from
+a local directory or any fsspec URL (``s3://bucket/models/ctr``; a remote
+file is read into memory once, checked, then loaded): its manifest (a
+directory without one holds no export), every file checked against the size and sha256 recorded
 there, the tables as local modules, and the dense module, rebuilt from
 its recorded class and keyword arguments (the class is imported) or
 given.  The tables pool exactly as the cluster's evaluation does (rows
@@ -21,9 +23,8 @@ import datetime
 import importlib
 import json
 import logging
-import pathlib
 import threading
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +34,7 @@ from .checkpoint import live_export
 from .checkpoint.export import EXPORT_FORMAT, EXPORT_MANIFEST
 from .checkpoint.model import EXPORT_KWARGS, ModelDescription, NotExportable
 from .checkpoint.storage import FileRecord, load_tensors
-from .filesystems import Location, locate
+from .filesystems import Location, PathOrUrl, failures_named, locate
 
 __all__ = ["DynamicTable", "FixedTable", "Follower", "NotServable", "ServedModel", "follow", "load"]
 
@@ -131,6 +132,7 @@ class ServedModel(nn.Module):
             self.step = newer[-1].step
             return True
 
+
     def table(self, name: str) -> nn.Module:
         """The table ``name`` (``KeyError`` naming the tables there are)."""
         if name not in self.table_names:
@@ -149,23 +151,23 @@ class ServedModel(nn.Module):
         return self.dense(self.pool(batch.sparse), batch.dense)
 
 
-def load(directory: Union[str, pathlib.Path], dense: Optional[nn.Module] = None,
+def load(directory: PathOrUrl, dense: Optional[nn.Module] = None,
          storage_options: Optional[Mapping[str, Any]] = None) -> ServedModel:
-    """The model exported into ``directory``, in eval mode, on the CPU.
+    """The model exported into ``directory`` (a path or fsspec URL), in eval mode, on the CPU.
 
-    A root of live exports (a local path or URL, with ``storage_options``) loads as its newest export, and
-    ``refresh()`` follows it.
+    A root of live exports loads as its newest export, and ``refresh()`` follows it.
 
     ``dense``: a module to load the dense weights into, needed when the
     export cannot rebuild one itself (its class not importable here, or
-    recorded without ``export_kwargs()``).  ``FileNotFoundError`` when
+    recorded without ``export_kwargs()``).  ``storage_options``: fsspec
+    options for the directory's filesystem.  ``FileNotFoundError`` when
     there is no export there, ``CorruptCheckpoint`` naming a file that
-    does not match the manifest, ``NotServable`` for the rest.
+    does not match the manifest, ``StorageUnavailable`` naming the URL of
+    storage that cannot be reached, ``NotServable`` for the rest.
     """
-    root = locate(directory, storage_options)
-    if live_export.is_chain(root):
-        return _load_live(root, dense)
-    directory = pathlib.Path(directory)
+    directory = locate(directory, storage_options)
+    if live_export.is_chain(directory):
+        return _load_live(directory, dense)
     manifest = _manifest(directory)
     try:
         records = {entry["name"]: FileRecord.from_json(entry) for entry in manifest["files"]}
@@ -173,13 +175,13 @@ def load(directory: Union[str, pathlib.Path], dense: Optional[nn.Module] = None,
         described_dense, step = manifest["dense"], int(manifest["step"])
         kinds = {name: (table["kind"], table["mode"], table["file"]) for name, table in tables.items()}
     except (KeyError, TypeError, ValueError, AttributeError) as error:
-        raise NotServable(f"{directory / EXPORT_MANIFEST}: not a valid export manifest: "
+        raise NotServable(f"{directory.join(EXPORT_MANIFEST)}: not a valid export manifest: "
                           f"{type(error).__name__}: {error}") from None
 
     def read(name: str) -> Any:
         if name not in records:
-            raise NotServable(f"{directory / EXPORT_MANIFEST} names {name} without its size and sha256")
-        return load_tensors(directory / name, records[name])
+            raise NotServable(f"{directory.join(EXPORT_MANIFEST)} names {name} without its size and sha256")
+        return load_tensors(directory.join(name), records[name])
 
     modules = []
     for name, (kind, mode, file) in kinds.items():
@@ -277,19 +279,24 @@ class Follower:
         self._thread.join(10)
 
 
-def follow(root: Union[str, pathlib.Path], every: datetime.timedelta = datetime.timedelta(minutes=1),
+def follow(root: PathOrUrl, every: datetime.timedelta = datetime.timedelta(minutes=1),
            dense: Optional[nn.Module] = None, storage_options: Optional[Mapping[str, Any]] = None) -> Follower:
     """``load(root)`` kept refreshed every ``every`` (``Follower``: its ``model`` is the one to serve with)."""
     return Follower(load(root, dense, storage_options), every)
 
 
-def _manifest(directory: pathlib.Path) -> Dict[str, Any]:
-    path = directory / EXPORT_MANIFEST
-    if not path.is_file():
-        raise FileNotFoundError(f"no export in {directory}: it has no {EXPORT_MANIFEST} (ps-ctl export writes one, "
-                                "last)")
+def _manifest(directory: Location) -> Dict[str, Any]:
+    path = directory.join(EXPORT_MANIFEST)
+    if not directory.is_local:
+        directory.fs.invalidate_cache()  # an export written since this process last looked
     try:
-        manifest = json.loads(path.read_text())
+        with failures_named(path, "read the export"):
+            text = path.fs.cat_file(path.path)
+    except (FileNotFoundError, IsADirectoryError):
+        raise FileNotFoundError(f"no export in {directory}: it has no {EXPORT_MANIFEST} (ps-ctl export writes one, "
+                                "last)") from None
+    try:
+        manifest = json.loads(text)
         version = manifest["format"]
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise NotServable(f"{path}: not a valid export manifest: {type(error).__name__}: {error}") from None
@@ -298,7 +305,7 @@ def _manifest(directory: pathlib.Path) -> Dict[str, Any]:
     return manifest
 
 
-def _rebuild_dense(directory: pathlib.Path, described: Mapping[str, Any]) -> nn.Module:
+def _rebuild_dense(directory: Location, described: Mapping[str, Any]) -> nn.Module:
     """The dense module built again from its recorded class and keyword arguments."""
     reference, kwargs = described["class"], described["kwargs"]
     module_name, _, qualname = reference.partition(":")

@@ -8,6 +8,7 @@ told to restore from the newest commit."""
 import datetime
 import json
 import logging
+import pathlib
 import threading
 import time
 
@@ -186,7 +187,7 @@ def test_every_n_seconds_asks_for_checkpoints_until_stopped(tmp_path):
 
 
 @pytest.mark.parametrize("damage, message", [
-    (lambda d, f: (d.parent.parent / "elsewhere", f), "is not a checkpoint directory directly inside"),
+    (lambda d, f: (pathlib.Path(d).parent.parent / "elsewhere", f), "is not a checkpoint directory directly inside"),
     (lambda d, f: (d, []), "files is empty"),
     (lambda d, f: (d, [pb.CheckpointFile(name="../escape.pt", bytes=1, sha256="0" * 64)]), "plain file name"),
     (lambda d, f: (d, [pb.CheckpointFile(name="dense.pt", bytes=f[0].bytes, sha256="XYZ")]), "64 lowercase hex"),

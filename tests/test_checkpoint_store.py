@@ -9,6 +9,7 @@ import hashlib
 import io
 import json
 import os
+import pathlib
 from types import SimpleNamespace
 
 import pytest
@@ -116,7 +117,7 @@ def test_a_damaged_newest_checkpoint_is_refused_by_file_name_and_the_previous_us
     store = CheckpointStore(tmp_path, keep=5)
     write_checkpoint(store, 10, 1.0)
     newest = write_checkpoint(store, 20, 2.0)
-    part = newest.file("part.pt")
+    part = pathlib.Path(newest.file("part.pt"))
     part.write_bytes(damage(part.read_bytes()))
     with pytest.raises(CorruptCheckpoint, match=rf"{part}: .*{message}"):
         load_tensors(part, newest.files[0])
@@ -136,14 +137,14 @@ def test_a_restarting_shard_restores_from_the_newest_checkpoint_that_verifies(tm
     newest = write_checkpoint(store, 20, 2.0)
     write_checkpoint(store, 30, 3.0)  # newer than the one the coordinator names (a --restore of an older point)
     assert CheckpointSource.newest_verified(str(newest.path), 20, "shard1").checkpoint.step == 20
-    part = newest.file("part.pt")
+    part = pathlib.Path(newest.file("part.pt"))
     part.write_bytes(part.read_bytes()[:-10])  # damaged after it was committed
     source = CheckpointSource.newest_verified(str(newest.path), 20, "shard1")
     assert source.checkpoint.step == 10
     refusals = [r.getMessage() for r in caplog.records if "not restoring from" in r.getMessage()]
     assert refusals == [f"shard shard1: not restoring from {newest.path}: {part}: size "
                         f"{part.stat().st_size} bytes, expected {newest.files[0].bytes} (truncated or replaced)"]
-    older = source.checkpoint.file("part.pt")
+    older = pathlib.Path(source.checkpoint.file("part.pt"))
     older.write_bytes(older.read_bytes()[:-1])
     with pytest.raises(CorruptCheckpoint, match=rf"^shard shard1: no checkpoint to restore from verifies: .*{part}.*"
                                                 rf"; .*{older}"):
@@ -157,7 +158,7 @@ def test_a_checkpoint_source_that_cannot_read_its_file_says_so_once_not_per_tabl
         "t[0:4]": {"value": torch.ones(4, 3), "optimizer": "", "state": {}}}})
     checkpoint = store.commit(directory, [part], 10, {})
     assert torch.equal(CheckpointSource(checkpoint).rows("t[1:3]", 2, 3, torch.float32), torch.ones(2, 3))
-    (directory / part.name).write_bytes(b"\0" * part.bytes)  # broken after it was checked (or never checked)
+    pathlib.Path(directory / part.name).write_bytes(b"\0" * part.bytes)  # broken after it was checked (or never checked)
     for verified in (True, False):
         caplog.clear()
         source = CheckpointSource(checkpoint, verified=verified)
@@ -178,7 +179,7 @@ def test_a_worker_joining_mid_job_starts_from_the_newest_dense_part_that_verifie
     ctx = SimpleNamespace(rpc_name="worker1", checkpoint=CheckpointSettings(
         directory=str(tmp_path), restore_from=str(newest.path), restore_step=20))
     assert restore_point(ctx)["step"] == 20
-    dense = newest.file(DENSE_PART)
+    dense = pathlib.Path(newest.file(DENSE_PART))
     dense.write_bytes(dense.read_bytes()[:50] + b"X" + dense.read_bytes()[51:])  # damaged after its commit
     assert restore_point(ctx)["step"] == 10
     said = [r.getMessage() for r in caplog.records if "worker1" in r.getMessage()]
@@ -212,7 +213,7 @@ def test_a_failed_checkpoint_is_reported_to_the_coordinator_in_one_line(tmp_path
 def test_a_garbage_manifest_is_refused_and_a_directory_without_one_skipped(tmp_path, manifest):
     store = CheckpointStore(tmp_path, keep=5)
     write_checkpoint(store, 10, 1.0)
-    (write_checkpoint(store, 20, 2.0).path / MANIFEST).write_text(manifest)
+    pathlib.Path(write_checkpoint(store, 20, 2.0).path / MANIFEST).write_text(manifest)
     store.new_directory(30)  # a crash before the manifest: incomplete, skipped without a word
     refusals = []
     assert store.newest_valid(refusals.append).step == 10
@@ -230,7 +231,7 @@ def test_commit_refuses_missing_or_wrongly_sized_files_and_writes_no_manifest(tm
         store.commit(directory, [FileRecord("part.pt", record.bytes + 1, record.sha256)], 5, {})
     assert not (directory / MANIFEST).exists() and store.complete() == []
     checkpoint = store.commit(directory, [record], 5, {"k": 1})
-    manifest = json.loads((directory / MANIFEST).read_text())
+    manifest = json.loads(pathlib.Path(directory / MANIFEST).read_text())
     assert manifest["info"] == {"k": 1} and manifest["format"] == 1 and manifest["id"] == directory.name
     assert checkpoint.step == 5 and checkpoint.id == directory.name and checkpoint.files == [record]
     assert store.complete()[0].manifest == manifest
@@ -253,12 +254,12 @@ def test_directories_are_never_reused(tmp_path):
 def test_pruning_keeps_the_newest_and_incomplete_ones_newer_than_them(tmp_path):
     store = CheckpointStore(tmp_path, keep=2)
     older_incomplete = store.new_directory(5)
-    (older_incomplete / ".part.pt.tmp-abc").write_bytes(b"half")
+    pathlib.Path(older_incomplete / ".part.pt.tmp-abc").write_bytes(b"half")
     for step in (10, 20):
         write_checkpoint(store, step, step)
     middle_incomplete = store.new_directory(25)
     unreadable = store.new_directory(26)
-    (unreadable / MANIFEST).write_text("{half a manif")
+    pathlib.Path(unreadable / MANIFEST).write_text("{half a manif")
     write_checkpoint(store, 30, 30)
     newer_incomplete = store.new_directory(40)
     assert [c.step for c in store.complete()] == [30, 20]

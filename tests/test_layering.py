@@ -1,7 +1,7 @@
 """The house's layering, read from the source.
 
-Imports only run down a floor: ``checkpoint/`` is a leaf (it imports nothing of the package but ``logs``,
-``tables``, ``filesystems`` and ``_torch_compat``), ``shards/`` and ``ddp/`` never import ``metrics/`` (a recorder is handed
+Imports only run down a floor: ``checkpoint/`` is a leaf (it imports nothing of the package but ``filesystems``, ``logs``,
+``tables`` and ``_torch_compat``), ``shards/`` and ``ddp/`` never import ``metrics/`` (a recorder is handed
 down), ``optim/``'s optimizers never import ``shards/`` (only ``DistributedOptimizer``, a client of the shard
 service, does); the control plane never imports the data plane's internals, nor they it.  A shard answers
 through one door: every RPC target a trainer names lives in ``shards/server/service.py``, the only module
@@ -59,7 +59,7 @@ def importers(of: str, within: str) -> list:
 
 
 def test_checkpoint_is_a_leaf():
-    allowed = {"checkpoint", "logs", "tables", "filesystems", "_torch_compat"}
+    allowed = {"checkpoint", "filesystems", "logs", "tables", "_torch_compat"}
     for module in (ROOT / "checkpoint").rglob("*.py"):
         assert imported_packages(module) <= allowed, (module.name, imported_packages(module) - allowed)
 

@@ -1,9 +1,10 @@
 """Checkpoints: sharded, atomic, verified; their files, formats and records, and exports.
 
-A leaf: it imports nothing of the package but ``logs``, ``tables`` and
-``_torch_compat``, and knows no process, collective nor RPC.  Modules:
-``storage`` (atomic files with sizes and sha256s, the manifest written
-last, the store of checkpoints, refusing corrupt ones by file name,
+A leaf: it imports nothing of the package but ``filesystems``, ``logs``,
+``tables`` and ``_torch_compat``, and knows no process, collective nor
+RPC.  Every path it takes may be an fsspec URL (``s3://bucket/prefix``).
+Modules: ``storage`` (files written whole with sizes and sha256s, the
+manifest written last as the commit, the store of checkpoints, refusing corrupt ones by file name,
 cutting row ranges for resharding), ``records`` (the plain records
 checkpoints are exchanged in: ``CheckpointSettings``,
 ``CheckpointCommit``, ``CheckpointFailure``), ``shard_part`` (a shard's
@@ -18,10 +19,10 @@ which commits (``paramserver.control.checkpoints``).
 
 from .records import CheckpointCommit, CheckpointFailure, CheckpointSettings
 from .storage import (CHECKPOINT_PREFIX, MANIFEST, Checkpoint, CheckpointStore, CorruptCheckpoint, FileRecord,
-                      assemble_rows, atomic_write, load_tensors, open_checkpoint, parse_range_name, range_name,
-                      read_manifest, save_tensors, verify_file)
+                      StorageUnavailable, assemble_rows, atomic_write, load_tensors, open_checkpoint,
+                      parse_range_name, range_name, read_manifest, save_tensors, verify_file)
 
 __all__ = ["CHECKPOINT_PREFIX", "MANIFEST", "Checkpoint", "CheckpointCommit", "CheckpointFailure",
-           "CheckpointSettings", "CheckpointStore", "CorruptCheckpoint", "FileRecord",
+           "CheckpointSettings", "CheckpointStore", "CorruptCheckpoint", "FileRecord", "StorageUnavailable",
            "assemble_rows", "atomic_write", "load_tensors", "open_checkpoint", "parse_range_name", "range_name",
            "read_manifest", "save_tensors", "verify_file"]

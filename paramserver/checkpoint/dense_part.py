@@ -14,9 +14,9 @@ It knows nothing of processes, collectives or RPC: when the part is
 written, and by whom, is ``paramserver.train.checkpoints``'s business.
 """
 
-import pathlib
 from typing import Any, Dict, List, Optional
 
+from ..filesystems import locate
 from .storage import Checkpoint, CorruptCheckpoint, FileRecord, PathLike, load_tensors, save_tensors
 
 DENSE_PART = "dense.pt"
@@ -29,8 +29,8 @@ def write_dense_part(directory: PathLike, *, step: int, module: Dict[str, Any], 
                      hook: str, hook_options: Dict[str, Any], hook_states: List[bytes],
                      data_positions: Dict[int, Any], members: List[str],
                      model: Optional[Dict[str, Any]]) -> FileRecord:
-    """Write ``directory``'s dense part atomically; returns its record for the manifest."""
-    return save_tensors(pathlib.Path(directory) / DENSE_PART, {
+    """Write ``directory``'s dense part atomically (a path, URL or ``Location``); returns its record."""
+    return save_tensors(locate(directory).join(DENSE_PART), {
         "format": FORMAT, "step": step, "module": module, "optimizer": optimizer, "hook": hook,
         "hook_options": hook_options, "hook_states": hook_states, "data_positions": data_positions,
         "members": members, "model": model})

@@ -12,6 +12,10 @@ take and how to rebuild the dense module.  An export holds::
     table-<i>-<name>.pt   a fixed table: {"weight": (rows, dim)}, whole however the shards split it;
                           a dynamic table: {"ids": (n,) int64, sorted; "rows": (n, dim)}
 
+The directory may be any path or fsspec URL (``s3://bucket/models/ctr``):
+its files are written first and ``export.json`` last, so that on an object
+store (no rename) a reader never takes a half-written export for one; an
+earlier export's manifest there is removed before its files are replaced.
 Every ``.pt`` file loads with ``torch.load(path, weights_only=True)``;
 ``export.json`` gives the step, every table's kind, dim, mode and rows,
 the dense module's class (``module:qualname``) and constructor keyword
@@ -23,13 +27,13 @@ atomically (``storage``).  Loading an export as a module is
 import datetime
 import json
 import logging
-import pathlib
 import re
 import time
-from typing import Any, Dict
+from typing import Any, Dict, Mapping, Optional
 
 import torch
 
+from ..filesystems import Location, failures_named, locate
 from .model import ModelDescription, NotExportable
 from .shard_part import CheckpointSource
 from .storage import PathLike, atomic_write, open_checkpoint, range_name, save_tensors
@@ -53,15 +57,19 @@ def table_file(index: int, table: str) -> str:
     return f"table-{index}-{re.sub(r'[^A-Za-z0-9_.-]', '_', table)}.pt"
 
 
-def export_checkpoint(checkpoint: PathLike, out: PathLike) -> Dict[str, Any]:
+def export_checkpoint(checkpoint: PathLike, out: PathLike,
+                      storage_options: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
     """Export the model of ``checkpoint`` (a checkpoint directory, or a root: its newest valid checkpoint) into
-    the directory ``out`` (made if missing; an earlier export there is replaced); returns the manifest.
+    the directory ``out`` (made if missing; an earlier export there is replaced); returns the manifest.  Either
+    may be a path or an fsspec URL; ``storage_options`` configure the filesystem of both (a ``Location`` for
+    either brings its own).
 
     ``FileNotFoundError`` when there is no committed checkpoint there, ``CorruptCheckpoint`` naming a file that
     does not verify, ``NotExportable`` when the checkpoint has no model description or lacks a table's rows,
-    ``FileExistsError`` when ``out`` holds other files and no export.
+    ``FileExistsError`` when ``out`` holds other files and no export, ``StorageUnavailable`` naming the URL of
+    storage that cannot be reached.
     """
-    source = open_checkpoint(checkpoint)
+    source = open_checkpoint(locate(checkpoint, storage_options))
     dense = read_dense_part(source)
     model = ModelDescription.from_dense_part(dense, str(source.path))
     tables = CheckpointSource(source, verified=True)
@@ -71,7 +79,7 @@ def export_checkpoint(checkpoint: PathLike, out: PathLike) -> Dict[str, Any]:
         raise NotExportable(f"checkpoint {source.path} holds no rows of table{'s' if len(missing) > 1 else ''} "
                             f"{', '.join(map(repr, missing))} (named {', '.join(model.shard_name(n) for n in missing)}"
                             f" on the shards) that its model describes")
-    out = _export_directory(out)
+    out = _export_directory(locate(out, storage_options))
     records = [save_tensors(out / DENSE_FILE, dense["module"])]
     described = {}
     for index, (name, shape) in enumerate(model.tables.items()):
@@ -96,25 +104,31 @@ def export_checkpoint(checkpoint: PathLike, out: PathLike) -> Dict[str, Any]:
     return manifest
 
 
-def export_from_cluster(client, out: PathLike, timeout: datetime.timedelta = CHECKPOINT_TIMEOUT) -> Dict[str, Any]:
+def export_from_cluster(client, out: PathLike, timeout: datetime.timedelta = CHECKPOINT_TIMEOUT,
+                        storage_options: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
     """Ask the cluster ``client`` (a ``paramserver.control.CoordinatorClient``) talks to for a checkpoint, wait
     until it is committed (up to ``timeout``: ``CoordinatorError`` when it is not), and export it into ``out``.
 
     The checkpoint is read where the cluster wrote it: its ``--checkpoint-dir`` must be reachable from here at
-    the same path (this host, or a shared file system)."""
+    the same path or URL (this host, a shared file system, or the same object store: ``storage_options``)."""
     written = client.checkpoint(timeout.total_seconds())
-    return export_checkpoint(written.directory, out)
+    return export_checkpoint(written.directory, out, storage_options)
 
 
-def _export_directory(out: PathLike) -> pathlib.Path:
+def _export_directory(out: Location) -> Location:
     """``out``, made if missing, with an earlier export's manifest removed (until the new one is written)."""
-    out = pathlib.Path(out)
-    if out.exists() and not out.is_dir():
-        raise NotADirectoryError(f"cannot export to {out}: not a directory")
-    out.mkdir(parents=True, exist_ok=True)
-    manifest = out / EXPORT_MANIFEST
-    if not manifest.exists() and any(out.iterdir()):
-        raise FileExistsError(f"cannot export to {out}: it holds other files and no export ({EXPORT_MANIFEST}); "
-                              "give a new or empty directory, or an earlier export's")
-    manifest.unlink(missing_ok=True)
+    fs, manifest = out.fs, out.join(EXPORT_MANIFEST)
+    if not out.is_local:
+        fs.invalidate_cache()
+    with failures_named(out, "export"):
+        if fs.isfile(out.path):
+            raise NotADirectoryError(f"cannot export to {out}: not a directory")
+        if out.is_local:
+            fs.makedirs(out.path, exist_ok=True)
+        held = fs.ls(out.path, detail=False) if fs.isdir(out.path) else []
+        if not manifest.exists() and held:
+            raise FileExistsError(f"cannot export to {out}: it holds other files and no export ({EXPORT_MANIFEST}); "
+                                  "give a new or empty directory, or an earlier export's")
+        if manifest.exists():
+            fs.rm(manifest.path)
     return out

@@ -9,23 +9,37 @@ are plain frozen dataclasses: no protobuf message is imported here
 and nothing here writes, sends or decides anything.
 """
 
-from dataclasses import dataclass
-from typing import Dict, Tuple
+import json
+from dataclasses import dataclass, field
+from typing import Any, Dict, Mapping, Tuple
+
+from ..filesystems import Location, locate
 
 
 @dataclass(frozen=True)
 class CheckpointSettings:
-    """Where the cluster keeps checkpoints (``directory`` empty: none) and where this run starts from."""
+    """Where the cluster keeps checkpoints (``directory`` empty: none) and where this run starts from.
+
+    ``directory`` and ``restore_from`` are paths or fsspec URLs; ``storage_options`` are the options of their
+    filesystem (``ps-server --storage-options``), for whoever writes or reads there (``locate``).
+    """
 
     directory: str = ""
     every_steps: int = 0
     restore_from: str = ""
     restore_step: int = 0
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+
+    def locate(self, name: str) -> Location:
+        """``name`` (``directory``, ``restore_from`` or one below them) on the checkpoints' filesystem."""
+        return locate(name, self.storage_options)
 
     @classmethod
     def from_message(cls, settings) -> "CheckpointSettings":
+        options = getattr(settings, "storage_options_json", "")
         return cls(directory=settings.directory, every_steps=int(settings.every_steps),
-                   restore_from=settings.restore_from, restore_step=int(settings.restore_step))
+                   restore_from=settings.restore_from, restore_step=int(settings.restore_step),
+                   storage_options=json.loads(options) if options else {})
 
 
 @dataclass(frozen=True)

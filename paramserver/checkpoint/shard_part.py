@@ -9,7 +9,8 @@ writes it, ``paramserver.shards.server.checkpoint_part``), and
 checkpoint is given (``ShardState.restore_source``), so that a table's
 rows, and their optimizer state, come from the checkpoint when a trainer
 asks for the table again.  The source reads every shard file of
-the checkpoint (memory-mapped) and cuts the rows each request names, so
+the checkpoint (memory-mapped when local, into memory from an object
+store) and cuts the rows each request names, so
 the new shards need not be as many, nor split the tables the same way,
 as the ones that wrote it (4 shards -> 2, 2 -> 4; a dynamic table's ids
 are routed again by their hash, ``select_part``).  An export reads a
@@ -27,7 +28,8 @@ from ..logs import one_line
 from ..tables import parse_part_name
 from ..tables import part_name as dynamic_part_name
 from ..tables.id_hash import shard_of
-from .storage import Checkpoint, CorruptCheckpoint, assemble_rows, first_usable, load_tensors, parse_range_name
+from .storage import (Checkpoint, CorruptCheckpoint, PathLike, assemble_rows, first_usable, load_tensors,
+                      parse_range_name)
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +59,7 @@ class CheckpointSource:
         self._dynamic_pieces: Dict[str, List[Dict]] = {}  # dynamic table -> the entries of all its parts
 
     @classmethod
-    def newest_verified(cls, preferred: str, step: int, shard: str) -> "CheckpointSource":
+    def newest_verified(cls, preferred: PathLike, step: int, shard: str) -> "CheckpointSource":
         """The checkpoint at ``preferred`` (the coordinator's choice, of ``step``) if every file of it
         verifies, else the newest one beside it that does and is not newer (``storage.first_usable``: each
         refusal logged once, naming the file; ``CorruptCheckpoint`` naming the shard and the files when

@@ -1,14 +1,22 @@
-"""Sharded, atomic checkpoints: the files, the manifest, and finding the newest whole checkpoint.
+"""Sharded checkpoints committed by their manifest: the files, the manifest, and finding the newest whole one.
 
 Owns the storage side of checkpoints, for every role that writes or reads
-one (shards, trainers, the coordinator): writing a file atomically (to a
-temporary name in the same directory, counted and hashed on the way,
-flushed, fsynced, renamed, the directory fsynced), loading it after
-checking its size and sha256, the manifest (``MANIFEST.json``, written
-last: a checkpoint directory without one is an interrupted checkpoint and
-never counts), keeping the newest ``keep`` checkpoints, and refusing a
-corrupt or truncated one with a message naming the file, in favour of the
-previous one.  Also the pure tensor logic of resharding: naming row ranges
+one (shards, trainers, the coordinator), on any filesystem a path or URL
+names (``paramserver.filesystems``: a local path, ``file://``, ``s3://``,
+``gs://``...): writing a file whole or not at all (locally: to a temporary
+name in the same directory, counted and hashed on the way, flushed,
+fsynced, renamed, the directory fsynced; on an object store, where there
+is no rename: one object, counted and hashed on the way, abandoned on
+failure), loading it after checking its size and sha256 (a local file
+memory-mapped if asked; a remote one read into memory once, checked and
+loaded from there), the manifest (``MANIFEST.json``, written last: it is
+the commit, and a checkpoint directory without one is an interrupted
+checkpoint that never counts and is removed), keeping the newest ``keep``
+checkpoints (never one the store was told to protect: what a restore
+reads), and refusing a corrupt or truncated one with a message naming the
+file, in favour of the previous one.  A remote filesystem's failure
+(unreachable, credentials refused) is a ``StorageUnavailable`` naming the
+URL.  Also the pure tensor logic of resharding: naming row ranges
 (``table[start:stop]``) and cutting any row range out of the ranges a
 checkpoint holds.
 
@@ -19,10 +27,10 @@ the files.
 
 import contextlib
 import hashlib
+import io
 import json
 import logging
 import os
-import pathlib
 import re
 import shutil
 import tempfile
@@ -33,6 +41,7 @@ from typing import BinaryIO, Callable, Dict, List, Optional, Sequence, Tuple, Ty
 import torch
 from torch import Tensor
 
+from ..filesystems import Location, PathOrUrl, StorageUnavailable, failures_named, locate  # noqa: F401 - re-exported
 from ..logs import one_line
 
 logger = logging.getLogger(__name__)
@@ -41,8 +50,10 @@ MANIFEST = "MANIFEST.json"
 CHECKPOINT_PREFIX = "ckpt-"
 FORMAT = 1
 _HASH_CHUNK = 1 << 20
-PathLike = Union[str, pathlib.Path]
+#: A local path, a URL, or a ``Location`` (a URL with its storage options).
+PathLike = PathOrUrl
 T = TypeVar("T")
+
 
 
 @dataclass(frozen=True)
@@ -73,7 +84,7 @@ class _HashingWriter:
         self.sha256 = hashlib.sha256()
         self.bytes = 0
         #: The file system's refusal of a write (torch.save's writer reports it as its own RuntimeError).
-        self.failure: Optional[OSError] = None
+        self.failure: Optional[BaseException] = None
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
@@ -81,7 +92,7 @@ class _HashingWriter:
         self.bytes += len(view)
         try:
             self._file.write(view)
-        except OSError as error:
+        except Exception as error:  # an OSError, or a remote filesystem client's own error
             self.failure = error
             raise
         return len(view)
@@ -93,13 +104,25 @@ class _HashingWriter:
         self._file.flush()
 
 
+def _fresh(location: Location) -> Location:
+    """``location``, with what its filesystem remembers of listings forgotten (other processes write there)."""
+    if not location.is_local:
+        location.fs.invalidate_cache()
+    return location
+
+
 def atomic_write(path: PathLike, write: Callable[[BinaryIO], None]) -> FileRecord:
     """Write ``path`` through ``write(file)`` so that it appears whole or not at all; returns its record.
 
-    On any error the temporary file is removed and whatever was at ``path`` before is left as it was.
+    Locally: written aside, fsynced and renamed; on any error the temporary file is removed and whatever was at
+    ``path`` before is left as it was.  On an object store: one object, abandoned (never completed) on error.
     """
-    path = pathlib.Path(path)
-    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
+    location = locate(path)
+    if not location.is_local:
+        return _write_object(location, write)
+    path = location.path
+    directory, name = os.path.split(path)
+    descriptor, temporary = tempfile.mkstemp(dir=directory, prefix=f".{name}.tmp-")
     writer = None
     try:
         with os.fdopen(descriptor, "wb") as file:
@@ -112,15 +135,34 @@ def atomic_write(path: PathLike, write: Callable[[BinaryIO], None]) -> FileRecor
         with contextlib.suppress(OSError):
             os.unlink(temporary)
         refusal = error if isinstance(error, OSError) else writer.failure if writer is not None else None
-        if refusal is not None and refusal.errno is not None:  # "No space left on device", named with the file
+        if isinstance(refusal, OSError) and refusal.errno is not None:  # "No space left on device", with the file
             raise OSError(refusal.errno, f"{os.strerror(refusal.errno)}: writing {path}") from error
         raise
-    descriptor = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
+    descriptor = os.open(directory, os.O_RDONLY)  # make the rename itself durable
     try:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
-    return FileRecord(name=path.name, bytes=writer.bytes, sha256=writer.sha256.hexdigest())
+    return FileRecord(name=name, bytes=writer.bytes, sha256=writer.sha256.hexdigest())
+
+
+def _write_object(location: Location, write: Callable[[BinaryIO], None]) -> FileRecord:
+    """``atomic_write`` on an object store: an object appears when its upload completes, whole; a failed one is
+    abandoned (its multipart upload aborted), never completed."""
+    with failures_named(location, "write", absent_is_failure=True):  # absent: no such bucket
+        file = location.open("wb")
+        writer = _HashingWriter(file)
+        try:
+            write(writer)
+        except BaseException as error:
+            with contextlib.suppress(Exception):
+                file.discard()  # nothing of it is completed...
+                file.closed = True  # ...nor by a close when the object is collected
+            if writer.failure is not None and error is not writer.failure:
+                raise writer.failure from error  # torch.save's RuntimeError hides the filesystem's own
+            raise
+        file.close()
+    return FileRecord(name=location.name, bytes=writer.bytes, sha256=writer.sha256.hexdigest())
 
 
 def save_tensors(path: PathLike, obj) -> FileRecord:
@@ -128,41 +170,66 @@ def save_tensors(path: PathLike, obj) -> FileRecord:
     return atomic_write(path, lambda file: torch.save(obj, file))
 
 
-def verify_file(path: PathLike, record: FileRecord, check_sha256: bool = True) -> None:
-    """``CorruptCheckpoint`` unless ``path`` has the recorded size (and sha256)."""
-    path = pathlib.Path(path)
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        raise CorruptCheckpoint(f"{path}: missing") from None
+def _check_size(location: Location, size: int, record: FileRecord) -> None:
     if size != record.bytes:
-        raise CorruptCheckpoint(f"{path}: size {size} bytes, expected {record.bytes} (truncated or replaced)")
-    if not check_sha256:
-        return
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        for chunk in iter(lambda: file.read(_HASH_CHUNK), b""):
-            digest.update(chunk)
+        raise CorruptCheckpoint(f"{location}: size {size} bytes, expected {record.bytes} (truncated or replaced)")
+
+
+def _check_sha256(location: Location, digest: "hashlib._Hash", record: FileRecord) -> None:
     if digest.hexdigest() != record.sha256:
-        raise CorruptCheckpoint(f"{path}: sha256 mismatch: {digest.hexdigest()[:16]}..., expected "
+        raise CorruptCheckpoint(f"{location}: sha256 mismatch: {digest.hexdigest()[:16]}..., expected "
                                 f"{record.sha256[:16]}... (the file was altered)")
 
 
+def verify_file(path: PathLike, record: FileRecord, check_sha256: bool = True) -> None:
+    """``CorruptCheckpoint`` unless ``path`` has the recorded size (and sha256)."""
+    location = locate(path)
+    with failures_named(location, "read"):
+        try:
+            size = os.stat(location.path).st_size if location.is_local else int(location.fs.info(location.path)["size"])
+        except FileNotFoundError:
+            raise CorruptCheckpoint(f"{location}: missing") from None
+        _check_size(location, size, record)
+        if not check_sha256:
+            return
+        digest = hashlib.sha256()
+        with location.open("rb") as file:
+            for chunk in iter(lambda: file.read(_HASH_CHUNK), b""):
+                digest.update(chunk)
+    _check_sha256(location, digest, record)
+
+
 def load_tensors(path: PathLike, record: Optional[FileRecord] = None, mmap: bool = False):
-    """What ``save_tensors`` wrote (tensors and plain data only), checked against ``record`` first."""
-    if record is not None:
-        verify_file(path, record)
+    """What ``save_tensors`` wrote (tensors and plain data only), checked against ``record`` first.
+
+    ``mmap``: a local file is memory-mapped; a remote one is read into memory once (checked there, then loaded).
+    """
+    location = locate(path)
+    if location.is_local:
+        if record is not None:
+            verify_file(location, record)
+        source = location.path
+    else:
+        with failures_named(location, "read"):
+            try:
+                data = location.fs.cat_file(location.path)
+            except FileNotFoundError:
+                raise CorruptCheckpoint(f"{location}: missing") from None
+        if record is not None:
+            _check_size(location, len(data), record)
+            _check_sha256(location, hashlib.sha256(data), record)
+        source, mmap = io.BytesIO(data), False
     try:
-        return torch.load(path, weights_only=True, mmap=mmap)
+        return torch.load(source, weights_only=True, mmap=mmap)
     except Exception as error:  # noqa: BLE001 - any unreadable file is a corrupt checkpoint
-        raise CorruptCheckpoint(f"{path}: not loadable: {type(error).__name__}: {error}") from error
+        raise CorruptCheckpoint(f"{location}: not loadable: {type(error).__name__}: {error}") from error
 
 
 @dataclass
 class Checkpoint:
-    """A committed checkpoint: its directory and its manifest."""
+    """A committed checkpoint: its directory (a ``Location``) and its manifest."""
 
-    path: pathlib.Path
+    path: Location
     manifest: Dict
 
     @property
@@ -177,8 +244,8 @@ class Checkpoint:
     def files(self) -> List[FileRecord]:
         return [FileRecord.from_json(entry) for entry in self.manifest["files"]]
 
-    def file(self, name: str) -> pathlib.Path:
-        return self.path / name
+    def file(self, name: str) -> Location:
+        return self.path.join(name)
 
     def verify(self) -> None:
         """``CorruptCheckpoint`` naming the first file that is missing or differs from the manifest."""
@@ -192,11 +259,14 @@ def read_manifest(directory: PathLike) -> Checkpoint:
     ``FileNotFoundError`` when there is no manifest (an interrupted checkpoint),
     ``CorruptCheckpoint`` when it is not JSON or lacks a field.
     """
-    path = pathlib.Path(directory) / MANIFEST
+    directory = locate(directory)
+    path = directory.join(MANIFEST)
     try:
-        checkpoint = Checkpoint(path.parent, json.loads(path.read_text()))
+        with failures_named(path, "read"):
+            text = path.fs.cat_file(path.path)
+        checkpoint = Checkpoint(directory, json.loads(text))
         _ = (checkpoint.step, checkpoint.files, float(checkpoint.manifest.get("created_unix", 0.0)))
-    except FileNotFoundError:
+    except (FileNotFoundError, StorageUnavailable):
         raise
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise CorruptCheckpoint(f"{path}: not a valid manifest: {type(error).__name__}: {error}") from None
@@ -208,57 +278,88 @@ def _step_from_name(name: str) -> int:
     return int(match.group(1)) if match else -1
 
 
-def _age(directory: pathlib.Path, parsed: Union[Checkpoint, CorruptCheckpoint]) -> Tuple[int, float, str]:
+def _age(directory: Location, parsed: Union[Checkpoint, CorruptCheckpoint]) -> Tuple[int, float, str]:
     """Orders checkpoints oldest to newest: (step, created_unix, name); an unreadable manifest by its name's step."""
     if isinstance(parsed, Checkpoint):
         return (parsed.step, float(parsed.manifest.get("created_unix", 0.0)), directory.name)
     return (_step_from_name(directory.name), 0.0, directory.name)
 
 
+def _remove_tree(directory: Location) -> None:
+    """Remove ``directory`` and all in it (a prefix's objects on an object store)."""
+    if directory.is_local:
+        shutil.rmtree(directory.path, ignore_errors=True)
+        return
+    with failures_named(directory, "remove"), contextlib.suppress(FileNotFoundError):
+        directory.fs.rm(directory.path, recursive=True)
+
+
 class CheckpointStore:
-    """Checkpoints under ``root``, one directory each (``ckpt-<step>``); the newest ``keep`` are kept."""
+    """Checkpoints under ``root`` (a path or URL), one directory each (``ckpt-<step>``); the newest ``keep`` are
+    kept, and any the store is told to ``protect``."""
 
     def __init__(self, root: PathLike, keep: int = 3):
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
-        self.root = pathlib.Path(root)
+        self.root = locate(root)
         self.keep = keep
+        self._protected: set = set()
 
-    def new_directory(self, step: int) -> pathlib.Path:
+    def protect(self, checkpoint: Checkpoint) -> None:
+        """Never prune ``checkpoint`` (one a restore reads: the checkpoint a cluster started from)."""
+        self._protected.add(checkpoint.path)
+
+    def new_directory(self, step: int) -> Location:
         """A new, empty directory for the checkpoint of ``step`` (never one used before)."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        root = _fresh(self.root)
         base = f"{CHECKPOINT_PREFIX}{step:010d}"
-        for attempt in range(10_000):
-            with contextlib.suppress(FileExistsError):
-                directory = self.root / (base if attempt == 0 else f"{base}-{attempt}")
-                directory.mkdir()
-                return directory
+        with failures_named(root, "write a checkpoint"):
+            if root.is_local:
+                os.makedirs(root.path, exist_ok=True)
+            for attempt in range(10_000):
+                directory = root.join(base if attempt == 0 else f"{base}-{attempt}")
+                if root.is_local:
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(directory.path)
+                        return directory
+                elif not directory.exists():  # an object store has no directories: a prefix nothing is under
+                    return directory
         raise FileExistsError(f"no free checkpoint directory name for step {step} under {self.root}")
 
     def discard(self, directory: PathLike) -> None:
         """Remove the directory of a checkpoint that failed before it was committed (one with a manifest stays)."""
-        directory = pathlib.Path(directory)
-        if directory.is_dir() and not (directory / MANIFEST).exists():
-            shutil.rmtree(directory, ignore_errors=True)
-            logger.info("removed %s: its checkpoint failed before it was committed", directory)
+        directory = _fresh(locate(directory))
+        with failures_named(directory, "remove a failed checkpoint"):
+            if directory.fs.isdir(directory.path) and not directory.join(MANIFEST).exists():
+                _remove_tree(directory)
+                logger.info("removed %s: its checkpoint failed before it was committed", directory)
 
     def commit(self, directory: PathLike, files: Sequence[FileRecord], step: int, info: Dict) -> Checkpoint:
-        """Check the files are there with their sizes, then write the manifest (last), then prune."""
-        directory = pathlib.Path(directory)
+        """Check the files are there with their sizes, then write the manifest (last: the commit), then prune
+        (a pruning that fails is logged: the checkpoint is committed)."""
+        directory = _fresh(locate(directory))
         for record in files:
-            verify_file(directory / record.name, record, check_sha256=False)
+            verify_file(directory.join(record.name), record, check_sha256=False)
         manifest = {"format": FORMAT, "id": directory.name, "step": step, "created_unix": time.time(),
                     "files": [record.to_json() for record in files], "info": info}
-        atomic_write(directory / MANIFEST, lambda file: file.write(json.dumps(manifest, indent=1).encode()))
-        self.prune()
+        atomic_write(directory.join(MANIFEST), lambda file: file.write(json.dumps(manifest, indent=1).encode()))
+        try:
+            self.prune()
+        except StorageUnavailable as error:
+            logger.warning("checkpoint %s committed; older ones not pruned: %s", directory, error)
         return Checkpoint(directory, manifest)
 
-    def _directories(self) -> List[pathlib.Path]:
-        if not self.root.is_dir():
-            return []
-        return [p for p in self.root.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)]
+    def _directories(self) -> List[Location]:
+        root = _fresh(self.root)
+        with failures_named(root, "list checkpoints"):
+            try:
+                entries = root.fs.ls(root.path, detail=True)
+            except (FileNotFoundError, NotADirectoryError):
+                return []
+        names = [entry["name"].rstrip("/").rsplit("/", 1)[-1] for entry in entries if entry["type"] == "directory"]
+        return [root.join(name) for name in sorted(names) if name.startswith(CHECKPOINT_PREFIX)]
 
-    def _with_manifest(self) -> List[Tuple[pathlib.Path, Union[Checkpoint, CorruptCheckpoint]]]:
+    def _with_manifest(self) -> List[Tuple[Location, Union[Checkpoint, CorruptCheckpoint]]]:
         """Every directory with a manifest, newest first, with its checkpoint or why the manifest is bad."""
         entries = []
         for directory in self._directories():
@@ -286,17 +387,20 @@ class CheckpointStore:
                 log(f"refusing checkpoint {directory}: {error}; trying the previous one")
         return None
 
-    def remove_interrupted(self) -> List[pathlib.Path]:
+    def _interrupted(self) -> List[Location]:
+        return [d for d in self._directories() if not d.join(MANIFEST).exists()]
+
+    def remove_interrupted(self) -> List[Location]:
         """Remove every checkpoint directory without a manifest (checkpoints that failed or were interrupted
         before their commit); returns them.  Only while nothing writes under the root: a cluster starting."""
-        interrupted = [d for d in self._directories() if not (d / MANIFEST).exists()]
+        interrupted = self._interrupted()
         for directory in interrupted:
-            shutil.rmtree(directory, ignore_errors=True)
-        return sorted(interrupted)
+            _remove_tree(directory)
+        return sorted(interrupted, key=lambda d: d.url)
 
     def prune(self) -> None:
-        """Keep the newest ``keep`` complete checkpoints; delete older ones, and any other directory
-        (no manifest, or an unreadable one) older than the newest complete checkpoint."""
+        """Keep the newest ``keep`` complete checkpoints (and the protected ones); delete older ones, and any
+        other directory (no manifest, or an unreadable one) older than the newest complete checkpoint."""
         complete = self.complete()
         if not complete:
             return
@@ -305,7 +409,9 @@ class CheckpointStore:
         doomed += [d for d in self._directories()
                    if d not in complete_paths and _step_from_name(d.name) < complete[0].step]
         for directory in doomed:
-            shutil.rmtree(directory, ignore_errors=True)
+            if directory in self._protected:
+                continue
+            _remove_tree(directory)
             logger.info("deleted old checkpoint directory %s", directory)
 
 
@@ -317,8 +423,8 @@ def first_usable(preferred: PathLike, step: int, use: Callable[[Checkpoint], T],
     Each checkpoint refused is logged once, naming the file, and falling back in one line naming the
     checkpoint used; ``CorruptCheckpoint`` naming ``who`` and every file refused when none will do.
     """
-    preferred = pathlib.Path(preferred)
-    older = [c.path for c in CheckpointStore(preferred.parent).complete() if c.path != preferred and c.step <= step]
+    preferred = locate(preferred)
+    older = [c.path for c in CheckpointStore(preferred.parent()).complete() if c.path != preferred and c.step <= step]
     refused = []
     for path in [preferred] + older:
         try:
@@ -337,10 +443,12 @@ def first_usable(preferred: PathLike, step: int, use: Callable[[Checkpoint], T],
 
 def open_checkpoint(path: PathLike, log: Callable[[str], None] = logger.warning) -> Checkpoint:
     """The checkpoint directory ``path`` (checked), or the newest valid checkpoint under the root ``path``."""
-    path = pathlib.Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"no checkpoint at {path}: no such directory")
-    if (path / MANIFEST).exists():
+    path = _fresh(locate(path))
+    with failures_named(path, "read checkpoints"):
+        if not path.fs.isdir(path.path):
+            raise FileNotFoundError(f"no checkpoint at {path}: no such directory")
+        has_manifest = path.join(MANIFEST).exists()
+    if has_manifest:
         checkpoint = read_manifest(path)
         checkpoint.verify()
         return checkpoint

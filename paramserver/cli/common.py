@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 from ..control import DEFAULT_PORT, CoordinatorClient, TlsFiles, read_token_file
 from ..control.addresses import address_facing
+from ..filesystems import Location, locate, parse_storage_options
 from ..logs import configure_logging, default_log_level
 from ..runtime.threads import THREADS_ENV
 
@@ -142,6 +143,24 @@ def job_config_from(value: str) -> dict:
     if not isinstance(config, dict):
         raise UsageError("--job-config must be a JSON object")
     return config
+
+
+def add_storage_options(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--storage-options", metavar="JSON", default=None,
+                        help=f"fsspec options for {what}'s filesystem, a JSON object (for example "
+                             '\'{"endpoint_url": "http://minio:9000"}\'); fsspec\'s own configuration and the '
+                             "standard AWS_* variables apply too")
+
+
+def location_from(flag: str, value: str, args) -> Location:
+    """``value`` of ``flag`` (a path or fsspec URL) with ``--storage-options``; a URL whose protocol needs a
+    package that is missing (``MissingStorageExtra``, naming the extra) or is unknown is a ``UsageError``."""
+    try:
+        options = parse_storage_options(getattr(args, "storage_options", None))
+        return locate(value, options)
+    except (ImportError, ValueError) as error:
+        raise UsageError(f"{flag} {value}: {error}" if not str(error).startswith(value) else f"{flag}: {error}") \
+            from None
 
 
 def client_tls(args) -> Optional[TlsFiles]:

@@ -1,7 +1,7 @@
 """``ps-ctl export``: write the trained model as plain files, from a checkpoint or from a live cluster.
 
-    ps-ctl export DIR --checkpoint-dir D
-    ps-ctl --connect HOST:PORT [--token-file F] [--tls-ca PEM] export DIR [--timeout S]
+    ps-ctl export DIR --checkpoint-dir D [--storage-options JSON]
+    ps-ctl --connect HOST:PORT [--token-file F] [--tls-ca PEM] export DIR [--timeout S] [--storage-options JSON]
 
 Owns the command's flags and what it prints; the export itself is
 ``paramserver.checkpoint.export``'s.  With ``--checkpoint-dir`` (a
@@ -9,6 +9,8 @@ checkpoint directory, or a root as ``ps-server --checkpoint-dir`` writes
 them: its newest valid checkpoint) no cluster is needed; with
 ``--connect`` the cluster writes a checkpoint now, waited for up to
 ``--timeout``, and that one is exported (read where the cluster wrote it).
+``DIR`` and ``D`` are paths or fsspec URLs (``s3://bucket/models/ctr``);
+``--storage-options`` configures their filesystem (both alike).
 
 Prints ``exported step N of CHECKPOINT to DIR: ...``.  Exit codes: 0
 exported, 1 not exported (no checkpoint, a damaged file, a checkpoint that
@@ -20,7 +22,7 @@ import sys
 
 from ..control import CoordinatorError
 from ..control.protocol import CHECKPOINT_WAIT
-from .common import UsageError, coordinator_client, timeout_from
+from .common import UsageError, add_storage_options, coordinator_client, location_from, timeout_from
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=CHECKPOINT_WAIT.total_seconds(), metavar="SECONDS",
                         help="with --connect: how long to wait for the checkpoint (default "
                              f"{CHECKPOINT_WAIT.total_seconds():.0f})")
+    add_storage_options(parser, "DIR and --checkpoint-dir")
 
 
 def run(args) -> int:
@@ -42,6 +45,8 @@ def run(args) -> int:
             raise UsageError("export needs --checkpoint-dir D (a checkpoint, or a root of them), or --connect "
                              "HOST:PORT (a live cluster)")
         timeout = timeout_from(args)
+        out = location_from("export", args.directory, args)
+        source = location_from("--checkpoint-dir", args.checkpoint_dir, args) if args.checkpoint_dir else None
         client = None if args.checkpoint_dir else coordinator_client(args)
     except UsageError as error:
         print(f"ps-ctl: {error}", file=sys.stderr)
@@ -51,9 +56,9 @@ def run(args) -> int:
     from ..checkpoint.export import export_checkpoint, export_from_cluster
     try:
         if client is None:
-            manifest = export_checkpoint(args.checkpoint_dir, args.directory)
+            manifest = export_checkpoint(source, out)
         else:
-            manifest = export_from_cluster(client, args.directory, timeout)
+            manifest = export_from_cluster(client, out, timeout, out.storage_options)
     except (CoordinatorError, OSError, ValueError) as error:  # ValueError: CorruptCheckpoint, NotExportable
         print(f"ps-ctl: export failed: {error}", file=sys.stderr)
         return 1

@@ -7,9 +7,12 @@ with the request's number: trainer group 0 agrees on a step, pauses, its
 rank 0 has every shard write its part and writes the dense part), and the
 commit: the coordinator checks the files its writers report and writes
 the manifest *last* (``paramserver.checkpoint.CheckpointStore.commit``),
-so a checkpoint without a manifest never counts.  It also answers what a
-(re)starting member restores from: the newest committed checkpoint, or
-the one the server was started from.
+so a checkpoint without a manifest never counts, on a local disk or an
+object store alike (the root is a path or an fsspec URL, with
+``--storage-options`` handed to every member with the settings).  It also
+answers what a (re)starting member restores from: the newest committed
+checkpoint, or the one the server was started from (never pruned while
+this coordinator runs).
 
 It knows nothing of torch's distributed packages; the files are the
 writers' business.
@@ -19,15 +22,15 @@ import datetime
 import json
 import logging
 import os
-import pathlib
 import threading
 import time
-from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import grpc
 
 from ..checkpoint import MANIFEST, Checkpoint, CheckpointStore, CorruptCheckpoint, FileRecord, open_checkpoint
+from ..filesystems import Location, StorageUnavailable, locate
 from ..logs import one_line
 from .protocol import pb
 from .validation import RequestError, invalid
@@ -43,9 +46,11 @@ MAX_INFO_CHARS = 64 * 1024
 class CheckpointOptions:
     """``ps-server``'s checkpoint flags.
 
-    ``directory``: the root (``None``: the root of ``restore``).
-    ``restore``: a checkpoint directory, or a root whose newest valid
-    checkpoint is used.  ``keep``: complete checkpoints kept.
+    ``directory``: the root (``None``: the root of ``restore``), a path or
+    fsspec URL.  ``restore``: a checkpoint directory, or a root whose
+    newest valid checkpoint is used.  ``keep``: complete checkpoints kept
+    (``--keep-checkpoints``).  ``storage_options``: fsspec options for
+    their filesystem (``--storage-options``), handed on to every member.
     """
 
     directory: Optional[str] = None
@@ -53,6 +58,7 @@ class CheckpointOptions:
     every_seconds: float = 0.0
     keep: int = 3
     restore: Optional[str] = None
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
 
 
 class CheckpointCoordinator:
@@ -86,17 +92,22 @@ class CheckpointCoordinator:
     @classmethod
     def from_options(cls, options: CheckpointOptions,
                      command_workers: Callable[[pb.Command], int]) -> "CheckpointCoordinator":
-        """Open the restore point (``FileNotFoundError`` / ``CorruptCheckpoint`` naming what is wrong)."""
-        # Paths are made absolute here, against the coordinator's working directory: members are handed them
-        # as they are, and a worker started in another directory must find the same files.
-        restored = open_checkpoint(os.path.abspath(options.restore)) if options.restore else None
+        """Open the restore point (``FileNotFoundError`` / ``CorruptCheckpoint`` / ``StorageUnavailable`` naming
+        what is wrong)."""
+        # Plain paths are made absolute here (locate), against the coordinator's working directory: members are
+        # handed them as they are, and a worker started in another directory must find the same files.
+        restored = open_checkpoint(locate(options.restore, options.storage_options)) if options.restore else None
         if restored is not None:
             logger.info("restoring from checkpoint %s (step %d)", restored.path, restored.step)
-        root = options.directory or (str(restored.path.parent) if restored is not None else None)
+        root = locate(options.directory, options.storage_options) if options.directory else \
+            restored.path.parent() if restored is not None else None
         if root is None:
             raise ValueError("checkpoints need a directory (--checkpoint-dir) or a checkpoint to restore")
-        return cls(CheckpointStore(os.path.abspath(root), keep=options.keep), command_workers,
-                   every_steps=options.every_steps, every_seconds=options.every_seconds, restored=restored)
+        store = CheckpointStore(root, keep=options.keep)
+        if restored is not None:
+            store.protect(restored)  # what a member joining before the first commit reads
+        return cls(store, command_workers, every_steps=options.every_steps, every_seconds=options.every_seconds,
+                   restored=restored)
 
     # -- what members are told ----------------------------------------
     @property
@@ -104,10 +115,14 @@ class CheckpointCoordinator:
         with self._changed:
             return self._newest
 
-    def settings(self) -> pb.CheckpointSettings:
-        """For a joining member: where checkpoints go, how often, and what to restore from now."""
+    def settings(self, storage_options: bool = True) -> pb.CheckpointSettings:
+        """For a joining member: where checkpoints go, how often, what to restore from now, and (unless
+        ``storage_options`` is false: for ``ps-ctl status``, they may hold credentials) the filesystem's
+        options."""
         newest = self.newest
         settings = pb.CheckpointSettings(directory=str(self.store.root), every_steps=self.every_steps)
+        if storage_options and self.store.root.storage_options:
+            settings.storage_options_json = json.dumps(dict(self.store.root.storage_options))
         if newest is not None:
             settings.restore_from = str(newest.path)
             settings.restore_step = newest.step
@@ -183,7 +198,10 @@ class CheckpointCoordinator:
         logger.error("checkpoint%s at step %d failed: %s", f" request {request.request}" if request.request else "",
                      request.step, reason)
         if request.directory:
-            self.store.discard(self._inside_root(request.directory))
+            try:
+                self.store.discard(self._inside_root(request.directory))
+            except StorageUnavailable as error:  # removed at the next start (remove_interrupted) instead
+                logger.warning("the parts of the failed checkpoint stay for now: %s", error)
 
     def commit(self, writer: str, request: pb.CommitCheckpointRequest) -> Checkpoint:
         """Check what ``writer`` reports, write the manifest, prune; answer the requests it covers."""
@@ -220,15 +238,24 @@ class CheckpointCoordinator:
                     writer, len(files), size / 1e6)
         return checkpoint
 
-    def _inside_root(self, directory: str) -> pathlib.Path:
+    def _inside_root(self, directory: str) -> Location:
         if not directory:
             raise invalid("directory is empty")
-        path = pathlib.Path(directory).resolve()
-        root = self.store.root.resolve()
-        if path.parent != root:
+        root = self.store.root
+        try:
+            location = locate(directory, root.storage_options)
+        except (ImportError, ValueError) as error:
+            raise invalid(f"directory {directory[:300]!r}: {error}") from None
+        if root.is_local and location.is_local:
+            inside = os.path.dirname(os.path.realpath(location.path)) == os.path.realpath(root.path)
+        else:
+            inside = type(location.fs) is type(root.fs) and \
+                location.path.rstrip("/").rsplit("/", 1)[0] == root.path.rstrip("/") and \
+                location.name not in ("", ".", "..")
+        if not inside:
             raise invalid(f"directory {directory[:300]!r} is not a checkpoint directory directly inside "
                           f"this cluster's checkpoint root {str(root)!r}")
-        return path
+        return location
 
     # -- the timer ----------------------------------------------------
     def start(self) -> "CheckpointCoordinator":

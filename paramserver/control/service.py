@@ -139,7 +139,7 @@ class CoordinatorService:
         response.store.CopyFrom(self.settings.store)
         response.job = self.settings.job.name if self.settings.job is not None else ""
         if self.checkpoints is not None:
-            response.checkpoint.CopyFrom(self.checkpoints.settings())
+            response.checkpoint.CopyFrom(self.checkpoints.settings(storage_options=False))
         return response
 
     def checkpoint(self, request: pb.CheckpointRequest) -> pb.CheckpointResponse:

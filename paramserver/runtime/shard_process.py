@@ -33,8 +33,9 @@ from typing import Optional
 import grpc
 
 from ..control import CoordinatorError, TlsFiles, pb
+from ..checkpoint.records import CheckpointSettings
 from ..checkpoint.shard_part import CheckpointSource
-from ..checkpoint.storage import CorruptCheckpoint
+from ..checkpoint.storage import CorruptCheckpoint, StorageUnavailable
 from ..logs import configure_logging, exit_now, one_line
 from ..metrics.process import shard_metrics
 from ..shards import PeerOptions, ShardServerOptions, run_shard_server
@@ -100,14 +101,15 @@ def run_shard_member(address: str, name: str, host: str, token: Optional[str] = 
     restore_source = None
     if assignment.checkpoint.restore_from:
         # Tables that trainers ask for come from the checkpoint (rows cut to this shard's ranges).
-        checkpoint = assignment.checkpoint
+        checkpoint = CheckpointSettings.from_message(assignment.checkpoint)
         try:
-            restore_source = CheckpointSource.newest_verified(checkpoint.restore_from, checkpoint.restore_step,
-                                                              assignment.rpc_name)
-        except CorruptCheckpoint as error:
+            restore_source = CheckpointSource.newest_verified(checkpoint.locate(checkpoint.restore_from),
+                                                              checkpoint.restore_step, assignment.rpc_name)
+        except (CorruptCheckpoint, StorageUnavailable) as error:
             logger.error("%s", error)
             session.leave(one_line(error))
-            exit_now(EXIT_NO_CHECKPOINT)
+            # Unreachable storage may come back: a restart tries again (ps-server's --shard-restarts bound it).
+            exit_now(1 if isinstance(error, StorageUnavailable) else EXIT_NO_CHECKPOINT)
         logger.info("shard %s restores its tables from %s (step %d)", assignment.rpc_name,
                     restore_source.checkpoint.path, restore_source.checkpoint.step)
     if stops.asked:  # while it verified: it never served

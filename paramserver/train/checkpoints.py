@@ -10,8 +10,10 @@ step in flight: every member hands rank 0 its data position and comm-hook
 state (a collective in the trainer group) and pauses there while rank 0
 has every shard write its part (one RPC to each,
 ``service.write_checkpoint_part``), writes the dense part and commits the
-checkpoint at the coordinator, which writes the manifest.  A checkpoint
-that fails (a shard lost while writing, a full disk) is logged in one
+checkpoint at the coordinator, which writes the manifest.  The root may be
+any path or fsspec URL (``s3://...``); shards are handed it with the
+storage options of the settings.  A checkpoint that fails (a shard lost
+while writing, a full disk, unreachable storage) is logged in one
 line and reported to the coordinator, which answers a request waiting for
 it and removes its parts; training goes on.
 
@@ -54,7 +56,8 @@ def restore_point(ctx) -> Optional[Dict[str, Any]]:
     if not path:
         return None
     # A worker joining mid-job: the newest checkpoint may have been damaged since its commit.
-    checkpoint, part = first_usable(path, ctx.checkpoint.restore_step, read_dense_part, ctx.rpc_name)
+    checkpoint, part = first_usable(ctx.checkpoint.locate(path), ctx.checkpoint.restore_step, read_dense_part,
+                                    ctx.rpc_name)
     logger.info("%s starts from checkpoint %s at step %d", ctx.rpc_name, checkpoint.id, part["step"])
     return part
 
@@ -122,9 +125,11 @@ class TrainerCheckpoints:
         started = time.monotonic()
         directory = None
         try:
-            directory = CheckpointStore(self.ctx.checkpoint.directory).new_directory(step)
+            settings = self.ctx.checkpoint
+            directory = CheckpointStore(settings.locate(settings.directory)).new_directory(step)
             shards = list(self.ctx.shards)
-            futures = [rpc.rpc_async(shard, service.write_checkpoint_part, args=(str(directory),)) for shard in shards]
+            futures = [rpc.rpc_async(shard, service.write_checkpoint_part,
+                                     args=(directory.url, dict(settings.storage_options))) for shard in shards]
             files = every_part(futures, shards)
             dense = write_dense_part(
                 directory, step=step, module=self.replica.module.state_dict(),

@@ -10,17 +10,17 @@ step boundary.  Plain functions of a state: nothing here knows of RPC.
 """
 
 import logging
-import pathlib
 from typing import Dict
 
 from ...checkpoint.shard_part import FORMAT, part_name
 from ...checkpoint.storage import FileRecord, save_tensors
+from ...filesystems import Location
 from .state import ShardState
 
 logger = logging.getLogger(__name__)
 
 
-def write_part(shard_state: ShardState, directory: pathlib.Path, shard: str) -> FileRecord:
+def write_part(shard_state: ShardState, directory: Location, shard: str) -> FileRecord:
     """Every shared table hosted in ``shard_state``, with its optimizer state, into ``directory/shard-<shard>.pt``."""
     tables = shard_state.shared_tables()
     entries: Dict[str, Dict] = {}

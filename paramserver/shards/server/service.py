@@ -32,7 +32,6 @@ its own on first use.  Nothing else in the package looks the state up.
 """
 
 import logging
-import pathlib
 import threading
 from typing import Dict, List, Optional, Tuple
 
@@ -41,6 +40,7 @@ import torch.distributed.rpc as rpc
 from torch import Tensor
 from torch.distributed.rpc import RRef
 
+from ...filesystems import locate
 from ...tables import DynamicOptions
 from . import checkpoint_part, export_part, figures, hosted, optimizers, rows
 from .state import ShardState
@@ -233,9 +233,10 @@ def optimizer_load_state_dict(handle: int, state: optimizers.StateDict) -> None:
 
 
 # -- checkpoints, figures and the process -----------------------------------------
-def write_checkpoint_part(directory: str) -> Dict:
-    """RPC target: write this shard's part into checkpoint ``directory``; its ``FileRecord`` as JSON."""
-    return checkpoint_part.write_part(_state(), pathlib.Path(directory), rpc.get_worker_info().name).to_json()
+def write_checkpoint_part(directory: str, storage_options: Optional[Dict] = None) -> Dict:
+    """RPC target: write this shard's part into checkpoint ``directory`` (a path or URL, on the filesystem
+    ``storage_options`` configure); its ``FileRecord`` as JSON."""
+    return checkpoint_part.write_part(_state(), locate(directory, storage_options), rpc.get_worker_info().name).to_json()
 
 
 def write_export_part(directory: str, storage_options: Optional[Dict], whole: bool) -> Dict:
