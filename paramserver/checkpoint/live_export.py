@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ..filesystems import Location
+from ..filesystems import Location, failures_named
 from ..tables import parse_part_name
 from ..tables.id_hash import shard_of
 from .storage import CorruptCheckpoint, FileRecord, parse_range_name
@@ -127,14 +127,19 @@ class LiveExport:
 
 def is_chain(root: Location) -> bool:
     """Whether ``root`` holds live exports (directories of 12 digits) rather than being one export."""
-    return not root.join(MANIFEST).exists() and bool(_committed(root))
+    manifest = root.join(MANIFEST)
+    with failures_named(manifest, "read the export"):
+        if manifest.exists():
+            return False
+    return bool(_committed(root))
 
 
 def _committed(root: Location) -> List[LiveExport]:
     """Every export under ``root`` with a readable manifest, by step."""
     found = []
     try:
-        entries = root.fs.ls(root.path, detail=False)
+        with failures_named(root, "list live exports"):
+            entries = root.fs.ls(root.path, detail=False)
     except FileNotFoundError:
         return []
     for path in entries:
