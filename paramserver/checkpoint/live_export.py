@@ -20,8 +20,6 @@ the deltas that follow it link by link; ``TableRows`` applies parts to a table's
 them.  A file that does not match its manifest is a ``CorruptCheckpoint`` naming it.
 """
 
-import hashlib
-import io
 import json
 import logging
 from dataclasses import dataclass
@@ -33,7 +31,7 @@ from torch import Tensor
 from ..filesystems import Location, failures_named
 from ..tables import parse_part_name
 from ..tables.id_hash import shard_of
-from .storage import CorruptCheckpoint, FileRecord, parse_range_name
+from .storage import CorruptCheckpoint, FileRecord, atomic_write, load_tensors, parse_range_name, save_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -54,31 +52,11 @@ def part_file(shard: str) -> str:
 
 
 def write_tensors(location: Location, obj: Any) -> FileRecord:
-    """``torch.save(obj)`` into the file ``location`` (one write: an object store's upload is whole or absent)."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    data = buffer.getbuffer()
+    """``torch.save(obj)`` into the file ``location`` (``storage.save_tensors``: whole or not at all), its
+    directory made first where the filesystem has directories."""
     if location.is_local:
         location.fs.makedirs(location.parent().path, exist_ok=True)
-    with location.open("wb") as file:
-        file.write(data)
-    return FileRecord(name=location.name, bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
-
-
-def read_tensors(location: Location, record: FileRecord) -> Any:
-    """What ``write_tensors`` wrote, checked against ``record`` (size and sha256) first."""
-    try:
-        with location.open("rb") as file:
-            data = file.read()
-    except FileNotFoundError:
-        raise CorruptCheckpoint(f"{location}: missing") from None
-    if len(data) != record.bytes or hashlib.sha256(data).hexdigest() != record.sha256:
-        raise CorruptCheckpoint(f"{location}: {len(data)} bytes that do not match the manifest's "
-                                f"{record.bytes} bytes and sha256 (truncated or replaced)")
-    try:
-        return torch.load(io.BytesIO(data), weights_only=True)
-    except Exception as error:  # noqa: BLE001 - any unreadable file is a corrupt export
-        raise CorruptCheckpoint(f"{location}: not loadable: {type(error).__name__}: {error}") from error
+    return save_tensors(location, obj)
 
 
 def commit(directory: Location, *, kind: str, step: int, previous: Optional[str], base: str,
@@ -88,8 +66,7 @@ def commit(directory: Location, *, kind: str, step: int, previous: Optional[str]
         raise ValueError(f"an export's kind is one of {KINDS}, got {kind!r}")
     manifest = {"format": LIVE_FORMAT, "kind": kind, "step": step, "previous": previous, "base": base,
                 "model": dict(model), "files": [record.to_json() for record in files]}
-    with directory.join(MANIFEST).open("wb") as file:
-        file.write(json.dumps(manifest, indent=1).encode())
+    atomic_write(directory.join(MANIFEST), lambda file: file.write(json.dumps(manifest, indent=1).encode()))
     return manifest
 
 
@@ -119,7 +96,7 @@ class LiveExport:
         records = self.records()
         if name not in records:
             raise CorruptCheckpoint(f"{self.directory.join(MANIFEST)} names no file {name}")
-        return read_tensors(self.directory.join(name), records[name])
+        return load_tensors(self.directory.join(name), records[name])
 
     def parts(self) -> List[str]:
         return sorted(name for name in self.records() if name.startswith(PART_PREFIX))
