@@ -157,3 +157,25 @@ def test_parquet_on_an_object_store_without_following(s3, tmp_path):
     schema = ParquetSchema(label="clicked", categorical=["item"])
     reader = FileReader(f"s3://{s3.bucket}/*.parquet", 100, format="parquet", schema=schema)
     assert [int(i) for batch in reader for i in batch.sparse["item"].view(-1)] == list(range(300))
+
+
+def test_a_listing_that_fails_for_a_while_is_retried_not_fatal(tmp_path, monkeypatch):
+    from paramserver.data import UnreadableFile
+
+    land(tmp_path, "a.txt", 0, 50)
+    reader = follower(tmp_path)
+    batches = iter(reader)
+    assert take(batches, 1) == list(range(50))
+    listed = reader.inputs.list
+    failures = []
+
+    def flaky(missing_ok=False):
+        if len(failures) < 3:
+            failures.append(1)
+            raise UnreadableFile(str(tmp_path), "cannot list it: the store is unreachable")
+        return listed(missing_ok)
+
+    monkeypatch.setattr(reader.inputs, "list", flaky)
+    land(tmp_path, "b.txt", 50, 50)
+    assert take(batches, 1) == list(range(50, 100)) and len(failures) == 3
+    reader.close()

@@ -33,7 +33,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 import pyarrow as pa
 
-from ..filesystems import Location, locate
+from ..filesystems import Location, failures_named, locate
 from .errors import UnreadableFile
 
 #: Text parts are at most this long (bytes), so that workers get similar shares.
@@ -98,7 +98,8 @@ class InputFiles:
         seen = set()
         for pattern in self.patterns:
             try:
-                matches = self._matches(pattern)
+                with failures_named(pattern, "list it"):
+                    matches = self._matches(pattern)
             except (OSError, pa.ArrowException) as error:
                 raise UnreadableFile(pattern.url, f"cannot list it: {error}") from error
             if not matches and not missing_ok:

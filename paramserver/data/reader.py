@@ -50,7 +50,7 @@ from ..logs import RateLimitedLog
 from ..train.contract import Batch
 from . import criteo, parts as parts_module
 from .criteo import Parsed
-from .errors import MalformedInput
+from .errors import MalformedInput, UnreadableFile
 from .parquet import ParquetSchema, read_row_group
 from .parts import InputFiles, Part
 from .samples import Samples
@@ -336,7 +336,13 @@ class FileReader:
             pending = [index for index, part in enumerate(self.parts) if part.key not in finished]
             pending.sort(key=lambda index: self.parts[index].key != under_way)  # the part under way first
             if not pending:
-                if not self._discover():
+                try:
+                    found = self._discover()
+                except UnreadableFile as error:  # the store unreachable for a while: online training waits
+                    self._waiting_log.record("listing failed", f"{error}; listing again in "
+                                             f"{self.poll.total_seconds():g} s")
+                    found = []
+                if not found:
                     self._waiting_log.record("no new file", f"{self.inputs.patterns[0].url}: no new file to read; "
                                              f"listing again every {self.poll.total_seconds():g} s "
                                              f"({len(finished)} part(s) read)")
