@@ -52,6 +52,9 @@ def server_args(*argv):
     (["--heartbeat-timeout", "0.5"], "--heartbeat-timeout must exceed"),
     (["--group-size", "-1"], "--group-size must be 0"),
     (["--host", "0.0.0.0"], "not a wildcard"),
+    (["--export-every", "10"], "--export-every and --export-base-every need --export-dir"),
+    (["--export-dir", "live", "--export-every", "0"], "--export-every must be at least 1, got 0"),
+    (["--export-dir", "oci://bucket/live"], "--export-dir: oci://bucket/live: the oci:// protocol needs a package"),
 ])
 def test_server_flags_are_checked(argv, message):
     with pytest.raises(UsageError, match=message):
@@ -163,6 +166,17 @@ def test_server_ships_the_group_size_with_the_job():
     options = server.options_from(server_args("--shards", "2", "--group-size", "3"))
     assert options.coordinator.job.group_size == 3
     assert options.coordinator.job.name == "workers.ctr:main"
+    assert not options.coordinator.job.exports.directory
+
+
+def test_server_ships_live_export_settings_with_the_job_and_workers_read_them(tmp_path, monkeypatch):
+    from paramserver.checkpoint.records import LiveExportSettings
+    monkeypatch.chdir(tmp_path)
+    options = server.options_from(server_args("--export-dir", "live", "--export-every", "50",
+                                              "--storage-options", '{"anon": true}'))
+    exports = LiveExportSettings.from_message(options.coordinator.job.exports)
+    assert exports == LiveExportSettings(directory=str(tmp_path / "live"), every_steps=50, base_every=24,
+                                         storage_options={"anon": True})
 
 
 @pytest.mark.parametrize("hook, options, expected", [

@@ -22,7 +22,7 @@ from paramserver import Batch, Table, Trainer, serving
 from paramserver.checkpoint import MANIFEST, CheckpointStore, CorruptCheckpoint, FileRecord, save_tensors
 from paramserver.checkpoint.export import EXPORT_MANIFEST
 from paramserver.checkpoint.model import NotExportable, describe_model
-from paramserver.checkpoint.records import CheckpointSettings
+from paramserver.checkpoint.records import CheckpointSettings, LiveExportSettings
 from paramserver.cli import ctl
 from paramserver.cli import export as export_command
 from paramserver.cli.common import UsageError, coordinator_client
@@ -80,15 +80,19 @@ def committing(ctx: JobContext, root: pathlib.Path, every_steps: int) -> JobCont
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A Trainer run of ``STEPS`` steps, checkpointed every 10, and its own scores of the held-out batches at
-    the end (the Trainer's evaluation: the dense module's outputs in eval mode)."""
+    """A Trainer run of ``STEPS`` steps, checkpointed every 10, with live exports every 10 (as ``ps-server
+    --export-dir`` asks, through the context), and its own scores of the held-out batches at the end (the
+    Trainer's evaluation: the dense module's outputs in eval mode)."""
     root = tmp_path_factory.mktemp("checkpoints")
+    live = tmp_path_factory.mktemp("live")
     ctx = JobContext.local()
     try:
         torch.manual_seed(5)
         dense = Scorer(list(TABLES), DIM, DENSE)
         evaluated = evaluated_scores(dense)
-        trainer = Trainer(committing(ctx, root, 10), tables=TABLES, dense=dense,
+        exporting = dataclasses.replace(committing(ctx, root, 10),
+                                        exports=LiveExportSettings(directory=str(live), every_steps=10, base_every=2))
+        trainer = Trainer(exporting, tables=TABLES, dense=dense,
                           sparse_optimizer=(QHM, dict(lr=8.0, momentum=0.9, nu=0.7)),
                           dense_optimizer=lambda params: torch.optim.SGD(params, lr=0.5),
                           loss=nn.BCEWithLogitsLoss(), name="exported", seed=3)
@@ -96,7 +100,8 @@ def trained(tmp_path_factory):
         figures = trainer.fit((batch(index, 64) for index in range(10 ** 6)), steps=STEPS, eval_data=holdout,
                               eval_every=10 ** 9, log_every=10 ** 9)
         assert figures["steps"] == STEPS and figures["checkpoints"] == 3, figures
-        yield types.SimpleNamespace(root=root, holdout=holdout, scores=torch.cat(evaluated[-len(holdout):]))
+        yield types.SimpleNamespace(root=root, live=live, holdout=holdout,
+                                    scores=torch.cat(evaluated[-len(holdout):]))
     finally:
         ctx.close()
 
@@ -133,6 +138,14 @@ def test_the_newest_checkpoint_exported_scores_as_the_trainer_evaluated(trained,
     served = scores(model, trained.holdout)
     assert served.shape == trained.scores.shape == (512,)
     assert (served - trained.scores).abs().max().item() <= 1e-6
+
+
+def test_live_exports_the_cluster_asked_for_serve_as_the_trainer_evaluated(trained):
+    """Fixed and dynamic tables through a base, a delta, a new base (every 2nd export) and its delta."""
+    assert sorted(path.name for path in trained.live.iterdir()) == [f"{step:012d}" for step in (10, 20, STEPS)]
+    model = serving.load(str(trained.live))
+    assert model.step == STEPS
+    assert (scores(model, trained.holdout) - trained.scores).abs().max().item() <= 1e-6
 
 
 def test_ps_ctl_export_takes_a_checkpoint_directory_or_a_cluster(trained, tmp_path, capsys):

@@ -2,7 +2,7 @@
 
     ps-server --shards 4 [--host H] [--port P] [--job JOB] [--job-config JSON] [--group-size N]
               [--checkpoint-dir D|URL [--checkpoint-every STEPS|SECONDSs] [--keep-checkpoints K]] [--restore D|URL]
-              [--storage-options JSON]
+              [--export-dir D|URL [--export-every STEPS] [--export-base-every N]] [--storage-options JSON]
               [--token-file F] [--shard-token-file S] [--tls-cert C --tls-key K] [--heartbeat-timeout S]
               [--metrics-port P]
     ps-server --join HOST:PORT --shards 4 [--host H] [--shard-prefix P] [--token-file F --shard-token-file S]
@@ -22,13 +22,14 @@ shards (then no other host's shards can join).
 
 import argparse
 import datetime
+import json
 import math
 import re
 import sys
 from typing import Optional
 
 from ..control import DEFAULT_PORT, TlsFiles
-from ..control.protocol import HEARTBEAT_INTERVAL
+from ..control.protocol import HEARTBEAT_INTERVAL, pb
 from ..control.security import ShardCredential
 from ..processes import start_fork_server
 from ..runtime.job import DEFAULT_JOB, JobError, pack_job
@@ -41,7 +42,8 @@ from .common import (UsageError, add_log_level, add_metrics_port, add_storage_op
 
 #: Flags that configure the coordinator, refused with ``--join`` (which runs none) unless left at their defaults.
 COORDINATOR_FLAGS = ("port", "job", "job_config", "group_size", "checkpoint_dir", "checkpoint_every",
-                     "checkpoint_keep", "restore", "storage_options", "tls_cert", "tls_key", "heartbeat_timeout")
+                     "checkpoint_keep", "restore", "storage_options", "export_dir", "export_every",
+                     "export_base_every", "tls_cert", "tls_key", "heartbeat_timeout")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,7 +83,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start from a checkpoint: a checkpoint directory, or a checkpoint root (its newest "
                              "valid checkpoint), a path or URL; the number of shards may differ from the one "
                              "that wrote it")
-    add_storage_options(parser, "--checkpoint-dir and --restore (handed to every member that writes there)")
+    parser.add_argument("--export-dir", metavar="DIR",
+                        help="trainer group 0 writes live exports under DIR (a path or fsspec URL): a base, then "
+                             "deltas of the rows changed, that paramserver.serving.load(DIR) serves and refresh() "
+                             "follows")
+    parser.add_argument("--export-every", type=int, default=None, metavar="STEPS",
+                        help="a live export every STEPS training steps (default 100), and one when the job stops")
+    parser.add_argument("--export-base-every", type=int, default=None, metavar="N",
+                        help="every N-th live export is a base, the others deltas (default 24)")
+    add_storage_options(parser, "--checkpoint-dir, --restore and --export-dir (handed to every member that "
+                                "writes there)")
     add_token_file(parser)
     parser.add_argument("--shard-token-file", metavar="S",
                         help="file holding the shard token, a second secret that only shards carry: a Join as a "
@@ -169,6 +180,9 @@ def options_from(args):
         job = pack_job(args.job, config, group_size=args.group_size)
     except JobError as error:
         raise UsageError(f"--job: {error}") from error
+    exports = live_exports_from(args)
+    if exports is not None:
+        job.exports.CopyFrom(exports)
     token = token_from(args)
     shard_token = shard_token_from(args, token)
     settings = dict(host=args.host, port=args.port, token=token, job=job,
@@ -184,6 +198,22 @@ def options_from(args):
     return ServerOptions(num_shards=args.shards, coordinator=CoordinatorSettings(**settings),
                          log_level=args.log_level, shard_prefix=prefix, max_restarts=shard_restarts_from(args),
                          metrics_port=metrics_port_from(args, 1 + args.shards))
+
+
+def live_exports_from(args) -> Optional["pb.LiveExportSettings"]:
+    """``--export-*``'s settings for the job, or ``None`` when there are no live exports."""
+    if not args.export_dir:
+        if args.export_every is not None or args.export_base_every is not None:
+            raise UsageError("--export-every and --export-base-every need --export-dir")
+        return None
+    for flag, value in (("--export-every", args.export_every), ("--export-base-every", args.export_base_every)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be at least 1, got {value}")
+    directory = location_from("--export-dir", args.export_dir, args)
+    return pb.LiveExportSettings(directory=directory.url, every_steps=args.export_every or 100,
+                                 base_every=args.export_base_every or 24,
+                                 storage_options_json=json.dumps(dict(directory.storage_options))
+                                 if directory.storage_options else "")
 
 
 def shard_token_from(args, token: Optional[str]) -> Optional[str]:
@@ -203,8 +233,8 @@ def checkpoint_options_from(args):
     if not args.checkpoint_dir and not args.restore:
         if args.checkpoint_every is not None:
             raise UsageError("--checkpoint-every needs --checkpoint-dir")
-        if args.storage_options is not None:
-            raise UsageError("--storage-options needs --checkpoint-dir or --restore")
+        if args.storage_options is not None and not args.export_dir:
+            raise UsageError("--storage-options needs --checkpoint-dir, --restore or --export-dir")
         return None
     # Named URLs checked here (a missing extra, an unknown protocol: one line, exit 2); nothing is reached yet.
     directory = location_from("--checkpoint-dir", args.checkpoint_dir, args) if args.checkpoint_dir else None

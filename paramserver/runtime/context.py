@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from ..metrics.data_plane import DataPlaneMetrics
     from ..metrics.training import TrainingMetrics
 
-from ..checkpoint.records import CheckpointCommit, CheckpointFailure, CheckpointSettings
+from ..checkpoint.records import CheckpointCommit, CheckpointFailure, CheckpointSettings, LiveExportSettings
 
 #: How long a job waits for its trainer group to form before giving up.
 GROUP_WAIT = datetime.timedelta(seconds=120)
@@ -181,6 +181,8 @@ class JobContext:
     shards: List[str]
     group: GroupChannel
     checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
+    #: Where trainer group 0 writes live exports (``ps-server --export-dir``; directory empty: none).
+    exports: LiveExportSettings = field(default_factory=LiveExportSettings)
     #: The member id the coordinator knows this worker by.
     member_id: str = ""
     inbox: Inbox = field(default_factory=Inbox, repr=False)
@@ -217,6 +219,7 @@ class JobContext:
         return cls(rpc_name=assignment.rpc_name, worker_index=assignment.index,
                    trainer_group=assignment.trainer_group, shards=list(assignment.shards), group=group,
                    checkpoint=CheckpointSettings.from_message(assignment.checkpoint),
+                   exports=LiveExportSettings.from_message(assignment.job.exports),
                    member_id=assignment.member_id, inbox=inbox, recorders=recorders or Recorders(),
                    _live_shards=lambda: session.shards,
                    _shards_gone=lambda: session.shards_gone,

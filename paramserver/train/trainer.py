@@ -101,7 +101,7 @@ class Trainer:
     writes a live export every ``export_every`` steps and when it stops (``paramserver.train.live_exports``):
     a base, then deltas holding the rows changed since the export before, a new base every
     ``export_base_every`` exports; ``paramserver.serving.load(root)`` serves the newest and ``refresh()``
-    follows.
+    follows.  Without ``export_to``, the cluster's ``ps-server --export-dir`` (``ctx.exports``) applies.
     """
 
     def __init__(self, ctx, tables: Dict[str, Table], dense: nn.Module, sparse_optimizer: Tuple[type, Dict[str, Any]],
@@ -211,9 +211,7 @@ class _Run:
                                     cache_rows=trainer.cache_rows, recorder=ctx.recorders.data_plane)
         self.checkpoints = TrainerCheckpoints(ctx, self.replica, self.batches.position,
                                               model=trainer.model_description)
-        self.exports = (LiveExports(trainer.export_to, trainer.export_every, trainer.export_base_every, self.replica,
-                                    list(ctx.shards), trainer.model_description, trainer.export_storage_options)
-                        if trainer.export_to is not None and ctx.trainer_group == 0 else None)
+        self.exports = _live_exports(trainer, ctx, self.replica)
         self.figures: Dict[str, Any] = dict(figures)
         self.losses: List[float] = []
         self.samples = 0
@@ -425,6 +423,21 @@ class _Run:
                 batch.dense.to(device)), self.eval_data)
         finally:
             module.train(was_training)
+
+
+def _live_exports(trainer: Trainer, ctx, replica) -> Optional[LiveExports]:
+    """Trainer group 0's live exports: as the Trainer was told (``export_to``), else as the cluster says
+    (``ps-server --export-dir``: ``ctx.exports``); ``None`` when there are none or this is another group."""
+    if ctx.trainer_group != 0:
+        return None
+    if trainer.export_to is not None:
+        return LiveExports(trainer.export_to, trainer.export_every, trainer.export_base_every, replica,
+                           list(ctx.shards), trainer.model_description, trainer.export_storage_options)
+    settings = getattr(ctx, "exports", None)
+    if settings is None or not settings.directory:
+        return None
+    return LiveExports(settings.directory, settings.every_steps, settings.base_every, replica, list(ctx.shards),
+                       trainer.model_description, settings.storage_options)
 
 
 def _position(saved) -> Optional[Dict[str, Any]]:
