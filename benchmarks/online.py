@@ -46,6 +46,10 @@ from workers import ctr
 from workers.ctr_files import PlantedFiles
 
 BATCH = 1024
+#: Distinct file contents the producer lands in turn.
+CONTENTS = 4
+#: How long the producer may take to render them.
+RENDER_WITHIN = 300
 TTL_STEPS = 200
 
 
@@ -54,16 +58,24 @@ def rss_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def produce(directory: str, lines: int, interval: float, until: float, landed) -> None:
-    """A producer process: lands a file of ``lines`` lines into ``directory`` every ``interval`` seconds until
-    ``until`` (``time.monotonic``, the same clock in every process of this host); puts ``(path, landed at)``
-    on ``landed`` for each, then ``None``."""
-    files = PlantedFiles(seed=11)
+def produce(directory: str, lines: int, interval: float, seconds: float, landed) -> None:
+    """A producer process: lands a file of ``lines`` lines into ``directory`` every ``interval`` seconds for
+    ``seconds``; puts ``"ready"`` on ``landed`` when it starts, ``(path, landed at)`` for each file
+    (``time.monotonic``, the same clock in every process of this host), then ``None``.  Its files' contents are rendered before the clock starts (a few,
+    used in turn), so that on these few cores the producer costs the trainer a file copy, not a generator."""
+    contents = []
+    for index in range(CONTENTS):
+        scratch = pathlib.Path(directory) / f".render-{index}"
+        PlantedFiles(seed=11).write_criteo(str(scratch), index, lines)
+        contents.append(scratch.read_bytes())
+        scratch.unlink()
+    landed.put("ready")
     stream, next_at = 0, time.monotonic()
+    until = next_at + seconds
     while time.monotonic() < until:
         name = f"part-{stream:06d}.txt"
         temporary = pathlib.Path(directory) / f".{name}.tmp"
-        files.write_criteo(str(temporary), stream, lines)
+        temporary.write_bytes(contents[stream % CONTENTS])
         temporary.rename(pathlib.Path(directory) / name)
         landed.put((str(pathlib.Path(directory) / name), time.monotonic()))
         stream += 1
@@ -154,13 +166,15 @@ def main() -> int:
 
             live = root / "live"
             live.mkdir()
-            began = time.monotonic()
-            until = began + args.minutes * 60
             spawn = multiprocessing.get_context("spawn")
             landed_queue = spawn.Queue()
-            producer = spawn.Process(target=produce, args=(str(live), file_lines, args.interval, until, landed_queue),
-                                     name="producer")
+            producer = spawn.Process(target=produce, name="producer",
+                                     args=(str(live), file_lines, args.interval, args.minutes * 60, landed_queue))
             producer.start()
+            if landed_queue.get(timeout=RENDER_WITHIN) != "ready":  # it renders its files first
+                raise RuntimeError("the producer did not render its files")
+            began = time.monotonic()
+            until = began + args.minutes * 60
             print(f"2. online for {args.minutes:g} minutes, polling every {args.poll:g} s", file=sys.stderr)
             data = {"train": str(live), "follow": True, "poll_seconds": args.poll}
             result, watcher = run_job(ctx, data, 10 ** 9, "online-live", watch=True, stop_at=until + 3 * args.interval)
