@@ -4,6 +4,7 @@ flags, and one run of the real commands scraped while the default job trains
 (coordinator, both shards, both workers)."""
 
 import datetime
+import types
 import logging
 import os
 import pathlib
@@ -251,6 +252,7 @@ class _Clock:
 
 class _Checkpoints:
     committed = 2
+    newest = None
 
 
 def test_the_cluster_collector_reads_the_membership_table():
@@ -287,6 +289,14 @@ def test_the_cluster_collector_reads_the_membership_table():
     samples = parse(prometheus_client.generate_latest(registry).decode())
     assert value(samples, "paramserver_members_ended_total", role="shard", state="exited") == 1
     assert value(samples, "paramserver_checkpoints_committed_total") == 2
+    assert not [name for name in samples if name.startswith("paramserver_checkpoint_newest")]  # none yet
+    _Checkpoints.newest = types.SimpleNamespace(step=40, manifest={"created_unix": 1.8e9})
+    try:
+        samples = parse(prometheus_client.generate_latest(registry).decode())
+    finally:
+        _Checkpoints.newest = None
+    assert value(samples, "paramserver_checkpoint_newest_step") == 40
+    assert value(samples, "paramserver_checkpoint_newest_timestamp_seconds") == 1.8e9
 
 
 def dynamic_part(state: ShardState, table: str, index: int, count: int, options: DynamicOptions) -> DynamicRows:

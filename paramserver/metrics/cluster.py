@@ -6,7 +6,7 @@ the control plane records nothing for metrics: it keeps counts it needs
 anyway (``Membership.counts()``).  It never changes the table.
 """
 
-from typing import Iterator, Optional, Protocol
+from typing import Any, Iterator, Optional, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -21,6 +21,9 @@ class _Membership(Protocol):
 
 class _Checkpoints(Protocol):
     committed: int
+
+    @property
+    def newest(self) -> Optional[Any]: ...  # a ``Checkpoint`` (its ``step`` and manifest's ``created_unix``)
 
 
 class ClusterCollector(Collector):
@@ -52,3 +55,10 @@ class ClusterCollector(Collector):
         yield CounterMetricFamily("paramserver_checkpoints_committed",
                                   "Checkpoints committed (manifest written) by this coordinator",
                                   value=self._checkpoints.committed if self._checkpoints is not None else 0)
+        newest = self._checkpoints.newest if self._checkpoints is not None else None
+        if newest is not None:  # none yet: absent, not a zero that would read as 1970
+            yield GaugeMetricFamily("paramserver_checkpoint_newest_step", "The step of the newest checkpoint",
+                                    value=newest.step)
+            yield GaugeMetricFamily("paramserver_checkpoint_newest_timestamp_seconds",
+                                    "When the newest checkpoint was committed (Unix time; its age: time() - this)",
+                                    value=float(newest.manifest.get("created_unix", 0.0)))
