@@ -104,3 +104,25 @@ def test_a_shards_delta_holds_the_rows_pushed_since_and_a_failed_export_gives_th
     push([4])
     assert part("d")[0]["rows"].tolist() == [3, 4]  # what the failed export took is carried by the next
     assert part("e", whole=True)[0]["whole"]
+
+
+def test_serving_follows_the_base_committed_last_when_a_restarted_job_exports_older_steps(tmp_path):
+    root = locate(tmp_path)
+
+    def write(step, writer, kind, previous=None):
+        name = live_export.export_name(step, writer)
+        directory = root.join(name)
+        directory.fs.makedirs(directory.path, exist_ok=True)
+        live_export.commit(directory, kind=kind, step=step, previous=previous, base=name, model={}, files=[])
+        return name
+
+    base = write(10, "aaaa", "base")
+    delta = write(20, "aaaa", "delta", base)
+    last = write(30, "aaaa", "delta", delta)
+    assert [e.name for e in live_export.chain(root)] == [base, delta, last]
+    assert live_export.chain(root, after=delta)[0].name == last
+    (tmp_path / "000000000040-aaaa").mkdir()  # being written: no manifest, not there
+    assert [e.name for e in live_export.chain(root)] == [base, delta, last]
+    restarted = write(20, "bbbb", "base")  # the job came back from its checkpoint of step 20
+    assert [e.name for e in live_export.chain(root)] == [restarted]
+    assert [e.name for e in live_export.chain(root, after=last)] == [restarted]  # a refresh moves back with it

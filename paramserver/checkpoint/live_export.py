@@ -4,7 +4,7 @@ Owns the format and its reading and writing, none of the cluster: a training job
 few steps (``paramserver.train.live_exports``), each shard its own part (``shards.server.export_part``),
 and serving reads the chain (``paramserver.serving``).  Under ``root``::
 
-    <step, 12 digits>/      one export
+    <step, 12 digits>-<writer>/   one export (``writer``: a token of the process that wrote it)
         part-<shard>.pt     what that shard hosts: per table range or dynamic table part, either all of it
                             ("whole") or the rows changed since the export before (and a dynamic part's
                             evicted ids)
@@ -22,6 +22,8 @@ them.  A file that does not match its manifest is a ``CorruptCheckpoint`` naming
 
 import json
 import logging
+import re
+import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
@@ -40,11 +42,13 @@ MANIFEST = "export.json"
 DENSE_FILE = "dense.pt"
 PART_PREFIX = "part-"
 KINDS = ("base", "delta")
+_EXPORT_NAME = re.compile(r"^\d{12}-[0-9a-z]+$")
 
 
-def export_name(step: int) -> str:
-    """The directory of the export at ``step``."""
-    return f"{step:012d}"
+def export_name(step: int, writer: str) -> str:
+    """The directory of the export at ``step`` by ``writer`` (a token of the process writing the chain: a job
+    restarted from a checkpoint exports the same steps again, into directories of its own)."""
+    return f"{step:012d}-{writer}"
 
 
 def part_file(shard: str) -> str:
@@ -65,7 +69,7 @@ def commit(directory: Location, *, kind: str, step: int, previous: Optional[str]
     if kind not in KINDS:
         raise ValueError(f"an export's kind is one of {KINDS}, got {kind!r}")
     manifest = {"format": LIVE_FORMAT, "kind": kind, "step": step, "previous": previous, "base": base,
-                "model": dict(model), "files": [record.to_json() for record in files]}
+                "created_unix": time.time(), "model": dict(model), "files": [record.to_json() for record in files]}
     atomic_write(directory.join(MANIFEST), lambda file: file.write(json.dumps(manifest, indent=1).encode()))
     return manifest
 
@@ -112,7 +116,7 @@ def is_chain(root: Location) -> bool:
 
 
 def _committed(root: Location) -> List[LiveExport]:
-    """Every export under ``root`` with a readable manifest, by step."""
+    """Every export under ``root`` with a readable manifest, in the order they were committed."""
     found = []
     try:
         with failures_named(root, "list live exports"):
@@ -121,7 +125,7 @@ def _committed(root: Location) -> List[LiveExport]:
         return []
     for path in entries:
         name = path.rstrip("/").rsplit("/", 1)[-1]
-        if len(name) != 12 or not name.isdigit():
+        if not _EXPORT_NAME.match(name):
             continue
         directory = root.join(name)
         try:
@@ -133,11 +137,12 @@ def _committed(root: Location) -> List[LiveExport]:
             continue  # not committed (being written, or its writer failed)
         except (OSError, ValueError) as error:
             logger.warning("%s: an unreadable export manifest is skipped: %s", directory.join(MANIFEST), error)
-    return sorted(found, key=lambda export: export.step)
+    return sorted(found, key=lambda export: (float(export.manifest.get("created_unix", 0.0)), export.step))
 
 
 def chain(root: Location, after: Optional[str] = None) -> List[LiveExport]:
-    """The newest base under ``root`` and the deltas that follow it, in order (``[]`` when there is none).
+    """The newest base under ``root`` (the last committed: a job restarted from an older checkpoint writes a
+    base of an older step, and serving follows it) and the deltas that follow it, in order (``[]``: none).
 
     ``after``: the name of an export already applied: only what follows it (its own chain's deltas; a newer
     base and its deltas when one was written since)."""

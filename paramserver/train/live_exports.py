@@ -12,6 +12,7 @@ members go on and wait for rank 0 in their next step's all-reduce.
 
 import datetime
 import logging
+import secrets
 import time
 from typing import Any, Dict, List, Mapping, Optional
 
@@ -46,6 +47,8 @@ class LiveExports:
         self._base: Optional[str] = None
         self._since_base = 0
         self._last_step = replica.step
+        #: Names this process's exports apart from those of an earlier run of the job at the same steps.
+        self.writer = secrets.token_hex(4)
         self.written: List[str] = []
 
     def at_boundary(self, final: bool = False) -> None:
@@ -62,7 +65,7 @@ class LiveExports:
         """Write and commit an export of the model as of now; its name, or ``None`` when it failed."""
         step = self.replica.step
         whole = self._previous is None or self._since_base + 1 >= self.base_every
-        name = export_name(step)
+        name = export_name(step, self.writer)
         directory = self.root.join(name)
         started = time.monotonic()
         try:
