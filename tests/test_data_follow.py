@@ -8,6 +8,7 @@ Everything runs in this process (the reader's threads included); the tests write
 import datetime
 import gzip
 import threading
+import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -106,12 +107,35 @@ def test_workers_share_what_lands_each_line_once(tmp_path):
     land(tmp_path, "part-5.gz", 500, 100, compress=True)
     seen = []
     for worker in range(2):
-        # every part (a plain file is cut in two, one range per worker) goes to the worker its name hashes to
+        # every file (not cut by the number of workers) goes to the worker its name hashes to
         reader = FileReader(str(tmp_path), 1, follow=True, poll=POLL, worker=worker, workers=2)
         batches = iter(reader)
         seen += take(batches, sum(_lines_in(part) for part in reader.parts))
         reader.close()
     assert sorted(seen) == list(range(600))
+
+
+def test_a_followed_position_names_the_same_parts_on_another_number_of_workers(tmp_path):
+    for index in range(4):
+        land(tmp_path, f"part-{index}.txt", index * 100, 100)
+    alone = follower(tmp_path)
+    batches = iter(alone)
+    head = take(batches, 5)  # 250 lines: files 0 and 1 read whole, file 2 under way
+    state = alone.state_dict()
+    alone.close()
+    readers = [FileReader(str(tmp_path), 1, follow=True, poll=POLL, worker=worker, workers=2) for worker in range(2)]
+    rest = []
+    for reader in readers:  # restored onto two workers: each reads its share of what is left
+        reader.load_state_dict(state)
+        threading.Thread(target=lambda reader=reader: [rest.extend(first_ids([batch])) for batch in reader],
+                         daemon=True).start()
+    deadline = time.monotonic() + 30
+    while len(rest) < 400 - len(head) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # anything read twice would show up by now
+    for reader in readers:
+        reader.close()
+    assert sorted(head + rest) == list(range(400))
 
 
 def _lines_in(part) -> int:

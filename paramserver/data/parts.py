@@ -171,12 +171,6 @@ class InputFiles:
         return pq.ParquetFile(location.path if location.is_local else location.open("rb"))
 
 
-def expand(paths: Union[str, Sequence[str]], storage_options: Optional[Mapping[str, Any]] = None) -> List[str]:
-    """The files ``paths`` names (paths, globs or directories), each pattern's matches sorted; ``UnreadableFile``
-    for a pattern that matches nothing."""
-    return InputFiles(paths, storage_options).list()
-
-
 def compression_of(path: str) -> Optional[str]:
     return COMPRESSIONS.get(os.path.splitext(path)[1].lower())
 

@@ -24,8 +24,9 @@ an object store) is listed again every ``poll`` while reading, and files that ap
 come, each exactly once, complete files only (``parts.InputFiles.ready``: final names, or a
 ``ready_marker``), in name order within what one listing found; the iteration never ends by itself
 (it waits for files, in bounded polls, with a log line at a bounded rate) and ends on ``close()``.  A
-followed input's parts go to workers by a hash of their names (``crc32 % workers``), so that every
-worker decides alone and alike which new file is whose.  Its position names parts by name: the parts
+followed input's parts (a file, or 256 MiB of it: never cut by the number of workers) go to workers by a
+hash of their names (``crc32 % workers``), so that every worker decides alone and alike which new file is
+whose.  Its position names parts by name: the parts
 done, the one under way (its chunk offset and rows given), so that after a restore nothing is read
 twice and no file from its start again.
 
@@ -152,7 +153,9 @@ class FileReader:
     def _parts_of_files(self, files: Sequence[str]) -> List[Part]:
         if self.format == "parquet":
             return parts_module.parquet_parts(files, self.inputs)
-        return parts_module.text_parts(files, self.workers, self.inputs)
+        # A followed input's parts do not depend on the number of workers (256 MiB of a file at most, each one
+        # worker's): its position names them, and must name the same parts after a restore onto more workers.
+        return parts_module.text_parts(files, 1 if self.follow else self.workers, self.inputs)
 
     def _discover(self) -> List[Part]:
         """A followed input: list it again; this worker's parts of files not seen before, in name order,
@@ -193,8 +196,9 @@ class FileReader:
     def __iter__(self) -> Iterator[Batch]:
         self._stop.clear()
         if self.follow and self._start.key and self._start.key not in {part.key for part in self.parts}:
-            logger.warning("the saved reading position is in %s, which this input no longer has: reading on "
-                           "from the parts not read yet", self._start.key)
+            logger.info("the saved reading position is in %s, which is not among this reader's parts (another "
+                        "worker's share now, or gone from the input): reading on from this reader's parts not read "
+                        "yet", self._start.key)
             self._start = dataclasses.replace(self._start, key="", offset=0, rows=0)
         self._position = self._start
         stop = threading.Event()
