@@ -16,6 +16,7 @@ Owns the checks that:
 """
 
 import argparse
+import importlib
 import json
 import os
 import pathlib
@@ -95,6 +96,8 @@ def test_bad_arguments_are_refused_in_one_line_naming_them(bad, says):
     assert "\n" not in str(refused.value)
 
 
+# torchx notes on every run with worker retries that Volcano 1.4 retried wrongly.
+@pytest.mark.filterwarnings("ignore::UserWarning:torchx.schedulers.kubernetes_scheduler")
 def test_the_kubernetes_request_starts_the_server_then_workers_that_reach_it(tmp_path):
     token = tmp_path / "token"
     token.write_text(SECRET)
@@ -233,3 +236,19 @@ def test_the_sbatch_script_runs_a_server_and_workers_across_the_allocation(comma
     assert "finished workers.ctr:main at step 20" in logs
     assert "ps-server ended with exit code 0" in logs
     assert "ps-server on node1 at 127.0.0.1:" in logs  # the first node's address, asked on it
+
+
+def test_without_torchx_the_component_module_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchx", None)  # as if torchx were not installed
+    monkeypatch.delitem(sys.modules, "paramserver.components", raising=False)
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'paramserver\[torchx\]'"):
+        importlib.import_module("paramserver.components")
+
+
+@pytest.mark.parametrize("flags, says", [(["--stop-after-workers", "-1"], "--stop-after-workers must be 0"),
+                                         (["--join", "127.0.0.1:1", "--stop-after-workers", "2"],
+                                          "--stop-after-workers belongs on the coordinator")])
+def test_ps_server_refuses_a_bad_stop_after_workers(flags, says):
+    args = parsed(server_cli, flags)
+    with pytest.raises(server_cli.UsageError, match=says):
+        server_cli.shard_host_options_from(args) if args.join else server_cli.options_from(args)
