@@ -19,7 +19,6 @@ Needs the ``torchx`` extra (``pip install 'paramserver[torchx]'``); without it,
 importing this module fails with an error that says so.
 """
 
-import json
 import shlex
 from typing import Dict, List, Optional
 
@@ -29,6 +28,7 @@ except ModuleNotFoundError as error:  # one line naming the extra, not torchx's 
     raise ModuleNotFoundError("paramserver.components needs torchx: pip install 'paramserver[torchx]'",
                               name=error.name) from error
 
+from .cli.common import UsageError, job_config_from
 from .control import DEFAULT_PORT
 from .runtime.job import DEFAULT_JOB
 
@@ -136,10 +136,8 @@ def _check(shards: int, workers: int, job_config: str, group_size: int, port: in
     if worker_retries < 0:
         raise ValueError(f"--worker_retries must be 0 or more, got {worker_retries}")
     try:
-        config = json.loads(job_config)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"--job_config is not JSON: {error}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"--job_config must be a JSON object, got {job_config!r}")
+        job_config_from(job_config)  # ps-server's own check of the same text
+    except UsageError as error:
+        raise ValueError(str(error)) from None
     if shard_token_file and not token_file:
         raise ValueError("--shard_token_file needs --token_file (a cluster without a token admits any shard)")

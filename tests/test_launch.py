@@ -86,8 +86,8 @@ def test_torchx_finds_the_component_next_to_its_builtins():
 
 
 @pytest.mark.parametrize("bad, says", [({"shards": 0}, "--shards"), ({"workers": 0}, "--workers"),
-                                       ({"port": 0}, "--port"), ({"job_config": "[1]"}, "--job_config"),
-                                       ({"job_config": "{steps"}, "--job_config"),
+                                       ({"port": 0}, "--port"), ({"job_config": "[1]"}, "--job.config"),
+                                       ({"job_config": "{steps"}, "--job.config"),
                                        ({"shard_token_file": "/s"}, "--token_file")])
 def test_bad_arguments_are_refused_in_one_line_naming_them(bad, says):
     from paramserver.components import ps_job
