@@ -25,7 +25,7 @@ PROTOS := $(shell find protos -name '*.proto')
 KERNEL := paramserver/shards/server/dynamic/kernel.c
 
 $(STAMP): $(PY) setup.cfg setup.py pyproject.toml $(PROTOS) $(KERNEL)
-	$(PIP) install --quiet $(TORCH_PIN) -e '.[test,s3,gcs]'
+	$(PIP) install --quiet $(TORCH_PIN) -e '.[test,s3,gcs,torchx]'
 	touch $(STAMP)
 
 # The main job on a local cluster: ps-server --shards 4, two ps-workers in one

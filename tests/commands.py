@@ -24,13 +24,15 @@ class Commands:
         self.processes: List[subprocess.Popen] = []
         self._count = 0
 
-    def start(self, command: str, *args: str, netns: Optional[str] = None) -> subprocess.Popen:
-        """``command`` with ``args``; in network namespace ``netns`` if given (``ip netns exec`` execs the
-        command itself, so the pid is still the command's)."""
+    def start(self, command: str, *args: str, netns: Optional[str] = None,
+              env: Optional[dict] = None) -> subprocess.Popen:
+        """``command`` (a console script, or a path) with ``args``, and ``env`` over this process's
+        environment; in network namespace ``netns`` if given (``ip netns exec`` execs the command itself, so
+        the pid is still the command's)."""
         self._count += 1
-        stem = self.folder / f"{self._count:02d}-{command}"
+        stem = self.folder / f"{self._count:02d}-{pathlib.Path(command).name}"
         stdout, stderr = open(f"{stem}.out", "w"), open(f"{stem}.err", "w")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         prefix = ["ip", "netns", "exec", netns] if netns else []
         process = subprocess.Popen([*prefix, str(BIN / command), *args], stdout=stdout, stderr=stderr, env=env,
                                    start_new_session=True)

@@ -1,6 +1,7 @@
 """``ps-server``: start a cluster's coordinator and its shard servers on this machine, or add shards to one.
 
     ps-server --shards 4 [--host H] [--port P] [--job JOB] [--job-config JSON] [--group-size N]
+              [--stop-after-workers N]
               [--checkpoint-dir D|URL [--checkpoint-every STEPS|SECONDSs] [--keep-checkpoints K]] [--restore D|URL]
               [--export-dir D|URL [--export-every STEPS] [--export-base-every N]] [--storage-options JSON]
               [--token-file F] [--shard-token-file S] [--tls-cert C --tls-key K] [--heartbeat-timeout S]
@@ -43,7 +44,7 @@ from .common import (UsageError, add_log_level, add_metrics_port, add_storage_op
 #: Flags that configure the coordinator, refused with ``--join`` (which runs none) unless left at their defaults.
 COORDINATOR_FLAGS = ("port", "job", "job_config", "group_size", "checkpoint_dir", "checkpoint_every",
                      "checkpoint_keep", "restore", "storage_options", "export_dir", "export_every",
-                     "export_base_every", "tls_cert", "tls_key", "heartbeat_timeout")
+                     "export_base_every", "tls_cert", "tls_key", "heartbeat_timeout", "stop_after_workers")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-size", type=int, default=0, metavar="N",
                         help="workers per trainer group, each one DDP process group (default 0: every worker "
                              "in one group)")
+    parser.add_argument("--stop-after-workers", type=int, default=0, metavar="N",
+                        help="a batch job's server (torchx, Slurm): shut down, as on SIGTERM, once N workers "
+                             "have left and none is running (default 0: run until stopped)")
     parser.add_argument("--checkpoint-dir", metavar="DIR",
                         help="write checkpoints under DIR, a path or fsspec URL (s3://bucket/prefix) every member "
                              "reaches; a shard process that dies is restarted from the newest one")
@@ -176,6 +180,8 @@ def options_from(args):
     config = job_config_from(args.job_config)
     if args.group_size < 0:
         raise UsageError(f"--group-size must be 0 (one group of every worker) or positive, got {args.group_size}")
+    if args.stop_after_workers < 0:
+        raise UsageError(f"--stop-after-workers must be 0 (run until stopped) or more, got {args.stop_after_workers}")
     try:
         job = pack_job(args.job, config, group_size=args.group_size)
     except JobError as error:
@@ -197,7 +203,8 @@ def options_from(args):
         settings["heartbeat_timeout"] = timeout
     return ServerOptions(num_shards=args.shards, coordinator=CoordinatorSettings(**settings),
                          log_level=args.log_level, shard_prefix=prefix, max_restarts=shard_restarts_from(args),
-                         metrics_port=metrics_port_from(args, 1 + args.shards))
+                         metrics_port=metrics_port_from(args, 1 + args.shards),
+                         stop_after_workers=args.stop_after_workers)
 
 
 def live_exports_from(args) -> Optional["pb.LiveExportSettings"]:

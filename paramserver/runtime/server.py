@@ -6,7 +6,9 @@ shard has joined, then wait for a shutdown (SIGTERM/SIGINT or the Shutdown
 RPC) and drain in order: members are asked to stop and given a few seconds
 to leave, shards other hosts added are told to stop, this host's shards
 are stopped, the port closes.  The whole drain is bounded
-so the process is gone within 10 s, leaving no child behind.  With a
+so the process is gone within 10 s, leaving no child behind.  A batch
+job's server (``stop_after_workers``) shuts itself down the same way once
+that many workers have left and none is running.  With a
 metrics port the coordinator serves the cluster's metrics on it and each
 shard serves its own (``paramserver.metrics.shard_metrics_port``).
 """
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..control import CoordinatorServer, CoordinatorSettings, TlsFiles, pb
+from ..control.membership import LEFT, Membership
 from ..control.server import format_address
 from ..metrics.process import coordinator_metrics
 from .shard_policy import MAX_RESTARTS
@@ -30,6 +33,8 @@ logger = logging.getLogger(__name__)
 READY_TIMEOUT = datetime.timedelta(seconds=120)
 MEMBERS_LEAVE_WITHIN = datetime.timedelta(seconds=4)
 SHARDS_STOP_WITHIN = datetime.timedelta(seconds=3)
+#: How often a server waiting for its workers to be done also looks at a shutdown request.
+WATCH_SLICE = datetime.timedelta(seconds=1)
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,8 @@ class ServerOptions:
     max_restarts: int = MAX_RESTARTS
     #: The coordinator's metrics port (shard i: this + 1 + i; 0: free ports); ``None``: no metrics.
     metrics_port: Optional[int] = None
+    #: Shut down once this many workers have left and none is running (a batch job's end); 0: run until told.
+    stop_after_workers: int = 0
 
 
 class _Shutdown:
@@ -102,6 +109,8 @@ def serve(options: ServerOptions, announce=print) -> int:
         coordinator.mark_ready()
         announce(f"ps-server ready at {coordinator.address} ({want} shard{'' if want == 1 else 's'}, generation "
                  f"{coordinator.membership.generation})", flush=True)
+        if options.stop_after_workers:
+            _stop_after_workers(coordinator.membership, options.stop_after_workers, shutdown)
         shutdown.event.wait()
     finally:
         # Workers and drivers first (they need the shards until they are done), shards last.
@@ -121,6 +130,21 @@ def serve(options: ServerOptions, announce=print) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0
+
+
+def workers_done(membership: Membership, workers: int) -> bool:
+    """Whether ``workers`` workers have left (finished their job, or said why not) and none is running."""
+    counts = membership.counts()
+    return counts.ended.get((pb.ROLE_WORKER, LEFT), 0) >= workers and not counts.alive.get(pb.ROLE_WORKER, 0)
+
+
+def _stop_after_workers(membership: Membership, workers: int, shutdown: _Shutdown) -> None:
+    """Wait for the end of a batch job (or a shutdown), then shut down: each wait is a slice that also
+    watches ``shutdown``, so a signal is seen within one."""
+    while not shutdown.event.is_set():
+        if membership.wait_until(lambda m: workers_done(m, workers) or shutdown.event.is_set(), WATCH_SLICE) \
+                and not shutdown.event.is_set():
+            shutdown.request(f"{workers} worker{'' if workers == 1 else 's'} left and none is running")
 
 
 def _stop_remote_shards(membership, local_names) -> None:
