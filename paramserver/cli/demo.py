@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=2, help="workers, all in one trainer group (default 2)")
     parser.add_argument("--hook", default="powersgd", help="DDP comm hook of the trainer group (default powersgd)")
     parser.add_argument("--hook-option", action="append", default=[], metavar="KEY=VALUE",
-                        help="an option of the comm hook (rank=2...); repeatable")
+                        help="an option of the comm hook (matrix_approximation_rank=2...); repeatable")
     parser.add_argument("--steps", type=int, default=None, help="training steps (default: the job's, 1500)")
     parser.add_argument("--job", default="workers.ctr:main", help="the job (default workers.ctr:main)")
     parser.add_argument("--job-config", default="{}", metavar="JSON", help="more keyword arguments for the job")

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from ..checkpoint.model import describe_model
-from ..ddp import DenseReplica, GroupStopped, TrainerGroup
+from ..ddp import DenseReplica, GroupStopped, TrainerGroup, canonical_hook_options
 from ..logs import RateLimitedLog, one_line
 from .checkpoints import TrainerCheckpoints, restore_point
 from .contract import Batch, Table
@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 #: PowerSGD options unless given: compress from step 10 (torch's default, 1000, would leave most of a
 #: short run uncompressed).
-POWERSGD_DEFAULTS = {"start_iter": 10}
+POWERSGD_DEFAULTS = {"start_powerSGD_iter": 10}
 #: Prefix of the figures saying where a step's time goes (``phase_ms.lookups``...: ms per step, see
 #: ``step.PHASES``).
 PHASE_FIGURE = "phase_ms."
@@ -138,7 +138,8 @@ class Trainer:
         self.dense_optimizer = dense_optimizer
         self.loss = loss
         self.comm_hook = comm_hook
-        self.hook_options = dict(POWERSGD_DEFAULTS if "powersgd" in comm_hook else {}, **(hook_options or {}))
+        self.hook_options = dict(POWERSGD_DEFAULTS if "powersgd" in comm_hook else {},
+                                 **canonical_hook_options(comm_hook, hook_options or {}))
         self.name = name
         self.seed = seed
         self.row_wise_min_rows = row_wise_min_rows
