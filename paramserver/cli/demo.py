@@ -5,8 +5,8 @@
 Starts ``ps-server --shards N`` (the coordinator and its shard servers) and
 ``--workers`` ``ps-worker --connect`` processes that form one trainer group
 with the chosen comm hook and train the default CTR job; shows their
-progress from the coordinator's status (a bar on a terminal, plain lines
-otherwise); and ends by printing one line of JSON on stdout: steps,
+progress from the coordinator's status, where each worker reports every
+step (tqdm: a bar on a terminal, plain lines otherwise); and ends by printing one line of JSON on stdout: steps,
 samples_per_s (all workers together), auc, log_loss and oracle_auc (held out),
 hook, bytes_per_step (what the hook all-reduced per step), loss, seconds.
 Every process it started is stopped and reaped however it ends; their
