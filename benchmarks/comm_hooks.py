@@ -18,7 +18,7 @@ What it measures
             of load elsewhere on the machine does not land on one hook only);
           * vs allreduce: allreduce's step time over this hook's (above 1: faster);
           * final loss: the last step's loss, mean of the two trainers.
-        PowerSGD hooks run with start_iter=2 (the least that error feedback and
+        PowerSGD hooks run with start_powerSGD_iter=2 (the least that error feedback and
         warm start allow) and rank 1 unless --powersgd-rank says otherwise; the
         warm-up steps (not timed, not counted) include the uncompressed ones.
     (2) Raw gloo all-reduce of one 16M-element bucket in float32, bfloat16 and
@@ -151,7 +151,8 @@ def trainer(rank: int, port: int, args, results_path: str) -> None:
         for name in args.hooks:
             if rank == 0:
                 progress(f"pass {repeat + 1}/{args.repeats}, {name}: {args.warmup} warm-up + {args.steps} timed steps")
-            options = dict(rank=args.powersgd_rank, start_iter=2) if "powersgd" in name else {}
+            options = (dict(matrix_approximation_rank=args.powersgd_rank, start_powerSGD_iter=2) if "powersgd" in name
+                       else {})
             run = train_with(name, options, args, teacher)
             if name in results["hooks"]:
                 run["step_ms"] = results["hooks"][name]["step_ms"] + run["step_ms"]
@@ -218,7 +219,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if unknown:
         parser.error(f"unknown hook(s) {', '.join(unknown)}; the hooks are: {', '.join(HOOK_NAMES)}")
     if args.warmup < 3:
-        parser.error("--warmup must be at least 3, so PowerSGD (start_iter=2) is compressing when timing starts")
+        parser.error("--warmup must be at least 3, so PowerSGD (start_powerSGD_iter=2) is compressing when timing "
+                     "starts")
     with tempfile.TemporaryDirectory() as folder:
         results_path = os.path.join(folder, "results.json")
         port = free_port()

@@ -163,6 +163,20 @@ def check_powersgd_at_full_rank_reproduces_the_average():
             assert_close_to(output, true_mean(gradients, step), rtol, f"{name} step {step}")
 
 
+def check_batching_tensors_of_one_shape_changes_nothing_but_the_products():
+    # torch's names (batch_tensors_with_same_shape...) as options; three matrices of one shape compressed in
+    # one batched product give what they give one by one, with error feedback and warm start.
+    shapes = [(16, 12), (16, 12), (16, 12), (12,)]
+    gradients = random_gradients(shapes, seed=7)
+    options = dict(matrix_approximation_rank=2, start_powerSGD_iter=2, orthogonalization_epsilon=1e-8)
+    alone, sent_alone, _ = run_planted("powersgd", shapes, gradients, 5, **options)
+    together, sent_together, state = run_planted("powersgd", shapes, gradients, 5, batch_tensors_with_same_shape=True,
+                                                 **options)
+    assert sent_alone == sent_together and state.powersgd_options.batch_tensors_with_same_shape
+    for step in range(5):
+        assert_close_to(together[step], alone[step], 1e-5, f"step {step}")
+
+
 def check_powersgd_respects_start_iter():
     shapes = [(32, 24), (24,)]
     gradients = random_gradients(shapes, seed=4)

@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 import hook_workers
-from paramserver.ddp import HOOK_NAMES, CommHookState, PowerSGDState, comm_hook
+from paramserver.ddp import HOOK_NAMES, CommHookState, PowerSGDOptions, PowerSGDState, canonical_hook_options, comm_hook
 from paramserver.processes import Child, ChildProcessesFailed, free_port, run_children
 
 # The two-rank run takes ~10 s on 2 idle cores; the margin is for a loaded machine.
@@ -75,34 +75,64 @@ def test_unknown_hook_names_the_known_ones():
 
 def test_unknown_option_names_the_hook_and_the_accepted_options():
     with pytest.raises(ValueError, match=r"comm hook 'powersgd' got unknown option\(s\) matrix_rank; "
-                                         r"it accepts: rank, start_iter, min_compression_rate, error_feedback, "
-                                         r"warm_start, seed"):
+                                         r"it accepts: matrix_approximation_rank, start_powerSGD_iter, "
+                                         r"min_compression_rate, use_error_feedback, warm_start, "
+                                         r"orthogonalization_epsilon, random_seed, batch_tensors_with_same_shape "
+                                         r"\(or rank for matrix_approximation_rank, "):
         comm_hook("powersgd", matrix_rank=2)
     with pytest.raises(ValueError, match=r"comm hook 'fp16' got unknown option\(s\) rank; it takes no options"):
         comm_hook("fp16", rank=1)
 
 
 @pytest.mark.parametrize("options, problem", [
-    (dict(rank=0), "rank must be an int >= 1, got 0"),
-    (dict(rank=1.5), "rank must be an int >= 1, got 1.5"),
-    (dict(start_iter=-1), "start_iter must be an int >= 0, got -1"),
-    (dict(start_iter=1), "start_iter must be >= 2 with error_feedback or warm_start"),
+    (dict(matrix_approximation_rank=0), "matrix_approximation_rank must be an int >= 1, got 0"),
+    (dict(rank=1.5), "matrix_approximation_rank must be an int >= 1, got 1.5"),
+    (dict(start_powerSGD_iter=-1), "start_powerSGD_iter must be an int >= 0, got -1"),
+    (dict(start_iter=1), "start_powerSGD_iter must be >= 2 with use_error_feedback or warm_start"),
     (dict(min_compression_rate=-1), "min_compression_rate must be a number >= 0, got -1"),
-    (dict(error_feedback="yes"), "error_feedback must be True or False, got 'yes'"),
-    (dict(seed=-3), "seed must be an int >= 0, got -3"),
+    (dict(orthogonalization_epsilon="tiny"), "orthogonalization_epsilon must be a number >= 0, got 'tiny'"),
+    (dict(use_error_feedback="yes"), "use_error_feedback must be True or False, got 'yes'"),
+    (dict(batch_tensors_with_same_shape=1), "batch_tensors_with_same_shape must be True or False, got 1"),
+    (dict(seed=-3), "random_seed must be an int >= 0, got -3"),
+    (dict(rank=2, matrix_approximation_rank=2), "got rank and matrix_approximation_rank: the first is an alias"),
+    (dict(error_feedback=False, use_error_feedback=False, seed=1, random_seed=1),
+     "got error_feedback and use_error_feedback; seed and random_seed: the first is an alias"),
 ])
 def test_bad_option_values_name_the_hook_the_option_and_the_accepted_ones(options, problem):
     with pytest.raises(ValueError) as raised:
         comm_hook("bf16_batched_powersgd", **options)
     message = str(raised.value)
-    assert message.startswith("comm hook 'bf16_batched_powersgd': ") and problem in message, message
-    assert "it accepts: rank, start_iter" in message, message
+    assert message.startswith("comm hook 'bf16_batched_powersgd': ") or message.startswith(
+        "comm hook 'bf16_batched_powersgd' got "), message
+    assert problem in message, message
+
+
+def test_torch_powersgd_state_names_and_our_aliases_mean_the_same():
+    torch_names = dict(matrix_approximation_rank=2, start_powerSGD_iter=0, min_compression_rate=1.5,
+                       use_error_feedback=False, warm_start=False, orthogonalization_epsilon=1e-8, random_seed=3,
+                       batch_tensors_with_same_shape=True)
+    state, _ = comm_hook("powersgd", **torch_names)
+    assert state.options() == torch_names
+    aliases = dict(rank=2, start_iter=0, min_compression_rate=1.5, error_feedback=False, warm_start=False,
+                   orthogonalization_epsilon=1e-8, seed=3, batch_tensors_with_same_shape=True)
+    assert comm_hook("powersgd", **aliases).state.options() == torch_names
+    assert canonical_hook_options("powersgd", dict(rank=2, warm_start=False)) == dict(
+        matrix_approximation_rank=2, warm_start=False)
+    assert canonical_hook_options("fp16", dict(rank=2)) == dict(rank=2)  # comm_hook refuses it, naming the hook
+
+
+def test_options_pickled_under_the_earlier_names_load_as_torchs():
+    old = PowerSGDOptions.__new__(PowerSGDOptions)
+    old.__dict__.update(rank=4, start_iter=10, min_compression_rate=2.0, error_feedback=False, warm_start=True, seed=0)
+    assert pickle.loads(pickle.dumps(old)) == PowerSGDOptions(matrix_approximation_rank=4, start_powerSGD_iter=10,
+                                                              use_error_feedback=False)
 
 
 def test_start_iter_below_2_is_fine_without_memory():
     state, _ = comm_hook("powersgd", start_iter=0, error_feedback=False, warm_start=False)
-    assert state.options() == dict(rank=1, start_iter=0, min_compression_rate=2.0, error_feedback=False,
-                                   warm_start=False, seed=0)
+    assert state.options() == dict(matrix_approximation_rank=1, start_powerSGD_iter=0, min_compression_rate=2.0,
+                                   use_error_feedback=False, warm_start=False, orthogonalization_epsilon=0.0,
+                                   random_seed=0, batch_tensors_with_same_shape=False)
 
 
 def test_a_fresh_state_pickles_and_loads_only_into_the_same_hook():

@@ -37,7 +37,8 @@ def test_demo_trains_the_main_job_on_criteo_format_files_and_prints_its_summary(
     assert summary["loss"] < summary["first_loss"], summary
     assert 0.5 + 0.5 * (oracle - 0.5) < summary["auc"] <= oracle + 0.02, (oracle, summary)
     assert 0 < summary["bytes_per_step"], summary
-    assert re.search(r"ps-demo: step \d+/60", demo.stderr)  # plain progress lines when not on a terminal
+    # Not on a terminal: tqdm's meter as plain lines, no carriage returns.
+    assert re.search(r"^ps-demo: +\d+%\|[# ]*\| 60/60 ", demo.stderr, re.MULTILINE) and "\r" not in demo.stderr
     worker_logs = "".join(path.read_text() for path in logs.glob("ps-worker*"))
     assert re.search(r"reads criteo: 1 part\(s\) of share 0 of 2", worker_logs), worker_logs[-3000:]
     assert re.search(r"reads criteo: 1 part\(s\) of share 1 of 2", worker_logs), worker_logs[-3000:]

@@ -112,3 +112,7 @@ def run(args) -> int:
 
 def main(argv=None) -> int:
     return command_main("ps-ctl", __doc__, add_arguments, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -5,8 +5,8 @@
 Starts ``ps-server --shards N`` (the coordinator and its shard servers) and
 ``--workers`` ``ps-worker --connect`` processes that form one trainer group
 with the chosen comm hook and train the default CTR job; shows their
-progress from the coordinator's status (a bar on a terminal, plain lines
-otherwise); and ends by printing one line of JSON on stdout: steps,
+progress from the coordinator's status, where each worker reports every
+step (tqdm: a bar on a terminal, plain lines otherwise); and ends by printing one line of JSON on stdout: steps,
 samples_per_s (all workers together), auc, log_loss and oracle_auc (held out),
 hook, bytes_per_step (what the hook all-reduced per step), loss, seconds.
 Every process it started is stopped and reaped however it ends; their
@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=2, help="workers, all in one trainer group (default 2)")
     parser.add_argument("--hook", default="powersgd", help="DDP comm hook of the trainer group (default powersgd)")
     parser.add_argument("--hook-option", action="append", default=[], metavar="KEY=VALUE",
-                        help="an option of the comm hook (rank=2...); repeatable")
+                        help="an option of the comm hook (matrix_approximation_rank=2...); repeatable")
     parser.add_argument("--steps", type=int, default=None, help="training steps (default: the job's, 1500)")
     parser.add_argument("--job", default="workers.ctr:main", help="the job (default workers.ctr:main)")
     parser.add_argument("--job-config", default="{}", metavar="JSON", help="more keyword arguments for the job")

@@ -22,7 +22,8 @@ import sys
 
 from ..control import CoordinatorError
 from ..control.protocol import CHECKPOINT_WAIT
-from .common import UsageError, add_storage_options, coordinator_client, location_from, timeout_from
+from .common import (UsageError, add_connect, add_log_level, add_storage_options, command_main, coordinator_client,
+                     location_from, setup_logging, timeout_from)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,3 +71,26 @@ def run(args) -> int:
     print(f"exported step {manifest['step']} of {manifest['checkpoint']} to {args.directory}: {tables}; dense "
           f"{manifest['dense']['class']}")
     return 0
+
+
+def add_standalone_arguments(parser: argparse.ArgumentParser) -> None:
+    """``python -m paramserver export``'s flags: ``ps-ctl``'s connection flags, then export's own."""
+    add_connect(parser, required=False, when=" (unless --checkpoint-dir)")
+    add_log_level(parser)
+    add_arguments(parser)
+    parser.set_defaults(command="export")
+
+
+def run_standalone(args) -> int:
+    setup_logging("ps-ctl", args)
+    return run(args)
+
+
+def main(argv=None) -> int:
+    """``python -m paramserver export`` / ``python -m paramserver.cli.export``: ``ps-ctl export`` with the
+    connection flags after ``export``."""
+    return command_main("python -m paramserver export", __doc__, add_standalone_arguments, run_standalone, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,43 +1,44 @@
-"""Showing a long run's progress: a bar on a terminal, plain lines otherwise.
+"""Showing a long run's progress through tqdm: a bar on a terminal, plain lines in a log.
 
-Owns rendering ``(done, total, figures)`` for a person watching: on a
-terminal one line redrawn in place (at most a few times a second); in a
-log or a pipe one plain line every ``every`` seconds and at the end.
+Owns choosing how ``(done, total, figures)`` reaches a person: on a
+terminal tqdm's bar, moved whenever ``update`` is called (a command calls it
+as steps are reported, about every second); in a log or a pipe tqdm's meter
+as one plain line at most every ``every`` seconds, and at the end.  Draws
+nothing itself; does not own where the steps come from.
 """
 
-import shutil
 import sys
 import time
 from typing import Mapping, Optional, TextIO
 
+from tqdm import tqdm
+
+#: A log gets one line at most this often (seconds).
+LOG_EVERY = 10.0
+
 
 class Progress:
-    def __init__(self, total: int, label: str, stream: Optional[TextIO] = None, every: float = 10.0):
-        self.total = max(1, total)
-        self.label = label
+    def __init__(self, total: int, label: str, stream: Optional[TextIO] = None, every: float = LOG_EVERY):
         self.stream = stream or sys.stderr
         self.interactive = self.stream.isatty()
-        self._every = 0.2 if self.interactive else every
-        self._last = -float("inf")
-        self._started = time.monotonic()
+        self.total, self.label, self.every = max(1, total), label, every
+        self._bar = tqdm(total=self.total, desc=label, unit="step", file=self.stream, dynamic_ncols=True,
+                         disable=not self.interactive)
+        self._started, self._last_line = time.monotonic(), -float("inf")
 
     def update(self, done: int, figures: Mapping[str, str], force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._last < self._every:
-            return
-        self._last = now
-        details = "  ".join(f"{key} {value}" for key, value in figures.items())
-        elapsed = f"{now - self._started:.0f}s"
+        postfix = "  ".join(f"{key} {value}" for key, value in figures.items())
         if self.interactive:
-            width = max(10, min(40, shutil.get_terminal_size((100, 20)).columns - 60 - len(details)))
-            filled = int(width * min(done, self.total) / self.total)
-            line = f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} {elapsed}  {details}"
-            self.stream.write(line[:shutil.get_terminal_size((200, 20)).columns] + "\033[K")
-        else:
-            self.stream.write(f"{self.label}: step {done}/{self.total} after {elapsed}  {details}\n")
-        self.stream.flush()
+            self._bar.n = min(done, self.total)
+            self._bar.set_postfix_str(postfix, refresh=True)
+            return
+        now = time.monotonic()
+        if force or now - self._last_line >= self.every:
+            self._last_line = now
+            line = tqdm.format_meter(min(done, self.total), self.total, now - self._started,
+                                     prefix=self.label, unit="step", postfix=postfix or None, ascii=True)
+            self.stream.write(line + "\n")
+            self.stream.flush()
 
     def close(self) -> None:
-        if self.interactive:
-            self.stream.write("\n")
-            self.stream.flush()
+        self._bar.close()

@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="DDP comm hook for the job's trainer group (allreduce, fp16, bf16, powersgd, "
                              "batched_powersgd, fp16_powersgd, bf16_powersgd, noop); default: the job's")
     parser.add_argument("--comm-hook-option", action="append", default=[], metavar="KEY=VALUE",
-                        help="an option of the comm hook (rank=2, start_iter=10...); repeatable")
+                        help="an option of the comm hook (matrix_approximation_rank=2, start_powerSGD_iter=10...: torch's PowerSGDState names); repeatable")
     add_metrics_port(parser, "this worker's RPCs, training and job figures")
     add_threads(parser, "this worker")
     add_log_level(parser)

@@ -17,7 +17,7 @@ The hooks (each returns averages, like plain all-reduce):
                        (``n*m >= min_compression_rate * (n+m) * rank``) is sent as
                        P (n x rank) and Q (m x rank); 1-D tensors and matrices not
                        worth it are all-reduced uncompressed, together.  Plain
-                       all-reduce before step ``start_iter``.
+                       all-reduce before step ``start_powerSGD_iter``.
 ``batched_powersgd``   PowerSGD on the whole bucket viewed as one square matrix
                        padded with zeros (as torch's ``batched_powerSGD_hook``),
                        for any bucket size; a bucket too small to be worth it is
@@ -171,49 +171,84 @@ class CommHookState:
         self.__dict__.update(state, recorder=None, steps_since_restore=0, _open_step_bytes=0)
 
 
+#: Our earlier names of PowerSGD's options, still accepted: alias -> torch's ``PowerSGDState`` name.
+POWERSGD_ALIASES = {"rank": "matrix_approximation_rank", "start_iter": "start_powerSGD_iter",
+                    "error_feedback": "use_error_feedback", "seed": "random_seed"}
+
+
 @dataclass(frozen=True)
 class PowerSGDOptions:
-    """PowerSGD's options; defaults as torch's ``PowerSGDState``.
+    """PowerSGD's options: torch's ``PowerSGDState`` names, meanings and defaults.
 
-    ``rank``: of the approximation (capped by each matrix's sides).
-    ``start_iter``: plain all-reduce for steps before it; at least 2 with
-    error feedback or warm start, since DDP rebuilds its buckets after the
-    first backward.  ``min_compression_rate``: compress an n x m matrix only
-    if ``n*m >= min_compression_rate * (n+m) * rank``.  ``error_feedback``:
-    add what compression lost last step to this step's gradient.
-    ``warm_start``: start from last step's Q instead of a random one.
-    ``seed``: of the random Qs, the same on every rank.
+    ``matrix_approximation_rank``: of the approximation (capped by each
+    matrix's sides).  ``start_powerSGD_iter``: plain all-reduce for steps
+    before it; at least 2 with error feedback or warm start, since DDP
+    rebuilds its buckets after the first backward.  ``min_compression_rate``:
+    compress an n x m matrix only if ``n*m >= min_compression_rate * (n+m) *
+    rank``.  ``use_error_feedback``: add what compression lost last step to
+    this step's gradient.  ``warm_start``: start from last step's Q instead of
+    a random one.  ``orthogonalization_epsilon``: added to each column's norm
+    when orthogonalizing by Gram-Schmidt (ranks 1 and 2), as torch's; 0
+    divides by the norm alone (a zero column stays zero).
+    ``random_seed``: of the random Qs, the same on every rank.
+    ``batch_tensors_with_same_shape``: compress the bucket's matrices of one
+    shape together, in batched products (the result is the same).
+    ``POWERSGD_ALIASES`` are accepted for the names they map to (not both).
     """
 
-    rank: int = 1
-    start_iter: int = 1000
+    matrix_approximation_rank: int = 1
+    start_powerSGD_iter: int = 1000
     min_compression_rate: float = 2.0
-    error_feedback: bool = True
+    use_error_feedback: bool = True
     warm_start: bool = True
-    seed: int = 0
+    orthogonalization_epsilon: float = 0.0
+    random_seed: int = 0
+    batch_tensors_with_same_shape: bool = False
 
     def __post_init__(self):
         def is_int(value):
             return isinstance(value, int) and not isinstance(value, bool)
 
+        def is_number(value):
+            return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+
         problems = []
-        if not is_int(self.rank) or self.rank < 1:
-            problems.append(f"rank must be an int >= 1, got {self.rank!r}")
-        if not is_int(self.start_iter) or self.start_iter < 0:
-            problems.append(f"start_iter must be an int >= 0, got {self.start_iter!r}")
-        elif self.start_iter < 2 and (self.error_feedback is True or self.warm_start is True):
-            problems.append(f"start_iter must be >= 2 with error_feedback or warm_start (DDP rebuilds its buckets "
-                            f"after the first backward), got {self.start_iter!r}")
-        if (not isinstance(self.min_compression_rate, (int, float)) or isinstance(self.min_compression_rate, bool)
-                or not self.min_compression_rate >= 0):
-            problems.append(f"min_compression_rate must be a number >= 0, got {self.min_compression_rate!r}")
-        for name in ("error_feedback", "warm_start"):
+        if not is_int(self.matrix_approximation_rank) or self.matrix_approximation_rank < 1:
+            problems.append(f"matrix_approximation_rank must be an int >= 1, got {self.matrix_approximation_rank!r}")
+        if not is_int(self.start_powerSGD_iter) or self.start_powerSGD_iter < 0:
+            problems.append(f"start_powerSGD_iter must be an int >= 0, got {self.start_powerSGD_iter!r}")
+        elif self.start_powerSGD_iter < 2 and (self.use_error_feedback is True or self.warm_start is True):
+            problems.append(f"start_powerSGD_iter must be >= 2 with use_error_feedback or warm_start (DDP rebuilds "
+                            f"its buckets after the first backward), got {self.start_powerSGD_iter!r}")
+        for name in ("min_compression_rate", "orthogonalization_epsilon"):
+            if not is_number(getattr(self, name)):
+                problems.append(f"{name} must be a number >= 0, got {getattr(self, name)!r}")
+        for name in ("use_error_feedback", "warm_start", "batch_tensors_with_same_shape"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if not is_int(self.seed) or self.seed < 0:
-            problems.append(f"seed must be an int >= 0, got {self.seed!r}")
+        if not is_int(self.random_seed) or self.random_seed < 0:
+            problems.append(f"random_seed must be an int >= 0, got {self.random_seed!r}")
         if problems:
             raise ValueError("; ".join(problems))
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        """Unpickle options pickled under our earlier names (a checkpoint's hook state) as torch's."""
+        defaults = {field.name: field.default for field in fields(self)}
+        self.__dict__.update(defaults, **{POWERSGD_ALIASES.get(name, name): value for name, value in state.items()})
+
+
+def canonical_hook_options(name: str, options: Dict[str, Any]) -> Dict[str, Any]:
+    """``options`` of comm hook ``name`` with our aliases of PowerSGD's options renamed to torch's names
+    (other hooks' options, and unknown names, as given: ``comm_hook`` judges them).  ValueError if an alias
+    and the name it stands for are both given."""
+    kind = _KINDS.get(name)
+    if kind is None or kind.options is not PowerSGDOptions:
+        return dict(options)
+    both = [f"{alias} and {torch_name}" for alias, torch_name in POWERSGD_ALIASES.items()
+            if alias in options and torch_name in options]
+    if both:
+        raise ValueError(f"comm hook {name!r} got {'; '.join(both)}: the first is an alias of the second, give one")
+    return {POWERSGD_ALIASES.get(key, key): value for key, value in options.items()}
 
 
 GradientLayout = Tuple[Tuple[int, Tuple[int, ...]], ...]  # (offset, shape) of each gradient in a bucket
@@ -259,7 +294,7 @@ class PowerSGDState(CommHookState):
     def compressing(self) -> bool:
         """Whether this step compresses (see the module's docstring for the step after a restore)."""
         restored_memory = self.steps_since_restore == 0 and (self.error_memory or self.q_memory)
-        return self.steps >= self.powersgd_options.start_iter and not restored_memory
+        return self.steps >= self.powersgd_options.start_powerSGD_iter and not restored_memory
 
     def memory_for(self, bucket_index: int, layout: MemoryLayout) -> None:
         """Keep bucket ``bucket_index``'s memory only if it was made for matrices ``layout``."""
@@ -303,10 +338,16 @@ def _worth_compressing(rows: int, columns: int, rank: int, min_compression_rate:
     return rows * columns >= min_compression_rate * (rows + columns) * rank
 
 
-def _orthonormalize(matrix: torch.Tensor) -> None:
-    """Orthonormalize the columns of ``matrix`` (n x r, r <= n) in place; a zero column stays zero.
+def _orthonormalize(matrix: torch.Tensor, epsilon: float = 0.0) -> None:
+    """Orthonormalize the columns of ``matrix`` (n x r, r <= n; or a batch of them, k x n x r) in place.
 
+    Gram-Schmidt for r <= 2, as torch's hook, dividing each column by its norm
+    plus ``epsilon`` (with 0, a zero column stays zero); QR above.
     Low-precision matrices are orthonormalized in float32 (they are small: P or Q)."""
+    if matrix.dim() == 3:
+        for one in matrix:
+            _orthonormalize(one, epsilon)
+        return
     work = matrix if matrix.dtype in (torch.float32, torch.float64) else matrix.float()
     if work.shape[1] > 2:
         work.copy_(torch.linalg.qr(work).Q)
@@ -314,7 +355,7 @@ def _orthonormalize(matrix: torch.Tensor) -> None:
         tiny = torch.finfo(work.dtype).tiny
         for i in range(work.shape[1]):
             column = work[:, i:i + 1]
-            column.div_(column.norm().clamp_min(tiny))
+            column.div_(column.norm().clamp_min(tiny) if epsilon == 0 else column.norm() + epsilon)
             if i + 1 < work.shape[1]:
                 rest = work[:, i + 1:]
                 rest.sub_(column * (column * rest).sum(dim=0, keepdim=True))
@@ -324,17 +365,38 @@ def _orthonormalize(matrix: torch.Tensor) -> None:
 
 def _random_q(state: PowerSGDState, bucket_index: int, numel: int, like: torch.Tensor) -> torch.Tensor:
     """Fresh random Qs, the same on every rank: seeded by the seed, the step and the bucket."""
-    seed = ((state.powersgd_options.seed * 1_000_003 + state.steps) * 1_000_033 + bucket_index) % (2 ** 63)
+    seed = ((state.powersgd_options.random_seed * 1_000_003 + state.steps) * 1_000_033 + bucket_index) % (2 ** 63)
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(numel, generator=generator).to(device=like.device, dtype=like.dtype)
 
 
-def _split(flat: torch.Tensor, shapes: Sequence[Tuple[int, int]]) -> List[torch.Tensor]:
+def _split(flat: torch.Tensor, shapes: Sequence[Tuple[int, ...]]) -> List[torch.Tensor]:
     views, offset = [], 0
-    for rows, columns in shapes:
-        views.append(flat[offset:offset + rows * columns].view(rows, columns))
-        offset += rows * columns
+    for shape in shapes:
+        views.append(flat[offset:offset + math.prod(shape)].view(shape))
+        offset += math.prod(shape)
     return views
+
+
+def _runs(layout: Sequence[MatrixShape], batch: bool) -> List[Tuple[int, int]]:
+    """``(start, stop)`` of the matrices compressed together: each alone, or with ``batch`` each run of
+    consecutive matrices of one shape."""
+    runs: List[List[int]] = []
+    for i, shape in enumerate(layout):
+        if batch and runs and layout[runs[-1][0]] == shape:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1])
+    return [(start, stop) for start, stop in runs]
+
+
+def _factor_views(flat: torch.Tensor, layout: Sequence[MatrixShape], runs: Sequence[Tuple[int, int]],
+                  side: int) -> List[torch.Tensor]:
+    """Views of P (``side`` 0: rows x rank) or Q (``side`` 1: columns x rank) in ``flat``, one per run:
+    2-D for a matrix alone, k x n x rank for a run of k."""
+    shapes = [(layout[start][side], layout[start][2]) if stop - start == 1
+              else (stop - start, layout[start][side], layout[start][2]) for start, stop in runs]
+    return _split(flat, shapes)
 
 
 def _gradient_layout(bucket: dist.GradBucket) -> GradientLayout:
@@ -345,17 +407,23 @@ def _gradient_layout(bucket: dist.GradBucket) -> GradientLayout:
 def _compress_in_place(state: PowerSGDState, bucket: dist.GradBucket, matrices: Sequence[torch.Tensor]) -> None:
     """Replace each local matrix by the PowerSGD approximation of its average over the group.
 
-    Issues two all-reduces (all Ps, then all Qs) and waits for them."""
+    Issues two all-reduces (all Ps, then all Qs) and waits for them.  With
+    ``batch_tensors_with_same_shape`` the matrices are ordered by shape and
+    each shape's are multiplied together (stacked: one copy of them)."""
     options = state.powersgd_options
-    layout = tuple((m.shape[0], m.shape[1], min(m.shape[0], m.shape[1], options.rank)) for m in matrices)
+    batch = options.batch_tensors_with_same_shape
+    if batch:
+        matrices = sorted(matrices, key=lambda m: tuple(m.shape))
+    rank = options.matrix_approximation_rank
+    layout = tuple((m.shape[0], m.shape[1], min(m.shape[0], m.shape[1], rank)) for m in matrices)
     bucket_index = bucket.index()
     state.memory_for(bucket_index, (_gradient_layout(bucket), layout))
     like = matrices[0]
-    if options.error_feedback:  # add what was lost last step; keep the sum, to subtract what is sent
+    if options.use_error_feedback:  # add what was lost last step; keep the sum, to subtract what is sent
         numel = sum(rows * columns for rows, columns, _ in layout)
         error = state.error_memory.get(bucket_index)
         error = like.new_zeros(numel) if error is None else error.to(device=like.device, dtype=like.dtype)
-        errors = _split(error, [m.shape for m in matrices])
+        errors = _split(error, [tuple(m.shape) for m in matrices])
         for matrix, lost in zip(matrices, errors):
             matrix.add_(lost)
             lost.copy_(matrix)
@@ -366,20 +434,25 @@ def _compress_in_place(state: PowerSGDState, bucket: dist.GradBucket, matrices: 
         q_flat = _random_q(state, bucket_index, q_numel, like)
     else:
         q_flat = q_flat.to(device=like.device, dtype=like.dtype)
-    ps = _split(p_flat, [(rows, rank) for rows, _, rank in layout])
-    qs = _split(q_flat, [(columns, rank) for _, columns, rank in layout])
-    for matrix, p, q in zip(matrices, ps, qs):
-        _orthonormalize(q)
-        torch.matmul(matrix, q, out=p)
+    runs = _runs(layout, batch)
+    ps, qs = _factor_views(p_flat, layout, runs, 0), _factor_views(q_flat, layout, runs, 1)
+    ms = [matrices[start] if stop - start == 1 else torch.stack(matrices[start:stop]) for start, stop in runs]
+    epsilon = options.orthogonalization_epsilon
+    for m, p, q in zip(ms, ps, qs):
+        _orthonormalize(q, epsilon)
+        torch.matmul(m, q, out=p)
     state.all_reduce(p_flat).wait()  # no need to average: P is orthonormalized
-    for matrix, p, q in zip(matrices, ps, qs):
-        _orthonormalize(p)
-        torch.matmul(matrix.t(), p, out=q)
+    for m, p, q in zip(ms, ps, qs):
+        _orthonormalize(p, epsilon)
+        torch.matmul(m.transpose(-2, -1), p, out=q)
     state.all_reduce(q_flat).wait()
     q_flat.div_(state.world_size)
-    for matrix, p, q in zip(matrices, ps, qs):
-        torch.matmul(p, q.t(), out=matrix)
-    if options.error_feedback:
+    for (start, stop), m, p, q in zip(runs, ms, ps, qs):
+        torch.matmul(p, q.transpose(-2, -1), out=m)
+        if stop - start > 1:  # m is a stacked copy
+            for matrix, product in zip(matrices[start:stop], m):
+                matrix.copy_(product)
+    if options.use_error_feedback:
         for matrix, lost in zip(matrices, errors):
             lost.sub_(matrix)
         state.error_memory[bucket_index] = error
@@ -397,7 +470,8 @@ def _powersgd_layerwise(state: PowerSGDState, flat: torch.Tensor, bucket: dist.G
         if view.dim() >= 2:
             matrix = view.view(view.shape[0], -1)
             rows, columns = matrix.shape
-            if _worth_compressing(rows, columns, min(rows, columns, options.rank), options.min_compression_rate):
+            rank = min(rows, columns, options.matrix_approximation_rank)
+            if _worth_compressing(rows, columns, rank, options.min_compression_rate):
                 matrices.append(matrix)
                 continue
         uncompressed.append(view)
@@ -425,7 +499,8 @@ def _powersgd_batched(state: PowerSGDState, flat: torch.Tensor, bucket: dist.Gra
     length = flat.numel()
     side = math.isqrt(length - 1) + 1  # the smallest square holding the bucket
     if (not state.compressing()
-            or not _worth_compressing(side, side, min(side, options.rank), options.min_compression_rate)):
+            or not _worth_compressing(side, side, min(side, options.matrix_approximation_rank),
+                                      options.min_compression_rate)):
         return _allreduce_mean(state, flat, bucket)
     padded = flat.new_zeros(side * side)
     padded[:length] = flat
@@ -485,15 +560,19 @@ def comm_hook(name: str, process_group: Optional[dist.ProcessGroup] = None, *,
 
     ``process_group=None`` means the default group (looked up when the hook
     runs).  ``recorder``: where the state counts each backward pass's bytes
-    (``None``: nowhere).  Options (PowerSGD hooks only): see ``PowerSGDOptions``.  An
-    unknown name, an unknown option or a bad value raises ValueError naming
-    it and what is accepted.
+    (``None``: nowhere).  Options (PowerSGD hooks only): see ``PowerSGDOptions``
+    (torch's names, or our ``POWERSGD_ALIASES``).  An unknown name, an unknown
+    option, an option given twice (an alias and its name) or a bad value raises
+    ValueError naming it and what is accepted.
     """
     kind = _KINDS.get(name)
     if kind is None:
         raise ValueError(f"unknown comm hook {name!r}; the hooks are: {', '.join(HOOK_NAMES)}")
     accepted = [field.name for field in fields(kind.options)] if kind.options else []
     accepted_text = f"it accepts: {', '.join(accepted)}" if accepted else "it takes no options"
+    if kind.options is PowerSGDOptions:
+        accepted_text += " (or " + ", ".join(f"{alias} for {name}" for alias, name in POWERSGD_ALIASES.items()) + ")"
+    options = canonical_hook_options(name, options)
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         raise ValueError(f"comm hook {name!r} got unknown option(s) {', '.join(unknown)}; {accepted_text}")

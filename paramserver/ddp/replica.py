@@ -52,7 +52,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .._torch_compat import is_collective_failure
 from .group import GroupStopped, TrainerGroup
-from .hooks import HookRecorder, comm_hook
+from .hooks import HookRecorder, canonical_hook_options, comm_hook
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class DenseReplica:
         self.module = module.to(group.device)
         self.optimizer = make_optimizer(self.module.parameters())
         self.hook = hook
-        self.hook_options = dict(hook_options or {})
+        self.hook_options = canonical_hook_options(hook, hook_options or {})
         self.step = 0
         self.agree_every = agree_every
         self.reformations = 0
@@ -135,7 +135,8 @@ class DenseReplica:
         self.module.load_state_dict(initial["module"])
         self.optimizer.load_state_dict(initial["optimizer"])
         self.step = int(initial["step"])
-        if (initial.get("hook"), initial.get("hook_options", {})) == (self.hook, self.hook_options):
+        recorded = canonical_hook_options(initial.get("hook"), initial.get("hook_options") or {})  # older names too
+        if (initial.get("hook"), recorded) == (self.hook, self.hook_options):
             self._restored_hook_states = list(initial.get("hook_states") or [])
         else:
             logger.warning("the checkpoint's comm hook was %s %s, this run's is %s %s: the hook starts afresh",

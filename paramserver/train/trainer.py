@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from ..checkpoint.model import describe_model
-from ..ddp import DenseReplica, GroupStopped, TrainerGroup
+from ..ddp import DenseReplica, GroupStopped, TrainerGroup, canonical_hook_options
 from ..logs import RateLimitedLog, one_line
 from .checkpoints import TrainerCheckpoints, restore_point
 from .contract import Batch, Table
@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 #: PowerSGD options unless given: compress from step 10 (torch's default, 1000, would leave most of a
 #: short run uncompressed).
-POWERSGD_DEFAULTS = {"start_iter": 10}
+POWERSGD_DEFAULTS = {"start_powerSGD_iter": 10}
 #: Prefix of the figures saying where a step's time goes (``phase_ms.lookups``...: ms per step, see
 #: ``step.PHASES``).
 PHASE_FIGURE = "phase_ms."
@@ -138,7 +138,8 @@ class Trainer:
         self.dense_optimizer = dense_optimizer
         self.loss = loss
         self.comm_hook = comm_hook
-        self.hook_options = dict(POWERSGD_DEFAULTS if "powersgd" in comm_hook else {}, **(hook_options or {}))
+        self.hook_options = dict(POWERSGD_DEFAULTS if "powersgd" in comm_hook else {},
+                                 **canonical_hook_options(comm_hook, hook_options or {}))
         self.name = name
         self.seed = seed
         self.row_wise_min_rows = row_wise_min_rows
@@ -167,7 +168,8 @@ class Trainer:
         ``eval_every`` steps and at the end.  ``figures``: fixed figures of
         the job reported with the Trainer's (a reference AUC...).
 
-        Returns the figures: steps, start_step, loss, first_loss,
+        Returns the figures: steps, start_step, loss (the last log window's
+        mean), first_loss (the loss of the first step this run took),
         samples_per_s, bytes_per_step, ``phase_ms.<phase>`` (ms per step in
         each of ``step.PHASES``), auc and log_loss (rank 0), the group
         (group_rank, group_size) and the faults survived: reformations,
@@ -277,6 +279,7 @@ class _Run:
                 return
             self.samples += len(batch)
             self.losses.append(loss)
+            self.figures.setdefault("first_loss", loss)  # the first step this run took
             self._after_step()
         self._boundary(final=True)
 
@@ -379,7 +382,6 @@ class _Run:
                                 samples_per_s=self.samples / (time.monotonic() - self.started),
                                 bytes_per_step=replica.bytes_per_step, shard_rebuilds=self.sparse.rebuilds)
             self.figures.update({f"{PHASE_FIGURE}{phase}": ms for phase, ms in self.times.ms_per_step().items()})
-            self.figures.setdefault("first_loss", self.figures["loss"])
             if self.trainer.cache_rows is not None:
                 self.figures.update(self.pipeline.cache.figures())
             self.losses.clear()
@@ -387,8 +389,9 @@ class _Run:
                                                                          or step == self.steps):
             self.figures.update(self._evaluate())
             self.evaluated_at = step
+        # Every step: the step reached (a progress bar moves with it), with the figures of the last log window.
+        self._report(step)
         if reporting:
-            self._report(step)
             held_out = (f", held-out AUC {self.figures['auc']:.4f} log loss {self.figures['log_loss']:.4f}"
                         if "auc" in self.figures else "")
             logger.info("%s step %d/%d: loss %.4f%s, %.0f samples/s, %s %d bytes/step", ctx.rpc_name, step,
