@@ -80,6 +80,16 @@ def forget_rpc_peer(agent, peer: "rpc.WorkerInfo") -> None:
     agent._update_group_membership(peer, [], {}, False)
 
 
+def mark_leaving(agent) -> None:
+    """Make ``agent`` (an open group's) leave the group's member list and count as shutting down, without
+    closing anything yet: from now on its TensorPipe agent takes a pipe that errors (a peer closed it) as
+    expected, instead of logging ``pipe closed`` or ``EOF`` (tensorpipe_agent.cpp, ``respond``: the warning
+    is skipped only while ``shuttingDown_``, which ``join(shutdown=True)`` sets through ``leaveGroup`` and a
+    plain ``shutdown`` never does).  It waits for this agent's own RPCs in flight to end, and must be
+    called holding the group's membership token (it edits the member list)."""
+    agent.join(shutdown=True)
+
+
 def release_rrefs(timeout: datetime.timedelta) -> None:
     """Release the RRefs this process uses, waiting at most ``timeout`` for their owners' acknowledgement.
 

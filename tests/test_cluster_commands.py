@@ -61,6 +61,20 @@ def test_cluster_forms_runs_two_workers_and_stops_on_sigterm(commands, tmp_path)
     shard_pids = [s["pid"] for s in after["shards"]]
     assert terminate_within(server, 10) < 10
     assert not [pid for pid in shard_pids if pid_exists(pid)]
+    # The shards left the data plane together: none logged the others' closing pipes.
+    assert shutdown_warnings(errors(server)) == []
+
+
+#: TensorPipe's C++ warnings about a peer's pipe (torch's tensorpipe_agent.cpp), as they appear in a log.
+TENSORPIPE_WARNING = re.compile(r"tensorpipe|pipe closed|EOF", re.IGNORECASE)
+
+
+def shutdown_warnings(log: str) -> list:
+    """TensorPipe's warnings in a ps-server's log from its shutdown on.  Those before it are each worker's
+    leave, which torch makes every shard log (``EOF``) while it serves on (docs/cluster.md)."""
+    _, marker, shutdown = log.partition("shutting down:")
+    assert marker, log[-3000:]
+    return [line for line in shutdown.splitlines() if TENSORPIPE_WARNING.search(line)]
 
 
 def test_killed_worker_is_declared_dead_and_the_cluster_goes_on(commands):

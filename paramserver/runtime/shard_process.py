@@ -96,8 +96,10 @@ def run_shard_member(address: str, name: str, host: str, token: Optional[str] = 
         member_id.value = assignment.member_id.encode()
     # Heartbeats from now on: verifying a big checkpoint may take longer than the heartbeat timeout.
     # Its dynamic tables' rows, admissions, evictions and bytes go with every beat (ps-ctl status shows them).
+    # A STOP (the coordinator's shutdown) stops every shard: they leave the data plane together.  A lost
+    # coordinator leaves at once: the group's store it hosts is gone.
     session.start_heartbeats(progress=lambda: (0, dynamic_figures(state)), on_stop=stops.request,
-                             on_lost=lambda reason, refused: stops.request())
+                             on_lost=lambda reason, refused: stops.request(together=False))
     restore_source = None
     if assignment.checkpoint.restore_from:
         # Tables that trainers ask for come from the checkpoint (rows cut to this shard's ranges).
@@ -142,9 +144,10 @@ class _StopRequests:
         self._state = state
         self._asked = threading.Event()
 
-    def request(self) -> None:
+    def request(self, together: bool = True) -> None:
+        """``together``: with the other shards that stop now (SIGTERM, STOP: the cluster's shutdown)."""
         self._asked.set()
-        self._state.request_stop(graceful=False)
+        self._state.request_stop(graceful=False, together=together)
 
     @property
     def asked(self) -> bool:

@@ -17,14 +17,15 @@ import logging
 import os
 import socket
 import struct
+import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed.rpc as rpc
 
-from .._torch_compat import (current_rpc_agent, forget_rpc_peer, is_open_rpc_group, release_rrefs,
-                             reset_rpc_init_counter, tensorpipe_options)
+from .._torch_compat import (RPC_TOKEN_DONE, RPC_TOKEN_KEY, current_rpc_agent, forget_rpc_peer, is_open_rpc_group,
+                             mark_leaving, release_rrefs, reset_rpc_init_counter, rpc_token, tensorpipe_options)
 from ..logs import one_line
 
 logger = logging.getLogger(__name__)
@@ -222,3 +223,60 @@ def leave(graceful: bool = True, timeout: Optional[datetime.timedelta] = None) -
         if not graceful:
             raise
         logger.info("left the RPC group; its store closed during the last step (%s)", one_line(error))
+
+
+#: Under the open group's store: the key a member sets once it counts as leaving (``leave_together``).
+LEAVING_KEY = "paramserver/leaving/{name}-{rank}"
+_TOKEN_POLL = datetime.timedelta(seconds=0.02)
+
+
+def leave_together(within: datetime.timedelta) -> bool:
+    """Leave an open group together with the other members that leave now (a cluster's shards at its
+    shutdown), so that no one logs TensorPipe's ``pipe closed`` or ``EOF`` warnings; False (nothing done,
+    call ``leave``) when this is no open group, this process has RPCs of its own in flight, or the group's
+    membership token stays taken for ``within``.
+
+    TensorPipe takes a pipe that breaks as expected only at a member that
+    counts as shutting down; a plain leave closes its pipes at once (it
+    logs ``pipe closed`` for its own), and torch's graceful leave of an open
+    group connects to every member and closes that pipe while they still serve
+    (each logs ``EOF``).  So: count as leaving first (``mark_leaving``, under
+    the membership token; the member list loses this process), say so in the
+    group's store, wait up to ``within`` until every member this process still
+    knows has said so too, then close.  A member that stays (it was not asked
+    to stop) is left behind once ``within`` ran out: it logs ``EOF`` for this
+    process's pipes, as it would for any member that leaves.
+    """
+    agent = current_rpc_agent()
+    if agent is None or not is_open_rpc_group(agent):
+        return False
+    deadline = time.monotonic() + within.total_seconds()
+    me = agent.get_worker_info()
+    store = agent.store
+    while int(agent.get_metrics().get("agent.client_active_calls", "0")) > 0:
+        if time.monotonic() > deadline:
+            logger.info("RPCs of %s still in flight after %.1f s: leaving at once", me.name, within.total_seconds())
+            return False
+        time.sleep(_TOKEN_POLL.total_seconds())
+    token = rpc_token(me.name, "leave")
+    while store.compare_set(RPC_TOKEN_KEY, "", token).decode() != token:
+        if time.monotonic() > deadline:
+            logger.info("the RPC group's membership token stayed taken for %.1f s: %s leaves at once",
+                        within.total_seconds(), me.name)
+            return False
+        time.sleep(_TOKEN_POLL.total_seconds())
+    try:
+        mark_leaving(agent)
+    finally:
+        store.set(RPC_TOKEN_KEY, "")
+        store.set(token, RPC_TOKEN_DONE)
+    store.set(LEAVING_KEY.format(name=me.name, rank=me.id), "1")
+    others = [LEAVING_KEY.format(name=peer.name, rank=peer.id) for peer in agent.get_worker_infos()
+              if peer.name != me.name]
+    if others:
+        try:
+            store.wait(others, datetime.timedelta(seconds=max(0.0, deadline - time.monotonic())))
+        except torch.distributed.DistStoreError:  # a wait that timed out: those members stay
+            logger.info("%s leaves while other RPC peers still serve", me.name)
+    rpc.shutdown(graceful=False)  # every pipe closes; this process and those that left with it expect that
+    return True

@@ -3,7 +3,8 @@
 Owns a shard server's life: install its ``ShardState`` (what it serves,
 made by the caller or here) in the shard service, join the data plane,
 serve (every request runs in an RPC thread, see ``service``), and leave when
-asked, by an RPC (``service.request_stop``) or by SIGTERM/SIGINT.  ``run_shard_server`` is a plain
+asked, by an RPC (``service.request_stop``) or by SIGTERM/SIGINT (in an open
+group: together with the other members that leave then, ``peer.leave_together``).  ``run_shard_server`` is a plain
 function, so tests can start it with ``torch.multiprocessing`` and the
 ``ps-server`` command can supervise it.
 """
@@ -18,13 +19,16 @@ from typing import Callable, Optional
 import torch.distributed.rpc as rpc
 
 from ...logs import configure_logging
-from ..peer import PeerOptions, join, leave
+from ..peer import PeerOptions, join, leave, leave_together
 from . import service
 from .state import RestoreSource, ShardState
 
 logger = logging.getLogger(__name__)
 
 _ANSWER_GRACE = datetime.timedelta(seconds=0.2)
+#: How long a shard that stops with the rest of its cluster waits for the others to count as leaving too
+#: (below ps-server's 3 s before it kills its shards).
+LEAVE_TOGETHER_WITHIN = datetime.timedelta(seconds=1.5)
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,11 @@ def run_shard_server(name: str, rank: int, world_size: Optional[int], init_metho
         if on_serving is not None:
             on_serving()
         graceful = state.wait_for_stop()
-        logger.info("shard %s leaving (%s)", name, "graceful" if graceful else "immediately")
+        together = state.stop_together and not graceful
+        logger.info("shard %s leaving (%s)", name,
+                    "graceful" if graceful else "with the others that leave" if together else "immediately")
+        if together and leave_together(LEAVE_TOGETHER_WITHIN):
+            return
         if not graceful:
             time.sleep(_ANSWER_GRACE.total_seconds())  # let the answer to request_stop leave first
         leave(graceful=graceful, timeout=options.shutdown_timeout if graceful else None)
@@ -75,7 +83,9 @@ def run_shard_server(name: str, rank: int, world_size: Optional[int], init_metho
 
 def _on_signal(state: ShardState, signum) -> None:
     logger.info("shard server got %s", signal.Signals(signum).name)
-    state.request_stop(graceful=False)
+    # A signal stops a cluster's shards all at once: in an open group they leave together, so that none
+    # logs the others' closing pipes.
+    state.request_stop(graceful=False, together=True)
 
 
 def stop_shards(names, graceful: bool = True) -> None:

@@ -88,6 +88,9 @@ class ShardState:
         self._lock_order = itertools.count()
         self._stop = threading.Event()
         self.stop_graceful = True
+        #: A stop of the whole cluster: leave an open group with the other members that leave now
+        #: (``peer.leave_together``) rather than alone.
+        self.stop_together = False
 
     # -- hosted tensors ----------------------------------------------------
     def register(self, name: str, tensor: Tensor) -> Tensor:
@@ -223,8 +226,11 @@ class ShardState:
             return [optimizer for _, optimizer in sorted(self._optimizers_by_handle.items(), key=lambda e: e[0])]
 
     # -- stopping ----------------------------------------------------------
-    def request_stop(self, graceful: bool = True) -> None:
+    def request_stop(self, graceful: bool = True, together: bool = False) -> None:
+        """Ask the process to leave: ``graceful`` (a static group's barrier), or not; ``together``: with
+        the other members of an open group that leave now (a cluster's shutdown)."""
         self.stop_graceful = graceful
+        self.stop_together = together
         self._stop.set()
 
     def wait_for_stop(self) -> bool:
