@@ -21,7 +21,7 @@ import torch.distributed.rpc as rpc
 
 from paramserver import _torch_compat as compat
 from paramserver.control.rendezvous import RendezvousStore
-from paramserver.shards.peer import join, leave
+from paramserver.shards.peer import join, leave, leave_together
 
 SELF = "compat0"
 CHILD = "compat1"
@@ -171,11 +171,25 @@ def rrefs_of_a_dead_owner_dropped_without_telling_it(store, init_method):
         child.join(10)
 
 
+def leaving_together_marks_the_agent_leaving_before_it_closes(store, init_method):
+    """``mark_leaving`` (``agent.join(shutdown=True)``, through ``peer.leave_together``): this member leaves the
+    group's member list and the group's token is free again; the agent closes after, without a word of
+    TensorPipe's on stderr.  Runs last: it ends this process's membership."""
+    logged = []
+    with _native_stderr(logged):
+        assert leave_together(datetime.timedelta(seconds=5))
+    assert compat.current_rpc_agent() is None
+    assert compat.rpc_member_entry(SELF, 1) not in _member_list(store)
+    rpc_store = dist.PrefixStore(compat.RPC_STORE_PREFIX, store.store)
+    assert rpc_store.get(compat.RPC_TOKEN_KEY) == b""
+    assert "pipe closed" not in logged[0] and "EOF" not in logged[0], logged[0][-2000:]
+
+
 # rrefs_of_a_dead_owner_dropped_without_telling_it runs before the first leave: once a process left the group,
 # torch's RRef context stays torn down (a second join does not set it up again), and no drop is reported.
 CHECKS = (store_keys, agent_of_an_open_group, rrefs_of_a_dead_owner_dropped_without_telling_it,
           second_join_uses_the_first_prefix, autograd_context_layout, remote_errors_reduced_to_their_cause,
-          dead_peer_forgotten_and_rrefs_released)
+          dead_peer_forgotten_and_rrefs_released, leaving_together_marks_the_agent_leaving_before_it_closes)
 
 
 def run_checks(results) -> None:
