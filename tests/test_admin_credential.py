@@ -119,8 +119,9 @@ def test_every_call_with_every_credential(coordinator, caplog):
 
 
 @pytest.mark.timeout(60)
-def test_ps_ctl_exits_2_without_the_admin_token_and_0_with_it(coordinator, tmp_path, capsys):
+def test_ps_ctl_exits_2_without_the_admin_token_and_0_with_it(coordinator, tmp_path, capsys, monkeypatch):
     server, shutdowns = coordinator
+    monkeypatch.setattr(ctl, "setup_logging", lambda *_: None)  # the process's logging is pytest's, not ps-ctl's
     (tmp_path / "token").write_text(TOKEN)
     (tmp_path / "admin").write_text(ADMIN_TOKEN + "\n")
     base = ["--connect", server.address, "--token-file", str(tmp_path / "token")]
