@@ -4,12 +4,14 @@ the flag, and status renders as the JSON object and the table users read."""
 import argparse
 import json
 import re
+from typing import List, Optional, Tuple
 
 import pytest
 
 from paramserver.cli import ctl, demo, server, worker
 from paramserver.cli.common import UsageError, coordinator_address, data_plane_host
 from paramserver.control.protocol import pb
+from paramserver.runtime.job import JobConfigError, check_config
 
 
 @pytest.mark.parametrize("value, expected", [
@@ -55,6 +57,9 @@ def server_args(*argv):
     (["--export-every", "10"], "--export-every and --export-base-every need --export-dir"),
     (["--export-dir", "live", "--export-every", "0"], "--export-every must be at least 1, got 0"),
     (["--export-dir", "oci://bucket/live"], "--export-dir: oci://bucket/live: the oci:// protocol needs a package"),
+    (["--checkpoint-dir", "/proc/forbidden"], "--checkpoint-dir /proc/forbidden: cannot write there"),
+    (["--job-config", '{"steps": "many"}'], "--job-config: 'steps' of job 'workers.ctr:main' must be int, got \"many\""),
+    (["--job-config", '{"stepz": 5}'], "--job-config: job 'workers.ctr:main' takes no argument 'stepz'"),
 ])
 def test_server_flags_are_checked(argv, message):
     with pytest.raises(UsageError, match=message):
@@ -207,10 +212,58 @@ def test_ps_demo_shares_the_job_files_among_its_workers():
     assert demo._job_config(args)["data"]["workers"] == 2  # as given
 
 
+#: In a fresh interpreter: a coordinator service without a store (so without torch) on a real port, and
+#: ps-ctl's status, checkpoint and shutdown against it, imports done at call time included.
+CTL_ALONE = """
+import datetime, sys, concurrent.futures, grpc
+from paramserver.control.membership import Membership
+from paramserver.control.protocol import pb
+from paramserver.control.service import CoordinatorService, ServiceSettings, generic_handler
+from paramserver.cli import ctl
+service = CoordinatorService(Membership(datetime.timedelta(seconds=5)), ServiceSettings(
+    store=pb.StoreAddress(host="127.0.0.1", port=1), job=None, heartbeat_interval=datetime.timedelta(seconds=1),
+    heartbeat_timeout=datetime.timedelta(seconds=5)), request_shutdown=lambda reason: None)
+server = grpc.server(concurrent.futures.ThreadPoolExecutor(2))
+server.add_generic_rpc_handlers((generic_handler(service),))
+port = server.add_insecure_port("127.0.0.1:0")
+server.start()
+codes = [ctl.main(["--connect", f"127.0.0.1:{port}", *argv]) for argv in (["status"], ["status", "--json"],
+                                                                        ["checkpoint", "--timeout", "5"], ["shutdown"])]
+server.stop(0)
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "fsspec", "cloudpickle")
+               or m.startswith(("paramserver.shards", "paramserver.ddp", "paramserver.optim", "paramserver.train",
+                                "paramserver.checkpoint")))
+print(codes, heavy)
+"""
+
+
 def test_ps_ctl_starts_without_torch_which_only_its_export_loads():
     # ps-ctl talks gRPC: status, checkpoint and shutdown start in a fraction of the time torch takes to import.
     import subprocess
     import sys
-    loaded = subprocess.run([sys.executable, "-c", "import sys, paramserver.cli.ctl; print('torch' in sys.modules)"],
-                            capture_output=True, text=True, timeout=60, check=True)
-    assert loaded.stdout.strip() == "False", loaded.stderr
+    loaded = subprocess.run([sys.executable, "-c", CTL_ALONE], capture_output=True, text=True, timeout=60, check=True)
+    # checkpoint: refused with FAILED_PRECONDITION (no checkpoint directory), exit 1; the others done.
+    assert loaded.stdout.strip().splitlines()[-1] == "[0, 0, 1, 0] []", loaded.stdout + loaded.stderr
+
+
+def typed_job(ctx, rate: float, layers: Optional[List[int]] = None, pair: Tuple[int, str] = (1, "a"),
+              flag: bool = False, **more):
+    """A job whose config ``check_config`` judges: required, Optional, nested, tuple, bool and ``**kwargs``."""
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"rate": 1, "layers": [2, 3], "pair": [4, "b"], "flag": True, "other": "taken by **more"}, None),
+    ({"rate": 0.5, "layers": None}, None),
+    ({}, "job 'typed' needs 'rate'"),
+    ({"rate": "fast"}, "'rate' of job 'typed' must be float, got \"fast\""),
+    ({"rate": True}, "'rate' of job 'typed' must be float, got true"),
+    ({"rate": 1, "layers": [1, 2.5]}, r"'layers' of job 'typed' must be Optional\[List\[int\]\], got \[1, 2.5\]"),
+    ({"rate": 1, "pair": [1]}, r"'pair' of job 'typed' must be Tuple\[int, str\], got \[1\]"),
+    ({"rate": 1, "flag": 0}, "'flag' of job 'typed' must be bool, got 0"),
+])
+def test_a_job_config_is_checked_against_the_signature_and_annotated_types(config, message):
+    if message is None:
+        check_config(typed_job, config, "typed", "--job-config")
+        return
+    with pytest.raises(JobConfigError, match=f"^--job-config: {message}"):
+        check_config(typed_job, config, "typed", "--job-config")

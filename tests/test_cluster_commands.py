@@ -43,7 +43,8 @@ def test_cluster_forms_runs_two_workers_and_stops_on_sigterm(commands, tmp_path)
     assert checkpoint.returncode == 1 and "FAILED_PRECONDITION" in checkpoint.stderr
     assert "no checkpoint directory" in checkpoint.stderr
     refused = commands.run("ps-ctl", "--connect", address, "status")
-    assert refused.returncode == 1 and "wrong or missing token" in refused.stderr, refused.stderr
+    # A missing or wrong token ends ps-ctl and ps-worker alike: exit 2, refused (docs/cluster.md, exit codes).
+    assert refused.returncode == 2 and "wrong or missing token" in refused.stderr, refused.stderr
     wrong = commands.run("ps-worker", "--connect", address, "--token-file", str(tmp_path / "wrong"))
     assert wrong.returncode == 2 and "wrong or missing token" in wrong.stdout
 

@@ -9,7 +9,8 @@ Owns the checks of ``deploy/Dockerfile`` and ``deploy/k8s/*.yaml``:
 * the manifests agree with each other (the workers' ``--connect`` names the
   coordinator pod's DNS name through the headless Service, the Secret the
   pods mount exists and holds the file ``--token-file`` reads, the shard
-  token goes to the ps-server pods only, probes hit
+  token goes to the ps-server pods only, the admin token to the coordinator's
+  pod only, probes hit
   the port given to ``--port``, ``--host`` comes from the pod's IP) and with
   the real command-line parsers (``paramserver.cli.*.add_arguments``);
 * the Dockerfile installs ``torch==2.13.0`` from the CPU index before the
@@ -324,6 +325,27 @@ def test_only_the_ps_servers_get_the_shard_token(objects):
     assert others, "expected workers"
     for owner, mounted in others:
         assert not mounted & shard_secrets, f"{owner} mounts the shard token"
+
+
+def test_only_the_coordinator_gets_the_admin_token(objects):
+    """Checkpoint and Shutdown need the admin token (a Secret of its own): the coordinator reads it, and no
+    other pod mounts it, so neither a worker nor a shard host can stop the cluster."""
+    admin_secrets, others = set(), []
+    for owner, spec, container in containers(objects):
+        files = mounted_secret_files(objects, owner, spec, container)
+        admin_token_file = option(container["args"], "--admin-token-file")
+        if container["command"] != ["ps-server"] or option(container["args"], "--join") is not None:
+            assert admin_token_file is None, owner
+            others.append((owner, set(files.values())))
+            continue
+        assert admin_token_file in files, f"{owner}: --admin-token-file {admin_token_file} is not a mounted Secret's"
+        assert files[admin_token_file] not in (files[option(container["args"], flag)]
+                                               for flag in ("--token-file", "--shard-token-file")), owner
+        admin_secrets.add(files[admin_token_file])
+    assert len(admin_secrets) == 1, f"one coordinator, one admin token: {admin_secrets}"
+    assert len(others) >= 2, "expected workers and shard hosts"
+    for owner, mounted in others:
+        assert not mounted & admin_secrets, f"{owner} mounts the admin token"
 
 
 def test_grpc_probes_hit_the_port_passed_to_port(objects):

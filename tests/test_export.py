@@ -165,7 +165,9 @@ def test_ps_ctl_export_takes_a_checkpoint_directory_or_a_cluster(trained, tmp_pa
         (["export", str(out)], "export needs --checkpoint-dir D"),
         (["--connect", "127.0.0.1:1", "export", str(out), "--checkpoint-dir", str(trained.root)],
          "--checkpoint-dir or --connect, not both"),
-        (["--connect", "127.0.0.1:1", "export", str(out), "--timeout", "0"], "--timeout must be 0-3600 seconds"),
+        (["--connect", "127.0.0.1:1", "export", str(out), "--timeout", "0"],
+         "--timeout must be more than 0 and at most 3600 seconds, got 0"),
+        (["export", "", "--checkpoint-dir", str(trained.root)], "export DIR is empty: give a path or a URL"),
     ]:
         code, printed = run(*argv)
         assert code == 2 and printed.err.startswith("ps-ctl: ") and message in printed.err, printed.err

@@ -1,23 +1,29 @@
-"""Options every command shares: where the coordinator is, the token, TLS, logging, the metrics port.
+"""Options every command shares: where the coordinator is, the tokens, TLS, logging, the metrics port.
 
 Owns parsing them and turning them into the objects the runtime takes
 (a token string, ``TlsFiles``, a coordinator client, a ``--timeout``),
-with errors that name the flag at fault;
-also reading ps-server's ``--shard-token-file`` (a secret file, read as the
-token is).
+with errors that name the flag at fault (exit codes: ``runtime.exit_codes``,
+one scheme for every command); also reading
+``--shard-token-file`` and ``--admin-token-file`` (secret files, read as
+the token is).  Storage (fsspec) is imported only when a flag names a
+location, so that ``ps-ctl status`` starts without it.
 """
 
 import argparse
 import datetime
 import json
 import os
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
-from ..control import DEFAULT_PORT, CoordinatorClient, TlsFiles, read_token_file
+from ..control import (DEFAULT_PORT, CoordinatorClient, CoordinatorError, NotAuthenticated, NotPermitted, TlsFiles,
+                       read_token_file)
 from ..control.addresses import address_facing
-from ..filesystems import Location, locate, parse_storage_options
 from ..logs import configure_logging, default_log_level
+from ..runtime.exit_codes import EXIT_FAILED, EXIT_REFUSED
 from ..runtime.threads import THREADS_ENV
+
+if TYPE_CHECKING:
+    from ..filesystems import Location
 
 
 #: The longest a command waits for the cluster (``--timeout``).
@@ -25,7 +31,7 @@ MAX_WAIT = datetime.timedelta(hours=1)
 
 
 class UsageError(Exception):
-    """A command-line problem; the command prints it and exits 2."""
+    """A command-line problem; the command prints it and exits ``EXIT_REFUSED`` (2, as argparse does)."""
 
 
 def add_log_level(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +57,14 @@ def threads_from(args) -> None:
 def add_token_file(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token-file", metavar="F",
                         help="file holding the cluster token; every control-plane call carries it")
+
+
+def add_admin_token_file(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--admin-token-file", metavar="A", help=what)
+
+
+def admin_token_from(args) -> Optional[str]:
+    return secret_from("--admin-token-file", args.admin_token_file)
 
 
 def add_connect(parser: argparse.ArgumentParser, required: bool = True, when: str = "") -> None:
@@ -152,9 +166,13 @@ def add_storage_options(parser: argparse.ArgumentParser, what: str) -> None:
                              "standard AWS_* variables apply too")
 
 
-def location_from(flag: str, value: str, args) -> Location:
-    """``value`` of ``flag`` (a path or fsspec URL) with ``--storage-options``; a URL whose protocol needs a
-    package that is missing (``MissingStorageExtra``, naming the extra) or is unknown is a ``UsageError``."""
+def location_from(flag: str, value: str, args) -> "Location":
+    """``value`` of ``flag`` (a path or fsspec URL) with ``--storage-options``; an empty one, or a URL whose
+    protocol needs a package that is missing (``MissingStorageExtra``, naming the extra) or is unknown, is a
+    ``UsageError``."""
+    if not value.strip():
+        raise UsageError(f"{flag} is empty: give a path or a URL")
+    from ..filesystems import locate, parse_storage_options
     try:
         options = parse_storage_options(getattr(args, "storage_options", None))
         return locate(value, options)
@@ -168,16 +186,25 @@ def client_tls(args) -> Optional[TlsFiles]:
 
 
 def coordinator_client(args) -> CoordinatorClient:
-    """A client of the coordinator ``--connect`` names, with ``--token-file`` and ``--tls-ca``."""
+    """A client of the coordinator ``--connect`` names, with ``--token-file``, ``--admin-token-file`` and
+    ``--tls-ca``."""
     if not args.connect:
         raise UsageError(f"{args.command} needs --connect HOST:PORT")
-    return CoordinatorClient(coordinator_address(args.connect), token=token_from(args), tls=client_tls(args))
+    return CoordinatorClient(coordinator_address(args.connect), token=token_from(args), tls=client_tls(args),
+                             admin_token=admin_token_from(args))
+
+
+def exit_code_for(error: CoordinatorError) -> int:
+    """``EXIT_REFUSED`` when the coordinator refused the caller's credentials (a missing or wrong token, no
+    admin token), as ps-worker does; ``EXIT_FAILED`` for the rest (unreachable, no answer, a command failed)."""
+    return EXIT_REFUSED if isinstance(error, (NotAuthenticated, NotPermitted)) else EXIT_FAILED
 
 
 def timeout_from(args, most: datetime.timedelta = MAX_WAIT) -> datetime.timedelta:
     """``--timeout SECONDS``: more than 0, at most ``most``."""
-    if not 0 < args.timeout <= most.total_seconds():
-        raise UsageError(f"--timeout must be 0-{most.total_seconds():.0f} seconds, got {args.timeout}")
+    if not 0 < args.timeout <= most.total_seconds():  # NaN fails this too
+        raise UsageError(f"--timeout must be more than 0 and at most {most.total_seconds():.0f} seconds, got "
+                         f"{args.timeout:g}")
     return datetime.timedelta(seconds=args.timeout)
 
 

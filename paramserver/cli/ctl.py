@@ -1,6 +1,6 @@
 """``ps-ctl``: look at and steer a running cluster.
 
-    ps-ctl --connect HOST:PORT [--token-file F] [--tls-ca PEM] status [--json]
+    ps-ctl --connect HOST:PORT [--token-file F] [--admin-token-file A] [--tls-ca PEM] status [--json]
     ps-ctl --connect HOST:PORT ... checkpoint [--timeout S]
     ps-ctl --connect HOST:PORT ... shutdown
     ps-ctl [--connect HOST:PORT ...] export DIR [--checkpoint-dir D] [--timeout S]
@@ -11,10 +11,15 @@ trainer training (the job ended, or none joined yet) it answers at once
 with the newest committed checkpoint, saying so; ``export`` through the
 cluster exports that one.
 ``export`` is ``paramserver.cli.export``'s; it needs no ``--connect``
-when given ``--checkpoint-dir``.
+when given ``--checkpoint-dir``.  ``checkpoint``, ``shutdown`` and
+``export`` through the cluster need ``--admin-token-file`` where the
+coordinator has an admin token; ``status`` needs the cluster token alone.
 
-Exit codes: 0 done, 1 the coordinator refused, failed the command (a
-checkpoint not written) or gave no answer, 2 bad flags.
+Exit codes (``runtime.exit_codes``): 0 done; 1 the coordinator failed the
+command (a checkpoint not written), was unreachable or gave no answer; 2
+refused: bad flags, a missing or wrong token, no admin token for a command
+that needs it.  This module imports neither torch nor the data plane (only
+``export`` loads them, when it runs).
 """
 
 import argparse
@@ -25,13 +30,16 @@ from google.protobuf.json_format import MessageToDict
 
 from ..control import CoordinatorError, pb
 from ..control.protocol import CHECKPOINT_WAIT, ROLE_NAMES
+from ..runtime.exit_codes import EXIT_OK, EXIT_REFUSED
 from . import export
-from .common import (UsageError, add_connect, add_log_level, command_main, coordinator_client, setup_logging,
-                     timeout_from)
+from .common import (UsageError, add_admin_token_file, add_connect, add_log_level, command_main,
+                     coordinator_client, exit_code_for, setup_logging, timeout_from)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_connect(parser, required=False, when=" (every command needs it but export --checkpoint-dir)")
+    add_admin_token_file(parser, "file holding the admin token, which checkpoint, shutdown and export through "
+                                 "the cluster carry (where the coordinator has one; status needs none)")
     add_log_level(parser)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     status = commands.add_parser("status", help="members, their liveness and progress; the generation")
@@ -87,7 +95,7 @@ def run(args) -> int:
         client = coordinator_client(args)
     except UsageError as error:
         print(f"ps-ctl: {error}", file=sys.stderr)
-        return 2
+        return EXIT_REFUSED
     try:
         if args.command == "status":
             response = client.status()
@@ -104,10 +112,10 @@ def run(args) -> int:
             print(f"cluster at {client.address} is shutting down")
     except CoordinatorError as error:
         print(f"ps-ctl: {error}", file=sys.stderr)
-        return 1
+        return exit_code_for(error)
     finally:
         client.close()
-    return 0
+    return EXIT_OK
 
 
 def main(argv=None) -> int:

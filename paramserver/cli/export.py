@@ -1,7 +1,7 @@
 """``ps-ctl export``: write the trained model as plain files, from a checkpoint or from a live cluster.
 
     ps-ctl export DIR --checkpoint-dir D [--storage-options JSON]
-    ps-ctl --connect HOST:PORT [--token-file F] [--tls-ca PEM] export DIR [--timeout S] [--storage-options JSON]
+    ps-ctl --connect HOST:PORT [--token-file F] [--admin-token-file A] [--tls-ca PEM] export DIR [--timeout S] [--storage-options JSON]
 
 Owns the command's flags and what it prints; the export itself is
 ``paramserver.checkpoint.export``'s.  With ``--checkpoint-dir`` (a
@@ -14,7 +14,9 @@ them: its newest valid checkpoint) no cluster is needed; with
 
 Prints ``exported step N of CHECKPOINT to DIR: ...``.  Exit codes: 0
 exported, 1 not exported (no checkpoint, a damaged file, a checkpoint that
-cannot be exported, the cluster refused or gave no answer), 2 bad flags.
+cannot be exported, the cluster failed or gave no answer), 2 refused (bad
+flags, a missing or wrong token, no ``--admin-token-file`` where the cluster
+has an admin token).
 """
 
 import argparse
@@ -22,8 +24,9 @@ import sys
 
 from ..control import CoordinatorError
 from ..control.protocol import CHECKPOINT_WAIT
+from ..runtime.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_REFUSED
 from .common import (UsageError, add_connect, add_log_level, add_storage_options, command_main, coordinator_client,
-                     location_from, setup_logging, timeout_from)
+                     exit_code_for, location_from, setup_logging, timeout_from)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,12 +49,12 @@ def run(args) -> int:
             raise UsageError("export needs --checkpoint-dir D (a checkpoint, or a root of them), or --connect "
                              "HOST:PORT (a live cluster)")
         timeout = timeout_from(args)
-        out = location_from("export", args.directory, args)
+        out = location_from("export DIR", args.directory, args)
         source = location_from("--checkpoint-dir", args.checkpoint_dir, args) if args.checkpoint_dir else None
         client = None if args.checkpoint_dir else coordinator_client(args)
     except UsageError as error:
         print(f"ps-ctl: {error}", file=sys.stderr)
-        return 2
+        return EXIT_REFUSED
     # torch and the checkpoint formats load here, for this command only: ps-ctl's others start in a fraction
     # of the time without them.
     from ..checkpoint.export import export_checkpoint, export_from_cluster
@@ -62,7 +65,7 @@ def run(args) -> int:
             manifest = export_from_cluster(client, out, timeout, out.storage_options)
     except (CoordinatorError, OSError, ValueError) as error:  # ValueError: CorruptCheckpoint, NotExportable
         print(f"ps-ctl: export failed: {error}", file=sys.stderr)
-        return 1
+        return exit_code_for(error) if isinstance(error, CoordinatorError) else EXIT_FAILED
     finally:
         if client is not None:
             client.close()
@@ -70,7 +73,7 @@ def run(args) -> int:
                        for name, table in manifest["tables"].items())
     print(f"exported step {manifest['step']} of {manifest['checkpoint']} to {args.directory}: {tables}; dense "
           f"{manifest['dense']['class']}")
-    return 0
+    return EXIT_OK
 
 
 def add_standalone_arguments(parser: argparse.ArgumentParser) -> None:

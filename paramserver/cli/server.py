@@ -4,8 +4,8 @@
               [--stop-after-workers N]
               [--checkpoint-dir D|URL [--checkpoint-every STEPS|SECONDSs] [--keep-checkpoints K]] [--restore D|URL]
               [--export-dir D|URL [--export-every STEPS] [--export-base-every N]] [--storage-options JSON]
-              [--token-file F] [--shard-token-file S] [--tls-cert C --tls-key K] [--heartbeat-timeout S]
-              [--metrics-port P]
+              [--token-file F] [--shard-token-file S] [--admin-token-file A] [--tls-cert C --tls-key K]
+              [--heartbeat-timeout S] [--metrics-port P]
     ps-server --join HOST:PORT --shards 4 [--host H] [--shard-prefix P] [--token-file F --shard-token-file S]
               [--tls-ca PEM] [--metrics-port P]
 
@@ -18,25 +18,37 @@ serve, and ends when they are stopped (SIGTERM, or the cluster's shutdown).
 Shards join with a credential of their own, which the cluster token does
 not give: ``--shard-token-file`` on both ps-servers, or, on a coordinator
 with ``--token-file`` and no shard token file, a secret it makes for its own
-shards (then no other host's shards can join).
+shards (then no other host's shards can join).  ``--admin-token-file``:
+a third secret that ``ps-ctl checkpoint``, ``shutdown`` and ``export``
+through the cluster must carry; without it any holder of the cluster token
+may make those calls (a warning at start says so when there is a token).
+
+The job's config (``--job-config``) is checked against the job function's
+signature and annotated types before anything starts; a checkpoint
+directory on this machine that cannot be written is refused at start.
+Exit codes (``runtime.exit_codes``): 0 shut down cleanly, 1 failed, 2
+refused (bad flags or config).
 """
 
 import argparse
 import datetime
 import json
 import math
+import pathlib
 import re
 import sys
+import tempfile
 from typing import Optional
 
 from ..control import DEFAULT_PORT, TlsFiles
 from ..control.protocol import HEARTBEAT_INTERVAL, pb
-from ..control.security import ShardCredential
+from ..control.security import AdminCredential, ShardCredential
 from ..processes import start_fork_server
-from ..runtime.job import DEFAULT_JOB, JobError, pack_job
+from ..runtime.exit_codes import EXIT_FAILED, EXIT_REFUSED
+from ..runtime.job import DEFAULT_JOB, JobConfigError, JobError, pack_job
 from ..runtime.shard_policy import MAX_RESTARTS, SHARD_PRELOAD
-from .common import (UsageError, add_log_level, add_metrics_port, add_storage_options, add_threads, add_token_file,
-                     command_main, coordinator_address, location_from,
+from .common import (UsageError, add_admin_token_file, add_log_level, add_metrics_port, add_storage_options, add_threads, add_token_file,
+                     admin_token_from, command_main, coordinator_address, location_from,
                      data_plane_host, job_config_from, metrics_port_from, own_host, secret_from, setup_logging,
                      threads_from, token_from)
 
@@ -44,7 +56,8 @@ from .common import (UsageError, add_log_level, add_metrics_port, add_storage_op
 #: Flags that configure the coordinator, refused with ``--join`` (which runs none) unless left at their defaults.
 COORDINATOR_FLAGS = ("port", "job", "job_config", "group_size", "checkpoint_dir", "checkpoint_every",
                      "checkpoint_keep", "restore", "storage_options", "export_dir", "export_every",
-                     "export_base_every", "tls_cert", "tls_key", "heartbeat_timeout", "stop_after_workers")
+                     "export_base_every", "tls_cert", "tls_key", "heartbeat_timeout", "stop_after_workers",
+                     "admin_token_file")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -104,6 +117,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "Give the coordinator and every --join host the same file; a coordinator with "
                              "--token-file and none makes one up for its own shards, and then no --join host "
                              "can add shards")
+    add_admin_token_file(parser, "file holding the admin token, a third secret that only operators carry: "
+                                 "Checkpoint and Shutdown (ps-ctl checkpoint, shutdown, export through the "
+                                 "cluster) without it are refused with PERMISSION_DENIED. Without it, any holder "
+                                 "of the cluster token may make them")
     parser.add_argument("--tls-cert", metavar="PEM", help="serve TLS only, with this certificate")
     parser.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
     parser.add_argument("--shard-restarts", type=int, default=MAX_RESTARTS, metavar="N",
@@ -184,6 +201,8 @@ def options_from(args):
         raise UsageError(f"--stop-after-workers must be 0 (run until stopped) or more, got {args.stop_after_workers}")
     try:
         job = pack_job(args.job, config, group_size=args.group_size)
+    except JobConfigError as error:  # names --job-config and the key itself
+        raise UsageError(str(error)) from None
     except JobError as error:
         raise UsageError(f"--job: {error}") from error
     exports = live_exports_from(args)
@@ -193,6 +212,7 @@ def options_from(args):
     shard_token = shard_token_from(args, token)
     settings = dict(host=args.host, port=args.port, token=token, job=job,
                     shard_credential=ShardCredential(shard_token) if shard_token else None,
+                    admin_token=admin_token_of_server(args, token, shard_token),
                     tls=TlsFiles(cert=args.tls_cert, key=args.tls_key) if args.tls_cert else None,
                     checkpoints=checkpoint_options_from(args))
     if args.heartbeat_timeout is not None:
@@ -223,6 +243,22 @@ def live_exports_from(args) -> Optional["pb.LiveExportSettings"]:
                                  if directory.storage_options else "")
 
 
+def writable_here(flag: str, directory) -> None:
+    """A directory on this machine's filesystem (a ``Location``; the coordinator writes checkpoints' manifests
+    there) is made if missing and must take a file; one that cannot is refused now, not at the first
+    checkpoint.  A URL's store is not reached here (it may not be up yet): what fails there is reported when
+    it is used."""
+    if not directory.is_local:
+        return
+    path = pathlib.Path(directory.path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path, prefix=".ps-server-probe-"):
+            pass
+    except OSError as error:
+        raise UsageError(f"{flag} {directory.url}: cannot write there: {error.strerror or error}") from None
+
+
 def shard_token_from(args, token: Optional[str]) -> Optional[str]:
     """``--shard-token-file``'s token; it must differ from the cluster token, or roles would not be scoped."""
     shard_token = secret_from("--shard-token-file", args.shard_token_file)
@@ -230,6 +266,19 @@ def shard_token_from(args, token: Optional[str]) -> Optional[str]:
         raise UsageError("--shard-token-file holds the same token as --token-file: give shards a secret of their "
                          "own, or every holder of the cluster token could join as a shard")
     return shard_token
+
+
+def admin_token_of_server(args, token: Optional[str], shard_token: Optional[str]) -> Optional[str]:
+    """``--admin-token-file``'s token; it must differ from the cluster and shard tokens, or any worker (or
+    shard) could stop the cluster."""
+    admin_token = admin_token_from(args)
+    if admin_token is not None:
+        admin = AdminCredential(admin_token)
+        for flag, other in (("--token-file", token), ("--shard-token-file", shard_token)):
+            if admin.same_as(other):
+                raise UsageError(f"--admin-token-file holds the same token as {flag}: give operators a secret of "
+                                 "their own")
+    return admin_token
 
 
 def checkpoint_options_from(args):
@@ -245,6 +294,8 @@ def checkpoint_options_from(args):
         return None
     # Named URLs checked here (a missing extra, an unknown protocol: one line, exit 2); nothing is reached yet.
     directory = location_from("--checkpoint-dir", args.checkpoint_dir, args) if args.checkpoint_dir else None
+    if directory is not None:
+        writable_here("--checkpoint-dir", directory)
     restore = location_from("--restore", args.restore, args) if args.restore else None
     every_steps, every_seconds = 0, 0.0
     if args.checkpoint_every is not None:
@@ -273,7 +324,7 @@ def run(args) -> int:
         threads_from(args)  # --threads reaches the shard processes through the environment
     except UsageError as error:
         print(f"ps-server: {error}", file=sys.stderr)
-        return 2
+        return EXIT_REFUSED
     if args.shards > 0:
         # The shard processes come from a fork server: started first, it imports their code (torch) while this
         # process imports the coordinator's below, instead of after it.  This module imports neither.
@@ -282,14 +333,14 @@ def run(args) -> int:
         options = shard_host_options_from(args) if args.join else options_from(args)
     except UsageError as error:
         print(f"ps-server: {error}", file=sys.stderr)
-        return 2
+        return EXIT_REFUSED
     from ..runtime.server import serve
     from ..runtime.shard_host import serve_shard_host
     try:
         return serve_shard_host(options) if args.join else serve(options)
     except (OSError, ValueError) as error:
         print(f"ps-server: {error}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
 
 
 def main(argv=None) -> int:

@@ -15,7 +15,8 @@ import datetime
 import json
 import sys
 
-from ..runtime.worker import EXIT_REFUSED, WorkerOptions, run_worker
+from ..runtime.exit_codes import EXIT_REFUSED
+from ..runtime.worker import WorkerOptions, run_worker
 from .common import (UsageError, add_connect, add_log_level, add_metrics_port, add_threads, client_tls,
                      command_main, coordinator_address, metrics_port_from, own_host, setup_logging, threads_from,
                      token_from)

@@ -2,7 +2,7 @@
 
 Owns the client side of the control plane: the gRPC channel (plaintext or
 TLS, the token attached to every call, the shard credential to a Join as a
-shard), joining with bounded exponential
+shard, the admin credential to the calls that need it), joining with bounded exponential
 backoff while the coordinator is unreachable, the heartbeat loop that
 hands commands to its owner, and errors that say in one line what went
 wrong.  What a member does with its assignment is the runtime's business.
@@ -19,7 +19,8 @@ from typing import Callable, Optional
 import grpc
 
 from .protocol import MAX_MESSAGE_BYTES, pb, pb_grpc
-from .security import SHARD_TOKEN_METADATA_KEY, TlsFiles, TokenClientInterceptor
+from .security import (ADMIN_METHODS, ADMIN_TOKEN_METADATA_KEY, SHARD_TOKEN_METADATA_KEY, TlsFiles,
+                       TokenClientInterceptor)
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,11 @@ class NotAuthenticated(CoordinatorError):
     """The coordinator refused the token (or its absence)."""
 
 
+class NotPermitted(CoordinatorError):
+    """The coordinator refused the call for the credential it lacks (``PERMISSION_DENIED``): the admin token for
+    a call that changes the cluster's state, the shard token for a Join as a shard."""
+
+
 def _retry_for() -> datetime.timedelta:
     value = os.environ.get(JOIN_RETRY_FOR_ENV)
     return datetime.timedelta(seconds=float(value)) if value else JOIN_RETRY_FOR
@@ -54,6 +60,8 @@ def _error_from(address: str, method: str, error: grpc.RpcError) -> CoordinatorE
     details = error.details() or code.name
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return NotAuthenticated(f"coordinator {address} refused {method}: wrong or missing token ({details})", code)
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return NotPermitted(f"coordinator {address} refused {method}: PERMISSION_DENIED: {details}", code)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return CoordinatorUnavailable(f"coordinator {address} unreachable for {method}: "
                                       f"{details.splitlines()[0][:300]}", code)
@@ -64,14 +72,18 @@ class CoordinatorClient:
     """One channel to the coordinator at ``address`` (``HOST:PORT``).
 
     ``token``: the cluster token, sent with every call; ``shard_token``: the
-    shard credential, sent with a Join as a shard only.
+    shard credential, sent with a Join as a shard only; ``admin_token``: the
+    admin credential, sent with the calls in ``security.ADMIN_METHODS`` only
+    (Checkpoint, Shutdown).
     """
 
     def __init__(self, address: str, token: Optional[str] = None, tls: Optional[TlsFiles] = None,
-                 call_timeout: datetime.timedelta = CALL_TIMEOUT, shard_token: Optional[str] = None):
+                 call_timeout: datetime.timedelta = CALL_TIMEOUT, shard_token: Optional[str] = None,
+                 admin_token: Optional[str] = None):
         self.address = address
         self.call_timeout = call_timeout
         self._shard_token = shard_token
+        self._admin_token = admin_token
         options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
         if tls is not None:
@@ -86,6 +98,8 @@ class CoordinatorClient:
 
     def call(self, method: str, request, timeout: Optional[datetime.timedelta] = None, metadata=None):
         """``method`` (a Coordinator RPC name) once; raises ``CoordinatorError`` subclasses."""
+        if self._admin_token and method in ADMIN_METHODS:
+            metadata = list(metadata or []) + [(ADMIN_TOKEN_METADATA_KEY, self._admin_token)]
         try:
             return getattr(self._stub, method)(request, timeout=(timeout or self.call_timeout).total_seconds(),
                                                metadata=metadata)

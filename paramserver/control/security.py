@@ -1,13 +1,16 @@
-"""Securing the control plane's port: the cluster token, the shard credential, TLS.
+"""Securing the control plane's port: the cluster token, the shard and admin credentials, TLS.
 
 Owns reading token files, the server interceptor that refuses calls
 without the right token (``UNAUTHENTICATED``; the standard health service
 stays open so probes work), the client interceptor that attaches the token,
 the shard credential (``ShardCredential``: the second secret a Join as a
 shard must carry, so that a worker's or client's token admits no shard),
+the admin credential (``AdminCredential``: the third secret that the calls
+in ``ADMIN_METHODS``, those that change the cluster's state, must carry, so
+that a worker's token neither stops the cluster nor forces a checkpoint),
 and building TLS credentials from PEM files.  Which calls need which
-credential is decided here and in the service's Join; what a refusal is
-logged as, by whoever hands in the ``RateLimitedLog``.
+credential is decided here and in the service; what a refusal is logged
+as, by whoever hands in the ``RateLimitedLog``.
 """
 
 import hmac
@@ -26,6 +29,13 @@ OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
 
 #: Metadata key carrying the shard credential on a Join as a shard (only there).
 SHARD_TOKEN_METADATA_KEY = "paramserver-shard-token"
+
+#: Metadata key carrying the admin credential, on the calls in ``ADMIN_METHODS`` (only there).
+ADMIN_TOKEN_METADATA_KEY = "paramserver-admin-token"
+
+#: Coordinator calls that change the cluster's state for everyone: with an admin credential configured, only
+#: its holders may make them (``ps-ctl checkpoint``, ``ps-ctl export`` through the cluster, ``ps-ctl shutdown``).
+ADMIN_METHODS = frozenset({"Checkpoint", "Shutdown"})
 
 #: What a refused call without the cluster token is told (the same whether the token was missing or wrong).
 TOKEN_REFUSAL = "this cluster requires its token: pass --token-file (token= in Python)"
@@ -47,6 +57,20 @@ def metadata_value(metadata, key: str) -> Optional[bytes]:
         if name == key:
             return value.encode() if isinstance(value, str) else value
     return None
+
+
+def carries(metadata, key: str, secret: str) -> Optional[bool]:
+    """Whether call ``metadata`` holds ``secret`` under ``key`` (compared in constant time); None when the key
+    is absent."""
+    given = metadata_value(metadata, key)
+    if given is None:
+        return None
+    return hmac.compare_digest(given, secret.encode())
+
+
+def same_secret(secret: str, other: Optional[str]) -> bool:
+    """Whether ``other`` is this very ``secret``: two roles sharing one secret would not be scoped."""
+    return other is not None and hmac.compare_digest(other.encode(), secret.encode())
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
@@ -108,12 +132,12 @@ class ShardCredential:
 
     def same_as(self, token: Optional[str]) -> bool:
         """Whether ``token`` (the cluster token) is this very secret: then roles would not be scoped."""
-        return token is not None and hmac.compare_digest(token.encode(), self.secret.encode())
+        return same_secret(self.secret, token)
 
     def refusal(self, metadata) -> Optional[str]:
         """Why a Join as a shard with call ``metadata`` is refused; None when it carries this credential."""
-        given = metadata_value(metadata, SHARD_TOKEN_METADATA_KEY)
-        if given is not None and hmac.compare_digest(given, self.secret.encode()):
+        given = carries(metadata, SHARD_TOKEN_METADATA_KEY, self.secret)
+        if given:
             return None
         if self.made_for_this_run:
             return ("this coordinator admits only the shards it started itself: its ps-server has --token-file "
@@ -125,6 +149,35 @@ class ShardCredential:
                     "the coordinator's ps-server was given")
         return ("the shard token of this Join is not the cluster's: --shard-token-file of ps-server --join must "
                 "hold the same token as the coordinator's ps-server")
+
+
+@dataclass(frozen=True)
+class AdminCredential:
+    """The secret that the calls in ``ADMIN_METHODS`` must carry (metadata ``paramserver-admin-token``),
+    besides the cluster token where there is one: the cluster token admits workers, job authors' drivers and
+    ``ps-ctl status``; only this one stops the cluster or asks for a checkpoint."""
+
+    secret: str = field(repr=False)
+
+    def __post_init__(self):
+        if not self.secret:
+            raise ValueError("the admin token is empty")
+
+    def same_as(self, other: Optional[str]) -> bool:
+        return same_secret(self.secret, other)
+
+    def refusal(self, method: str, metadata) -> Optional[str]:
+        """Why ``method`` with call ``metadata`` is refused; None when it needs no admin token or carries it."""
+        if method not in ADMIN_METHODS:
+            return None
+        given = carries(metadata, ADMIN_TOKEN_METADATA_KEY, self.secret)
+        if given:
+            return None
+        if given is None:
+            return (f"{method} changes the cluster's state and needs the admin token, which this call lacks (the "
+                    "cluster token does not give it): pass --admin-token-file (admin_token= in Python)")
+        return (f"{method} carries an admin token that is not this cluster's: --admin-token-file must hold the "
+                "token of the coordinator's ps-server --admin-token-file")
 
 
 class _ClientCallDetails(grpc.ClientCallDetails):

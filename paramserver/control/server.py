@@ -4,7 +4,8 @@ Owns putting the control plane on a port: the Coordinator service, the
 standard ``grpc.health.v1`` health service (NOT_SERVING until the cluster
 is ready, then SERVING), server reflection, the token interceptor, the shard
 credential (given, or made for this run when the cluster has a token and
-none was given), TLS, the rendezvous store, one bounded-rate log of refused
+none was given), the admin credential (given, or none: then any holder of
+the cluster token may stop the cluster, and the start says so), TLS, the rendezvous store, one bounded-rate log of refused
 calls, and the thread that declares silent members dead.
 What the cluster runs (shard processes, the job) is the runtime's business.
 """
@@ -28,7 +29,7 @@ from .protocol import (DEFAULT_PORT, HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, HEAR
                        MAX_MESSAGE_BYTES, SERVICE_NAME, pb)
 from ..logs import RateLimitedLog
 from .rendezvous import RendezvousStore
-from .security import ShardCredential, TlsFiles, TokenAuthInterceptor
+from .security import AdminCredential, ShardCredential, TlsFiles, TokenAuthInterceptor
 from .service import CoordinatorService, ServiceSettings, generic_handler
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,9 @@ class CoordinatorSettings:
     #: What a Join as a shard must carry.  ``None``: with a ``token``, the server makes one for this run (its
     #: own shards get it, shards of other hosts cannot join); without one, shards join like anyone.
     shard_credential: Optional[ShardCredential] = None
+    #: What Checkpoint and Shutdown must carry (``security.ADMIN_METHODS``).  ``None``: whoever holds the
+    #: cluster token (everyone, on a cluster without one) may make them.
+    admin_token: Optional[str] = field(default=None, repr=False)
     tls: Optional[TlsFiles] = None
     job: Optional[pb.JobSpec] = None
     heartbeat_interval: datetime.timedelta = HEARTBEAT_INTERVAL
@@ -67,6 +71,13 @@ class CoordinatorSettings:
         if self.shard_credential is not None and self.shard_credential.same_as(self.token):
             raise ValueError("the shard token is the cluster token: give shards a secret of their own, or every "
                              "holder of the cluster token could join as a shard")
+        if self.admin_token is not None:
+            admin = AdminCredential(self.admin_token)
+            if admin.same_as(self.token):
+                raise ValueError("the admin token is the cluster token: give operators a secret of their own, or "
+                                 "every worker could stop the cluster")
+            if self.shard_credential is not None and admin.same_as(self.shard_credential.secret):
+                raise ValueError("the admin token is the shard token: give operators a secret of their own")
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ValueError(f"heartbeat timeout ({self.heartbeat_timeout.total_seconds()} s) must exceed the "
                              f"heartbeat interval ({self.heartbeat_interval.total_seconds()} s)")
@@ -95,7 +106,8 @@ class CoordinatorServer:
             ServiceSettings(store=pb.StoreAddress(host=self.store.host, port=self.store.port), job=settings.job,
                             heartbeat_interval=settings.heartbeat_interval,
                             heartbeat_timeout=settings.heartbeat_timeout),
-            request_shutdown, self.checkpoints, shard_credential=self.shard_credential, refusals=self.refusals)
+            request_shutdown, self.checkpoints, shard_credential=self.shard_credential, refusals=self.refusals,
+            admin_credential=AdminCredential(settings.admin_token) if settings.admin_token else None)
         interceptors = [TokenAuthInterceptor(settings.token, refusals=self.refusals)] if settings.token else []
         self._server = grpc.server(
             concurrent.futures.ThreadPoolExecutor(settings.max_workers, thread_name_prefix="coordinator"),
@@ -131,10 +143,15 @@ class CoordinatorServer:
         self._sweeper.start()
         if self.checkpoints is not None:
             self.checkpoints.start()
-        logger.info("coordinator listening on %s (%s%s%s), store on %s:%d, heartbeat timeout %.1f s",
+        logger.info("coordinator listening on %s (%s%s%s%s), store on %s:%d, heartbeat timeout %.1f s",
                     self.address, "TLS" if self.settings.tls else "plaintext",
                     ", token required" if self.settings.token else "", self._shard_admission(),
+                    ", admin token required for Checkpoint and Shutdown" if self.settings.admin_token else "",
                     self.store.host, self.store.port, self.settings.heartbeat_timeout.total_seconds())
+        if self.settings.token and not self.settings.admin_token:
+            logger.warning("this cluster has a token but no admin token: every holder of the cluster token "
+                           "(every worker and job author) may stop the cluster or force a checkpoint; give "
+                           "ps-server --admin-token-file to keep those calls to operators")
         return self
 
     def _shard_admission(self) -> str:

@@ -6,9 +6,11 @@ it, dispatching it to the membership table, and turning refusals into gRPC
 status codes, logged at a bounded rate (a flood of bad calls costs a line per
 interval, not a line each).  One bad request never disturbs anyone else's:
 every failure is answered on that call alone.  A Join as a shard must carry
-the shard credential when the cluster has one (``PERMISSION_DENIED``
-otherwise, saying why); the cluster token itself is checked before, by the
-server's interceptor.
+the shard credential when the cluster has one, and a call that changes the
+cluster's state (``security.ADMIN_METHODS``: Checkpoint, Shutdown) the admin
+credential when the cluster has one (``PERMISSION_DENIED`` otherwise, saying
+why, before the request is even decoded: nothing changes); the cluster token
+itself is checked before, by the server's interceptor.
 """
 
 import datetime
@@ -23,7 +25,7 @@ from ..logs import RateLimitedLog, one_line
 from .addresses import loopback_from_afar
 from .membership import Membership
 from .protocol import CHECKPOINT_WAIT, SERVICE_NAME, pb
-from .security import ShardCredential
+from .security import AdminCredential, ShardCredential
 from .validation import (RequestError, check_member_id, invalid, validate_heartbeat, validate_join, validate_leave,
                          validate_shutdown)
 
@@ -55,7 +57,9 @@ class CoordinatorService:
     ``checkpoints`` takes Checkpoint and CommitCheckpoint (``None``:
     checkpoints are not configured, and both are refused).
     ``shard_credential``: what a Join as a shard must carry (``None``: shards
-    join like anyone, as on an open development cluster).  ``refusals``:
+    join like anyone, as on an open development cluster).  ``admin_credential``:
+    what Checkpoint and Shutdown must carry (``None``: whoever passed the
+    interceptor may make them, as on a cluster without one).  ``refusals``:
     where refused calls are logged (by default one of its own, at INFO,
     summed up every ``logs.REPEAT_SUMMARY_EVERY``).
     """
@@ -64,12 +68,14 @@ class CoordinatorService:
                  request_shutdown: Callable[[str], None],
                  checkpoints: Optional["CheckpointCoordinator"] = None,
                  shard_credential: Optional[ShardCredential] = None,
-                 refusals: Optional[RateLimitedLog] = None):
+                 refusals: Optional[RateLimitedLog] = None,
+                 admin_credential: Optional[AdminCredential] = None):
         self.membership = membership
         self.settings = settings
         self._request_shutdown = request_shutdown
         self.checkpoints = checkpoints
         self.shard_credential = shard_credential
+        self.admin_credential = admin_credential
         self.refusals = refusals or RateLimitedLog(logger, "refused {count} call{s}")
         self._handlers = {
             "Join": (pb.JoinRequest, self.join),
@@ -87,9 +93,13 @@ class CoordinatorService:
         """Decode, validate and answer one request; raises ``RequestError`` to refuse it.
 
         ``peer``: where the call came from, as gRPC names it (``ipv4:10.0.0.3:51234``);
-        ``metadata``: the call's metadata (where a shard's credential is).
+        ``metadata``: the call's metadata (where a shard's or an admin's credential is).
         """
         request_cls, handler = self._handlers[method]
+        if self.admin_credential is not None:
+            refusal = self.admin_credential.refusal(method, metadata)
+            if refusal is not None:
+                raise RequestError(grpc.StatusCode.PERMISSION_DENIED, refusal)
         try:
             request = request_cls.FromString(raw)
         except DecodeError as error:

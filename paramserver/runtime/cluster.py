@@ -2,7 +2,8 @@
 
 Owns the driver side: join the coordinator as a client, join the data plane
 under the assigned name, and offer the cluster's shards for placing
-parameters and sharded embeddings; ``close()`` (or leaving a ``with``
+parameters and sharded embeddings, the cluster's status and, with the admin
+token, its commands (checkpoint, shutdown); ``close()`` (or leaving a ``with``
 block) releases what this process placed and leaves both planes.
 """
 
@@ -25,10 +26,10 @@ class Cluster:
 
     def __init__(self, address: str, token: Optional[str] = None, tls: Optional[TlsFiles] = None,
                  host: Optional[str] = None, name: Optional[str] = None,
-                 retry_for: Optional[datetime.timedelta] = None):
+                 retry_for: Optional[datetime.timedelta] = None, admin_token: Optional[str] = None):
         host = host or address_facing(address)
         self._session = MemberSession(address, pb.ROLE_CLIENT, name=name, host=host, token=token, tls=tls,
-                                      retry_for=retry_for)
+                                      retry_for=retry_for, admin_token=admin_token)
         self.assignment = self._session.join()
         self._session.start_heartbeats()
         try:
@@ -52,6 +53,14 @@ class Cluster:
 
     def status(self) -> pb.StatusResponse:
         return self._session.client.status()
+
+    def checkpoint(self, timeout_seconds: float = 120.0) -> pb.CheckpointResponse:
+        """A checkpoint now, as ``ps-ctl checkpoint`` (needs ``admin_token`` where the cluster has one)."""
+        return self._session.client.checkpoint(timeout_seconds)
+
+    def shutdown(self, reason: str = "paramserver.connect") -> None:
+        """Stop the whole cluster, as ``ps-ctl shutdown`` (needs ``admin_token`` where the cluster has one)."""
+        self._session.client.shutdown(reason)
 
     def place(self, module: nn.Module, name: Optional[str] = None) -> PlacedModule:
         """``module`` with its parameters hosted on the shards (see ``PlacedModule``)."""
@@ -96,14 +105,17 @@ class Cluster:
 
 def connect(address: str, token: Optional[str] = None, *, tls_ca: Optional[str] = None,
             host: Optional[str] = None, name: Optional[str] = None,
-            retry_for: Optional[datetime.timedelta] = None) -> Cluster:
+            retry_for: Optional[datetime.timedelta] = None, admin_token: Optional[str] = None) -> Cluster:
     """Connect this Python process to the cluster at ``address`` (``HOST:PORT`` of ps-server).
 
-    ``token``: the cluster token, if the server has one.  ``tls_ca``: PEM
+    ``token``: the cluster token, if the server has one.  ``admin_token``:
+    the admin token (``ps-server --admin-token-file``), for ``checkpoint()``
+    and ``shutdown()`` on a cluster that has one.  ``tls_ca``: PEM
     file to trust when the server speaks TLS (its certificate, if
     self-signed).  ``host``: this machine's address as the cluster's
     members reach it (the data plane listens there); by default the
     address of the interface facing the coordinator.
     """
     tls = TlsFiles(ca=tls_ca) if tls_ca else None
-    return Cluster(address, token=token, tls=tls, host=host, name=name, retry_for=retry_for)
+    return Cluster(address, token=token, tls=tls, host=host, name=name, retry_for=retry_for,
+                   admin_token=admin_token)

@@ -1,16 +1,22 @@
 """Jobs: what workers run, how its code travels, and what it sees while running.
 
 Owns naming a job (``package.module:function`` or ``path/to/file.py:function``),
-packing it as cloudpickle bytes *by value* (so a worker needs no copy of the
-job's file, only the packages it imports) and unpacking it on the worker.
-What a running job sees of the cluster is ``context.JobContext``.
+checking its config (keyword arguments from JSON) against the function's
+signature and annotated types (``check_config``: before the server ships it,
+and for what a worker's flags add), packing it as cloudpickle bytes *by
+value* (so a worker needs no copy of the job's file, only the packages it
+imports) and unpacking it on the worker.  What a running job sees of the
+cluster is ``context.JobContext``.
 """
 
+import collections.abc
 import importlib
 import importlib.util
+import inspect
 import json
 import pathlib
 import sys
+import typing
 from typing import Any, Callable, Dict, Tuple
 
 import cloudpickle
@@ -23,6 +29,11 @@ DEFAULT_JOB = "workers.ctr:main"
 
 class JobError(ValueError):
     """A job that cannot be found, packed or unpacked; the message says which and why."""
+
+
+class JobConfigError(JobError):
+    """A config the job would not take; the message names its source (a flag), the key, the type expected and
+    the value given."""
 
 
 def load_job(reference: str) -> Callable:
@@ -61,6 +72,7 @@ def pack_job(reference: str, config: Dict[str, Any] = None, group_size: int = 0)
     if group_size < 0:
         raise JobError(f"group_size must be 0 (one group of every worker) or positive, got {group_size}")
     function = load_job(reference)
+    check_config(function, config or {}, reference, "--job-config")
     module = sys.modules[function.__module__]
     cloudpickle.register_pickle_by_value(module)
     try:
@@ -72,6 +84,85 @@ def pack_job(reference: str, config: Dict[str, Any] = None, group_size: int = 0)
     except TypeError as error:
         raise JobError(f"job config must be JSON: {error}") from error
     return pb.JobSpec(name=reference, code=code, config_json=config_json, group_size=group_size)
+
+
+def check_config(function: Callable, config: Dict[str, Any], name: str, source: str,
+                 partial: bool = False) -> None:
+    """Refuse ``config`` (the keyword arguments after the job's context) that ``function`` would not take: a key
+    it has no parameter for (unless it takes ``**kwargs``), a value that is not of the parameter's annotated
+    type (checked where the annotation is a plain type or ``Optional``/``Union``/``List``/``Sequence``/
+    ``Dict``/``Mapping``/``Tuple`` of them; other annotations are taken on trust), or, unless ``partial``, a
+    parameter without a default that it lacks.  ``source`` names where the config came from in the error."""
+    try:
+        parameters = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check against
+        return
+    try:
+        hints = typing.get_type_hints(function)
+    except Exception:  # noqa: BLE001 - unresolvable annotations (forward references...): check names only
+        hints = {}
+    named = {p.name: p for p in parameters[1:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    if not any(p.kind == p.VAR_KEYWORD for p in parameters):
+        unknown = sorted(set(config) - set(named))
+        if unknown:
+            raise JobConfigError(f"{source}: job {name!r} takes no argument {', '.join(map(repr, unknown))} (it takes "
+                           f"{', '.join(named) or 'none'})")
+    for key, value in config.items():
+        expected = hints.get(key) if key in named else None
+        if expected is not None and not _conforms(value, expected):
+            raise JobConfigError(f"{source}: {key!r} of job {name!r} must be {_type_name(expected)}, got "
+                           f"{json.dumps(value)}")
+    if not partial:
+        missing = [key for key, p in named.items() if p.default is p.empty and key not in config]
+        if missing:
+            raise JobConfigError(f"{source}: job {name!r} needs {', '.join(map(repr, missing))}")
+
+
+_NUMBERS = {int: (int,), float: (int, float), complex: (int, float, complex)}
+
+
+def _conforms(value: Any, expected: Any) -> bool:
+    """Whether a JSON value fits the annotation ``expected`` (an annotation not understood here: True)."""
+    if expected is Any:
+        return True
+    if expected is type(None) or expected is None:
+        return value is None
+    origin, args = typing.get_origin(expected), typing.get_args(expected)
+    if origin is typing.Union or (origin is not None and type(expected).__name__ == "UnionType"):
+        return any(_conforms(value, arg) for arg in args)
+    if origin is typing.Literal:
+        return value in args
+    if origin is None:
+        if not isinstance(expected, type):
+            return True
+        if expected in _NUMBERS:
+            return isinstance(value, _NUMBERS[expected]) and not isinstance(value, bool)
+        if expected in (str, bool, dict, list):
+            return isinstance(value, expected)
+        if expected is tuple or expected in (collections.abc.Sequence, collections.abc.Iterable):
+            return isinstance(value, list)
+        if expected is collections.abc.Mapping:
+            return isinstance(value, dict)
+        return True  # a class of the job's own: built from the value by the job, not by us
+    if origin in (list, tuple, set, frozenset, collections.abc.Sequence, collections.abc.Iterable,
+                  collections.abc.Collection):
+        if not isinstance(value, list):
+            return False
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            return len(value) == len(args) and all(_conforms(v, a) for v, a in zip(value, args))
+        return not args or all(_conforms(v, args[0]) for v in value)
+    if origin in (dict, collections.abc.Mapping, collections.abc.MutableMapping):
+        if not isinstance(value, dict):
+            return False
+        return len(args) != 2 or all(_conforms(v, args[1]) for v in value.values())
+    return True
+
+
+def _type_name(expected: Any) -> str:
+    """``int``, ``Optional[Dict]``...: an annotation as its author wrote it."""
+    if isinstance(expected, type) and typing.get_origin(expected) is None:
+        return expected.__name__
+    return str(expected).replace("typing.", "")
 
 
 def unpack_job(spec: pb.JobSpec) -> Tuple[Callable, Dict[str, Any]]:

@@ -26,8 +26,9 @@ class MemberSession:
     def __init__(self, address: str, role: int, name: Optional[str] = None, host: str = "127.0.0.1",
                  token: Optional[str] = None, tls: Optional[TlsFiles] = None,
                  retry_for: Optional[datetime.timedelta] = None, shard_token: Optional[str] = None,
-                 gpus: Optional[int] = None):
-        self.client = CoordinatorClient(address, token=token, tls=tls, shard_token=shard_token)
+                 gpus: Optional[int] = None, admin_token: Optional[str] = None):
+        self.client = CoordinatorClient(address, token=token, tls=tls, shard_token=shard_token,
+                                        admin_token=admin_token)
         self.role = role
         self.name = name or socket.gethostname().split(".")[0][:64] or "member"
         self.host = host

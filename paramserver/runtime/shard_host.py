@@ -27,7 +27,7 @@ from typing import List, Optional
 from ..control import TlsFiles
 from ..control.client import JOIN_RETRY_FOR, CoordinatorClient, CoordinatorError
 from .server import READY_TIMEOUT, SHARDS_STOP_WITHIN
-from .shard_process import EXIT_REFUSED
+from .exit_codes import EXIT_REFUSED
 from .shard_policy import MAX_RESTARTS
 from .supervisor import ShardSupervisor
 

@@ -41,15 +41,12 @@ from ..metrics.process import shard_metrics
 from ..shards import PeerOptions, ShardServerOptions, run_shard_server
 from ..shards.server import ShardState
 from ..shards.server.figures import dynamic_figures, dynamic_parts
+from .exit_codes import EXIT_NO_CHECKPOINT, EXIT_REFUSED
 from .member import MemberSession
 from .threads import apply_threads
 
 logger = logging.getLogger(__name__)
 
-#: The exit code of a shard whose Join was refused for good (a restart would be refused the same way).
-EXIT_REFUSED = 2
-#: The exit code of a shard that found no checkpoint to restore from that verifies.
-EXIT_NO_CHECKPOINT = 3
 _REFUSED_FOR_GOOD = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
                      grpc.StatusCode.INVALID_ARGUMENT)
 

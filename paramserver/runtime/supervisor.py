@@ -28,7 +28,8 @@ from ..control import TlsFiles
 from ..metrics.exporter import shard_metrics_port
 from ..processes import child_context, run_in_environment
 from .shard_policy import MAX_RESTARTS, SHARD_PRELOAD
-from .shard_process import EXIT_NO_CHECKPOINT, EXIT_REFUSED, run_shard_member
+from .exit_codes import EXIT_NO_CHECKPOINT, EXIT_REFUSED
+from .shard_process import run_shard_member
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,6 @@ import signal
 import threading
 import time
 import traceback
-import inspect
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
@@ -38,13 +37,13 @@ from ..logs import exit_now, one_line
 from ..shards import peer
 from .context import JobContext, Recorders
 from .devices import claim_gpu
+from .exit_codes import EXIT_FAILED, EXIT_OK, EXIT_REFUSED
 from .threads import apply_threads
-from .job import JobError, unpack_job
+from .job import JobError, check_config, unpack_job
 from .member import MemberSession
 
 logger = logging.getLogger(__name__)
 
-EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
 STOP_GRACE = datetime.timedelta(seconds=10)
 #: How long a worker that lost the coordinator gives its job to return before it exits.
 LOST_CLUSTER_GRACE = datetime.timedelta(seconds=1.5)
@@ -209,13 +208,8 @@ def _leave_data_plane(graceful: bool) -> bool:
 
 
 def _accepted(job, name: str, overrides: Dict[str, Any]) -> Dict[str, Any]:
-    """``overrides``, once the job is known to take each of them."""
-    parameters = inspect.signature(job).parameters
-    if any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
-        return overrides
-    unknown = sorted(set(overrides) - set(parameters))
-    if unknown:
-        raise JobError(f"job {name!r} takes no {', '.join(unknown)} argument (set by this worker's flags)")
+    """``overrides``, once the job is known to take each of them, of its annotated types."""
+    check_config(job, overrides, name, "this worker's flags (--comm-hook...)", partial=True)
     return overrides
 
 
