@@ -13,7 +13,7 @@ What it measures
         cutting batches of 1024): lines/s over every core of the machine.
         Target: at least 500,000 lines/s per core (the one-thread parse).
     (2) The share of step time spent waiting for data in the default job
-        on files: ``workers/ctr.py`` with ``data={"format": "criteo", ...}``
+        on files: ``paramserver/jobs/ctr.py`` with ``data={"format": "criteo", ...}``
         over gzip files, in one process (``JobContext.local``: it is its own
         shard and a trainer group of one), ``--steps`` steps of 1024; the
         Trainer's ``phase_ms.data`` (the wait for a step's batch) over the
@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from paramserver.data import FileReader  # noqa: E402
 from paramserver.data import criteo, parts  # noqa: E402
-from workers.ctr_files import PlantedFiles  # noqa: E402
+from paramserver.jobs.ctr_files import PlantedFiles  # noqa: E402
 
 TARGET_LINES_PER_CORE = 500_000
 TARGET_DATA_SHARE = 0.05
@@ -107,7 +107,7 @@ def parse_case(args, directory: str) -> dict:
 
 def step_case(args, directory: str) -> dict:
     from paramserver.runtime.context import JobContext
-    from workers import ctr
+    from paramserver.jobs import ctr
 
     files = PlantedFiles(seed=2)
     progress(f"writing train files for {args.steps} steps and an eval file ...")

@@ -1,12 +1,12 @@
 """End-to-end training throughput of the default job: this framework vs plain torch RPC + DDP vs one process.
 
 What it measures
-    Samples per second of the default CTR job (``workers/ctr.py``) trained on
+    Samples per second of the default CTR job (``paramserver/jobs/ctr.py``) trained on
     this machine, in one run: two distributed ways with the same shape, and
     the floor of both, the same model in one process.  The distributed ones: 4 parameter-server
     processes, 2 trainers in one DDP group (gloo), the 8 tables of
     ``CTRSpec()`` (same vocabulary sizes, dimension 16, "sum" for one id per
-    sample, "mean" for bags), the same MLP (``workers.ctr.dense_tower``), the
+    sample, "mean" for bags), the same MLP (``paramserver.jobs.ctr.dense_tower``), the
     same batches (``PlantedCTR(seed=0).batch(trainer, step, batch)``) and the
     same update (QHM with the job's defaults: sparse lr 128, dense lr 0.5,
     momentum 0.9, nu 0.7; tables start N(0, 0.01)):

@@ -2,7 +2,7 @@
 
 Owns the single-process training loop that sets how fast the default job
 can go on this host with no distribution at all: what a parameter server
-costs is measured against it.  The same model as the job (``workers/ctr.py``):
+costs is measured against it.  The same model as the job (``paramserver/jobs/ctr.py``):
 the tables of ``CTRSpec()`` (dimension 16, rows N(0, 0.01), "sum" for one id
 per sample, "mean" for bags; rows drawn as ``reference_hybrid.CTREmbeddingBag``
 draws them), each step's distinct rows read once and pooled as the workers
@@ -57,10 +57,10 @@ from reference_hybrid import CTREmbeddingBag  # noqa: E402
 
 from paramserver.optim import QHM, FunctionalQHM, ScriptedOptimizer  # noqa: E402
 from paramserver.runtime.threads import host_cores  # noqa: E402
-from workers.ctr import Tower  # noqa: E402
-from workers.ctr_data import Batch, CTRSpec, PlantedCTR, feature_names  # noqa: E402
+from paramserver.jobs.ctr import Tower  # noqa: E402
+from paramserver.jobs.ctr_data import Batch, CTRSpec, PlantedCTR, feature_names  # noqa: E402
 
-#: The job's defaults (workers/ctr.py main) that the floor and the reference copy.
+#: The job's defaults (paramserver/jobs/ctr.py main) that the floor and the reference copy.
 JOB_DEFAULTS = dict(embedding_dim=16, hidden=[128, 64], sparse_lr=128.0, dense_lr=0.5, momentum=0.9, nu=0.7,
                     init_std=0.01, seed=0)
 #: The job's shape in end_to_end: workers, each reading batches of this size.

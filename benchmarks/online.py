@@ -1,7 +1,7 @@
 """Does online training keep up?  Lag from a file landing to its training, and memory, over minutes.
 
 What it measures
-    The default job (``workers/ctr.py``) on Criteo-format files it follows as they land (``"follow": true``),
+    The default job (``paramserver/jobs/ctr.py``) on Criteo-format files it follows as they land (``"follow": true``),
     in this process (``JobContext.local``: the process is its own shard and a trainer group of one, one
     intra-op thread), on dynamic tables with ``ttl_steps`` so that a stream of new ids keeps them bounded.
 
@@ -42,8 +42,8 @@ import torch
 
 from paramserver.runtime.context import JobContext
 from paramserver.train.trainer import PREFETCH_BATCHES
-from workers import ctr
-from workers.ctr_files import PlantedFiles
+from paramserver.jobs import ctr
+from paramserver.jobs.ctr_files import PlantedFiles
 
 BATCH = 1024
 #: Distinct file contents the producer lands in turn.

@@ -42,8 +42,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from paramserver.optim import QHM, FunctionalQHM
 from process_cpu import name_this_process
-from workers.ctr import dense_tower
-from workers.ctr_data import CTRSpec, PlantedCTR
+from paramserver.jobs.ctr import dense_tower
+from paramserver.jobs.ctr_data import CTRSpec, PlantedCTR
 
 # torch's DistributedOptimizer looks the class up in its own map, on the
 # trainer that builds it; the owners get the functional class itself.

@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # end_to_end, al
 
 from end_to_end import FORK_SERVER, ContestantFailed, run_demo  # noqa: E402
 
-from workers.ctr_data import CTRSpec  # noqa: E402
+from paramserver.jobs.ctr_data import CTRSpec  # noqa: E402
 
 DIM = 16
 TARGET_EFFICIENCY = 0.70

@@ -1,7 +1,7 @@
 """Held-out quality of the default job with stale sparse reads: ``staleness=K`` against ``staleness=0``.
 
 What it measures
-    The held-out AUC and log loss of the default CTR job (``workers/ctr.py``)
+    The held-out AUC and log loss of the default CTR job (``paramserver/jobs/ctr.py``)
     trained with the Trainer's ``staleness=K`` (a step may read rows missing
     the sparse updates of at most the last K steps, applied in the
     background; ``paramserver.train.pipeline``) next to the same job with

@@ -50,7 +50,7 @@ SMALL = dict(spec={"vocab_sizes": [2000, 500, 200, 50], "bag_sizes": [1, 2, 1, 1
 WATCH_NEXT = f"{pathlib.Path(__file__).parent / 'jobs' / 'watch_next.py'}:main"
 
 
-def train(commands, shards: int, steps: int, *flags: str, job: str = "workers.ctr:main", **config):
+def train(commands, shards: int, steps: int, *flags: str, job: str = "paramserver.jobs.ctr:main", **config):
     """Run one ps-server and one worker to ``steps``; returns the server's log and the worker's."""
     # --group-size 1: its one worker's group forms as it joins, without waiting for more to come.
     server, address = start_server(commands, "--shards", str(shards), "--group-size", "1", "--job", job, "--job-config",
@@ -173,7 +173,7 @@ def test_ps_ctl_checkpoint_waits_for_the_checkpoint_and_names_it_and_answers_wit
     match = re.match(r"exported step (\d+) of (\S+) to ", done.stdout)
     assert match and pathlib.Path(match.group(2)).parent == root, done.stdout
     checkpoint, manifest = pathlib.Path(match.group(2)), json.loads((exported / EXPORT_MANIFEST).read_text())
-    assert manifest["step"] == int(match.group(1)) and manifest["dense"]["class"] == "workers.ctr:Tower"
+    assert manifest["step"] == int(match.group(1)) and manifest["dense"]["class"] == "paramserver.jobs.ctr:Tower"
     first = next(iter(manifest["tables"]))  # 2000 rows: split (row_wise_min_rows 1000)
     assert manifest["tables"][first]["rows"] == 2000 and len(table_ranges(checkpoint, f"ctr.{first}")) == 2
     written = model_at(checkpoint)

@@ -170,7 +170,7 @@ def test_status_table_lists_every_member():
 def test_server_ships_the_group_size_with_the_job():
     options = server.options_from(server_args("--shards", "2", "--group-size", "3"))
     assert options.coordinator.job.group_size == 3
-    assert options.coordinator.job.name == "workers.ctr:main"
+    assert options.coordinator.job.name == "paramserver.jobs.ctr:main"
     assert not options.coordinator.job.exports.directory
 
 

@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 
-from workers.ctr_data import CTRSpec, PlantedCTR, auc
+from paramserver.jobs.ctr_data import CTRSpec, PlantedCTR, auc
 
 
 def brute_force_auc(scores, labels):

@@ -523,8 +523,9 @@ def test_the_image_runs_as_a_non_root_user_with_the_entry_points():
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".venv", ".git", "**/*_pb2.py", "**/*_pb2_grpc.py"} <= set(ignored)
     copied = " ".join(args for kind, args in instructions if kind == "COPY")
-    for needed in ("setup.py", "setup.cfg", "pyproject.toml", "protos", "paramserver", "workers"):
+    for needed in ("setup.py", "setup.cfg", "pyproject.toml", "protos", "paramserver"):
         assert needed in copied, f"the image build needs {needed}"
+    assert "workers" not in copied, "the default job ships in paramserver.jobs; workers/ is not installed"
 
 
 def test_the_deployment_page_names_only_deploy_files_that_exist():

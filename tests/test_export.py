@@ -264,7 +264,7 @@ def test_an_export_that_cannot_be_served_is_refused_naming_what_is_wrong(trained
 
 
 def test_a_dense_module_describes_itself_with_json_or_not_at_all():
-    from workers.ctr import Tower
+    from paramserver.jobs.ctr import Tower
     tower = Tower(["a", "b"], 4, 3, (8, 4))
     rebuilt = Tower(**json.loads(json.dumps(tower.export_kwargs())))
     assert {k: v.shape for k, v in rebuilt.state_dict().items()} == {k: v.shape for k, v in tower.state_dict().items()}

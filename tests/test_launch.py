@@ -172,7 +172,7 @@ def test_torchx_local_cwd_trains_on_this_machine(commands, tmp_path):
             run.wait(30)
     logs = output(run) + errors(run)
     assert code == 0, logs[-4000:]
-    assert "finished workers.ctr:main at step 20" in logs
+    assert "finished paramserver.jobs.ctr:main at step 20" in logs
     assert "shutting down: 1 worker left and none is running" in logs
     assert "Job finished: SUCCEEDED" in logs
 
@@ -233,7 +233,7 @@ def test_the_sbatch_script_runs_a_server_and_workers_across_the_allocation(comma
     logs = output(job) + errors(job)
     assert code == 0, logs[-4000:]
     assert len(pids.read_text().split()) == 3  # the address probe, the server, one worker
-    assert "finished workers.ctr:main at step 20" in logs
+    assert "finished paramserver.jobs.ctr:main at step 20" in logs
     assert "ps-server ended with exit code 0" in logs
     assert "ps-server on node1 at 127.0.0.1:" in logs  # the first node's address, asked on it
 

@@ -7,6 +7,8 @@ service, does); the control plane never imports the data plane's internals, nor 
 through one door: every RPC target a trainer names lives in ``shards/server/service.py``, the only module
 that defines custom ops or finds the process's state.  No module keeps mutable state in a global, besides
 the registries meant to be extended.  Private torch names appear only in ``paramserver/_torch_compat.py``.
+The jobs that ship with the package (``jobs/``) sit at the top, beside a cluster's own: nothing imports them
+(the default job is named by string).
 """
 
 import ast
@@ -83,6 +85,11 @@ def test_the_control_plane_and_the_data_plane_do_not_import_each_other():
     for data_plane in ("shards", "optim", "ddp"):
         assert importers(data_plane, "control") == [], data_plane
         assert importers("control", data_plane) == [], data_plane
+
+
+def test_nothing_imports_the_jobs_that_ship():
+    assert [path for path in importers("jobs", ".") if not path.startswith("jobs/")] == []
+    assert importers("jobs", "jobs") == ["jobs/ctr.py", "jobs/ctr_files.py"]  # the check reads the right tree
 
 
 def _rpc_targets(module: pathlib.Path):

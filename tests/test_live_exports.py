@@ -13,8 +13,8 @@ import torch
 from paramserver import serving
 from paramserver.checkpoint import live_export
 from paramserver.filesystems import locate
-from workers import ctr
-from workers.ctr_data import CTRSpec, PlantedCTR, auc, to_batch
+from paramserver.jobs import ctr
+from paramserver.jobs.ctr_data import CTRSpec, PlantedCTR, auc, to_batch
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -30,7 +30,7 @@ class StopOnWait(logging.Handler):
 
 def test_a_job_waiting_for_files_that_never_land_stops_when_asked(tmp_path):
     from test_data_files import line, write
-    from workers import ctr
+    from paramserver.jobs import ctr
 
     write(tmp_path / "day_0.txt", [line(i) for i in range(10 * 256)])  # 10 steps, then nothing more lands
     ctx = JobContext.local()

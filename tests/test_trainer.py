@@ -185,7 +185,7 @@ def test_a_background_reader_raises_the_datas_error_in_its_turn():
 
 
 def test_the_ctr_job_on_dynamic_tables_over_raw_hashed_ids_reaches_the_auc_of_fixed_tables(local_context):
-    from workers import ctr
+    from paramserver.jobs import ctr
     options = dict(steps=120, batch_size=512, hook="allreduce", holdout_size=6000, eval_every=10 ** 9,
                    log_every=10 ** 9)
     fixed = ctr.main(local_context, table_name="ctr-fixed", **options)
@@ -195,8 +195,8 @@ def test_the_ctr_job_on_dynamic_tables_over_raw_hashed_ids_reaches_the_auc_of_fi
 
 
 def test_the_ctr_job_trains_on_criteo_format_files_and_reports_their_held_out_auc(local_context, tmp_path):
-    from workers import ctr
-    from workers.ctr_files import PlantedFiles
+    from paramserver.jobs import ctr
+    from paramserver.jobs.ctr_files import PlantedFiles
     files = PlantedFiles(seed=3)
     for day in range(2):
         files.write_criteo(str(tmp_path / f"day_{day}.gz"), day, 10_000,
@@ -218,8 +218,8 @@ def test_the_ctr_job_follows_files_as_they_land_and_waits_for_them_at_an_agreeme
     (never leaving a member in a step's collective), and trains on the next file once it lands."""
     import logging
 
-    from workers import ctr
-    from workers.ctr_files import PlantedFiles
+    from paramserver.jobs import ctr
+    from paramserver.jobs.ctr_files import PlantedFiles
     files = PlantedFiles(seed=5)
 
     def land(day: int, lines: int) -> None:  # written under a temporary name, renamed once whole
@@ -259,7 +259,7 @@ def test_a_stream_of_new_ids_keeps_a_bounded_table_with_ttl_steps(local_context,
 
     from paramserver.shards.server import service
     from test_data_files import line, write
-    from workers import ctr
+    from paramserver.jobs import ctr
 
     for day in range(4):
         write(tmp_path / f"day_{day}.txt", [line(day * 2560 + i) for i in range(2560)])

@@ -19,7 +19,7 @@ SMALL = dict(spec={"vocab_sizes": [2000, 500, 200, 50], "bag_sizes": [1, 2, 1, 1
 
 
 def test_demo_trains_the_main_job_on_criteo_format_files_and_prints_its_summary(commands, tmp_path):
-    from workers.ctr_files import PlantedFiles
+    from paramserver.jobs.ctr_files import PlantedFiles
     files = PlantedFiles(seed=5)
     for day in range(2):  # gzip: one part per file, one file per worker
         files.write_criteo(str(tmp_path / f"day_{day}.gz"), day, 8_000)

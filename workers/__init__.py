@@ -1,3 +1,4 @@
-"""Jobs that ``ps-worker`` runs.  Each is ``main(ctx, **config) -> dict`` (see
-``paramserver.runtime.job.JobContext``); ``ps-server --job`` picks one and ships
-its code to the workers by value."""
+"""A cluster's own jobs, run from a checkout: ``ps-server --job workers.X:main`` (see README.md here).
+
+The jobs that ship with paramserver, the default CTR job among them, are ``paramserver.jobs``.
+"""

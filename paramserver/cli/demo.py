@@ -27,6 +27,7 @@ import time
 from typing import Dict, List, Optional
 
 from ..control import CoordinatorClient, CoordinatorError
+from ..runtime.job import DEFAULT_JOB
 from ..runtime.threads import HOST_PROCESSES_ENV
 from ..train.trainer import PHASE_FIGURE, ROW_CACHE_FIGURE
 from .common import UsageError, command_main, job_config_from
@@ -48,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hook-option", action="append", default=[], metavar="KEY=VALUE",
                         help="an option of the comm hook (matrix_approximation_rank=2...); repeatable")
     parser.add_argument("--steps", type=int, default=None, help="training steps (default: the job's, 1500)")
-    parser.add_argument("--job", default="workers.ctr:main", help="the job (default workers.ctr:main)")
+    parser.add_argument("--job", default=DEFAULT_JOB, help=f"the job (default {DEFAULT_JOB})")
     parser.add_argument("--job-config", default="{}", metavar="JSON", help="more keyword arguments for the job")
     parser.add_argument("--log-dir", help="where the processes' logs go (default: a new temporary folder)")
     parser.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS",

@@ -14,6 +14,7 @@ import importlib
 import importlib.util
 import inspect
 import json
+import os
 import pathlib
 import sys
 import typing
@@ -24,7 +25,7 @@ import cloudpickle
 from ..control.protocol import pb
 
 #: The job ``ps-server`` ships when given none.
-DEFAULT_JOB = "workers.ctr:main"
+DEFAULT_JOB = "paramserver.jobs.ctr:main"
 
 
 class JobError(ValueError):
@@ -37,7 +38,8 @@ class JobConfigError(JobError):
 
 
 def load_job(reference: str) -> Callable:
-    """The callable named by ``reference``: ``module:function`` or ``file.py:function``."""
+    """The callable named by ``reference``: ``module:function`` (installed, or under the current directory)
+    or ``file.py:function``."""
     module_part, sep, function_name = reference.rpartition(":")
     if not sep or not module_part or not function_name:
         raise JobError(f"job {reference!r} must look like package.module:function or path/to/file.py:function")
@@ -54,6 +56,10 @@ def load_job(reference: str) -> Callable:
         except Exception as error:
             raise JobError(f"job file {path} failed to load: {type(error).__name__}: {error}") from error
     else:
+        # As ``python -m`` does: a checkout's own jobs (``workers.X:main`` run from its root) are found from
+        # the current directory, after everything installed.
+        if "" not in sys.path and os.getcwd() not in sys.path:
+            sys.path.append(os.getcwd())
         try:
             module = importlib.import_module(module_part)
         except ImportError as error:

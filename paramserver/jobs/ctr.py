@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from paramserver import Table, Trainer
 from paramserver.optim import QHM
-from workers.ctr_data import CTRSpec, PlantedCTR, PlantedStream, auc, feature_names, to_batch
+from paramserver.jobs.ctr_data import CTRSpec, PlantedCTR, PlantedStream, auc, feature_names, to_batch
 
 logger = logging.getLogger(__name__)
 

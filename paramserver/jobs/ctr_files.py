@@ -17,7 +17,7 @@ import torch
 
 from paramserver.data.criteo import CATEGORICAL, DENSE
 from paramserver.tables.id_hash import salted
-from workers.ctr_data import CTRSpec, PlantedCTR, auc
+from paramserver.jobs.ctr_data import CTRSpec, PlantedCTR, auc
 
 #: Share of fields left empty.
 MISSING_SHARE = 0.05
