@@ -58,8 +58,8 @@ def server_args(*argv):
     (["--export-dir", "live", "--export-every", "0"], "--export-every must be at least 1, got 0"),
     (["--export-dir", "oci://bucket/live"], "--export-dir: oci://bucket/live: the oci:// protocol needs a package"),
     (["--checkpoint-dir", "/proc/forbidden"], "--checkpoint-dir /proc/forbidden: cannot write there"),
-    (["--job-config", '{"steps": "many"}'], "--job-config: 'steps' of job 'workers.ctr:main' must be int, got \"many\""),
-    (["--job-config", '{"stepz": 5}'], "--job-config: job 'workers.ctr:main' takes no argument 'stepz'"),
+    (["--job-config", '{"steps": "many"}'], "--job-config: 'steps' of job 'paramserver.jobs.ctr:main' must be int, got \"many\""),
+    (["--job-config", '{"stepz": 5}'], "--job-config: job 'paramserver.jobs.ctr:main' takes no argument 'stepz'"),
 ])
 def test_server_flags_are_checked(argv, message):
     with pytest.raises(UsageError, match=message):
