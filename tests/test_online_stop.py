@@ -48,3 +48,68 @@ def test_a_job_waiting_for_files_that_never_land_stops_when_asked(tmp_path):
         ctx.close()
     assert handler.waited.is_set()
     assert result["steps"] == 10 and result["sparse_steps"] == 10, result
+
+
+class Feed:
+    """Batches of one fixed table that arrive as a test puts them (``land``), as a followed input's do; an
+    iteration waits for the next in bounded polls until ``close()``."""
+
+    def __init__(self):
+        import queue
+        self._queue, self._closed = queue.Queue(), threading.Event()
+
+    def land(self, count: int) -> None:
+        import torch
+        from paramserver import Batch
+        for index in range(count):
+            ids = torch.full((4, 1), index % 10)
+            self._queue.put(Batch(sparse={"t": ids}, dense=torch.zeros(4, 1),
+                                  labels=torch.tensor([0.0, 1.0, 0.0, 1.0])))
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def __iter__(self):
+        import queue
+        while not self._closed.is_set():
+            try:
+                yield self._queue.get(timeout=0.1)
+            except queue.Empty:
+                continue
+
+
+def test_reads_ahead_past_an_agreement_never_wait_for_data_that_has_not_landed():
+    """Fixed tables read ahead across agreements; the batch past one that has not landed is not waited for
+    in the step before (where the group would sit in its all-reduce): the group agrees to wait, and stops."""
+    import torch
+    from paramserver import Table, Trainer
+    from paramserver.optim import QHM
+
+    class Logit(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4 + 1, 1)
+
+        def forward(self, pooled, dense):
+            return self.linear(torch.cat([pooled["t"], dense], 1)).squeeze(1)
+
+    feed = Feed()
+    feed.land(10)
+    ctx = JobContext.local()
+    trainer_log = logging.getLogger("paramserver.train.trainer")
+    handler, level = StopOnWait(ctx), trainer_log.level
+    trainer_log.addHandler(handler)
+    trainer_log.setLevel(logging.INFO)
+    try:
+        trainer = Trainer(ctx, tables={"t": Table(10, 4)}, dense=Logit(),
+                          sparse_optimizer=(QHM, dict(lr=0.1, momentum=0.9, nu=0.7)),
+                          dense_optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                          loss=torch.nn.BCEWithLogitsLoss(), name="fixed-feed", staleness=1)
+        figures = trainer.fit(feed, steps=10 ** 6, log_every=10 ** 9)
+    finally:
+        feed.close()
+        trainer_log.removeHandler(handler)
+        trainer_log.setLevel(level)
+        ctx.close()
+    assert handler.waited.is_set()
+    assert figures["steps"] == 10 and figures["sparse_steps"] == 10, figures

@@ -123,6 +123,11 @@ class BatchStream:
         ends first."""
         return self._ahead[offset][0] if self.ensure(offset + 1) else None
 
+    def ahead_now(self, offset: int) -> Optional[Batch]:
+        """``ahead(offset)`` if that batch can be had without waiting (read ahead already, or waiting in the
+        background reader's queue); ``None`` otherwise, or when the data ended first."""
+        return self._ahead[offset][0] if self.ready(offset + 1, 0.0) else None
+
     def finished(self) -> None:
         """The step at hand is done: its batch is used."""
         self._ahead.popleft()

@@ -208,7 +208,7 @@ class _Run:
         positions = (restored or {}).get("data_positions", {})
         self.batches = BatchStream(data, _position(positions.get(ctx.worker_index)),
                                    prefetch=PREFETCH_BATCHES + trainer.staleness)
-        self.pipeline = RowPipeline(trainer.staleness, self.batches.ahead, trainer.tables, trainer.agree_every, steps,
+        self.pipeline = RowPipeline(trainer.staleness, self._upcoming, trainer.tables, trainer.agree_every, steps,
                                     read_ahead=trainer.read_ahead, cache_steps=trainer.cache_steps,
                                     cache_rows=trainer.cache_rows, recorder=ctx.recorders.data_plane)
         self.checkpoints = TrainerCheckpoints(ctx, self.replica, self.batches.position,
@@ -341,6 +341,16 @@ class _Run:
             except Exception as error:  # noqa: BLE001 - only a failed collective is recovered from
                 self.batches.skip(replica.steps_skipped - skipped_before)
                 return self._recovered(error)
+
+    def _upcoming(self, offset: int) -> Optional[Batch]:
+        """The batch ``offset`` steps ahead, for the pipeline's reads ahead: up to the next agreement it is
+        there (the agreement made sure of it); past it only if it is there now, so that a step never waits for
+        data that has not landed (a followed input) while its group waits in the step's all-reduce.  A batch
+        not read ahead has its rows read when its step starts."""
+        step, every = self.replica.step, self.replica.agree_every
+        if step + offset < (step // every + 1) * every:
+            return self.batches.ahead(offset)
+        return self.batches.ahead_now(offset)
 
     def _want_stop(self) -> Tuple[bool, bool]:
         """What this member says at the group's agreement: stop when asked to, or when its data would end
