@@ -5,6 +5,7 @@ request), having waited in bounded polls, not in a step's collective.
 Its own module: the stop request stays set on the context, so no other test may share it.
 """
 
+import contextlib
 import logging
 import threading
 
@@ -28,23 +29,33 @@ class StopOnWait(logging.Handler):
             self.ctx.inbox.request_stop()
 
 
+@contextlib.contextmanager
+def stopping_when_waiting(ctx):
+    """The Trainer's log watched meanwhile: ``ctx``'s job is asked to stop once its group agreed to wait;
+    yields the handler (``waited``: it did)."""
+    trainer_log = logging.getLogger("paramserver.train.trainer")
+    handler, level = StopOnWait(ctx), trainer_log.level
+    trainer_log.addHandler(handler)
+    trainer_log.setLevel(logging.INFO)
+    try:
+        yield handler
+    finally:
+        trainer_log.removeHandler(handler)
+        trainer_log.setLevel(level)
+
+
 def test_a_job_waiting_for_files_that_never_land_stops_when_asked(tmp_path):
     from test_data_files import line, write
     from paramserver.jobs import ctr
 
     write(tmp_path / "day_0.txt", [line(i) for i in range(10 * 256)])  # 10 steps, then nothing more lands
     ctx = JobContext.local()
-    trainer_log = logging.getLogger("paramserver.train.trainer")
-    handler, level = StopOnWait(ctx), trainer_log.level
-    trainer_log.addHandler(handler)
-    trainer_log.setLevel(logging.INFO)
     try:
-        data = {"format": "criteo", "train": str(tmp_path), "follow": True, "poll_seconds": 0.2}
-        result = ctr.main(ctx, table_name="ctr-stop", steps=10 ** 6, batch_size=256, hook="allreduce",
-                          eval_every=10 ** 9, log_every=10 ** 9, data=data)
+        with stopping_when_waiting(ctx) as handler:
+            data = {"format": "criteo", "train": str(tmp_path), "follow": True, "poll_seconds": 0.2}
+            result = ctr.main(ctx, table_name="ctr-stop", steps=10 ** 6, batch_size=256, hook="allreduce",
+                              eval_every=10 ** 9, log_every=10 ** 9, data=data)
     finally:
-        trainer_log.removeHandler(handler)
-        trainer_log.setLevel(level)
         ctx.close()
     assert handler.waited.is_set()
     assert result["steps"] == 10 and result["sparse_steps"] == 10, result
@@ -84,32 +95,20 @@ def test_reads_ahead_past_an_agreement_never_wait_for_data_that_has_not_landed()
     import torch
     from paramserver import Table, Trainer
     from paramserver.optim import QHM
-
-    class Logit(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.linear = torch.nn.Linear(4 + 1, 1)
-
-        def forward(self, pooled, dense):
-            return self.linear(torch.cat([pooled["t"], dense], 1)).squeeze(1)
+    from test_trainer import Logit
 
     feed = Feed()
     feed.land(10)
     ctx = JobContext.local()
-    trainer_log = logging.getLogger("paramserver.train.trainer")
-    handler, level = StopOnWait(ctx), trainer_log.level
-    trainer_log.addHandler(handler)
-    trainer_log.setLevel(logging.INFO)
     try:
-        trainer = Trainer(ctx, tables={"t": Table(10, 4)}, dense=Logit(),
-                          sparse_optimizer=(QHM, dict(lr=0.1, momentum=0.9, nu=0.7)),
-                          dense_optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
-                          loss=torch.nn.BCEWithLogitsLoss(), name="fixed-feed", staleness=1)
-        figures = trainer.fit(feed, steps=10 ** 6, log_every=10 ** 9)
+        with stopping_when_waiting(ctx) as handler:
+            trainer = Trainer(ctx, tables={"t": Table(10, 4)}, dense=Logit(),
+                              sparse_optimizer=(QHM, dict(lr=0.1, momentum=0.9, nu=0.7)),
+                              dense_optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                              loss=torch.nn.BCEWithLogitsLoss(), name="fixed-feed", staleness=1)
+            figures = trainer.fit(feed, steps=10 ** 6, log_every=10 ** 9)
     finally:
         feed.close()
-        trainer_log.removeHandler(handler)
-        trainer_log.setLevel(level)
         ctx.close()
     assert handler.waited.is_set()
     assert figures["steps"] == 10 and figures["sparse_steps"] == 10, figures
