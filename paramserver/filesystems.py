@@ -109,14 +109,6 @@ def parse_storage_options(text: Optional[str]) -> Dict[str, Any]:
     return options
 
 
-def is_url(name: PathOrUrl) -> bool:
-    """Whether ``name`` names a protocol (``s3://...``, ``file://...``) rather than a plain path."""
-    if isinstance(name, Location):
-        return not name.is_local
-    protocol, _ = split_protocol(os.fspath(name))
-    return protocol is not None
-
-
 def locate(name: PathOrUrl, storage_options: Optional[Mapping[str, Any]] = None) -> Location:
     """The ``Location`` ``name`` points at; a ``Location`` is returned as it is.
 

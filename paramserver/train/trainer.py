@@ -321,7 +321,7 @@ class _Run:
             skipped_before = replica.steps_skipped
             try:
                 if not final:
-                    want_stop, waiting = self._want_stop()
+                    want_stop, waiting = self._agreement_flags()
                     going_on = replica.sync_point(want_stop, self.checkpoints.pending(), waiting)
                     if replica.steps_skipped != skipped_before:  # the group moved on: the reads ahead are for other steps
                         self.pipeline.drop_reads()
@@ -352,7 +352,7 @@ class _Run:
             return self.batches.ahead(offset)
         return self.batches.ahead_now(offset)
 
-    def _want_stop(self) -> Tuple[bool, bool]:
+    def _agreement_flags(self) -> Tuple[bool, bool]:
         """What this member says at the group's agreement: stop when asked to, or when its data would end
         before the next agreement (all members stop here together, none is left in a collective); wait when
         its batches up to the next agreement have not come within ``DATA_PATIENCE``."""
