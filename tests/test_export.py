@@ -277,3 +277,59 @@ def test_a_dense_module_describes_itself_with_json_or_not_at_all():
             return {"weights": torch.ones(2)}
     with pytest.raises(TypeError, match=r"Odd.export_kwargs\(\) must return JSON-able values"):
         describe_model("m", {"t": Table(5, 2)}, Odd())
+
+
+def test_ps_ctl_export_delta_appends_checkpoints_to_a_chain_that_serving_follows(trained, tmp_path, capsys):
+    """``ps-ctl export DIR --delta``: a base from the first checkpoint, then deltas of only the rows that differ
+    (fixed and dynamic tables); a model refreshed along the chain scores as the Trainer did, and as a fresh
+    load of the same chain."""
+    parser = argparse.ArgumentParser()
+    ctl.add_arguments(parser)
+    chain = tmp_path / "chain"
+
+    def append(step):
+        checkpoint = trained.root / f"ckpt-{step:010d}"
+        code = export_command.run(parser.parse_args(["export", str(chain), "--delta", "--checkpoint-dir",
+                                                     str(checkpoint)]))
+        printed = capsys.readouterr()
+        assert code == 0, printed.err
+        return printed.out
+    first = append(10)
+    assert first.startswith(f"appended step 10 of {trained.root / 'ckpt-0000000010'} to {chain} as a base ")
+    model = serving.load(str(chain))
+    assert model.step == 10
+    plain = paramserver.export(trained.root / "ckpt-0000000010", tmp_path / "plain-10")
+    assert plain["step"] == 10
+    early = [batch(2000 + index, 128, unseen=True) for index in range(2)]
+    assert (scores(model, early) - scores(serving.load(tmp_path / "plain-10"), early)).abs().max().item() == 0
+
+    second = append(20)
+    assert " as a delta " in second
+    changed, held = map(int, second.rsplit(": ", 1)[1].split(" rows")[0].split(" of "))
+    assert (changed, held) == rows_differing(plain, paramserver.export(trained.root / "ckpt-0000000020",
+                                                                       tmp_path / "plain-20"), tmp_path)
+    again = append(20)  # nothing changed since: an empty delta
+    assert again.rstrip().endswith(f": 0 of {held} rows")
+    append(STEPS)
+    assert model.refresh() and model.step == STEPS
+    assert (scores(model, trained.holdout) - trained.scores).abs().max().item() <= 1e-6
+    fresh = serving.load(str(chain))
+    assert (scores(model, trained.holdout) - scores(fresh, trained.holdout)).abs().max().item() <= 1e-6
+
+
+def rows_differing(before, after, root: pathlib.Path):
+    """Between two plain exports (manifests, under ``root``/plain-<step>): the rows ``after`` holds that are new
+    or differ, and the rows it holds."""
+    changed = held = 0
+    for name, table in after["tables"].items():
+        new = torch.load(root / f"plain-{after['step']}" / table["file"], weights_only=True)
+        old = torch.load(root / f"plain-{before['step']}" / before["tables"][name]["file"], weights_only=True)
+        if table["kind"] == "fixed":
+            changed += int((new["weight"] != old["weight"]).any(dim=1).sum())
+            held += new["weight"].size(0)
+            continue
+        previous = dict(zip(old["ids"].tolist(), old["rows"]))
+        changed += sum(1 for id_, row in zip(new["ids"].tolist(), new["rows"])
+                       if id_ not in previous or not torch.equal(previous[id_], row))
+        held += new["ids"].numel()
+    return changed, held

@@ -126,3 +126,34 @@ def test_serving_follows_the_base_committed_last_when_a_restarted_job_exports_ol
     restarted = write(20, "bbbb", "base")  # the job came back from its checkpoint of step 20
     assert [e.name for e in live_export.chain(root)] == [restarted]
     assert [e.name for e in live_export.chain(root, after=last)] == [restarted]  # a refresh moves back with it
+
+
+def test_an_appended_delta_holds_exactly_the_rows_that_differ_and_the_ids_gone():
+    """``ps-ctl export --delta``'s comparison (``chain_append``): a fixed table's changed rows, a dynamic
+    table's new and changed ids and the ids it no longer holds; applied to what was served, it gives the
+    checkpoint's rows."""
+    from paramserver.checkpoint.chain_append import table_entry
+    from paramserver.checkpoint.export import CheckpointModel
+    from paramserver.checkpoint.model import ModelDescription, TableShape
+
+    description = ModelDescription(prefix="job", tables={"fixed": TableShape(5, 2, "sum"),
+                                                         "dynamic": TableShape(None, 2, "sum")},
+                                   dense_class="m:C", dense_kwargs=None)
+    served = {"fixed": live_export.TableRows("fixed", 2, 5), "dynamic": live_export.TableRows("dynamic", 2, None)}
+    served["fixed"].weight = torch.arange(10.0).view(5, 2)
+    served["dynamic"].ids, served["dynamic"].rows = torch.tensor([3, 7, 9]), torch.tensor([[3.0, 3], [7, 7], [9, 9]])
+    weight = served["fixed"].weight.clone()
+    weight[1, 0], weight[4, 1] = -1.0, -4.0
+    now = CheckpointModel(checkpoint=None, description=description, record={}, dense_state={},
+                          tables={"fixed": {"weight": weight},
+                                  "dynamic": {"ids": torch.tensor([3, 5, 9]),
+                                              "rows": torch.tensor([[3.0, 3], [5, 5], [-9, 9]])}})
+    key, entry = table_entry(now, "fixed", served["fixed"])
+    assert key == "job.fixed[0:5]" and entry["rows"].tolist() == [1, 4] and not entry["whole"]
+    served["fixed"].apply(key, entry)
+    assert torch.equal(served["fixed"].weight, weight)
+    key, entry = table_entry(now, "dynamic", served["dynamic"])
+    assert key == "job.dynamic@0/1" and entry["ids"].tolist() == [5, 9] and entry["evicted"].tolist() == [7]
+    served["dynamic"].apply(key, entry)
+    assert served["dynamic"].ids.tolist() == [3, 5, 9]
+    assert torch.equal(served["dynamic"].rows, now.tables["dynamic"]["rows"])

@@ -11,7 +11,8 @@ checkpoints are exchanged in: ``CheckpointSettings``,
 part: its format; and ``CheckpointSource``, what a restarted or resharded
 shard or an export reads from), ``dense_part`` (the trainers' part: its
 format, writing and reading it), ``model`` (the model's description in
-the dense part) and ``export`` (a checkpoint's model as plain files).
+the dense part), ``export`` (a checkpoint's model as plain files), ``live_export`` (the chain of a base and
+deltas that serving follows) and ``chain_append`` (a checkpoint appended to such a chain).
 Who writes when: the shard service (``paramserver.shards.server``),
 trainer group 0 (``paramserver.train.checkpoints``), and the coordinator,
 which commits (``paramserver.control.checkpoints``).

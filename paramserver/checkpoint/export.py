@@ -29,6 +29,7 @@ import json
 import logging
 import re
 import time
+from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional
 
 import torch
@@ -36,7 +37,7 @@ import torch
 from ..filesystems import Location, failures_named, locate
 from .model import ModelDescription, NotExportable
 from .shard_part import CheckpointSource
-from .storage import PathLike, atomic_write, open_checkpoint, range_name, save_tensors
+from .storage import Checkpoint, PathLike, atomic_write, open_checkpoint, range_name, save_tensors
 from .dense_part import read_dense_part
 
 logger = logging.getLogger(__name__)
@@ -69,29 +70,15 @@ def export_checkpoint(checkpoint: PathLike, out: PathLike,
     ``FileExistsError`` when ``out`` holds other files and no export, ``StorageUnavailable`` naming the URL of
     storage that cannot be reached.
     """
-    source = open_checkpoint(locate(checkpoint, storage_options))
-    dense = read_dense_part(source)
-    model = ModelDescription.from_dense_part(dense, str(source.path))
-    tables = CheckpointSource(source, verified=True)
-    held = tables.table_names()
-    missing = [name for name in model.tables if model.shard_name(name) not in held]
-    if missing:
-        raise NotExportable(f"checkpoint {source.path} holds no rows of table{'s' if len(missing) > 1 else ''} "
-                            f"{', '.join(map(repr, missing))} (named {', '.join(model.shard_name(n) for n in missing)}"
-                            f" on the shards) that its model describes")
+    read = read_model(checkpoint, storage_options)
+    source, model = read.checkpoint, read.description
     out = _export_directory(locate(out, storage_options))
-    records = [save_tensors(out / DENSE_FILE, dense["module"])]
+    records = [save_tensors(out / DENSE_FILE, read.dense_state)]
     described = {}
-    for index, (name, shape) in enumerate(model.tables.items()):
-        if shape.dynamic:
-            part = tables.dynamic_part(model.shard_name(name), 0, 1)  # every shard's rows, as one shard's
-            ids, order = torch.sort(part["ids"])
-            content, rows = {"ids": ids, "rows": part["values"].index_select(0, order)}, ids.numel()
-        else:
-            rows = shape.num_embeddings
-            content = {"weight": tables.rows(range_name(model.shard_name(name), 0, rows), rows, shape.embedding_dim,
-                                             torch.float32)}  # the Trainer's tables are float32
+    for index, (name, content) in enumerate(read.tables.items()):
+        shape = model.tables[name]
         records.append(save_tensors(out / table_file(index, name), content))
+        rows = content["ids"].numel() if shape.dynamic else shape.num_embeddings
         described[name] = {"kind": "dynamic" if shape.dynamic else "fixed", "dim": shape.embedding_dim,
                            "mode": shape.mode, "rows": rows, "file": records[-1].name}
     manifest = {"format": EXPORT_FORMAT, "step": source.step, "checkpoint": str(source.path),
@@ -102,6 +89,46 @@ def export_checkpoint(checkpoint: PathLike, out: PathLike,
     logger.info("exported checkpoint %s (step %d) to %s: %d tables, %.1f MB", source.path, source.step, out,
                 len(described), sum(record.bytes for record in records) / 1e6)
     return manifest
+
+
+@dataclass(frozen=True)
+class CheckpointModel:
+    """A committed checkpoint's model, read whole: its description, its dense state_dict, and every table's
+    rows as an export holds them (a fixed table: ``{"weight"}``; a dynamic one: ``{"ids"}`` sorted and
+    ``{"rows"}``), in the description's order."""
+
+    checkpoint: Checkpoint
+    description: ModelDescription
+    #: The description as the checkpoint recorded it (``model.describe_model``'s dict).
+    record: Dict[str, Any]
+    dense_state: Dict[str, Any]
+    tables: Dict[str, Dict[str, torch.Tensor]]
+
+
+def read_model(checkpoint: PathLike, storage_options: Optional[Mapping[str, Any]] = None) -> CheckpointModel:
+    """The model of ``checkpoint`` (a checkpoint directory, or a root: its newest valid checkpoint), its files
+    verified first; ``NotExportable`` when it has no model description or lacks a table's rows."""
+    source = open_checkpoint(locate(checkpoint, storage_options))
+    dense = read_dense_part(source)
+    model = ModelDescription.from_dense_part(dense, str(source.path))
+    parts = CheckpointSource(source, verified=True)
+    held = parts.table_names()
+    missing = [name for name in model.tables if model.shard_name(name) not in held]
+    if missing:
+        raise NotExportable(f"checkpoint {source.path} holds no rows of table{'s' if len(missing) > 1 else ''} "
+                            f"{', '.join(map(repr, missing))} (named {', '.join(model.shard_name(n) for n in missing)}"
+                            f" on the shards) that its model describes")
+    tables = {}
+    for name, shape in model.tables.items():
+        if shape.dynamic:
+            part = parts.dynamic_part(model.shard_name(name), 0, 1)  # every shard's rows, as one shard's
+            ids, order = torch.sort(part["ids"])
+            tables[name] = {"ids": ids, "rows": part["values"].index_select(0, order)}
+        else:
+            tables[name] = {"weight": parts.rows(range_name(model.shard_name(name), 0, shape.num_embeddings),
+                                                 shape.num_embeddings, shape.embedding_dim,
+                                                 torch.float32)}  # the Trainer's tables are float32
+    return CheckpointModel(source, model, dict(dense["model"]), dense["module"], tables)
 
 
 def export_from_cluster(client, out: PathLike, timeout: datetime.timedelta = CHECKPOINT_TIMEOUT,

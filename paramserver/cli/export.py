@@ -1,7 +1,7 @@
 """``ps-ctl export``: write the trained model as plain files, from a checkpoint or from a live cluster.
 
-    ps-ctl export DIR --checkpoint-dir D [--storage-options JSON]
-    ps-ctl --connect HOST:PORT [--token-file F] [--admin-token-file A] [--tls-ca PEM] export DIR [--timeout S] [--storage-options JSON]
+    ps-ctl export DIR --checkpoint-dir D [--delta] [--storage-options JSON]
+    ps-ctl --connect HOST:PORT [--token-file F] [--admin-token-file A] [--tls-ca PEM] export DIR [--delta] [--timeout S] [--storage-options JSON]
 
 Owns the command's flags and what it prints; the export itself is
 ``paramserver.checkpoint.export``'s.  With ``--checkpoint-dir`` (a
@@ -12,7 +12,14 @@ them: its newest valid checkpoint) no cluster is needed; with
 ``DIR`` and ``D`` are paths or fsspec URLs (``s3://bucket/models/ctr``);
 ``--storage-options`` configures their filesystem (both alike).
 
-Prints ``exported step N of CHECKPOINT to DIR: ...``.  Exit codes: 0
+``--delta``: ``DIR`` is a chain of live exports (as ``ps-server --export-dir``
+writes, and ``serving.load``/``refresh()`` follow): the checkpoint is
+appended to it as a delta holding only the rows that differ from what the
+chain serves now (a base when ``DIR`` has no chain yet;
+``paramserver.checkpoint.chain_append``).
+
+Prints ``exported step N of CHECKPOINT to DIR: ...`` (with ``--delta``:
+``appended step N of CHECKPOINT to DIR as a delta NAME: K of M rows``).  Exit codes: 0
 exported, 1 not exported (no checkpoint, a damaged file, a checkpoint that
 cannot be exported, the cluster failed or gave no answer), 2 refused (bad
 flags, a missing or wrong token, no ``--admin-token-file`` where the cluster
@@ -38,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=CHECKPOINT_WAIT.total_seconds(), metavar="SECONDS",
                         help="with --connect: how long to wait for the checkpoint (default "
                              f"{CHECKPOINT_WAIT.total_seconds():.0f})")
+    parser.add_argument("--delta", action="store_true",
+                        help="append to the chain of live exports in DIR: a delta of the rows changed since its "
+                             "newest export (a base when DIR has none), which serving.load and refresh() follow")
     add_storage_options(parser, "DIR and --checkpoint-dir")
 
 
@@ -57,18 +67,25 @@ def run(args) -> int:
         return EXIT_REFUSED
     # torch and the checkpoint formats load here, for this command only: ps-ctl's others start in a fraction
     # of the time without them.
-    from ..checkpoint.export import export_checkpoint, export_from_cluster
+    from ..checkpoint.chain_append import append_checkpoint
+    from ..checkpoint.export import export_checkpoint
+    write = append_checkpoint if args.delta else export_checkpoint
     try:
         if client is None:
-            manifest = export_checkpoint(source, out)
-        else:
-            manifest = export_from_cluster(client, out, timeout, out.storage_options)
+            manifest = write(source, out)
+        else:  # the checkpoint is read where the cluster wrote it (the same path or store from here)
+            manifest = write(client.checkpoint(timeout.total_seconds()).directory, out, out.storage_options)
     except (CoordinatorError, OSError, ValueError) as error:  # ValueError: CorruptCheckpoint, NotExportable
         print(f"ps-ctl: export failed: {error}", file=sys.stderr)
         return exit_code_for(error) if isinstance(error, CoordinatorError) else EXIT_FAILED
     finally:
         if client is not None:
             client.close()
+    if args.delta:
+        print(f"appended step {manifest['step']} of {manifest['checkpoint']} to {args.directory} as a "
+              f"{manifest['kind']} {manifest['name']}: "
+              f"{manifest['changed_rows']} of {manifest['rows']} rows")
+        return EXIT_OK
     tables = ", ".join(f"{name} ({table['kind']}, {table['rows']} x {table['dim']})"
                        for name, table in manifest["tables"].items())
     print(f"exported step {manifest['step']} of {manifest['checkpoint']} to {args.directory}: {tables}; dense "
