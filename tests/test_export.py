@@ -99,7 +99,7 @@ def trained(tmp_path_factory):
         holdout = [batch(1000 + index, 256, unseen=True) for index in range(2)]
         figures = trainer.fit((batch(index, 64) for index in range(10 ** 6)), steps=STEPS, eval_data=holdout,
                               eval_every=10 ** 9, log_every=10 ** 9)
-        assert figures["steps"] == STEPS and figures["checkpoints"] == 3, figures
+        assert figures["steps"] == STEPS and figures["checkpoints"] == 3 and figures["live_exports"] == 3, figures
         yield types.SimpleNamespace(root=root, live=live, holdout=holdout,
                                     scores=torch.cat(evaluated[-len(holdout):]))
     finally:

@@ -36,13 +36,12 @@ class LiveExports:
     the model's description (``checkpoint.model.describe_model``), ``shards`` the shard names."""
 
     def __init__(self, root: str, every: int, base_every: int, replica, shards: List[str], model: Dict[str, Any],
-                 storage_options: Optional[Mapping[str, Any]] = None, enabled: bool = True):
+                 storage_options: Optional[Mapping[str, Any]] = None):
         if every < 1 or base_every < 1:
             raise ValueError(f"export_every and export_base_every must be at least 1, got {every} and {base_every}")
         self.root = locate(root, storage_options)
         self.every, self.base_every = every, base_every
         self.replica, self.shards, self.model = replica, list(shards), model
-        self.enabled = enabled
         self._previous: Optional[str] = None
         self._base: Optional[str] = None
         self._since_base = 0
@@ -56,7 +55,7 @@ class LiveExports:
         last (or, ``final``, any step did); rank 0 of the group writes, the others return at once."""
         step = self.replica.step
         due = step - self._last_step >= (1 if final else self.every)
-        if not self.enabled or self.replica.group.rank != 0 or not due:
+        if self.replica.group.rank != 0 or not due:
             return
         self._last_step = step
         self.write()

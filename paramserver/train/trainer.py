@@ -245,6 +245,7 @@ class _Run:
                     recoveries=replica.recoveries, sparse_steps=self.pipeline.applied,
                     sparse_steps_lost=self.pipeline.lost, steps_skipped=replica.steps_skipped,
                     shard_rebuilds=self.sparse.rebuilds, checkpoints=len(self.checkpoints.written),
+                    live_exports=len(self.exports.written) if self.exports is not None else 0,
                     replica_checksum=checksum)
 
     def _loop(self) -> None:
