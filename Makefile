@@ -33,8 +33,11 @@ $(STAMP): $(PY) setup.cfg setup.py pyproject.toml $(PROTOS) $(KERNEL)
 demo: $(STAMP)
 	$(VENV)/bin/ps-demo $(DEMO_ARGS)
 
+# Test files run in TEST_WORKERS processes at once (pytest-xdist), each file's tests in one of them, in
+# order (a file's shared fixtures start once); TEST_WORKERS=0 runs them all in this process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/optim_step.py

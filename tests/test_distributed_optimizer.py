@@ -247,12 +247,17 @@ def test_a_lost_owner_fails_the_step_naming_it_within_the_rpc_timeout(how):
                 expected_exit_codes={"shard1": -signal.SIGKILL})
 
 
+#: How long ``SlowToBuild`` takes to create, against a step's RPC timeout of ``STEP_TIMEOUT``: the step (a
+#: Python optimizer's, on a machine the rest of the suite may keep busy) must fit its timeout.
+CREATION_SECONDS, STEP_TIMEOUT = 5.0, datetime.timedelta(seconds=3)
+
+
 class SlowToBuild(torch.optim.SGD):
     """SGD whose creation on the owner takes longer than a step's RPC timeout (as a first TorchScript compile
     can on a fresh machine)."""
 
     def __init__(self, *args, **kwargs):
-        time.sleep(3.0)
+        time.sleep(CREATION_SECONDS)
         super().__init__(*args, **kwargs)
 
 
@@ -268,8 +273,7 @@ def trainer_slow_creation():
 
 
 def test_creating_an_optimizer_has_its_own_timeout_longer_than_a_steps():
-    run_cluster([(trainer_slow_creation, ())], num_shards=1,
-                trainer_options=PeerOptions(rpc_timeout=datetime.timedelta(seconds=1)))
+    run_cluster([(trainer_slow_creation, ())], num_shards=1, trainer_options=PeerOptions(rpc_timeout=STEP_TIMEOUT))
 
 
 def trainer_concurrent(rank, num_trainers, steps):
