@@ -16,6 +16,7 @@ import pytest
 
 from paramserver.data import FileReader, ParquetSchema
 from paramserver.data.reader import reader_from_config
+from paramserver.data.shares import deal
 
 from test_data_files import first_ids, line
 
@@ -125,8 +126,9 @@ def test_a_followed_position_names_the_same_parts_on_another_number_of_workers(t
     alone.close()
     readers = [FileReader(str(tmp_path), 1, follow=True, poll=POLL, worker=worker, workers=2) for worker in range(2)]
     rest = []
-    for reader in readers:  # restored onto two workers: each reads its share of what is left
-        reader.load_state_dict(state)
+    for worker, dealt in enumerate(deal([None, None], [state])):  # restored onto two workers: each its share
+        readers[worker].reshare(worker, 2, dealt)
+    for reader in readers:
         threading.Thread(target=lambda reader=reader: [rest.extend(first_ids([batch])) for batch in reader],
                          daemon=True).start()
     deadline = time.monotonic() + 30

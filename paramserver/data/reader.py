@@ -70,8 +70,10 @@ FOLLOW_POLL = datetime.timedelta(seconds=10)
 class Position:
     """Where reading resumes: chunk ``offset`` of part ``part`` in epoch ``epoch``, ``rows`` of it given.
 
-    A followed input names its parts instead of numbering them: ``done`` (the keys of parts read whole)
-    and ``key`` (the part under way; ``part`` is then only this process's index of it)."""
+    A followed input names its parts instead of numbering them: ``done`` (the keys of parts not to start:
+    read whole, or under way at another member's when the shares were dealt), ``key`` (the part being read;
+    ``part`` is then only this process's index of it), and ``held``: more parts under way, read after it,
+    each ``(key, offset, rows)`` (a part inherited from a member that left, ``paramserver.data.shares``)."""
 
     epoch: int = 0
     part: int = 0
@@ -80,6 +82,11 @@ class Position:
     malformed: int = 0
     done: Tuple[str, ...] = ()
     key: str = ""
+    held: Tuple[Tuple[str, int, int], ...] = ()
+
+    def under_way(self) -> List[Tuple[str, int, int]]:
+        """A followed input's parts under way, in the order they are read: ``(key, offset, rows)``."""
+        return ([(self.key, self.offset, self.rows)] if self.key else []) + list(self.held)
 
 
 @dataclass
@@ -91,6 +98,8 @@ class _Chunk:
     #: Text: the offset where this reading of the part began, and the lines from there to this chunk.
     began: int = 0
     lines_before: int = 0
+    #: Rows of this chunk given before (the first chunk of a part resumed in its middle).
+    skip: int = 0
 
 
 class FileReader:
@@ -124,8 +133,14 @@ class FileReader:
         if poll.total_seconds() <= 0:
             raise ValueError(f"poll must be positive, got {poll}")
         self.follow, self.poll, self.worker, self.workers = follow, poll, worker, workers
+        #: What ``dealt`` builds another reader of this input from.
+        self._arguments = dict(paths=paths, batch_size=batch_size, format=format, schema=schema, epochs=epochs,
+                               skip_malformed=skip_malformed, threads=threads, ahead=ahead, chunk_bytes=chunk_bytes,
+                               max_rows=max_rows, follow=follow, poll=poll, ready_marker=ready_marker,
+                               storage_options=storage_options)
         self.inputs = InputFiles(paths, storage_options, ready_marker)
         self.parts: List[Part] = []
+        self._start = Position()
         self._waiting_log = RateLimitedLog(logger, "listed {count} time{s} without finding a new file")
         if follow:
             self._discover()
@@ -157,13 +172,35 @@ class FileReader:
         # worker's): its position names them, and must name the same parts after a restore onto more workers.
         return parts_module.text_parts(files, 1 if self.follow else self.workers, self.inputs)
 
+    @property
+    def shared(self) -> bool:
+        """Whether a group deals this reader's share (``reshare``): a followed input, whose parts are named."""
+        return self.follow
+
+    def dealt(self, worker: int, workers: int) -> "FileReader":
+        """Another reader of the same input, worker ``worker`` of ``workers``'s (not started)."""
+        return FileReader(**self._arguments, worker=worker, workers=workers)
+
+    def reshare(self, worker: int, workers: int, state: Dict[str, Any]) -> None:
+        """A followed input: read on as worker ``worker`` of ``workers`` from ``state`` (a position dealt by
+        ``paramserver.data.shares.deal``: its parts under way are this reader's whatever their hash), from the
+        next iteration on; call it with no iteration under way."""
+        if not self.follow:
+            raise ValueError("only a followed input is dealt among workers by its parts' names")
+        if not 0 <= worker < workers:
+            raise ValueError(f"worker must be in [0, {workers}), got {worker}")
+        self.worker, self.workers = worker, workers
+        self.load_state_dict(state)
+
     def _discover(self) -> List[Part]:
-        """A followed input: list it again; this worker's parts of files not seen before, in name order,
-        appended to ``parts`` and returned."""
+        """A followed input: list it again; this worker's parts of files not seen before (those whose name
+        hashes to it, and the parts under way of the position it starts from), in name order, appended to
+        ``parts`` and returned."""
         known = {part.path for part in self.parts}
+        claimed = {key for key, _, _ in self._start.under_way()}
         new_files = [name for name in self.inputs.list(missing_ok=True) if name not in known]
         mine = [part for part in self._parts_of_files(new_files)
-                if zlib.crc32(part.key.encode()) % self.workers == self.worker]
+                if zlib.crc32(part.key.encode()) % self.workers == self.worker or part.key in claimed]
         mine.sort(key=lambda part: (part.path, part.start, part.row_group or 0))
         self.parts.extend(mine)
         return mine
@@ -175,19 +212,23 @@ class FileReader:
         position = self._position
         state = {field.name: getattr(position, field.name) for field in dataclasses.fields(position)}
         if not self.follow:  # the fields of a followed input's position are not a fixed input's
-            del state["done"], state["key"]
+            del state["done"], state["key"], state["held"]
         return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        fields = {key: value for key, value in state.items() if key not in ("done", "key")}
+        named = ("done", "key", "held")
+        fields = {key: value for key, value in state.items() if key not in named}
         position = Position(**{key: int(value) for key, value in fields.items()},
-                            done=tuple(map(str, state.get("done", ()))), key=str(state.get("key", "")))
+                            done=tuple(map(str, state.get("done", ()))), key=str(state.get("key", "")),
+                            held=tuple((str(key), int(offset), int(rows)) for key, offset, rows in state.get("held", ())))
         if self.follow != ("done" in state):
             raise ValueError(f"saved position is of {'a followed' if 'done' in state else 'a fixed'} input, "
                              f"this reader's is {'followed' if self.follow else 'fixed'}")
         if not self.follow and not 0 <= position.part <= len(self.parts):
             raise ValueError(f"saved position names part {position.part}, this reader has {len(self.parts)}")
         self._start = self._position = position
+        if self.follow:  # listed again as the next iteration starts, its parts under way among this reader's
+            self.parts = []
 
     def close(self) -> None:
         """Stop reading (an iteration under way ends at its next batch)."""
@@ -196,11 +237,6 @@ class FileReader:
     # -- iteration ---------------------------------------------------------------
     def __iter__(self) -> Iterator[Batch]:
         self._stop.clear()
-        if self.follow and self._start.key and self._start.key not in {part.key for part in self.parts}:
-            logger.info("the saved reading position is in %s, which is not among this reader's parts (another "
-                        "worker's share now, or gone from the input): reading on from this reader's parts not read "
-                        "yet", self._start.key)
-            self._start = dataclasses.replace(self._start, key="", offset=0, rows=0)
         self._position = self._start
         stop = threading.Event()
         chunks: "queue.Queue" = queue.Queue(maxsize=self.ahead)
@@ -219,7 +255,6 @@ class FileReader:
         waiting: List[Samples] = []
         waiting_rows = 0
         rows_given = 0
-        skip = self._start.rows
         malformed = self._start.malformed
         while True:
             chunk = self._next_chunk(chunks, producer)
@@ -230,14 +265,12 @@ class FileReader:
             parsed = self._result(chunk)
             if parsed is None:
                 return
-            if skip == 0:  # a chunk resumed in its middle had its malformed lines counted before
+            if chunk.skip == 0:  # a chunk resumed in its middle had its malformed lines counted before
                 malformed += self._problems(chunk, parsed)
             samples = parsed.samples
             if self.max_rows is not None:
                 samples = samples.slice(0, max(0, min(len(samples), self.max_rows - rows_given)))
-            given = 0
-            if skip:
-                given, skip = min(skip, len(samples)), 0
+            given = min(chunk.skip, len(samples))
             while given < len(samples):
                 take = min(self.batch_size - waiting_rows, len(samples) - given)
                 waiting.append(samples.slice(given, given + take))
@@ -317,52 +350,71 @@ class FileReader:
                 self._produce_following(start, chunks, pool, stop)
                 return
             epoch = start.epoch
-            part_index, offset = start.part, start.offset
+            part_index, offset, skip = start.part, start.offset, start.rows
             while self.epochs is None or epoch < self.epochs:
                 while part_index < len(self.parts):
                     following = (Position(epoch, part_index + 1, 0) if part_index + 1 < len(self.parts)
                                  else Position(epoch + 1, 0, 0))
-                    for chunk in self._chunks_of(Position(epoch, part_index, offset), following, pool):
+                    for chunk in self._chunks_of(Position(epoch, part_index, offset), following, pool, skip):
                         if not self._put(chunks, chunk, stop):
                             return
-                    part_index, offset = part_index + 1, 0
+                    part_index, offset, skip = part_index + 1, 0, 0
                 epoch, part_index = epoch + 1, 0
             self._put(chunks, None, stop)
         except BaseException as error:  # noqa: BLE001 - handed to the consumer, which raises it
             self._put(chunks, error, stop)
 
     def _produce_following(self, start: Position, chunks: "queue.Queue", pool, stop: threading.Event) -> None:
-        """A followed input's chunks: the part under way first, then every part not done, listing again
-        (every ``poll``, stop-aware) when none is left; never ends by itself."""
-        done = start.done
+        """A followed input's chunks: the parts under way first (from where each was left), then every part not
+        done, listing again (every ``poll``, stop-aware) when none is left; never ends by itself."""
+        resume = {key: (offset, rows) for key, offset, rows in start.under_way()}  # in the order they are read
+        done = tuple(key for key in start.done if key not in resume)
         finished = set(done)
-        under_way = start.key
+        if set(resume) - {part.key for part in self.parts} and not self._listed(stop, len(finished)):
+            return
+        gone = sorted(set(resume) - {part.key for part in self.parts})
+        if gone:
+            logger.warning("the reading position's part(s) under way %s are gone from the input: reading on from "
+                           "the other parts not read yet", ", ".join(gone))
+            resume = {key: progress for key, progress in resume.items() if key not in gone}
         while not stop.is_set() and not self._stop.is_set():
-            pending = [index for index, part in enumerate(self.parts) if part.key not in finished]
-            pending.sort(key=lambda index: self.parts[index].key != under_way)  # the part under way first
+            index_of = {part.key: index for index, part in enumerate(self.parts)}
+            pending = [index_of[key] for key in resume] + [index for index, part in enumerate(self.parts)
+                                                           if part.key not in finished and part.key not in resume]
             if not pending:
-                try:
-                    found = self._discover()
-                except UnreadableFile as error:  # the store unreachable for a while: online training waits
-                    self._waiting_log.record("listing failed", f"{error}; listing again in "
-                                             f"{self.poll.total_seconds():g} s")
-                    found = []
-                if not found:
-                    self._waiting_log.record("no new file", f"{self.inputs.patterns[0].url}: no new file to read; "
-                                             f"listing again every {self.poll.total_seconds():g} s "
-                                             f"({len(finished)} part(s) read)")
-                    self._pause(stop, self.poll.total_seconds())
+                if not self._listed(stop, len(finished), waiting=True):
+                    return
                 continue
             for index in pending:
                 part = self.parts[index]
-                offset = start.offset if part.key == under_way else 0
+                offset, rows = resume.pop(part.key, (0, 0))
+                held = tuple((key, *progress) for key, progress in resume.items())
                 finished.add(part.key)
                 done = done + (part.key,)
-                here = Position(0, index, offset, done=done[:-1], key=part.key)
-                for chunk in self._chunks_of(here, Position(0, index + 1, 0, done=done), pool):
+                here = Position(0, index, offset, done=done[:-1], key=part.key, held=held)
+                for chunk in self._chunks_of(here, Position(0, index + 1, 0, done=done, held=held), pool, rows):
                     if not self._put(chunks, chunk, stop):
                         return
-            under_way = ""
+
+    def _listed(self, stop: threading.Event, read: int, waiting: bool = False) -> bool:
+        """List a followed input again (``_discover``); when that fails (the store unreachable for a while:
+        online training waits), or finds nothing new and ``waiting``, pause ``poll`` first and try again.  False
+        once this iteration or the reader is stopped."""
+        while not stop.is_set() and not self._stop.is_set():
+            try:
+                found = self._discover()
+            except UnreadableFile as error:
+                self._waiting_log.record("listing failed", f"{error}; listing again in "
+                                         f"{self.poll.total_seconds():g} s")
+                self._pause(stop, self.poll.total_seconds())
+                continue
+            if found or not waiting:
+                return True
+            self._waiting_log.record("no new file", f"{self.inputs.patterns[0].url}: no new file to read; "
+                                     f"listing again every {self.poll.total_seconds():g} s ({read} part(s) read)")
+            self._pause(stop, self.poll.total_seconds())
+            return True
+        return False
 
     def _pause(self, stop: threading.Event, seconds: float) -> None:
         """Wait ``seconds``, or less once this iteration or the reader is stopped."""
@@ -370,20 +422,22 @@ class FileReader:
         while not stop.is_set() and not self._stop.is_set() and time.monotonic() < deadline:
             stop.wait(min(_POLL, max(0.0, deadline - time.monotonic())))
 
-    def _chunks_of(self, here: Position, following: Position, pool) -> Iterator[_Chunk]:
-        """The chunks of part ``here.part`` from ``here.offset``; ``following``: where the part after it starts."""
+    def _chunks_of(self, here: Position, following: Position, pool, skip: int = 0) -> Iterator[_Chunk]:
+        """The chunks of part ``here.part`` from ``here.offset``, the first one's first ``skip`` rows given
+        before; ``following``: where the part after it starts."""
         index, part = here.part, self.parts[here.part]
         if part.row_group is not None:
             yield _Chunk(index, here, following, pool.submit(read_row_group, part.path, part.row_group,
-                                                             self.schema, self.inputs))
+                                                             self.schema, self.inputs), skip=skip)
             return
         began, lines_before = None, 0
         for text in parts_module.text_chunks(part, here.offset or part.start, self.chunk_bytes, self.inputs):
             began = text.offset if began is None else began
             after = following if text.last else dataclasses.replace(here, offset=text.next_offset)
             yield _Chunk(index, dataclasses.replace(here, offset=text.offset), after,
-                         pool.submit(criteo.parse, text.text), began, lines_before)
+                         pool.submit(criteo.parse, text.text), began, lines_before, skip)
             lines_before += text.text.count(b"\n")
+            skip = 0
 
     def _put(self, chunks: "queue.Queue", item, stop: threading.Event) -> bool:
         while not stop.is_set() and not self._stop.is_set():

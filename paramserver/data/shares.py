@@ -1,0 +1,79 @@
+"""Who reads which part of a followed input: merging readers' positions into one and dealing it to a group.
+
+Owns the rule, and nothing else (no processes, no I/O: ``paramserver.train.shares`` runs it in a trainer
+group).  A followed input's position (``reader.FileReader.state_dict()``) names parts by key: ``done``
+(parts that reader must not start: read whole, or under way at another reader when it was dealt), and the
+parts under way: ``key`` with ``offset`` and ``rows`` (the part being read), and ``held`` (more of them,
+each ``(key, offset, rows)``, read after it).
+
+``deal(members, others, size)``: the positions of a group of ``size`` members, from ``members`` (rank
+``r``'s position now; ``None`` for a member that brings nothing, one that joined) and ``others`` (positions
+of readers that are no member: those of members that left, replayed up to the group's step, or a
+checkpoint's, whatever workers wrote them):
+
+* a part is done if some position has it done and none has it under way (a reader's ``done`` also holds the
+  parts under way elsewhere when it was dealt: under way wins);
+* each member keeps its parts under way; a part under way in ``others`` goes to member
+  ``crc32(key) % size``; a part under way twice (positions of different moments) is taken from where it is
+  furthest on;
+* every other part not done is read by member ``crc32(key) % size`` (``FileReader``'s rule for its own
+  parts), from its start.
+
+So over the group's members every line not read yet is read once, and none already read is read again.
+"""
+
+import zlib
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+#: A part under way: (key, chunk offset, rows of that chunk given).
+UnderWay = Tuple[str, int, int]
+
+
+def under_way(state: Dict[str, Any]) -> List[UnderWay]:
+    """A followed input's position's parts under way, in the order they are read."""
+    first = [(str(state["key"]), int(state.get("offset", 0)), int(state.get("rows", 0)))] if state.get("key") else []
+    return first + [(str(key), int(offset), int(rows)) for key, offset, rows in state.get("held", ())]
+
+
+def owner(key: str, size: int) -> int:
+    """The member of ``size`` who reads part ``key`` when no member has it under way."""
+    return zlib.crc32(key.encode()) % size
+
+
+def is_followed(state: Any) -> bool:
+    """Whether ``state`` is a followed input's position (named parts), not a fixed input's or another data's."""
+    return isinstance(state, dict) and "done" in state
+
+
+def deal(members: Sequence[Optional[Dict[str, Any]]], others: Sequence[Dict[str, Any]],
+         size: Optional[int] = None) -> List[Dict[str, Any]]:
+    """Each member's position (see the module's text); ``size`` defaults to ``len(members)``."""
+    size = len(members) if size is None else size
+    if size < 1 or len(members) > size:
+        raise ValueError(f"a group of {size} cannot hold {len(members)} members")
+    states = [state for state in members if state is not None] + list(others)
+    for state in states:
+        if not is_followed(state):
+            raise ValueError(f"not a followed input's position (its parts named): {state!r}")
+    # (progress, order of precedence: members first by rank, then others) -> who reads a part under way
+    takers: Dict[str, Tuple[Tuple[int, int], int, UnderWay, int]] = {}
+    sources = [(rank, state) for rank, state in enumerate(members) if state is not None] + \
+              [(None, state) for state in others]
+    for order, (rank, state) in enumerate(sources):
+        for part in under_way(state):
+            key, offset, rows = part
+            taker = rank if rank is not None else owner(key, size)
+            best = takers.get(key)
+            if best is None or (offset, rows) > best[0]:
+                takers[key] = ((offset, rows), order, part, taker)
+    done = set().union(*(state["done"] for state in states)) - set(takers)
+    dealt = []
+    for rank in range(size):
+        mine = [entry[2] for entry in sorted(takers.values(), key=lambda entry: entry[1]) if entry[3] == rank]
+        own = members[rank] if rank < len(members) else None
+        first = mine[0] if mine else ("", 0, 0)
+        dealt.append({"epoch": 0, "part": 0, "offset": first[1], "rows": first[2],
+                      "malformed": int(own.get("malformed", 0)) if own is not None else 0,
+                      "done": tuple(sorted(done | {key for key, entry in takers.items() if entry[3] != rank})),
+                      "key": first[0], "held": tuple(mine[1:])})
+    return dealt

@@ -1,0 +1,97 @@
+"""Dealing a followed input's parts to a group (``paramserver.data.shares``), and readers re-dealt mid-stream:
+every line is read once over the members, whoever joins or leaves (single process, fast)."""
+
+import threading
+import time
+
+import pytest
+
+from paramserver.data import FileReader
+from paramserver.data.shares import deal, owner, under_way
+
+from test_data_follow import POLL, land, take
+
+
+def position(done=(), key="", offset=0, rows=0, held=(), malformed=0):
+    return {"epoch": 0, "part": 0, "offset": offset, "rows": rows, "malformed": malformed, "done": tuple(done),
+            "key": key, "held": tuple(held)}
+
+
+def test_members_keep_their_parts_under_way_and_the_rest_goes_by_hash():
+    a = position(done=["f0"], key="f1", offset=40, rows=3, malformed=2)
+    b = position(done=["f2", "f1"], key="f3", offset=10)  # f1: under way at a's when b was dealt
+    dealt = deal([a, b, None], [])
+    assert [under_way(state) for state in dealt] == [[("f1", 40, 3)], [("f3", 10, 0)], []]
+    for rank, state in enumerate(dealt):  # done: what was read whole, and what another member has under way
+        assert set(state["done"]) == {"f0", "f2", "f1", "f3"} - {key for key, _, _ in under_way(state)}
+    assert [state["malformed"] for state in dealt] == [2, 0, 0]
+
+
+def test_a_lost_readers_part_under_way_goes_to_the_member_its_name_hashes_to():
+    lost = position(done=["f0"], key="f5", offset=7, rows=1, held=[("f6", 3, 0)])
+    member = position(done=["f0", "f2"])
+    dealt = deal([member, None], [lost])
+    for key, offset, rows in under_way(lost):
+        taker = owner(key, 2)
+        assert (key, offset, rows) in under_way(dealt[taker])
+        assert key in dealt[1 - taker]["done"]
+    assert {"f0", "f2"} <= set(dealt[0]["done"]) & set(dealt[1]["done"])
+
+
+def test_a_part_under_way_twice_is_taken_from_where_it_is_furthest_on():
+    older, newer = position(key="f1", offset=10), position(key="f1", offset=90, rows=2)
+    dealt = deal([None], [older, newer])
+    assert under_way(dealt[0]) == [("f1", 90, 2)] and "f1" not in dealt[0]["done"]
+
+
+def test_a_fixed_inputs_position_is_refused():
+    with pytest.raises(ValueError, match="not a followed input's position"):
+        deal([None], [{"epoch": 0, "part": 3}])
+
+
+def read_all(readers, expected: int, within: float = 30):
+    """Every reader iterated in a thread until ``expected`` lines came over all of them; their first ids."""
+    seen, lock = [], threading.Lock()
+
+    def run(reader):
+        for batch in reader:
+            with lock:
+                seen.extend(int(i) for i in batch.sparse["C1"].view(-1))
+
+    threads = [threading.Thread(target=run, args=(reader,), daemon=True) for reader in readers]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + within
+    while len(seen) < expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)  # anything read twice would show up by now
+    for reader in readers:
+        reader.close()
+    for thread in threads:
+        thread.join(5)
+    return seen
+
+
+def test_readers_re_dealt_mid_stream_read_every_line_once(tmp_path):
+    """Three readers, each in the middle of a part; one leaves (its position handed on), one joins."""
+    for index in range(8):
+        land(tmp_path, f"part-{index}.txt", index * 100, 100)
+    readers = [FileReader(str(tmp_path), 10, follow=True, poll=POLL, chunk_bytes=4_000, worker=w, workers=3)
+               for w in range(3)]
+    head, states = [], []
+    for reader in readers:
+        batches = iter(reader)
+        if reader.parts:
+            head += take(batches, 5)  # 50 lines: in the middle of its first part, and of a chunk
+        states.append(reader.state_dict())
+        assert not reader.parts or states[-1]["rows"] > 0, states[-1]
+        batches.close()
+    # reader 1 leaves; a new member joins: two members, a lost position
+    dealt = deal([states[0], states[2], None], [states[1]])
+    for rank, reader in enumerate((readers[0], readers[2])):
+        reader.reshare(rank, 3, dealt[rank])
+    joiner = FileReader(str(tmp_path), 10, follow=True, poll=POLL, chunk_bytes=4_000)
+    joiner.reshare(2, 3, dealt[2])
+    land(tmp_path, "part-8.txt", 800, 100)  # lands meanwhile: dealt by the new rule
+    rest = read_all([readers[0], readers[2], joiner], 900 - len(head))
+    assert sorted(head + rest) == list(range(900))
