@@ -207,8 +207,8 @@ def _job_config(args) -> dict:
     config = job_config_from(args.job_config)
     if args.steps is not None:
         config["steps"] = args.steps
-    if isinstance(config.get("data"), dict):  # the demo's workers share the files (docs/data.md)
-        config["data"].setdefault("workers", args.workers)
+    if isinstance(config.get("data"), dict) and not config["data"].get("follow"):  # the workers share fixed files
+        config["data"].setdefault("workers", args.workers)  # (a followed input is dealt by the group: docs/data.md)
     return config
 
 

@@ -91,18 +91,26 @@ class DenseReplica:
     a failed collective, ``steps_skipped`` the steps this member took from
     another instead of training them (on joining, or after a failure).
     ``recorder``: where finished steps and the hook's bytes are counted
-    (``None``: nowhere).
+    (``None``: nowhere).  ``on_formed(replica)``: called on every member
+    each time the group (re-)formed, once the state is shared (the first
+    time from this constructor); ``on_agreed(replica)``: after every
+    agreement that goes on with the step (not one that waits).  Their
+    collectives are the group's like any other: one that fails is
+    recovered from (``recover``), and the agreement is taken again.
     """
 
     def __init__(self, group: TrainerGroup, module: nn.Module,
                  make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
                  hook: str = "allreduce", hook_options: Optional[Dict[str, Any]] = None,
                  agree_every: int = 10, initial: Optional[Dict[str, Any]] = None, *,
-                 recorder: Optional[ReplicaRecorder] = None):
+                 recorder: Optional[ReplicaRecorder] = None,
+                 on_formed: Optional[Callable[["DenseReplica"], None]] = None,
+                 on_agreed: Optional[Callable[["DenseReplica"], None]] = None):
         if agree_every < 1:
             raise ValueError(f"agree_every must be at least 1, got {agree_every}")
         self.group = group
         self.recorder = recorder
+        self.on_formed, self.on_agreed = on_formed, on_agreed
         self.module = module.to(group.device)
         self.optimizer = make_optimizer(self.module.parameters())
         self.hook = hook
@@ -152,6 +160,8 @@ class DenseReplica:
         self._hook_failure = None
         logger.info("dense replica in %s at step %d (state of %s), comm hook %s", self.group.describe(), self.step,
                     source, self.hook)
+        if self.on_formed is not None:
+            self.on_formed(self)
 
     def _restore_hook_state(self) -> None:
         """At the first forming after a restore: this rank's hook state, when the group has the checkpoint's size
@@ -235,6 +245,8 @@ class DenseReplica:
                 if not agreement.reform:
                     self.agreed_checkpoint = agreement.checkpoint_request
                     self.agreed_wait = agreement.wait
+                    if self.on_agreed is not None and not agreement.wait:
+                        self.on_agreed(self)
                     return True
                 self._drop_ddp()
                 self.group.reform()

@@ -159,19 +159,27 @@ class PlantedSource:
 class FileSource:
     """Files (``paramserver.data``): ``data`` is ``{"format": "criteo" | "parquet", "train": paths, globs,
     directories or prefixes (local or URLs such as ``s3://bucket/logs/*/part-*.gz``), "eval": the same,
-    "schema": {...} (Parquet), "workers": how many workers share the train files (worker ``i`` reads share
+    "schema": {...} (Parquet), "workers": how many workers share fixed train files (worker ``i`` reads share
     ``i % workers``), "epochs" (none: without end), "eval_rows", "skip_malformed", "threads",
     "storage_options": {...} (for URLs), "follow": true (train on files as they land, each once; with
-    "poll_seconds" and "ready_marker")}``.  Every table is dynamic: the ids are raw hashes."""
+    "poll_seconds" and "ready_marker"; the trainer group deals them to its members, ``workers`` is ignored)}``.
+    Every table is dynamic: the ids are raw hashes."""
 
     def __init__(self, ctx, data: Dict, batch_size: int, embedding_dim: int, init_std: float,
                  table_options: Optional[Dict]):
         from paramserver.data import reader_from_config  # pyarrow is loaded by jobs on files only
 
         data = dict(data)
-        workers = int(data.pop("workers", 1))
+        given = data.pop("workers", None)
         epochs = data.pop("epochs", None)
         eval_rows = data.pop("eval_rows", None)
+        if data.get("follow"):  # the trainer group deals the shares by its membership (``train.shares``)
+            if given is not None:
+                logger.warning("%s: data.workers (%s) is ignored for a followed input: the trainer group deals its "
+                               "files to its members as they join and leave", ctx.rpc_name, given)
+            workers = 1
+        else:
+            workers = int(given or 1)
         share = ctx.worker_index % workers
         if ctx.worker_index >= workers:
             logger.warning("%s reads share %d of %d of the train files: set data.workers to the number of "
@@ -186,8 +194,12 @@ class FileSource:
                        for name in self.train.tables}
         self.num_dense = self.train.num_dense
         self.figures: Dict[str, float] = {}
-        logger.info("%s reads %s: %d part(s) of share %d of %d%s", ctx.rpc_name, data.get("format", "criteo"),
-                    len(self.train.parts), share, workers, " so far, following new files" if self.train.follow else "")
+        if self.train.follow:
+            logger.info("%s follows %s files; its trainer group deals them to its members", ctx.rpc_name,
+                        data.get("format", "criteo"))
+        else:
+            logger.info("%s reads %s: %d part(s) of share %d of %d", ctx.rpc_name, data.get("format", "criteo"),
+                        len(self.train.parts), share, workers)
 
     def final_figures(self) -> Dict[str, float]:
         return {"malformed_skipped": self.train.malformed}

@@ -12,16 +12,21 @@ leaving the others waiting in a collective.
 Its position (``position()``) goes into checkpoints: the number of
 batches used, and, for data with ``state_dict()``/``load_state_dict()``
 (the convention of torchdata's ``StatefulDataLoader``), the data's own
-state as it was before the first batch not yet used.  A restore loads
-that state, or, for other data, skips that many batches.
+state as it was before the first batch not yet used (known without
+waiting for that batch: the state after each batch is taken as it is
+read).  A restore loads that state, or, for other data, skips that many
+batches.  ``restart`` reads on from wherever the data is put meanwhile
+(a trainer group re-dealt the shares of its input), dropping the batches
+read ahead.
 """
 
 import collections
+import datetime
 import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, Deque, Dict, Iterable, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, Iterable, Iterator, Optional, Tuple
 
 from .contract import Batch
 
@@ -29,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 #: How often a wait for the background reader looks up (the reader's stop, its death).
 _READER_POLL = 0.5
+#: How long ``restart`` waits for the background reader to end its pull.
+STOP_WITHIN = datetime.timedelta(seconds=30)
 
 
 def is_stateful(data) -> bool:
@@ -48,32 +55,63 @@ class BatchStream:
     stops that thread.
     """
 
-    def __init__(self, data: Iterable[Batch], position: Optional[Dict[str, Any]] = None, prefetch: int = 0):
+    def __init__(self, data: Iterable[Batch], position: Optional[Dict[str, Any]] = None, prefetch: int = 0,
+                 started: bool = True):
+        """``started=False``: nothing is read until ``restart`` (the data's start is not known yet)."""
         self._data = data
         self._stateful = is_stateful(data)
+        self._prefetch = prefetch
         restored = position or {}
         self.used = int(restored.get("used", 0))
         loads_state = self._stateful and restored.get("state") is not None
         if loads_state:
             data.load_state_dict(restored["state"])
-        self._iterator = iter(data)
+        # (batch, the data's state before it was pulled, its state after)
+        self._ahead: Deque[Tuple[Batch, Any, Any]] = collections.deque()
         self._reader: Optional[_Reader] = None
+        self._iterator: Optional[Iterator[Batch]] = None
+        #: The data's state after the last batch pulled (before the next one).
+        self._next_state = data.state_dict() if self._stateful else None
+        if not started:
+            return
+        self._iterator = iter(data)
         if restored and not loads_state:
             for _ in range(self.used):
                 if self._pull() is None:
                     break
             logger.info("data position restored by skipping %d batches", self.used)
-        # (batch, the data's state before it was pulled)
-        self._ahead: Deque[Tuple[Batch, Any]] = collections.deque()
-        if prefetch > 0:  # from here on only the reader's thread touches the data
-            self._reader = _Reader(self._pull_now, prefetch)
+        self._start_reading()
 
-    def _pull_now(self) -> Optional[Tuple[Batch, Any]]:
+    def _start_reading(self) -> None:
+        if self._prefetch > 0:  # from here on only the reader's thread touches the data
+            self._reader = _Reader(self._pull_now, self._prefetch)
+
+    def restart(self, configure: Callable[[], None]) -> None:
+        """Read on from wherever ``configure()``, called while nothing reads the data, puts it (the data must
+        have ``close()``, which ends an iteration under way, when batches are read ahead in the background);
+        the batches read ahead are dropped."""
+        if self._reader is not None:
+            self._reader.close(self._data.close)
+            self._reader = None
+        if self._iterator is not None and callable(getattr(self._iterator, "close", None)):
+            self._iterator.close()
+        configure()
+        self._ahead.clear()
+        self._next_state = self._data.state_dict() if self._stateful else None
+        self._iterator = iter(self._data)
+        self._start_reading()
+
+    def _pull_now(self) -> Optional[Tuple[Batch, Any, Any]]:
         state = self._data.state_dict() if self._stateful else None
         try:
-            return next(self._iterator), state
+            batch = next(self._iterator)
         except StopIteration:
             return None
+        return batch, state, self._data.state_dict() if self._stateful else None
+
+    def _take(self, pulled: Tuple[Batch, Any, Any]) -> None:
+        self._ahead.append(pulled)
+        self._next_state = pulled[2]
 
     def _pull(self) -> Optional[Tuple[Batch, Any]]:
         return self._reader.next() if self._reader is not None else self._pull_now()
@@ -96,7 +134,7 @@ class BatchStream:
                 return None
             if pulled is None:
                 return False
-            self._ahead.append(pulled)
+            self._take(pulled)
         return True
 
     def ensure(self, count: int) -> bool:
@@ -105,7 +143,7 @@ class BatchStream:
             pulled = self._pull()
             if pulled is None:
                 return False
-            self._ahead.append(pulled)
+            self._take(pulled)
         return True
 
     def __len__(self) -> int:
@@ -144,11 +182,7 @@ class BatchStream:
         """Where a restored run resumes: batches used, and the data's state before the next one."""
         if not self._stateful:
             return {"used": self.used, "state": None}
-        if self._reader is None:
-            state = self._ahead[0][1] if self._ahead else self._data.state_dict()
-        else:  # the next batch's state was taken as it was read; once the data ended no reader touches it
-            state = self._ahead[0][1] if self.ensure(1) else self._data.state_dict()
-        return {"used": self.used, "state": state}
+        return {"used": self.used, "state": self._ahead[0][1] if self._ahead else self._next_state}
 
 
 class _Reader:
@@ -211,6 +245,15 @@ class _Reader:
             raise item
         return item
 
-    def close(self) -> None:
+    def close(self, interrupt: Optional[Callable[[], None]] = None) -> None:
+        """Stop reading; with ``interrupt`` (which ends a pull under way: the data's ``close``), wait until the
+        thread ended (``RuntimeError`` if it did not within ``STOP_WITHIN``), so that nothing reads the data
+        any more."""
         self._stop.set()
-        self._thread.join(2 * _READER_POLL)
+        if interrupt is None:
+            self._thread.join(2 * _READER_POLL)
+            return
+        interrupt()
+        self._thread.join(STOP_WITHIN.total_seconds())
+        if self._thread.is_alive():
+            raise RuntimeError(f"the batch reader thread did not stop within {STOP_WITHIN.total_seconds():g} s")

@@ -41,6 +41,7 @@ from .data import BatchStream
 from .evaluation import evaluate
 from .live_exports import LiveExports
 from .pipeline import RowPipeline
+from .shares import GroupShares
 from .sparse import RebuildStopped, SparseTables
 from .step import ShardStepFailed, StepTimes, train_step
 
@@ -202,15 +203,21 @@ class _Run:
                                    trainer.row_wise_min_rows, ctx.live_shards, ctx.refresh, ctx.should_stop,
                                    shards_gone=ctx.shards_gone, retire=ctx.retire_handles,
                                    recorder=ctx.recorders.data_plane)
-        self.replica = DenseReplica(group, trainer.dense, trainer.dense_optimizer, hook=trainer.comm_hook,
-                                    hook_options=trainer.hook_options, agree_every=trainer.agree_every,
-                                    initial=restored, recorder=ctx.recorders.training)
         positions = (restored or {}).get("data_positions", {})
-        self.batches = BatchStream(data, _position(positions.get(ctx.worker_index)),
-                                   prefetch=PREFETCH_BATCHES + trainer.staleness)
+        shared = bool(getattr(data, "shared", False))
+        # Data the group shares starts once the group dealt it (``GroupShares.formed``).
+        self.batches = BatchStream(data, None if shared else _position(positions.get(ctx.worker_index)),
+                                   prefetch=PREFETCH_BATCHES + trainer.staleness, started=not shared)
+        self.shares = GroupShares(data, self.batches, positions) if shared else None
         self.pipeline = RowPipeline(trainer.staleness, self._upcoming, trainer.tables, trainer.agree_every, steps,
                                     read_ahead=trainer.read_ahead, cache_steps=trainer.cache_steps,
                                     cache_rows=trainer.cache_rows, recorder=ctx.recorders.data_plane)
+        #: ``replica.steps_skipped`` when this member's batches last caught up with it (``None``: not formed yet).
+        self._skips_taken: Optional[int] = None
+        self.replica = DenseReplica(group, trainer.dense, trainer.dense_optimizer, hook=trainer.comm_hook,
+                                    hook_options=trainer.hook_options, agree_every=trainer.agree_every,
+                                    initial=restored, recorder=ctx.recorders.training, on_formed=self._formed,
+                                    on_agreed=self._agreed if shared else None)
         self.checkpoints = TrainerCheckpoints(ctx, self.replica, self.batches.position,
                                               model=trainer.model_description)
         self.exports = _live_exports(trainer, ctx, self.replica)
@@ -319,14 +326,12 @@ class _Run:
         if (final or replica.step % replica.agree_every == 0) and not self._settled(self.pipeline.drain()):
             return False  # every push is applied before an agreement (a checkpoint holds every update to its step)
         while True:
-            skipped_before = replica.steps_skipped
             try:
                 if not final:
                     want_stop, waiting = self._agreement_flags()
                     going_on = replica.sync_point(want_stop, self.checkpoints.pending(), waiting)
-                    if replica.steps_skipped != skipped_before:  # the group moved on: the reads ahead are for other steps
+                    if self._catch_up(replica):  # the group moved on: the reads ahead are for other steps
                         self.pipeline.drop_reads()
-                    self.batches.skip(replica.steps_skipped - skipped_before)
                     if not going_on:
                         return False
                 self.checkpoints.at_boundary(replica.agreed_checkpoint)
@@ -340,7 +345,7 @@ class _Run:
             except GroupStopped:
                 return False
             except Exception as error:  # noqa: BLE001 - only a failed collective is recovered from
-                self.batches.skip(replica.steps_skipped - skipped_before)
+                self._catch_up(replica)
                 return self._recovered(error)
 
     def _upcoming(self, offset: int) -> Optional[Batch]:
@@ -377,13 +382,34 @@ class _Run:
         self.pipeline.drop_reads()  # the group may skip steps; a step redone looks its rows up again
         if not self._settled(self.pipeline.drain()):
             return False
-        skipped_before = replica.steps_skipped
         try:
             recovered = replica.recover(error)
         except GroupStopped:
             return False
-        self.batches.skip(replica.steps_skipped - skipped_before)
+        self._catch_up(replica)
         return recovered
+
+    def _catch_up(self, replica: DenseReplica) -> int:
+        """Drop the batches of the steps this member took from another since it last caught up; how many."""
+        skipped = replica.steps_skipped - self._skips_taken
+        self.batches.skip(skipped)
+        self._skips_taken = replica.steps_skipped
+        return skipped
+
+    def _formed(self, replica: DenseReplica) -> None:
+        """The group (re-)formed: the batches catch up with the step taken (a member that joined takes the
+        group's step, not its batches), and data the group shares is dealt again to its members."""
+        if self._skips_taken is None:
+            self._skips_taken = replica.steps_skipped
+        if self._catch_up(replica):  # the group moved on: the reads ahead are for other steps
+            self.pipeline.drop_reads()
+        if self.shares is not None:
+            self.shares.formed(replica.group, replica.step)
+            self.pipeline.drop_reads()  # the batches ahead are others now
+
+    def _agreed(self, replica: DenseReplica) -> None:
+        """An agreement of a group that shares its data: every member's position, for the next re-formation."""
+        self.shares.agreed(replica.group, replica.step)
 
     def _after_step(self) -> None:
         replica, ctx, step = self.replica, self.ctx, self.replica.step

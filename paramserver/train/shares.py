@@ -1,0 +1,141 @@
+"""``GroupShares``: the members of a trainer group read one followed input together, each its share by its
+place in the group's current membership, re-dealt whenever the group re-forms.
+
+Owns the group's side of sharing a followed input (``FileReader(follow=True)``: its parts are named, and a
+reader can be re-dealt, ``reshare``): what the members tell each other and when, and who computes the new
+deal.  The rule itself (merging positions, who takes which part) is ``paramserver.data.shares.deal``; the
+step, the agreement and re-forming are the Trainer's and ``DenseReplica``'s, which call:
+
+* ``agreed(group, step)`` at every agreement that goes on: every member's position (before the batch of
+  ``step``) is gathered, and kept with that step (a *snapshot*);
+* ``formed(group, step)`` each time the group (re-)formed, once the state is shared and the members that
+  were behind skipped the batches of the steps they took from another (every member at ``step``).  Every
+  member tells its position now and the step of its snapshot; the member with the newest snapshot deals:
+  the members' positions, and the positions of the members of its snapshot that are gone, replayed: a
+  temporary reader of the same input, as that member's deal was, reads on from its snapshot position for
+  ``step - snapshot step`` batches (the steps the group completed since: that member read each of their
+  batches), which is where it stood before the batch of ``step``.  Its parts under way and its parts not
+  started go to the members by name (``deal``); a member that joined brings nothing and gets its share.
+  Every member then reads on from the position dealt to it, its batches read ahead dropped.  At the group's
+  first formation nobody has a snapshot: rank 0 deals the positions of the checkpoint the job starts from,
+  whatever workers wrote them (``restored``), or the input from its start.
+
+The replay reads the same batches as the lost member did only if its reader met the files in name order:
+a reader reads the files one listing found in name order, and the replay lists them all at once, so files
+that landed out of name order (an earlier name landing later, between two listings that member made) may
+be replayed in another order, and a few lines read twice or skipped.  The batch of the step the lost
+member had under way when it died is read again by the member its part goes to: its dense part was not
+applied (the group did not complete that step), its sparse push may have been (at most that one batch
+twice; with ``staleness`` k, the pushes of up to k steps before it may be lost instead).
+"""
+
+import dataclasses
+import datetime
+import logging
+import threading
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch.distributed as dist
+
+from ..data.shares import deal, is_followed
+from .data import BatchStream
+
+logger = logging.getLogger(__name__)
+
+#: How long replaying a lost member's reader may take before the group goes on with what it replayed.
+REPLAY_WITHIN = datetime.timedelta(seconds=60)
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """Every member's position before the batch of ``step``: ``entries[name] = {"state", "worker",
+    "workers"}`` (its reader's position and deal)."""
+
+    step: int
+    entries: Dict[str, Dict[str, Any]]
+
+
+class GroupShares:
+    """``data`` (a reader with ``shared`` true: ``reshare``, ``dealt``, ``state_dict``...), read through
+    ``batches`` (started by the first ``formed``), shared by this worker's trainer group.  ``restored``: the
+    data positions of the checkpoint the job starts from (``{worker index: BatchStream.position()}``)."""
+
+    def __init__(self, data, batches: BatchStream, restored: Optional[Dict[Any, Any]] = None):
+        self.data, self.batches = data, batches
+        self.restored: List[Dict[str, Any]] = [position["state"] for position in (restored or {}).values()
+                                               if isinstance(position, dict) and is_followed(position.get("state"))]
+        self.snapshot: Optional[Snapshot] = None
+        #: How many times this member's reader was re-dealt.
+        self.deals = 0
+
+    def _mine(self, group) -> Dict[str, Any]:
+        return {"name": group.members[group.rank], "state": self.batches.position()["state"],
+                "worker": self.data.worker, "workers": self.data.workers}
+
+    def agreed(self, group, step: int) -> None:
+        """At an agreement: every member's position, kept as the snapshot of ``step``."""
+        entries: List[Optional[Dict[str, Any]]] = [None] * group.world_size
+        dist.all_gather_object(entries, self._mine(group))
+        self.snapshot = Snapshot(step, {entry["name"]: entry for entry in entries})
+
+    def formed(self, group, step: int) -> None:
+        """The group (re-)formed at ``step``: deal the input to its members and read on from this member's
+        share (see the module's text)."""
+        mine = dict(self._mine(group), snapshot=None if self.snapshot is None else self.snapshot.step)
+        if self.snapshot is None:
+            mine["state"] = None  # nothing read yet as a member: it brings nothing
+        told: List[Optional[Dict[str, Any]]] = [None] * group.world_size
+        dist.all_gather_object(told, mine)
+        holders = [rank for rank, entry in enumerate(told) if entry["snapshot"] is not None]
+        dealer = max(holders, key=lambda rank: (told[rank]["snapshot"], -rank)) if holders else 0
+        dealt: List[Optional[List[Dict[str, Any]]]] = [None]
+        if group.rank == dealer:
+            dealt = [self._deal(told, group, step)]
+        dist.broadcast_object_list(dealt, src=dealer, device=group.device)
+        states = dealt[0]
+        self.batches.restart(lambda: self.data.reshare(group.rank, group.world_size, states[group.rank]))
+        self.snapshot = Snapshot(step, {name: {"state": states[rank], "worker": rank, "workers": group.world_size}
+                                        for rank, name in enumerate(group.members)})
+        self.deals += 1
+        logger.info("%s reads share %d of %d of the followed input from step %d (%d part(s) under way, %d done)",
+                    group.members[group.rank], group.rank, group.world_size, step,
+                    1 + len(states[group.rank]["held"]) if states[group.rank]["key"] else 0,
+                    len(states[group.rank]["done"]))
+
+    def _deal(self, told: Sequence[Dict[str, Any]], group, step: int) -> List[Dict[str, Any]]:
+        members = [entry["state"] for entry in told]
+        if self.snapshot is None:  # the group's first formation: the checkpoint's positions, if any
+            return deal(members, self.restored, group.world_size)
+        telling = {entry["name"] for entry in told if entry["state"] is not None}
+        gone = [name for name in self.snapshot.entries if name not in telling]
+        others = [self._replayed(name, self.snapshot.entries[name], step - self.snapshot.step) for name in gone]
+        return deal(members, others, group.world_size)
+
+    def _replayed(self, name: str, entry: Dict[str, Any], batches: int) -> Dict[str, Any]:
+        """Where ``name``'s reader stood ``batches`` batches after its snapshot position (see the module's
+        text), read again by a temporary reader, within ``REPLAY_WITHIN``."""
+        if batches <= 0:
+            return entry["state"]
+        reader = self.data.dealt(entry["worker"], entry["workers"])
+        reader.load_state_dict(entry["state"])
+        deadline = threading.Timer(REPLAY_WITHIN.total_seconds(), reader.close)
+        deadline.daemon = True
+        deadline.start()
+        iterator = iter(reader)
+        read = 0
+        try:
+            for _ in range(batches):
+                if next(iterator, None) is None:
+                    break
+                read += 1
+            state = reader.state_dict()
+        finally:
+            deadline.cancel()
+            iterator.close()
+            reader.close()
+        if read < batches:
+            logger.warning("replayed only %d of the %d batches %s read after its last agreement (within %.0f s): "
+                           "the rest of them may be read again", read, batches, name, REPLAY_WITHIN.total_seconds())
+        logger.info("%s left the group: its reading position replayed over the %d batch(es) it read since its "
+                    "group's last agreement", name, read)
+        return state
