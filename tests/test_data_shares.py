@@ -7,7 +7,7 @@ import time
 import pytest
 
 from paramserver.data import FileReader
-from paramserver.data.shares import deal, owner, under_way
+from paramserver.data.shares import again, deal, owner, under_way
 
 from test_data_follow import POLL, land, take
 
@@ -42,6 +42,16 @@ def test_a_part_under_way_twice_is_taken_from_where_it_is_furthest_on():
     older, newer = position(key="f1", offset=10), position(key="f1", offset=90, rows=2)
     dealt = deal([None], [older, newer])
     assert under_way(dealt[0]) == [("f1", 90, 2)] and "f1" not in dealt[0]["done"]
+
+
+def test_a_batch_read_again_keeps_the_parts_it_began_whatever_the_deal():
+    before = position(done=["f0"], key="f1", offset=40, rows=3)
+    after = position(done=["f0", "f1", "f2"], key="f3", offset=0, rows=5)  # the batch ran through f2 into f3
+    kept = again(before, after)
+    assert under_way(kept) == [("f1", 40, 3), ("f2", 0, 0), ("f3", 0, 0)]
+    assert again(before, position(done=["f0"], key="f1", offset=80)) == before
+    dealt = deal([kept, None], [])
+    assert under_way(dealt[0]) == under_way(kept) and {"f1", "f2", "f3"} <= set(dealt[1]["done"])
 
 
 def test_a_fixed_inputs_position_is_refused():

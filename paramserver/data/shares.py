@@ -20,6 +20,7 @@ checkpoint's, whatever workers wrote them):
   parts), from its start.
 
 So over the group's members every line not read yet is read once, and none already read is read again.
+``again(before, after)``: a position that reads a batch again whatever the deal (its parts kept).
 """
 
 import zlib
@@ -43,6 +44,18 @@ def owner(key: str, size: int) -> int:
 def is_followed(state: Any) -> bool:
     """Whether ``state`` is a followed input's position (named parts), not a fixed input's or another data's."""
     return isinstance(state, dict) and "done" in state
+
+
+def again(before: Dict[str, Any], after: Dict[str, Any]) -> Dict[str, Any]:
+    """The position ``before`` a batch, with the parts that batch began (done or under way in the position
+    ``after`` it, neither in ``before``) held from their start, in the order it read them: a reader dealt it
+    reads the same batch again (a step redone after its group re-formed trains the lines it tried)."""
+    known = set(before["done"]) | {key for key, _, _ in under_way(before)}
+    begun = [key for key in after["done"] if key not in known]
+    begun += [key for key, _, _ in under_way(after) if key not in known and key not in begun]
+    if not begun:
+        return before
+    return dict(before, held=tuple(before.get("held", ())) + tuple((key, 0, 0) for key in begun))
 
 
 def deal(members: Sequence[Optional[Dict[str, Any]]], others: Sequence[Dict[str, Any]],

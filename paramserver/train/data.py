@@ -178,6 +178,11 @@ class BatchStream:
                 return
             self.finished()
 
+    def current_states(self) -> Tuple[Any, Any]:
+        """The data's state before the batch of the step at hand and after it (``None`` when that batch is not
+        read yet)."""
+        return (self._ahead[0][1], self._ahead[0][2]) if self._ahead else (self._next_state, None)
+
     def position(self) -> Dict[str, Any]:
         """Where a restored run resumes: batches used, and the data's state before the next one."""
         if not self._stateful:

@@ -16,7 +16,9 @@ step, the agreement and re-forming are the Trainer's and ``DenseReplica``'s, whi
   ``step - snapshot step`` batches (the steps the group completed since: that member read each of their
   batches), which is where it stood before the batch of ``step``.  Its parts under way and its parts not
   started go to the members by name (``deal``); a member that joined brings nothing and gets its share.
-  Every member then reads on from the position dealt to it, its batches read ahead dropped.  At the group's
+  Every member then reads on from the position dealt to it, its batches read ahead dropped: a member's
+  position is before the batch of ``step``, with the parts that batch began kept as its own
+  (``shares.again``), so that a step redone trains the lines it tried.  At the group's
   first formation nobody has a snapshot: rank 0 deals the positions of the checkpoint the job starts from,
   whatever workers wrote them (``restored``), or the input from its start.
 
@@ -37,7 +39,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch.distributed as dist
 
-from ..data.shares import deal, is_followed
+from ..data.shares import again, deal, is_followed
 from .data import BatchStream
 
 logger = logging.getLogger(__name__)
@@ -82,8 +84,11 @@ class GroupShares:
         """The group (re-)formed at ``step``: deal the input to its members and read on from this member's
         share (see the module's text)."""
         mine = dict(self._mine(group), snapshot=None if self.snapshot is None else self.snapshot.step)
+        before, after = self.batches.current_states()
         if self.snapshot is None:
             mine["state"] = None  # nothing read yet as a member: it brings nothing
+        elif after is not None:  # the batch at hand (a step redone) is read again as it was
+            mine["state"] = again(before, after)
         told: List[Optional[Dict[str, Any]]] = [None] * group.world_size
         dist.all_gather_object(told, mine)
         holders = [rank for rank, entry in enumerate(told) if entry["snapshot"] is not None]
