@@ -120,6 +120,8 @@ class GroupShares:
         """Where ``name``'s reader stood ``batches`` batches after its snapshot position (see the module's
         text), read again by a temporary reader, within ``REPLAY_WITHIN``."""
         if batches <= 0:
+            logger.info("%s left the group: its reading position is the one it told at step %d", name,
+                        self.snapshot.step)
             return entry["state"]
         reader = self.data.dealt(entry["worker"], entry["workers"])
         reader.load_state_dict(entry["state"])

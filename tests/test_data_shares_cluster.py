@@ -1,0 +1,139 @@
+"""Shares dealt by the membership, end to end through the real commands: two workers follow an input of
+numbered lines (no ``data.workers`` anywhere), one is SIGKILLed mid-stream, a third joins, more files land,
+and every line is trained exactly once by a step the group completed (``tests/jobs/count_lines.py`` records
+the lines of every step).  The killed worker's step in flight (not completed by the group) is re-read by
+the member its part went to: each of its lines is counted once among the completed steps."""
+
+import json
+import os
+import pathlib
+import re
+import signal
+import sys
+import time
+from typing import Dict, List, Tuple
+
+import pytest
+
+from commands import errors, job_config, start_server, wait_for_status
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent / "jobs"))
+from count_lines import numbered  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+JOB = f"{pathlib.Path(__file__).parent / 'jobs' / 'count_lines.py'}:main"
+LINES_PER_FILE = 30  # with 4 lines a batch, batches run across files
+
+
+def land(folder: pathlib.Path, number: int, first: int, count: int = LINES_PER_FILE) -> None:
+    target = folder / f"part-{number:03d}.txt"
+    scratch = folder / f".{target.name}.inprogress"  # hidden until whole, as writers do
+    scratch.write_text("".join(numbered(index) + "\n" for index in range(first, first + count)))
+    scratch.rename(target)
+
+
+def records(folder: pathlib.Path) -> Dict[str, Dict[int, List[int]]]:
+    """Per worker, per step: the lines of the last forward pass of that step (a step done again after its group
+    re-formed trains the same batch: the last record stands)."""
+    found: Dict[str, Dict[int, List[int]]] = {}
+    for path in folder.glob("*.txt"):
+        steps = found.setdefault(path.stem, {})
+        for text in path.read_text().splitlines():
+            match = re.fullmatch(r"(\d+) ([\d,]+)", text)
+            if match:  # (the killed worker's last record may be cut short)
+                steps[int(match.group(1))] = [int(line) for line in match.group(2).split(",")]
+    return found
+
+
+def trained(found, killed: str, resumed: int, final: Dict[str, int]) -> Tuple[List[int], List[int]]:
+    """The lines of the steps the group completed (each member's records below the step it ended at; the killed
+    worker's below the step its group resumed at), and the killed worker's step in flight."""
+    lines, in_flight = [], []
+    for worker, steps in found.items():
+        end = resumed if worker == killed else final.get(worker, 1 << 62)
+        for step, batch in steps.items():
+            if step < end:
+                lines += batch
+            elif worker == killed and step == resumed:
+                in_flight = batch
+    return lines, in_flight
+
+
+def wait_for(condition, timeout: float, what: str, processes=()):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        for process in processes:
+            assert process.poll() is None, f"{process.args} exited {process.returncode}:\n{errors(process)[-3000:]}"
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout} s"
+        time.sleep(0.1)
+
+
+def test_workers_joining_and_killed_mid_stream_train_every_line_once(commands, tmp_path):
+    data, folder = tmp_path / "data", tmp_path / "records"
+    data.mkdir()
+    folder.mkdir()
+    for number in range(6):
+        land(data, number, number * LINES_PER_FILE)
+    server, address = start_server(commands, "--shards", "1", "--heartbeat-timeout", "2", "--job", JOB,
+                                   "--job-config", job_config(train=str(data), records=str(folder)))
+    first = [commands.start("ps-worker", "--connect", address) for _ in range(2)]
+    # both in one group and training: each has trained steps past the first dealing to two
+    wait_for(lambda: len(records(folder)) == 2 and all(max(steps, default=0) >= 8 for steps in records(folder).values()),
+             60, "two workers training", first)
+    names = {worker["pid"]: worker["name"] for worker in wait_for_status(
+        commands, address, lambda status: len(status["workers"]) == 2, 30)["workers"]}
+    joiner = commands.start("ps-worker", "--connect", address)  # joins as it is up, about as the group re-forms
+    killed_process = first[1]
+    killed = names[killed_process.pid]
+    os.kill(killed_process.pid, signal.SIGKILL)
+    assert killed_process.wait(10) == -signal.SIGKILL
+    survivor = first[0]
+    for number in range(6, 10):  # land while the group re-forms: dealt by the new membership
+        land(data, number, number * LINES_PER_FILE)
+    total = 10 * LINES_PER_FILE
+
+    def resumed_at():
+        match = re.search(r"re-formed in [\d.]+ s after a failed collective at step \d+: .*, at step (\d+)",
+                          errors(survivor))
+        return int(match.group(1)) if match else None
+
+    wait_for(lambda: resumed_at() is not None, 60, "the survivor re-forming", [survivor, joiner])
+    resumed = resumed_at()
+
+    # Every line trained by a completed step: the last batch of each reader waits for more lines, so padding
+    # files (numbered past the lines counted) land until every counted line was trained.
+    padding = 10
+    deadline = time.monotonic() + 60
+    while True:
+        lines, _ = trained(records(folder), killed, resumed, {})
+        if set(range(total)) <= set(lines) and len(records(folder)) == 3:
+            break
+        assert time.monotonic() < deadline, f"lines never trained: {sorted(set(range(total)) - set(lines))[:20]}"
+        for process in (survivor, joiner):
+            assert process.poll() is None, errors(process)[-3000:]
+        land(data, padding, padding * LINES_PER_FILE, 3)
+        padding += 1
+        time.sleep(0.5)
+
+    assert commands.run("ps-ctl", "--connect", address, "shutdown").returncode == 0
+    for process in (survivor, joiner):
+        assert process.wait(60) == 0, errors(process)[-3000:]
+    assert server.wait(60) == 0, errors(server)[-3000:]
+
+    final = {name: json.loads((folder / f"{name}.json").read_text())["steps"]
+             for name in records(folder) if name != killed}
+    lines, in_flight = trained(records(folder), killed, resumed, final)
+    counted = [line for line in lines if line < total]
+    assert sorted(counted) == list(range(total)), (
+        f"twice: {sorted({line for line in counted if counted.count(line) > 1})[:20]}, "
+        f"never: {sorted(set(range(total)) - set(counted))[:20]}")
+    padded = [line for line in lines if line >= total]
+    assert len(padded) == len(set(padded))  # the padding too, as far as it was trained
+    # The killed worker's step in flight (its sparse push may have been applied: docs/fault-tolerance.md): its
+    # lines were read again by whoever took its part, once each.
+    assert all(counted.count(line) == 1 for line in in_flight)
+    joined = next(name for name in final if name not in names.values())
+    assert records(folder)[joined], "the worker that joined trained nothing"
+    text = errors(survivor)
+    assert f"{killed} left the group" in text or f"{killed} left the group" in errors(joiner), text[-3000:]
