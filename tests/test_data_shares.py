@@ -105,3 +105,78 @@ def test_readers_re_dealt_mid_stream_read_every_line_once(tmp_path):
     land(tmp_path, "part-8.txt", 800, 100)  # lands meanwhile: dealt by the new rule
     rest = read_all([readers[0], readers[2], joiner], 900 - len(head))
     assert sorted(head + rest) == list(range(900))
+
+
+@pytest.fixture
+def group_of_one():
+    """A trainer group of one (``worker0``), over gloo in this process."""
+    from paramserver.ddp import TrainerGroup
+    from paramserver.runtime.context import JobContext
+    ctx = JobContext.local()
+    group = TrainerGroup.join(ctx.group)
+    yield group
+    group.close()
+    ctx.close()
+
+
+def two_readers_part_way(folder, reads):
+    """Readers 0 and 1 of 2 over 6 files of 40 lines; reader ``r`` reads ``reads[r]`` batches of 10 (a list of
+    counts: its state after each count is kept).  Returns (lines read, states per reader)."""
+    for index in range(6):
+        land(folder, f"part-{index}.txt", index * 40, 40)
+    read, states = [], []
+    for worker, counts in enumerate(reads):
+        reader = FileReader(str(folder), 10, follow=True, poll=POLL, chunk_bytes=2_000, worker=worker, workers=2)
+        batches, kept = iter(reader), []
+        for count in counts:
+            read += take(batches, count)
+            kept.append(reader.state_dict())
+        batches.close()
+        states.append(kept)
+    return read, states
+
+
+def read_rest(shares_reader, stream, expected):
+    """The batches ``stream`` gives until ``expected`` lines came (or none came for a while)."""
+    seen = []
+    deadline = time.monotonic() + 30
+    while len(seen) < expected and time.monotonic() < deadline:
+        if stream.ready(1, 0.5):
+            seen += [int(i) for i in stream.current().sparse["C1"].view(-1)]
+            stream.finished()
+    time.sleep(0.3)
+    extra = stream.ready(1, 0.5)
+    stream.close()
+    shares_reader.close()
+    assert not extra, "a line was left to read twice"
+    return seen
+
+
+def test_a_lost_members_position_is_replayed_over_the_steps_its_group_completed(tmp_path, group_of_one):
+    """worker0 told its position at step 10 (2 batches read), the lost member too (1 batch read); the lost
+    member then trained steps 10 and 11 (2 more batches) and died: the group of one re-forms at step 12."""
+    from paramserver.train.data import BatchStream
+    from paramserver.train.shares import GroupShares, Snapshot
+
+    read, states = two_readers_part_way(tmp_path, [[2], [1, 2]])
+    reader = FileReader(str(tmp_path), 10, follow=True, poll=POLL, chunk_bytes=2_000)
+    stream = BatchStream(reader, {"used": 10, "state": states[0][0]}, prefetch=2, started=False)
+    shares = GroupShares(reader, stream)
+    shares.snapshot = Snapshot(10, {"worker0": {"state": states[0][0], "worker": 0, "workers": 2},
+                                    "lost": {"state": states[1][0], "worker": 1, "workers": 2}})
+    shares.formed(group_of_one, 12)
+    rest = read_rest(reader, stream, 240 - len(read))
+    assert sorted(read + rest) == list(range(240))
+
+
+def test_a_restore_deals_every_saved_position_to_the_group_whatever_its_size(tmp_path, group_of_one):
+    from paramserver.train.data import BatchStream
+    from paramserver.train.shares import GroupShares
+
+    read, states = two_readers_part_way(tmp_path, [[3], [5]])
+    reader = FileReader(str(tmp_path), 10, follow=True, poll=POLL, chunk_bytes=2_000)
+    stream = BatchStream(reader, None, prefetch=2, started=False)
+    shares = GroupShares(reader, stream, {0: {"used": 3, "state": states[0][0]}, 1: {"used": 5, "state": states[1][0]}})
+    shares.formed(group_of_one, 5)
+    rest = read_rest(reader, stream, 240 - len(read))
+    assert sorted(read + rest) == list(range(240))
