@@ -210,6 +210,8 @@ def test_ps_demo_shares_the_job_files_among_its_workers():
     assert demo._job_config(args)["data"] == {"train": "/data/*.gz", "workers": 3}
     args.job_config = json.dumps({"data": {"train": "/data/*.gz", "workers": 2}})
     assert demo._job_config(args)["data"]["workers"] == 2  # as given
+    args.job_config = json.dumps({"data": {"train": "/data/", "follow": True}})
+    assert "workers" not in demo._job_config(args)["data"]  # a followed input: the trainer group deals it
 
 
 #: In a fresh interpreter: a coordinator service without a store (so without torch) on a real port, and

@@ -26,9 +26,10 @@ come, each exactly once, complete files only (``parts.InputFiles.ready``: final 
 (it waits for files, in bounded polls, with a log line at a bounded rate) and ends on ``close()``.  A
 followed input's parts (a file, or 256 MiB of it: never cut by the number of workers) go to workers by a
 hash of their names (``crc32 % workers``), so that every worker decides alone and alike which new file is
-whose.  Its position names parts by name: the parts
-done, the one under way (its chunk offset and rows given), so that after a restore nothing is read
-twice and no file from its start again.
+whose; the parts under way of the position it starts from are its own whatever their hash, so that a group
+can re-deal its members' reading (``reshare``; the rule: ``paramserver.data.shares``).  Its position names
+parts by name: the parts done, the ones under way (chunk offset and rows given of each), so that after a
+restore nothing is read twice and no file from its start again.
 
 Malformed input stops the reader with ``MalformedInput`` naming the file
 and line (Parquet: row group and row), or, with ``skip_malformed``, is

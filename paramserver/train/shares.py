@@ -40,12 +40,14 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch.distributed as dist
 
 from ..data.shares import again, deal, is_followed
+from ..logs import one_line
 from .data import BatchStream
 
 logger = logging.getLogger(__name__)
 
-#: How long replaying a lost member's reader may take before the group goes on with what it replayed.
-REPLAY_WITHIN = datetime.timedelta(seconds=60)
+#: How long replaying a lost member's reader may take before the group goes on with what it replayed (the
+#: other members wait for the deal in a collective: well within its timeout, ``ddp.group.COLLECTIVE_TIMEOUT``).
+REPLAY_WITHIN = datetime.timedelta(seconds=20)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +125,13 @@ class GroupShares:
             logger.info("%s left the group: its reading position is the one it told at step %d", name,
                         self.snapshot.step)
             return entry["state"]
-        reader = self.data.dealt(entry["worker"], entry["workers"])
+        try:
+            reader = self.data.dealt(entry["worker"], entry["workers"])
+        except (OSError, ValueError) as error:  # the input cannot be listed now (``UnreadableFile``)
+            logger.warning("%s left the group; its reading position could not be replayed (%s): the %d batch(es) "
+                           "it read since step %d may be read again", name, one_line(error), batches,
+                           self.snapshot.step)
+            return entry["state"]
         reader.load_state_dict(entry["state"])
         deadline = threading.Timer(REPLAY_WITHIN.total_seconds(), reader.close)
         deadline.daemon = True

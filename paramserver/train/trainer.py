@@ -16,7 +16,8 @@ that step boundary; then the step.  A step whose lookups failed is done
 again once the lost shard serves again (skipping the agreement it
 passed already); a failed collective re-forms the group and the step is
 done again from its agreement, in the new group; every other error ends
-the job.
+the job.  Data the group shares (a followed input) is dealt to its members
+at every formation and re-formation (``shares.GroupShares``).
 
 Metrics: the context's recorders (``JobContext.recorders``, set when the
 worker serves metrics) are handed down here: the data-plane one to the
@@ -164,7 +165,9 @@ class Trainer:
 
         ``data``: this worker's batches; if it has ``state_dict()``/
         ``load_state_dict()`` its position is saved in checkpoints, else it
-        is re-created by skipping batches.  ``eval_data`` (a re-iterable of
+        is re-created by skipping batches.  Data the group shares (``data.shared``: a
+        followed ``FileReader``) is dealt to the group's members by their place in it, and dealt again
+        whenever the group re-forms (``paramserver.train.shares``).  ``eval_data`` (a re-iterable of
         batches): rank 0 reports held-out ``auc`` and ``log_loss`` every
         ``eval_every`` steps and at the end.  ``figures``: fixed figures of
         the job reported with the Trainer's (a reference AUC...).
