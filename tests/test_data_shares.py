@@ -180,3 +180,22 @@ def test_a_restore_deals_every_saved_position_to_the_group_whatever_its_size(tmp
     shares.formed(group_of_one, 5)
     rest = read_rest(reader, stream, 240 - len(read))
     assert sorted(read + rest) == list(range(240))
+
+
+def test_a_batch_stream_restarted_mid_stream_reads_on_from_where_it_is_put(tmp_path):
+    """Batches read ahead are dropped; the reader, stopped while it waits for files, reads on from the position
+    it is given (here: the stream's own, re-dealt to the same share)."""
+    from paramserver.train.data import BatchStream
+    for index in range(3):
+        land(tmp_path, f"part-{index}.txt", index * 40, 40)
+    reader = FileReader(str(tmp_path), 10, follow=True, poll=POLL, chunk_bytes=2_000)
+    stream = BatchStream(reader, prefetch=2)
+    seen = []
+    for _ in range(5):
+        seen += [int(i) for i in stream.current().sparse["C1"].view(-1)]
+        stream.finished()
+    assert stream.ready(3, 5.0) and len(stream) == 3  # read ahead, to be dropped
+    stream.restart(lambda: reader.reshare(0, 1, stream.position()["state"]))
+    assert len(stream) == 0
+    rest = read_rest(reader, stream, 120 - len(seen))
+    assert seen + rest == list(range(120))

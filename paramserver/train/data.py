@@ -70,15 +70,17 @@ class BatchStream:
         self._ahead: Deque[Tuple[Batch, Any, Any]] = collections.deque()
         self._reader: Optional[_Reader] = None
         self._iterator: Optional[Iterator[Batch]] = None
-        #: The data's state after the last batch pulled (before the next one).
-        self._next_state = data.state_dict() if self._stateful else None
+        #: The data's state after the last batch taken (before the next one), and after the last one pulled.
+        self._next_state = self._pulled_state = data.state_dict() if self._stateful else None
         if not started:
             return
         self._iterator = iter(data)
+        self._next_state = self._pulled_state = data.state_dict() if self._stateful else None
         if restored and not loads_state:
             for _ in range(self.used):
                 if self._pull() is None:
                     break
+            self._next_state = self._pulled_state
             logger.info("data position restored by skipping %d batches", self.used)
         self._start_reading()
 
@@ -97,17 +99,19 @@ class BatchStream:
             self._iterator.close()
         configure()
         self._ahead.clear()
-        self._next_state = self._data.state_dict() if self._stateful else None
         self._iterator = iter(self._data)
+        self._next_state = self._pulled_state = self._data.state_dict() if self._stateful else None
         self._start_reading()
 
     def _pull_now(self) -> Optional[Tuple[Batch, Any, Any]]:
-        state = self._data.state_dict() if self._stateful else None
+        """The next batch, with the data's state before it (after the one pulled before) and after it: one
+        ``state_dict()`` a batch, by the one thread that pulls."""
         try:
             batch = next(self._iterator)
         except StopIteration:
             return None
-        return batch, state, self._data.state_dict() if self._stateful else None
+        before, self._pulled_state = self._pulled_state, self._data.state_dict() if self._stateful else None
+        return batch, before, self._pulled_state
 
     def _take(self, pulled: Tuple[Batch, Any, Any]) -> None:
         self._ahead.append(pulled)
