@@ -112,9 +112,10 @@ def test_workers_joining_and_killed_mid_stream_train_every_line_once(commands, t
         assert time.monotonic() < deadline, f"lines never trained: {sorted(set(range(total)) - set(lines))[:20]}"
         for process in (survivor, joiner):
             assert process.poll() is None, errors(process)[-3000:]
-        land(data, padding, padding * LINES_PER_FILE, 3)
-        padding += 1
-        time.sleep(0.5)
+        for _ in range(4):  # enough, most likely, for every member's batches up to the next agreement
+            land(data, padding, padding * LINES_PER_FILE, 24)
+            padding += 1
+        time.sleep(1.0)
 
     assert commands.run("ps-ctl", "--connect", address, "shutdown").returncode == 0
     for process in (survivor, joiner):

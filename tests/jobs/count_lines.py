@@ -18,7 +18,7 @@ import pathlib
 import torch
 from torch import nn
 
-from paramserver import Table, Trainer
+from paramserver import Batch, Table, Trainer
 from paramserver.data import FileReader
 from paramserver.optim import QHM
 
@@ -27,6 +27,14 @@ def numbered(index: int) -> str:
     """A Criteo line whose ``I1`` is ``index + 1`` (and ``C1`` spells ``index``)."""
     hashes = ["%08x" % index] + ["%08x" % ((index * 2654435761 + j) & 0xFFFFFFFF) for j in range(1, 26)]
     return "\t".join([str(index % 2), str(index + 1), *[""] * 12, *hashes])
+
+
+class FirstColumn(FileReader):
+    """The reader with only the ``C1`` table's ids in its batches (one table: a quicker job)."""
+
+    def __iter__(self):
+        for batch in super().__iter__():
+            yield Batch(sparse={"C1": batch.sparse["C1"]}, dense=batch.dense, labels=batch.labels)
 
 
 class CountingSGD(torch.optim.SGD):
@@ -65,9 +73,9 @@ class RecordingTower(nn.Module):
 
 def main(ctx, train: str, records: str, steps: int = 10 ** 6, batch_size: int = 4, poll_seconds: float = 0.1,
          agree_every: int = 5) -> dict:
-    reader = FileReader(train, batch_size, follow=True, poll=datetime.timedelta(seconds=poll_seconds),
-                        chunk_bytes=2_000, threads=1)
-    tables = {name: Table(None, 2, init_std=0.1) for name in reader.tables}
+    reader = FirstColumn(train, batch_size, follow=True, poll=datetime.timedelta(seconds=poll_seconds),
+                         chunk_bytes=2_000, threads=1)
+    tables = {"C1": Table(None, 2, init_std=0.1)}
     optimizers = []
 
     def dense_optimizer(params):
