@@ -69,8 +69,6 @@ class GroupShares:
         self.restored: List[Dict[str, Any]] = [position["state"] for position in (restored or {}).values()
                                                if isinstance(position, dict) and is_followed(position.get("state"))]
         self.snapshot: Optional[Snapshot] = None
-        #: How many times this member's reader was re-dealt.
-        self.deals = 0
 
     def _mine(self, group) -> Dict[str, Any]:
         return {"name": group.members[group.rank], "state": self.batches.position()["state"],
@@ -103,7 +101,6 @@ class GroupShares:
         self.batches.restart(lambda: self.data.reshare(group.rank, group.world_size, states[group.rank]))
         self.snapshot = Snapshot(step, {name: {"state": states[rank], "worker": rank, "workers": group.world_size}
                                         for rank, name in enumerate(group.members)})
-        self.deals += 1
         logger.info("%s reads share %d of %d of the followed input from step %d (%d part(s) under way, %d done)",
                     group.members[group.rank], group.rank, group.world_size, step,
                     1 + len(states[group.rank]["held"]) if states[group.rank]["key"] else 0,
