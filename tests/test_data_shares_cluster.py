@@ -73,7 +73,7 @@ def test_workers_joining_and_killed_mid_stream_train_every_line_once(commands, t
     data, folder = tmp_path / "data", tmp_path / "records"
     data.mkdir()
     folder.mkdir()
-    for number in range(6):
+    for number in range(10):  # about 40 steps of two workers: the kill comes mid-stream
         land(data, number, number * LINES_PER_FILE)
     server, address = start_server(commands, "--shards", "1", "--heartbeat-timeout", "2", "--job", JOB,
                                    "--job-config", job_config(train=str(data), records=str(folder)))
@@ -89,9 +89,9 @@ def test_workers_joining_and_killed_mid_stream_train_every_line_once(commands, t
     os.kill(killed_process.pid, signal.SIGKILL)
     assert killed_process.wait(10) == -signal.SIGKILL
     survivor = first[0]
-    for number in range(6, 10):  # land while the group re-forms: dealt by the new membership
+    for number in range(10, 14):  # land while the group re-forms: dealt by the new membership
         land(data, number, number * LINES_PER_FILE)
-    total = 10 * LINES_PER_FILE
+    total = 14 * LINES_PER_FILE
 
     def resumed_at():
         match = re.search(r"re-formed in [\d.]+ s after a failed collective at step \d+: .*, at step (\d+)",
@@ -103,7 +103,7 @@ def test_workers_joining_and_killed_mid_stream_train_every_line_once(commands, t
 
     # Every line trained by a completed step: the last batch of each reader waits for more lines, so padding
     # files (numbered past the lines counted) land until every counted line was trained.
-    padding = 10
+    padding = 14
     deadline = time.monotonic() + 60
     while True:
         lines, _ = trained(records(folder), killed, resumed, {})
