@@ -169,6 +169,25 @@ def test_a_lost_members_position_is_replayed_over_the_steps_its_group_completed(
     assert sorted(read + rest) == list(range(240))
 
 
+def test_a_member_that_missed_the_last_deal_is_dealt_from_the_dealers_snapshot_of_it(tmp_path, group_of_one):
+    """worker0's reader still follows the deal before (generation 0: that formation's broadcast never reached
+    it); the dealer's snapshot holds what the last deal gave it (here: its parts and the lost member's)."""
+    from paramserver.data.shares import deal as deal_positions
+    from paramserver.train.data import BatchStream
+    from paramserver.train.shares import GroupShares, Snapshot
+
+    read, states = two_readers_part_way(tmp_path, [[2], [3]])
+    last_deal = deal_positions([states[0][0]], [states[1][0]])[0]
+    reader = FileReader(str(tmp_path), 10, follow=True, poll=POLL, chunk_bytes=2_000, worker=0, workers=2)
+    stream = BatchStream(reader, {"used": 2, "state": states[0][0]}, prefetch=2, started=False)
+    shares = GroupShares(reader, stream)
+    shares.deal = 0
+    shares.snapshot = Snapshot(7, {"worker0": {"state": last_deal, "worker": 0, "workers": 1, "deal": 1}})
+    shares.formed(group_of_one, 7)
+    rest = read_rest(reader, stream, 240 - len(read))
+    assert sorted(read + rest) == list(range(240))
+
+
 def test_a_restore_deals_every_saved_position_to_the_group_whatever_its_size(tmp_path, group_of_one):
     from paramserver.train.data import BatchStream
     from paramserver.train.shares import GroupShares

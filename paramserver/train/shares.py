@@ -22,6 +22,11 @@ step, the agreement and re-forming are the Trainer's and ``DenseReplica``'s, whi
   first formation nobody has a snapshot: rank 0 deals the positions of the checkpoint the job starts from,
   whatever workers wrote them (``restored``), or the input from its start.
 
+Each deal is named by the generation of the group that made it, and every member tells the deal it
+follows: a member that missed the last deal the dealer knows of (that formation failed before its
+broadcast reached it, and no step was completed since) is dealt from the dealer's snapshot of it, as a
+member that is gone is, not from the position it tells.
+
 The replay reads the same batches as the lost member did only if its reader met the files in name order:
 a reader reads the files one listing found in name order, and the replay lists them all at once, so files
 that landed out of name order (an earlier name landing later, between two listings that member made) may
@@ -53,7 +58,7 @@ REPLAY_WITHIN = datetime.timedelta(seconds=20)
 @dataclasses.dataclass(frozen=True)
 class Snapshot:
     """Every member's position before the batch of ``step``: ``entries[name] = {"state", "worker",
-    "workers"}`` (its reader's position and deal)."""
+    "workers", "deal"}`` (its reader's position, its share, and the generation that dealt it)."""
 
     step: int
     entries: Dict[str, Dict[str, Any]]
@@ -69,10 +74,12 @@ class GroupShares:
         self.restored: List[Dict[str, Any]] = [position["state"] for position in (restored or {}).values()
                                                if isinstance(position, dict) and is_followed(position.get("state"))]
         self.snapshot: Optional[Snapshot] = None
+        #: The generation of the group that dealt this member's share (``None``: not dealt yet).
+        self.deal: Optional[int] = None
 
     def _mine(self, group) -> Dict[str, Any]:
         return {"name": group.members[group.rank], "state": self.batches.position()["state"],
-                "worker": self.data.worker, "workers": self.data.workers}
+                "worker": self.data.worker, "workers": self.data.workers, "deal": self.deal}
 
     def agreed(self, group, step: int) -> None:
         """At an agreement: every member's position, kept as the snapshot of ``step``."""
@@ -99,8 +106,9 @@ class GroupShares:
         dist.broadcast_object_list(dealt, src=dealer, device=group.device)
         states = dealt[0]
         self.batches.restart(lambda: self.data.reshare(group.rank, group.world_size, states[group.rank]))
-        self.snapshot = Snapshot(step, {name: {"state": states[rank], "worker": rank, "workers": group.world_size}
-                                        for rank, name in enumerate(group.members)})
+        self.deal = group.generation
+        self.snapshot = Snapshot(step, {name: {"state": states[rank], "worker": rank, "workers": group.world_size,
+                                               "deal": self.deal} for rank, name in enumerate(group.members)})
         logger.info("%s reads share %d of %d of the followed input from step %d (%d part(s) under way, %d done)",
                     group.members[group.rank], group.rank, group.world_size, step,
                     1 + len(states[group.rank]["held"]) if states[group.rank]["key"] else 0,
@@ -110,23 +118,28 @@ class GroupShares:
         members = [entry["state"] for entry in told]
         if self.snapshot is None:  # the group's first formation: the checkpoint's positions, if any
             return deal(members, self.restored, group.world_size)
-        telling = {entry["name"] for entry in told if entry["state"] is not None}
-        gone = [name for name in self.snapshot.entries if name not in telling]
-        others = [self._replayed(name, self.snapshot.entries[name], step - self.snapshot.step) for name in gone]
+        known = self.snapshot.entries
+        # a member that missed a deal the dealer knows of tells a position of the deal before: not used
+        members = [None if entry["name"] in known and entry["deal"] != known[entry["name"]].get("deal") else state
+                   for entry, state in zip(told, members)]
+        telling = {entry["name"] for entry, state in zip(told, members) if state is not None}
+        gone = [name for name in known if name not in telling]
+        others = [self._replayed(f"{name} {'missed the last deal' if name in group.members else 'left the group'}",
+                                 known[name], step - self.snapshot.step) for name in gone]
         return deal(members, others, group.world_size)
 
-    def _replayed(self, name: str, entry: Dict[str, Any], batches: int) -> Dict[str, Any]:
-        """Where ``name``'s reader stood ``batches`` batches after its snapshot position (see the module's
-        text), read again by a temporary reader, within ``REPLAY_WITHIN``."""
+    def _replayed(self, who: str, entry: Dict[str, Any], batches: int) -> Dict[str, Any]:
+        """Where a reader (``who``: its member's name, and why it is replayed) stood ``batches`` batches after
+        its snapshot position ``entry`` (see the module's text), read again by a temporary reader, within
+        ``REPLAY_WITHIN``."""
         if batches <= 0:
-            logger.info("%s left the group: its reading position is the one it told at step %d", name,
-                        self.snapshot.step)
+            logger.info("%s: its reading position is the one it told at step %d", who, self.snapshot.step)
             return entry["state"]
         try:
             reader = self.data.dealt(entry["worker"], entry["workers"])
         except (OSError, ValueError) as error:  # the input cannot be listed now (``UnreadableFile``)
-            logger.warning("%s left the group; its reading position could not be replayed (%s): the %d batch(es) "
-                           "it read since step %d may be read again", name, one_line(error), batches,
+            logger.warning("%s; its reading position could not be replayed (%s): the %d batch(es) it read "
+                           "since step %d may be read again", who, one_line(error), batches,
                            self.snapshot.step)
             return entry["state"]
         reader.load_state_dict(entry["state"])
@@ -146,8 +159,8 @@ class GroupShares:
             iterator.close()
             reader.close()
         if read < batches:
-            logger.warning("replayed only %d of the %d batches %s read after its last agreement (within %.0f s): "
-                           "the rest of them may be read again", read, batches, name, REPLAY_WITHIN.total_seconds())
-        logger.info("%s left the group: its reading position replayed over the %d batch(es) it read since its "
-                    "group's last agreement", name, read)
+            logger.warning("%s: replayed only %d of the %d batches it read after its last agreement (within %.0f "
+                           "s): the rest of them may be read again", who, read, batches, REPLAY_WITHIN.total_seconds())
+        logger.info("%s: its reading position replayed over the %d batch(es) it read since its group's last "
+                    "agreement", who, read)
         return state
