@@ -79,7 +79,8 @@ def test_workers_joining_and_killed_mid_stream_train_every_line_once(commands, t
                                    "--job-config", job_config(train=str(data), records=str(folder)))
     first = [commands.start("ps-worker", "--connect", address) for _ in range(2)]
     # both in one group and training: each has trained steps past the first dealing to two
-    wait_for(lambda: len(records(folder)) == 2 and all(max(steps, default=0) >= 8 for steps in records(folder).values()),
+    wait_for(lambda: len(records(folder)) == 2 and all(max(steps, default=0) >= 8
+                                                       for steps in records(folder).values()),
              60, "two workers training", first)
     names = {worker["pid"]: worker["name"] for worker in wait_for_status(
         commands, address, lambda status: len(status["workers"]) == 2, 30)["workers"]}

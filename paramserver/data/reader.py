@@ -221,7 +221,8 @@ class FileReader:
         fields = {key: value for key, value in state.items() if key not in named}
         position = Position(**{key: int(value) for key, value in fields.items()},
                             done=tuple(map(str, state.get("done", ()))), key=str(state.get("key", "")),
-                            held=tuple((str(key), int(offset), int(rows)) for key, offset, rows in state.get("held", ())))
+                            held=tuple((str(key), int(offset), int(rows))
+                                       for key, offset, rows in state.get("held", ())))
         if self.follow != ("done" in state):
             raise ValueError(f"saved position is of {'a followed' if 'done' in state else 'a fixed'} input, "
                              f"this reader's is {'followed' if self.follow else 'fixed'}")

@@ -86,7 +86,8 @@ def main(ctx, train: str, records: str, steps: int = 10 ** 6, batch_size: int = 
     tower = RecordingTower(tables, 2, reader.num_dense, folder / f"{ctx.rpc_name}.txt",
                            lambda: optimizers[-1].param_groups[0]["taken"])
     trainer = Trainer(ctx, tables=tables, dense=tower, sparse_optimizer=(QHM, dict(lr=0.1, momentum=0.9, nu=0.7)),
-                      dense_optimizer=dense_optimizer, loss=nn.BCEWithLogitsLoss(), name="count", agree_every=agree_every)
+                      dense_optimizer=dense_optimizer, loss=nn.BCEWithLogitsLoss(), name="count",
+                      agree_every=agree_every)
     try:
         figures = trainer.fit(reader, steps=steps, log_every=10 ** 9)
     finally:
