@@ -1,5 +1,7 @@
-"""Dealing a followed input's parts to a group (``paramserver.data.shares``), and readers re-dealt mid-stream:
-every line is read once over the members, whoever joins or leaves (single process, fast)."""
+"""Dealing a followed input's parts to a group (``paramserver.data.shares``), readers re-dealt mid-stream, and
+a trainer group's side of it (``paramserver.train.shares``: a lost member's position replayed, a member that
+missed a deal, a restore): every line is read once over the members, whoever joins or leaves (one process;
+the group's side in a trainer group of one)."""
 
 import threading
 import time
