@@ -74,8 +74,7 @@ class BatchStream:
         self._next_state = self._pulled_state = data.state_dict() if self._stateful else None
         if not started:
             return
-        self._iterator = iter(data)
-        self._next_state = self._pulled_state = data.state_dict() if self._stateful else None
+        self._begin()
         if restored and not loads_state:
             for _ in range(self.used):
                 if self._pull() is None:
@@ -99,9 +98,13 @@ class BatchStream:
             self._iterator.close()
         configure()
         self._ahead.clear()
+        self._begin()
+        self._start_reading()
+
+    def _begin(self) -> None:
+        """Iterate the data afresh, from its state now."""
         self._iterator = iter(self._data)
         self._next_state = self._pulled_state = self._data.state_dict() if self._stateful else None
-        self._start_reading()
 
     def _pull_now(self) -> Optional[Tuple[Batch, Any, Any]]:
         """The next batch, with the data's state before it (after the one pulled before) and after it: one
@@ -117,7 +120,7 @@ class BatchStream:
         self._ahead.append(pulled)
         self._next_state = pulled[2]
 
-    def _pull(self) -> Optional[Tuple[Batch, Any]]:
+    def _pull(self) -> Optional[Tuple[Batch, Any, Any]]:
         return self._reader.next() if self._reader is not None else self._pull_now()
 
     def close(self) -> None:
@@ -202,7 +205,7 @@ class _Reader:
     #: What ``next(within)`` returns when nothing came within that time.
     NOT_YET = object()
 
-    def __init__(self, pull: Callable[[], Optional[Tuple[Batch, Any]]], depth: int):
+    def __init__(self, pull: Callable[[], Optional[Tuple[Batch, Any, Any]]], depth: int):
         self._pull = pull
         self._queue: "queue.Queue" = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
@@ -229,7 +232,7 @@ class _Reader:
             except queue.Full:
                 continue
 
-    def next(self, within: Optional[float] = None) -> Optional[Tuple[Batch, Any]]:
+    def next(self, within: Optional[float] = None) -> Optional[Tuple[Batch, Any, Any]]:
         """The next batch and state; ``None`` at the data's end; ``NOT_YET`` when ``within`` seconds (None: no
         bound) passed first."""
         if self._ended:
