@@ -33,17 +33,23 @@ def land(folder: pathlib.Path, number: int, first: int, count: int = LINES_PER_F
     scratch.rename(target)
 
 
-def records(folder: pathlib.Path) -> Dict[str, Dict[int, List[int]]]:
-    """Per worker, per step: the lines of the last forward pass of that step (a step done again after its group
-    re-formed trains the same batch: the last record stands)."""
-    found: Dict[str, Dict[int, List[int]]] = {}
+def attempts(folder: pathlib.Path) -> Dict[str, Dict[int, List[List[int]]]]:
+    """Per worker, per step: the lines of each forward pass of that step, in order."""
+    found: Dict[str, Dict[int, List[List[int]]]] = {}
     for path in folder.glob("*.txt"):
         steps = found.setdefault(path.stem, {})
         for text in path.read_text().splitlines():
             match = re.fullmatch(r"(\d+) ([\d,]+)", text)
             if match:  # (the killed worker's last record may be cut short)
-                steps[int(match.group(1))] = [int(line) for line in match.group(2).split(",")]
+                steps.setdefault(int(match.group(1)), []).append([int(line) for line in match.group(2).split(",")])
     return found
+
+
+def records(folder: pathlib.Path) -> Dict[str, Dict[int, List[int]]]:
+    """Per worker, per step: the lines of the last forward pass of that step (a step done again after its group
+    re-formed trains the same batch: the last record stands)."""
+    return {worker: {step: tries[-1] for step, tries in steps.items()}
+            for worker, steps in attempts(folder).items()}
 
 
 def trained(found, killed: str, resumed: int, final: Dict[str, int]) -> Tuple[List[int], List[int]]:
@@ -135,6 +141,10 @@ def test_workers_joining_and_killed_mid_stream_train_every_line_once(commands, t
     # The killed worker's step in flight (its sparse push may have been applied: docs/fault-tolerance.md): its
     # lines were read again by whoever took its part, once each.
     assert all(counted.count(line) == 1 for line in in_flight)
+    # A step a member did again (its group re-formed meanwhile) trained the batch it tried, even where the
+    # shares were dealt again in between (its sparse push, which may have left, was of those lines).
+    for worker, steps in attempts(folder).items():
+        assert all(tries == tries[:1] * len(tries) for tries in steps.values()), (worker, steps)
     joined = next(name for name in final if name not in names.values())
     assert records(folder)[joined], "the worker that joined trained nothing"
     text = errors(survivor)
