@@ -60,11 +60,18 @@ def test_files_are_read_as_they_land_once_each_in_name_order_complete_ones_only(
     land(tmp_path, "hour=02/part-0.txt", 100, 150)  # one listing finds both: read in name order
     assert take(batches, 5) == list(range(100, 350))
     got = []
-    reading = threading.Thread(target=lambda: got.extend(first_ids(batches)))  # waits for more, until closed
+
+    def read_on():  # batch by batch, waiting for more until the reader is closed
+        for batch in batches:
+            got.extend(first_ids([batch]))
+    reading = threading.Thread(target=read_on)
     reading.start()
     land(tmp_path, "hour=03/part-0.txt", 350, 75)  # 1.5 batches: the half waits for more rows
     land(tmp_path, "hour=03/part-1.txt", 425, 25)
-    reading.join(0.5)
+    deadline = time.monotonic() + 20  # a busy machine may take a while to list and read them
+    while len(got) < 100 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    reading.join(0.3)  # anything read twice would show up by now
     reader.close()
     reading.join(10)
     assert not reading.is_alive(), "a closed reader still waits for files"
