@@ -200,7 +200,7 @@ def trainer_a_push_reaching_some_tables_carries_theirs_after_the_pass():
     lookup.pooled()["used"].sum().backward()
     lookup.push(0).wait()  # from the rows' .grad (the unused table's is None)
     after, expected = _weights(tables), _weights(expected_tables)
-    assert torch.equal(after["unused"], before["unused"]), "unused"
+    assert torch.equal(after["unused"], before["unused"])
     assert not torch.equal(after["used"], before["used"])
     assert all(torch.equal(after[name], expected[name]) for name in after)
 
