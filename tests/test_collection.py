@@ -176,6 +176,35 @@ def trainer_pushes_are_idempotent_per_step():
     assert not torch.equal(tables["idem"].fetch_weight(), before)
 
 
+def trainer_a_push_reaching_some_tables_carries_theirs_after_the_pass():
+    """A backward pass that reaches one table's rows and not the other's: the push leaves after it (from
+    ``sent()``) with that table's gradients only, as the push made from the rows' ``.grad`` does."""
+    shards = shard_names(2)
+    pairs = []
+    for side in ("during", "after"):
+        tables = {name: ShardedEmbeddingBag(10, DIM, shards=shards, name=f"some-{side}-{name}", seed=index)
+                  for index, name in enumerate(("used", "unused"))}
+        optimizer = _optimizer(tables)
+        pairs.append((tables, optimizer, EmbeddingCollection(tables, optimizer.owner_layout(),
+                                                             rpc.get_worker_info().name)))
+    ids = {"used": torch.tensor([[1], [8]]), "unused": torch.tensor([[2], [3]])}
+    (tables, _, collection), (expected_tables, _, expected_collection) = pairs
+    before = _weights(tables)
+    lookup = collection.lookup(ids)
+    pooled = lookup.pooled()
+    push = lookup.push_during_backward(0)
+    pooled["used"].sum().backward()
+    assert push.pending is None  # not every table's rows got a gradient: it leaves after the pass
+    push.wait()
+    lookup = expected_collection.lookup(ids)
+    lookup.pooled()["used"].sum().backward()
+    lookup.push(0).wait()  # from the rows' .grad (the unused table's is None)
+    after, expected = _weights(tables), _weights(expected_tables)
+    assert torch.equal(after["unused"], before["unused"])
+    assert not torch.equal(after["used"], before["used"])
+    assert all(torch.equal(after[name], expected[name]) for name in after)
+
+
 def trainer_dynamic_equals_fixed():
     """A dynamic table over 3 shards, ids anywhere in int64, trains like a fixed table made of the same rows."""
     shards = shard_names(3)
@@ -262,5 +291,7 @@ def trainer_row_window_reads_once_and_pushes_in_order():
 
 def test_one_lookup_and_one_push_per_shard_with_rows_equal_to_the_unfused_path():
     run_cluster([(trainer_fused_equals_unfused, ()), (trainer_failures_name_the_shard, ()),
-                 (trainer_pushes_are_idempotent_per_step, ()), (trainer_dynamic_equals_fixed, ()),
+                 (trainer_pushes_are_idempotent_per_step, ()),
+                 (trainer_a_push_reaching_some_tables_carries_theirs_after_the_pass, ()),
+                 (trainer_dynamic_equals_fixed, ()),
                  (trainer_row_window_reads_once_and_pushes_in_order, ())], num_shards=3)

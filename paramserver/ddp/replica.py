@@ -153,7 +153,9 @@ class DenseReplica:
     def _form(self) -> None:
         source = self._share_state()
         device_ids = [self.group.device] if self.group.device.type == "cuda" else None
-        self.ddp = DistributedDataParallel(self.module, device_ids=device_ids)
+        # The gradients are views of DDP's buckets: after the all-reduce they are not copied back from them (the
+        # values are the same; the optimizer sets them to None after each step).
+        self.ddp = DistributedDataParallel(self.module, device_ids=device_ids, gradient_as_bucket_view=True)
         self.hook_state, hook = comm_hook(self.hook, None, recorder=self.recorder, **self.hook_options)
         self._restore_hook_state()
         self.ddp.register_comm_hook(self.hook_state, self._watched(hook))

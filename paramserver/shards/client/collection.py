@@ -317,38 +317,53 @@ class CollectionLookup:
 class PushOnGradients:
     """A push made from inside a backward pass (``CollectionLookup.push_during_backward``): sent, with the
     earlier steps' held pushes, as ``pending``, or held back as ``held`` (``sent()`` tells, after the
-    backward pass)."""
+    backward pass).
+
+    It is made as soon as the last table's rows have their gradient accumulated (a hook after accumulation
+    on each table's rows: they are leaves).  When the backward pass reaches only some tables' rows, it is
+    made after the pass, by ``sent()``, from those (the others' rows got no gradient)."""
 
     def __init__(self, lookup: CollectionLookup, step: int, then: Optional[LookupPlan] = None,
                  earlier: Sequence[StepPush] = (), hold: bool = False):
         self.pending: Optional[PendingPush] = None
         self.held: Optional[StepPush] = None
         self.failure: Optional[BaseException] = None
-        self._collection, self._then, self._earlier, self._hold = lookup.collection, then, list(earlier), hold
-        self._step = step
+        self._lookup, self._collection, self._then, self._earlier = lookup, lookup.collection, then, list(earlier)
+        self._step, self._hold = step, hold
         self._made = False
-        names = [name for name, rows in lookup.rows.items() if rows.requires_grad]
+        self._expected = [name for name, rows in lookup.rows.items() if rows.requires_grad]
+        self._grads: Dict[str, Tensor] = {}  # by table, the gradients accumulated so far in the backward pass
+        self._handles = [lookup.rows[name].register_post_accumulate_grad_hook(self._accumulated(name))
+                         for name in self._expected]
 
-        def made(grads: Sequence[Optional[Tensor]]) -> None:
-            self._made = True
-            try:
-                push = lookup.step_push(step, dict(zip(names, grads)))
-                if hold:
-                    self.held = push
-                else:
-                    self.pending = self._collection.send(self._earlier + [push], then)
-            except Exception as error:  # noqa: BLE001 - raised by sent(), not into the backward pass
-                self.failure = error
-        self._handle = torch.autograd.graph.register_multi_grad_hook([lookup.rows[n] for n in names], made) \
-            if names else None
+    def _accumulated(self, name: str):
+        def hook(rows: Tensor) -> None:
+            self._grads[name] = rows.grad
+            if len(self._grads) == len(self._expected) and not self._made:
+                self._make()
+        return hook
+
+    def _make(self) -> None:
+        """The step's push from the gradients accumulated: held, or sent with the earlier ones and ``then``."""
+        self._made = True
+        try:
+            push = self._lookup.step_push(self._step, self._grads)
+            if self._hold:
+                self.held = push
+            else:
+                self.pending = self._collection.send(self._earlier + [push], self._then)
+        except Exception as error:  # noqa: BLE001 - raised by sent(), not into the backward pass
+            self.failure = error
 
     def sent(self) -> "PendingPush":
         """The message as it left (after the backward pass): raises what sending it raised.  When the backward
         pass never reached the rows, the earlier pushes and ``then`` leave now (unless held) and the step's
         push is an empty one (its ``steps`` count it); a held push is an empty pending push and ``held``."""
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if not self._made and self._grads:  # the pass reached some tables' rows only
+            self._make()
         if self.failure is not None:
             raise self.failure
         if not self._made and not self._hold:  # once: the earlier pushes and ``then`` leave, this step's is empty

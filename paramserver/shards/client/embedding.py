@@ -146,6 +146,9 @@ class ShardedEmbeddingBag(nn.Module):
         """Where the ids of a lookup go: checked, deduplicated, and split by row range."""
         ids = self._check_ids(input, offsets)
         unique_ids, inverse = torch.unique(ids.reshape(-1), sorted=True, return_inverse=True)
+        self._check_range(unique_ids)
+        if len(self.ranges) == 1:  # a whole table: its one range starts at row 0, its local ids are the ids
+            return Route(self, inverse.view(ids.shape), [(0, unique_ids)] if unique_ids.numel() else [])
         # Sorted unique ids split into consecutive runs, one per shard's row range.
         bounds = torch.searchsorted(unique_ids, self._range_starts).tolist() + [unique_ids.numel()]
         requests = []
@@ -160,7 +163,8 @@ class ShardedEmbeddingBag(nn.Module):
         return torch.empty(0, self.embedding_dim, dtype=self.dtype, requires_grad=requires_grad)
 
     def _check_ids(self, input: Tensor, offsets: Optional[Tensor]) -> Tensor:
-        """Everything that can be checked before sending anything."""
+        """Everything about the ids' tensor that can be checked before sending anything (their values:
+        ``_check_range``)."""
         if input.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"ids must be an integer tensor (int64 or int32), got {input.dtype}")
         if input.dim() == 2 and offsets is not None:
@@ -169,13 +173,18 @@ class ShardedEmbeddingBag(nn.Module):
             raise ValueError("1-D ids need offsets (the start of each bag)")
         if input.dim() not in (1, 2):
             raise ValueError(f"ids must be 1-D (with offsets) or 2-D, got shape {list(input.shape)}")
-        if input.numel() > 0:
-            low, high = int(input.min()), int(input.max())
+        return input.long()
+
+    def _check_range(self, unique_ids: Tensor) -> None:
+        """Every id a row of the table (``unique_ids`` sorted: the first and last are the least and greatest),
+        before anything is sent."""
+        if unique_ids.numel() > 0:
+            ends = unique_ids.numpy()
+            low, high = int(ends[0]), int(ends[-1])
             bad = low if low < 0 else high if high >= self.num_embeddings else None
             if bad is not None:
                 raise IndexError(f"{self.name}: id {bad} is out of range for a table of "
                                  f"{self.num_embeddings} rows")
-        return input.long()
 
     def fetch_weight(self) -> Tensor:
         """The whole table as it is now on the shards (a local copy)."""

@@ -36,23 +36,28 @@ class RowWindow:
             raise ValueError("a row window needs at least one step")
         self.collection = collection
         self._routes: Dict[int, Dict[str, Route]] = {}
-        union: Dict[Tuple[str, int], Tensor] = {}
+        # Per table and row range: the distinct ids of each step taken so far.  Their union is taken once, at
+        # the end; the bound takes it sooner only when their sizes summed (its most) exceed it.
+        taken: Dict[Tuple[str, int], List[Tensor]] = {}
         self.rows_needed = bytes_needed = 0  # each step's distinct rows, summed: what it would read alone
         for step, features in steps:
             routes = {name: table.route(features[name]) for name, table in collection.tables.items()}
-            grown = dict(union)
+            if self._routes and max_rows is not None:
+                grown = {key: list(held) for key, held in taken.items()}
+                for name, route in routes.items():
+                    for range_index, local_ids in route.requests:
+                        grown.setdefault((name, range_index), []).append(local_ids)
+                if sum(piece.numel() for held in grown.values() for piece in held) > max_rows and \
+                        sum(_union(held).numel() for held in grown.values()) > max_rows:
+                    break
+            self._routes[step] = routes
             for name, route in routes.items():
                 for range_index, local_ids in route.requests:
-                    held = grown.get((name, range_index))
-                    grown[(name, range_index)] = local_ids if held is None else \
-                        torch.unique(torch.cat((held, local_ids)))
-            if self._routes and max_rows is not None and sum(ids.numel() for ids in grown.values()) > max_rows:
-                break
-            self._routes[step], union = routes, grown
-            for name, route in routes.items():
+                    taken.setdefault((name, range_index), []).append(local_ids)
                 rows = sum(local_ids.numel() for _, local_ids in route.requests)
                 self.rows_needed += rows
                 bytes_needed += rows * collection.tables[name].row_bytes
+        union = {key: _union(held) for key, held in taken.items()}
         #: The steps it serves, in order.
         self.steps: List[int] = list(self._routes)
         #: Distinct rows it reads (and holds once read).
@@ -60,16 +65,17 @@ class RowWindow:
         #: Bytes of rows its steps need that cross the wire once instead of once per step.
         self.bytes_saved = bytes_needed - sum(ids.numel() * collection.tables[name].row_bytes
                                               for (name, _), ids in union.items())
+        self._union = union
+        # One step: its own routes are the lookup's, and the lookup is the step's (as if sent for it alone).
+        self._single = len(self.steps) == 1
         # Per table, its row ranges' distinct ids in range order (what the lookup asks), and where each range's
         # rows start among the table's rows the lookup returns.
         requests: Dict[str, List[Tuple[int, Tensor]]] = {name: [] for name in collection.tables}
         self._starts: Dict[Tuple[str, int], int] = {}
-        for (name, range_index), ids in sorted(union.items(), key=lambda item: item[0]):
-            self._starts[(name, range_index)] = sum(held.numel() for _, held in requests[name])
-            requests[name].append((range_index, ids))
-        self._union = union
-        # One step: its own routes are the lookup's, and the lookup is the step's (as if sent for it alone).
-        self._single = len(self.steps) == 1
+        if not self._single:
+            for (name, range_index), ids in sorted(union.items(), key=lambda item: item[0]):
+                self._starts[(name, range_index)] = sum(held.numel() for _, held in requests[name])
+                requests[name].append((range_index, ids))
         self.plan: LookupPlan = collection.plan_routes(
             self._routes[self.steps[0]] if self._single else
             {name: Route(collection.tables[name], torch.empty(0, dtype=torch.long), pieces)
@@ -98,12 +104,17 @@ class RowWindow:
             self._rows = self._read.unique_rows()
         routes, rows = self._routes[step], {}
         for name, route in routes.items():
-            positions = [self._starts[(name, range_index)] + torch.searchsorted(self._union[(name, range_index)],
-                                                                                 local_ids)
-                         for range_index, local_ids in route.requests]
-            rows[name] = self._rows[name].index_select(0, torch.cat(positions)) if positions else \
+            positions = [self._positions(name, range_index, local_ids) for range_index, local_ids in route.requests]
+            rows[name] = self._rows[name].index_select(0, positions[0] if len(positions) == 1 else
+                                                       torch.cat(positions)) if positions else \
                 self.collection.tables[name].no_rows(False)
         return CachedLookup(self.collection, routes, rows, step)
+
+    def _positions(self, name: str, range_index: int, local_ids: Tensor) -> Tensor:
+        """Where ``local_ids`` (of row range ``range_index`` of table ``name``) are among the table's rows read."""
+        positions = torch.searchsorted(self._union[(name, range_index)], local_ids)
+        start = self._starts[(name, range_index)]
+        return positions + start if start else positions
 
 
 class CachedLookup(CollectionLookup):
@@ -116,3 +127,8 @@ class CachedLookup(CollectionLookup):
 
     def unique_rows(self) -> Dict[str, Tensor]:
         return self._cached
+
+
+def _union(pieces: Sequence[Tensor]) -> Tensor:
+    """The sorted distinct ids of ``pieces`` (each sorted and distinct: one piece is its own union)."""
+    return pieces[0] if len(pieces) == 1 else torch.unique(torch.cat(pieces))
