@@ -181,7 +181,7 @@ class FileSource:
         else:
             workers = int(given or 1)
         share = ctx.worker_index % workers
-        if ctx.worker_index >= workers:
+        if ctx.worker_index >= workers and not data.get("follow"):
             logger.warning("%s reads share %d of %d of the train files: set data.workers to the number of "
                            "workers, or some files are read by more than one", ctx.rpc_name, share, workers)
         self.train = reader_from_config(data, "train", batch_size, share, workers, epochs)
