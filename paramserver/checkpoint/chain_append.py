@@ -36,7 +36,8 @@ def append_checkpoint(checkpoint: PathLike, root: PathLike,
                       storage_options: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
     """Append the model of ``checkpoint`` (a checkpoint directory, or a root of them: its newest valid one) to the
     chain under ``root`` (both paths or fsspec URLs); returns the manifest written, with ``"name"`` (the export's),
-    ``"checkpoint"``, ``"changed_rows"`` and ``"rows"`` added (rows written, rows the model holds).  Errors as ``export.export_checkpoint``'s."""
+    ``"checkpoint"``, ``"changed_rows"`` and ``"rows"`` added (rows written, rows the model holds).  Errors as
+    ``export.export_checkpoint``'s."""
     model = read_model(checkpoint, storage_options)
     out = locate(root, storage_options)
     links = live_export.chain(out)

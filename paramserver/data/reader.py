@@ -50,7 +50,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from ..logs import RateLimitedLog
 from ..train.contract import Batch
-from . import criteo, parts as parts_module
+from . import criteo, parts as parts_module, shares as sharing
 from .criteo import Parsed
 from .errors import MalformedInput, UnreadableFile
 from .parquet import ParquetSchema, read_row_group
@@ -177,6 +177,12 @@ class FileReader:
     def shared(self) -> bool:
         """Whether a group deals this reader's share (``reshare``): a followed input, whose parts are named."""
         return self.follow
+
+    # The rule a group deals positions of this input by (``data.shares``), for the group's side
+    # (``paramserver.train.shares``), which knows the data only by these methods.
+    deal = staticmethod(sharing.deal)
+    again = staticmethod(sharing.again)
+    is_position = staticmethod(sharing.is_followed)
 
     def dealt(self, worker: int, workers: int) -> "FileReader":
         """Another reader of the same input, worker ``worker`` of ``workers``'s (not started)."""

@@ -3,7 +3,8 @@ place in the group's current membership, re-dealt whenever the group re-forms.
 
 Owns the group's side of sharing a followed input (``FileReader(follow=True)``: its parts are named, and a
 reader can be re-dealt, ``reshare``): what the members tell each other and when, and who computes the new
-deal.  The rule itself (merging positions, who takes which part) is ``paramserver.data.shares.deal``; the
+deal.  The rule itself (merging positions, who takes which part) is the data's (a ``FileReader``'s ``deal``,
+``again`` and ``is_position``: ``paramserver.data.shares``), so this module imports nothing of the data; the
 step, the agreement and re-forming are the Trainer's and ``DenseReplica``'s, which call:
 
 * ``agreed(group, step)`` at every agreement that goes on: every member's position (before the batch of
@@ -46,7 +47,6 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..data.shares import again, deal, is_followed
 from ..logs import one_line
 from .data import BatchStream
 
@@ -67,14 +67,15 @@ class Snapshot:
 
 
 class GroupShares:
-    """``data`` (a reader with ``shared`` true: ``reshare``, ``dealt``, ``state_dict``...), read through
+    """``data`` (a reader with ``shared`` true: ``reshare``, ``dealt``, ``deal``, ``again``, ``is_position``,
+    ``state_dict``...), read through
     ``batches`` (started by the first ``formed``), shared by this worker's trainer group.  ``restored``: the
     data positions of the checkpoint the job starts from (``{worker index: BatchStream.position()}``)."""
 
     def __init__(self, data, batches: BatchStream, restored: Optional[Dict[Any, Any]] = None):
         self.data, self.batches = data, batches
-        self.restored: List[Dict[str, Any]] = [position["state"] for position in (restored or {}).values()
-                                               if isinstance(position, dict) and is_followed(position.get("state"))]
+        saved = [position.get("state") for position in (restored or {}).values() if isinstance(position, dict)]
+        self.restored: List[Dict[str, Any]] = [state for state in saved if data.is_position(state)]
         self.snapshot: Optional[Snapshot] = None
         #: The generation of the group that dealt this member's share (``None``: not dealt yet).
         self.deal: Optional[int] = None
@@ -95,7 +96,7 @@ class GroupShares:
         if self.snapshot is None:
             mine["state"] = None  # nothing read yet as a member: it brings nothing
         elif after is not None:  # the batch at hand (a step redone) is read again as it was
-            mine["state"] = again(before, after)
+            mine["state"] = self.data.again(before, after)
         told = gathered(group, mine)
         holders = [rank for rank, entry in enumerate(told) if entry["snapshot"] is not None]
         dealer = max(holders, key=lambda rank: (told[rank]["snapshot"], -rank)) if holders else 0
@@ -116,7 +117,7 @@ class GroupShares:
     def _deal(self, told: Sequence[Dict[str, Any]], group, step: int) -> List[Dict[str, Any]]:
         members = [entry["state"] for entry in told]
         if self.snapshot is None:  # the group's first formation: the checkpoint's positions, if any
-            return deal(members, self.restored, group.world_size)
+            return self.data.deal(members, self.restored, group.world_size)
         known = self.snapshot.entries
         # a member that missed a deal the dealer knows of tells a position of the deal before: not used
         members = [None if entry["name"] in known and entry["deal"] != known[entry["name"]].get("deal") else state
@@ -125,7 +126,7 @@ class GroupShares:
         gone = [name for name in known if name not in telling]
         others = [self._replayed(f"{name} {'missed the last deal' if name in group.members else 'left the group'}",
                                  known[name], step - self.snapshot.step) for name in gone]
-        return deal(members, others, group.world_size)
+        return self.data.deal(members, others, group.world_size)
 
     def _replayed(self, who: str, entry: Dict[str, Any], batches: int) -> Dict[str, Any]:
         """Where a reader (``who``: its member's name, and why it is replayed) stood ``batches`` batches after
