@@ -141,7 +141,7 @@ class FileReader:
                                storage_options=storage_options)
         self.inputs = InputFiles(paths, storage_options, ready_marker)
         self.parts: List[Part] = []
-        self._start = Position()
+        self._start = Position()  # where iterating begins (listing below keeps its parts under way)
         self._waiting_log = RateLimitedLog(logger, "listed {count} time{s} without finding a new file")
         if follow:
             self._discover()
@@ -154,7 +154,6 @@ class FileReader:
                              "parts; a compressed file is one part): give more files, or uncompressed ones")
         self.tables = list(schema.tables) if format == "parquet" else list(criteo.CATEGORICAL)
         self.num_dense = len(schema.dense) if format == "parquet" else len(criteo.DENSE)
-        self._start = Position()
         self._position = Position()
         self._stop = threading.Event()
         #: (path, offset) -> the number of the line starting there, counted once when a message needs it.

@@ -179,8 +179,7 @@ class ShardedEmbeddingBag(nn.Module):
         """Every id a row of the table (``unique_ids`` sorted: the first and last are the least and greatest),
         before anything is sent."""
         if unique_ids.numel() > 0:
-            ends = unique_ids.numpy()
-            low, high = int(ends[0]), int(ends[-1])
+            low, high = unique_ids[[0, -1]].tolist()  # one read, whatever the device
             bad = low if low < 0 else high if high >= self.num_embeddings else None
             if bad is not None:
                 raise IndexError(f"{self.name}: id {bad} is out of range for a table of "
