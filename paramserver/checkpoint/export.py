@@ -30,7 +30,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, Mapping, Optional
 
 import torch
 
@@ -132,14 +132,16 @@ def read_model(checkpoint: PathLike, storage_options: Optional[Mapping[str, Any]
 
 
 def export_from_cluster(client, out: PathLike, timeout: datetime.timedelta = CHECKPOINT_TIMEOUT,
-                        storage_options: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
+                        storage_options: Optional[Mapping[str, Any]] = None,
+                        write: Optional[Callable[..., Dict[str, Any]]] = None) -> Dict[str, Any]:
     """Ask the cluster ``client`` (a ``paramserver.control.CoordinatorClient``) talks to for a checkpoint, wait
-    until it is committed (up to ``timeout``: ``CoordinatorError`` when it is not), and export it into ``out``.
+    until it is committed (up to ``timeout``: ``CoordinatorError`` when it is not), and export it into ``out``
+    (``write(checkpoint, out, storage_options)``: ``export_checkpoint``, or ``chain_append.append_checkpoint``).
 
     The checkpoint is read where the cluster wrote it: its ``--checkpoint-dir`` must be reachable from here at
     the same path or URL (this host, a shared file system, or the same object store: ``storage_options``)."""
     written = client.checkpoint(timeout.total_seconds())
-    return export_checkpoint(written.directory, out, storage_options)
+    return (write or export_checkpoint)(written.directory, out, storage_options)
 
 
 def _export_directory(out: Location) -> Location:

@@ -68,13 +68,13 @@ def run(args) -> int:
     # torch and the checkpoint formats load here, for this command only: ps-ctl's others start in a fraction
     # of the time without them.
     from ..checkpoint.chain_append import append_checkpoint
-    from ..checkpoint.export import export_checkpoint
+    from ..checkpoint.export import export_checkpoint, export_from_cluster
     write = append_checkpoint if args.delta else export_checkpoint
     try:
         if client is None:
             manifest = write(source, out)
-        else:  # the checkpoint is read where the cluster wrote it (the same path or store from here)
-            manifest = write(client.checkpoint(timeout.total_seconds()).directory, out, out.storage_options)
+        else:
+            manifest = export_from_cluster(client, out, timeout, out.storage_options, write=write)
     except (CoordinatorError, OSError, ValueError) as error:  # ValueError: CorruptCheckpoint, NotExportable
         print(f"ps-ctl: export failed: {error}", file=sys.stderr)
         return exit_code_for(error) if isinstance(error, CoordinatorError) else EXIT_FAILED
