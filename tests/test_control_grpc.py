@@ -163,6 +163,25 @@ def test_unreachable_coordinator_is_retried_then_reported(start):
     assert time.monotonic() - began < 5
 
 
+def test_workers_wait_for_a_starting_cluster_while_its_shards_join(start):
+    """A server that starts shards holds workers back until it is ready, so that no worker places its tables
+    on the shards that happen to serve already (a launcher starts server and workers at once)."""
+    import threading
+    server = start(hold_workers_until_ready=True)
+    client = CoordinatorClient(server.address)
+    with pytest.raises(CoordinatorUnavailable, match="its shards do not all serve yet; join again shortly"):
+        client.join(pb.ROLE_WORKER, "w", "127.0.0.1", retry_for=datetime.timedelta(seconds=0.3))
+    client.join(pb.ROLE_SHARD, "shard0", "127.0.0.1")  # shards are never held
+    assert not client.status().workers
+    ready = threading.Timer(0.5, server.mark_ready)
+    ready.start()
+    try:
+        assignment = client.join(pb.ROLE_WORKER, "w", "127.0.0.1", retry_for=datetime.timedelta(seconds=10))
+    finally:
+        ready.join()
+    assert assignment.rpc_name == "worker0"
+
+
 @pytest.fixture(scope="module")
 def self_signed(tmp_path_factory):
     cert, key = self_signed_certificate(tmp_path_factory.mktemp("tls"))

@@ -221,6 +221,7 @@ def options_from(args):
             raise UsageError(f"--heartbeat-timeout must exceed the {HEARTBEAT_INTERVAL.total_seconds():.0f} s "
                              f"heartbeat interval, got {args.heartbeat_timeout}")
         settings["heartbeat_timeout"] = timeout
+    settings["hold_workers_until_ready"] = args.shards > 0
     return ServerOptions(num_shards=args.shards, coordinator=CoordinatorSettings(**settings),
                          log_level=args.log_level, shard_prefix=prefix, max_restarts=shard_restarts_from(args),
                          metrics_port=metrics_port_from(args, 1 + args.shards),

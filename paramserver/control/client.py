@@ -119,7 +119,7 @@ class CoordinatorClient:
             except CoordinatorUnavailable as error:
                 if time.monotonic() + delay > deadline:
                     raise CoordinatorUnavailable(f"{error} (gave up after {attempts} attempts)", error.code) from None
-                logger.info("coordinator %s not reachable yet; retrying in %.1f s", self.address, delay)
+                logger.info("%s; retrying in %.1f s", error, delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
 

@@ -66,6 +66,9 @@ class CoordinatorSettings:
     group_settle: datetime.timedelta = GROUP_SETTLE
     #: Where and how often to checkpoint, and what to restore from (``None``: no checkpoints).
     checkpoints: Optional[CheckpointOptions] = None
+    #: Refuse workers' joins (UNAVAILABLE, so they retry) until ``mark_ready()``: for a server that starts its
+    #: shards, whose workers must not place their tables before every shard serves.
+    hold_workers_until_ready: bool = False
 
     def __post_init__(self):
         if self.shard_credential is not None and self.shard_credential.same_as(self.token):
@@ -108,6 +111,8 @@ class CoordinatorServer:
                             heartbeat_timeout=settings.heartbeat_timeout),
             request_shutdown, self.checkpoints, shard_credential=self.shard_credential, refusals=self.refusals,
             admin_credential=AdminCredential(settings.admin_token) if settings.admin_token else None)
+        if settings.hold_workers_until_ready:
+            self.service.hold_workers("the cluster is starting: its shards do not all serve yet")
         interceptors = [TokenAuthInterceptor(settings.token, refusals=self.refusals)] if settings.token else []
         self._server = grpc.server(
             concurrent.futures.ThreadPoolExecutor(settings.max_workers, thread_name_prefix="coordinator"),
@@ -162,6 +167,8 @@ class CoordinatorServer:
         return ", shard token required"
 
     def mark_ready(self) -> None:
+        """Health SERVING, and workers admitted (see ``CoordinatorSettings.hold_workers_until_ready``)."""
+        self.service.admit_workers()
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
 
     def _set_health(self, status) -> None:

@@ -77,6 +77,7 @@ class CoordinatorService:
         self.shard_credential = shard_credential
         self.admin_credential = admin_credential
         self.refusals = refusals or RateLimitedLog(logger, "refused {count} call{s}")
+        self._workers_held_because: Optional[str] = None
         self._handlers = {
             "Join": (pb.JoinRequest, self.join),
             "Heartbeat": (pb.HeartbeatRequest, self.heartbeat),
@@ -109,6 +110,14 @@ class CoordinatorService:
             return self.join(request, peer, metadata)
         return handler(request)
 
+    def hold_workers(self, because: str) -> None:
+        """Answer a worker's Join with UNAVAILABLE (it retries) until ``admit_workers()``: a worker that joined
+        before the cluster's shards serve would place its tables on those that happen to serve already."""
+        self._workers_held_because = because
+
+    def admit_workers(self) -> None:
+        self._workers_held_because = None
+
     # -- handlers ------------------------------------------------------
     def join(self, request: pb.JoinRequest, peer: str = "", metadata: Sequence[Tuple[str, str]] = ()
              ) -> pb.Assignment:
@@ -117,6 +126,9 @@ class CoordinatorService:
             refusal = self.shard_credential.refusal(metadata)
             if refusal is not None:
                 raise RequestError(grpc.StatusCode.PERMISSION_DENIED, f"shard {request.name}: {refusal}")
+        held_because = self._workers_held_because
+        if request.role == pb.ROLE_WORKER and held_because is not None:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, f"{held_because}; join again shortly")
         unreachable = loopback_from_afar(request.host, peer)
         if unreachable:
             raise invalid(unreachable)
