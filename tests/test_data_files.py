@@ -90,10 +90,25 @@ def test_a_restored_reader_resumes_at_the_same_sample(tmp_path):
             if index + 1 == stop_after:
                 break
         state = reader.state_dict()
-        again = FileReader(files, 96, workers=2, worker=1, chunk_bytes=7_000, epochs=2)
-        again.load_state_dict(state)
-        assert head + first_ids(again) == straight, stop_after
+        # chunks cut alike, smaller (the position's rows span several) or larger: the same samples
+        for chunk_bytes in (7_000, 2_500, 20_000):
+            again = FileReader(files, 96, workers=2, worker=1, chunk_bytes=chunk_bytes, epochs=2)
+            again.load_state_dict(state)
+            assert head + first_ids(again) == straight, (stop_after, chunk_bytes)
     assert len(straight) == 2 * len(first_ids(FileReader(files, 96, workers=2, worker=1, chunk_bytes=7_000)))
+
+
+def test_a_reading_starts_with_a_small_chunk_then_whole_ones(tmp_path, monkeypatch):
+    from paramserver.data import parts
+    monkeypatch.setattr(parts, "FIRST_CHUNK_BYTES", 3_000)
+    path = write(tmp_path / "a.txt", [line(i) for i in range(400)])
+    (part,) = parts.text_parts([path], 1)
+    for offset in (0, 31_337):
+        offset = next(c.offset for c in parts.text_chunks(part, 0, 1_000) if c.offset >= offset)
+        chunks = list(parts.text_chunks(part, offset, 10_000))
+        assert len(chunks[0].text) <= 3_000 and all(8_000 < len(c.text) <= 10_000 for c in chunks[1:-1])
+        assert b"".join(c.text for c in chunks) == open(path, "rb").read()[offset:]
+    assert first_ids(FileReader(path, 64)) == list(range(400))
 
 
 @pytest.mark.parametrize("bad, reason, column", [

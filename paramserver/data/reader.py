@@ -103,6 +103,10 @@ class _Chunk:
     skip: int = 0
 
 
+def _place(position: "Position") -> Tuple[int, int, int]:
+    return position.epoch, position.part, position.offset
+
+
 class FileReader:
     """Worker ``worker`` of ``workers``'s batches from ``paths`` (paths, globs, directories; local or URLs, with
     ``storage_options``) in ``format`` ("criteo" or "parquet" with ``schema``), for ``epochs`` epochs
@@ -263,6 +267,8 @@ class FileReader:
         waiting_rows = 0
         rows_given = 0
         malformed = self._start.malformed
+        # rows a resumed position gave beyond its first chunk (cut anew from there), and where they go on
+        carried, carried_to = 0, None
         while True:
             chunk = self._next_chunk(chunks, producer)
             if chunk is _STOPPED:
@@ -272,12 +278,14 @@ class FileReader:
             parsed = self._result(chunk)
             if parsed is None:
                 return
-            if chunk.skip == 0:  # a chunk resumed in its middle had its malformed lines counted before
+            skip = chunk.skip + (carried if carried_to == _place(chunk.here) else 0)
+            if skip == 0:  # a chunk resumed in its middle had its malformed lines counted before
                 malformed += self._problems(chunk, parsed)
+            carried, carried_to = max(0, skip - len(parsed.samples)), _place(chunk.after)
             samples = parsed.samples
             if self.max_rows is not None:
                 samples = samples.slice(0, max(0, min(len(samples), self.max_rows - rows_given)))
-            given = min(chunk.skip, len(samples))
+            given = min(skip, len(samples))
             while given < len(samples):
                 take = min(self.batch_size - waiting_rows, len(samples) - given)
                 waiting.append(samples.slice(given, given + take))
