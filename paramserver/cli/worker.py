@@ -15,6 +15,7 @@ import datetime
 import json
 import sys
 
+from ..logs import exit_now
 from ..runtime.exit_codes import EXIT_REFUSED
 from ..runtime.worker import WorkerOptions, run_worker
 from .common import (UsageError, add_connect, add_log_level, add_metrics_port, add_threads, client_tls,
@@ -52,7 +53,12 @@ def run(args) -> int:
     except UsageError as error:
         print(f"ps-worker: {error}", file=sys.stderr)
         return EXIT_REFUSED
-    return run_worker(options, say=lambda line: print(line, flush=True))
+    code = run_worker(options, say=lambda line: print(line, flush=True))
+    # The worker has left everything by now (coordinator, data plane, trainer group): end without the
+    # interpreter's teardown, where a torch thread left joinable can abort the process (seen once on a loaded
+    # machine after a clean finish: "terminate called without an active exception", exit -6).
+    exit_now(code)
+    return code  # not reached
 
 
 def hook_overrides(hook, options) -> dict:
