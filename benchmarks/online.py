@@ -256,18 +256,21 @@ def main() -> int:
           f"{bound:.2f} s {'PASS' if p95 <= bound else 'BELOW'}")
     print(f"target: keeps up (every file landed trained on): {missed} missed {'PASS' if missed == 0 else 'BELOW'}")
     print(f"target: memory does not grow (end vs half time): {growth:+.1%} {'PASS' if growth <= 0.10 else 'BELOW'}")
-    _plot(args.plot, lags, watcher.memory, began, bound)
+    trained_lags = sorted((at - began, trained[path] - at) for path, at in landed.items() if path in trained)
+    _plot(args.plot, lags, trained_lags, watcher.memory, began, bound)
     return 0
 
 
-def _plot(path: str, lags: List[Tuple[float, float]], memory: List[Tuple[float, int]], began: float,
-          bound: float) -> None:
+def _plot(path: str, lags: List[Tuple[float, float]], trained: List[Tuple[float, float]],
+          memory: List[Tuple[float, int]], began: float, bound: float) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, (lag_axis, memory_axis) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     lag_axis.plot([at / 60 for at, _ in lags], [lag for _, lag in lags], ".-", label="file landed -> first batch taken")
+    lag_axis.plot([at / 60 for at, _ in trained], [lag for _, lag in trained], ".-",
+                  label="file landed -> its first batch's step")
     lag_axis.axhline(bound, color="red", linestyle="--", label="one poll + one step")
     lag_axis.set_ylabel("lag (s)")
     lag_axis.legend()
