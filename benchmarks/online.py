@@ -12,7 +12,7 @@ What it measures
        for ``--minutes`` (10); the job follows the directory, listing it every ``--poll`` seconds.  A file's
        lag is the time from its rename to the moment the trainer's read-ahead takes its first batch (the
        reader's position names the file); it is trained on when the step that gets that batch computes its
-       loss (``TrainedClock``: after the step's lookups and forward pass).  The resident memory of the
+       loss (``FileClock``: after the step's lookups and forward pass).  The resident memory of the
        process is sampled every second.
 
 Targets (issue 30)
@@ -60,8 +60,8 @@ def rss_bytes() -> int:
 def produce(directory: str, lines: int, interval: float, seconds: float, landed) -> None:
     """A producer process: lands a file of ``lines`` lines into ``directory`` every ``interval`` seconds for
     ``seconds``; puts ``"ready"`` on ``landed`` when it starts, ``(path, landed at)`` for each file
-    (``time.monotonic``, the same clock in every process of this host), then ``None``.  Its files' contents are rendered before the clock starts (a few,
-    used in turn), so that on these few cores the producer costs the trainer a file copy, not a generator."""
+    (``time.monotonic``, the same clock in every process of this host), then ``None``.  Its files' contents are
+    rendered before the clock starts (a few, used in turn), so that on these few cores the producer costs the trainer a file copy, not a generator."""
     contents = []
     for index in range(CONTENTS):
         scratch = pathlib.Path(directory) / f".render-{index}"
@@ -84,46 +84,36 @@ def produce(directory: str, lines: int, interval: float, seconds: float, landed)
 
 
 class Watcher(threading.Thread):
-    """Polls the job's reader position every 20 ms: when each file's first batch was taken."""
+    """Samples the resident memory every second; ``clock`` (a ``FileClock``) times the files."""
 
-    def __init__(self, reader):
+    def __init__(self, clock: "FileClock"):
         super().__init__(name="watcher", daemon=True)
-        self.reader = reader
-        self.taken: Dict[str, float] = {}
+        self.clock = clock
         self.memory: List[Tuple[float, int]] = []
         self.stop = threading.Event()
 
     def run(self) -> None:
-        last_memory = 0.0
-        while not self.stop.wait(0.02):
-            state = self.reader.state_dict()
-            now = time.monotonic()
-            for key in list(state.get("done", [])) + [state.get("key", "")]:
-                path = key.split("@")[0]
-                if path and path not in self.taken:
-                    self.taken[path] = now
-            if now - last_memory >= 1.0:
-                self.memory.append((now, rss_bytes()))
-                last_memory = now
+        while not self.stop.wait(1.0):
+            self.memory.append((time.monotonic(), rss_bytes()))
 
 
-class TrainedClock:
-    """When each file's first batch reaches a training step: the reader's batches are tagged as it gives them
-    (with the files whose first lines they hold: those its position names for the first time), and the
-    step's loss, computed after its lookups and forward pass, notes the tagged batch it gets."""
+class FileClock:
+    """When each file's first batch is taken by the trainer's read-ahead (``taken``: the reader's position
+    names the file for the first time as it gives that batch) and when it reaches a training step
+    (``trained``: the step's loss, computed after its lookups and forward pass, gets that batch)."""
 
     def __init__(self, reader, trainer):
+        self.taken: Dict[str, float] = {}
         self.trained: Dict[str, float] = {}
         self._tags: Dict[int, Tuple[torch.Tensor, List[str]]] = {}
-        self._named: set = set()
         batches, loss = reader._batches, trainer.loss
 
         def tagged(*args):
             for batch in batches(*args):
-                state = reader.state_dict()
-                new = [path for path in _paths(state) if path not in self._named]
+                now = time.monotonic()
+                new = [path for path in _paths(reader.state_dict()) if path not in self.taken]
                 if new:
-                    self._named.update(new)
+                    self.taken.update(dict.fromkeys(new, now))
                     self._tags[id(batch.labels)] = (batch.labels, new)  # held: the id is not reused meanwhile
                 yield batch
 
@@ -146,9 +136,8 @@ def _paths(state: Dict) -> List[str]:
 def run_job(ctx, data: Dict, steps: int, name: str, watch: bool = False, stop_at: float = 0.0):
     trainer, source = ctr.build(ctx, batch_size=BATCH, hook="allreduce", table_name=name, data=data,
                                 table_options={"ttl_steps": TTL_STEPS})
-    watcher = Watcher(source.train) if watch else None
+    watcher = Watcher(FileClock(source.train, trainer)) if watch else None
     if watcher is not None:
-        watcher.clock = TrainedClock(source.train, trainer)
         watcher.start()
     stopper = None
     if stop_at:
@@ -224,9 +213,9 @@ def main() -> int:
     finally:
         ctx.close()
 
-    lags = [(landed - began, watcher.taken[path] - landed) for path, landed in sorted(landed.items(),
-                                                                                       key=lambda item: item[1])
-            if path in watcher.taken]
+    taken = watcher.clock.taken
+    lags = [(landed - began, taken[path] - landed) for path, landed in sorted(landed.items(), key=lambda item: item[1])
+            if path in taken]
     missed = len(landed) - len(lags)
     steady = [lag for at, lag in lags if at >= args.minutes * 30]
     bound = args.poll + step_seconds
