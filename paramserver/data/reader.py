@@ -281,9 +281,9 @@ class FileReader:
             skip = chunk.skip + (carried if carried_to == _place(chunk.here) else 0)
             if skip == 0:  # a chunk resumed in its middle had its malformed lines counted before
                 malformed += self._problems(chunk, parsed)
-            # within the part only: rows past its end name lines it no longer has, never the next part's
-            same_part = _place(chunk.after)[:2] == _place(chunk.here)[:2]
-            carried, carried_to = (max(0, skip - len(parsed.samples)), _place(chunk.after)) if same_part else (0, None)
+            # on into the part's next chunk only: rows past a part's end name lines it no longer has
+            same_part = (chunk.after.epoch, chunk.after.part) == (chunk.here.epoch, chunk.here.part)
+            carried, carried_to = max(0, skip - len(parsed.samples)) if same_part else 0, _place(chunk.after)
             samples = parsed.samples
             if self.max_rows is not None:
                 samples = samples.slice(0, max(0, min(len(samples), self.max_rows - rows_given)))
