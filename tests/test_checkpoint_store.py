@@ -10,6 +10,7 @@ import io
 import json
 import os
 import pathlib
+from collections import OrderedDict
 from types import SimpleNamespace
 
 import pytest
@@ -98,6 +99,30 @@ def test_save_and_load_round_trip_with_size_and_hash(tmp_path):
         assert torch.equal(loaded["t"], obj["t"]) and torch.equal(loaded["m"], obj["m"])
         assert loaded["nested"] == obj["nested"]
     assert torch.equal(load_tensors(tmp_path / "a.pt")["t"], obj["t"])  # no record: not checked
+
+
+class OnAnotherDevice(torch.Tensor):
+    """Stands in for a GPU tensor where there is none: written as it is, it would not load with
+    ``weights_only``; its ``cpu()`` is a plain tensor."""
+
+    def cpu(self, *args, **kwargs):
+        return self.as_subclass(torch.Tensor).clone()
+
+
+@pytest.mark.parametrize("device", ["stand-in", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no GPU here"))])
+def test_tensors_on_a_device_are_written_as_cpu_tensors(tmp_path, device):
+    def on_device(tensor):
+        return tensor.as_subclass(OnAnotherDevice) if device == "stand-in" else tensor.to(device)
+
+    module = OrderedDict(weight=on_device(torch.arange(6.0).view(2, 3)))
+    obj = {"module": module, "optimizer": {"state": {0: {"momentum": on_device(torch.ones(3))}}}, "step": 7}
+    record = save_tensors(tmp_path / "dense.pt", obj)
+    loaded = load_tensors(tmp_path / "dense.pt", record)  # weights_only: plain CPU tensors, or it fails
+    assert isinstance(loaded["module"], OrderedDict) and loaded["step"] == 7
+    for tensor, expected in ((loaded["module"]["weight"], torch.arange(6.0).view(2, 3)),
+                             (loaded["optimizer"]["state"][0]["momentum"], torch.ones(3))):
+        assert type(tensor) is torch.Tensor and tensor.device.type == "cpu" and torch.equal(tensor, expected)
 
 
 def test_an_unloadable_file_is_a_corrupt_checkpoint_naming_it(tmp_path):

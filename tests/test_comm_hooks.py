@@ -11,6 +11,7 @@ import json
 import pickle
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import hook_workers
@@ -133,6 +134,18 @@ def test_start_iter_below_2_is_fine_without_memory():
     assert state.options() == dict(matrix_approximation_rank=1, start_powerSGD_iter=0, min_compression_rate=2.0,
                                    use_error_feedback=False, warm_start=False, orthogonalization_epsilon=0.0,
                                    random_seed=0, batch_tensors_with_same_shape=False)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no GPU here"))])
+def test_powersgd_memories_pickle_onto_the_cpu(device):
+    """A checkpoint's hook state from a worker on a GPU unpickles on a host without one."""
+    state, _ = comm_hook("powersgd", rank=1, start_iter=2)
+    state.error_memory, state.q_memory = {0: torch.arange(4.0, device=device)}, {0: torch.ones(2, device=device)}
+    copy = pickle.loads(pickle.dumps(state))
+    assert copy.error_memory[0].device.type == "cpu" and torch.equal(copy.error_memory[0], torch.arange(4.0))
+    assert copy.q_memory[0].device.type == "cpu" and torch.equal(copy.q_memory[0], torch.ones(2))
+    assert state.error_memory[0].device.type == device  # the live state keeps its device
 
 
 def test_a_fresh_state_pickles_and_loads_only_into_the_same_hook():

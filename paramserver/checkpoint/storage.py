@@ -40,6 +40,7 @@ from typing import BinaryIO, Callable, Dict, List, Optional, Sequence, Tuple, Ty
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_map_only  # torch's own nested-structure map (OrderedDicts kept)
 
 from ..filesystems import Location, PathOrUrl, StorageUnavailable, failures_named, locate  # noqa: F401 - re-exported
 from ..logs import one_line
@@ -166,8 +167,10 @@ def _write_object(location: Location, write: Callable[[BinaryIO], None]) -> File
 
 
 def save_tensors(path: PathLike, obj) -> FileRecord:
-    """``torch.save(obj)`` to ``path``, atomically."""
-    return atomic_write(path, lambda file: torch.save(obj, file))
+    """``torch.save(obj)`` to ``path``, atomically, every tensor in it on the CPU: a file written by a worker
+    training on a GPU loads on a host without one (and its state is copied off the device once, here)."""
+    on_cpu = tree_map_only(Tensor, lambda tensor: tensor.cpu(), obj)
+    return atomic_write(path, lambda file: torch.save(on_cpu, file))
 
 
 def _check_size(location: Location, size: int, record: FileRecord) -> None:
@@ -220,7 +223,7 @@ def load_tensors(path: PathLike, record: Optional[FileRecord] = None, mmap: bool
             _check_sha256(location, hashlib.sha256(data), record)
         source, mmap = io.BytesIO(data), False
     try:
-        return torch.load(source, weights_only=True, mmap=mmap)
+        return torch.load(source, weights_only=True, mmap=mmap, map_location="cpu")  # files of older writers too
     except Exception as error:  # noqa: BLE001 - any unreadable file is a corrupt checkpoint
         raise CorruptCheckpoint(f"{location}: not loadable: {type(error).__name__}: {error}") from error
 

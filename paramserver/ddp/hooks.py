@@ -291,6 +291,13 @@ class PowerSGDState(CommHookState):
         self.q_memory = {i: t.detach().clone() for i, t in state["q_memory"].items()}
         self.memory_layouts = dict(state["memory_layouts"])
 
+    def __getstate__(self) -> Dict[str, Any]:
+        """As the base's, with the memories on the CPU: a checkpoint's hook state written on a GPU unpickles on
+        a host without one (the hook moves a memory to its bucket's device when it uses it)."""
+        return {**super().__getstate__(),
+                "error_memory": {i: t.cpu() for i, t in self.error_memory.items()},
+                "q_memory": {i: t.cpu() for i, t in self.q_memory.items()}}
+
     def compressing(self) -> bool:
         """Whether this step compresses (see the module's docstring for the step after a restore)."""
         restored_memory = self.steps_since_restore == 0 and (self.error_memory or self.q_memory)
