@@ -26,6 +26,7 @@ the files.
 """
 
 import contextlib
+import copy
 import hashlib
 import io
 import json
@@ -40,7 +41,6 @@ from typing import BinaryIO, Callable, Dict, List, Optional, Sequence, Tuple, Ty
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_map_only  # torch's own nested-structure map (OrderedDicts kept)
 
 from ..filesystems import Location, PathOrUrl, StorageUnavailable, failures_named, locate  # noqa: F401 - re-exported
 from ..logs import one_line
@@ -169,8 +169,27 @@ def _write_object(location: Location, write: Callable[[BinaryIO], None]) -> File
 def save_tensors(path: PathLike, obj) -> FileRecord:
     """``torch.save(obj)`` to ``path``, atomically, every tensor in it on the CPU: a file written by a worker
     training on a GPU loads on a host without one (and its state is copied off the device once, here)."""
-    on_cpu = tree_map_only(Tensor, lambda tensor: tensor.cpu(), obj)
+    on_cpu = _on_cpu(obj)
     return atomic_write(path, lambda file: torch.save(on_cpu, file))
+
+
+def _on_cpu(value):
+    """``value`` with every tensor in it (through dicts, lists and tuples) on the CPU (``cpu()`` keeps a CPU
+    tensor as it is).  A dict is copied with ``copy.copy``, which keeps its type and attributes: a
+    ``state_dict``'s ``_metadata`` (versions ``load_state_dict`` reads) goes with it."""
+    if isinstance(value, Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        moved = copy.copy(value)
+        for key, item in value.items():
+            moved[key] = _on_cpu(item)
+        return moved
+    if isinstance(value, list):
+        return [_on_cpu(item) for item in value]
+    if isinstance(value, tuple):
+        items = [_on_cpu(item) for item in value]
+        return type(value)._make(items) if hasattr(type(value), "_make") else tuple(items)
+    return value
 
 
 def _check_size(location: Location, size: int, record: FileRecord) -> None:
