@@ -103,8 +103,11 @@ class LocalCTR(nn.Module):
         for name, weight, mode, feature_ids in zip(self.features, self.weights, self.modes, ids):
             distinct, inverse = torch.unique(feature_ids.reshape(-1), return_inverse=True)
             rows = weight.index_select(0, distinct).requires_grad_()
-            bags = rows.index_select(0, inverse).view(feature_ids.size(0), feature_ids.size(1), rows.size(1))
-            pooled[name] = bags.sum(1) if mode == "sum" else bags.mean(1)
+            if feature_ids.size(1) == 1:  # bags of one id are their row (as Route.pool takes them)
+                pooled[name] = rows.index_select(0, inverse)
+            else:
+                bags = rows.index_select(0, inverse).view(feature_ids.size(0), feature_ids.size(1), rows.size(1))
+                pooled[name] = bags.sum(1) if mode == "sum" else bags.mean(1)
             self._read.append((distinct, rows))
         return self.tower(pooled, dense)
 

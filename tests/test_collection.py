@@ -9,13 +9,16 @@ import pytest
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
+import torch.nn.functional as F
 
 from dataplane import run_cluster, shard_names
 from paramserver.optim import QHM, DistributedOptimizer
 from paramserver.shards import DynamicEmbeddingBag, EmbeddingCollection, ShardedEmbeddingBag, ShardRequestFailed
+from paramserver.shards.client.embedding import Route
 from paramserver.shards.client.row_cache import RowWindow
 from paramserver.tables.id_hash import initial_rows
 from paramserver.shards.server import service
+from types import SimpleNamespace
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -287,6 +290,29 @@ def trainer_row_window_reads_once_and_pushes_in_order():
     assert all(torch.equal(one, two) for one, two in zip(_weights(one_by_one).values(), _weights(together).values()))
     # A bound on the rows held cuts the window short (its first step always stays).
     assert RowWindow(cached, steps, max_rows=1).steps == [0]
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("bag", [1, 3])
+def test_pooling_a_lookups_rows_equals_embedding_bag_forward_and_backward(mode, bag):
+    """``Route.pool`` (a gather and a reduction; bags of one id: the gather alone) against ``embedding_bag`` over
+    the whole table, on integer values so that every sum is exact whatever its order."""
+    ids = torch.randint(0, 10, (64, bag))
+    unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+    weight = torch.randint(-8, 8, (10, DIM)).double()
+    upstream = torch.randint(-4, 4, (64, DIM)).double()
+    rows = weight[unique].clone().requires_grad_()
+    pooled = Route(SimpleNamespace(mode=mode), inverse, []).pool(rows)
+    (pooled * upstream).sum().backward()
+    whole = weight.clone().requires_grad_()
+    expected = F.embedding_bag(ids, whole, mode=mode)
+    (expected * upstream).sum().backward()
+    assert pooled.shape == expected.shape == (64, DIM)
+    assert torch.equal(pooled, expected.detach())
+    if mode == "mean" and bag > 1:  # a third of each upstream value, summed in another order: within rounding
+        torch.testing.assert_close(rows.grad, whole.grad[unique], rtol=0, atol=1e-12)
+    else:
+        assert torch.equal(rows.grad, whole.grad[unique])
 
 
 def test_one_lookup_and_one_push_per_shard_with_rows_equal_to_the_unfused_path():
