@@ -186,9 +186,11 @@ def _on_cpu(value):
         return moved
     if isinstance(value, list):
         return [_on_cpu(item) for item in value]
-    if isinstance(value, tuple):
+    if isinstance(value, tuple):  # a plain tuple, a named tuple, or one holding no tensor (torch.Size) as it is
         items = [_on_cpu(item) for item in value]
-        return type(value)._make(items) if hasattr(type(value), "_make") else tuple(items)
+        if all(new is old for new, old in zip(items, value)):
+            return value
+        return tuple(items) if type(value) is tuple else type(value)(*items)
     return value
 
 
