@@ -213,7 +213,7 @@ class Route:
             # faster, forward and backward, than embedding_bag, whose backward sorts.  Bags of one id are their
             # row, exactly (a sum or mean of one value is that value): no reduction, forward or backward.
             if inverse.size(1) == 1:
-                return unique_rows.index_select(0, inverse.view(-1))
+                return unique_rows.index_select(0, inverse.reshape(-1))
             bags = unique_rows.index_select(0, inverse.reshape(-1)).view(*inverse.shape, unique_rows.size(1))
             return bags.sum(1) if mode == "sum" else bags.mean(1)
         return F.embedding_bag(inverse, unique_rows, offsets, mode=mode, per_sample_weights=per_sample_weights)
