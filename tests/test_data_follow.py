@@ -56,8 +56,11 @@ def test_files_are_read_as_they_land_once_each_in_name_order_complete_ones_only(
     reader = follower(tmp_path)  # a directory: every complete file below it
     batches = iter(reader)
     assert take(batches, 2) == list(range(100))
-    land(tmp_path, "hour=02/part-1.gz", 250, 100, compress=True)
-    land(tmp_path, "hour=02/part-0.txt", 100, 150)  # one listing finds both: read in name order
+    # Both land in a hidden directory (still being written), then appear at once as it is renamed: one listing
+    # finds both, and reads them in name order whatever order they were written in.
+    land(tmp_path, ".hour=02/part-1.gz", 250, 100, compress=True)
+    land(tmp_path, ".hour=02/part-0.txt", 100, 150)
+    (tmp_path / ".hour=02").rename(tmp_path / "hour=02")
     assert take(batches, 5) == list(range(100, 350))
     got = []
 
