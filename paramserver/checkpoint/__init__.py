@@ -21,9 +21,10 @@ which commits (``paramserver.control.checkpoints``).
 from .records import CheckpointCommit, CheckpointFailure, CheckpointSettings
 from .storage import (CHECKPOINT_PREFIX, MANIFEST, Checkpoint, CheckpointStore, CorruptCheckpoint, FileRecord,
                       StorageUnavailable, assemble_rows, atomic_write, load_tensors, open_checkpoint,
-                      parse_range_name, range_name, read_manifest, save_tensors, verify_file)
+                      parse_range_name, range_name, read_manifest, save_tensors, tensors_on_cpu,
+                      verify_file)
 
 __all__ = ["CHECKPOINT_PREFIX", "MANIFEST", "Checkpoint", "CheckpointCommit", "CheckpointFailure",
            "CheckpointSettings", "CheckpointStore", "CorruptCheckpoint", "FileRecord", "StorageUnavailable",
            "assemble_rows", "atomic_write", "load_tensors", "open_checkpoint", "parse_range_name", "range_name",
-           "read_manifest", "save_tensors", "verify_file"]
+           "read_manifest", "save_tensors", "tensors_on_cpu", "verify_file"]

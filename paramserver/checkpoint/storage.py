@@ -169,11 +169,11 @@ def _write_object(location: Location, write: Callable[[BinaryIO], None]) -> File
 def save_tensors(path: PathLike, obj) -> FileRecord:
     """``torch.save(obj)`` to ``path``, atomically, every tensor in it on the CPU: a file written by a worker
     training on a GPU loads on a host without one (and its state is copied off the device once, here)."""
-    on_cpu = _on_cpu(obj)
+    on_cpu = tensors_on_cpu(obj)
     return atomic_write(path, lambda file: torch.save(on_cpu, file))
 
 
-def _on_cpu(value):
+def tensors_on_cpu(value):
     """``value`` with every tensor in it (through dicts, lists and tuples) on the CPU (``cpu()`` keeps a CPU
     tensor as it is).  A dict is copied with ``copy.copy``, which keeps its type and attributes: a
     ``state_dict``'s ``_metadata`` (versions ``load_state_dict`` reads) goes with it."""
@@ -182,12 +182,12 @@ def _on_cpu(value):
     if isinstance(value, dict):
         moved = copy.copy(value)
         for key, item in value.items():
-            moved[key] = _on_cpu(item)
+            moved[key] = tensors_on_cpu(item)
         return moved
     if isinstance(value, list):
-        return [_on_cpu(item) for item in value]
+        return [tensors_on_cpu(item) for item in value]
     if isinstance(value, tuple):  # a plain tuple, a named tuple, or one holding no tensor (torch.Size) as it is
-        items = [_on_cpu(item) for item in value]
+        items = [tensors_on_cpu(item) for item in value]
         if all(new is old for new, old in zip(items, value)):
             return value
         return tuple(items) if type(value) is tuple else type(value)(*items)

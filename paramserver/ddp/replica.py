@@ -51,6 +51,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .._torch_compat import is_collective_failure
+from ..checkpoint import tensors_on_cpu
 from .group import GroupStopped, TrainerGroup
 from .hooks import HookRecorder, canonical_hook_options, comm_hook
 
@@ -189,8 +190,10 @@ class DenseReplica:
             raise HookMismatch("trainer group members use different comm hooks: " + "; ".join(
                 f"{m['rpc_name']}: {m['hook']} {m['hook_options'] or ''}".strip() for m in members))
         source = state_source([m["step"] for m in members])
-        state = [{"step": self.step, "module": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
-                 if self.group.rank == source else None]
+        # On the CPU: a pickled tensor unpickles onto the device it was on, which on a member with a GPU of
+        # its own would be the source's GPU (another worker's, on a host of several), not its own.
+        state = [{"step": self.step, "module": tensors_on_cpu(self.module.state_dict()),
+                  "optimizer": tensors_on_cpu(self.optimizer.state_dict())} if self.group.rank == source else None]
         dist.broadcast_object_list(state, src=source, device=self.group.device)
         if self.group.rank != source:
             self.steps_skipped += max(0, state[0]["step"] - self.step)
