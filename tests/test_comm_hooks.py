@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import hook_workers
+from test_checkpoint_store import OnAnotherDevice
 from paramserver.ddp import HOOK_NAMES, CommHookState, PowerSGDOptions, PowerSGDState, canonical_hook_options, comm_hook
 from paramserver.processes import Child, ChildProcessesFailed, free_port, run_children
 
@@ -136,16 +137,21 @@ def test_start_iter_below_2_is_fine_without_memory():
                                    random_seed=0, batch_tensors_with_same_shape=False)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+@pytest.mark.parametrize("device", ["stand-in", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no GPU here"))])
 def test_powersgd_memories_pickle_onto_the_cpu(device):
-    """A checkpoint's hook state from a worker on a GPU unpickles on a host without one."""
+    """A checkpoint's hook state from a worker on a GPU unpickles on a host without one (``OnAnotherDevice``
+    stands in for a GPU tensor where there is none: pickled as it is, it would unpickle as itself)."""
+    def on_device(tensor):
+        return tensor.as_subclass(OnAnotherDevice) if device == "stand-in" else tensor.to(device)
+
     state, _ = comm_hook("powersgd", rank=1, start_iter=2)
-    state.error_memory, state.q_memory = {0: torch.arange(4.0, device=device)}, {0: torch.ones(2, device=device)}
+    error, q = on_device(torch.arange(4.0)), on_device(torch.ones(2))
+    state.error_memory, state.q_memory = {0: error}, {0: q}
     copy = pickle.loads(pickle.dumps(state))
-    assert copy.error_memory[0].device.type == "cpu" and torch.equal(copy.error_memory[0], torch.arange(4.0))
-    assert copy.q_memory[0].device.type == "cpu" and torch.equal(copy.q_memory[0], torch.ones(2))
-    assert state.error_memory[0].device.type == device  # the live state keeps its device
+    for moved, expected in ((copy.error_memory[0], torch.arange(4.0)), (copy.q_memory[0], torch.ones(2))):
+        assert type(moved) is torch.Tensor and moved.device.type == "cpu" and torch.equal(moved, expected)
+    assert state.error_memory[0] is error and state.q_memory[0] is q  # the live state keeps its own
 
 
 def test_a_fresh_state_pickles_and_loads_only_into_the_same_hook():
