@@ -128,6 +128,11 @@ class FileClock:
         reader._batches, trainer.loss = tagged, timed
 
 
+def _p95(values: List[float]) -> float:
+    """The 95th percentile of ``values`` (nearest rank; NaN when there are none)."""
+    return sorted(values)[max(0, int(len(values) * 0.95) - 1)] if values else float("nan")
+
+
 def _paths(state: Dict) -> List[str]:
     """The files a followed reader's position names (done, and the one under way)."""
     return [key.split("@")[0] for key in [*state.get("done", []), state.get("key", "")] if key]
@@ -220,9 +225,9 @@ def main() -> int:
     steady = [lag for at, lag in lags if at >= args.minutes * 30]
     bound = args.poll + step_seconds
     trained = watcher.clock.trained
-    trained_within = [trained[path] - landed for path, landed in landed.items()
-                      if path in trained and landed - began >= args.minutes * 30]
-    p95 = sorted(trained_within)[max(0, int(len(trained_within) * 0.95) - 1)] if trained_within else float("nan")
+    trained_lags = sorted((at - began, trained[path] - at) for path, at in landed.items() if path in trained)
+    trained_within = [lag for at, lag in trained_lags if at >= args.minutes * 30]
+    p95 = _p95(trained_within)
     half = began + args.minutes * 30
     memory_half = min((abs(at - half), rss) for at, rss in watcher.memory)[1]
     memory_end = watcher.memory[-1][1]
@@ -235,7 +240,7 @@ def main() -> int:
     print(f"| files landed / trained on | {len(landed)} / {len(lags)} |")
     print(f"| steps trained | {result['steps']:,} |")
     print(f"| lag to the first batch taken, steady state: median / p95 / max (s) | "
-          f"{statistics.median(steady):.2f} / {sorted(steady)[max(0, int(len(steady) * .95) - 1)]:.2f} / "
+          f"{statistics.median(steady):.2f} / {_p95(steady):.2f} / "
           f"{max(steady):.2f} |")
     print(f"| trained on within (landed to its first batch's step), steady state: median / p95 / max (s) | "
           f"{statistics.median(trained_within):.2f} / {p95:.2f} / {max(trained_within):.2f} |")
@@ -245,7 +250,6 @@ def main() -> int:
           f"{bound:.2f} s {'PASS' if p95 <= bound else 'BELOW'}")
     print(f"target: keeps up (every file landed trained on): {missed} missed {'PASS' if missed == 0 else 'BELOW'}")
     print(f"target: memory does not grow (end vs half time): {growth:+.1%} {'PASS' if growth <= 0.10 else 'BELOW'}")
-    trained_lags = sorted((at - began, trained[path] - at) for path, at in landed.items() if path in trained)
     _plot(args.plot, lags, trained_lags, watcher.memory, began, bound)
     return 0
 
