@@ -12,6 +12,7 @@ import gc
 import multiprocessing
 import os
 import tempfile
+import threading
 import traceback
 
 import torch
@@ -55,6 +56,44 @@ def second_join_uses_the_first_prefix(store, init_method):
     assert compat.rpc_member_entry(SELF, 1) not in _member_list(store)
     join(SELF, 1, None, init_method)  # init_rpc's second call: its keys would go under rpc_prefix_1
     assert compat.rpc_member_entry(SELF, 1) in _member_list(store)
+
+
+def _child_joins_then_leaves(init_method, joined, leave_now, name: str, rank: int) -> None:
+    join(name, rank, None, init_method)
+    joined.set()
+    leave_now.wait(60)
+    leave(graceful=True)
+
+
+def a_member_joins_while_another_waits_to_leave(store, init_method):
+    """A member that joins while another waits for the group's token to leave (its own join holds the token and
+    asks every member for its devices and to record it) joins at once, and the other leaves right after: the
+    leaving member polls for the token instead of blocking its store connection, which a member's reply to the
+    joining one needs (torch's own graceful leave keeps both waiting until the store's 60 s timeout)."""
+    name, rank = "compat3", 4
+    rpc_store = dist.PrefixStore(compat.RPC_STORE_PREFIX, store.store)
+    rpc_store.set(compat.RPC_TOKEN_KEY, compat.rpc_token(name, "join"))  # the joining member holds the token
+    leaving = threading.Thread(target=leave, kwargs={"graceful": True, "timeout": JOIN_WITHIN}, daemon=True)
+    leaving.start()
+    context = multiprocessing.get_context("spawn")
+    joined, leave_now = context.Event(), context.Event()
+    child = context.Process(target=_child_joins_then_leaves, args=(init_method, joined, leave_now, name, rank),
+                            name=name)
+    child.start()
+    try:
+        assert joined.wait(30), "the member did not join while another waited to leave"
+        leaving.join(30)
+        assert not leaving.is_alive(), "the waiting member did not leave once the join ended"
+        assert compat.current_rpc_agent() is None
+        assert _member_list(store) == compat.rpc_member_entry(name, rank)
+        leave_now.set()
+        child.join(30)
+        assert child.exitcode == 0, child.exitcode
+    finally:
+        if child.is_alive():
+            child.kill()
+        child.join(10)
+    join(SELF, 1, None, init_method)  # for the checks after this one
 
 
 def autograd_context_layout(store, init_method):
@@ -188,8 +227,8 @@ def leaving_together_marks_the_agent_leaving_before_it_closes(store, init_method
 # rrefs_of_a_dead_owner_dropped_without_telling_it runs before the first leave: once a process left the group,
 # torch's RRef context stays torn down (a second join does not set it up again), and no drop is reported.
 CHECKS = (store_keys, agent_of_an_open_group, rrefs_of_a_dead_owner_dropped_without_telling_it,
-          second_join_uses_the_first_prefix, autograd_context_layout, remote_errors_reduced_to_their_cause,
-          dead_peer_forgotten_and_rrefs_released, leaving_together_marks_the_agent_leaving_before_it_closes)
+          second_join_uses_the_first_prefix, a_member_joins_while_another_waits_to_leave, autograd_context_layout,
+          remote_errors_reduced_to_their_cause, dead_peer_forgotten_and_rrefs_released, leaving_together_marks_the_agent_leaving_before_it_closes)
 
 
 def run_checks(results) -> None:

@@ -197,13 +197,46 @@ def forget(peer: str) -> bool:
 RELEASE_RREFS_WITHIN = datetime.timedelta(seconds=5)
 
 
+#: How often a member tries to take the open group's membership token while another member holds it.
+_TOKEN_POLL = datetime.timedelta(seconds=0.02)
+
+
+def _take_membership_token(agent, purpose: str, within: datetime.timedelta) -> bool:
+    """Take the open group's membership token under the name torch's own join and leave use (so that torch's
+    graceful shutdown, called next, finds it taken already and goes on); False when it stayed taken ``within``.
+
+    Polled, never waited for in the store: a ``Store.wait`` holds this process's one connection to the store
+    until the key appears, and a member that joins meanwhile (holding the token) asks every member, this
+    one included, to read its address from the store through that same connection.  Each would wait for the
+    other until the store's timeout (60 s): torch's own graceful leave does exactly that when a member joins
+    while it waits for the token (reproduced).  Between polls the connection is free.
+    """
+    store, token = agent.store, rpc_token(agent.get_worker_info().name, purpose)
+    deadline = time.monotonic() + within.total_seconds()
+    while store.compare_set(RPC_TOKEN_KEY, "", token).decode() != token:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(_TOKEN_POLL.total_seconds())
+    return True
+
+
+def _release_membership_token(agent, purpose: str) -> None:
+    """Give back the token ``_take_membership_token`` took, as torch does (whoever waits on it goes on)."""
+    store = agent.store
+    store.set(RPC_TOKEN_KEY, "")
+    store.set(rpc_token(agent.get_worker_info().name, purpose), RPC_TOKEN_DONE)
+
+
 def leave(graceful: bool = True, timeout: Optional[datetime.timedelta] = None) -> None:
     """Stop being a peer.  Graceful: in a static group, wait until every peer
     leaves and all outstanding work is done (bounded by ``timeout`` when
-    given); in an open group, release the RRefs this process holds and tell
-    the others it left.  Not graceful: just stop.  A graceful leave whose
-    group store closes during its last step (the peer hosting the store left
-    first) has left all the same."""
+    given); in an open group, release the RRefs this process holds, take the
+    group's membership token (bounded by ``timeout``, else the RPC timeout;
+    when it stays taken, leave without telling the others: the coordinator
+    takes a member that is gone off the group's list) and tell the others it
+    left.  Not graceful: just stop.  A graceful leave whose group store
+    closes during its last step (the peer hosting the store left first) has
+    left all the same."""
     if graceful and is_open_group():
         try:
             # Bounded: RRefs whose owner died (a lost shard) are never confirmed, and torch's default
@@ -211,6 +244,12 @@ def leave(graceful: bool = True, timeout: Optional[datetime.timedelta] = None) -
             release_rrefs(RELEASE_RREFS_WITHIN)
         except RuntimeError as error:  # an owner may be gone; its RRefs are moot
             logger.warning("releasing RRefs before leaving: %s", error)
+        agent = current_rpc_agent()
+        within = timeout or datetime.timedelta(seconds=rpc.get_rpc_timeout())
+        if not _take_membership_token(agent, "leave", within):
+            logger.warning("the RPC group's membership token stayed taken for %.0f s: %s leaves without telling "
+                           "the other members", within.total_seconds(), agent.get_worker_info().name)
+            graceful = False
     try:
         if timeout is None:
             rpc.shutdown(graceful=graceful)
@@ -227,7 +266,6 @@ def leave(graceful: bool = True, timeout: Optional[datetime.timedelta] = None) -
 
 #: Under the open group's store: the key a member sets once it counts as leaving (``leave_together``).
 LEAVING_KEY = "paramserver/leaving/{name}-{rank}"
-_TOKEN_POLL = datetime.timedelta(seconds=0.02)
 
 
 def leave_together(within: datetime.timedelta) -> bool:
@@ -258,25 +296,22 @@ def leave_together(within: datetime.timedelta) -> bool:
             logger.info("RPCs of %s still in flight after %.1f s: leaving at once", me.name, within.total_seconds())
             return False
         time.sleep(_TOKEN_POLL.total_seconds())
-    token = rpc_token(me.name, "leave")
-    while store.compare_set(RPC_TOKEN_KEY, "", token).decode() != token:
-        if time.monotonic() > deadline:
-            logger.info("the RPC group's membership token stayed taken for %.1f s: %s leaves at once",
-                        within.total_seconds(), me.name)
-            return False
-        time.sleep(_TOKEN_POLL.total_seconds())
+    if not _take_membership_token(agent, "leave", datetime.timedelta(seconds=max(0.0, deadline - time.monotonic()))):
+        logger.info("the RPC group's membership token stayed taken for %.1f s: %s leaves at once",
+                    within.total_seconds(), me.name)
+        return False
     try:
         mark_leaving(agent)
     finally:
-        store.set(RPC_TOKEN_KEY, "")
-        store.set(token, RPC_TOKEN_DONE)
+        _release_membership_token(agent, "leave")
     store.set(LEAVING_KEY.format(name=me.name, rank=me.id), "1")
     others = [LEAVING_KEY.format(name=peer.name, rank=peer.id) for peer in agent.get_worker_infos()
               if peer.name != me.name]
-    if others:
-        try:
-            store.wait(others, datetime.timedelta(seconds=max(0.0, deadline - time.monotonic())))
-        except torch.distributed.DistStoreError:  # a wait that timed out: those members stay
+    # Polled, not waited for in the store (``_take_membership_token`` says why).
+    while others and not store.check(others):
+        if time.monotonic() > deadline:  # those members stay
             logger.info("%s leaves while other RPC peers still serve", me.name)
+            break
+        time.sleep(_TOKEN_POLL.total_seconds())
     rpc.shutdown(graceful=False)  # every pipe closes; this process and those that left with it expect that
     return True
