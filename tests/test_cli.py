@@ -2,6 +2,7 @@
 the flag, and status renders as the JSON object and the table users read."""
 
 import argparse
+import datetime
 import json
 import re
 from typing import List, Optional, Tuple
@@ -53,6 +54,7 @@ def server_args(*argv):
     (["--job", "workers.regression"], "must look like package.module:function"),
     (["--heartbeat-timeout", "0.5"], "--heartbeat-timeout must exceed"),
     (["--group-size", "-1"], "--group-size must be 0"),
+    (["--group-settle", "-1"], "--group-settle must not be negative"),
     (["--host", "0.0.0.0"], "not a wildcard"),
     (["--export-every", "10"], "--export-every and --export-base-every need --export-dir"),
     (["--export-dir", "live", "--export-every", "0"], "--export-every must be at least 1, got 0"),
@@ -170,6 +172,9 @@ def test_status_table_lists_every_member():
 def test_server_ships_the_group_size_with_the_job():
     options = server.options_from(server_args("--shards", "2", "--group-size", "3"))
     assert options.coordinator.job.group_size == 3
+    assert options.coordinator.group_settle == datetime.timedelta(seconds=2)  # GROUP_SETTLE
+    options = server.options_from(server_args("--shards", "2", "--group-size", "3", "--group-settle", "30"))
+    assert options.coordinator.group_settle == datetime.timedelta(seconds=30)
     assert options.coordinator.job.name == "paramserver.jobs.ctr:main"
     assert not options.coordinator.job.exports.directory
 

@@ -409,7 +409,10 @@ def wait_for_metric(url: str, name: str, at_least: float, timeout: float = 60, *
 def test_every_process_serves_its_metrics_while_the_job_runs(commands, tmp_path):
     began = time.monotonic()
     # --checkpoint-dir: a killed shard is restarted (below), on its metrics port.
-    server, address = start_server(commands, "--shards", "2", "--group-size", "2", "--metrics-port", "0",
+    # --group-settle: the group forms once both workers joined, however far apart a loaded machine starts them
+    # (with the default 2 s, the first to join trained alone in generation 1 once in CI).
+    server, address = start_server(commands, "--shards", "2", "--group-size", "2", "--group-settle", "600",
+                                   "--metrics-port", "0",
                                    "--checkpoint-dir", str(tmp_path / "checkpoints"),
                                    "--job-config", job_config(**SMALL))
     urls = dict(metrics_lines(server, 3))
