@@ -16,9 +16,8 @@ venv: $(STAMP)
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	# torch first, pinned: the local CPU build; an unpinned torch would pull CUDA wheels.  --no-compile: the
-	# modules a run imports are compiled on first import; compiling all of torch's at install took 28 s.
-	$(PIP) install --quiet --no-compile $(TORCH_PIN)
+	# torch first, pinned: the local CPU build; an unpinned torch would pull CUDA wheels.
+	$(PIP) install --quiet $(TORCH_PIN)
 
 # setup.py generates the gRPC stubs from protos/ and builds the dynamic tables'
 # C kernel at install time, so a changed .proto or kernel.c re-runs the install too.
@@ -26,7 +25,7 @@ PROTOS := $(shell find protos -name '*.proto')
 KERNEL := paramserver/shards/server/dynamic/kernel.c
 
 $(STAMP): $(PY) setup.cfg setup.py pyproject.toml $(PROTOS) $(KERNEL)
-	$(PIP) install --quiet --no-compile $(TORCH_PIN) -e '.[test,s3,gcs,torchx]'
+	$(PIP) install --quiet $(TORCH_PIN) -e '.[test,s3,gcs,torchx]'
 	touch $(STAMP)
 
 # The main job on a local cluster: ps-server --shards 4, two ps-workers in one
