@@ -96,6 +96,38 @@ def a_member_joins_while_another_waits_to_leave(store, init_method):
     join(SELF, 1, None, init_method)  # for the checks after this one
 
 
+def a_failed_graceful_leave_gives_the_token_back(store, init_method):
+    """A graceful leave that fails midway (a member it must tell died without leaving, and this process was not
+    told) gives the group's membership token back: torch's keeps it, and every later join would wait for it."""
+    name, rank = "compat4", 5
+    context = multiprocessing.get_context("spawn")
+    joined, die = context.Event(), context.Event()
+    child = context.Process(target=_child_peer, args=(init_method, joined, die, name, rank), name=name)
+    child.start()
+    try:
+        assert joined.wait(JOIN_WITHIN.total_seconds()), "the child peer did not join"
+        die.set()
+        child.join(30)
+        assert child.exitcode == 0, child.exitcode
+        try:
+            leave(graceful=True, timeout=datetime.timedelta(seconds=10))
+        except RuntimeError:  # telling the dead member failed: what this check is about
+            pass
+        else:
+            raise AssertionError("leaving told a dead member without an error")
+        rpc_store = dist.PrefixStore(compat.RPC_STORE_PREFIX, store.store)
+        assert rpc_store.get(compat.RPC_TOKEN_KEY) == b"", rpc_store.get(compat.RPC_TOKEN_KEY)
+        assert rpc_store.get(compat.rpc_token(SELF, "leave")) == compat.RPC_TOKEN_DONE.encode()
+    finally:
+        if child.is_alive():
+            child.kill()
+        child.join(10)
+    store.remove_rpc_peer(name, rank)  # the coordinator's upkeep of a member that died
+    if compat.rpc_member_entry(SELF, 1) in _member_list(store):  # torch left it listed: it failed midway
+        store.remove_rpc_peer(SELF, 1)
+    join(SELF, 1, None, init_method)  # for the checks after this one
+
+
 def autograd_context_layout(store, init_method):
     agent = compat.current_rpc_agent()
     with dist_autograd.context() as context_id:
@@ -227,7 +259,8 @@ def leaving_together_marks_the_agent_leaving_before_it_closes(store, init_method
 # rrefs_of_a_dead_owner_dropped_without_telling_it runs before the first leave: once a process left the group,
 # torch's RRef context stays torn down (a second join does not set it up again), and no drop is reported.
 CHECKS = (store_keys, agent_of_an_open_group, rrefs_of_a_dead_owner_dropped_without_telling_it,
-          second_join_uses_the_first_prefix, a_member_joins_while_another_waits_to_leave, autograd_context_layout,
+          second_join_uses_the_first_prefix, a_member_joins_while_another_waits_to_leave,
+          a_failed_graceful_leave_gives_the_token_back, autograd_context_layout,
           remote_errors_reduced_to_their_cause, dead_peer_forgotten_and_rrefs_released, leaving_together_marks_the_agent_leaving_before_it_closes)
 
 

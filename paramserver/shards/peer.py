@@ -246,10 +246,30 @@ def leave(graceful: bool = True, timeout: Optional[datetime.timedelta] = None) -
             logger.warning("releasing RRefs before leaving: %s", error)
         agent = current_rpc_agent()
         within = timeout or datetime.timedelta(seconds=rpc.get_rpc_timeout())
-        if not _take_membership_token(agent, "leave", within):
-            logger.warning("the RPC group's membership token stayed taken for %.0f s: %s leaves without telling "
-                           "the other members", within.total_seconds(), agent.get_worker_info().name)
-            graceful = False
+        if _take_membership_token(agent, "leave", within):
+            try:
+                _shut_down(True, timeout)
+            finally:
+                _release_membership_token_if_held(agent, "leave")
+            return
+        logger.warning("the RPC group's membership token stayed taken for %.0f s: %s leaves without telling the "
+                       "other members", within.total_seconds(), agent.get_worker_info().name)
+        graceful = False
+    _shut_down(graceful, timeout)
+
+
+def _release_membership_token_if_held(agent, purpose: str) -> None:
+    """Give back the token if this process still holds it: torch keeps it when its graceful leave fails midway
+    (a member it tells is gone), and every later join and leave of the group would wait for it."""
+    token = rpc_token(agent.get_worker_info().name, purpose)
+    try:
+        if agent.store.compare_set(RPC_TOKEN_KEY, token, "").decode() == "":
+            agent.store.set(token, RPC_TOKEN_DONE)
+    except torch.distributed.DistError as error:  # the store's host is gone: so is the group
+        logger.info("could not check the RPC group's membership token after leaving: %s", one_line(error))
+
+
+def _shut_down(graceful: bool, timeout: Optional[datetime.timedelta]) -> None:
     try:
         if timeout is None:
             rpc.shutdown(graceful=graceful)
