@@ -220,13 +220,6 @@ def _take_membership_token(agent, purpose: str, within: datetime.timedelta) -> b
     return True
 
 
-def _release_membership_token(agent, purpose: str) -> None:
-    """Give back the token ``_take_membership_token`` took, as torch does (whoever waits on it goes on)."""
-    store = agent.store
-    store.set(RPC_TOKEN_KEY, "")
-    store.set(rpc_token(agent.get_worker_info().name, purpose), RPC_TOKEN_DONE)
-
-
 def leave(graceful: bool = True, timeout: Optional[datetime.timedelta] = None) -> None:
     """Stop being a peer.  Graceful: in a static group, wait until every peer
     leaves and all outstanding work is done (bounded by ``timeout`` when
@@ -259,8 +252,9 @@ def leave(graceful: bool = True, timeout: Optional[datetime.timedelta] = None) -
 
 
 def _release_membership_token_if_held(agent, purpose: str) -> None:
-    """Give back the token if this process still holds it: torch keeps it when its graceful leave fails midway
-    (a member it tells is gone), and every later join and leave of the group would wait for it."""
+    """Give back the token ``_take_membership_token`` took, as torch does (whoever waits on it goes on), if this
+    process still holds it: torch releases it after a graceful leave, but keeps it when that fails midway (a
+    member it tells is gone), and every later join and leave of the group would wait for it."""
     token = rpc_token(agent.get_worker_info().name, purpose)
     try:
         if agent.store.compare_set(RPC_TOKEN_KEY, token, "").decode() == "":
@@ -323,7 +317,7 @@ def leave_together(within: datetime.timedelta) -> bool:
     try:
         mark_leaving(agent)
     finally:
-        _release_membership_token(agent, "leave")
+        _release_membership_token_if_held(agent, "leave")
     store.set(LEAVING_KEY.format(name=me.name, rank=me.id), "1")
     others = [LEAVING_KEY.format(name=peer.name, rank=peer.id) for peer in agent.get_worker_infos()
               if peer.name != me.name]
