@@ -100,15 +100,8 @@ def a_failed_graceful_leave_gives_the_token_back(store, init_method):
     """A graceful leave that fails midway (a member it must tell died without leaving, and this process was not
     told) gives the group's membership token back: torch's keeps it, and every later join would wait for it."""
     name, rank = "compat4", 5
-    context = multiprocessing.get_context("spawn")
-    joined, die = context.Event(), context.Event()
-    child = context.Process(target=_child_peer, args=(init_method, joined, die, name, rank), name=name)
-    child.start()
-    try:
-        assert joined.wait(JOIN_WITHIN.total_seconds()), "the child peer did not join"
-        die.set()
-        child.join(30)
-        assert child.exitcode == 0, child.exitcode
+    with _peer_that_dies(init_method, name, rank) as kill_it:
+        kill_it()
         try:
             leave(graceful=True, timeout=datetime.timedelta(seconds=10))
         except RuntimeError:  # telling the dead member failed: what this check is about
@@ -118,10 +111,6 @@ def a_failed_graceful_leave_gives_the_token_back(store, init_method):
         rpc_store = dist.PrefixStore(compat.RPC_STORE_PREFIX, store.store)
         assert rpc_store.get(compat.RPC_TOKEN_KEY) == b"", rpc_store.get(compat.RPC_TOKEN_KEY)
         assert rpc_store.get(compat.rpc_token(SELF, "leave")) == compat.RPC_TOKEN_DONE.encode()
-    finally:
-        if child.is_alive():
-            child.kill()
-        child.join(10)
     store.remove_rpc_peer(name, rank)  # the coordinator's upkeep of a member that died
     if compat.rpc_member_entry(SELF, 1) in _member_list(store):  # torch left it listed: it failed midway
         store.remove_rpc_peer(SELF, 1)
@@ -170,28 +159,40 @@ def _child_peer(init_method: str, joined, die, name: str = CHILD, rank: int = 2)
     os._exit(0)  # dies without leaving
 
 
-def dead_peer_forgotten_and_rrefs_released(store, init_method):
+@contextlib.contextmanager
+def _peer_that_dies(init_method: str, name: str, rank: int):
+    """A child peer ``name`` that joined the group; the function yielded makes it die without leaving and waits
+    for that.  Killed on the way out if it still runs."""
     context = multiprocessing.get_context("spawn")
     joined, die = context.Event(), context.Event()
-    child = context.Process(target=_child_peer, args=(init_method, joined, die), name=CHILD)
+    child = context.Process(target=_child_peer, args=(init_method, joined, die, name, rank), name=name)
     child.start()
-    try:
-        assert joined.wait(JOIN_WITHIN.total_seconds()), "the child peer did not join"
-        remote = rpc.remote(CHILD, torch.add, args=(torch.ones(2), 0))
-        assert remote.to_here().tolist() == [1.0, 1.0]
+
+    def kill_it():
         die.set()
         child.join(30)
         assert child.exitcode == 0, child.exitcode
+
+    try:
+        assert joined.wait(JOIN_WITHIN.total_seconds()), "the child peer did not join"
+        yield kill_it
+    finally:
+        if child.is_alive():
+            child.kill()
+        child.join(10)
+
+
+def dead_peer_forgotten_and_rrefs_released(store, init_method):
+    with _peer_that_dies(init_method, CHILD, 2) as kill_it:
+        remote = rpc.remote(CHILD, torch.add, args=(torch.ones(2), 0))
+        assert remote.to_here().tolist() == [1.0, 1.0]
+        kill_it()
         agent = compat.current_rpc_agent()
         compat.forget_rpc_peer(agent, agent.get_worker_info(CHILD))
         assert CHILD not in [info.name for info in agent.get_worker_infos()]
         assert store.remove_rpc_peer(CHILD, 2), "the coordinator's upkeep found the dead peer listed"
         del remote
         compat.release_rrefs(datetime.timedelta(seconds=1))  # the owner is gone: bounded, no error
-    finally:
-        if child.is_alive():
-            child.kill()
-        child.join(10)
 
 
 @contextlib.contextmanager
@@ -213,16 +214,10 @@ def rrefs_of_a_dead_owner_dropped_without_telling_it(store, init_method):
     """``forsake_rref_owners``: an RRef whose owner died, dropped after it, is not reported to the owner (one
     dropped before is, and torch logs an error with a C++ stack trace); the RRef context stays torn down."""
     name, rank = "compat2", 3
-    context = multiprocessing.get_context("spawn")
-    joined, die = context.Event(), context.Event()
-    child = context.Process(target=_child_peer, args=(init_method, joined, die, name, rank), name=name)
-    child.start()
-    try:
-        assert joined.wait(JOIN_WITHIN.total_seconds()), "the child peer did not join"
+    with _peer_that_dies(init_method, name, rank) as kill_it:
         told, kept = (rpc.remote(name, torch.add, args=(torch.ones(2), 0)) for _ in range(2))
         assert told.to_here().tolist() == kept.to_here().tolist() == [1.0, 1.0]
-        die.set()
-        child.join(30)
+        kill_it()
         agent = compat.current_rpc_agent()
         compat.forget_rpc_peer(agent, agent.get_worker_info(name))
         logged = []
@@ -236,10 +231,6 @@ def rrefs_of_a_dead_owner_dropped_without_telling_it(store, init_method):
             gc.collect()
         assert "deletingUserRRef" not in logged[1], logged[1][-2000:]
         store.remove_rpc_peer(name, rank)
-    finally:
-        if child.is_alive():
-            child.kill()
-        child.join(10)
 
 
 def leaving_together_marks_the_agent_leaving_before_it_closes(store, init_method):
