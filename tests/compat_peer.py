@@ -117,6 +117,20 @@ def a_failed_graceful_leave_gives_the_token_back(store, init_method):
     join(SELF, 1, None, init_method)  # for the checks after this one
 
 
+def a_graceful_leave_after_the_store_is_gone_still_leaves(store, init_method):
+    """A graceful leave whose group's store is gone (its host, the coordinator, ended first) leaves all the same:
+    it cannot take the membership token, so it leaves without telling the others, and raises nothing."""
+    leave(graceful=True)
+    gone = RendezvousStore("127.0.0.1")
+    join(SELF, 1, None, f"tcp://127.0.0.1:{gone.port}")
+    gone.close()
+    del gone
+    gc.collect()  # the store's last reference: its server stops
+    leave(graceful=True, timeout=datetime.timedelta(seconds=5))
+    assert compat.current_rpc_agent() is None
+    join(SELF, 1, None, init_method)  # for the checks after this one
+
+
 def autograd_context_layout(store, init_method):
     agent = compat.current_rpc_agent()
     with dist_autograd.context() as context_id:
@@ -251,8 +265,9 @@ def leaving_together_marks_the_agent_leaving_before_it_closes(store, init_method
 # torch's RRef context stays torn down (a second join does not set it up again), and no drop is reported.
 CHECKS = (store_keys, agent_of_an_open_group, rrefs_of_a_dead_owner_dropped_without_telling_it,
           second_join_uses_the_first_prefix, a_member_joins_while_another_waits_to_leave,
-          a_failed_graceful_leave_gives_the_token_back, autograd_context_layout,
-          remote_errors_reduced_to_their_cause, dead_peer_forgotten_and_rrefs_released, leaving_together_marks_the_agent_leaving_before_it_closes)
+          a_failed_graceful_leave_gives_the_token_back, a_graceful_leave_after_the_store_is_gone_still_leaves,
+          autograd_context_layout, remote_errors_reduced_to_their_cause, dead_peer_forgotten_and_rrefs_released,
+          leaving_together_marks_the_agent_leaving_before_it_closes)
 
 
 def run_checks(results) -> None:

@@ -201,9 +201,10 @@ RELEASE_RREFS_WITHIN = datetime.timedelta(seconds=5)
 _TOKEN_POLL = datetime.timedelta(seconds=0.02)
 
 
-def _take_membership_token(agent, purpose: str, within: datetime.timedelta) -> bool:
+def _take_membership_token(agent, purpose: str, within: datetime.timedelta) -> Optional[str]:
     """Take the open group's membership token under the name torch's own join and leave use (so that torch's
-    graceful shutdown, called next, finds it taken already and goes on); False when it stayed taken ``within``.
+    graceful shutdown, called next, finds it taken already and goes on); None once taken, else why not (it
+    stayed taken ``within``, or the group's store is gone: its host left or died).
 
     Polled, never waited for in the store: a ``Store.wait`` holds this process's one connection to the store
     until the key appears, and a member that joins meanwhile (holding the token) asks every member, this
@@ -213,11 +214,14 @@ def _take_membership_token(agent, purpose: str, within: datetime.timedelta) -> b
     """
     store, token = agent.store, rpc_token(agent.get_worker_info().name, purpose)
     deadline = time.monotonic() + within.total_seconds()
-    while store.compare_set(RPC_TOKEN_KEY, "", token).decode() != token:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(_TOKEN_POLL.total_seconds())
-    return True
+    try:
+        while store.compare_set(RPC_TOKEN_KEY, "", token).decode() != token:
+            if time.monotonic() > deadline:
+                return f"the RPC group's membership token stayed taken for {within.total_seconds():.1f} s"
+            time.sleep(_TOKEN_POLL.total_seconds())
+    except torch.distributed.DistNetworkError as error:
+        return f"the RPC group's store is gone ({one_line(error)})"
+    return None
 
 
 def leave(graceful: bool = True, timeout: Optional[datetime.timedelta] = None) -> None:
@@ -225,9 +229,9 @@ def leave(graceful: bool = True, timeout: Optional[datetime.timedelta] = None) -
     leaves and all outstanding work is done (bounded by ``timeout`` when
     given); in an open group, release the RRefs this process holds, take the
     group's membership token (bounded by ``timeout``, else the RPC timeout;
-    when it stays taken, leave without telling the others: the coordinator
-    takes a member that is gone off the group's list) and tell the others it
-    left.  Not graceful: just stop.  A graceful leave whose group store
+    when it stays taken, or the group's store is gone, leave without telling
+    the others: the coordinator takes a member that is gone off the group's
+    list) and tell the others it left.  Not graceful: just stop.  A graceful leave whose group store
     closes during its last step (the peer hosting the store left first) has
     left all the same."""
     if graceful and is_open_group():
@@ -239,14 +243,14 @@ def leave(graceful: bool = True, timeout: Optional[datetime.timedelta] = None) -
             logger.warning("releasing RRefs before leaving: %s", error)
         agent = current_rpc_agent()
         within = timeout or datetime.timedelta(seconds=rpc.get_rpc_timeout())
-        if _take_membership_token(agent, "leave", within):
+        not_taken = _take_membership_token(agent, "leave", within)
+        if not_taken is None:
             try:
                 _shut_down(True, timeout)
             finally:
                 _release_membership_token_if_held(agent, "leave")
             return
-        logger.warning("the RPC group's membership token stayed taken for %.0f s: %s leaves without telling the "
-                       "other members", within.total_seconds(), agent.get_worker_info().name)
+        logger.warning("%s: %s leaves without telling the other members", not_taken, agent.get_worker_info().name)
         graceful = False
     _shut_down(graceful, timeout)
 
@@ -310,9 +314,10 @@ def leave_together(within: datetime.timedelta) -> bool:
             logger.info("RPCs of %s still in flight after %.1f s: leaving at once", me.name, within.total_seconds())
             return False
         time.sleep(_TOKEN_POLL.total_seconds())
-    if not _take_membership_token(agent, "leave", datetime.timedelta(seconds=max(0.0, deadline - time.monotonic()))):
-        logger.info("the RPC group's membership token stayed taken for %.1f s: %s leaves at once",
-                    within.total_seconds(), me.name)
+    left = datetime.timedelta(seconds=max(0.0, deadline - time.monotonic()))
+    not_taken = _take_membership_token(agent, "leave", left)
+    if not_taken is not None:
+        logger.info("%s: %s leaves at once", not_taken, me.name)
         return False
     try:
         mark_leaving(agent)
