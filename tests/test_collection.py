@@ -4,6 +4,7 @@ a dynamic table trained alongside a fixed table of the same rows, equal to it, a
 serve as metrics and heartbeats."""
 
 import collections
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +19,6 @@ from paramserver.shards.client.embedding import Route
 from paramserver.shards.client.row_cache import RowWindow
 from paramserver.tables.id_hash import initial_rows
 from paramserver.shards.server import service
-from types import SimpleNamespace
 
 pytestmark = pytest.mark.timeout(150)
 
