@@ -112,6 +112,35 @@ def test_a_restored_follower_reads_on_without_reading_a_file_again(tmp_path):
         FileReader(str(tmp_path / "a.txt"), BATCH).load_state_dict(state)
 
 
+def test_a_stream_whose_old_files_are_deleted_keeps_a_position_of_the_size_of_what_is_left(tmp_path, caplog):
+    reader = follower(tmp_path / "part-*")
+    batches = iter(reader)
+    name = lambda index: str(tmp_path / f"part-{index:03d}.txt")  # noqa: E731
+    for index in range(12):  # a file lands each hour; files older than two hours are deleted (retention)
+        land(tmp_path, f"part-{index:03d}.txt", index * 100, 100)
+        if index >= 2:
+            (tmp_path / f"part-{index - 2:03d}.txt").unlink()
+        assert take(batches, 2) == list(range(index * 100, index * 100 + 100))
+    state = reader.state_dict()
+    assert state["done_below"] in (name(9), name(10))  # the oldest file of a listing since the 10th landed
+    files_done = {key.split("@")[0] for key in state["done"]}  # a part's key: its file's name and byte range
+    assert files_done <= {name(9), name(10), name(11)} and name(11) in files_done
+    assert sum(part is not None for part in reader.parts) <= 3
+    # A file landing with a name older than every file the input held is not read; newer ones are.
+    with caplog.at_level("WARNING", logger="paramserver.data.reader"):
+        land(tmp_path, "part-005b.txt", 9000, 100)
+        land(tmp_path, "part-012.txt", 1200, 100)
+        assert take(batches, 2) == list(range(1200, 1300))
+    assert f"{tmp_path / 'part-005b.txt'} is older than every file" in caplog.text
+    assert caplog.text.count("part-005b.txt is older") == 1  # once, however often it is listed
+    reader.close()
+    again = follower(tmp_path / "part-*")  # restored: reads on, nothing again, the old name still skipped
+    again.load_state_dict(state)
+    rest = iter(again)
+    assert take(rest, 2) == list(range(1200, 1300))
+    again.close()
+
+
 def test_workers_share_what_lands_each_line_once(tmp_path):
     for index in range(5):
         land(tmp_path, f"part-{index}.txt", index * 100, 100)

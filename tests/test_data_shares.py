@@ -29,6 +29,16 @@ def test_members_keep_their_parts_under_way_and_the_rest_goes_by_hash():
     assert [state["malformed"] for state in dealt] == [2, 0, 0]
 
 
+def test_the_highest_done_below_is_dealt_and_the_parts_done_below_it_are_forgotten():
+    a = dict(position(done=["f1", "f2", "f4"], key="f5"), done_below="f2")
+    b = dict(position(done=["f1", "f5"], key="f0", offset=30), done_below="f3")  # f0: under way, kept
+    dealt = deal([a, b], [])
+    assert [state["done_below"] for state in dealt] == ["f3", "f3"]
+    assert [set(state["done"]) for state in dealt] == [{"f4", "f0"}, {"f4", "f5"}]
+    assert [under_way(state) for state in dealt] == [[("f5", 0, 0)], [("f0", 30, 0)]]
+    assert deal([position(done=["f1"])], [])[0]["done_below"] == ""  # a position saved before it had one
+
+
 def test_a_lost_readers_part_under_way_goes_to_the_member_its_name_hashes_to():
     lost = position(done=["f0"], key="f5", offset=7, rows=1, held=[("f6", 3, 0)])
     member = position(done=["f0", "f2"])

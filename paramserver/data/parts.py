@@ -92,6 +92,8 @@ class InputFiles:
         self.patterns: List[Location] = [locate(os.fspath(pattern), storage_options) for pattern in patterns]
         self.ready_marker = ready_marker
         self._sizes: Dict[str, int] = {}
+        #: The oldest name the last ``list`` found, complete or not ("" when it found none).
+        self.oldest_found = ""
 
     def list(self, missing_ok: bool = False) -> List[str]:
         """The complete files named now, each pattern's in name order (a file named by two patterns once);
@@ -99,10 +101,11 @@ class InputFiles:
         files are still to come)."""
         files: List[str] = []
         seen = set()
+        found: List[str] = []
         for pattern in self.patterns:
             try:
                 with failures_named(pattern, "list it"):
-                    matches = self._matches(pattern)
+                    matches = self._matches(pattern, found)
             except (OSError, pa.ArrowException) as error:
                 raise UnreadableFile(pattern.url, f"cannot list it: {error}") from error
             if not matches and not missing_ok:
@@ -111,11 +114,15 @@ class InputFiles:
                 if name not in seen:
                     seen.add(name)
                     files.append(name)
+        self.oldest_found = min(found, default="")
         return files
 
-    def _matches(self, pattern: Location) -> List[str]:
+    def _matches(self, pattern: Location, found_names: List[str]) -> List[str]:
+        """The complete files ``pattern`` names, in name order; the oldest name it found, complete or not (still
+        written, or in a directory without its ready marker), appended to ``found_names``."""
         fs, path = pattern.fs, pattern.path
         if pattern.is_local and not glob.has_magic(path) and os.path.isfile(path):
+            found_names.append(path)
             return [path]
         if not pattern.is_local:
             fs.invalidate_cache()  # a followed input lists again: what was listed before may have grown
@@ -126,11 +133,14 @@ class InputFiles:
         elif fs.isdir(path):
             root, found = path, fs.find(path, detail=True)
         elif fs.exists(path):
-            return [self._name(pattern, path)]
+            found_names.append(self._name(pattern, path))
+            return found_names[-1:]
         else:
             return []
-        files = sorted(name for name, info in found.items() if info.get("type") == "file"
-                       and not _unfinished(posixpath.relpath(name, root) if root else name))
+        every = [name for name, info in found.items() if info.get("type") == "file"]
+        if every:
+            found_names.append(self._name(pattern, min(every)))
+        files = sorted(name for name in every if not _unfinished(posixpath.relpath(name, root) if root else name))
         for name in files:
             if found[name].get("size") is not None:
                 self._sizes[self._name(pattern, name)] = int(found[name]["size"])
@@ -143,6 +153,10 @@ class InputFiles:
     @staticmethod
     def _name(pattern: Location, path: str) -> str:
         return path if pattern.is_local else pattern.fs.unstrip_protocol(path)
+
+    def forget_before(self, name: str) -> None:
+        """Forget the sizes of the files whose names sort below ``name`` (a followed input's files gone)."""
+        self._sizes = {known: size for known, size in self._sizes.items() if known >= name}
 
     def location(self, name: str) -> Location:
         return locate(name, self.patterns[0].storage_options)

@@ -29,7 +29,11 @@ hash of their names (``crc32 % workers``), so that every worker decides alone an
 whose; the parts under way of the position it starts from are its own whatever their hash, so that a group
 can re-deal its members' reading (``reshare``; the rule: ``paramserver.data.shares``).  Its position names
 parts by name: the parts done, the ones under way (chunk offset and rows given of each), so that after a
-restore nothing is read twice and no file from its start again.
+restore nothing is read twice and no file from its start again.  What it names stays bounded by what the
+input holds: a listing's oldest file name raises ``done_below`` (every part whose key sorts below it is
+done), and the parts done below it are forgotten, as are the sizes of their files, so that a stream whose old
+files are deleted (a retention policy) keeps a position of the size of what is left.  A file that lands later
+with a name older than that is not read (logged at a bounded rate).
 
 Malformed input stops the reader with ``MalformedInput`` naming the file
 and line (Parquet: row group and row), or, with ``skip_malformed``, is
@@ -74,7 +78,9 @@ class Position:
     A followed input names its parts instead of numbering them: ``done`` (the keys of parts not to start:
     read whole, or under way at another member's when the shares were dealt), ``key`` (the part being read;
     ``part`` is then only this process's index of it), and ``held``: more parts under way, read after it,
-    each ``(key, offset, rows)`` (a part inherited from a member that left, ``paramserver.data.shares``)."""
+    each ``(key, offset, rows)`` (a part inherited from a member that left, ``paramserver.data.shares``);
+    ``done_below``: every part whose key sorts below it is done too (older than every file a listing found,
+    see the module's text)."""
 
     epoch: int = 0
     part: int = 0
@@ -84,6 +90,7 @@ class Position:
     done: Tuple[str, ...] = ()
     key: str = ""
     held: Tuple[Tuple[str, int, int], ...] = ()
+    done_below: str = ""
 
     def under_way(self) -> List[Tuple[str, int, int]]:
         """A followed input's parts under way, in the order they are read: ``(key, offset, rows)``."""
@@ -92,7 +99,7 @@ class Position:
 
 @dataclass
 class _Chunk:
-    part: int
+    part: Part
     here: Position  # where this chunk starts
     after: Position  # where the chunk after this one starts
     parsed: "concurrent.futures.Future"
@@ -147,6 +154,13 @@ class FileReader:
         self.parts: List[Part] = []
         self._start = Position()  # where iterating begins (listing below keeps its parts under way)
         self._waiting_log = RateLimitedLog(logger, "listed {count} time{s} without finding a new file")
+        self._too_old_log = RateLimitedLog(logger, "found {count} file{s} older than the followed input's oldest",
+                                           level=logging.WARNING)
+        self._too_old_told: set = set()  # those of them logged, while they are listed
+        #: A followed input: the oldest file name its last listing found ("" before one found any), and the
+        #: name below which files are done (the producer's position's ``done_below``).
+        self._oldest_listed = ""
+        self._done_below = ""
         if follow:
             self._discover()
         else:
@@ -206,14 +220,28 @@ class FileReader:
         """A followed input: list it again; this worker's parts of files not seen before (those whose name
         hashes to it, and the parts under way of the position it starts from), in name order, appended to
         ``parts`` and returned."""
-        known = {part.path for part in self.parts}
+        known = {part.path for part in self.parts if part is not None}
         claimed = {key for key, _, _ in self._start.under_way()}
-        new_files = [name for name in self.inputs.list(missing_ok=True) if name not in known]
+        listed = self.inputs.list(missing_ok=True)
+        self._oldest_listed = self.inputs.oldest_found or self._oldest_listed
+        new_files = [name for name in listed if name not in known
+                     and (_names_part_of(name, claimed) or not self._too_old(name))]
+        self._too_old_told &= set(listed)
         mine = [part for part in self._parts_of_files(new_files)
                 if zlib.crc32(part.key.encode()) % self.workers == self.worker or part.key in claimed]
         mine.sort(key=lambda part: (part.path, part.start, part.row_group or 0))
         self.parts.extend(mine)
         return mine
+
+    def _too_old(self, name: str) -> bool:
+        """Whether a followed input's file ``name`` sorts below its position's ``done_below`` (logged)."""
+        if name >= self._done_below:
+            return False
+        if name not in self._too_old_told:
+            self._too_old_told.add(name)
+            self._too_old_log.record("too old", f"{name} is older than every file of the followed input at an "
+                                     f"earlier listing ({self._done_below}): taken as read, not read")
+        return True
 
     # -- position ----------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -222,16 +250,17 @@ class FileReader:
         position = self._position
         state = {field.name: getattr(position, field.name) for field in dataclasses.fields(position)}
         if not self.follow:  # the fields of a followed input's position are not a fixed input's
-            del state["done"], state["key"], state["held"]
+            del state["done"], state["key"], state["held"], state["done_below"]
         return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        named = ("done", "key", "held")
+        named = ("done", "key", "held", "done_below")
         fields = {key: value for key, value in state.items() if key not in named}
         position = Position(**{key: int(value) for key, value in fields.items()},
                             done=tuple(map(str, state.get("done", ()))), key=str(state.get("key", "")),
                             held=tuple((str(key), int(offset), int(rows))
-                                       for key, offset, rows in state.get("held", ())))
+                                       for key, offset, rows in state.get("held", ())),
+                            done_below=str(state.get("done_below", "")))
         if self.follow != ("done" in state):
             raise ValueError(f"saved position is of {'a followed' if 'done' in state else 'a fixed'} input, "
                              f"this reader's is {'followed' if self.follow else 'fixed'}")
@@ -240,6 +269,7 @@ class FileReader:
         self._start = self._position = position
         if self.follow:  # listed again as the next iteration starts, its parts under way among this reader's
             self.parts = []
+            self._done_below = position.done_below
 
     def close(self) -> None:
         """Stop reading (an iteration under way ends at its next batch)."""
@@ -339,7 +369,7 @@ class FileReader:
         """Raise for the chunk's first malformed line, or (``skip_malformed``) count and log them."""
         if not parsed.problems:
             return 0
-        part = self.parts[chunk.part]
+        part = chunk.part
         for problem in parsed.problems:
             place = self._place(part, chunk, problem.line)
             if not self.skip_malformed:
@@ -387,17 +417,20 @@ class FileReader:
         resume = {key: (offset, rows) for key, offset, rows in start.under_way()}  # in the order they are read
         done = tuple(key for key in start.done if key not in resume)
         finished = set(done)
-        if set(resume) - {part.key for part in self.parts} and not self._listed(stop, len(finished)):
+        if set(resume) - self._keys() and not self._listed(stop, len(finished)):
             return
-        gone = sorted(set(resume) - {part.key for part in self.parts})
+        gone = sorted(set(resume) - self._keys())
         if gone:
             logger.warning("the reading position's part(s) under way %s are gone from the input: reading on from "
                            "the other parts not read yet", ", ".join(gone))
             resume = {key: progress for key, progress in resume.items() if key not in gone}
         while not stop.is_set() and not self._stop.is_set():
-            index_of = {part.key: index for index, part in enumerate(self.parts)}
+            if self._oldest_listed > self._done_below:  # older files gone: forget the parts done below
+                done, finished = self._forget_below(self._oldest_listed, done, set(resume))
+            index_of = {part.key: index for index, part in enumerate(self.parts) if part is not None}
             pending = [index_of[key] for key in resume] + [index for index, part in enumerate(self.parts)
-                                                           if part.key not in finished and part.key not in resume]
+                                                           if part is not None and part.key not in finished
+                                                           and part.key not in resume]
             if not pending:
                 if not self._listed(stop, len(finished), waiting=True):
                     return
@@ -408,10 +441,27 @@ class FileReader:
                 held = tuple((key, *progress) for key, progress in resume.items())
                 finished.add(part.key)
                 done = done + (part.key,)
-                here = Position(0, index, offset, done=done[:-1], key=part.key, held=held)
-                for chunk in self._chunks_of(here, Position(0, index + 1, 0, done=done, held=held), pool, rows):
+                floor = self._done_below
+                here = Position(0, index, offset, done=done[:-1], key=part.key, held=held, done_below=floor)
+                after = Position(0, index + 1, 0, done=done, held=held, done_below=floor)
+                for chunk in self._chunks_of(here, after, pool, rows):
                     if not self._put(chunks, chunk, stop):
                         return
+
+    def _keys(self) -> set:
+        return {part.key for part in self.parts if part is not None}
+
+    def _forget_below(self, oldest: str, done: Tuple[str, ...], under_way: set) -> Tuple[Tuple[str, ...], set]:
+        """A followed input whose files below ``oldest`` are gone: raise ``done_below`` to it, and forget the
+        parts done below it (this reader's parts of them, and their files' sizes); the parts ``under_way``
+        stay.  The parts done that are left, and the same as a set."""
+        self._done_below = oldest
+        done = tuple(key for key in done if key >= oldest)
+        for index, part in enumerate(self.parts):
+            if part is not None and part.path < oldest and part.key not in under_way:
+                self.parts[index] = None
+        self.inputs.forget_before(oldest)
+        return done, set(done)
 
     def _listed(self, stop: threading.Event, read: int, waiting: bool = False) -> bool:
         """List a followed input again (``_discover``); when that fails (the store unreachable for a while:
@@ -442,16 +492,16 @@ class FileReader:
     def _chunks_of(self, here: Position, following: Position, pool, skip: int = 0) -> Iterator[_Chunk]:
         """The chunks of part ``here.part`` from ``here.offset``, the first one's first ``skip`` rows given
         before; ``following``: where the part after it starts."""
-        index, part = here.part, self.parts[here.part]
+        part = self.parts[here.part]
         if part.row_group is not None:
-            yield _Chunk(index, here, following, pool.submit(read_row_group, part.path, part.row_group,
-                                                             self.schema, self.inputs), skip=skip)
+            yield _Chunk(part, here, following, pool.submit(read_row_group, part.path, part.row_group,
+                                                            self.schema, self.inputs), skip=skip)
             return
         began, lines_before = None, 0
         for text in parts_module.text_chunks(part, here.offset or part.start, self.chunk_bytes, self.inputs):
             began = text.offset if began is None else began
             after = following if text.last else dataclasses.replace(here, offset=text.next_offset)
-            yield _Chunk(index, dataclasses.replace(here, offset=text.offset), after,
+            yield _Chunk(part, dataclasses.replace(here, offset=text.offset), after,
                          pool.submit(criteo.parse, text.text), began, lines_before, skip)
             lines_before += text.text.count(b"\n")
             skip = 0
@@ -464,6 +514,12 @@ class FileReader:
             except queue.Full:
                 continue
         return False
+
+
+def _names_part_of(name: str, keys) -> bool:
+    """Whether file ``name`` holds one of the parts ``keys`` (``Part.key``: the name, or the name and a byte
+    range or row group)."""
+    return any(key == name or key.startswith((f"{name}@", f"{name}#")) for key in keys)
 
 
 def reader_from_config(config: Dict[str, Any], paths_key: str, batch_size: int, worker: int, workers: int,

@@ -17,7 +17,9 @@ checkpoint's, whatever workers wrote them):
   ``crc32(key) % size``; a part under way twice (positions of different moments) is taken from where it is
   furthest on;
 * every other part not done is read by member ``crc32(key) % size`` (``FileReader``'s rule for its own
-  parts), from its start.
+  parts), from its start;
+* ``done_below`` (every part whose key sorts below it is done: its file is older than every file a listing
+  found) is the highest of the positions', and the parts done below it are left out of ``done``.
 
 So over the group's members every line not read yet is read once, and none already read is read again.
 ``again(before, after)``: a position that reads a batch again whatever the deal (its parts kept).
@@ -79,7 +81,8 @@ def deal(members: Sequence[Optional[Dict[str, Any]]], others: Sequence[Dict[str,
             best = takers.get(key)
             if best is None or (offset, rows) > best[0]:
                 takers[key] = ((offset, rows), order, part, taker)
-    done = set().union(*(state["done"] for state in states)) - set(takers)
+    done_below = max((str(state.get("done_below", "")) for state in states), default="")
+    done = {key for key in set().union(*(state["done"] for state in states)) - set(takers) if key >= done_below}
     dealt = []
     for rank in range(size):
         mine = [entry[2] for entry in sorted(takers.values(), key=lambda entry: entry[1]) if entry[3] == rank]
@@ -88,5 +91,5 @@ def deal(members: Sequence[Optional[Dict[str, Any]]], others: Sequence[Dict[str,
         dealt.append({"epoch": 0, "part": 0, "offset": first[1], "rows": first[2],
                       "malformed": int(own.get("malformed", 0)) if own is not None else 0,
                       "done": tuple(sorted(done | {key for key, entry in takers.items() if entry[3] != rank})),
-                      "key": first[0], "held": tuple(mine[1:])})
+                      "key": first[0], "held": tuple(mine[1:]), "done_below": done_below})
     return dealt
