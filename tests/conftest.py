@@ -15,20 +15,6 @@ from commands import Commands
 from paramserver.optim import ScriptedOptimizer
 
 
-#: The test files that take longest (each starts clusters, 35 s to 100 s on 2 cores), longest first.  ``make
-#: test`` hands whole files to its processes in collection order (``--dist loadfile``): these run first, so
-#: that the run does not end with one process alone on a long file while the other has nothing left.
-LONGEST_FILES = ("test_checkpoints.py", "test_trainer_group_commands.py", "test_fault_bounds.py",
-                 "test_object_store_checkpoints.py", "test_cluster_commands.py", "test_distributed_optimizer.py",
-                 "test_launch.py", "test_trainer_chaos.py", "test_dense_replica.py", "test_data_shares_cluster.py",
-                 "test_multihost.py", "test_trainer.py")
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: index for index, name in enumerate(LONGEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
-
-
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
