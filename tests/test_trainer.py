@@ -252,6 +252,19 @@ def test_the_ctr_job_follows_files_as_they_land_and_waits_for_them_at_an_agreeme
     assert LandOnWait.waits and "step 10 waits" in LandOnWait.waits[0], LandOnWait.waits
 
 
+def test_a_followed_input_is_refused_to_a_worker_of_another_trainer_group_than_the_first(local_context, tmp_path,
+                                                                                           monkeypatch):
+    """Groups do not deal a followed input's files to each other: a second group would train every line again."""
+    from paramserver.jobs import ctr
+    (tmp_path / "day_0.txt").write_text("")
+    monkeypatch.setattr(local_context, "trainer_group", 1)
+    data = {"format": "criteo", "train": str(tmp_path), "follow": True, "poll_seconds": 0.2}
+    with pytest.raises(ValueError, match=f"{local_context.rpc_name} is in trainer group 1: a followed input is "
+                                         "read by one trainer group .* without --group-size"):
+        ctr.main(local_context, table_name="ctr-follow-group-1", steps=2, batch_size=256, hook="allreduce",
+                 eval_every=10 ** 9, log_every=10 ** 9, data=data)
+
+
 def test_a_stream_of_new_ids_keeps_a_bounded_table_with_ttl_steps(local_context, tmp_path):
     """Online data brings new ids all the time: with ``ttl_steps`` the rows not seen for that many steps go,
     so the rows held stay bounded while the stream goes on (here every line brings ids never seen before)."""

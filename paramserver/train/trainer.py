@@ -199,6 +199,12 @@ class _Run:
     def __init__(self, trainer: Trainer, group: TrainerGroup, data, steps: int, eval_data, eval_every: int,
                  log_every: int, figures: Dict[str, float]):
         ctx = trainer.ctx
+        shared = bool(getattr(data, "shared", False))
+        if shared and ctx.trainer_group != 0:
+            # Only group 0 saves data positions in checkpoints, and groups do not deal parts to each other.
+            raise ValueError(f"{ctx.rpc_name} is in trainer group {ctx.trainer_group}: a followed input is read by "
+                             "one trainer group (several would each train on every line of it); start ps-server "
+                             "without --group-size (one group of every worker) to train on a followed input")
         self.trainer, self.ctx, self.steps = trainer, ctx, steps
         self.eval_data, self.eval_every, self.log_every = eval_data, eval_every, log_every
         restored = restore_point(ctx)
@@ -207,7 +213,6 @@ class _Run:
                                    shards_gone=ctx.shards_gone, retire=ctx.retire_handles,
                                    recorder=ctx.recorders.data_plane)
         positions = (restored or {}).get("data_positions", {})
-        shared = bool(getattr(data, "shared", False))
         # Data the group shares starts once the group dealt it (``GroupShares.formed``).
         self.batches = BatchStream(data, None if shared else _position(positions.get(ctx.worker_index)),
                                    prefetch=PREFETCH_BATCHES + trainer.staleness, started=not shared)
