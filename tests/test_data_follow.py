@@ -141,6 +141,19 @@ def test_a_stream_whose_old_files_are_deleted_keeps_a_position_of_the_size_of_wh
     again.close()
 
 
+def test_the_oldest_name_is_taken_only_when_every_pattern_found_a_file(tmp_path):
+    """A followed input of two patterns, one still empty: its first file may sort below the other's files."""
+    from paramserver.data.parts import InputFiles
+    land(tmp_path / "views", "day-2.txt", 0, 10)
+    (tmp_path / "clicks").mkdir()
+    inputs = InputFiles([str(tmp_path / "views" / "*"), str(tmp_path / "clicks" / "*")])
+    assert inputs.list(missing_ok=True) == [str(tmp_path / "views" / "day-2.txt")] and inputs.oldest_found == ""
+    land(tmp_path / "clicks", "day-1.txt", 0, 10)
+    (tmp_path / "clicks" / ".day-0.txt.inprogress").write_bytes(b"")  # still written: found, not complete
+    assert len(inputs.list(missing_ok=True)) == 2
+    assert inputs.oldest_found == str(tmp_path / "clicks" / ".day-0.txt.inprogress")
+
+
 def test_workers_share_what_lands_each_line_once(tmp_path):
     for index in range(5):
         land(tmp_path, f"part-{index}.txt", index * 100, 100)

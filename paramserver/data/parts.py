@@ -92,7 +92,8 @@ class InputFiles:
         self.patterns: List[Location] = [locate(os.fspath(pattern), storage_options) for pattern in patterns]
         self.ready_marker = ready_marker
         self._sizes: Dict[str, int] = {}
-        #: The oldest name the last ``list`` found, complete or not ("" when it found none).
+        #: The oldest name the last ``list`` found, complete or not; "" when a pattern found nothing (a file that
+        #: lands there first may sort below every other pattern's).
         self.oldest_found = ""
 
     def list(self, missing_ok: bool = False) -> List[str]:
@@ -114,7 +115,7 @@ class InputFiles:
                 if name not in seen:
                     seen.add(name)
                     files.append(name)
-        self.oldest_found = min(found, default="")
+        self.oldest_found = min(found) if len(found) == len(self.patterns) else ""
         return files
 
     def _matches(self, pattern: Location, found_names: List[str]) -> List[str]:

@@ -151,7 +151,8 @@ class FileReader:
                                max_rows=max_rows, follow=follow, poll=poll, ready_marker=ready_marker,
                                storage_options=storage_options)
         self.inputs = InputFiles(paths, storage_options, ready_marker)
-        self.parts: List[Part] = []
+        #: This reader's parts (a followed input's: ``None`` in place of one forgotten, see the module's text).
+        self.parts: List[Optional[Part]] = []
         self._start = Position()  # where iterating begins (listing below keeps its parts under way)
         self._waiting_log = RateLimitedLog(logger, "listed {count} time{s} without finding a new file")
         self._too_old_log = RateLimitedLog(logger, "found {count} file{s} older than the followed input's oldest",
