@@ -227,7 +227,8 @@ class FileReader:
         self._oldest_listed = self.inputs.oldest_found or self._oldest_listed
         new_files = [name for name in listed if name not in known
                      and (_names_part_of(name, claimed) or not self._too_old(name))]
-        self._too_old_told &= set(listed)
+        if self._too_old_told:  # forget those no longer listed (usually none: no set of the listing built)
+            self._too_old_told &= set(listed)
         mine = [part for part in self._parts_of_files(new_files)
                 if zlib.crc32(part.key.encode()) % self.workers == self.worker or part.key in claimed]
         mine.sort(key=lambda part: (part.path, part.start, part.row_group or 0))
