@@ -31,6 +31,7 @@ from torch import nn
 from commands import errors, job_config, start_server, status
 from paramserver import Trainer, serving
 from paramserver.checkpoint import MANIFEST, CheckpointStore, CorruptCheckpoint, atomic_write, save_tensors
+from paramserver.checkpoint.object_upload import PartUpload, open_for_upload
 from paramserver.checkpoint.records import CheckpointSettings
 from paramserver.checkpoint.storage import first_usable, load_tensors, open_checkpoint, read_manifest
 from paramserver.control.checkpoints import CheckpointCoordinator
@@ -103,7 +104,7 @@ def test_a_writer_stopped_mid_checkpoint_commits_nothing_and_its_parts_are_remov
     interrupted = store.new_directory(20)
     save_tensors(interrupted / "shard-shard0.pt", {"rows": torch.zeros(10)})  # one part written, then stopped
 
-    def stopped_midway(file):  # 12 MB: a multipart upload, two parts of it sent when the writer stops
+    def stopped_midway(file):  # 12 MB: a multipart upload, one part of it sent when the writer stops
         file.write(b"\0" * (12 << 20))
         raise KeyboardInterrupt("stopped")
     with pytest.raises(KeyboardInterrupt):
@@ -120,6 +121,41 @@ def test_a_writer_stopped_mid_checkpoint_commits_nothing_and_its_parts_are_remov
     coordinator = CheckpointCoordinator(store, command_workers=lambda command: 0).start()  # a cluster starting
     coordinator.stop()
     assert {name.split("/")[0] for name in objects(s3, "ckpt")} == {"ckpt-0000000010"}
+
+
+def test_an_object_written_in_parts_reads_back_whole_and_holds_only_its_part_buffers(s3):
+    fs = s3.filesystem()
+    path = f"{s3.bucket}/parts/object"
+    upload = PartUpload(fs, path, part_bytes=5 << 20, in_flight=2)
+    pieces = [os.urandom(size) for size in (3, 7 << 20, 1, (9 << 20) + 5, 100, 5 << 20)]  # across part bounds
+    for piece in pieces:
+        assert upload.write(piece) == len(piece)
+    assert not fs.exists(path)  # nothing visible before the upload completes
+    upload.close()
+    assert fs.cat(path) == b"".join(pieces) and upload.bytes == sum(map(len, pieces))
+    assert upload.buffer_bytes == 2 * (5 << 20)  # 21 MB went through two buffers of one part each
+
+    small = PartUpload(fs, f"{s3.bucket}/parts/small", part_bytes=5 << 20)
+    small.write(b"manifest")
+    small.close()  # smaller than a part: one PUT
+    assert fs.cat(f"{s3.bucket}/parts/small") == b"manifest"
+    assert fs.call_s3("list_multipart_uploads", Bucket=s3.bucket).get("Uploads", []) == []
+    assert isinstance(open_for_upload(locate(f"s3://{path}")), PartUpload)
+
+
+def test_a_part_that_fails_aborts_the_upload_and_names_the_url(s3, monkeypatch):
+    fs = locate(f"s3://{s3.bucket}/ckpt/part.pt").fs
+    upload_part = fs._call_s3
+
+    async def second_part_refused(method, *args, **kwargs):
+        if method == "upload_part" and kwargs["PartNumber"] == 2:
+            raise PermissionError("Access Denied")
+        return await upload_part(method, *args, **kwargs)
+    monkeypatch.setattr(fs, "_call_s3", second_part_refused)
+    with pytest.raises(StorageUnavailable, match=re.escape(f"s3://{s3.bucket}/ckpt/part.pt: cannot write: ")):
+        atomic_write(f"s3://{s3.bucket}/ckpt/part.pt", lambda file: file.write(b"\1" * (40 << 20)))
+    assert not s3.filesystem().exists(f"{s3.bucket}/ckpt/part.pt")
+    assert fs.call_s3("list_multipart_uploads", Bucket=s3.bucket).get("Uploads", []) == []
 
 
 def test_unreachable_storage_is_one_error_naming_the_url(s3, commands, tmp_path):

@@ -6,8 +6,8 @@ names (``paramserver.filesystems``: a local path, ``file://``, ``s3://``,
 ``gs://``...): writing a file whole or not at all (locally: to a temporary
 name in the same directory, counted and hashed on the way, flushed,
 fsynced, renamed, the directory fsynced; on an object store, where there
-is no rename: one object, counted and hashed on the way, abandoned on
-failure), loading it after checking its size and sha256 (a local file
+is no rename: one object, counted and hashed on the way, uploaded in parts
+while it is written (``object_upload``), abandoned on failure), loading it after checking its size and sha256 (a local file
 memory-mapped if asked; a remote one read into memory once, checked and
 loaded from there), the manifest (``MANIFEST.json``, written last: it is
 the commit, and a checkpoint directory without one is an interrupted
@@ -44,6 +44,7 @@ from torch import Tensor
 
 from ..filesystems import Location, PathOrUrl, StorageUnavailable, failures_named, locate  # noqa: F401 - re-exported
 from ..logs import one_line
+from .object_upload import open_for_upload
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ def _write_object(location: Location, write: Callable[[BinaryIO], None]) -> File
     """``atomic_write`` on an object store: an object appears when its upload completes, whole; a failed one is
     abandoned (its multipart upload aborted), never completed."""
     with failures_named(location, "write", absent_is_failure=True):  # absent: no such bucket
-        file = location.open("wb")
+        file = open_for_upload(location)
         writer = _HashingWriter(file)
         try:
             write(writer)
