@@ -2,7 +2,8 @@
 
 Owns the write side of an object on ``s3://`` (s3fs): ``PartUpload`` is a write-only file.  What is
 written is copied into one of at most ``in_flight`` part buffers of ``part_bytes``; a full buffer goes
-up as one part of a multipart upload on s3fs's event loop while the writer fills the next, so
+up as one part of a multipart upload (s3fs's ``call_s3``, from a thread of the upload's own) while the
+writer fills the next, so
 serialising and hashing overlap the upload, and an object of any size holds at most ``in_flight`` x
 ``part_bytes`` of memory (32 MiB by default: s3fs's own file holds every byte of a write until its
 block fills, 128 MB for one big tensor, and copies it twice).  An object smaller than one part is one
@@ -16,9 +17,8 @@ server on loopback, 8 MiB parts with 4 in flight wrote a 128 MB checkpoint part 
 Parts of at least 5 MiB are what S3 asks of every part but the last.
 """
 
-import asyncio
 import contextlib
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..filesystems import Location
@@ -59,6 +59,7 @@ class PartUpload:
         self._filled = 0
         self._upload_id: Optional[str] = None
         self._sent: List[Tuple[int, Future, Optional[bytearray]]] = []  # (part number, its upload, its buffer)
+        self._senders: Optional[ThreadPoolExecutor] = None
         self._parts: List[Dict] = []
         self.bytes = 0
         self.closed = False
@@ -107,6 +108,7 @@ class PartUpload:
             self._send(bytes(self._filling[:self._filled]), None)
             self._filled = 0
         self._collect(len(self._sent))
+        self._senders.shutdown()
         self._parts.sort(key=lambda part: part["PartNumber"])
         self._fs.call_s3("complete_multipart_upload", Bucket=self._bucket, Key=self._key, UploadId=self._upload_id,
                          MultipartUpload={"Parts": self._parts})
@@ -122,6 +124,8 @@ class PartUpload:
             with contextlib.suppress(BaseException):
                 upload.result(PART_TIMEOUT_SECONDS)
         self._sent.clear()
+        if self._senders is not None:
+            self._senders.shutdown(wait=False, cancel_futures=True)
         if self._upload_id is not None:
             with contextlib.suppress(Exception):  # an upload never completed is not an object either way
                 self._fs.call_s3("abort_multipart_upload", Bucket=self._bucket, Key=self._key,
@@ -136,14 +140,15 @@ class PartUpload:
         return self._free.pop()
 
     def _send(self, body, buffer: Optional[bytearray]) -> None:
-        """Start uploading ``body`` as the next part on s3fs's event loop; ``buffer`` is free again once it is up."""
+        """Start uploading ``body`` as the next part; ``buffer`` is free again once it is up."""
         if self._upload_id is None:
             self._upload_id = self._fs.call_s3("create_multipart_upload", Bucket=self._bucket,
                                                Key=self._key)["UploadId"]
+            self._senders = ThreadPoolExecutor(self._in_flight, thread_name_prefix="part-upload")
         number = len(self._parts) + len(self._sent) + 1
-        call = self._fs._call_s3("upload_part", Bucket=self._bucket, Key=self._key, PartNumber=number,
-                                 UploadId=self._upload_id, Body=body)
-        self._sent.append((number, asyncio.run_coroutine_threadsafe(call, self._fs.loop), buffer))
+        upload = self._senders.submit(self._fs.call_s3, "upload_part", Bucket=self._bucket, Key=self._key,
+                                      PartNumber=number, UploadId=self._upload_id, Body=body)
+        self._sent.append((number, upload, buffer))
 
     def _collect(self, count: int) -> None:
         """Wait for the ``count`` oldest parts in flight; record them and free their buffers."""
