@@ -114,24 +114,29 @@ class HeldPushes:
         self._released.set()
 
 
-@pytest.mark.parametrize("staleness, cache_steps, from_step", [(0, None, 3), (2, None, 3), (2, 3, 3), (2, 2, 4)],
-                         ids=["exact", "stale", "stale-window-3", "stale-window-2"])
+@pytest.mark.parametrize("staleness, cache_steps, from_step, agree_every, exports",
+                         [(0, None, 3, 10, False), (2, None, 3, 10, False), (2, 3, 3, 10, False),
+                          (2, 2, 4, 10, False), (2, None, 3, 5, False), (2, None, 3, 5, True)],
+                         ids=["exact", "stale", "stale-window-3", "stale-window-2", "stale-across-an-agreement",
+                              "stale-export-at-the-agreement"])
 def test_a_worker_stops_exactly_staleness_steps_ahead_of_a_held_push_and_goes_on_when_released(
-        local_context, monkeypatch, staleness, cache_steps, from_step):
+        local_context, monkeypatch, tmp_path, staleness, cache_steps, from_step, agree_every, exports):
     # With a row cache, pushes leave every cache_steps steps (after steps 2, 5, 8... with 3; 1, 3, 5... with
     # 2): the held push is the first of its message, which the worker waits for before step from_step + k + 1.
+    # Pushes in flight cross an agreement, unless a live export (or a checkpoint) takes the model there:
+    # then every push is applied first.
     held, loss = HeldPushes(monkeypatch, from_step=from_step), RecordedLoss()
     cache = {} if cache_steps is None else dict(cache_rows=10_000, cache_steps=cache_steps)
-    # (no agreement before step 10: every push is applied before one)
-    job = trainer(local_context, f"bound-{staleness}-{cache_steps}", loss, staleness=staleness, agree_every=10,
-                  **cache)
+    export = dict(export_to=str(tmp_path / "exports"), export_every=agree_every) if exports else {}
+    job = trainer(local_context, f"bound-{staleness}-{cache_steps}-{agree_every}-{exports}", loss,
+                  staleness=staleness, agree_every=agree_every, **cache, **export)
     result = {}
     fitting = threading.Thread(target=lambda: result.update(job.fit(overlapping_batches(12), steps=12, log_every=4)))
     fitting.start()
     try:
         # Steps 0..from_step+staleness finish (however slow the machine); the step after waits for the push
         # of step from_step, and a second is long enough for many steps, were the worker not held back.
-        held_at = from_step + staleness + 1
+        held_at = min(from_step + staleness + 1, agree_every if exports else 12)
         deadline = time.monotonic() + 60
         while len(loss.values) < held_at and time.monotonic() < deadline:
             time.sleep(0.05)

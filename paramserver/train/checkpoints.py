@@ -93,16 +93,21 @@ class TrainerCheckpoints:
         heard = self.ctx.checkpoint_request()
         return heard if heard > self._done_request else 0
 
+    def due(self, agreed_request: int = 0) -> bool:
+        """Whether ``at_boundary(agreed_request)`` writes a checkpoint now (the same answer on every member)."""
+        if not self.enabled:
+            return False
+        by_steps = self.every_steps > 0 and self.replica.step % self.every_steps == 0
+        return bool(by_steps or agreed_request) and self.replica.step != self._last_step
+
     def at_boundary(self, agreed_request: int = 0) -> None:
         """Write a checkpoint now if one is due: by steps, or ``agreed_request`` (the group's agreement)."""
         if not self.enabled:
             return
-        step = self.replica.step
         # A member that had not heard of the request yet counts it served too.
         self._done_request = max(self._done_request, agreed_request)
-        by_steps = self.every_steps > 0 and step % self.every_steps == 0
-        if (by_steps or agreed_request) and step != self._last_step:
-            self._last_step = step
+        if self.due(agreed_request):
+            self._last_step = self.replica.step
             self.write(agreed_request)
 
     def write(self, request: int = 0) -> Optional[str]:

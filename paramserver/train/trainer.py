@@ -331,8 +331,12 @@ class _Run:
         ``DATA_PATIENCE`` (serving checkpoint requests and stops meanwhile).
         """
         replica = self.replica
-        if (final or replica.step % replica.agree_every == 0) and not self._settled(self.pipeline.drain()):
-            return False  # every push is applied before an agreement (a checkpoint holds every update to its step)
+        # Every push is applied (drained) before what takes the model as of this step: the end, a live export
+        # (rank 0 writes it with no collective: every member drains before the agreement) and a checkpoint
+        # (every member drains before its first collective).  Otherwise pushes in flight cross the agreement.
+        agreeing = final or replica.step % replica.agree_every == 0
+        if agreeing and (final or self.exports is not None) and not self._settled(self.pipeline.drain()):
+            return False
         while True:
             try:
                 if not final:
@@ -340,8 +344,12 @@ class _Run:
                     going_on = replica.sync_point(want_stop, self.checkpoints.pending(), waiting)
                     if self._catch_up(replica):  # the group moved on: the reads ahead are for other steps
                         self.pipeline.drop_reads()
+                        if not self._settled(self.pipeline.drain()):
+                            return False
                     if not going_on:
                         return False
+                if self.checkpoints.due(replica.agreed_checkpoint) and not self._settled(self.pipeline.drain()):
+                    return False  # a checkpoint holds every update up to its step
                 self.checkpoints.at_boundary(replica.agreed_checkpoint)
                 if self.exports is not None and (final or replica.step % replica.agree_every == 0):
                     self.exports.at_boundary(final)  # every push up to here is applied
