@@ -154,6 +154,22 @@ def test_silent_member_is_marked_dead_within_the_timeout(start):
     assert client.join(pb.ROLE_WORKER, "w", "127.0.0.1").generation == 3  # rejoining: a new generation
 
 
+def test_a_member_with_more_metrics_than_a_call_carries_sends_the_first_ones_and_says_which_were_left_out(
+        start, caplog):
+    server = start()
+    client = CoordinatorClient(server.address)
+    member = client.join(pb.ROLE_WORKER, "w", "127.0.0.1")
+    metrics = {"auc": 0.84, "nan": float("nan"), **{f"figure{i:02d}": float(i) for i in range(70)}}
+    with caplog.at_level(logging.WARNING, logger="paramserver.control.client"):
+        client.leave(member.member_id, "job finished", 100, metrics)
+        with pytest.raises(CoordinatorError, match="is left"):  # refused (it left), and told once all the same
+            client.leave(member.member_id, "job finished", 100, metrics)
+    assert client.status().workers[0].metrics == {"auc": 0.84, **{f"figure{i:02d}": float(i) for i in range(63)}}
+    told = [record.getMessage() for record in caplog.records if "left out" in record.getMessage()]
+    assert told == ["7 metrics left out of what goes to the coordinator (at most 64): " +
+                    ", ".join(f"figure{i}" for i in range(63, 70))]
+
+
 def test_unreachable_coordinator_is_retried_then_reported(start):
     from paramserver.processes import free_port
     client = CoordinatorClient(f"127.0.0.1:{free_port()}")

@@ -62,7 +62,7 @@ def test_join_accepts_ip_addresses_and_host_names():
     (pb.HeartbeatRequest(sequence=1), "member_id is empty"),
     (pb.HeartbeatRequest(member_id="m", sequence=0), "sequence"),
     (pb.HeartbeatRequest(member_id="m", sequence=1, metrics={"loss": float("nan")}), "metrics['loss'] is nan"),
-    (pb.HeartbeatRequest(member_id="m", sequence=1, metrics={f"m{i}": 1.0 for i in range(33)}), "33 entries"),
+    (pb.HeartbeatRequest(member_id="m", sequence=1, metrics={f"m{i}": 1.0 for i in range(65)}), "65 entries"),
     (pb.HeartbeatRequest(member_id="m", sequence=1, metrics={"a b": 1.0}), "metrics key 'a b'"),
 ])
 def test_malformed_heartbeat_names_the_field(request_, field):

@@ -14,13 +14,14 @@ import os
 import socket
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Dict, Mapping, Optional, Set, Tuple
 
 import grpc
 
 from .protocol import MAX_MESSAGE_BYTES, pb, pb_grpc
 from .security import (ADMIN_METHODS, ADMIN_TOKEN_METADATA_KEY, SHARD_TOKEN_METADATA_KEY, TlsFiles,
                        TokenClientInterceptor)
+from .validation import MAX_METRICS
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class CoordinatorClient:
         self.call_timeout = call_timeout
         self._shard_token = shard_token
         self._admin_token = admin_token
+        self._metrics_left_out: Set[Tuple[str, ...]] = set()  # the names ``sendable`` warned about
         options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
         if tls is not None:
@@ -163,7 +165,22 @@ class CoordinatorClient:
     def leave(self, member_id: str, reason: str = "", step: int = 0, metrics=None, final: bool = False) -> None:
         """``member_id`` leaves (``final``: a shard whose process will not be restarted)."""
         self.call("Leave", pb.LeaveRequest(member_id=member_id, reason=reason[:512], step=step,
-                                            metrics=_finite(metrics or {}), final=final))
+                                            metrics=self.sendable(metrics or {}), final=final))
+
+    def sendable(self, metrics: Mapping[str, float]) -> Dict[str, float]:
+        """``metrics`` as the coordinator takes them: the finite ones, the first ``MAX_METRICS`` in the order
+        given (the rest are left out, with one WARNING per set of names left out)."""
+        finite = {key: float(value) for key, value in metrics.items()
+                  if value == value and abs(value) != float("inf")}
+        if len(finite) <= MAX_METRICS:
+            return finite
+        kept = dict(list(finite.items())[:MAX_METRICS])
+        left_out = tuple(key for key in finite if key not in kept)
+        if left_out not in self._metrics_left_out:
+            self._metrics_left_out.add(left_out)
+            logger.warning("%d metrics left out of what goes to the coordinator (at most %d): %s", len(left_out),
+                           MAX_METRICS, ", ".join(left_out))
+        return kept
 
     def close(self) -> None:
         self._raw_channel.close()
@@ -182,8 +199,6 @@ def local_capabilities(gpus: Optional[int] = None) -> pb.Capabilities:
                            labels={"hostname": socket.gethostname()[:128]})
 
 
-def _finite(metrics):
-    return {key: float(value) for key, value in metrics.items() if value == value and abs(value) != float("inf")}
 
 
 class HeartbeatLoop:
@@ -240,7 +255,8 @@ class HeartbeatLoop:
             self._sequence += 1
             try:
                 response = self._client.call("Heartbeat", pb.HeartbeatRequest(
-                    member_id=self._member_id, sequence=self._sequence, step=step, metrics=_finite(metrics),
+                    member_id=self._member_id, sequence=self._sequence, step=step,
+                    metrics=self._client.sendable(metrics),
                     ready=self.ready, regroup_generation=self.regroup_generation),
                     timeout=self._interval * 2)
             except CoordinatorUnavailable:

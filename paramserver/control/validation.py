@@ -18,7 +18,8 @@ from .protocol import ROLE_NAMES, pb
 MAX_NAME_CHARS = 64
 MAX_HOST_CHARS = 253
 MAX_TEXT_CHARS = 512
-MAX_METRICS = 32
+#: The most metrics one heartbeat or leave may carry (a CTR worker's final figures are some 40).
+MAX_METRICS = 64
 MAX_METRIC_NAME_CHARS = 64
 MAX_LABELS = 16
 MAX_LABEL_CHARS = 128

@@ -147,8 +147,9 @@ def _run(options: WorkerOptions, say, metrics: Optional[ProcessMetrics]) -> int:
     if session.lost_reason is not None:
         watchdog.exit_lost(result)
     watchdog.done()
-    step, metrics = context.progress()
-    metrics.update(_figures(result))
+    step, progress = context.progress()
+    metrics = _figures(result)  # the job's own figures first: they go to the coordinator whatever else is cut
+    metrics.update((key, value) for key, value in progress.items() if key not in metrics)
     _drop_retired_handles(context)
     left_data_plane = _leave_data_plane(graceful=True)
     if not left_data_plane:
