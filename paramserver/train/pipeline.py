@@ -35,11 +35,12 @@ A read that no message carried (the first steps, after an agreement that
 reads do not cross, after ``drop_reads``) is sent when its step starts:
 for up to ``k + 1`` steps when no push is outstanding, else for that step
 alone (its rows then miss only the outstanding pushes, within the bound).
-Reads never go past the last step.  Before an agreement of the group
-(every ``agree_every`` steps, where checkpoints are written) every push
-is sent and applied (``drain``), so a checkpoint holds every update up to
-its step.  A read changes nothing on a fixed table, so reads of fixed
-tables cross agreements.  A dynamic table's read admits and touches ids
+Reads never go past the last step.  Before what takes the model as of a
+step (a checkpoint, a live export, an evaluation, the end: the Trainer
+says when) every push is sent and applied (``drain``), so a checkpoint
+holds every update up to its step; otherwise pushes in flight cross the
+group's agreements.  A read changes nothing on a fixed table, so reads of
+fixed tables cross agreements.  A dynamic table's read admits and touches ids
 (once per window, at its first step), so with one among the tables reads
 stop at the next agreement, and a checkpoint holds no read of a later
 step.  A step's batch is read ahead only when its checks pass: a bad batch
