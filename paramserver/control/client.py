@@ -165,22 +165,7 @@ class CoordinatorClient:
     def leave(self, member_id: str, reason: str = "", step: int = 0, metrics=None, final: bool = False) -> None:
         """``member_id`` leaves (``final``: a shard whose process will not be restarted)."""
         self.call("Leave", pb.LeaveRequest(member_id=member_id, reason=reason[:512], step=step,
-                                            metrics=self.sendable(metrics or {}), final=final))
-
-    def sendable(self, metrics: Mapping[str, float]) -> Dict[str, float]:
-        """``metrics`` as the coordinator takes them: the finite ones, the first ``MAX_METRICS`` in the order
-        given (the rest are left out, with one WARNING per set of names left out)."""
-        finite = {key: float(value) for key, value in metrics.items()
-                  if value == value and abs(value) != float("inf")}
-        if len(finite) <= MAX_METRICS:
-            return finite
-        kept = dict(list(finite.items())[:MAX_METRICS])
-        left_out = tuple(key for key in finite if key not in kept)
-        if left_out not in self._metrics_left_out:
-            self._metrics_left_out.add(left_out)
-            logger.warning("%d metrics left out of what goes to the coordinator (at most %d): %s", len(left_out),
-                           MAX_METRICS, ", ".join(left_out))
-        return kept
+                                            metrics=sendable(metrics or {}, self._metrics_left_out), final=final))
 
     def close(self) -> None:
         self._raw_channel.close()
@@ -199,6 +184,21 @@ def local_capabilities(gpus: Optional[int] = None) -> pb.Capabilities:
                            labels={"hostname": socket.gethostname()[:128]})
 
 
+
+
+def sendable(metrics: Mapping[str, float], told: Set[Tuple[str, ...]]) -> Dict[str, float]:
+    """``metrics`` as the coordinator takes them: the finite ones, the first ``MAX_METRICS`` in the order given.
+    The rest are left out, with one WARNING per set of names left out (``told``: the sets warned about)."""
+    finite = {key: float(value) for key, value in metrics.items() if value == value and abs(value) != float("inf")}
+    if len(finite) <= MAX_METRICS:
+        return finite
+    kept = dict(list(finite.items())[:MAX_METRICS])
+    left_out = tuple(key for key in finite if key not in kept)
+    if left_out not in told:
+        told.add(left_out)
+        logger.warning("%d metrics left out of what goes to the coordinator (at most %d): %s", len(left_out),
+                       MAX_METRICS, ", ".join(left_out))
+    return kept
 
 
 class HeartbeatLoop:
@@ -228,6 +228,7 @@ class HeartbeatLoop:
         self._on_lost = on_lost
         self._on_response = on_response
         self._sequence = 0
+        self._metrics_left_out: Set[Tuple[str, ...]] = set()  # the names ``sendable`` warned about
         #: Sent with every beat: this member's data plane is up.
         self.ready = False
         #: Sent with every beat: this generation of the member's trainer group broke (0: none).
@@ -256,7 +257,7 @@ class HeartbeatLoop:
             try:
                 response = self._client.call("Heartbeat", pb.HeartbeatRequest(
                     member_id=self._member_id, sequence=self._sequence, step=step,
-                    metrics=self._client.sendable(metrics),
+                    metrics=sendable(metrics, self._metrics_left_out),
                     ready=self.ready, regroup_generation=self.regroup_generation),
                     timeout=self._interval * 2)
             except CoordinatorUnavailable:
