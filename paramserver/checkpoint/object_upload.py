@@ -3,10 +3,9 @@
 Owns the write side of an object on ``s3://`` (s3fs): ``PartUpload`` is a write-only file.  What is
 written is copied into one of at most ``in_flight`` part buffers of ``part_bytes``; a full buffer goes
 up as one part of a multipart upload (s3fs's ``call_s3``, from a thread of the upload's own) while the
-writer fills the next, so
-serialising and hashing overlap the upload, and an object of any size holds at most ``in_flight`` x
-``part_bytes`` of memory (32 MiB by default: s3fs's own file holds every byte of a write until its
-block fills, 128 MB for one big tensor, and copies it twice).  An object smaller than one part is one
+writer fills the next, so serialising and hashing overlap the upload, and an object of any size holds
+at most ``in_flight`` x ``part_bytes`` of memory (32 MiB by default: s3fs's own file holds every byte
+of a write until its block fills, 64 MB for one big tensor, and copies it twice).  An object smaller than one part is one
 PUT.  Nothing of it is visible until ``close`` completes the upload; ``discard`` (what a failed write
 calls) aborts it, so a failed object is never half there.  ``open_for_upload(location)`` gives one for
 an s3fs location and the filesystem's own writer for any other.

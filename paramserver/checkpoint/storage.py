@@ -7,9 +7,9 @@ names (``paramserver.filesystems``: a local path, ``file://``, ``s3://``,
 name in the same directory, counted and hashed on the way, flushed,
 fsynced, renamed, the directory fsynced; on an object store, where there
 is no rename: one object, counted and hashed on the way, uploaded in parts
-while it is written (``object_upload``), abandoned on failure), loading it after checking its size and sha256 (a local file
-memory-mapped if asked; a remote one read into memory once, checked and
-loaded from there), the manifest (``MANIFEST.json``, written last: it is
+while it is written (``object_upload``), abandoned on failure), loading it
+after checking its size and sha256 (a local file memory-mapped if asked; a
+remote one read into memory once, checked and loaded from there), the manifest (``MANIFEST.json``, written last: it is
 the commit, and a checkpoint directory without one is an interrupted
 checkpoint that never counts and is removed), keeping the newest ``keep``
 checkpoints (never one the store was told to protect: what a restore

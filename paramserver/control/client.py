@@ -184,8 +184,6 @@ def local_capabilities(gpus: Optional[int] = None) -> pb.Capabilities:
                            labels={"hostname": socket.gethostname()[:128]})
 
 
-
-
 def sendable(metrics: Mapping[str, float], told: Set[Tuple[str, ...]]) -> Dict[str, float]:
     """``metrics`` as the coordinator takes them: the finite ones, the first ``MAX_METRICS`` in the order given.
     The rest are left out, with one WARNING per set of names left out (``told``: the sets warned about)."""

@@ -40,8 +40,8 @@ step (a checkpoint, a live export, an evaluation, the end: the Trainer
 says when) every push is sent and applied (``drain``), so a checkpoint
 holds every update up to its step; otherwise pushes in flight cross the
 group's agreements.  A read changes nothing on a fixed table, so reads of
-fixed tables cross agreements.  A dynamic table's read admits and touches ids
-(once per window, at its first step), so with one among the tables reads
+fixed tables cross agreements.  A dynamic table's read admits and touches
+ids (once per window, at its first step), so with one among the tables reads
 stop at the next agreement, and a checkpoint holds no read of a later
 step.  A step's batch is read ahead only when its checks pass: a bad batch
 is refused in its turn, by the step it belongs to.  When the step is
