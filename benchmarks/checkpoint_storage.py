@@ -41,9 +41,9 @@ import torch
 
 from paramserver.checkpoint.storage import CheckpointStore, load_tensors, open_checkpoint
 from paramserver.filesystems import locate
-from paramserver.optim import QHM, functional_optim_map
+from paramserver.optim import QHM
 from paramserver.shards.server.checkpoint_part import write_part
-from paramserver.shards.server.optimizers import OwnerOptimizer
+from paramserver.shards.server.optimizers import owner_optimizer_for
 from paramserver.shards.server.state import ShardState
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -151,8 +151,8 @@ def main() -> int:
             stores[name], labels[name] = s3_root(endpoint, make_bucket=False), label
         state = ShardState()
         table = state.shared_table(f"bench.t[0:{args.rows}]", lambda: torch.randn(args.rows, args.dim))
-        optimizer = OwnerOptimizer(QHM, functional_optim_map[QHM], [table], ["t"], (),
-                                   dict(lr=0.1, momentum=0.9, nu=0.7), state)
+        # As a shard makes it, so that the state knows it and checkpoints its momentum with the table.
+        optimizer = owner_optimizer_for(state, QHM, [table], [0], (), dict(lr=0.1, momentum=0.9, nu=0.7))
         optimizer.apply_rows([0], [torch.arange(args.rows)], [torch.randn(args.rows, args.dim)], "bench")  # momentum
         results = {name: [] for name in stores}
         raw = {name: [] for name in stores}

@@ -5,15 +5,16 @@ written is copied into one of at most ``in_flight`` part buffers of ``part_bytes
 up as one part of a multipart upload (s3fs's ``call_s3``, from a thread of the upload's own) while the
 writer fills the next, so serialising and hashing overlap the upload, and an object of any size holds
 at most ``in_flight`` x ``part_bytes`` of memory (32 MiB by default: s3fs's own file holds every byte
-of a write until its block fills, 64 MB for one big tensor, and copies it twice).  An object smaller than one part is one
-PUT.  Nothing of it is visible until ``close`` completes the upload; ``discard`` (what a failed write
-calls) aborts it, so a failed object is never half there.  ``open_for_upload(location)`` gives one for
-an s3fs location and the filesystem's own writer for any other.
+of a write until its block fills, 128 MB for a 2M x 16 table, and copies it twice).  An object smaller
+than one part is one PUT.  Nothing of it is visible until ``close`` completes the upload; ``discard``
+(what a failed write calls) aborts it, so a failed object is never half there.
+``open_for_upload(location)`` gives one for an s3fs location and the filesystem's own writer for any
+other.
 
-The sizes were measured with ``benchmarks/checkpoint_storage.py`` (docs/benchmarks.md): on a SeaweedFS
-server on loopback, 8 MiB parts with 4 in flight wrote a 128 MB checkpoint part in 1.26-1.36 s against
-1.59-1.68 s through s3fs's file; fewer or larger buffers did no better (16 MiB: 1.45 s, 64 MiB: 1.82 s).
-Parts of at least 5 MiB are what S3 asks of every part but the last.
+The sizes were measured with a script like ``benchmarks/checkpoint_storage.py`` (docs/benchmarks.md):
+on a SeaweedFS server on loopback, 8 MiB parts with 4 in flight wrote a 128 MB file in 1.26-1.36 s
+against 1.59-1.68 s through s3fs's file; fewer or larger buffers did no better (16 MiB: 1.45 s, 64 MiB:
+1.82 s).  Parts of at least 5 MiB are what S3 asks of every part but the last.
 """
 
 import contextlib
