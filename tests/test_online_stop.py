@@ -112,3 +112,43 @@ def test_reads_ahead_past_an_agreement_never_wait_for_data_that_has_not_landed()
         ctx.close()
     assert handler.waited.is_set()
     assert figures["steps"] == 10 and figures["sparse_steps"] == 10, figures
+
+
+@pytest.mark.parametrize("rows", [10, None], ids=["fixed", "dynamic"])
+def test_what_landed_is_trained_on_before_the_group_waits_for_more(rows):
+    """13 batches land and no more: the group agrees (every 10 steps) at step 10 with 3 of the window's
+    batches in hand, takes those 3 steps at once and agrees again at 13, where it waits (and is stopped).
+    The last batches of a file are not held back until the next file lands."""
+    import torch
+    from paramserver import Table, Trainer
+    from paramserver.optim import QHM
+    from test_trainer import Logit
+
+    feed = Feed()
+    feed.land(13)
+    ctx = JobContext.local()
+    trainer_log = logging.getLogger("paramserver.train.trainer")
+    waited_at = []
+
+    class StepOfTheWait(logging.Handler):
+        def emit(self, record):
+            message = record.getMessage()
+            if "waits for its group's data" in message and not waited_at:
+                waited_at.append(message)
+                ctx.inbox.request_stop()
+    handler, level = StepOfTheWait(), trainer_log.level
+    trainer_log.addHandler(handler)
+    trainer_log.setLevel(logging.INFO)
+    try:
+        trainer = Trainer(ctx, tables={"t": Table(rows, 4)}, dense=Logit(),
+                          sparse_optimizer=(QHM, dict(lr=0.1, momentum=0.9, nu=0.7)),
+                          dense_optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                          loss=torch.nn.BCEWithLogitsLoss(), name=f"tail-{rows}", staleness=1)
+        figures = trainer.fit(feed, steps=10 ** 6, log_every=10 ** 9)
+    finally:
+        trainer_log.removeHandler(handler)
+        trainer_log.setLevel(level)
+        feed.close()
+        ctx.close()
+    assert len(waited_at) == 1 and "step 13 waits" in waited_at[0], waited_at
+    assert figures["steps"] == 13 and figures["sparse_steps"] == 13, figures

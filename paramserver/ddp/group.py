@@ -75,12 +75,13 @@ class GroupRecorder(Protocol):
 
 class Agreement(NamedTuple):
     """What the members of a group agreed on at a step: re-form, stop, the checkpoint request to serve, and
-    whether to wait (a member's data has not come yet: all wait and agree again)."""
+    ``short``: the most steps of the coming window that a member has no data for yet (its data follows files as
+    they land, or comes from a slow store), so that the group takes only the steps every member has data for."""
 
     reform: bool
     stop: bool
     checkpoint_request: int
-    wait: bool = False
+    short: int = 0
 
 
 class GroupStopped(RuntimeError):
@@ -251,20 +252,20 @@ class TrainerGroup:
             for future in abandoned:
                 future.set_exception(GenerationAborted(self.aborted))
 
-    def agree(self, want_stop: bool = False, checkpoint_request: int = 0, waiting: bool = False) -> Agreement:
+    def agree(self, want_stop: bool = False, checkpoint_request: int = 0, short: int = 0) -> Agreement:
         """Collective: one all-reduce (MAX) of what each member heard of.
 
         A member heard of a newer view: all re-form; one wants to stop: all
         stop; the newest checkpoint request any member heard of: all serve it;
-        one is ``waiting`` (for its data): all wait.
+        a member is ``short`` of data for that many of the coming steps: all
+        take that many fewer (the most any member is short of).
         """
         newest = self._source.group_view()
         heard = newest.generation if newest is not None else 0
-        flags = torch.tensor([heard, int(want_stop), checkpoint_request, int(waiting)], dtype=torch.int64,
-                             device=self.device)
+        flags = torch.tensor([heard, int(want_stop), checkpoint_request, short], dtype=torch.int64, device=self.device)
         self.abortable(dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True).get_future()).wait()
-        newest_heard, stop, request, wait = flags.tolist()
-        return Agreement(newest_heard > self.generation, bool(stop), int(request), bool(wait))
+        newest_heard, stop, request, most_short = flags.tolist()
+        return Agreement(newest_heard > self.generation, bool(stop), int(request), int(most_short))
 
     def reform(self, after_failure: bool = False) -> None:
         """Form the newest generation that includes this worker.

@@ -12,12 +12,17 @@ comm-hook state: PowerSGD's error memory belongs to one rank's gradients
 and its Q memory must be equal on every rank, so neither can be carried
 over to a group with other members.
 
-The training loop calls ``sync_point()`` at the start of every step; every
-``agree_every`` steps it is where the group agrees, in one all-reduce, to
-re-form, to stop, or to write a checkpoint.
-All members hold the same step count (a newcomer takes the group's), so
-they agree on the same steps, and a change takes effect within
-``agree_every`` steps.  Finished steps are counted by the replica's
+The training loop calls ``sync_point()`` at the start of every step; at
+the steps of its agreements it is where the group agrees, in one
+all-reduce, to re-form, to stop, or to write a checkpoint.  Agreements
+come every ``agree_every`` steps (at its multiples), and sooner where a
+member's data had not come for the whole window (a followed input): the
+group then takes the steps every member has data for and agrees again
+after them (``next_agreement``), so that a file's last batches are not
+held back until the next file lands.  Every member sees the same
+agreements, and at each (re-)forming all take the step of the member
+furthest ahead and agree at it, so they agree on the same steps, and a
+change takes effect within ``agree_every`` steps.  Finished steps are counted by the replica's
 ``recorder`` when it was handed one (a ``ReplicaRecorder``: the worker's
 training metrics, when it serves them), and so is every backward pass
 through the comm hook (the replica hands it to each hook state it makes).
@@ -123,6 +128,8 @@ class DenseReplica:
         self.steps_skipped = 0
         #: Whether the last ``sync_point`` agreed to wait for a member's data (the step is not taken yet).
         self.agreed_wait = False
+        #: The step of the group's next agreement (every member holds the same; set at each forming and agreement).
+        self.next_agreement = 0
         #: The checkpoint request the last ``sync_point`` agreed on (0: none).
         self.agreed_checkpoint = 0
         self._failures_in_a_row = 0
@@ -153,6 +160,7 @@ class DenseReplica:
 
     def _form(self) -> None:
         source = self._share_state()
+        self.next_agreement = self.step  # every member at the shared step: all agree there
         device_ids = [self.group.device] if self.group.device.type == "cuda" else None
         # The gradients are views of DDP's buckets: after the all-reduce they are not copied back from them (the
         # values are the same; the optimizer sets them to None after each step).
@@ -228,29 +236,40 @@ class DenseReplica:
     def __call__(self, *args, **kwargs):
         return self.ddp(*args, **kwargs)
 
-    def sync_point(self, want_stop: bool = False, checkpoint_request: int = 0, waiting: bool = False) -> bool:
+    def agreement_due(self) -> bool:
+        """Whether the group agrees at the start of this step."""
+        return self.step >= self.next_agreement
+
+    def window(self) -> int:
+        """The steps from this one to the next multiple of ``agree_every``: what an agreement here plans for."""
+        return (self.step // self.agree_every + 1) * self.agree_every - self.step
+
+    def sync_point(self, want_stop: bool = False, checkpoint_request: int = 0, short: int = 0) -> bool:
         """Start of a step, on every member: re-form if the group changed; False when the group stops.
 
-        Every ``agree_every`` steps the members agree (one all-reduce) on
-        re-forming, stopping, the checkpoint request to serve
-        (``agreed_checkpoint``: 0 on other steps, or none) and waiting
-        (``agreed_wait``: a member is ``waiting`` for its data; the step is
-        not taken, and the members agree again once they waited).  After
+        At an agreement (``agreement_due``) the members agree (one
+        all-reduce) on re-forming, stopping, the checkpoint request to serve
+        (``agreed_checkpoint``: 0 on other steps, or none) and the steps to
+        take before the next agreement: the ``window()`` less the most steps
+        a member is ``short`` of data for.  None (``agreed_wait``): the step
+        is not taken, and the members agree again once they waited.  After
         re-forming they agree again, in the new group: a member that just
         joined starts with this agreement, so everyone must.  A failed
         agreement is recovered from (``recover``) like a failed step.
         """
         self.agreed_checkpoint = 0
         self.agreed_wait = False
-        while self.step % self.agree_every == 0:
+        while self.agreement_due():
             try:
-                agreement = self.group.agree(want_stop, checkpoint_request, waiting)
+                agreement = self.group.agree(want_stop, checkpoint_request, short)
                 if agreement.stop:
                     return False
                 if not agreement.reform:
                     self.agreed_checkpoint = agreement.checkpoint_request
-                    self.agreed_wait = agreement.wait
-                    if self.on_agreed is not None and not agreement.wait:
+                    steps = max(0, self.window() - agreement.short)
+                    self.agreed_wait = steps == 0
+                    self.next_agreement = self.step + steps
+                    if self.on_agreed is not None and not self.agreed_wait:
                         self.on_agreed(self)
                     return True
                 self._drop_ddp()

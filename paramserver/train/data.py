@@ -128,15 +128,18 @@ class BatchStream:
         if self._reader is not None:
             self._reader.close()
 
-    def ready(self, count: int, patience: float) -> Optional[bool]:
+    def ready(self, count: int, patience: float, lull: Optional[float] = None) -> Optional[bool]:
         """Whether ``count`` batches can be had, waiting at most ``patience`` seconds for them: True, False
         when the data ends first, ``None`` when they have not come yet (data that follows files as they land,
-        or a slow store); those that came stay read ahead."""
+        or a slow store); those that came stay read ahead.  ``lull``: with some batch in hand, stop waiting
+        once no batch came for that long (the reader waits for more data to land: take what is there)."""
         deadline = time.monotonic() + patience
         while len(self._ahead) < count:
             if self._reader is None:
                 return self.ensure(count)
-            pulled = self._reader.next(max(0.0, deadline - time.monotonic()))
+            now = time.monotonic()
+            wait = deadline - now if lull is None or not self._ahead else min(deadline - now, lull)
+            pulled = self._reader.next(max(0.0, wait))
             if pulled is _Reader.NOT_YET:
                 return None
             if pulled is None:

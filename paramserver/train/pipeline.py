@@ -105,8 +105,9 @@ class RowPipeline:
     tables, which a batch is checked against before it is read ahead.
     ``read_ahead``: False looks every step's rows up when the step
     starts and waits for its push (the unpipelined step, kept for
-    comparison).  ``agree_every`` and ``last_step`` bound the reads
-    ahead (agreements only when a table is dynamic).  ``cache_steps``
+    comparison).  ``next_agreement()`` (the step of the group's next
+    agreement) and ``last_step`` bound the reads ahead (agreements only
+    when a table is dynamic).  ``cache_steps``
     (``L``, 1 to ``staleness + 1``): steps per window and per message;
     ``cache_rows``: the most rows the windows alive at once hold (``None``:
     no bound); ``recorder``: where the cache's figures go (``None``:
@@ -116,7 +117,7 @@ class RowPipeline:
     """
 
     def __init__(self, staleness: int, upcoming: Callable[[int], Optional[Batch]], tables: Mapping[str, Table],
-                 agree_every: int, last_step: int, read_ahead: bool = True, cache_steps: int = 1,
+                 next_agreement: Callable[[], int], last_step: int, read_ahead: bool = True, cache_steps: int = 1,
                  cache_rows: Optional[int] = None, recorder: Optional[RowCacheRecorder] = None):
         self.staleness, self.read_ahead = staleness, read_ahead
         self.window, self._depth = cache_steps, staleness + 1 - cache_steps
@@ -125,7 +126,7 @@ class RowPipeline:
         self._window_rows = None if cache_rows is None else \
             max(1, cache_rows // math.ceil((staleness + 1) / cache_steps))
         self._upcoming, self._tables = upcoming, tables
-        self._agree_every, self._last_step = agree_every, last_step
+        self._next_agreement, self._last_step = next_agreement, last_step
         self._reads_cross_agreements = not any(table.dynamic for table in tables.values())
         self._reads: Dict[int, RowWindow] = {}
         self._held: List[StepPush] = []
@@ -138,10 +139,10 @@ class RowPipeline:
 
     def _horizon(self, step: int) -> int:
         """The first step whose rows must not be read during ``step``: the end, or the next agreement when a
-        table is dynamic."""
+        table is dynamic (after ``step``: a step's own rows are always read)."""
         if self._reads_cross_agreements:
             return self._last_step
-        return min(self._last_step, (step // self._agree_every + 1) * self._agree_every)
+        return min(self._last_step, max(step + 1, self._next_agreement()))
 
     def _window(self, collection: EmbeddingCollection, step: int, first: int, last: int,
                 batch: Optional[Batch] = None) -> Optional[RowWindow]:

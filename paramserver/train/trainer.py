@@ -10,8 +10,9 @@ supplies the model (``Table``s and a dense module), the optimizers, the
 loss and the data; see ``Trainer.fit``.
 
 The loop, on every member of a group: at the start of a step the group
-may agree (one all-reduce every ``agree_every`` steps) to re-form, stop
-or checkpoint (``DenseReplica.sync_point``); a checkpoint is written at
+may agree (one all-reduce every ``agree_every`` steps, and sooner when a
+member's data did not come for all of them) to re-form, stop or
+checkpoint (``DenseReplica.sync_point``); a checkpoint is written at
 that step boundary; then the step.  A step whose lookups failed is done
 again once the lost shard serves again (skipping the agreement it
 passed already); a failed collective re-forms the group and the step is
@@ -61,6 +62,9 @@ PREFETCH_BATCHES = 2
 #: How long a member waits for its batches up to the next agreement before the group agrees to wait (and
 #: agrees again after as long): data that follows files as they land has none while none landed.
 DATA_PATIENCE = datetime.timedelta(seconds=2)
+#: With some of those batches in hand, how long a member waits for the next one before the group takes the
+#: steps it has data for (the rest of a file that landed is trained on before the next file lands).
+DATA_LULL = datetime.timedelta(milliseconds=100)
 #: Tables of this many rows or more are split by rows over every shard; smaller ones are placed whole.
 ROW_WISE_MIN_ROWS = 1_000_000
 
@@ -217,7 +221,8 @@ class _Run:
         self.batches = BatchStream(data, None if shared else _position(positions.get(ctx.worker_index)),
                                    prefetch=PREFETCH_BATCHES + trainer.staleness, started=not shared)
         self.shares = GroupShares(data, self.batches, positions) if shared else None
-        self.pipeline = RowPipeline(trainer.staleness, self._upcoming, trainer.tables, trainer.agree_every, steps,
+        self.pipeline = RowPipeline(trainer.staleness, self._upcoming, trainer.tables,
+                                    lambda: self.replica.next_agreement, steps,
                                     read_ahead=trainer.read_ahead, cache_steps=trainer.cache_steps,
                                     cache_rows=trainer.cache_rows, recorder=ctx.recorders.data_plane)
         #: ``replica.steps_skipped`` when this member's batches last caught up with it (``None``: not formed yet).
@@ -334,14 +339,14 @@ class _Run:
         # Every push is applied (drained) before what takes the model as of this step: the end, a live export
         # (rank 0 writes it with no collective: every member drains before the agreement) and a checkpoint
         # (every member drains before its first collective).  Otherwise pushes in flight cross the agreement.
-        agreeing = final or replica.step % replica.agree_every == 0
+        agreeing = final or replica.agreement_due()
         if agreeing and (final or self.exports is not None) and not self._settled(self.pipeline.drain()):
             return False
         while True:
             try:
                 if not final:
-                    want_stop, waiting = self._agreement_flags()
-                    going_on = replica.sync_point(want_stop, self.checkpoints.pending(), waiting)
+                    want_stop, short = self._agreement_flags()
+                    going_on = replica.sync_point(want_stop, self.checkpoints.pending(), short)
                     if self._catch_up(replica):  # the group moved on: the reads ahead are for other steps
                         self.pipeline.drop_reads()
                         if not self._settled(self.pipeline.drain()):
@@ -351,7 +356,7 @@ class _Run:
                 if self.checkpoints.due(replica.agreed_checkpoint) and not self._settled(self.pipeline.drain()):
                     return False  # a checkpoint holds every update up to its step
                 self.checkpoints.at_boundary(replica.agreed_checkpoint)
-                if self.exports is not None and (final or replica.step % replica.agree_every == 0):
+                if self.exports is not None and agreeing:
                     self.exports.at_boundary(final)  # every push up to here is applied
                 if final or not replica.agreed_wait:
                     return True
@@ -369,25 +374,26 @@ class _Run:
         there (the agreement made sure of it); past it only if it is there now, so that a step never waits for
         data that has not landed (a followed input) while its group waits in the step's all-reduce.  A batch
         not read ahead has its rows read when its step starts."""
-        step, every = self.replica.step, self.replica.agree_every
-        if step + offset < (step // every + 1) * every:
+        if self.replica.step + offset < self.replica.next_agreement:
             return self.batches.ahead(offset)
         return self.batches.ahead_now(offset)
 
-    def _agreement_flags(self) -> Tuple[bool, bool]:
+    def _agreement_flags(self) -> Tuple[bool, int]:
         """What this member says at the group's agreement: stop when asked to, or when its data would end
-        before the next agreement (all members stop here together, none is left in a collective); wait when
-        its batches up to the next agreement have not come within ``DATA_PATIENCE``."""
+        before the next agreement (all members stop here together, none is left in a collective); and how
+        many steps of the window it is short of data for: those whose batches did not come, waiting at most
+        ``DATA_PATIENCE`` for the first and ``DATA_LULL`` between two (all of them: wait)."""
         replica = self.replica
-        if replica.step % replica.agree_every == 0:
-            ready = self.batches.ready(min(replica.agree_every, self.steps - replica.step),
-                                       DATA_PATIENCE.total_seconds())
+        if replica.agreement_due():
+            window = replica.window()
+            ready = self.batches.ready(min(window, self.steps - replica.step), DATA_PATIENCE.total_seconds(),
+                                       DATA_LULL.total_seconds())
             if ready is False:
                 logger.warning("%s: the data ends after %d batches; asking the group to stop at step %d",
                                self.ctx.rpc_name, self.batches.used + len(self.batches), replica.step)
-                return True, False
-            return self.ctx.should_stop(), ready is None
-        return self.ctx.should_stop(), False
+                return True, 0
+            return self.ctx.should_stop(), 0 if ready else window - min(window, len(self.batches))
+        return self.ctx.should_stop(), 0
 
     def _recovered(self, error: BaseException) -> bool:
         """After a failed step or boundary: re-form the group if a collective failed (else raise again).
