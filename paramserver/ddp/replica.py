@@ -22,10 +22,11 @@ after them (``next_agreement``), so that a file's last batches are not
 held back until the next file lands.  Every member sees the same
 agreements, and at each (re-)forming all take the step of the member
 furthest ahead and agree at it, so they agree on the same steps, and a
-change takes effect within ``agree_every`` steps.  Finished steps are counted by the replica's
-``recorder`` when it was handed one (a ``ReplicaRecorder``: the worker's
-training metrics, when it serves them), and so is every backward pass
-through the comm hook (the replica hands it to each hook state it makes).
+change takes effect within ``agree_every`` steps.  Finished steps are
+counted by the replica's ``recorder`` when it was handed one (a
+``ReplicaRecorder``: the worker's training metrics, when it serves them),
+and so is every backward pass through the comm hook (the replica hands it
+to each hook state it makes).
 
 Surviving a lost member: its peers' next collective fails (in DDP's
 all-reduce during backward, or in the agreement).  The training loop asks
