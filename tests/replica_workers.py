@@ -74,7 +74,7 @@ class StoreViews:
 
 def train(name: str, index: int, port: int, steps: int, hook: str, result_path: str,
           publish=None, late_member_at: int = 0, late: bool = False, lost_at: int = 0,
-          lost: bool = False, hangs: bool = False) -> None:
+          lost: bool = False, hangs: bool = False, short_by=None) -> None:
     """Train ``steps`` steps in the group; ``publish=(generation, members)`` announces a view first.
 
     ``late_member_at``: a member there from the start waits at that step
@@ -85,8 +85,10 @@ def train(name: str, index: int, port: int, steps: int, hook: str, result_path: 
     others' next step fails and they recover.  With ``hangs`` it SIGSTOPs
     itself instead (its peers' collective would wait for the collective
     timeout, unless the new view makes them abandon it); the first
-    survivor SIGKILLs it once done.  ``slowest_step_s`` in the result is
-    the longest step, its recovery included.
+    survivor SIGKILLs it once done.  ``short_by``: ``{step: steps}`` this
+    member says it has no data for at the agreement of that step.
+    ``slowest_step_s`` in the result is the longest step, its recovery
+    included; ``agreed_at`` the steps the group agreed at.
     """
     warnings.filterwarnings("ignore")
     faulthandler.dump_traceback_later(75, exit=True)  # a hang shows where, before the test's 90 s deadline
@@ -98,9 +100,14 @@ def train(name: str, index: int, port: int, steps: int, hook: str, result_path: 
     if late:
         source._store.set("late/published", "yes")
     replica = DenseReplica(TrainerGroup.join(source, TIMEOUT), model(), make_optimizer, hook=hook)
-    slowest_step_s = 0.0
+    slowest_step_s, agreed_at = 0.0, []
     started = time.monotonic()
-    while replica.step < steps and replica.sync_point():
+    while replica.step < steps:
+        due = replica.agreement_due()
+        if not replica.sync_point(short=(short_by or {}).get(replica.step, 0)):
+            break
+        if due:
+            agreed_at.append(replica.step)
         slowest_step_s, started = max(slowest_step_s, time.monotonic() - started), time.monotonic()
         inputs, target = batch(name, replica.step)
         try:
@@ -130,4 +137,5 @@ def train(name: str, index: int, port: int, steps: int, hook: str, result_path: 
         pickle.dump({"step": replica.step, "reformations": replica.reformations, "recoveries": replica.recoveries,
                      "steps_skipped": replica.steps_skipped,
                      "state": {k: v.clone() for k, v in replica.module.state_dict().items()},
-                     "bytes_per_step": replica.bytes_per_step, "slowest_step_s": slowest_step_s}, file)
+                     "bytes_per_step": replica.bytes_per_step, "slowest_step_s": slowest_step_s,
+                     "agreed_at": agreed_at}, file)

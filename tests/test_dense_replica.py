@@ -50,12 +50,17 @@ def local_training(names, steps, lost=None, lost_at=0):
 
 @pytest.mark.parametrize("hook", ["allreduce", "bf16"])
 def test_a_group_trains_like_one_process_on_all_batches(tmp_path, store, hook):
-    names, steps = ["worker0", "worker1"], 8
+    """Members short of data for part of a window (worker0 has 3 of the first 10 steps' batches, worker1 5,
+    then 5 of the next 7): the group takes the steps every member has, agreeing at 0, 3 and 8 instead of
+    0 and 10, and trains as before."""
+    names, steps = ["worker0", "worker1"], 12
+    short_by = {"worker0": {0: 7}, "worker1": {0: 5, 3: 2}}
     children = [Child(name, rw.train, (name, index, store.port, steps, hook, str(tmp_path / f"{name}.pkl"),
-                                       (1, names) if index == 0 else None))
+                                       (1, names) if index == 0 else None), dict(short_by=short_by[name]))
                 for index, name in enumerate(names)]
     run_children(children, TIMEOUT)
     got = results(tmp_path, names)
+    assert got["worker0"]["agreed_at"] == got["worker1"]["agreed_at"] == [0, 3, 8, 10]
     expected = local_training(names, steps)
     tolerance = 1e-6 if hook == "allreduce" else 2e-2
     for name in names:
