@@ -57,9 +57,7 @@ POWERSGD_DEFAULTS = {"start_powerSGD_iter": 10}
 PHASE_FIGURE = "phase_ms."
 #: The prefix of the row cache's figures (``pipeline.RowCacheFigures``).
 ROW_CACHE_FIGURE = "row_cache."
-#: Batches read ahead in the background while steps run, beyond the staleness's steps; at least a window
-#: between two agreements (``agree_every``), so that the batches an agreement makes sure of are parsed by
-#: then, and the step does not wait for the reader there.
+#: Batches read ahead in the background while steps run.
 PREFETCH_BATCHES = 2
 #: How long a member waits for its batches up to the next agreement before the group agrees to wait (and
 #: agrees again after as long): data that follows files as they land has none while none landed.
@@ -221,8 +219,7 @@ class _Run:
         positions = (restored or {}).get("data_positions", {})
         # Data the group shares starts once the group dealt it (``GroupShares.formed``).
         self.batches = BatchStream(data, None if shared else _position(positions.get(ctx.worker_index)),
-                                   prefetch=max(PREFETCH_BATCHES + trainer.staleness, trainer.agree_every),
-                                   started=not shared)
+                                   prefetch=PREFETCH_BATCHES + trainer.staleness, started=not shared)
         self.shares = GroupShares(data, self.batches, positions) if shared else None
         self.pipeline = RowPipeline(trainer.staleness, self._upcoming, trainer.tables,
                                     lambda: self.replica.next_agreement, steps,
