@@ -128,11 +128,13 @@ def test_what_landed_is_trained_on_before_the_group_waits_for_more(rows):
     feed.land(13)
     ctx = JobContext.local()
     trainer_log = logging.getLogger("paramserver.train.trainer")
-    waited_at = []
+    waited_at, shortened = [], []
 
     class StepOfTheWait(logging.Handler):
         def emit(self, record):
             message = record.getMessage()
+            if "the group takes steps" in message:
+                shortened.append(message)
             if "waits for its group's data" in message and not waited_at:
                 waited_at.append(message)
                 ctx.inbox.request_stop()
@@ -151,4 +153,6 @@ def test_what_landed_is_trained_on_before_the_group_waits_for_more(rows):
         feed.close()
         ctx.close()
     assert len(waited_at) == 1 and "step 13 waits" in waited_at[0], waited_at
+    assert shortened == ["worker0: the group takes steps 10 to 12 and agrees again: a member's data for the rest "
+                         "of the window has not come"], shortened
     assert figures["steps"] == 13 and figures["sparse_steps"] == 13, figures

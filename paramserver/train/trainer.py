@@ -241,6 +241,7 @@ class _Run:
         self.start_step = self.replica.step
         self.evaluated_at: Optional[int] = None
         self._waiting_for_data = RateLimitedLog(logger, "waited {count} time{s} for data")
+        self._short_of_data = RateLimitedLog(logger, "took {count} window{s} short of data")
 
     def run(self) -> Dict[str, Any]:
         replica, ctx = self.replica, self.ctx
@@ -359,6 +360,11 @@ class _Run:
                 if self.exports is not None and agreeing:
                     self.exports.at_boundary(final)  # every push up to here is applied
                 if final or not replica.agreed_wait:
+                    if agreeing and not final and replica.next_agreement < replica.step + replica.window():
+                        self._short_of_data.record(
+                            "short", f"{self.ctx.rpc_name}: the group takes steps {replica.step} to "
+                                     f"{replica.next_agreement - 1} and agrees again: a member's data for the rest "
+                                     f"of the window has not come")
                     return True
                 self._waiting_for_data.record("waiting", f"{self.ctx.rpc_name}: step {replica.step} waits for "
                                               f"its group's data (agreeing again every "
