@@ -17,14 +17,20 @@ pytestmark = pytest.mark.timeout(120)
 
 
 class StopOnWait(logging.Handler):
-    """Asks ``ctx``'s job to stop once its group agreed to wait for data."""
+    """Asks ``ctx``'s job to stop once its group agreed to wait for data (``waits``: that line); ``shortened``:
+    the lines of the windows its group took short of data."""
 
     def __init__(self, ctx):
         super().__init__()
         self.ctx, self.waited = ctx, threading.Event()
+        self.waits, self.shortened = [], []
 
     def emit(self, record):
-        if "waits for its group's data" in record.getMessage() and not self.waited.is_set():
+        message = record.getMessage()
+        if "the group takes steps" in message:
+            self.shortened.append(message)
+        if "waits for its group's data" in message and not self.waited.is_set():
+            self.waits.append(message)
             self.waited.set()
             self.ctx.inbox.request_stop()
 
@@ -127,32 +133,18 @@ def test_what_landed_is_trained_on_before_the_group_waits_for_more(rows):
     feed = Feed()
     feed.land(13)
     ctx = JobContext.local()
-    trainer_log = logging.getLogger("paramserver.train.trainer")
-    waited_at, shortened = [], []
-
-    class StepOfTheWait(logging.Handler):
-        def emit(self, record):
-            message = record.getMessage()
-            if "the group takes steps" in message:
-                shortened.append(message)
-            if "waits for its group's data" in message and not waited_at:
-                waited_at.append(message)
-                ctx.inbox.request_stop()
-    handler, level = StepOfTheWait(), trainer_log.level
-    trainer_log.addHandler(handler)
-    trainer_log.setLevel(logging.INFO)
     try:
-        trainer = Trainer(ctx, tables={"t": Table(rows, 4)}, dense=Logit(),
-                          sparse_optimizer=(QHM, dict(lr=0.1, momentum=0.9, nu=0.7)),
-                          dense_optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
-                          loss=torch.nn.BCEWithLogitsLoss(), name=f"tail-{rows}", staleness=1)
-        figures = trainer.fit(feed, steps=10 ** 6, log_every=10 ** 9)
+        with stopping_when_waiting(ctx) as handler:
+            trainer = Trainer(ctx, tables={"t": Table(rows, 4)}, dense=Logit(),
+                              sparse_optimizer=(QHM, dict(lr=0.1, momentum=0.9, nu=0.7)),
+                              dense_optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                              loss=torch.nn.BCEWithLogitsLoss(), name=f"tail-{rows}", staleness=1)
+            figures = trainer.fit(feed, steps=10 ** 6, log_every=10 ** 9)
     finally:
-        trainer_log.removeHandler(handler)
-        trainer_log.setLevel(level)
         feed.close()
         ctx.close()
-    assert len(waited_at) == 1 and "step 13 waits" in waited_at[0], waited_at
-    assert shortened == ["worker0: the group takes steps 10 to 12 and agrees again: a member's data for the rest "
-                         "of the window has not come"], shortened
+    assert handler.waits and "step 13 waits" in handler.waits[0], handler.waits
+    # (Under load the reader may pause between two of the 3 batches: then the window is cut shorter still.)
+    assert handler.shortened and handler.shortened[0].startswith("worker0: the group takes steps 10 to "), \
+        handler.shortened
     assert figures["steps"] == 13 and figures["sparse_steps"] == 13, figures
