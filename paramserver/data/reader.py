@@ -293,6 +293,8 @@ class FileReader:
             stop.set()
             producer.join(10 * _POLL)
             pool.shutdown(wait=False, cancel_futures=True)
+            for log in (self._waiting_log, self._too_old_log, self._skipped_log):
+                log.flush()  # what was counted is written now, not by a timer after the reading ended
 
     def _batches(self, chunks: "queue.Queue", producer: threading.Thread) -> Iterator[Batch]:
         waiting: List[Samples] = []
