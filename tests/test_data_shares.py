@@ -158,8 +158,8 @@ def read_rest(shares_reader, stream, expected):
             stream.finished()
     time.sleep(0.3)
     extra = stream.ready(1, 0.5)
+    shares_reader.close()  # first: the stream's thread, waiting in the reader for files, ends with it
     stream.close()
-    shares_reader.close()
     assert not extra, "a line was left to read twice"
     return seen
 
