@@ -1,7 +1,9 @@
 """Shared pytest fixtures for paramserver's tests: deterministic seeds, the
 two ways a functional optimizer runs (eager Python, compiled TorchScript),
-and a guard that no test leaves a child process behind."""
+and guards that no test leaves a child process, or a log handler on its
+captured stderr, behind."""
 
+import logging
 import multiprocessing
 import os
 import shutil
@@ -29,6 +31,19 @@ def _no_child_left_behind():
         child.kill()
         child.join(10)
     assert not leftovers, f"child processes left running: {[c.name for c in leftovers]}"
+
+
+@pytest.fixture(autouse=True)
+def _no_log_handler_left_behind():
+    """Remove the root logger's stream handlers a test added (a command's ``main`` run in this process sets
+    up logging on the test's captured stderr, which is closed after the test: a later line from any thread
+    would meet a closed file)."""
+    root = logging.getLogger()
+    before = list(root.handlers)
+    yield
+    for handler in list(root.handlers):
+        if handler not in before and type(handler) is logging.StreamHandler:
+            root.removeHandler(handler)
 
 
 @pytest.fixture
