@@ -9,16 +9,16 @@ fsynced, renamed, the directory fsynced; on an object store, where there
 is no rename: one object, counted and hashed on the way, uploaded in parts
 while it is written (``object_upload``), abandoned on failure), loading it
 after checking its size and sha256 (a local file memory-mapped if asked; a
-remote one read into memory once, checked and loaded from there), the manifest (``MANIFEST.json``, written last: it is
-the commit, and a checkpoint directory without one is an interrupted
-checkpoint that never counts and is removed), keeping the newest ``keep``
-checkpoints (never one the store was told to protect: what a restore
-reads), and refusing a corrupt or truncated one with a message naming the
-file, in favour of the previous one.  A remote filesystem's failure
-(unreachable, credentials refused) is a ``StorageUnavailable`` naming the
-URL.  Also the pure tensor logic of resharding: naming row ranges
-(``table[start:stop]``) and cutting any row range out of the ranges a
-checkpoint holds.
+remote one read into memory once, checked and loaded from there), the
+manifest (``MANIFEST.json``, written last: it is the commit, and a
+checkpoint directory without one is an interrupted checkpoint that never
+counts and is removed), keeping the newest ``keep`` checkpoints (never one
+the store was told to protect: what a restore reads), and refusing a
+corrupt or truncated one with a message naming the file, in favour of the
+previous one. A remote filesystem's failure (unreachable, credentials
+refused) is a ``StorageUnavailable`` naming the URL. Also the pure tensor
+logic of resharding: naming row ranges (``table[start:stop]``) and cutting
+any row range out of the ranges a checkpoint holds.
 
 It knows nothing of processes, ``torch.distributed`` or gRPC, nor of who
 wrote what: ``shard_part`` and ``dense_part`` beside it say what goes in
