@@ -1,11 +1,15 @@
 """The default job through the real commands: ``ps-demo`` end to end with few
 steps on Criteo-format files (the workers share them; it learns, prints its
-JSON summary, leaves no process), a worker that
+JSON summary, leaves no process), ``ps-demo`` stopped by SIGTERM (its whole
+cluster stops with it), a worker that
 joins a running trainer group through the coordinator, and workers that
 disagree on the comm hook.  A small planted problem keeps each run short."""
 
 import json
+import os
 import re
+import signal
+import time
 
 import pytest
 
@@ -45,6 +49,55 @@ def test_demo_trains_the_main_job_on_criteo_format_files_and_prints_its_summary(
     pids = json.loads((logs / "pids.json").read_text())
     assert sorted(pids) == ["ps-server", "ps-worker0", "ps-worker1"]
     assert not [name for name, pid in pids.items() if pid_exists(pid)]
+
+
+def _session_members(session: int) -> list:
+    """The pids of the processes in session ``session`` (its leader's pid): ps-server, its fork server, shards."""
+    members = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except (OSError, ValueError, IndexError):
+            continue  # not a process, or gone meanwhile
+        if int(fields[3]) == session:
+            members.append(int(entry))
+    return members
+
+
+def test_a_stopped_demo_stops_its_whole_cluster(commands, tmp_path):
+    """ps-demo's children run in sessions of their own: SIGTERM (a launcher's or ``timeout``'s stop) must end
+    them too, not only ps-demo."""
+    stop = signal.SIGTERM
+    logs = tmp_path / "demo-logs"
+    demo = commands.start("ps-demo", "--shards", "2", "--workers", "2", "--hook", "allreduce",
+                          "--job-config", job_config(**dict(SMALL, steps=1_000_000)), "--log-dir", str(logs))
+    pids = {}
+    try:
+        deadline = time.monotonic() + 120
+        while len(pids) < 3 and demo.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+            try:
+                pids = json.loads((logs / "pids.json").read_text())
+            except (OSError, ValueError):
+                pass  # not written yet, or being written
+        assert sorted(pids) == ["ps-server", "ps-worker0", "ps-worker1"], errors(demo)[-3000:]
+        assert _session_members(pids["ps-server"]), "ps-server's session is empty before the stop"
+        demo.send_signal(stop)
+        assert demo.wait(60) == 128 + stop, errors(demo)[-3000:]
+        assert f"ps-demo: stopped by {signal.Signals(stop).name}; stopping the cluster" in errors(demo)
+        assert not [name for name, pid in pids.items() if pid_exists(pid)]
+        # Its fork server and shards too: killed with ps-server's session, then reaped by init.
+        deadline = time.monotonic() + 10
+        while _session_members(pids["ps-server"]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _session_members(pids["ps-server"])
+    finally:
+        for pid in pids.values():  # whatever ps-demo left: each child leads a session of its own
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def test_a_worker_joining_later_is_taken_into_the_running_group(commands):

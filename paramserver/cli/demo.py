@@ -9,7 +9,8 @@ progress from the coordinator's status, where each worker reports every
 step (tqdm: a bar on a terminal, plain lines otherwise); and ends by printing one line of JSON on stdout: steps,
 samples_per_s (all workers together), auc, log_loss and oracle_auc (held out),
 hook, bytes_per_step (what the hook all-reduced per step), loss, seconds.
-Every process it started is stopped and reaped however it ends; their
+Every process it started is stopped and reaped however it ends (Ctrl-C,
+SIGTERM or SIGHUP included: exit code 128 + the signal's number); their
 logs stay in ``--log-dir`` (a temporary folder by default), with
 ``pids.json`` naming every process it started.  ``make demo``
 runs it.  Exit code 0 when every process finished cleanly.
@@ -40,6 +41,31 @@ _POLL = 1.0  # status polls: a progress display needs no more, and each costs th
 
 class DemoFailed(RuntimeError):
     """A process of the demo failed; the message says which and where its log is."""
+
+
+class Stopped(Exception):
+    """ps-demo was told to stop by signal ``signum`` (SIGTERM, SIGHUP; SIGINT raises ``KeyboardInterrupt``)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+#: The signals that stop ps-demo as Ctrl-C does: a process manager's, a launcher's or ``timeout``'s stop
+#: (SIGTERM), a closed terminal (SIGHUP).  Its children run in sessions of their own, so they hear none of
+#: these; left to the default action, ps-demo would die at once and leave its whole cluster running.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _stop_on_signals() -> None:
+    """Have ``STOP_SIGNALS`` raise ``Stopped`` in the main thread, once: from then on they, and SIGINT, are
+    ignored, so that a second signal cannot interrupt the reaping of the cluster."""
+    def stop(signum, _frame):
+        for ignored in (*STOP_SIGNALS, signal.SIGINT):
+            signal.signal(ignored, signal.SIG_IGN)
+        raise Stopped(signum)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, stop)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -222,13 +248,18 @@ def run(args) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     processes = _Processes(log_dir)
     try:
+        _stop_on_signals()
         summary = run_demo(args, config, processes)
     except DemoFailed as error:
         print(f"ps-demo: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the reaping
         print("ps-demo: interrupted; stopping the cluster", file=sys.stderr)
-        return 130
+        return 128 + signal.SIGINT
+    except Stopped as stopped:
+        print(f"ps-demo: stopped by {stopped}; stopping the cluster", file=sys.stderr)
+        return 128 + stopped.signum
     finally:
         processes.reap()
     print(json.dumps(summary), flush=True)
