@@ -1,5 +1,6 @@
 """Shares dealt by the membership, end to end through the real commands: two workers follow an input of
-numbered lines (no ``data.workers`` anywhere), one is SIGKILLed mid-stream, a third joins, more files land,
+numbered lines (no ``data.workers`` anywhere; while one file is there, its holder says why the group waits),
+one is SIGKILLed mid-stream, a third joins, more files land,
 and every line is trained exactly once by a step the group completed (``tests/jobs/count_lines.py`` records
 the lines of every step).  The killed worker's step in flight (not completed by the group) is re-read by
 the member its part went to: each of its lines is counted once among the completed steps."""
@@ -79,11 +80,17 @@ def test_workers_joining_and_killed_mid_stream_train_every_line_once(commands, t
     data, folder = tmp_path / "data", tmp_path / "records"
     data.mkdir()
     folder.mkdir()
-    for number in range(10):  # about 40 steps of two workers: the kill comes mid-stream
-        land(data, number, number * LINES_PER_FILE)
+    land(data, 0, 0)  # one part: one member holds it, the other has none, and the group waits
     server, address = start_server(commands, "--shards", "1", "--heartbeat-timeout", "2", "--job", JOB,
                                    "--job-config", job_config(train=str(data), records=str(folder)))
     first = [commands.start("ps-worker", "--connect", address) for _ in range(2)]
+    said = re.compile(r"step 0 waits for its group's data .*: this member holds batches for \d+ steps?, another "
+                      r"has none yet")
+    wait_for(lambda: any(said.search(errors(worker)) for worker in first), 60, "the holder saying why it waits",
+             first)
+    assert not all(said.search(errors(worker)) for worker in first)
+    for number in range(1, 10):  # about 40 steps of two workers: the kill comes mid-stream
+        land(data, number, number * LINES_PER_FILE)
     # both in one group and training: each has trained steps past the first dealing to two
     wait_for(lambda: len(records(folder)) == 2 and all(max(steps, default=0) >= 8
                                                        for steps in records(folder).values()),

@@ -347,6 +347,7 @@ class _Run:
             try:
                 if not final:
                     want_stop, short = self._agreement_flags()
+                    in_hand = replica.window() - short if agreeing else 0  # this member's batches of the window
                     going_on = replica.sync_point(want_stop, self.checkpoints.pending(), short)
                     if self._catch_up(replica):  # the group moved on: the reads ahead are for other steps
                         self.pipeline.drop_reads()
@@ -366,14 +367,24 @@ class _Run:
                                      f"{replica.next_agreement - 1} and agrees again: a member's data for the rest "
                                      f"of the window has not come")
                     return True
-                self._waiting_for_data.record("waiting", f"{self.ctx.rpc_name}: step {replica.step} waits for "
-                                              f"its group's data (agreeing again every "
-                                              f"{DATA_PATIENCE.total_seconds():g} s)")
+                self._waiting_for_data.record("waiting", self._why_waiting(in_hand))
             except GroupStopped:
                 return False
             except Exception as error:  # noqa: BLE001 - only a failed collective is recovered from
                 self._catch_up(replica)
                 return self._recovered(error)
+
+    def _why_waiting(self, in_hand: int) -> str:
+        """The line saying why the group waits at this step: no data for this member, or, when this member holds
+        ``in_hand`` batches of the window, none for another (all members train each step together)."""
+        waits = f"{self.ctx.rpc_name}: step {self.replica.step} waits for its group's data (agreeing again every " \
+                f"{DATA_PATIENCE.total_seconds():g} s)"
+        if in_hand <= 0 or self.shares is None:
+            return waits
+        return (f"{waits}: this member holds batches for {in_hand} step{'s' if in_hand != 1 else ''}, another has "
+                f"none yet; a followed input goes to the members part by part (a compressed file whole, a Parquet "
+                f"row group, 256 MiB of a plain file), and every member trains each step: land at least as many "
+                f"parts at a time as the group has members")
 
     def _upcoming(self, offset: int) -> Optional[Batch]:
         """The batch ``offset`` steps ahead, for the pipeline's reads ahead: up to the next agreement it is
