@@ -74,7 +74,7 @@ class StoreViews:
 
 def train(name: str, index: int, port: int, steps: int, hook: str, result_path: str,
           publish=None, late_member_at: int = 0, late: bool = False, lost_at: int = 0,
-          lost: bool = False, hangs: bool = False, short_by=None) -> None:
+          lost: bool = False, hangs: bool = False, short_by=None, uneven: bool = False) -> None:
     """Train ``steps`` steps in the group; ``publish=(generation, members)`` announces a view first.
 
     ``late_member_at``: a member there from the start waits at that step
@@ -86,7 +86,9 @@ def train(name: str, index: int, port: int, steps: int, hook: str, result_path: 
     itself instead (its peers' collective would wait for the collective
     timeout, unless the new view makes them abandon it); the first
     survivor SIGKILLs it once done.  ``short_by``: ``{step: steps}`` this
-    member says it has no data for at the agreement of that step.
+    member says it has no data for at the agreement of that step; with
+    ``uneven`` the group takes the steps some member has data for, and this
+    one sits out those it said it has none for (as the Trainer does).
     ``slowest_step_s`` in the result is the longest step, its recovery
     included; ``agreed_at`` the steps the group agreed at.
     """
@@ -99,20 +101,31 @@ def train(name: str, index: int, port: int, steps: int, hook: str, result_path: 
         source.publish(*publish)
     if late:
         source._store.set("late/published", "yes")
-    replica = DenseReplica(TrainerGroup.join(source, TIMEOUT), model(), make_optimizer, hook=hook)
-    slowest_step_s, agreed_at = 0.0, []
+    replica = DenseReplica(TrainerGroup.join(source, TIMEOUT), model(), make_optimizer, hook=hook,
+                           uneven_steps=uneven)
+    slowest_step_s, agreed_at, own_until = 0.0, [], 0
     started = time.monotonic()
     while replica.step < steps:
         due = replica.agreement_due()
-        if not replica.sync_point(short=(short_by or {}).get(replica.step, 0)):
+        short = (short_by or {}).get(replica.step, 0)
+        if due:
+            own_until = replica.step + replica.window() - short
+        if not replica.sync_point(short=short):
             break
         if due:
             agreed_at.append(replica.step)
         slowest_step_s, started = max(slowest_step_s, time.monotonic() - started), time.monotonic()
+        uneven_step = replica.uneven_step()
+        if uneven_step and replica.step >= own_until:
+            replica.average_over_present(False)
+            replica.finish_step()
+            continue
         inputs, target = batch(name, replica.step)
         try:
-            loss = (replica(inputs) - target).pow(2).mean()
+            loss = ((replica.alone if uneven_step else replica)(inputs) - target).pow(2).mean()
             loss.backward()
+            if uneven_step:
+                replica.average_over_present(True)
         except RuntimeError as error:
             if not replica.collective_failed(error):
                 raise

@@ -34,13 +34,13 @@ def results(tmp_path, names):
     return {name: pickle.loads((tmp_path / f"{name}.pkl").read_bytes()) for name in names}
 
 
-def local_training(names, steps, lost=None, lost_at=0):
+def local_training(names, steps, lost=None, lost_at=0, absent=None):
     """The same training in one process: the mean of every member's batch gradient per step
-    (from step ``lost_at`` on, without member ``lost``)."""
+    (from step ``lost_at`` on, without member ``lost``; without the members ``absent[step]``)."""
     module = rw.model()
     optimizer = rw.make_optimizer(module.parameters())
     for step in range(steps):
-        members = [n for n in names if not (n == lost and step >= lost_at)]
+        members = [n for n in names if not (n == lost and step >= lost_at) and n not in (absent or {}).get(step, ())]
         optimizer.zero_grad()
         loss = sum((module(x) - y).pow(2).mean() for x, y in (rw.batch(n, step) for n in members)) / len(members)
         loss.backward()
@@ -71,6 +71,32 @@ def test_a_group_trains_like_one_process_on_all_batches(tmp_path, store, hook):
         assert torch.equal(got["worker0"]["state"][key], got["worker1"]["state"][key])
     full_bytes = sum(v.numel() * 4 for v in expected.values())
     assert got["worker0"]["bytes_per_step"] == (full_bytes if hook == "allreduce" else full_bytes // 2)
+
+
+def test_a_group_takes_the_steps_some_member_has_data_for_and_averages_over_those_present(tmp_path, store):
+    """Uneven steps (a followed input: one member's file came, the other's not yet): at step 0 worker0 has 3 of
+    the window's batches and worker1 5, so the group takes 5 steps, worker0 sitting out steps 3 and 4; at step 5
+    worker1 has none, and worker0 trains steps 5 to 9 alone; then both.  Each step's gradient is the mean over
+    the members with a batch, as one process training on those batches gives; the replicas stay equal."""
+    names, steps = ["worker0", "worker1"], 12
+    short_by = {"worker0": {0: 7}, "worker1": {0: 5, 5: 5}}
+    children = [Child(name, rw.train, (name, index, store.port, steps, "allreduce", str(tmp_path / f"{name}.pkl"),
+                                       (1, names) if index == 0 else None), dict(short_by=short_by[name], uneven=True))
+                for index, name in enumerate(names)]
+    run_children(children, TIMEOUT)
+    got = results(tmp_path, names)
+    assert got["worker0"]["agreed_at"] == got["worker1"]["agreed_at"] == [0, 5, 10]
+    absent = {3: ["worker0"], 4: ["worker0"], **{step: ["worker1"] for step in range(5, 10)}}
+    expected = local_training(names, steps, absent=absent)
+    for name in names:
+        assert got[name]["step"] == steps
+        for key, value in expected.items():
+            torch.testing.assert_close(got[name]["state"][key], value, atol=1e-6, rtol=1e-6)
+    for key in expected:
+        assert torch.equal(got["worker0"]["state"][key], got["worker1"]["state"][key])
+    # Not what training on every member's batch of every step gives: the steps sat out count.
+    everyone = local_training(names, steps)
+    assert not torch.allclose(got["worker0"]["state"]["0.weight"], everyone["0.weight"], atol=1e-4)
 
 
 def test_a_late_member_joins_at_the_next_generation_with_rank_0s_state(tmp_path, store):

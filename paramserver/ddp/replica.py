@@ -112,7 +112,8 @@ class DenseReplica:
                  agree_every: int = 10, initial: Optional[Dict[str, Any]] = None, *,
                  recorder: Optional[ReplicaRecorder] = None,
                  on_formed: Optional[Callable[["DenseReplica"], None]] = None,
-                 on_agreed: Optional[Callable[["DenseReplica"], None]] = None):
+                 on_agreed: Optional[Callable[["DenseReplica"], None]] = None,
+                 uneven_steps: bool = False):
         if agree_every < 1:
             raise ValueError(f"agree_every must be at least 1, got {agree_every}")
         self.group = group
@@ -131,6 +132,10 @@ class DenseReplica:
         self.agreed_wait = False
         #: The step of the group's next agreement (every member holds the same; set at each forming and agreement).
         self.next_agreement = 0
+        #: Whether the group takes the steps that only some members have data for (``uneven_step``).
+        self.uneven_steps = uneven_steps
+        #: The first step of the window that a member may have no batch for (``next_agreement``: none).
+        self.even_until = 0
         #: The checkpoint request the last ``sync_point`` agreed on (0: none).
         self.agreed_checkpoint = 0
         self._failures_in_a_row = 0
@@ -161,7 +166,7 @@ class DenseReplica:
 
     def _form(self) -> None:
         source = self._share_state()
-        self.next_agreement = self.step  # every member at the shared step: all agree there
+        self.next_agreement = self.even_until = self.step  # every member at the shared step: all agree there
         device_ids = [self.group.device] if self.group.device.type == "cuda" else None
         # The gradients are views of DDP's buckets: after the all-reduce they are not copied back from them (the
         # values are the same; the optimizer sets them to None after each step).
@@ -252,7 +257,9 @@ class DenseReplica:
         all-reduce) on re-forming, stopping, the checkpoint request to serve
         (``agreed_checkpoint``: 0 on other steps, or none) and the steps to
         take before the next agreement: the ``window()`` less the most steps
-        a member is ``short`` of data for.  None (``agreed_wait``): the step
+        a member is ``short`` of data for, or with ``uneven_steps`` the
+        fewest (the steps past ``even_until`` are then ``uneven_step``\ s).
+        None (``agreed_wait``): the step
         is not taken, and the members agree again once they waited.  After
         re-forming they agree again, in the new group: a member that just
         joined starts with this agreement, so everyone must.  A failed
@@ -267,9 +274,11 @@ class DenseReplica:
                     return False
                 if not agreement.reform:
                     self.agreed_checkpoint = agreement.checkpoint_request
-                    steps = max(0, self.window() - agreement.short)
+                    even = max(0, self.window() - agreement.short)
+                    steps = max(0, self.window() - agreement.least_short) if self.uneven_steps else even
                     self.agreed_wait = steps == 0
                     self.next_agreement = self.step + steps
+                    self.even_until = self.step + even
                     if self.on_agreed is not None and not self.agreed_wait:
                         self.on_agreed(self)
                     return True
@@ -327,6 +336,36 @@ class DenseReplica:
         logger.info("re-formed in %.1f s after a failed collective at step %d: %s, at step %d",
                     time.monotonic() - started, failed_step, self.group.describe(), self.step)
         return True
+
+    def uneven_step(self) -> bool:
+        """Whether some member of the group has no batch for this step (``uneven_steps``): the members with one
+        train it without DDP (``alone``) and the gradients are averaged over them (``average_over_present``)."""
+        return self.even_until <= self.step < self.next_agreement
+
+    def alone(self, *args, **kwargs):
+        """The module's forward without DDP (no collective; an uneven step's)."""
+        return self.module(*args, **kwargs)
+
+    def average_over_present(self, present: bool) -> int:
+        """Collective, on every member at an uneven step (after the backward pass of the members with a batch,
+        ``present``): every gradient becomes the mean over the members present (those absent count zero), in
+        one all-reduce that carries the count too, as a step of the members present alone would give.  The
+        comm hook is not used.  Returns how many members were present."""
+        params = [param for param in self.module.parameters() if param.requires_grad]
+        pieces = [param.grad.reshape(-1) if present and param.grad is not None else
+                  torch.zeros(param.numel(), dtype=param.dtype, device=param.device) for param in params]
+        flat = torch.cat(pieces + [torch.ones(1, dtype=pieces[0].dtype if pieces else torch.float32,
+                                              device=self.group.device) * (1 if present else 0)])
+        self.group.abortable(dist.all_reduce(flat, async_op=True).get_future()).wait()
+        present_members = int(round(float(flat[-1])))
+        if present_members < 1:
+            raise RuntimeError(f"step {self.step}: no member of {self.group.describe()} had a batch")
+        flat = flat[:-1].div_(present_members)
+        start = 0
+        for param in params:
+            param.grad = flat[start:start + param.numel()].view_as(param)
+            start += param.numel()
+        return present_members
 
     def finish_step(self, context_id: Optional[int] = None) -> None:
         """Apply the local optimizer to the averaged gradients and count the step.

@@ -42,7 +42,7 @@ import datetime
 import logging
 import pickle
 import threading
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -72,8 +72,12 @@ class GroupShares:
     ``batches`` (started by the first ``formed``), shared by this worker's trainer group.  ``restored``: the
     data positions of the checkpoint the job starts from (``{worker index: BatchStream.position()}``)."""
 
-    def __init__(self, data, batches: BatchStream, restored: Optional[Dict[Any, Any]] = None):
+    def __init__(self, data, batches: BatchStream, restored: Optional[Dict[Any, Any]] = None,
+                 until: Callable[[], int] = lambda: 1 << 62):
         self.data, self.batches = data, batches
+        #: The first step of the window this member has no batch for (its group takes uneven steps: it reads
+        #: no batch from there to the next agreement).
+        self.until = until
         saved = [position.get("state") for position in (restored or {}).values() if isinstance(position, dict)]
         self.restored: List[Dict[str, Any]] = [state for state in saved if data.is_position(state)]
         self.snapshot: Optional[Snapshot] = None
@@ -82,7 +86,7 @@ class GroupShares:
 
     def _mine(self, group) -> Dict[str, Any]:
         return {"name": group.members[group.rank], "state": self.batches.position()["state"],
-                "worker": self.data.worker, "workers": self.data.workers, "deal": self.deal}
+                "worker": self.data.worker, "workers": self.data.workers, "deal": self.deal, "until": self.until()}
 
     def agreed(self, group, step: int) -> None:
         """At an agreement: every member's position, kept as the snapshot of ``step``."""
@@ -124,8 +128,10 @@ class GroupShares:
                    for entry, state in zip(told, members)]
         telling = {entry["name"] for entry, state in zip(told, members) if state is not None}
         gone = [name for name in known if name not in telling]
+        # A member read one batch a step since the snapshot, up to the steps it had no batch for.
         others = [self._replayed(f"{name} {'missed the last deal' if name in group.members else 'left the group'}",
-                                 known[name], step - self.snapshot.step) for name in gone]
+                                 known[name], min(step, known[name].get("until", step)) - self.snapshot.step)
+                  for name in gone]
         return self.data.deal(members, others, group.world_size)
 
     def _replayed(self, who: str, entry: Dict[str, Any], batches: int) -> Dict[str, Any]:

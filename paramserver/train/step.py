@@ -77,10 +77,12 @@ class StepTimes:
 
 def train_step(sparse: SparseTables, pipeline: RowPipeline, replica: DenseReplica, batch: Batch,
                loss_fn: Callable[[Tensor, Tensor], Tensor],
-               times: Optional[StepTimes] = None) -> Tuple[float, List[Tuple[int, BaseException]]]:
+               times: Optional[StepTimes] = None, alone: bool = False) -> Tuple[float, List[Tuple[int, BaseException]]]:
     """One step; returns the loss and the steps whose sparse updates failed against a shard (phase 3), with
     why: this step's, or with staleness an earlier one's, found as the pipeline waited for it.
-    ``times``: where the step's time went is added there (from its last mark)."""
+    ``times``: where the step's time went is added there (from its last mark).  ``alone``: an uneven step
+    (``DenseReplica.uneven_step``): the dense part runs without DDP and its gradients are averaged over the
+    members that have a batch."""
     times = times or StepTimes()
     device = replica.group.device
     step, collection = replica.step, sparse.collection
@@ -90,7 +92,8 @@ def train_step(sparse: SparseTables, pipeline: RowPipeline, replica: DenseReplic
     except (RuntimeError, TimeoutError) as error:
         raise ShardStepFailed(error) from error
     times.mark("lookups")
-    logits = replica({name: rows.to(device) for name, rows in pooled.items()}, batch.dense.to(device))
+    forward = replica.alone if alone else replica
+    logits = forward({name: rows.to(device) for name, rows in pooled.items()}, batch.dense.to(device))
     loss = loss_fn(logits, batch.labels.to(device))
     times.mark("forward")
     # The push leaves as soon as the backward pass has the rows' gradients, while DDP's last all-reduce is in
@@ -98,6 +101,8 @@ def train_step(sparse: SparseTables, pipeline: RowPipeline, replica: DenseReplic
     # all-reduce failed is not applied twice.
     push = pipeline.push(lookup, step)
     loss.backward()
+    if alone:
+        replica.average_over_present(True)
     times.mark("backward")
     replica.finish_step()  # the dense optimizer's step, while the push travels and is applied
     times.mark("dense_step")

@@ -220,7 +220,11 @@ class _Run:
         # Data the group shares starts once the group dealt it (``GroupShares.formed``).
         self.batches = BatchStream(data, None if shared else _position(positions.get(ctx.worker_index)),
                                    prefetch=PREFETCH_BATCHES + trainer.staleness, started=not shared)
-        self.shares = GroupShares(data, self.batches, positions) if shared else None
+        #: The first step of the window this member has no batch for (agreed at each agreement; see ``_loop``).
+        self._own_until = 0
+        #: Whether the group's last agreement was to wait (the next one waits ``DATA_PATIENCE`` for data).
+        self._waited = True
+        self.shares = GroupShares(data, self.batches, positions, until=lambda: self._own_until) if shared else None
         self.pipeline = RowPipeline(trainer.staleness, self._upcoming, trainer.tables,
                                     lambda: self.replica.next_agreement, steps,
                                     read_ahead=trainer.read_ahead, cache_steps=trainer.cache_steps,
@@ -230,7 +234,7 @@ class _Run:
         self.replica = DenseReplica(group, trainer.dense, trainer.dense_optimizer, hook=trainer.comm_hook,
                                     hook_options=trainer.hook_options, agree_every=trainer.agree_every,
                                     initial=restored, recorder=ctx.recorders.training, on_formed=self._formed,
-                                    on_agreed=self._agreed if shared else None)
+                                    on_agreed=self._agreed if shared else None, uneven_steps=shared)
         self.checkpoints = TrainerCheckpoints(ctx, self.replica, self.batches.position,
                                               model=trainer.model_description)
         self.exports = _live_exports(trainer, ctx, self.replica)
@@ -242,6 +246,7 @@ class _Run:
         self.evaluated_at: Optional[int] = None
         self._waiting_for_data = RateLimitedLog(logger, "waited {count} time{s} for data")
         self._short_of_data = RateLimitedLog(logger, "took {count} window{s} short of data")
+        self._sat_out_of = RateLimitedLog(logger, "sat out {count} step{s} with no batch")
 
     def run(self) -> Dict[str, Any]:
         replica, ctx = self.replica, self.ctx
@@ -277,12 +282,17 @@ class _Run:
                 return
             redo = False
             self.times.start()
+            if replica.uneven_step() and replica.step >= self._own_until:
+                # Another member has a batch for this step, this one none: it counts zero in the mean.
+                if not self._sat_out():
+                    return
+                continue
             batch = self.batches.current()
             batch.check(self.trainer.tables)  # bad input ends the job, naming the table and the shape
             self.times.mark("data")
             try:
                 loss, sparse_failures = train_step(sparse, self.pipeline, replica, batch, self.trainer.loss,
-                                                   self.times)
+                                                   self.times, alone=replica.uneven_step())
             except Exception as error:  # noqa: BLE001 - failed collectives and lost shards are recovered from
                 if isinstance(error, ShardStepFailed):
                     # Before any collective of the step: done again, while the group's other members wait
@@ -304,6 +314,23 @@ class _Run:
             self.figures.setdefault("first_loss", loss)  # the first step this run took
             self._after_step()
         self._boundary(final=True)
+
+    def _sat_out(self) -> bool:
+        """An uneven step this member has no batch for: its pushes settle and its reads ahead go (its next batch
+        is for a later step), and it takes part in the step's mean with nothing.  False when the group stops."""
+        replica = self.replica
+        if not self._settled(self.pipeline.drain()):
+            return False
+        self.pipeline.drop_reads()
+        try:
+            replica.average_over_present(False)
+        except Exception as error:  # noqa: BLE001 - a failed collective is recovered from
+            return self._recovered(error)
+        replica.finish_step()
+        self._sat_out_of.record("sat out", f"{self.ctx.rpc_name}: steps from {replica.step - 1} go on without a "
+                                           f"batch of this member: another member's data came, its own not yet")
+        self._after_step()
+        return True
 
     def _settled(self, failures: List[Tuple[int, BaseException]],
                  rebuild_for: Optional[BaseException] = None) -> bool:
@@ -348,7 +375,10 @@ class _Run:
                 if not final:
                     want_stop, short = self._agreement_flags()
                     in_hand = replica.window() - short if agreeing else 0  # this member's batches of the window
+                    if agreeing:
+                        self._own_until = replica.step + in_hand
                     going_on = replica.sync_point(want_stop, self.checkpoints.pending(), short)
+                    self._waited = replica.agreed_wait
                     if self._catch_up(replica):  # the group moved on: the reads ahead are for other steps
                         self.pipeline.drop_reads()
                         if not self._settled(self.pipeline.drain()):
@@ -367,32 +397,25 @@ class _Run:
                                      f"{replica.next_agreement - 1} and agrees again: a member's data for the rest "
                                      f"of the window has not come")
                     return True
-                self._waiting_for_data.record("waiting", self._why_waiting(in_hand))
+                self._waiting_for_data.record("waiting", f"{self.ctx.rpc_name}: step {replica.step} waits for "
+                                              f"its group's data (agreeing again every "
+                                              f"{DATA_PATIENCE.total_seconds():g} s)")
             except GroupStopped:
                 return False
             except Exception as error:  # noqa: BLE001 - only a failed collective is recovered from
                 self._catch_up(replica)
                 return self._recovered(error)
 
-    def _why_waiting(self, in_hand: int) -> str:
-        """The line saying why the group waits at this step: no data for this member, or, when this member holds
-        ``in_hand`` batches of the window, none for another (all members train each step together)."""
-        waits = f"{self.ctx.rpc_name}: step {self.replica.step} waits for its group's data (agreeing again every " \
-                f"{DATA_PATIENCE.total_seconds():g} s)"
-        if in_hand <= 0 or self.shares is None:
-            return waits
-        return (f"{waits}: this member holds batches for {in_hand} step{'s' if in_hand != 1 else ''}, another has "
-                f"none yet; a followed input goes to the members part by part (a compressed file whole, a Parquet "
-                f"row group, 256 MiB of a plain file), and every member trains each step: land at least as many "
-                f"parts at a time as the group has members")
-
     def _upcoming(self, offset: int) -> Optional[Batch]:
         """The batch ``offset`` steps ahead, for the pipeline's reads ahead: up to the next agreement it is
         there (the agreement made sure of it); past it only if it is there now, so that a step never waits for
         data that has not landed (a followed input) while its group waits in the step's all-reduce.  A batch
         not read ahead has its rows read when its step starts."""
-        if self.replica.step + offset < self.replica.next_agreement:
+        later = self.replica.step + offset
+        if later < min(self.replica.next_agreement, self._own_until):
             return self.batches.ahead(offset)
+        if later < self.replica.next_agreement:  # an uneven step this member sits out: its batch is for a later one
+            return None
         return self.batches.ahead_now(offset)
 
     def _agreement_flags(self) -> Tuple[bool, int]:
@@ -403,7 +426,10 @@ class _Run:
         replica = self.replica
         if replica.agreement_due():
             window = replica.window()
-            ready = self.batches.ready(min(window, self.steps - replica.step), DATA_PATIENCE.total_seconds(),
+            # A group that takes uneven steps goes on with the members that have data: a member waits for its
+            # first batch only once the group agreed to wait (nobody had any), so that it does not hold the others.
+            patience = DATA_PATIENCE if self._waited or not replica.uneven_steps else DATA_LULL
+            ready = self.batches.ready(min(window, self.steps - replica.step), patience.total_seconds(),
                                        DATA_LULL.total_seconds())
             if ready is False:
                 logger.warning("%s: the data ends after %d batches; asking the group to stop at step %d",
@@ -454,8 +480,9 @@ class _Run:
         replica, ctx, step = self.replica, self.ctx, self.replica.step
         reporting = step % self.log_every == 0 or step == self.steps
         if reporting:  # throughput before this step's evaluation, so that the last one is not counted
-            self.figures.update(loss=sum(self.losses) / len(self.losses),
-                                samples_per_s=self.samples / (time.monotonic() - self.started),
+            if self.losses:  # (none when this member sat out every step since: its last figure stands)
+                self.figures["loss"] = sum(self.losses) / len(self.losses)
+            self.figures.update(samples_per_s=self.samples / (time.monotonic() - self.started),
                                 bytes_per_step=replica.bytes_per_step, shard_rebuilds=self.sparse.rebuilds)
             self.figures.update({f"{PHASE_FIGURE}{phase}": ms for phase, ms in self.times.ms_per_step().items()})
             if self.trainer.cache_rows is not None:
@@ -471,7 +498,7 @@ class _Run:
             held_out = (f", held-out AUC {self.figures['auc']:.4f} log loss {self.figures['log_loss']:.4f}"
                         if "auc" in self.figures else "")
             logger.info("%s step %d/%d: loss %.4f%s, %.0f samples/s, %s %d bytes/step", ctx.rpc_name, step,
-                        self.steps, self.figures["loss"], held_out, self.figures["samples_per_s"],
+                        self.steps, self.figures.get("loss", float("nan")), held_out, self.figures["samples_per_s"],
                         self.trainer.comm_hook, replica.bytes_per_step)
 
     def _report(self, step: int) -> None:
