@@ -220,11 +220,12 @@ class _Run:
         # Data the group shares starts once the group dealt it (``GroupShares.formed``).
         self.batches = BatchStream(data, None if shared else _position(positions.get(ctx.worker_index)),
                                    prefetch=PREFETCH_BATCHES + trainer.staleness, started=not shared)
-        #: The first step of the window this member has no batch for (agreed at each agreement; see ``_loop``).
-        self._own_until = 0
+        #: This member's batches of the window at the last agreement, and the first step it has none for
+        #: (an uneven step from there on is sat out: ``_loop``).
+        self._in_hand, self._own_until = 0, 0
         #: Whether the group's last agreement was to wait (the next one waits ``DATA_PATIENCE`` for data).
         self._waited = True
-        self.shares = GroupShares(data, self.batches, positions, until=lambda: self._own_until) if shared else None
+        self.shares = GroupShares(data, self.batches, positions, until=self._data_until) if shared else None
         self.pipeline = RowPipeline(trainer.staleness, self._upcoming, trainer.tables,
                                     lambda: self.replica.next_agreement, steps,
                                     read_ahead=trainer.read_ahead, cache_steps=trainer.cache_steps,
@@ -315,6 +316,11 @@ class _Run:
             self._after_step()
         self._boundary(final=True)
 
+    def _data_until(self) -> int:
+        """The first step this member has no batch for, as it said at the agreement taking place."""
+        replica = getattr(self, "replica", None)  # (the group's first forming happens while the replica is made)
+        return replica.step + self._in_hand if replica is not None else 0
+
     def _sat_out(self) -> bool:
         """An uneven step this member has no batch for: its pushes settle and its reads ahead go (its next batch
         is for a later step), and it takes part in the step's mean with nothing.  False when the group stops."""
@@ -374,10 +380,11 @@ class _Run:
             try:
                 if not final:
                     want_stop, short = self._agreement_flags()
-                    in_hand = replica.window() - short if agreeing else 0  # this member's batches of the window
                     if agreeing:
-                        self._own_until = replica.step + in_hand
+                        self._in_hand = replica.window() - short
                     going_on = replica.sync_point(want_stop, self.checkpoints.pending(), short)
+                    if agreeing:  # (from the step agreed at: a member that caught up with its group moved on)
+                        self._own_until = self._data_until()
                     self._waited = replica.agreed_wait
                     if self._catch_up(replica):  # the group moved on: the reads ahead are for other steps
                         self.pipeline.drop_reads()
