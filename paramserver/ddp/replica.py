@@ -19,7 +19,12 @@ come every ``agree_every`` steps (at its multiples), and sooner where a
 member's data had not come for the whole window (a followed input): the
 group then takes the steps every member has data for and agrees again
 after them (``next_agreement``), so that a file's last batches are not
-held back until the next file lands.  Every member sees the same
+held back until the next file lands.  With ``uneven_steps`` (a followed
+input: a file goes to one member) it takes the steps *some* member has
+data for: in such an ``uneven_step`` the members with a batch run the
+module without DDP, those without one sit out, and
+``average_over_present`` makes every gradient the mean over the members
+present, in one all-reduce.  Every member sees the same
 agreements, and at each (re-)forming all take the step of the member
 furthest ahead and agree at it, so they agree on the same steps, and a
 change takes effect within ``agree_every`` steps.  Finished steps are

@@ -429,7 +429,8 @@ class _Run:
         """What this member says at the group's agreement: stop when asked to, or when its data would end
         before the next agreement (all members stop here together, none is left in a collective); and how
         many steps of the window it is short of data for: those whose batches did not come, waiting at most
-        ``DATA_PATIENCE`` for the first and ``DATA_LULL`` between two (all of them: wait)."""
+        ``DATA_PATIENCE`` for the first (``DATA_LULL`` in a group taking uneven steps, unless it agreed to
+        wait last time) and ``DATA_LULL`` between two (all of them: wait)."""
         replica = self.replica
         if replica.agreement_due():
             window = replica.window()
