@@ -65,6 +65,10 @@ DATA_PATIENCE = datetime.timedelta(seconds=2)
 #: With some of those batches in hand, how long a member waits for the next one before the group takes the
 #: steps it has data for (the rest of a file that landed is trained on before the next file lands).
 DATA_LULL = datetime.timedelta(milliseconds=100)
+#: ``DATA_PATIENCE`` of a member of a group of several that takes uneven steps (a followed input), once the
+#: group agreed to wait: the member a file went to trains it once the others, still waiting for theirs, come to
+#: the next agreement, so their patience adds to the file's lag.
+SHARED_DATA_PATIENCE = datetime.timedelta(milliseconds=250)
 #: Tables of this many rows or more are split by rows over every shard; smaller ones are placed whole.
 ROW_WISE_MIN_ROWS = 1_000_000
 
@@ -406,7 +410,7 @@ class _Run:
                     return True
                 self._waiting_for_data.record("waiting", f"{self.ctx.rpc_name}: step {replica.step} waits for "
                                               f"its group's data (agreeing again every "
-                                              f"{DATA_PATIENCE.total_seconds():g} s)")
+                                              f"{self._patience().total_seconds():g} s)")
             except GroupStopped:
                 return False
             except Exception as error:  # noqa: BLE001 - only a failed collective is recovered from
@@ -425,19 +429,26 @@ class _Run:
             return None
         return self.batches.ahead_now(offset)
 
+    def _patience(self) -> datetime.timedelta:
+        """How long this member waits for its first batch of the window at an agreement.  A group of several
+        that takes uneven steps goes on with the members that have data: a member waits only once the group
+        agreed to wait (nobody had any), and briefly, so that it does not hold the others back from a file that
+        came to one of them."""
+        if not self.replica.uneven_steps or self.replica.group.world_size == 1:
+            return DATA_PATIENCE
+        return SHARED_DATA_PATIENCE if self._waited else DATA_LULL
+
     def _agreement_flags(self) -> Tuple[bool, int]:
         """What this member says at the group's agreement: stop when asked to, or when its data would end
         before the next agreement (all members stop here together, none is left in a collective); and how
         many steps of the window it is short of data for: those whose batches did not come, waiting at most
-        ``DATA_PATIENCE`` for the first (``DATA_LULL`` in a group taking uneven steps, unless it agreed to
-        wait last time) and ``DATA_LULL`` between two (all of them: wait)."""
+        ``DATA_PATIENCE`` for the first (in a group of several taking uneven steps ``DATA_LULL``, or
+        ``SHARED_DATA_PATIENCE`` when it agreed to wait last time) and ``DATA_LULL`` between two (all of
+        them: wait)."""
         replica = self.replica
         if replica.agreement_due():
             window = replica.window()
-            # A group that takes uneven steps goes on with the members that have data: a member waits for its
-            # first batch only once the group agreed to wait (nobody had any), so that it does not hold the others.
-            patience = DATA_PATIENCE if self._waited or not replica.uneven_steps else DATA_LULL
-            ready = self.batches.ready(min(window, self.steps - replica.step), patience.total_seconds(),
+            ready = self.batches.ready(min(window, self.steps - replica.step), self._patience().total_seconds(),
                                        DATA_LULL.total_seconds())
             if ready is False:
                 logger.warning("%s: the data ends after %d batches; asking the group to stop at step %d",
