@@ -48,6 +48,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/scaling.py
 	$(PY) benchmarks/dynamic_tables.py
 	$(PY) benchmarks/data_reader.py
+	$(PY) benchmarks/online_group.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

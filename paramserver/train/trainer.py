@@ -68,7 +68,7 @@ DATA_LULL = datetime.timedelta(milliseconds=100)
 #: ``DATA_PATIENCE`` of a member of a group of several that takes uneven steps (a followed input), once the
 #: group agreed to wait: the member a file went to trains it once the others, still waiting for theirs, come to
 #: the next agreement, so their patience adds to the file's lag.
-SHARED_DATA_PATIENCE = datetime.timedelta(milliseconds=250)
+SHARED_DATA_PATIENCE = datetime.timedelta(milliseconds=100)
 #: Tables of this many rows or more are split by rows over every shard; smaller ones are placed whole.
 ROW_WISE_MIN_ROWS = 1_000_000
 
