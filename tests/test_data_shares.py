@@ -181,6 +181,24 @@ def test_a_lost_members_position_is_replayed_over_the_steps_its_group_completed(
     assert sorted(read + rest) == list(range(240))
 
 
+def test_a_lost_member_that_sat_out_uneven_steps_is_replayed_over_the_batches_it_had(tmp_path, group_of_one):
+    """The lost member told at step 10 that it had a batch for step 10 only (``until`` 11): it trained step 10
+    (one more batch), sat out steps 11 and 12 while worker0 trained them, and died; the group re-forms at step
+    13.  Its replay reads the one batch it took, not three (their lines would be taken as read, and lost)."""
+    from paramserver.train.data import BatchStream
+    from paramserver.train.shares import GroupShares, Snapshot
+
+    read, states = two_readers_part_way(tmp_path, [[2], [1, 1]])
+    reader = FileReader(str(tmp_path), 10, follow=True, poll=POLL, chunk_bytes=2_000)
+    stream = BatchStream(reader, {"used": 10, "state": states[0][0]}, prefetch=2, started=False)
+    shares = GroupShares(reader, stream)
+    shares.snapshot = Snapshot(10, {"worker0": {"state": states[0][0], "worker": 0, "workers": 2, "until": 20},
+                                    "lost": {"state": states[1][0], "worker": 1, "workers": 2, "until": 11}})
+    shares.formed(group_of_one, 13)
+    rest = read_rest(reader, stream, 240 - len(read))
+    assert sorted(read + rest) == list(range(240))
+
+
 def test_a_member_that_missed_the_last_deal_is_dealt_from_the_dealers_snapshot_of_it(tmp_path, group_of_one):
     """worker0's reader still follows the deal before (generation 0: that formation's broadcast never reached
     it); the dealer's snapshot holds what the last deal gave it (here: its parts and the lost member's)."""
