@@ -8,14 +8,15 @@ deal.  The rule itself (merging positions, who takes which part) is the data's (
 step, the agreement and re-forming are the Trainer's and ``DenseReplica``'s, which call:
 
 * ``agreed(group, step)`` at every agreement that goes on: every member's position (before the batch of
-  ``step``) is gathered, and kept with that step (a *snapshot*);
+  ``step``) is gathered, with the step from which it has no batch in the window (``until``: a group taking
+  uneven steps goes on without it there), and kept with that step (a *snapshot*);
 * ``formed(group, step)`` each time the group (re-)formed, once the state is shared and the members that
   were behind skipped the batches of the steps they took from another (every member at ``step``).  Every
   member tells its position now and the step of its snapshot; the member with the newest snapshot deals:
   the members' positions, and the positions of the members of its snapshot that are gone, replayed: a
   temporary reader of the same input, as that member's deal was, reads on from its snapshot position for
-  ``step - snapshot step`` batches (the steps the group completed since: that member read each of their
-  batches), which is where it stood before the batch of ``step``.  Its parts under way and its parts not
+  ``min(step, until) - snapshot step`` batches (the steps the group completed since, up to those it sat
+  out: that member read each of their batches), which is where it stood before the batch of ``step``.  Its parts under way and its parts not
   started go to the members by name (``deal``); a member that joined brings nothing and gets its share.
   Every member then reads on from the position dealt to it, its batches read ahead dropped: a member's
   position is before the batch of ``step``, with the parts that batch began kept as its own
