@@ -136,8 +136,11 @@ def test_workers_joining_and_killed_mid_stream_train_every_line_once(commands, t
         assert process.wait(60) == 0, errors(process)[-3000:]
     assert server.wait(60) == 0, errors(server)[-3000:]
 
-    final = {name: json.loads((folder / f"{name}.json").read_text())["steps"]
-             for name in records(folder) if name != killed}
+    figures = {name: json.loads((folder / f"{name}.json").read_text()) for name in records(folder) if name != killed}
+    final = {name: figure["steps"] for name, figure in figures.items()}
+    for name, figure in figures.items():  # every step accounted for once, the steps sat out with no batch too
+        accounted = sum(figure[key] for key in ("sparse_steps", "sparse_steps_lost", "steps_skipped", "steps_sat_out"))
+        assert accounted == figure["steps"], (name, figure)  # (the joiner's steps taken from the group: skipped)
     lines, in_flight = trained(records(folder), killed, resumed, final)
     counted = [line for line in lines if line < total]
     assert sorted(counted) == list(range(total)), (

@@ -246,6 +246,9 @@ class _Run:
         self.figures: Dict[str, Any] = dict(figures)
         self.losses: List[float] = []
         self.samples = 0
+        #: Uneven steps this member took no batch in (``_sat_out``): with ``sparse_steps``, ``sparse_steps_lost``
+        #: and ``steps_skipped`` they add up to the steps.
+        self.steps_sat_out = 0
         self.times = StepTimes()
         self.start_step = self.replica.step
         self.evaluated_at: Optional[int] = None
@@ -275,6 +278,7 @@ class _Run:
                     group_size=replica.group.world_size, reformations=replica.reformations,
                     recoveries=replica.recoveries, sparse_steps=self.pipeline.applied,
                     sparse_steps_lost=self.pipeline.lost, steps_skipped=replica.steps_skipped,
+                    steps_sat_out=self.steps_sat_out,
                     shard_rebuilds=self.sparse.rebuilds, checkpoints=len(self.checkpoints.written),
                     live_exports=len(self.exports.written) if self.exports is not None else 0,
                     replica_checksum=checksum)
@@ -337,6 +341,7 @@ class _Run:
         except Exception as error:  # noqa: BLE001 - a failed collective is recovered from
             return self._recovered(error)
         replica.finish_step()
+        self.steps_sat_out += 1
         self._sat_out_of.record("sat out", f"{self.ctx.rpc_name}: steps from {replica.step - 1} go on without a "
                                            f"batch of this member: another member's data came, its own not yet")
         self._after_step()
