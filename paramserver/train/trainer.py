@@ -408,10 +408,11 @@ class _Run:
                     self.exports.at_boundary(final)  # every push up to here is applied
                 if final or not replica.agreed_wait:
                     if agreeing and not final and replica.next_agreement < replica.step + replica.window():
+                        why = ("no member's data for the rest of the window has come" if replica.uneven_steps
+                               else "a member's data for the rest of the window has not come")
                         self._short_of_data.record(
                             "short", f"{self.ctx.rpc_name}: the group takes steps {replica.step} to "
-                                     f"{replica.next_agreement - 1} and agrees again: a member's data for the rest "
-                                     f"of the window has not come")
+                                     f"{replica.next_agreement - 1} and agrees again: {why}")
                     return True
                 self._waiting_for_data.record("waiting", f"{self.ctx.rpc_name}: step {replica.step} waits for "
                                               f"its group's data (agreeing again every "
