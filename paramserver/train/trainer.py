@@ -227,7 +227,7 @@ class _Run:
         #: This member's batches of the window at the last agreement, and the first step it has none for
         #: (an uneven step from there on is sat out: ``_loop``).
         self._in_hand, self._own_until = 0, 0
-        #: Whether the group's last agreement was to wait (the next one waits ``DATA_PATIENCE`` for data).
+        #: Whether the group's last agreement was to wait (how long the next one waits for data: ``_patience``).
         self._waited = True
         self.shares = GroupShares(data, self.batches, positions, until=self._data_until) if shared else None
         self.pipeline = RowPipeline(trainer.staleness, self._upcoming, trainer.tables,
