@@ -22,8 +22,8 @@ Target (issue 30, there for one process: ``benchmarks/online.py``)
 
 How to run
     ``.venv/bin/python benchmarks/online_group.py [--workers 2] [--files 16] [--lines 120] [--every 5]
-    [--poll 2]`` (``online.py``'s interval and poll); about a minute and a half at the defaults.  Progress on stderr, results on stdout as a
-    markdown table.
+    [--poll 2]`` (``online.py``'s interval and poll); about a minute and a half at the defaults.  Progress on
+    stderr, results on stdout as a markdown table.
 """
 
 import argparse
@@ -197,8 +197,8 @@ def p95(values: List[float]) -> float:
 def report(result: Dict, args) -> None:
     lags = result["lags"]
     bound = args.poll + result["step_s"]
-    print(f"\nonline training in a trainer group of {args.workers}: {args.files} files of {args.lines} lines, one every "
-          f"{args.every:g} s, poll {args.poll:g} s\n")
+    print(f"\nonline training in a trainer group of {args.workers}: {args.files} files of {args.lines} lines, one "
+          f"every {args.every:g} s, poll {args.poll:g} s\n")
     print("| figure | value |\n|---|---:|")
     print(f"| files landed / trained on | {args.files} / {args.files - result['missed']} |")
     print(f"| steps the group took | {result['steps']:,} |")
@@ -211,7 +211,8 @@ def report(result: Dict, args) -> None:
         verdict = "PASS" if p95(lags) <= bound else "BELOW"
         print(f"\ntarget: a file trained on within one poll plus one step (p95): {p95(lags):.2f} s <= {bound:.2f} s "
               f"{verdict}")
-    print(f"target: every file landed trained on: {result['missed']} missed {'PASS' if not result['missed'] else 'BELOW'}")
+    missed = result["missed"]
+    print(f"target: every file landed trained on: {missed} missed {'PASS' if not missed else 'BELOW'}")
 
 
 def main(argv: Optional[List[str]] = None) -> int:

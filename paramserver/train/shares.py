@@ -16,8 +16,9 @@ step, the agreement and re-forming are the Trainer's and ``DenseReplica``'s, whi
   the members' positions, and the positions of the members of its snapshot that are gone, replayed: a
   temporary reader of the same input, as that member's deal was, reads on from its snapshot position for
   ``min(step, until) - snapshot step`` batches (the steps the group completed since, up to those it sat
-  out: that member read each of their batches), which is where it stood before the batch of ``step``.  Its parts under way and its parts not
-  started go to the members by name (``deal``); a member that joined brings nothing and gets its share.
+  out: that member read each of their batches), which is where it stood before the batch of ``step``.
+  Its parts under way and its parts not started go to the members by name (``deal``); a member that
+  joined brings nothing and gets its share.
   Every member then reads on from the position dealt to it, its batches read ahead dropped: a member's
   position is before the batch of ``step``, with the parts that batch began kept as its own
   (``shares.again``), so that a step redone trains the lines it tried.  At the group's
