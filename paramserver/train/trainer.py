@@ -507,6 +507,8 @@ class _Run:
         if reporting:  # throughput before this step's evaluation, so that the last one is not counted
             if self.losses:  # (none when this member sat out every step since: its last figure stands)
                 self.figures["loss"] = sum(self.losses) / len(self.losses)
+            if self.steps_sat_out:  # (a followed input: how often this member had no batch while others had)
+                self.figures["steps_sat_out"] = self.steps_sat_out
             self.figures.update(samples_per_s=self.samples / (time.monotonic() - self.started),
                                 bytes_per_step=replica.bytes_per_step, shard_rebuilds=self.sparse.rebuilds)
             self.figures.update({f"{PHASE_FIGURE}{phase}": ms for phase, ms in self.times.ms_per_step().items()})
