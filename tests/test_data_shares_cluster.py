@@ -1,9 +1,8 @@
 """Shares dealt by the membership, end to end through the real commands: two workers follow an input of
 numbered lines (no ``data.workers`` anywhere; while one file is there, its holder trains on it and the other
-member sits those steps out),
-one is SIGKILLed mid-stream, a third joins, more files land,
-and every line is trained exactly once by a step the group completed (``tests/jobs/count_lines.py`` records
-the lines of every step).  The killed worker's step in flight (not completed by the group) is re-read by
+member sits those steps out), one is SIGKILLed mid-stream, a third joins, more files land, and every line is
+trained exactly once by a step the group completed (``tests/jobs/count_lines.py`` records the lines of every
+step).  The killed worker's step in flight (not completed by the group) is re-read by
 the member its part went to: each of its lines is counted once among the completed steps."""
 
 import json
