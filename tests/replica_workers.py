@@ -122,7 +122,7 @@ def train(name: str, index: int, port: int, steps: int, hook: str, result_path: 
             continue
         inputs, target = batch(name, replica.step)
         try:
-            loss = ((replica.alone if uneven_step else replica)(inputs) - target).pow(2).mean()
+            loss = ((replica.module if uneven_step else replica)(inputs) - target).pow(2).mean()
             loss.backward()
             if uneven_step:
                 replica.average_over_present(True)

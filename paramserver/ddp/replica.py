@@ -344,12 +344,8 @@ class DenseReplica:
 
     def uneven_step(self) -> bool:
         """Whether some member of the group has no batch for this step (``uneven_steps``): the members with one
-        train it without DDP (``alone``) and the gradients are averaged over them (``average_over_present``)."""
+        train it without DDP (``module`` itself) and the gradients are averaged over them (``average_over_present``)."""
         return self.even_until <= self.step < self.next_agreement
-
-    def alone(self, *args, **kwargs):
-        """The module's forward without DDP (no collective; an uneven step's)."""
-        return self.module(*args, **kwargs)
 
     def average_over_present(self, present: bool) -> int:
         """Collective, on every member at an uneven step (after the backward pass of the members with a batch,
@@ -359,8 +355,9 @@ class DenseReplica:
         params = [param for param in self.module.parameters() if param.requires_grad]
         pieces = [param.grad.reshape(-1) if present and param.grad is not None else
                   torch.zeros(param.numel(), dtype=param.dtype, device=param.device) for param in params]
-        flat = torch.cat(pieces + [torch.ones(1, dtype=pieces[0].dtype if pieces else torch.float32,
-                                              device=self.group.device) * (1 if present else 0)])
+        count = torch.full((1,), float(present), dtype=pieces[0].dtype if pieces else torch.float32,
+                           device=self.group.device)
+        flat = torch.cat(pieces + [count])
         self.group.abortable(dist.all_reduce(flat, async_op=True).get_future()).wait()
         present_members = int(round(float(flat[-1])))
         if present_members < 1:

@@ -92,7 +92,7 @@ def train_step(sparse: SparseTables, pipeline: RowPipeline, replica: DenseReplic
     except (RuntimeError, TimeoutError) as error:
         raise ShardStepFailed(error) from error
     times.mark("lookups")
-    forward = replica.alone if alone else replica
+    forward = replica.module if alone else replica  # (an uneven step: no DDP, so no collective in it)
     logits = forward({name: rows.to(device) for name, rows in pooled.items()}, batch.dense.to(device))
     loss = loss_fn(logits, batch.labels.to(device))
     times.mark("forward")

@@ -65,10 +65,6 @@ DATA_PATIENCE = datetime.timedelta(seconds=2)
 #: With some of those batches in hand, how long a member waits for the next one before the group takes the
 #: steps it has data for (the rest of a file that landed is trained on before the next file lands).
 DATA_LULL = datetime.timedelta(milliseconds=100)
-#: ``DATA_PATIENCE`` of a member of a group of several that takes uneven steps (a followed input), once the
-#: group agreed to wait: the member a file went to trains it once the others, still waiting for theirs, come to
-#: the next agreement, so their patience adds to the file's lag.
-SHARED_DATA_PATIENCE = datetime.timedelta(milliseconds=100)
 #: Tables of this many rows or more are split by rows over every shard; smaller ones are placed whole.
 ROW_WISE_MIN_ROWS = 1_000_000
 
@@ -227,8 +223,6 @@ class _Run:
         #: This member's batches of the window at the last agreement, and the first step it has none for
         #: (an uneven step from there on is sat out: ``_loop``).
         self._in_hand, self._own_until = 0, 0
-        #: Whether the group's last agreement was to wait (how long the next one waits for data: ``_patience``).
-        self._waited = True
         self.shares = GroupShares(data, self.batches, positions, until=self._data_until) if shared else None
         self.pipeline = RowPipeline(trainer.staleness, self._upcoming, trainer.tables,
                                     lambda: self.replica.next_agreement, steps,
@@ -376,7 +370,7 @@ class _Run:
         recovered from like one lost in a step; that checkpoint is skipped.
         While a member's batches up to the next agreement have not come (data
         that follows files as they land), the group agrees again every
-        ``DATA_PATIENCE`` (serving checkpoint requests and stops meanwhile).
+        ``_patience()`` (serving checkpoint requests and stops meanwhile).
         """
         replica = self.replica
         # Every push is applied (drained) before what takes the model as of this step: the end, a live export
@@ -394,7 +388,6 @@ class _Run:
                     going_on = replica.sync_point(want_stop, self.checkpoints.pending(), short)
                     if agreeing:  # (from the step agreed at: a member that caught up with its group moved on)
                         self._own_until = self._data_until()
-                    self._waited = replica.agreed_wait
                     if self._catch_up(replica):  # the group moved on: the reads ahead are for other steps
                         self.pipeline.drop_reads()
                         if not self._settled(self.pipeline.drain()):
@@ -436,21 +429,19 @@ class _Run:
         return self.batches.ahead_now(offset)
 
     def _patience(self) -> datetime.timedelta:
-        """How long this member waits for its first batch of the window at an agreement.  A group of several
-        that takes uneven steps goes on with the members that have data: a member waits only once the group
-        agreed to wait (nobody had any), and briefly, so that it does not hold the others back from a file that
-        came to one of them."""
+        """How long this member waits for its first batch of the window at an agreement: ``DATA_PATIENCE``, or
+        ``DATA_LULL`` in a group of several that takes uneven steps, which goes on with the members that have
+        data: the member a file went to trains it once the others, waiting for theirs, come to the agreement,
+        so their patience would add to the file's lag."""
         if not self.replica.uneven_steps or self.replica.group.world_size == 1:
             return DATA_PATIENCE
-        return SHARED_DATA_PATIENCE if self._waited else DATA_LULL
+        return DATA_LULL
 
     def _agreement_flags(self) -> Tuple[bool, int]:
         """What this member says at the group's agreement: stop when asked to, or when its data would end
         before the next agreement (all members stop here together, none is left in a collective); and how
         many steps of the window it is short of data for: those whose batches did not come, waiting at most
-        ``DATA_PATIENCE`` for the first (in a group of several taking uneven steps ``DATA_LULL``, or
-        ``SHARED_DATA_PATIENCE`` when it agreed to wait last time) and ``DATA_LULL`` between two (all of
-        them: wait)."""
+        ``_patience()`` for the first and ``DATA_LULL`` between two (all of them: wait)."""
         replica = self.replica
         if replica.agreement_due():
             window = replica.window()
