@@ -88,11 +88,12 @@ class GroupShares:
 
     def _mine(self, group) -> Dict[str, Any]:
         return {"name": group.members[group.rank], "state": self.batches.position()["state"],
-                "worker": self.data.worker, "workers": self.data.workers, "deal": self.deal, "until": self.until()}
+                "worker": self.data.worker, "workers": self.data.workers, "deal": self.deal}
 
     def agreed(self, group, step: int) -> None:
         """At an agreement: every member's position, kept as the snapshot of ``step``."""
-        self.snapshot = Snapshot(step, {entry["name"]: entry for entry in gathered(group, self._mine(group))})
+        mine = dict(self._mine(group), until=self.until())
+        self.snapshot = Snapshot(step, {entry["name"]: entry for entry in gathered(group, mine)})
 
     def formed(self, group, step: int) -> None:
         """The group (re-)formed at ``step``: deal the input to its members and read on from this member's

@@ -320,8 +320,7 @@ class _Run:
 
     def _data_until(self) -> int:
         """The first step this member has no batch for, as it said at the agreement taking place."""
-        replica = getattr(self, "replica", None)  # (the group's first forming happens while the replica is made)
-        return replica.step + self._in_hand if replica is not None else 0
+        return self.replica.step + self._in_hand
 
     def _sat_out(self) -> bool:
         """An uneven step this member has no batch for: its pushes settle and its reads ahead go (its next batch
