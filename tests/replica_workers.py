@@ -31,9 +31,24 @@ TIMEOUT = datetime.timedelta(seconds=60)
 IN, OUT = 6, 1
 
 
-def model() -> nn.Module:
+class RunningOutputMean(nn.Module):
+    """The identity, keeping a running mean of what passes in training (a buffer, as a batch norm's statistics)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(width))
+
+    def forward(self, x):
+        if self.training:
+            self.mean.mul_(0.5).add_(x.detach().mean(0), alpha=0.5)
+        return x
+
+
+def model(buffered: bool = False) -> nn.Module:
+    """The members' MLP; ``buffered``: with a ``RunningOutputMean`` last (its parameters keep their names)."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(IN, 8), nn.Tanh(), nn.Linear(8, OUT))
+    layers = [nn.Linear(IN, 8), nn.Tanh(), nn.Linear(8, OUT)]
+    return nn.Sequential(*layers, *([RunningOutputMean(OUT)] if buffered else []))
 
 
 def batch(name: str, step: int):
@@ -74,7 +89,8 @@ class StoreViews:
 
 def train(name: str, index: int, port: int, steps: int, hook: str, result_path: str,
           publish=None, late_member_at: int = 0, late: bool = False, lost_at: int = 0,
-          lost: bool = False, hangs: bool = False, short_by=None, uneven: bool = False) -> None:
+          lost: bool = False, hangs: bool = False, short_by=None, uneven: bool = False,
+          buffered: bool = False) -> None:
     """Train ``steps`` steps in the group; ``publish=(generation, members)`` announces a view first.
 
     ``late_member_at``: a member there from the start waits at that step
@@ -89,6 +105,7 @@ def train(name: str, index: int, port: int, steps: int, hook: str, result_path: 
     member says it has no data for at the agreement of that step; with
     ``uneven`` the group takes the steps some member has data for, and this
     one sits out those it said it has none for (as the Trainer does).
+    ``buffered``: the model has a buffer (``model``).
     ``slowest_step_s`` in the result is the longest step, its recovery
     included; ``agreed_at`` the steps the group agreed at.
     """
@@ -101,7 +118,7 @@ def train(name: str, index: int, port: int, steps: int, hook: str, result_path: 
         source.publish(*publish)
     if late:
         source._store.set("late/published", "yes")
-    replica = DenseReplica(TrainerGroup.join(source, TIMEOUT), model(), make_optimizer, hook=hook,
+    replica = DenseReplica(TrainerGroup.join(source, TIMEOUT), model(buffered), make_optimizer, hook=hook,
                            uneven_steps=uneven)
     slowest_step_s, agreed_at, own_until = 0.0, [], 0
     started = time.monotonic()

@@ -34,18 +34,23 @@ def results(tmp_path, names):
     return {name: pickle.loads((tmp_path / f"{name}.pkl").read_bytes()) for name in names}
 
 
-def local_training(names, steps, lost=None, lost_at=0, absent=None):
+def local_training(names, steps, lost=None, lost_at=0, absent=None, buffered=False):
     """The same training in one process: the mean of every member's batch gradient per step
-    (from step ``lost_at`` on, without member ``lost``; without the members ``absent[step]``)."""
+    (from step ``lost_at`` on, without member ``lost``; without the members ``absent[step]``).  ``buffered``:
+    with the buffer of ``rw.model(True)`` as the group's rank 0 holds it, which takes the first member
+    present's (DDP broadcasts rank 0's at every forward pass; an uneven step, the lowest present rank's)."""
     module = rw.model()
     optimizer = rw.make_optimizer(module.parameters())
+    running_mean = torch.zeros(rw.OUT)
     for step in range(steps):
         members = [n for n in names if not (n == lost and step >= lost_at) and n not in (absent or {}).get(step, ())]
         optimizer.zero_grad()
-        loss = sum((module(x) - y).pow(2).mean() for x, y in (rw.batch(n, step) for n in members)) / len(members)
+        outputs = [(module(x), y) for x, y in (rw.batch(n, step) for n in members)]
+        running_mean.mul_(0.5).add_(outputs[0][0].detach().mean(0), alpha=0.5)
+        loss = sum((output - y).pow(2).mean() for output, y in outputs) / len(members)
         loss.backward()
         optimizer.step()
-    return module.state_dict()
+    return dict(module.state_dict(), **({"3.mean": running_mean} if buffered else {}))
 
 
 @pytest.mark.parametrize("hook", ["allreduce", "bf16"])
@@ -77,23 +82,28 @@ def test_a_group_takes_the_steps_some_member_has_data_for_and_averages_over_thos
     """Uneven steps (a followed input: one member's file came, the other's not yet): at step 0 worker0 has 3 of
     the window's batches and worker1 5, so the group takes 5 steps, worker0 sitting out steps 3 and 4; at step 5
     worker1 has none, and worker0 trains steps 5 to 9 alone; then both.  Each step's gradient is the mean over
-    the members with a batch, as one process training on those batches gives; the replicas stay equal."""
+    the members with a batch, as one process training on those batches gives; the replicas stay equal.  The
+    model's buffer is the lowest present member's after each step, as DDP makes it rank 0's: worker0, which sat
+    out steps 3 and 4, holds the updates worker1 made in them."""
     names, steps = ["worker0", "worker1"], 12
     short_by = {"worker0": {0: 7}, "worker1": {0: 5, 5: 5}}
     children = [Child(name, rw.train, (name, index, store.port, steps, "allreduce", str(tmp_path / f"{name}.pkl"),
-                                       (1, names) if index == 0 else None), dict(short_by=short_by[name], uneven=True))
+                                       (1, names) if index == 0 else None), dict(short_by=short_by[name], uneven=True, buffered=True))
                 for index, name in enumerate(names)]
     run_children(children, TIMEOUT)
     got = results(tmp_path, names)
     assert got["worker0"]["agreed_at"] == got["worker1"]["agreed_at"] == [0, 5, 10]
     absent = {3: ["worker0"], 4: ["worker0"], **{step: ["worker1"] for step in range(5, 10)}}
-    expected = local_training(names, steps, absent=absent)
+    expected = local_training(names, steps, absent=absent, buffered=True)
+    parameters = [key for key in expected if key != "3.mean"]
     for name in names:
         assert got[name]["step"] == steps
-        for key, value in expected.items():
-            torch.testing.assert_close(got[name]["state"][key], value, atol=1e-6, rtol=1e-6)
-    for key in expected:
+        for key in parameters:
+            torch.testing.assert_close(got[name]["state"][key], expected[key], atol=1e-6, rtol=1e-6)
+    for key in parameters:
         assert torch.equal(got["worker0"]["state"][key], got["worker1"]["state"][key])
+    # Rank 0's buffer (worker1's holds its own update of the last step until the next forward pass's broadcast).
+    torch.testing.assert_close(got["worker0"]["state"]["3.mean"], expected["3.mean"], atol=1e-6, rtol=1e-6)
     # Not what training on every member's batch of every step gives: the steps sat out count.
     everyone = local_training(names, steps)
     assert not torch.allclose(got["worker0"]["state"]["0.weight"], everyone["0.weight"], atol=1e-4)

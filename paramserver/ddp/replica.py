@@ -24,7 +24,8 @@ input: a file goes to one member) it takes the steps *some* member has
 data for: in such an ``uneven_step`` the members with a batch run the
 module without DDP, those without one sit out, and
 ``average_over_present`` makes every gradient the mean over the members
-present, in one all-reduce.  Every member sees the same
+present, in one all-reduce (and the buffers the lowest present member's,
+as DDP makes them rank 0's).  Every member sees the same
 agreements, and at each (re-)forming all take the step of the member
 furthest ahead and agree at it, so they agree on the same steps, and a
 change takes effect within ``agree_every`` steps.  Finished steps are
@@ -263,7 +264,9 @@ class DenseReplica:
         (``agreed_checkpoint``: 0 on other steps, or none) and the steps to
         take before the next agreement: the ``window()`` less the most steps
         a member is ``short`` of data for, or with ``uneven_steps`` the
-        fewest (the steps past ``even_until`` are then ``uneven_step``\ s).
+        fewest (the steps from ``even_until`` on are then uneven steps,
+        ``uneven_step``; at the first of them every member takes rank 0's
+        buffers, as DDP's forward pass would give them).
         None (``agreed_wait``): the step
         is not taken, and the members agree again once they waited.  After
         re-forming they agree again, in the new group: a member that just
@@ -272,31 +275,40 @@ class DenseReplica:
         """
         self.agreed_checkpoint = 0
         self.agreed_wait = False
-        while self.agreement_due():
+        while True:
             try:
-                agreement = self.group.agree(want_stop, checkpoint_request, short)
-                if agreement.stop:
-                    return False
-                if not agreement.reform:
-                    self.agreed_checkpoint = agreement.checkpoint_request
-                    even = max(0, self.window() - agreement.short)
-                    steps = max(0, self.window() - agreement.least_short) if self.uneven_steps else even
-                    self.agreed_wait = steps == 0
-                    self.next_agreement = self.step + steps
-                    self.even_until = self.step + even
-                    if self.on_agreed is not None and not self.agreed_wait:
-                        self.on_agreed(self)
-                    return True
-                self._drop_ddp()
-                self.group.reform()
-                self.reformations += 1
-                self._form()
+                if self.agreement_due():
+                    agreement = self.group.agree(want_stop, checkpoint_request, short)
+                    if agreement.stop:
+                        return False
+                    if agreement.reform:
+                        self._drop_ddp()
+                        self.group.reform()
+                        self.reformations += 1
+                        self._form()
+                        continue  # the new group agrees at once
+                    self._agreed(agreement)
+                if self.step == self.even_until < self.next_agreement:
+                    # The first uneven step of the window: its forward passes run without DDP, so the buffers
+                    # DDP would have given every member (rank 0's) are given here.
+                    self._broadcast_buffers(source=0)
+                return True
             except GroupStopped:
                 raise
             except RuntimeError as error:  # a collective (or forming the next generation) failed
                 if not self.recover(error):
                     return False
-        return True
+
+    def _agreed(self, agreement) -> None:
+        """Take what the group agreed on that goes on at this step (not a re-formation or a stop)."""
+        self.agreed_checkpoint = agreement.checkpoint_request
+        even = max(0, self.window() - agreement.short)
+        steps = max(0, self.window() - agreement.least_short) if self.uneven_steps else even
+        self.agreed_wait = steps == 0
+        self.next_agreement = self.step + steps
+        self.even_until = self.step + even
+        if self.on_agreed is not None and not self.agreed_wait:
+            self.on_agreed(self)
 
     def collective_failed(self, error: BaseException) -> bool:
         """Whether ``error``, raised by a training step, means a collective of the group failed:
@@ -350,24 +362,46 @@ class DenseReplica:
     def average_over_present(self, present: bool) -> int:
         """Collective, on every member at an uneven step (after the backward pass of the members with a batch,
         ``present``): every gradient becomes the mean over the members present (those absent count zero), in
-        one all-reduce that carries the count too, as a step of the members present alone would give.  The
-        comm hook is not used.  Returns how many members were present."""
+        one all-reduce that carries who was present too, as a step of the members present alone would give.
+        The comm hook is not used.  The module's buffers (a batch norm's running statistics) then become those
+        of the lowest-ranked member present, as DDP gives every member rank 0's at a step's forward pass: a
+        member that sat out, rank 0 included, does not keep buffers that missed the step's batch.  Returns how
+        many members were present."""
         params = [param for param in self.module.parameters() if param.requires_grad]
+        dtype = params[0].dtype if params else torch.float32
         pieces = [param.grad.reshape(-1) if present and param.grad is not None else
                   torch.zeros(param.numel(), dtype=param.dtype, device=param.device) for param in params]
-        count = torch.full((1,), float(present), dtype=pieces[0].dtype if pieces else torch.float32,
-                           device=self.group.device)
-        flat = torch.cat(pieces + [count])
-        self.group.abortable(dist.all_reduce(flat, async_op=True).get_future()).wait()
-        present_members = int(round(float(flat[-1])))
-        if present_members < 1:
+        presence = torch.zeros(self.group.world_size, dtype=dtype, device=self.group.device)
+        presence[self.group.rank] = float(present)
+        flat = torch.cat(pieces + [presence])
+        self._collective(dist.all_reduce(flat, async_op=True))
+        present_ranks = flat[-self.group.world_size:].nonzero().flatten().tolist()
+        if not present_ranks:
             raise RuntimeError(f"step {self.step}: no member of {self.group.describe()} had a batch")
-        flat = flat[:-1].div_(present_members)
+        flat = flat[:-self.group.world_size].div_(len(present_ranks))
         start = 0
         for param in params:
             param.grad = flat[start:start + param.numel()].view_as(param)
             start += param.numel()
-        return present_members
+        self._broadcast_buffers(source=present_ranks[0])
+        return len(present_ranks)
+
+    def _broadcast_buffers(self, source: int) -> None:
+        """Every member takes member ``source``'s buffers, one broadcast per dtype."""
+        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+        for buffer in self.module.buffers():
+            by_dtype.setdefault(buffer.dtype, []).append(buffer)
+        for buffers in by_dtype.values():
+            flat = torch.cat([buffer.detach().reshape(-1) for buffer in buffers])
+            self._collective(dist.broadcast(flat, src=source, async_op=True))
+            start = 0
+            for buffer in buffers:
+                buffer.detach().copy_(flat[start:start + buffer.numel()].view_as(buffer))
+                start += buffer.numel()
+
+    def _collective(self, work) -> None:
+        """Wait for a collective of the group, abandoned at once when the group's generation is."""
+        self.group.abortable(work.get_future()).wait()
 
     def finish_step(self, context_id: Optional[int] = None) -> None:
         """Apply the local optimizer to the averaged gradients and count the step.
