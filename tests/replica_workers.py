@@ -90,7 +90,7 @@ class StoreViews:
 def train(name: str, index: int, port: int, steps: int, hook: str, result_path: str,
           publish=None, late_member_at: int = 0, late: bool = False, lost_at: int = 0,
           lost: bool = False, hangs: bool = False, short_by=None, uneven: bool = False,
-          buffered: bool = False) -> None:
+          buffered: bool = False, retold_short=None) -> None:
     """Train ``steps`` steps in the group; ``publish=(generation, members)`` announces a view first.
 
     ``late_member_at``: a member there from the start waits at that step
@@ -105,7 +105,9 @@ def train(name: str, index: int, port: int, steps: int, hook: str, result_path: 
     member says it has no data for at the agreement of that step; with
     ``uneven`` the group takes the steps some member has data for, and this
     one sits out those it said it has none for (as the Trainer does).
-    ``buffered``: the model has a buffer (``model``).
+    ``buffered``: the model has a buffer (``model``).  ``retold_short``:
+    ``{step: steps}`` this member says it is short of when asked again after a
+    re-formation at that step (``sync_point``'s ``retell``).
     ``slowest_step_s`` in the result is the longest step, its recovery
     included; ``agreed_at`` the steps the group agreed at.
     """
@@ -127,7 +129,8 @@ def train(name: str, index: int, port: int, steps: int, hook: str, result_path: 
         short = (short_by or {}).get(replica.step, 0)
         if due:
             own_until = replica.step + replica.window() - short
-        if not replica.sync_point(short=short):
+        retold = (retold_short or {}).get(replica.step)
+        if not replica.sync_point(short=short, retell=None if retold is None else lambda: (False, retold)):
             break
         if due:
             agreed_at.append(replica.step)

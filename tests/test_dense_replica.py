@@ -110,9 +110,12 @@ def test_a_group_takes_the_steps_some_member_has_data_for_and_averages_over_thos
 
 
 def test_a_late_member_joins_at_the_next_generation_with_rank_0s_state(tmp_path, store):
+    """...and the agreement after the re-formation hears what each member says then (``retell``: its data may
+    have been dealt anew), not what it said before: worker0, asked again, is short of 5 steps of the window."""
     first, steps, late_at = ["worker0", "worker1"], 30, 10
     children = [Child(name, rw.train, (name, index, store.port, steps, "powersgd", str(tmp_path / f"{name}.pkl"),
-                                       (1, first) if index == 0 else None, late_at))
+                                       (1, first) if index == 0 else None, late_at),
+                      dict(retold_short={late_at: 5} if index == 0 else None))
                 for index, name in enumerate(first)]
     children.append(Child("worker2", rw.train, ("worker2", 2, store.port, steps, "powersgd",
                                                 str(tmp_path / "worker2.pkl"), (2, first + ["worker2"]), late_at, True)))
@@ -120,6 +123,7 @@ def test_a_late_member_joins_at_the_next_generation_with_rank_0s_state(tmp_path,
     got = results(tmp_path, first + ["worker2"])
     assert [got[n]["step"] for n in got] == [steps] * 3  # the newcomer took rank 0's step
     assert [got[n]["reformations"] for n in got] == [1, 1, 0]
+    assert [got[n]["agreed_at"] for n in got] == [[0, 10, 15, 20]] * 2 + [[10, 15, 20]]
     for key, value in got["worker0"]["state"].items():
         assert torch.equal(got["worker1"]["state"][key], value)
         assert torch.equal(got["worker2"]["state"][key], value)

@@ -54,7 +54,7 @@ import logging
 import pickle
 import time
 import traceback
-from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol
+from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Tuple
 
 import torch
 import torch.distributed as dist
@@ -256,7 +256,8 @@ class DenseReplica:
         """The steps from this one to the next multiple of ``agree_every``: what an agreement here plans for."""
         return (self.step // self.agree_every + 1) * self.agree_every - self.step
 
-    def sync_point(self, want_stop: bool = False, checkpoint_request: int = 0, short: int = 0) -> bool:
+    def sync_point(self, want_stop: bool = False, checkpoint_request: int = 0, short: int = 0, *,
+                   retell: Optional[Callable[[], Tuple[bool, int]]] = None) -> bool:
         """Start of a step, on every member: re-form if the group changed; False when the group stops.
 
         At an agreement (``agreement_due``) the members agree (one
@@ -272,6 +273,9 @@ class DenseReplica:
         re-forming they agree again, in the new group: a member that just
         joined starts with this agreement, so everyone must.  A failed
         agreement is recovered from (``recover``) like a failed step.
+        ``retell()``: ``(want_stop, short)`` anew, for the agreements after a
+        re-formation (``on_formed`` may have dealt this member other data);
+        without it, what was passed holds.
         """
         self.agreed_checkpoint = 0
         self.agreed_wait = False
@@ -286,6 +290,8 @@ class DenseReplica:
                         self.group.reform()
                         self.reformations += 1
                         self._form()
+                        if retell is not None:
+                            want_stop, short = retell()
                         continue  # the new group agrees at once
                     self._agreed(agreement)
                 if self.step == self.even_until < self.next_agreement:
@@ -298,6 +304,8 @@ class DenseReplica:
             except RuntimeError as error:  # a collective (or forming the next generation) failed
                 if not self.recover(error):
                     return False
+                if retell is not None:
+                    want_stop, short = retell()
 
     def _agreed(self, agreement) -> None:
         """Take what the group agreed on that goes on at this step (not a re-formation or a stop)."""

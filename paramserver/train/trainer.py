@@ -381,10 +381,9 @@ class _Run:
         while True:
             try:
                 if not final:
-                    want_stop, short = self._agreement_flags()
-                    if agreeing:
-                        self._in_hand = replica.window() - short
-                    going_on = replica.sync_point(want_stop, self.checkpoints.pending(), short)
+                    want_stop, short = self._told() if agreeing else self._agreement_flags()
+                    # (asked again after a re-formation: the group may have dealt this member other data)
+                    going_on = replica.sync_point(want_stop, self.checkpoints.pending(), short, retell=self._told)
                     if agreeing:  # (from the step agreed at: a member that caught up with its group moved on)
                         self._own_until = self._data_until()
                     if self._catch_up(replica):  # the group moved on: the reads ahead are for other steps
@@ -452,6 +451,12 @@ class _Run:
                 return True, 0
             return self.ctx.should_stop(), 0 if ready else window - min(window, len(self.batches))
         return self.ctx.should_stop(), 0
+
+    def _told(self) -> Tuple[bool, int]:
+        """What this member says at an agreement (``_agreement_flags``), noting the batches it holds."""
+        want_stop, short = self._agreement_flags()
+        self._in_hand = self.replica.window() - short
+        return want_stop, short
 
     def _recovered(self, error: BaseException) -> bool:
         """After a failed step or boundary: re-form the group if a collective failed (else raise again).
