@@ -48,6 +48,8 @@ class RowMarks:
 
     def mark_whole(self) -> None:
         """Every row changed (a dense optimizer step, a restore)."""
+        if self._whole:  # nothing is marked or evicted while whole: every dense step after the first costs nothing
+            return
         self._whole = True
         self._marked = torch.zeros(0, dtype=torch.bool)
         self._evicted = []

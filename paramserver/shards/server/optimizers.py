@@ -283,6 +283,8 @@ class OwnerOptimizer:
         #: Dynamic tables' slabs among the parameters (``paramserver.shards.server.dynamic``): pushes name their rows
         #: by id, and their per-row state follows the rows.
         self._dynamic = [state.dynamic_rows(p) for p in self.params]
+        #: Each parameter's rows changed since a live export (``ShardState.row_marks``: one object for its life).
+        self._marks = [state.row_marks(p) for p in self.params]
         for index, rows in enumerate(self._dynamic):
             if rows is not None:
                 if not hasattr(self._impl, "reset_state_rows"):
@@ -313,8 +315,8 @@ class OwnerOptimizer:
     def step(self, context_id: int) -> None:
         """One step with the gradients ``dist_autograd`` context ``context_id`` holds here."""
         def run(measure: bool) -> Tuple[int, int]:
-            for param in self.params:  # a live export carries them whole next time
-                self._state.row_marks(param).mark_whole()
+            for marks in self._marks:  # a live export carries them whole next time
+                marks.mark_whole()
             return self._impl.step(context_id, measure)
         self._timed(run, lambda: context_peer(context_id), "step")
 
@@ -354,7 +356,7 @@ class OwnerOptimizer:
                     rows, values = (slots, values) if held.numel() == slots.numel() else \
                         (slots.index_select(0, held), values.index_select(0, held))
                 by_param[index] = _row_gradient(rows, values, self.params[index].shape)
-                self._state.row_marks(self.params[index]).mark(rows)
+                self._marks[index].mark(rows)
             return self._impl.apply(by_param, measure)
         return self._timed(run, lambda: peer, "push", once)
 
