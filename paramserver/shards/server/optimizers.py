@@ -355,7 +355,7 @@ class OwnerOptimizer:
                     held = (slots >= 0).nonzero().view(-1)
                     rows, values = (slots, values) if held.numel() == slots.numel() else \
                         (slots.index_select(0, held), values.index_select(0, held))
-                by_param[index] = _row_gradient(rows, values, self.params[index].shape)
+                by_param[index] = _row_gradient(rows, values, self.params[index].shape, self.names[index])
                 self._marks[index].mark(rows)
             return self._impl.apply(by_param, measure)
         return self._timed(run, lambda: peer, "push", once)
@@ -524,13 +524,20 @@ def _restore_state(state: ShardState, owner_optimizer: OwnerOptimizer) -> None:
                     owner_optimizer.handle, len(restored), len(owner_optimizer.params))
 
 
-def _row_gradient(rows: Tensor, values: Tensor, shape: torch.Size) -> Tensor:
+def _row_gradient(rows: Tensor, values: Tensor, shape: torch.Size, name: str) -> Tensor:
     """The row-sparse gradient of ``values`` at ``rows``, built coalesced when the rows are distinct (as pushes
     send them: sorted for a fixed table, in slot order for a dynamic one), so that the optimizer's step does
-    not sort and deduplicate them again; the same tensor ``coalesce()`` would make, so the same update."""
+    not sort and deduplicate them again; the same tensor ``coalesce()`` would make, so the same update.
+    ``ValueError`` naming parameter ``name`` when a row is not one of its rows: the rows are checked here, by
+    their ends once sorted, not again by the sparse tensor (whose checks cost more than a small table's update)."""
     increasing = rows.numel() < 2 or bool((rows[1:] > rows[:-1]).all())
     if not increasing:  # a dynamic table's slots, or duplicates
         rows, order = rows.sort()
         values = values.index_select(0, order)
         increasing = bool((rows[1:] > rows[:-1]).all())  # false only with duplicates: coalesce() sums them
-    return torch.sparse_coo_tensor(rows.unsqueeze(0), values, shape, check_invariants=True, is_coalesced=increasing)
+    if rows.numel():  # sorted: its ends are the least and the greatest row
+        least, greatest = int(rows[0]), int(rows[-1])
+        if least < 0 or greatest >= shape[0]:
+            raise ValueError(f"a push names row {least if least < 0 else greatest} of parameter {name}, which has "
+                             f"{shape[0]} rows; no parameter on this owner was changed")
+    return torch.sparse_coo_tensor(rows.unsqueeze(0), values, shape, check_invariants=False, is_coalesced=increasing)
