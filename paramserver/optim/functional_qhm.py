@@ -136,17 +136,37 @@ class FunctionalQHM:
         params: List[Tensor] = []
         grads: List[Tensor] = []
         buffers: List[Tensor] = []
+        # Row-sparse gradients: every parameter's touched rows stepped together, in one update of the lists of
+        # their row slices (the same arithmetic per element as one parameter at a time), then written back.
+        sparse_params: List[Tensor] = []
+        sparse_buffers: List[Tensor] = []
+        sparse_rows_of: List[Tensor] = []
+        param_rows: List[Tensor] = []
+        buf_rows: List[Tensor] = []
+        row_grads: List[Tensor] = []
         for i in range(len(self.params)):
             grad = gradients[i]
             if grad is not None:
                 param = self.params[i]
                 buf = self._buffer(i)
                 if grad.is_sparse:
-                    self._sparse_step(param, grad, buf, scale)
+                    rows, values = sparse_rows(grad)
+                    if rows.numel() > 0:
+                        sparse_params.append(param)
+                        sparse_buffers.append(buf)
+                        sparse_rows_of.append(rows)
+                        param_rows.append(param.index_select(0, rows))
+                        buf_rows.append(buf.index_select(0, rows))
+                        row_grads.append(values)
                 else:
                     params.append(param)
                     grads.append(grad)
                     buffers.append(buf)
+        if len(param_rows) > 0:
+            self._apply(param_rows, row_grads, buf_rows, scale, row_slice_fused_min_elements())
+            for j in range(len(param_rows)):
+                sparse_params[j].index_copy_(0, sparse_rows_of[j], param_rows[j])
+                sparse_buffers[j].index_copy_(0, sparse_rows_of[j], buf_rows[j])
         if len(params) > 0:
             self._apply(params, grads, buffers, scale, 0)
 
@@ -157,16 +177,6 @@ class FunctionalQHM:
             self.momentum_buffers[i] = created
             return created
         return buf
-
-    def _sparse_step(self, param: Tensor, grad: Tensor, buf: Tensor, scale: float) -> None:
-        rows, values = sparse_rows(grad)
-        if rows.numel() == 0:
-            return
-        param_rows = param.index_select(0, rows)
-        buf_rows = buf.index_select(0, rows)
-        self._apply([param_rows], [values], [buf_rows], scale, row_slice_fused_min_elements())
-        param.index_copy_(0, rows, param_rows)
-        buf.index_copy_(0, rows, buf_rows)
 
     def resize_rows(self, i: int, rows: int) -> None:
         """Parameter ``i`` now has ``rows`` rows (it grew in place): so does its momentum, new rows zero."""
