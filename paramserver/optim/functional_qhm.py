@@ -28,7 +28,8 @@ the rows they touch and those rows' momentum: a step costs time in
 proportion to the rows touched.  Momentum is lazy: the buffer rows of
 untouched rows do not decay, and "direct" weight decay only shrinks touched
 rows.  On the touched rows the update equals a dense step of the sub-table
-made of those rows.
+made of those rows; a step's row slices of every parameter are updated in
+one pass over their lists, then written back.
 """
 
 from typing import Dict, List, Optional
