@@ -1,8 +1,8 @@
 """Every private torch API and every piece of torch's error text that paramserver relies on.
 
 torch gives no public way to do some things an elastic parameter server
-needs: leave an open RPC group cleanly when a peer died, heal the group's
-member list in its store, tell which trainer a dist_autograd context came
+needs: leave an open RPC group cleanly when a peer died, join one while a
+member lies dead, heal the group's member list in its store, tell which trainer a dist_autograd context came
 from, or recognise a failed gloo/NCCL collective (those arrive as a plain
 ``RuntimeError``).  Each such reliance is named here, once, with the reason;
 ``tests/test_torch_compat.py`` has a test per item that fails loudly when a
@@ -16,6 +16,7 @@ are listed in ``TORCHSCRIPT_PRIVATE_OPS`` and checked by the same tests.
 import ast
 import builtins
 import datetime
+import logging
 import re
 from typing import List, Optional, Sequence
 
@@ -23,6 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
+
+logger = logging.getLogger(__name__)
 
 # --- The open RPC group's store (torch/distributed/rpc/__init__.py, api.py) -------------------------------
 # A process's n-th init_rpc prefixes its store keys with "rpc_prefix_<n-1>"; open-group members take a
@@ -78,6 +81,56 @@ def forget_rpc_peer(agent, peer: "rpc.WorkerInfo") -> None:
     Without it, this process's own leave waits on the dead peer.
     """
     agent._update_group_membership(peer, [], {}, False)
+
+
+#: What a request to a peer whose process is gone fails with (tensorpipe's uv transport: nothing listens on
+#: its port any more), as against a peer that is slow to answer.
+_PEER_GONE_MARKER = "ECONNREFUSED"
+
+
+def is_peer_gone(error: BaseException) -> bool:
+    """Whether ``error`` (from an RPC) says its peer's process is gone: its connection was refused."""
+    return _PEER_GONE_MARKER in str(error)
+
+
+def forget_dead_peers_when_joining() -> None:
+    """Make an open group's join skip a member that died without leaving, instead of hanging.
+
+    torch's join (``backend_registry._tensorpipe_init_backend_handler``)
+    asks every member listed in the store for its devices and tells each of
+    them of the newcomer, inside the group's membership token.  A member that
+    died a moment before (the coordinator takes it off the list only once it
+    is declared dead, a heartbeat timeout later) refuses the connection; torch
+    then calls ``rpc.shutdown()``, which waits for that same token to leave:
+    the joining process hangs, and with it every trainer group that counts
+    on it.  Installed once (by ``shards.peer.join``), this asks every member
+    first and forgets (``forget_rpc_peer``) each whose process is gone
+    (``is_peer_gone``) before torch's own steps run; any other failure is
+    torch's to handle, as before.
+    """
+    from torch.distributed.rpc import backend_registry
+    if getattr(backend_registry._set_devices_and_reverse_device_map, "forgets_dead_peers", False):
+        return
+    original = backend_registry._set_devices_and_reverse_device_map
+
+    def forgetting_dead_peers(agent):
+        if is_open_rpc_group(agent):
+            me = agent.get_worker_info().name
+            for info in agent.get_worker_infos():
+                if info.name == me:
+                    continue
+                try:
+                    rpc.rpc_sync(info.name, backend_registry._get_device_infos)
+                except RuntimeError as error:
+                    if not is_peer_gone(error):
+                        raise
+                    forget_rpc_peer(agent, info)
+                    logger.warning("joining the RPC group without %s: its process is gone (%s)", info.name,
+                                    str(error).strip().splitlines()[0] if str(error).strip() else "no message")
+        return original(agent)
+
+    forgetting_dead_peers.forgets_dead_peers = True
+    backend_registry._set_devices_and_reverse_device_map = forgetting_dead_peers
 
 
 def mark_leaving(agent) -> None:

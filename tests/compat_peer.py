@@ -28,6 +28,8 @@ SELF = "compat0"
 CHILD = "compat1"
 DONE = "done"
 JOIN_WITHIN = datetime.timedelta(seconds=60)
+#: A join past a dead member either ends in seconds or hangs for good: the checks' fixture must not wait 60 s.
+DEAD_PEER_JOIN_WITHIN = datetime.timedelta(seconds=30)
 
 
 def _member_list(store: RendezvousStore) -> str:
@@ -209,6 +211,35 @@ def dead_peer_forgotten_and_rrefs_released(store, init_method):
         compat.release_rrefs(datetime.timedelta(seconds=1))  # the owner is gone: bounded, no error
 
 
+def a_member_joins_while_another_lies_dead(store, init_method):
+    """``forget_dead_peers_when_joining``: a member that died without leaving is still listed in the store (until
+    the coordinator declares it dead); one that joins then forgets it and joins, where torch's own join, its
+    connection refused, calls ``rpc.shutdown()`` inside the membership token that shutdown waits for, and hangs."""
+    dead, dead_rank, name, rank = "compat5", 6, "compat6", 7
+    with _peer_that_dies(init_method, dead, dead_rank) as kill_it:
+        kill_it()
+    assert compat.rpc_member_entry(dead, dead_rank) in _member_list(store)
+    context = multiprocessing.get_context("spawn")
+    joined, leave_now = context.Event(), context.Event()
+    child = context.Process(target=_child_joins_then_leaves, args=(init_method, joined, leave_now, name, rank),
+                            name=name)
+    child.start()
+    try:
+        assert joined.wait(DEAD_PEER_JOIN_WITHIN.total_seconds()), "the member did not join while another lay dead"
+        leave_now.set()
+        child.join(30)
+        assert child.exitcode == 0, child.exitcode
+    finally:
+        if child.is_alive():
+            child.kill()
+            rpc_store = dist.PrefixStore(compat.RPC_STORE_PREFIX, store.store)
+            rpc_store.set(compat.RPC_TOKEN_KEY, "")  # a hung join holds the token: the checks after this go on
+        child.join(10)
+        agent = compat.current_rpc_agent()
+        compat.forget_rpc_peer(agent, agent.get_worker_info(dead))
+        store.remove_rpc_peer(dead, dead_rank)
+
+
 @contextlib.contextmanager
 def _native_stderr(into: list):
     """What this process writes to its stderr file (torch's C++ logging included) meanwhile, appended to ``into``."""
@@ -267,7 +298,7 @@ CHECKS = (store_keys, agent_of_an_open_group, rrefs_of_a_dead_owner_dropped_with
           second_join_uses_the_first_prefix, a_member_joins_while_another_waits_to_leave,
           a_failed_graceful_leave_gives_the_token_back, a_graceful_leave_after_the_store_is_gone_still_leaves,
           autograd_context_layout, remote_errors_reduced_to_their_cause, dead_peer_forgotten_and_rrefs_released,
-          leaving_together_marks_the_agent_leaving_before_it_closes)
+          a_member_joins_while_another_lies_dead, leaving_together_marks_the_agent_leaving_before_it_closes)
 
 
 def run_checks(results) -> None:

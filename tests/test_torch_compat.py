@@ -22,6 +22,8 @@ import compat_peer
 from paramserver import _torch_compat as compat
 
 RPC_CHECKS_WITHIN = datetime.timedelta(seconds=120)
+# The RPC checks run in the module fixture's set-up (about 20 s), and one that fails may wait out its bound first.
+pytestmark = pytest.mark.timeout(RPC_CHECKS_WITHIN.total_seconds() + 30)
 
 
 @pytest.fixture(scope="module")

@@ -24,8 +24,9 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 import torch.distributed.rpc as rpc
 
-from .._torch_compat import (RPC_TOKEN_DONE, RPC_TOKEN_KEY, current_rpc_agent, forget_rpc_peer, is_open_rpc_group,
-                             mark_leaving, release_rrefs, reset_rpc_init_counter, rpc_token, tensorpipe_options)
+from .._torch_compat import (RPC_TOKEN_DONE, RPC_TOKEN_KEY, current_rpc_agent, forget_dead_peers_when_joining,
+                             forget_rpc_peer, is_open_rpc_group, mark_leaving, release_rrefs, reset_rpc_init_counter,
+                             rpc_token, tensorpipe_options)
 from ..logs import one_line
 
 logger = logging.getLogger(__name__)
@@ -166,6 +167,7 @@ def join(name: str, rank: int, world_size: Optional[int], init_method: str,
         # init_rpc; members of an open group must all use the first prefix,
         # the one the coordinator's store upkeep knows.
         reset_rpc_init_counter()
+        forget_dead_peers_when_joining()  # a member that died a moment ago would hang torch's join
     transports = options.transports or (OPEN_GROUP_TRANSPORTS if world_size is None else None)
     backend_options = tensorpipe_options(init_method, options.num_worker_threads, options.rpc_timeout, transports)
     rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=backend_options)
