@@ -67,6 +67,23 @@ def _child_joins_then_leaves(init_method, joined, leave_now, name: str, rank: in
     leave(graceful=True)
 
 
+@contextlib.contextmanager
+def _member_joining(init_method, name: str, rank: int):
+    """A child process that joins the group as ``name`` and leaves when told: yields ``(joined, leave_now,
+    child)``; killed on the way out if it still runs."""
+    context = multiprocessing.get_context("spawn")
+    joined, leave_now = context.Event(), context.Event()
+    child = context.Process(target=_child_joins_then_leaves, args=(init_method, joined, leave_now, name, rank),
+                            name=name)
+    child.start()
+    try:
+        yield joined, leave_now, child
+    finally:
+        if child.is_alive():
+            child.kill()
+        child.join(10)
+
+
 def a_member_joins_while_another_waits_to_leave(store, init_method):
     """A member that joins while another waits for the group's token to leave (its own join holds the token and
     asks every member for its devices and to record it) joins at once, and the other leaves right after: the
@@ -77,12 +94,7 @@ def a_member_joins_while_another_waits_to_leave(store, init_method):
     rpc_store.set(compat.RPC_TOKEN_KEY, compat.rpc_token(name, "join"))  # the joining member holds the token
     leaving = threading.Thread(target=leave, kwargs={"graceful": True, "timeout": JOIN_WITHIN}, daemon=True)
     leaving.start()
-    context = multiprocessing.get_context("spawn")
-    joined, leave_now = context.Event(), context.Event()
-    child = context.Process(target=_child_joins_then_leaves, args=(init_method, joined, leave_now, name, rank),
-                            name=name)
-    child.start()
-    try:
+    with _member_joining(init_method, name, rank) as (joined, leave_now, child):
         assert joined.wait(30), "the member did not join while another waited to leave"
         leaving.join(30)
         assert not leaving.is_alive(), "the waiting member did not leave once the join ended"
@@ -91,10 +103,6 @@ def a_member_joins_while_another_waits_to_leave(store, init_method):
         leave_now.set()
         child.join(30)
         assert child.exitcode == 0, child.exitcode
-    finally:
-        if child.is_alive():
-            child.kill()
-        child.join(10)
     join(SELF, 1, None, init_method)  # for the checks after this one
 
 
@@ -219,22 +227,16 @@ def a_member_joins_while_another_lies_dead(store, init_method):
     with _peer_that_dies(init_method, dead, dead_rank) as kill_it:
         kill_it()
     assert compat.rpc_member_entry(dead, dead_rank) in _member_list(store)
-    context = multiprocessing.get_context("spawn")
-    joined, leave_now = context.Event(), context.Event()
-    child = context.Process(target=_child_joins_then_leaves, args=(init_method, joined, leave_now, name, rank),
-                            name=name)
-    child.start()
     try:
-        assert joined.wait(DEAD_PEER_JOIN_WITHIN.total_seconds()), "the member did not join while another lay dead"
-        leave_now.set()
-        child.join(30)
-        assert child.exitcode == 0, child.exitcode
+        with _member_joining(init_method, name, rank) as (joined, leave_now, child):
+            assert joined.wait(DEAD_PEER_JOIN_WITHIN.total_seconds()), "the member did not join while another lay dead"
+            leave_now.set()
+            child.join(30)
+            assert child.exitcode == 0, child.exitcode
     finally:
-        if child.is_alive():
-            child.kill()
-            rpc_store = dist.PrefixStore(compat.RPC_STORE_PREFIX, store.store)
-            rpc_store.set(compat.RPC_TOKEN_KEY, "")  # a hung join holds the token: the checks after this go on
-        child.join(10)
+        rpc_store = dist.PrefixStore(compat.RPC_STORE_PREFIX, store.store)
+        if rpc_store.get(compat.RPC_TOKEN_KEY) == compat.rpc_token(name, "join").encode():
+            rpc_store.set(compat.RPC_TOKEN_KEY, "")  # a hung join (killed) holds the token: the checks after go on
         agent = compat.current_rpc_agent()
         compat.forget_rpc_peer(agent, agent.get_worker_info(dead))
         store.remove_rpc_peer(dead, dead_rank)

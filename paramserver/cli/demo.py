@@ -43,8 +43,12 @@ class DemoFailed(RuntimeError):
     """A process of the demo failed; the message says which and where its log is."""
 
 
-class Stopped(Exception):
-    """ps-demo was told to stop by signal ``signum`` (SIGTERM, SIGHUP; SIGINT raises ``KeyboardInterrupt``)."""
+class Stopped(BaseException):
+    """ps-demo was told to stop by signal ``signum`` (SIGTERM, SIGHUP; SIGINT raises ``KeyboardInterrupt``).
+
+    A ``BaseException``, as ``KeyboardInterrupt`` is: raised wherever the main thread is, it must not be taken
+    for an error by a library's ``except Exception`` (tqdm's start of its monitor thread, for one, caught it,
+    warned "disabling monitor support ... due to: SIGTERM", and ps-demo trained on)."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
