@@ -2,9 +2,9 @@
 
 torch gives no public way to do some things an elastic parameter server
 needs: leave an open RPC group cleanly when a peer died, join one while a
-member lies dead, heal the group's member list in its store, tell which trainer a dist_autograd context came
-from, or recognise a failed gloo/NCCL collective (those arrive as a plain
-``RuntimeError``).  Each such reliance is named here, once, with the reason;
+member lies dead, heal the group's member list in its store, tell which
+trainer a dist_autograd context came from, or recognise a failed gloo/NCCL
+collective (those arrive as a plain ``RuntimeError``).  Each such reliance is named here, once, with the reason;
 ``tests/test_torch_compat.py`` has a test per item that fails loudly when a
 torch release changes it.  Nothing else in the package touches a private
 torch name or parses torch's error text.
