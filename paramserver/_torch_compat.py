@@ -109,9 +109,11 @@ def forget_dead_peers_when_joining() -> None:
     torch's to handle, as before.
     """
     from torch.distributed.rpc import backend_registry
-    if getattr(backend_registry._set_devices_and_reverse_device_map, "forgets_dead_peers", False):
+    original = getattr(backend_registry, "_set_devices_and_reverse_device_map", None)
+    if original is None or not hasattr(backend_registry, "_get_device_infos"):
+        return  # a torch that joins otherwise: joins go on as torch has them (its check in compat_peer fails)
+    if getattr(original, "forgets_dead_peers", False):
         return
-    original = backend_registry._set_devices_and_reverse_device_map
 
     def forgetting_dead_peers(agent):
         if is_open_rpc_group(agent):
