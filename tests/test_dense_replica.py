@@ -88,7 +88,8 @@ def test_a_group_takes_the_steps_some_member_has_data_for_and_averages_over_thos
     names, steps = ["worker0", "worker1"], 12
     short_by = {"worker0": {0: 7}, "worker1": {0: 5, 5: 5}}
     children = [Child(name, rw.train, (name, index, store.port, steps, "allreduce", str(tmp_path / f"{name}.pkl"),
-                                       (1, names) if index == 0 else None), dict(short_by=short_by[name], uneven=True, buffered=True))
+                                       (1, names) if index == 0 else None),
+                      dict(short_by=short_by[name], uneven=True, buffered=True))
                 for index, name in enumerate(names)]
     run_children(children, TIMEOUT)
     got = results(tmp_path, names)
