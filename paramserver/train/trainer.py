@@ -220,10 +220,10 @@ class _Run:
         # Data the group shares starts once the group dealt it (``GroupShares.formed``).
         self.batches = BatchStream(data, None if shared else _position(positions.get(ctx.worker_index)),
                                    prefetch=PREFETCH_BATCHES + trainer.staleness, started=not shared)
-        #: This member's batches of the window at the last agreement, and the first step it has none for
-        #: (an uneven step from there on is sat out: ``_loop``).
-        self._in_hand, self._own_until = 0, 0
-        self.shares = GroupShares(data, self.batches, positions, until=self._data_until) if shared else None
+        #: The first step of the window this member has no batch for, as it told at the group's agreement (``_told``;
+        #: an uneven step from there on is sat out: ``_loop``).
+        self._own_until = 0
+        self.shares = GroupShares(data, self.batches, positions, until=lambda: self._own_until) if shared else None
         self.pipeline = RowPipeline(trainer.staleness, self._upcoming, trainer.tables,
                                     lambda: self.replica.next_agreement, steps,
                                     read_ahead=trainer.read_ahead, cache_steps=trainer.cache_steps,
@@ -318,10 +318,6 @@ class _Run:
             self._after_step()
         self._boundary(final=True)
 
-    def _data_until(self) -> int:
-        """The first step this member has no batch for, as it said at the agreement taking place."""
-        return self.replica.step + self._in_hand
-
     def _sat_out(self) -> bool:
         """An uneven step this member has no batch for: its pushes settle and its reads ahead go (its next batch
         is for a later step), and it takes part in the step's mean with nothing.  False when the group stops."""
@@ -384,8 +380,6 @@ class _Run:
                     want_stop, short = self._told() if agreeing else self._agreement_flags()
                     # (asked again after a re-formation: the group may have dealt this member other data)
                     going_on = replica.sync_point(want_stop, self.checkpoints.pending(), short, retell=self._told)
-                    if agreeing:  # (from the step agreed at: a member that caught up with its group moved on)
-                        self._own_until = self._data_until()
                     if self._catch_up(replica):  # the group moved on: the reads ahead are for other steps
                         self.pipeline.drop_reads()
                         if not self._settled(self.pipeline.drain()):
@@ -453,9 +447,10 @@ class _Run:
         return self.ctx.should_stop(), 0
 
     def _told(self) -> Tuple[bool, int]:
-        """What this member says at an agreement (``_agreement_flags``), noting the batches it holds."""
+        """What this member says at an agreement (``_agreement_flags``), noting the first step it has no batch for
+        (asked at the step agreed at: after a re-formation a member that caught up with its group is asked again)."""
         want_stop, short = self._agreement_flags()
-        self._in_hand = self.replica.window() - short
+        self._own_until = self.replica.step + self.replica.window() - short
         return want_stop, short
 
     def _recovered(self, error: BaseException) -> bool:
