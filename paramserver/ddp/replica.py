@@ -134,8 +134,6 @@ class DenseReplica:
         self.reformations = 0
         self.recoveries = 0
         self.steps_skipped = 0
-        #: Whether the last ``sync_point`` agreed to wait for a member's data (the step is not taken yet).
-        self.agreed_wait = False
         #: The step of the group's next agreement (every member holds the same; set at each forming and agreement).
         self.next_agreement = 0
         #: Whether the group takes the steps that only some members have data for (``uneven_step``).
@@ -268,8 +266,8 @@ class DenseReplica:
         fewest (the steps from ``even_until`` on are then uneven steps,
         ``uneven_step``; at the first of them every member takes rank 0's
         buffers, as DDP's forward pass would give them).
-        None (``agreed_wait``): the step
-        is not taken, and the members agree again once they waited.  After
+        None: the step is not taken (``agreement_due()`` still holds after
+        ``sync_point``), and the members agree again once they waited.  After
         re-forming they agree again, in the new group: a member that just
         joined starts with this agreement, so everyone must.  A failed
         agreement is recovered from (``recover``) like a failed step.
@@ -278,7 +276,6 @@ class DenseReplica:
         without it, what was passed holds.
         """
         self.agreed_checkpoint = 0
-        self.agreed_wait = False
         while True:
             try:
                 if self.agreement_due():
@@ -312,10 +309,9 @@ class DenseReplica:
         self.agreed_checkpoint = agreement.checkpoint_request
         even = max(0, self.window() - agreement.short)
         steps = max(0, self.window() - agreement.least_short) if self.uneven_steps else even
-        self.agreed_wait = steps == 0
         self.next_agreement = self.step + steps
         self.even_until = self.step + even
-        if self.on_agreed is not None and not self.agreed_wait:
+        if self.on_agreed is not None and steps > 0:  # (none: the group waits, and agrees again)
             self.on_agreed(self)
 
     def collective_failed(self, error: BaseException) -> bool:

@@ -391,7 +391,7 @@ class _Run:
                 self.checkpoints.at_boundary(replica.agreed_checkpoint)
                 if self.exports is not None and agreeing:
                     self.exports.at_boundary(final)  # every push up to here is applied
-                if final or not replica.agreed_wait:
+                if final or not replica.agreement_due():  # (still due: the group agreed to wait for data)
                     if agreeing and not final and replica.next_agreement < replica.step + replica.window():
                         why = ("no member's data for the rest of the window has come" if replica.uneven_steps
                                else "a member's data for the rest of the window has not come")
