@@ -28,10 +28,8 @@ How to run
 
 import argparse
 import json
-import os
 import pathlib
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -44,8 +42,9 @@ JOB = REPO_ROOT / "tests" / "jobs" / "count_lines.py"
 sys.path.insert(0, str(JOB.parent))
 from count_lines import numbered  # noqa: E402
 
+from paramserver.cli.demo import LocalProcesses, wait_for_ready  # noqa: E402
+
 BATCH = 4  # the job's batch size
-READY_WITHIN = 120.0
 FORMED_WITHIN = 120.0
 STOPS_WITHIN = 60.0
 RECORD = re.compile(r"(\d+) ([\d,]+)")
@@ -56,60 +55,39 @@ def progress(message: str) -> None:
 
 
 class Cluster:
-    """ps-server and its workers, each in a session of its own, logging under ``folder``; ``stop()`` shuts the
-    cluster down and kills by pid whatever is left."""
+    """ps-server and its workers, started and reaped as ps-demo does (``LocalProcesses``), logging under
+    ``folder``; ``stop()`` shuts the cluster down and kills by pid whatever is left."""
 
     def __init__(self, folder: pathlib.Path, workers: int, data: pathlib.Path, records: pathlib.Path, poll: float):
-        self.folder, self.processes = folder, []
+        self.processes = LocalProcesses(folder)
         config = {"train": str(data), "records": str(records), "poll_seconds": poll}
-        server = self._start("ps-server", "paramserver.cli.server", "--shards", "1", "--port", "0",
-                             "--group-size", str(workers), "--job", f"{JOB}:main", "--job-config", json.dumps(config))
-        self.address = self._ready(server)
+        host_processes = 2 + workers  # the coordinator, its shard, the workers: all on this host
+        server = self.processes.start("ps-server", "paramserver.cli.server", "--shards", "1", "--port", "0",
+                                      "--group-size", str(workers), "--job", f"{JOB}:main",
+                                      "--job-config", json.dumps(config), host_processes=host_processes)
+        self.address = wait_for_ready(self.processes, server)
         for index in range(workers):
-            self._start(f"ps-worker{index}", "paramserver.cli.worker", "--connect", self.address)
+            self.processes.start(f"ps-worker{index}", "paramserver.cli.worker", "--connect", self.address,
+                                 host_processes=host_processes)
 
-    def _start(self, name: str, module: str, *args: str) -> subprocess.Popen:
-        with open(self.folder / f"{name}.out", "w") as out, open(self.folder / f"{name}.err", "w") as err:
-            process = subprocess.Popen([sys.executable, "-m", module, *args], stdout=out, stderr=err,
-                                       stdin=subprocess.DEVNULL, start_new_session=True, cwd=REPO_ROOT)
-        self.processes.append(process)
-        return process
-
-    def _ready(self, server: subprocess.Popen) -> str:
-        deadline = time.monotonic() + READY_WITHIN
-        while time.monotonic() < deadline:
-            for line in (self.folder / "ps-server.out").read_text().splitlines():
-                if line.startswith("ps-server ready at "):
-                    return line.split()[3]
-            if server.poll() is not None:
-                raise RuntimeError(f"ps-server exited with {server.returncode}: see {self.folder}/ps-server.err")
-            time.sleep(0.1)
-        raise RuntimeError(f"ps-server was not ready within {READY_WITHIN:.0f} s")
+    def log(self, name: str) -> str:
+        return (self.processes.log_dir / f"{name}.log").read_text()
 
     def check(self) -> None:
-        for process in self.processes:
+        for name, process in self.processes.started.items():
             if process.poll() is not None:
-                raise RuntimeError(f"{process.args[2]} exited with {process.returncode} (logs in {self.folder})")
+                raise self.processes.failure(name, f"exited with {process.returncode}")
 
     def stop(self) -> None:
         subprocess.run([sys.executable, "-m", "paramserver.cli.ctl", "--connect", self.address, "shutdown"],
-                       capture_output=True, cwd=REPO_ROOT, timeout=STOPS_WITHIN)
+                       capture_output=True, timeout=STOPS_WITHIN)
         deadline = time.monotonic() + STOPS_WITHIN
-        for process in self.processes:
+        for process in self.processes.started.values():
             try:
                 process.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-        self.kill()
-
-    def kill(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                try:
-                    os.killpg(process.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                process.wait()
+        self.processes.reap()
 
 
 class Records:
@@ -158,8 +136,8 @@ def run(args) -> Dict:
         try:
             progress(f"cluster at {cluster.address}: {args.workers} workers forming their group")
             deadline = time.monotonic() + FORMED_WITHIN
-            while "waits for its group's data" not in "".join(
-                    (logs / f"ps-worker{i}.err").read_text() for i in range(args.workers)):
+            workers = [f"ps-worker{index}" for index in range(args.workers)]
+            while "waits for its group's data" not in "".join(cluster.log(name) for name in workers):
                 cluster.check()
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"the group did not form and wait for data within {FORMED_WITHIN:.0f} s")

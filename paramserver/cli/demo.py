@@ -86,8 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="give up (and stop everything) after this long (default 900)")
 
 
-class _Processes:
-    """The demo's children: each in a session of its own, logging to files, all reaped at the end."""
+class LocalProcesses:
+    """The demo's children: each in a session of its own, logging to files (``<name>.out``, ``<name>.log``),
+    all reaped at the end (``benchmarks/online_group.py`` starts its cluster with them too)."""
 
     def __init__(self, log_dir: pathlib.Path):
         self.log_dir = log_dir
@@ -125,7 +126,9 @@ class _Processes:
             process.wait(10)
 
 
-def _wait_for_ready(processes: _Processes, server: subprocess.Popen) -> str:
+def wait_for_ready(processes: LocalProcesses, server: subprocess.Popen) -> str:
+    """The address ps-server ``server`` serves at, once it says it is ready (``DemoFailed`` if it exits or is
+    not ready within ``READY_WITHIN``)."""
     deadline = time.monotonic() + READY_WITHIN
     out = processes.log_dir / "ps-server.out"
     while time.monotonic() < deadline:
@@ -166,14 +169,14 @@ def _shown(figures: Dict[str, float], hook: str) -> Dict[str, str]:
     return shown
 
 
-def run_demo(args, config: dict, processes: _Processes) -> dict:
+def run_demo(args, config: dict, processes: LocalProcesses) -> dict:
     total = int(config.get("steps", 1500))
     began = time.monotonic()
     host_processes = 1 + args.shards + args.workers  # the coordinator, its shards, the workers: all on this host
     server = processes.start("ps-server", "paramserver.cli.server", "--shards", str(args.shards), "--port", "0",
                              "--group-size", str(args.workers), "--job", args.job,
                              "--job-config", json.dumps(config), host_processes=host_processes)
-    address = _wait_for_ready(processes, server)
+    address = wait_for_ready(processes, server)
     print(f"ps-demo: cluster ready at {address} ({args.shards} shards); starting {args.workers} workers with the "
           f"{args.hook} hook; logs in {processes.log_dir}", file=sys.stderr, flush=True)
     hook_flags = ["--comm-hook", args.hook] + [f for option in args.hook_option for f in ("--comm-hook-option", option)]
@@ -250,7 +253,7 @@ def run(args) -> int:
         return 2
     log_dir = pathlib.Path(args.log_dir or tempfile.mkdtemp(prefix="ps-demo-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    processes = _Processes(log_dir)
+    processes = LocalProcesses(log_dir)
     try:
         _stop_on_signals()
         summary = run_demo(args, config, processes)
