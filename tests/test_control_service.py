@@ -11,7 +11,6 @@ import datetime
 import logging
 import re
 import threading
-import time
 
 import grpc
 import pytest
@@ -259,12 +258,20 @@ def test_rendezvous_store_removes_a_lost_member_and_frees_its_token():
         assert not store.remove_rpc_peer("worker0", 2)
 
         # Another member is joining: its token is waited for, never taken.
+        # (Ordered by events, not by elapsed time: a loaded machine may
+        # stall this thread past the release.)
         rpc_store.set("RpcGroupManagementToken", "Token_for_worker2_join")
-        release = threading.Timer(0.5, lambda: rpc_store.set("RpcGroupManagementToken", ""))
+        released = threading.Event()
+
+        def release_the_token():
+            released.set()
+            rpc_store.set("RpcGroupManagementToken", "")
+
+        release = threading.Timer(0.5, release_the_token)
         release.start()
-        began = time.monotonic()
         assert store.remove_rpc_peer("worker1", 3, takeover_after=datetime.timedelta(seconds=0.1))
-        assert time.monotonic() - began >= 0.4
+        assert released.is_set(), "the removal took a joining member's token instead of waiting for it"
+        assert not rpc_store.check(["Token_for_worker2_join"])  # never marked done by the removal
         assert names.get("_ALL_WORKER_INFOS") == b"shard0-1,"
         release.join()
     finally:
