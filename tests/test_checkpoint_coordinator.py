@@ -84,7 +84,7 @@ def test_a_checkpoint_that_failed_answers_its_requests_at_once_and_its_parts_are
     started = time.monotonic()
     with pytest.raises(RequestError) as failed:
         coordinator.wait(first, datetime.timedelta(seconds=30))
-    assert time.monotonic() - started < 1
+    assert time.monotonic() - started < 10  # at once, not after the 30 s timeout
     assert failed.value.code == grpc.StatusCode.ABORTED
     assert failed.value.message == ("checkpoint request 1 failed: worker0 could not write it: "
                                      "RuntimeError: shard1 failed a traceback")  # one line
@@ -101,7 +101,7 @@ def test_a_failure_settles_only_the_requests_made_and_stays_a_failure(tmp_path):
     first = coordinator.request("ps-ctl checkpoint")
     started = time.monotonic()
     coordinator.fail("worker0", pb.CommitCheckpointRequest(member_id="m", request=2**63, step=10, failure="lost"))
-    assert time.monotonic() - started < 1  # not a loop to the number it names
+    assert time.monotonic() - started < 10  # not a loop to the number it names
     second = coordinator.request("ps-ctl checkpoint")
     directory, files = written(store, 20)
     checkpoint = coordinator.commit("worker0", commit_request(directory, files, 20, request=second))

@@ -144,7 +144,7 @@ def test_silent_member_is_marked_dead_within_the_timeout(start):
     member = client.join(pb.ROLE_WORKER, "w", "127.0.0.1")
     joined = time.monotonic()
     while client.status().workers[0].alive:
-        assert time.monotonic() - joined < 3.0, "not declared dead within the timeout (+ sweep slack)"
+        assert time.monotonic() - joined < 6.0, "not declared dead within the timeout (+ slack for a loaded machine)"
         time.sleep(0.05)
     assert time.monotonic() - joined >= 1.5
     status = client.status()
