@@ -17,6 +17,7 @@ from paramserver.optim import QHM, DistributedOptimizer
 from paramserver.shards import DynamicEmbeddingBag, EmbeddingCollection, ShardedEmbeddingBag, ShardRequestFailed
 from paramserver.shards.client.embedding import Route
 from paramserver.shards.client.row_cache import RowWindow
+from paramserver.tables import distinct_ids
 from paramserver.tables.id_hash import initial_rows
 from paramserver.shards.server import service
 
@@ -274,11 +275,20 @@ def trainer_row_window_reads_once_and_pushes_in_order():
     with _CountedRpc() as counted:
         window.read(cached.lookup_planned(window.plan))
     assert counted.calls == {("lookup", shard): 1 for shard in shards}, counted.calls
+    # The same window from distinct ids found ahead (as the Trainer's batch reader finds them) reads the same.
+    found = {step: {name: distinct_ids(ids) for name, ids in features.items()} for step, features in steps}
+    ahead = RowWindow(cached, steps, distinct=found)
+    assert (ahead.steps, ahead.rows_held, ahead.rows_needed) == (window.steps, window.rows_held, window.rows_needed)
+    ahead.read(cached.lookup_planned(ahead.plan))
+    with pytest.raises(ValueError, match="table 'window-b.users': distinct ids found for 1 ids are handed with 12"):
+        RowWindow(cached, steps[:1], distinct={0: {"users": distinct_ids(torch.zeros(1, 1, dtype=torch.long))}})
     pushes = []
     for step, features in steps:
         lookup = window.lookup(step)
         alone = cached.lookup(features).unique_rows()  # nothing was pushed yet: the same rows
         assert all(torch.equal(lookup.unique_rows()[name], alone[name]) for name in TABLES)
+        pooled, pooled_ahead = lookup.pooled(), ahead.lookup(step).pooled()
+        assert all(torch.equal(pooled[name], pooled_ahead[name]) for name in TABLES)
         backward(lookup)
         pushes.append(lookup.step_push(step))
         lookup = plain.lookup(features)

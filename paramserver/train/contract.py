@@ -10,7 +10,7 @@ from typing import Dict, Optional
 import torch
 from torch import Tensor
 
-from ..tables import DynamicOptions
+from ..tables import DistinctIds, DynamicOptions, distinct_ids
 
 MODES = ("sum", "mean")
 
@@ -75,9 +75,18 @@ class Batch:
     sparse: Dict[str, Tensor]
     dense: Tensor
     labels: Tensor
+    #: Per table, its ids' distinct values as ``find_distinct_ids`` found them (a step's routing starts there).
+    distinct: Dict[str, DistinctIds] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __len__(self) -> int:
         return self.labels.numel()
+
+    def find_distinct_ids(self) -> None:
+        """Deduplicate every table's ids now, into ``distinct``: the Trainer's batch reader does it in its own
+        thread, ahead of the step.  Ids of a type no table takes are left to ``check`` to name."""
+        for name, ids in self.sparse.items():
+            if name not in self.distinct and isinstance(ids, Tensor) and ids.dtype in (torch.int64, torch.int32):
+                self.distinct[name] = distinct_ids(ids)
 
     def check(self, tables: Dict[str, Table]) -> None:
         """Raise ``ValueError`` naming what does not fit ``tables`` (nothing has been sent yet)."""

@@ -7,7 +7,10 @@ took from another member instead of training it drops its batch
 (``skip``).  Before an agreement the Trainer asks for the batches up to
 the next one (``ensure``), so that a worker whose data ends asks its
 group to stop there, where every member stops together, instead of
-leaving the others waiting in a collective.
+leaving the others waiting in a collective.  Each batch's distinct ids
+are found as it is read (``Batch.find_distinct_ids``): with batches read
+ahead, in the reader's thread, off the training thread's path (its
+routes start from them).
 
 Its position (``position()``) goes into checkpoints: the number of
 batches used, and, for data with ``state_dict()``/``load_state_dict()``
@@ -113,6 +116,8 @@ class BatchStream:
             batch = next(self._iterator)
         except StopIteration:
             return None
+        if isinstance(batch, Batch):  # (what is not is refused when its step checks it)
+            batch.find_distinct_ids()  # off the step's path when read ahead
         before, self._pulled_state = self._pulled_state, self._data.state_dict() if self._stateful else None
         return batch, before, self._pulled_state
 

@@ -149,7 +149,7 @@ class RowPipeline:
         """Steps ``first`` to ``last`` (planned during ``step``; ``batch`` is ``step``'s own) as one window, cut
         where a batch is missing or refused (the step it belongs to raises that in its turn) or at the row
         bound; ``None`` when not even ``first`` is there."""
-        steps = []
+        steps, distinct = [], {}
         for later in range(first, last + 1):
             ahead = batch if later == step else self._upcoming(later - step)
             if ahead is None:
@@ -160,13 +160,14 @@ class RowPipeline:
                 except (ValueError, TypeError, IndexError):  # what Batch.check refuses
                     break
             steps.append((later, ahead.sparse))
+            distinct[later] = ahead.distinct
         if not steps:
             return None
         try:
-            return RowWindow(collection, steps, self._window_rows)
+            return RowWindow(collection, steps, self._window_rows, distinct)
         except (ValueError, TypeError, IndexError):  # a table's route refuses a later batch's ids: not read ahead
             if steps[0][0] == step:
-                return RowWindow(collection, steps[:1], self._window_rows)  # the step's own refusal raises
+                return RowWindow(collection, steps[:1], self._window_rows, distinct)  # the step's own refusal raises
             return None
 
     def rows(self, collection: EmbeddingCollection, step: int, batch: Batch) -> CollectionLookup:

@@ -19,7 +19,7 @@ import torch.distributed.rpc as rpc
 from torch import Tensor, nn
 from torch.distributed.rpc import RRef
 
-from ...tables import DynamicOptions
+from ...tables import DistinctIds, DynamicOptions, distinct_ids
 from ...tables.id_hash import shard_of
 from ..peer import creation_timeout
 from ..server import service
@@ -73,10 +73,11 @@ class DynamicEmbeddingBag(nn.Module):
         """RRefs to every shard's slab (in ``shards`` order), for ``DistributedOptimizer``."""
         return list(self._shard_rrefs)
 
-    def route(self, input: Tensor, offsets: Optional[Tensor] = None) -> Route:
-        """Where the ids of a lookup go: checked, deduplicated, and split by the shard each hashes to."""
+    def route(self, input: Tensor, offsets: Optional[Tensor] = None, distinct: Optional[DistinctIds] = None) -> Route:
+        """Where the ids of a lookup go: checked, deduplicated (``distinct``: done already, by
+        ``distinct_ids(input)``), and split by the shard each hashes to."""
         ids = self._check_ids(input, offsets)
-        unique_ids, inverse = torch.unique(ids.reshape(-1), sorted=True, return_inverse=True)
+        unique_ids, inverse = distinct_ids(ids, distinct, self.name)
         owner = shard_of(unique_ids, len(self.shards))
         order = torch.argsort(owner, stable=True)
         counts = torch.bincount(owner, minlength=len(self.shards)).tolist()

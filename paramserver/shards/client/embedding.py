@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.rpc import RRef
 
+from ...tables import DistinctIds, distinct_ids
 from ..peer import creation_timeout
 from ..server import service
 from .placement import RowRange, split_rows
@@ -142,10 +143,12 @@ class ShardedEmbeddingBag(nn.Module):
             return route.pool(unique_rows, offsets, per_sample_weights)
         return finish
 
-    def route(self, input: Tensor, offsets: Optional[Tensor] = None) -> "Route":
-        """Where the ids of a lookup go: checked, deduplicated, and split by row range."""
+    def route(self, input: Tensor, offsets: Optional[Tensor] = None,
+              distinct: Optional[DistinctIds] = None) -> "Route":
+        """Where the ids of a lookup go: checked, deduplicated (``distinct``: done already, by
+        ``distinct_ids(input)``), and split by row range."""
         ids = self._check_ids(input, offsets)
-        unique_ids, inverse = torch.unique(ids.reshape(-1), sorted=True, return_inverse=True)
+        unique_ids, inverse = distinct_ids(ids, distinct, self.name)
         self._check_range(unique_ids)
         if len(self.ranges) == 1:  # a whole table: its one range starts at row 0, its local ids are the ids
             return Route(self, inverse.view(ids.shape), [(0, unique_ids)] if unique_ids.numel() else [])

@@ -20,6 +20,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from ...tables import DistinctIds
 from .collection import CollectionLookup, EmbeddingCollection, LookupPlan
 from .embedding import Route
 
@@ -27,11 +28,13 @@ from .embedding import Route
 class RowWindow:
     """The steps ``steps`` (``(step, features)`` pairs, consecutive) of ``collection``, read as one lookup:
     the longest leading run of them whose distinct rows, over every table, are at most ``max_rows``
-    (``None``: no bound; the first step always).  ``plan`` is that lookup, not sent: send it (on its own with
-    ``collection.lookup_planned``, or carried by a push) and hand the sent lookup to ``read``."""
+    (``None``: no bound; the first step always).  ``distinct``: per step, the distinct ids of its tables found
+    already (``paramserver.tables.distinct_ids``), so that routing them does not find them again.  ``plan``
+    is that lookup, not sent: send it (on its own with ``collection.lookup_planned``, or carried by a push)
+    and hand the sent lookup to ``read``."""
 
     def __init__(self, collection: EmbeddingCollection, steps: Sequence[Tuple[int, Mapping[str, Tensor]]],
-                 max_rows: Optional[int] = None):
+                 max_rows: Optional[int] = None, distinct: Optional[Mapping[int, Mapping[str, DistinctIds]]] = None):
         if not steps:
             raise ValueError("a row window needs at least one step")
         self.collection = collection
@@ -41,7 +44,9 @@ class RowWindow:
         taken: Dict[Tuple[str, int], List[Tensor]] = {}
         self.rows_needed = bytes_needed = 0  # each step's distinct rows, summed: what it would read alone
         for step, features in steps:
-            routes = {name: table.route(features[name]) for name, table in collection.tables.items()}
+            found = (distinct or {}).get(step, {})
+            routes = {name: table.route(features[name], distinct=found.get(name))
+                      for name, table in collection.tables.items()}
             if self._routes and max_rows is not None:
                 grown = {key: list(held) for key, held in taken.items()}
                 for name, route in routes.items():
