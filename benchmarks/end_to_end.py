@@ -94,10 +94,13 @@ What it measures
     by the coordinator's fork server a shard), the reference's processes name
     themselves (``master``, ``psN``, ``trainerN``).  Counted from when both
     trainers start their loops (ours: the Trainer's "from step" log line; the
-    reference's: a file each trainer touches) to the end, so imports and
-    start-up are left out (the header of the table says if the start was not
-    seen), and divided by every sample trained; CPU a process spends in its
-    last half second before exiting is missed.  The floor's is its own
+    reference's: a file each trainer touches) to when both have trained their
+    last step (ours: the Trainer's "step N/N" log line, which rank 0 writes
+    after its held-out evaluation of that step, so that evaluation counts; the
+    reference's: another file), so imports, start-up, the export and the exit
+    are left out (the header of the table says if the start was not seen),
+    and divided by every sample trained.  The processes are read every half
+    second and once more at each end of the window.  The floor's is its own
     process's over its timed loop.
 
 How to run
@@ -207,15 +210,16 @@ def process_kind(cmdline: str, name: str, parent_cmdline: str, parent_kind: str)
     return None
 
 
-def watch_cpu(started: Callable[[], bool]) -> PollingThread:
-    """Counts the CPU of this benchmark's descendants by kind, from when ``started()`` first holds."""
-    return PollingThread(ProcessTreeCPU(os.getpid(), "benchmark", process_kind), started)
+def watch_cpu(started: Callable[[], bool], ended: Callable[[], bool]) -> PollingThread:
+    """Counts the CPU of this benchmark's descendants by kind, from when ``started()`` first holds to when
+    ``ended()`` does."""
+    return PollingThread(ProcessTreeCPU(os.getpid(), "benchmark", process_kind), started, done=ended)
 
 
 def cpu_per_1000(cpu: PollingThread, samples: int) -> Dict:
-    """CPU seconds per 1,000 samples of each kind counted by ``cpu``, and whether start-up is left out."""
+    """CPU seconds per 1,000 samples of each kind counted by ``cpu``, and whether start-up and exit are left out."""
     return {"cpu_per_1000": {kind: 1e3 * seconds / samples for kind, seconds in cpu.tree.cpu_by_kind().items()},
-            "cpu_window": cpu.tree.marked, "rss_growth_mib": cpu.tree.rss_growth_by_kind()}
+            "cpu_window": cpu.tree.marked and cpu.tree.ended, "rss_growth_mib": cpu.tree.rss_growth_by_kind()}
 
 
 def threads_of(args) -> Dict[str, Dict[str, int]]:
@@ -241,7 +245,8 @@ def run_ours(args, folder: pathlib.Path) -> Dict:
             extra["cache_steps"] = args.cache_steps
     environment = {THREADS_ENV: str(args.threads), "OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
     worker_logs = [folder / "logs" / f"ps-worker{i}.log" for i in range(reference_hybrid.TRAINERS)]
-    with watch_cpu(lambda: all(training_started(log) for log in worker_logs)) as cpu:
+    with watch_cpu(lambda: all(training_started(log) for log in worker_logs),
+                   lambda: all(training_ended(log, args.steps) for log in worker_logs)) as cpu:
         summary = run_demo(folder, args.steps, args.batch, args.log_every, args.timeout, extra_config=extra,
                            environment=environment)
     return dict(cpu_per_1000(cpu, args.steps * reference_hybrid.TRAINERS * args.batch),
@@ -256,6 +261,15 @@ def training_started(worker_log: pathlib.Path) -> bool:
     """Whether a ps-worker's log says its training loop starts (the Trainer's "... from step N" line)."""
     try:
         return " from step " in worker_log.read_text(errors="replace")
+    except OSError:
+        return False
+
+
+def training_ended(worker_log: pathlib.Path, steps: int) -> bool:
+    """Whether a ps-worker's log says its last step is done (the Trainer's "... step N/N:" line, logged at the
+    last step whatever the log interval)."""
+    try:
+        return f" step {steps}/{steps}:" in worker_log.read_text(errors="replace")
     except OSError:
         return False
 
@@ -321,17 +335,19 @@ def run_reference(args, folder: pathlib.Path, sparse: bool) -> Dict:
     """The torch RPC + DDP reference, 7 spawned processes; the trainers' figures combined, and the
     processes' CPU from when both trainers start their first step."""
     variant = "sparse" if sparse else "dense"
-    started_path = folder / f"reference-{variant}.started"
+    started_path, ended_path = folder / f"reference-{variant}.started", folder / f"reference-{variant}.ended"
     config = dict(JOB_DEFAULTS, steps=args.steps, batch_size=args.batch, loss_window=args.log_every,
                   sparse=sparse, transports=["uv"], threads=threads_of(args)[REFERENCE],
-                  started_path=str(started_path))
+                  started_path=str(started_path), ended_path=str(ended_path))
     results_path = str(folder / f"reference-{variant}.json")
     rpc_port, ddp_port = free_port(), free_port()
     children = [Child(name, reference_hybrid.run_process, (name, rank, rpc_port, ddp_port, config, results_path))
                 for rank, name in enumerate(reference_hybrid.process_names())]
     markers = [pathlib.Path(f"{started_path}.{rank}") for rank in range(reference_hybrid.TRAINERS)]
+    ends = [pathlib.Path(f"{ended_path}.{rank}") for rank in range(reference_hybrid.TRAINERS)]
     try:
-        with watch_cpu(lambda: all(marker.exists() for marker in markers)) as cpu:
+        with watch_cpu(lambda: all(marker.exists() for marker in markers),
+                       lambda: all(marker.exists() for marker in ends)) as cpu:
             run_children(children, datetime.timedelta(seconds=args.timeout))
     except ChildProcessesFailed as error:
         raise ContestantFailed(f"the reference failed: {error}") from error
@@ -421,7 +437,7 @@ def report_cpu(runs: Dict[str, List[Dict]]) -> None:
         return f"{statistics.mean(sum(r['cpu_per_1000'].get(k, 0.0) for k in kinds if k) for r in runs[name]):.3f}"
 
     windowed = all(r["cpu_window"] for results in runs.values() for r in results)
-    print(f"\n| CPU seconds per 1,000 samples ({'training only' if windowed else 'start-up included in some'}) "
+    print(f"\n| CPU seconds per 1,000 samples ({'training only' if windowed else 'start-up or exit included in some'}) "
           f"| paramserver | reference | floor |\n|---|---:|---:|---:|")
     for label, ours, theirs in CPU_ROWS:
         floor = cell(FLOOR, "floor") if ours == "worker" else ""  # the floor's one process trains

@@ -9,7 +9,9 @@ every thread) is read at every ``poll`` and the last reading of each
 process is kept, since most exit before the run ends (what a process spent
 between its last poll and its exit is missed: poll often).  ``mark`` takes
 a baseline, so that ``cpu_by_kind`` counts only what was spent after it
-(training, not imports and start-up).  Also ``name_this_process``: a
+(training, not imports and start-up), and ``end`` a last reading, so that
+it counts nothing after that either (not the evaluation, export and exit
+that follow training).  Also ``name_this_process``: a
 process's name (``/proc/<pid>/comm``), for a process that its command line
 does not tell apart (a fork server's children share its command line).
 """
@@ -17,6 +19,7 @@ does not tell apart (a fork server's children share its command line).
 import ctypes
 import os
 import threading
+import time
 from typing import Callable, Dict, Optional, Tuple
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -82,9 +85,13 @@ class ProcessTreeCPU:
         self._baseline: Optional[Dict[ProcessKey, float]] = None
         self._rss: Dict[ProcessKey, int] = {}  # the largest resident memory seen
         self._rss_baseline: Dict[ProcessKey, int] = {}
+        self._ended = False
 
     def poll(self) -> None:
-        """Read the CPU time of every process of the tree now (new ones are classified first)."""
+        """Read the CPU time of every process of the tree now (new ones are classified first); nothing after
+        ``end``."""
+        if self._ended:
+            return
         stats = {}
         with self._lock:
             of_tree = {pid for pid, _ in self._kinds}
@@ -123,9 +130,18 @@ class ProcessTreeCPU:
             self._baseline = dict(self._readings)
             self._rss_baseline = dict(self._rss)
 
+    def end(self) -> None:
+        """Poll, and count nothing from now on."""
+        self.poll()
+        self._ended = True
+
     @property
     def marked(self) -> bool:
         return self._baseline is not None
+
+    @property
+    def ended(self) -> bool:
+        return self._ended
 
     def cpu_by_kind(self) -> Dict[str, float]:
         """CPU seconds of each kind of process since ``mark`` (since each one started, without a mark)."""
@@ -151,21 +167,32 @@ class ProcessTreeCPU:
 
 class PollingThread:
     """Polls a ``ProcessTreeCPU`` every ``interval`` seconds (every ``fast_interval`` until ``ready()`` says
-    the window starts, then it marks) while the ``with`` block runs, and once more at its end."""
+    the window starts, then it marks; then every ``fast_interval`` again, once ``done`` is given, until
+    ``done()`` says the window ends, then it ends the tree's counting) while the ``with`` block runs, and
+    once more at its end."""
 
     def __init__(self, tree: ProcessTreeCPU, ready: Callable[[], bool], interval: float = 0.5,
-                 fast_interval: float = 0.1):
+                 fast_interval: float = 0.1, done: Optional[Callable[[], bool]] = None):
         self.tree, self.ready, self.interval, self.fast_interval = tree, ready, interval, fast_interval
+        self.done = done
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="process-cpu", daemon=True)
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            if not self.tree.marked and self.ready():
-                self.tree.mark()
-            else:
+        next_poll = 0.0
+        while not self._stop.is_set() and not self.tree.ended:
+            if not self.tree.marked:
+                if self.ready():
+                    self.tree.mark()
+                else:
+                    self.tree.poll()
+            elif self.done is not None and self.done():  # (asked every fast_interval: it is a cheap look)
+                self.tree.end()
+                return
+            elif time.monotonic() >= next_poll:
                 self.tree.poll()
-            self._stop.wait(self.interval if self.tree.marked else self.fast_interval)
+                next_poll = time.monotonic() + self.interval
+            self._stop.wait(self.interval if self.tree.marked and self.done is None else self.fast_interval)
 
     def __enter__(self) -> "PollingThread":
         self._thread.start()

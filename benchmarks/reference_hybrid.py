@@ -134,6 +134,8 @@ def run_trainer(tables: Sequence[RemoteModule], rank: int, config: Dict) -> Dict
         for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5)):
             phases[phase] += seconds
     elapsed = time.monotonic() - started
+    if config.get("ended_path"):  # and that it ended
+        pathlib.Path(f"{config['ended_path']}.{rank}").touch()
     return {"samples_per_s": steps * batch_size / elapsed, "seconds": elapsed,
             "loss": statistics.mean(losses[-config["loss_window"]:]),
             "phase_ms": {phase: 1e3 * seconds / steps for phase, seconds in phases.items()}}
