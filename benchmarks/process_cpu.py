@@ -201,4 +201,6 @@ class PollingThread:
     def __exit__(self, *exc_info) -> None:
         self._stop.set()
         self._thread.join()
+        if self.tree.marked and self.done is not None and self.done():  # it ended between two looks
+            self.tree.end()
         self.tree.poll()
