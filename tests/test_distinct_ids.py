@@ -39,15 +39,18 @@ def test_a_batch_finds_its_tables_distinct_ids_and_leaves_ids_of_a_wrong_type_to
         batch.check({"users": Table(10, 4), "items": Table(10, 4)})
 
 
-@pytest.mark.parametrize("prefetch", [0, 2])
-def test_batches_read_for_the_trainer_come_with_their_distinct_ids_found(prefetch):
-    batches = [_batch(users=torch.randint(0, 20, (4, 2))) for _ in range(3)]
-    stream = BatchStream(batches, prefetch=prefetch)
+def test_batches_read_ahead_for_the_trainer_come_with_their_distinct_ids_found_and_others_without():
+    batches = [_batch(users=torch.randint(0, 20, (4, 2))) for _ in range(5)]
+    stream = BatchStream(batches, position={"used": 2}, prefetch=2)  # a restore skips 2 batches
     try:
         assert stream.ensure(3)
-        for offset, batch in enumerate(batches):
+        for offset, batch in enumerate(batches[2:]):
             taken = stream.ahead(offset)
-            assert taken is batch
+            assert taken is batch  # in the reader's thread
             assert torch.equal(taken.distinct["users"].ids, batch.sparse["users"].unique())
+        assert all(not skipped.distinct for skipped in batches[:2])  # no work for batches only skipped
     finally:
         stream.close()
+    unread = [_batch(users=torch.randint(0, 20, (4, 2)))]
+    stream = BatchStream(unread)  # nothing read ahead: the step's route finds them
+    assert stream.ahead(0) is unread[0] and not unread[0].distinct

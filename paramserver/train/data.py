@@ -7,10 +7,9 @@ took from another member instead of training it drops its batch
 (``skip``).  Before an agreement the Trainer asks for the batches up to
 the next one (``ensure``), so that a worker whose data ends asks its
 group to stop there, where every member stops together, instead of
-leaving the others waiting in a collective.  Each batch's distinct ids
-are found as it is read (``Batch.find_distinct_ids``): with batches read
-ahead, in the reader's thread, off the training thread's path (its
-routes start from them).
+leaving the others waiting in a collective.  A batch read ahead has its
+distinct ids found in the reader's thread (``Batch.find_distinct_ids``),
+off the training thread's path (its routes start from them).
 
 Its position (``position()``) goes into checkpoints: the number of
 batches used, and, for data with ``state_dict()``/``load_state_dict()``
@@ -88,7 +87,15 @@ class BatchStream:
 
     def _start_reading(self) -> None:
         if self._prefetch > 0:  # from here on only the reader's thread touches the data
-            self._reader = _Reader(self._pull_now, self._prefetch)
+            self._reader = _Reader(self._pull_ahead, self._prefetch)
+
+    def _pull_ahead(self) -> Optional[Tuple[Batch, Any, Any]]:
+        """``_pull_now`` in the reader's thread, which also finds the batch's distinct ids, off the step's path
+        (not for batches pulled to be skipped, nor when nothing is read ahead: a route finds them then)."""
+        pulled = self._pull_now()
+        if pulled is not None and isinstance(pulled[0], Batch):  # (what is not is refused when its step checks it)
+            pulled[0].find_distinct_ids()
+        return pulled
 
     def restart(self, configure: Callable[[], None]) -> None:
         """Read on from wherever ``configure()``, called while nothing reads the data, puts it (the data must
@@ -116,8 +123,6 @@ class BatchStream:
             batch = next(self._iterator)
         except StopIteration:
             return None
-        if isinstance(batch, Batch):  # (what is not is refused when its step checks it)
-            batch.find_distinct_ids()  # off the step's path when read ahead
         before, self._pulled_state = self._pulled_state, self._data.state_dict() if self._stateful else None
         return batch, before, self._pulled_state
 
