@@ -90,7 +90,7 @@ class StoreViews:
 def train(name: str, index: int, port: int, steps: int, hook: str, result_path: str,
           publish=None, late_member_at: int = 0, late: bool = False, lost_at: int = 0,
           lost: bool = False, hangs: bool = False, short_by=None, uneven: bool = False,
-          buffered: bool = False, retold_short=None) -> None:
+          buffered: bool = False, retold_short=None, hangs_forming: bool = False) -> None:
     """Train ``steps`` steps in the group; ``publish=(generation, members)`` announces a view first.
 
     ``late_member_at``: a member there from the start waits at that step
@@ -108,6 +108,9 @@ def train(name: str, index: int, port: int, steps: int, hook: str, result_path: 
     ``buffered``: the model has a buffer (``model``).  ``retold_short``:
     ``{step: steps}`` this member says it is short of when asked again after a
     re-formation at that step (``sync_point``'s ``retell``).
+    ``hangs_forming``: a ``late`` member publishes the view without itself and
+    SIGSTOPs itself as the group it joins starts sharing state (its peers
+    wait in those collectives until the new view makes them abandon them).
     ``slowest_step_s`` in the result is the longest step, its recovery
     included; ``agreed_at`` the steps the group agreed at.
     """
@@ -120,6 +123,12 @@ def train(name: str, index: int, port: int, steps: int, hook: str, result_path: 
         source.publish(*publish)
     if late:
         source._store.set("late/published", "yes")
+    if hangs_forming:
+        def hang(replica) -> None:  # (in place of DenseReplica._share_state)
+            source.publish(replica.group.generation + 1, [m for m in replica.group.members if m != name])
+            source._store.set("hung/pid", str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+        DenseReplica._share_state = hang
     replica = DenseReplica(TrainerGroup.join(source, TIMEOUT), model(buffered), make_optimizer, hook=hook,
                            uneven_steps=uneven)
     slowest_step_s, agreed_at, own_until = 0.0, [], 0

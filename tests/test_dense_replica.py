@@ -160,6 +160,28 @@ def test_a_group_that_loses_a_member_re_forms_and_trains_on_without_it(tmp_path,
             assert torch.equal(got[name]["state"][key], got["worker0"]["state"][key])
 
 
+def test_a_member_that_hangs_while_the_group_forms_is_left_behind_as_in_a_step(tmp_path, store):
+    """A late member joins the next generation and hangs (SIGSTOP) as its state is being shared, after
+    publishing the view without it: the others abandon that generation's collectives (not the collective
+    timeout, 60 s), form the next one and train on as if it had never come."""
+    first, steps, late_at = ["worker0", "worker1"], 20, 10
+    children = [Child(name, rw.train, (name, index, store.port, steps, "allreduce", str(tmp_path / f"{name}.pkl"),
+                                       (1, first) if index == 0 else None, late_at), dict(hangs=True))
+                for index, name in enumerate(first)]
+    children.append(Child("worker2", rw.train, ("worker2", 2, store.port, steps, "allreduce",
+                                                str(tmp_path / "worker2.pkl"), (2, first + ["worker2"]), late_at, True),
+                          dict(hangs_forming=True)))
+    run_children(children, TIMEOUT, expected_exit_codes={"worker2": -signal.SIGKILL})
+    got = results(tmp_path, first)
+    expected = local_training(first, steps)
+    for name in first:
+        assert (got[name]["step"], got[name]["reformations"], got[name]["recoveries"]) == (steps, 1, 1)
+        assert got[name]["slowest_step_s"] < ABANDONED_WITHIN_S, got[name]["slowest_step_s"]
+        for key, value in expected.items():
+            torch.testing.assert_close(got[name]["state"][key], value, atol=1e-6, rtol=1e-6)
+            assert torch.equal(got[name]["state"][key], got["worker0"]["state"][key])
+
+
 def test_the_state_comes_from_the_member_furthest_ahead_ties_to_the_lowest_rank():
     assert state_source([0, 0, 0]) == 0
     assert state_source([7, 8, 8]) == 1  # rank 1 finished step 7 before the loss, rank 0 failed in it

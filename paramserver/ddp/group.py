@@ -37,8 +37,9 @@ them).
 import datetime
 import logging
 import os
+import pickle
 import threading
-from typing import Dict, List, NamedTuple, Optional, Protocol, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Protocol, Tuple
 
 import torch
 import torch.distributed as dist
@@ -233,6 +234,30 @@ class TrainerGroup:
         future.add_done_callback(forward)
         return mine
 
+    def gather_objects(self, value: Any) -> List[Any]:
+        """Every member's ``value`` (pickled), in rank order, through collectives abandoned with the generation
+        (``abortable``): a member that hangs holds the others no longer than an agreement would."""
+        mine = _pickled(value, self.device)
+        size = torch.tensor([mine.numel()], dtype=torch.int64, device=self.device)
+        sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
+        self.abortable(dist.all_gather(sizes, size, async_op=True).get_future()).wait()
+        lengths = [int(length) for length in sizes]
+        padded = torch.zeros(max(lengths), dtype=torch.uint8, device=self.device)
+        padded[:mine.numel()] = mine
+        every = [torch.empty_like(padded) for _ in range(self.world_size)]
+        self.abortable(dist.all_gather(every, padded, async_op=True).get_future()).wait()
+        return [_unpickled(tensor[:length]) for tensor, length in zip(every, lengths)]
+
+    def broadcast_object(self, value: Any, source: int) -> Any:
+        """Member ``source``'s ``value`` (pickled; the others' is ignored), abandoned with the generation like
+        ``gather_objects``'s collectives."""
+        mine = _pickled(value, self.device) if self.rank == source else None
+        size = torch.tensor([0 if mine is None else mine.numel()], dtype=torch.int64, device=self.device)
+        self.abortable(dist.broadcast(size, src=source, async_op=True).get_future()).wait()
+        data = mine if mine is not None else torch.empty(int(size), dtype=torch.uint8, device=self.device)
+        self.abortable(dist.broadcast(data, src=source, async_op=True).get_future()).wait()
+        return value if self.rank == source else _unpickled(data)
+
     def _watch_views(self) -> None:
         while not self._closed.wait(WATCH_VIEWS_EVERY.total_seconds()):
             newest = self._source.group_view()
@@ -310,3 +335,12 @@ class TrainerGroup:
     def describe(self) -> str:
         return (f"trainer group {self.view.group} generation {self.generation}, rank {self.rank} of "
                 f"{self.world_size} ({self.backend} on {self.device})")
+
+
+def _pickled(value: Any, device: torch.device) -> torch.Tensor:
+    """``value`` pickled into a uint8 tensor on ``device`` (what a collective carries)."""
+    return torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).to(device)
+
+
+def _unpickled(data: torch.Tensor) -> Any:
+    return pickle.loads(data.cpu().numpy().tobytes())

@@ -6,8 +6,11 @@ its local optimizer, and the step counter, and keeping all of them equal
 across the group's members when the group (re-)forms: ``_share_state``
 copies the parameters, buffers, optimizer state and step of the member
 furthest ahead (ties: the lowest rank; a newcomer is at step 0, so in a
-group that only grew that is rank 0) to everyone, before DDP's constructor
-copies rank 0's (equal by then).  A re-formed group starts a fresh
+group that only grew that is rank 0) to everyone, through collectives the
+group abandons when a newer view drops a member (a member that hangs while
+the group forms holds the others no longer than in a step), and DDP's
+constructor copies nothing more (``DDP_SHARED_STATE``; before torch 2.6 it
+copies rank 0's, equal by then).  A re-formed group starts a fresh
 comm-hook state: PowerSGD's error memory belongs to one rank's gradients
 and its Q memory must be equal on every rank, so neither can be carried
 over to a group with other members.
@@ -50,6 +53,7 @@ batch (counted in ``steps_skipped``).
 
 import functools
 import gc
+import inspect
 import logging
 import pickle
 import time
@@ -72,6 +76,12 @@ logger = logging.getLogger(__name__)
 #: Re-formations after failed collectives in a row (no step completed between
 #: them) before the replica gives up.
 MAX_RECOVERIES = 3
+
+#: DDP's constructor is told not to verify and broadcast the module again where it can be (torch 2.6 on:
+#: ``init_sync``): ``_share_state`` made every member's equal already, through collectives the group abandons
+#: when a newer view drops a member, where DDP's own would wait for a hung one until the collective timeout.
+DDP_SHARED_STATE = ({"init_sync": False} if "init_sync" in inspect.signature(DistributedDataParallel).parameters
+                    else {})
 
 
 class ReplicaRecorder(HookRecorder, Protocol):
@@ -174,7 +184,8 @@ class DenseReplica:
         device_ids = [self.group.device] if self.group.device.type == "cuda" else None
         # The gradients are views of DDP's buckets: after the all-reduce they are not copied back from them (the
         # values are the same; the optimizer sets them to None after each step).
-        self.ddp = DistributedDataParallel(self.module, device_ids=device_ids, gradient_as_bucket_view=True)
+        self.ddp = DistributedDataParallel(self.module, device_ids=device_ids, gradient_as_bucket_view=True,
+                                           **DDP_SHARED_STATE)
         self.hook_state, hook = comm_hook(self.hook, None, recorder=self.recorder, **self.hook_options)
         self._restore_hook_state()
         self.ddp.register_comm_hook(self.hook_state, self._watched(hook))
@@ -200,8 +211,7 @@ class DenseReplica:
         """Every member takes the state of the one furthest ahead (``state_source``); returns its name."""
         mine = {"hook": self.hook, "hook_options": self.hook_options, "rpc_name": self.group.members[self.group.rank],
                 "step": self.step}
-        members = [None] * self.group.world_size
-        dist.all_gather_object(members, mine)
+        members = self.group.gather_objects(mine)
         differing = [m for m in members
                      if (m["hook"], m["hook_options"]) != (members[0]["hook"], members[0]["hook_options"])]
         if differing:
@@ -210,14 +220,14 @@ class DenseReplica:
         source = state_source([m["step"] for m in members])
         # On the CPU: a pickled tensor unpickles onto the device it was on, which on a member with a GPU of
         # its own would be the source's GPU (another worker's, on a host of several), not its own.
-        state = [{"step": self.step, "module": tensors_on_cpu(self.module.state_dict()),
-                  "optimizer": tensors_on_cpu(self.optimizer.state_dict())} if self.group.rank == source else None]
-        dist.broadcast_object_list(state, src=source, device=self.group.device)
+        state = self.group.broadcast_object(
+            {"step": self.step, "module": tensors_on_cpu(self.module.state_dict()),
+             "optimizer": tensors_on_cpu(self.optimizer.state_dict())} if self.group.rank == source else None, source)
         if self.group.rank != source:
-            self.steps_skipped += max(0, state[0]["step"] - self.step)
-            self.step = state[0]["step"]
-            self.module.load_state_dict(state[0]["module"])
-            self.optimizer.load_state_dict(state[0]["optimizer"])
+            self.steps_skipped += max(0, state["step"] - self.step)
+            self.step = state["step"]
+            self.module.load_state_dict(state["module"])
+            self.optimizer.load_state_dict(state["optimizer"])
         return members[source]["rpc_name"]
 
     def _watched(self, hook):

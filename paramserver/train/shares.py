@@ -42,12 +42,8 @@ twice; with ``staleness`` k, the pushes of up to k steps before it may be lost i
 import dataclasses
 import datetime
 import logging
-import pickle
 import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence
-
-import torch
-import torch.distributed as dist
 
 from ..logs import one_line
 from .data import BatchStream
@@ -93,7 +89,7 @@ class GroupShares:
     def agreed(self, group, step: int) -> None:
         """At an agreement: every member's position, kept as the snapshot of ``step``."""
         mine = dict(self._mine(group), until=self.until())
-        self.snapshot = Snapshot(step, {entry["name"]: entry for entry in gathered(group, mine)})
+        self.snapshot = Snapshot(step, {entry["name"]: entry for entry in group.gather_objects(mine)})
 
     def formed(self, group, step: int) -> None:
         """The group (re-)formed at ``step``: deal the input to its members and read on from this member's
@@ -104,14 +100,10 @@ class GroupShares:
             mine["state"] = None  # nothing read yet as a member: it brings nothing
         elif after is not None:  # the batch at hand (a step redone) is read again as it was
             mine["state"] = self.data.again(before, after)
-        told = gathered(group, mine)
+        told = group.gather_objects(mine)
         holders = [rank for rank, entry in enumerate(told) if entry["snapshot"] is not None]
         dealer = max(holders, key=lambda rank: (told[rank]["snapshot"], -rank)) if holders else 0
-        dealt: List[Optional[List[Dict[str, Any]]]] = [None]
-        if group.rank == dealer:
-            dealt = [self._deal(told, group, step)]
-        dist.broadcast_object_list(dealt, src=dealer, device=group.device)
-        states = dealt[0]
+        states = group.broadcast_object(self._deal(told, group, step) if group.rank == dealer else None, dealer)
         self.batches.restart(lambda: self.data.reshare(group.rank, group.world_size, states[group.rank]))
         self.deal = group.generation
         self.snapshot = Snapshot(step, {name: {"state": states[rank], "worker": rank, "workers": group.world_size,
@@ -173,19 +165,3 @@ class GroupShares:
         logger.info("%s: its reading position replayed over the %d batch(es) it read since its group's last "
                     "agreement", who, read)
         return state
-
-
-def gathered(group, value: Any) -> List[Any]:
-    """Every member's ``value`` (pickled), in rank order, through collectives the group abandons when a newer
-    view drops a member (``TrainerGroup.abortable``): a member that hangs holds the others no longer than an
-    agreement would."""
-    mine = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
-    size = torch.tensor([mine.numel()], dtype=torch.int64, device=group.device)
-    sizes = [torch.zeros_like(size) for _ in range(group.world_size)]
-    group.abortable(dist.all_gather(sizes, size, async_op=True).get_future()).wait()
-    lengths = [int(length) for length in sizes]
-    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=group.device)
-    padded[:mine.numel()] = mine.to(group.device)
-    every = [torch.empty_like(padded) for _ in range(group.world_size)]
-    group.abortable(dist.all_gather(every, padded, async_op=True).get_future()).wait()
-    return [pickle.loads(tensor[:length].cpu().numpy().tobytes()) for tensor, length in zip(every, lengths)]
