@@ -9,7 +9,7 @@ furthest ahead (ties: the lowest rank; a newcomer is at step 0, so in a
 group that only grew that is rank 0) to everyone, through collectives the
 group abandons when a newer view drops a member (a member that hangs while
 the group forms holds the others no longer than in a step), and DDP's
-constructor copies nothing more (``DDP_SHARED_STATE``; before torch 2.6 it
+constructor copies nothing more (``DDP_INIT_SYNC_OFF``; before torch 2.6 it
 copies rank 0's, equal by then).  A re-formed group starts a fresh
 comm-hook state: PowerSGD's error memory belongs to one rank's gradients
 and its Q memory must be equal on every rank, so neither can be carried
@@ -80,7 +80,7 @@ MAX_RECOVERIES = 3
 #: DDP's constructor is told not to verify and broadcast the module again where it can be (torch 2.6 on:
 #: ``init_sync``): ``_share_state`` made every member's equal already, through collectives the group abandons
 #: when a newer view drops a member, where DDP's own would wait for a hung one until the collective timeout.
-DDP_SHARED_STATE = ({"init_sync": False} if "init_sync" in inspect.signature(DistributedDataParallel).parameters
+DDP_INIT_SYNC_OFF = ({"init_sync": False} if "init_sync" in inspect.signature(DistributedDataParallel).parameters
                     else {})
 
 
@@ -185,7 +185,7 @@ class DenseReplica:
         # The gradients are views of DDP's buckets: after the all-reduce they are not copied back from them (the
         # values are the same; the optimizer sets them to None after each step).
         self.ddp = DistributedDataParallel(self.module, device_ids=device_ids, gradient_as_bucket_view=True,
-                                           **DDP_SHARED_STATE)
+                                           **DDP_INIT_SYNC_OFF)
         self.hook_state, hook = comm_hook(self.hook, None, recorder=self.recorder, **self.hook_options)
         self._restore_hook_state()
         self.ddp.register_comm_hook(self.hook_state, self._watched(hook))
