@@ -119,7 +119,8 @@ def test_a_late_member_joins_at_the_next_generation_with_rank_0s_state(tmp_path,
                       dict(retold_short={late_at: 5} if index == 0 else None))
                 for index, name in enumerate(first)]
     children.append(Child("worker2", rw.train, ("worker2", 2, store.port, steps, "powersgd",
-                                                str(tmp_path / "worker2.pkl"), (2, first + ["worker2"]), late_at, True)))
+                                                str(tmp_path / "worker2.pkl"), (2, first + ["worker2"]), late_at,
+                                                True)))
     run_children(children, TIMEOUT)
     got = results(tmp_path, first + ["worker2"])
     assert [got[n]["step"] for n in got] == [steps] * 3  # the newcomer took rank 0's step
