@@ -181,3 +181,38 @@ def train(name: str, index: int, port: int, steps: int, hook: str, result_path: 
                      "state": {k: v.clone() for k, v in replica.module.state_dict().items()},
                      "bytes_per_step": replica.bytes_per_step, "slowest_step_s": slowest_step_s,
                      "agreed_at": agreed_at}, file)
+
+
+
+def hand_out(name: str, index: int, port: int, result_path: str, publish=None) -> None:
+    """``TrainerGroup.hand_out`` in a group of two whose collectives time out after 2 s.  Rank 0 hands a value
+    out after 4 s (longer than a collective may wait); then nothing, while rank 1 waits at most 1 s; then it
+    publishes the view without itself, while rank 1 waits up to 30 s.  Rank 1 records each outcome (the value,
+    or the error's type) and how long it waited."""
+    warnings.filterwarnings("ignore")
+    source = StoreViews(name, index, port)
+    if publish is not None:
+        source.publish(*publish)
+    group = TrainerGroup.join(source, TIMEOUT, collective_timeout=datetime.timedelta(seconds=2))
+    if group.rank == 0:
+        time.sleep(4)
+        group.hand_out("written", 0, TIMEOUT)
+        source._store.wait(["rank1/timed-out"], TIMEOUT)
+        source.publish(group.generation + 1, [member for member in group.members if member != name])
+        source._store.wait(["rank1/done"], TIMEOUT)
+        got = []
+    else:
+        got = []
+        for within in (30, 1, 30):
+            started = time.monotonic()
+            try:
+                outcome = group.hand_out(None, 0, datetime.timedelta(seconds=within))
+            except (TimeoutError, RuntimeError) as error:
+                outcome = type(error).__name__
+            got.append((outcome, time.monotonic() - started))
+            if within == 1:
+                source._store.set("rank1/timed-out", "yes")
+        source._store.set("rank1/done", "yes")
+    with open(result_path, "wb") as file:
+        pickle.dump(got, file)
+    group.close()

@@ -183,6 +183,23 @@ def test_a_member_that_hangs_while_the_group_forms_is_left_behind_as_in_a_step(t
             assert torch.equal(got[name]["state"][key], got["worker0"]["state"][key])
 
 
+def test_a_value_handed_out_through_the_store_outwaits_the_collective_timeout_and_ends_with_the_generation(
+        tmp_path, store):
+    """What a checkpoint's members wait for while rank 0 writes it (``TrainerGroup.hand_out``): it arrives after
+    4 s where a collective would have failed after 2; a wait has its bound; and a view without rank 0 ends a
+    wait at once (``GenerationAborted``), not at its bound."""
+    names = ["worker0", "worker1"]
+    children = [Child(name, rw.hand_out, (name, index, store.port, str(tmp_path / f"{name}.pkl"),
+                                          (1, names) if index == 0 else None))
+                for index, name in enumerate(names)]
+    run_children(children, TIMEOUT)
+    with open(tmp_path / "worker1.pkl", "rb") as file:
+        (written, waited), (bounded, bounded_waited), (abandoned, abandoned_waited) = pickle.load(file)
+    assert written == "written" and waited > 3, waited
+    assert bounded == "TimeoutError" and 0.9 < bounded_waited < 10, bounded_waited
+    assert abandoned == "GenerationAborted" and abandoned_waited < ABANDONED_WITHIN_S, abandoned_waited
+
+
 def test_the_state_comes_from_the_member_furthest_ahead_ties_to_the_lowest_rank():
     assert state_source([0, 0, 0]) == 0
     assert state_source([7, 8, 8]) == 1  # rank 1 finished step 7 before the loss, rank 0 failed in it

@@ -39,6 +39,7 @@ import logging
 import os
 import pickle
 import threading
+import time
 from typing import Any, Dict, List, NamedTuple, Optional, Protocol, Tuple
 
 import torch
@@ -64,6 +65,8 @@ FORM_TIMEOUT = datetime.timedelta(seconds=120)
 REGROUP_AFTER = datetime.timedelta(seconds=20)
 #: How often the watcher looks for a view that dropped a member of the current generation.
 WATCH_VIEWS_EVERY = datetime.timedelta(seconds=0.2)
+#: How long ``hand_out`` waits in the store at a time before it looks whether the generation was abandoned.
+HAND_OUT_SLICE = datetime.timedelta(seconds=0.5)
 STORE_PREFIX = "trainer_group"
 
 
@@ -148,13 +151,17 @@ class TrainerGroup:
         self._retired: List[Tuple[object, List[torch.futures.Future]]] = []
         self._closed = threading.Event()
         self._watcher = threading.Thread(target=self._watch_views, name="trainer-group-views", daemon=True)
+        #: The current generation's keys for ``hand_out``, and how many it handed out.
+        self._handouts: Optional[dist.Store] = None
+        self._handed_out = 0
 
     @classmethod
     def join(cls, source, timeout: datetime.timedelta = FORM_TIMEOUT, *,
-             recorder: Optional[GroupRecorder] = None) -> "TrainerGroup":
+             recorder: Optional[GroupRecorder] = None,
+             collective_timeout: datetime.timedelta = COLLECTIVE_TIMEOUT) -> "TrainerGroup":
         """Wait for the first view that includes this worker and form its process group (noted by ``recorder``,
         as every generation formed after it)."""
-        group = cls(source, timeout, recorder=recorder)
+        group = cls(source, timeout, collective_timeout, recorder=recorder)
         view = source.wait_for_group_view(0, timeout)
         if view is None:
             raise GroupStopped(f"{source.rpc_name} was asked to stop before its trainer group formed")
@@ -187,6 +194,8 @@ class TrainerGroup:
             self.view, self.rank, self.world_size = view, rank, len(view.members)
             self.aborted = None
             self._abandoned = []  # (an abort noted while the last generation was being dropped: moot now)
+        self._handouts = dist.PrefixStore(f"{prefix}handout/", self._store)
+        self._handed_out = 0
         _collectives_on_data_plane_interface()
         self.device = device_for(view.backend, getattr(self._source, "gpu", None))
         if self.device.type == "cuda":
@@ -257,6 +266,31 @@ class TrainerGroup:
         data = mine if mine is not None else torch.empty(int(size), dtype=torch.uint8, device=self.device)
         self.abortable(dist.broadcast(data, src=source, async_op=True).get_future()).wait()
         return value if self.rank == source else _unpickled(data)
+
+    def hand_out(self, value: Any, source: int, within: datetime.timedelta) -> Any:
+        """Member ``source``'s ``value`` (pickled; the others' is ignored) to every member, through the group's
+        store instead of a collective: for what takes the source longer to make than the collective timeout
+        allows (a checkpoint it writes while the others wait).  The others wait in slices that end at once when
+        the generation is abandoned (``GenerationAborted``), for at most ``within`` (``TimeoutError``).  Every
+        member calls it at the same point, as with a collective."""
+        key = str(self._handed_out)
+        self._handed_out += 1
+        if self.rank == source:
+            self._handouts.set(key, pickle.dumps(value))
+            return value
+        deadline = time.monotonic() + within.total_seconds()
+        while True:
+            if self.aborted is not None:
+                raise GenerationAborted(self.aborted)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{self.describe()}: rank {source} handed nothing out within "
+                                   f"{within.total_seconds():g} s")
+            try:
+                self._handouts.wait([key], datetime.timedelta(seconds=min(left, HAND_OUT_SLICE.total_seconds())))
+            except dist.DistStoreError:  # this slice's wait timed out
+                continue
+            return pickle.loads(self._handouts.get(key))
 
     def _watch_views(self) -> None:
         while not self._closed.wait(WATCH_VIEWS_EVERY.total_seconds()):

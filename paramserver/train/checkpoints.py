@@ -9,8 +9,12 @@ A checkpoint is written at a step boundary (``at_boundary``), with no
 step in flight: every member hands rank 0 its data position and comm-hook
 state (a collective in the trainer group) and pauses there while rank 0
 has every shard write its part (one RPC to each,
-``service.write_checkpoint_part``), writes the dense part and commits the
-checkpoint at the coordinator, which writes the manifest.  The root may be
+``service.write_checkpoint_part``, allowed ``PART_TIMEOUT``), writes the
+dense part and commits the checkpoint at the coordinator, which writes the
+manifest; the others wait for the outcome in the group's store
+(``TrainerGroup.hand_out``), not in a collective, whose timeout a large
+checkpoint would outlast, and leave that wait at once if the group is
+abandoned (rank 0 lost).  The root may be
 any path or fsspec URL (``s3://...``); shards are handed it with the
 storage options of the settings.  A checkpoint that fails (a shard lost
 while writing, a full disk, unreachable storage) is logged in one
@@ -28,12 +32,12 @@ The files themselves (their layout, writing and verifying them) are
 handed to the coordinator.
 """
 
+import datetime
 import logging
 import pickle
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from .._torch_compat import remote_error_cause
@@ -44,6 +48,12 @@ from ..logs import one_line
 from ..shards.server import service
 
 logger = logging.getLogger(__name__)
+
+#: How long a shard may take to write its part of a checkpoint (its RPC's timeout, not the RPC default).
+PART_TIMEOUT = datetime.timedelta(minutes=30)
+#: How long the other members of group 0 wait for rank 0 to have a checkpoint written and committed: not a
+#: collective, whose timeout (a minute) a large checkpoint on an object store would outlast.
+WRITTEN_WITHIN = PART_TIMEOUT + datetime.timedelta(minutes=5)
 
 
 def restore_point(ctx) -> Optional[Dict[str, Any]]:
@@ -115,15 +125,12 @@ class TrainerCheckpoints:
         group = self.replica.group
         mine = {"rpc_name": self.ctx.rpc_name, "worker_index": self.ctx.worker_index,
                 "position": self.data_position(), "hook_state": pickle.dumps(self.replica.hook_state)}
-        members: List[Optional[Dict]] = [None] * group.world_size
-        dist.all_gather_object(members, mine)
-        outcome = [None]
-        if group.rank == 0:
-            outcome[0] = self._write_on_rank0(members, request)
-        dist.broadcast_object_list(outcome, src=0, device=group.device)  # everyone waits for the shards' parts
-        if outcome[0] is not None:
-            self.written.append(outcome[0])
-        return outcome[0]
+        members = group.gather_objects(mine)
+        outcome = self._write_on_rank0(members, request) if group.rank == 0 else None
+        outcome = group.hand_out(outcome, 0, WRITTEN_WITHIN)  # everyone waits for the shards' parts
+        if outcome is not None:
+            self.written.append(outcome)
+        return outcome
 
     def _write_on_rank0(self, members: List[Dict], request: int) -> Optional[str]:
         step = self.replica.step
@@ -134,7 +141,8 @@ class TrainerCheckpoints:
             directory = CheckpointStore(settings.locate(settings.directory)).new_directory(step)
             shards = list(self.ctx.shards)
             futures = [rpc.rpc_async(shard, service.write_checkpoint_part,
-                                     args=(directory.url, dict(settings.storage_options))) for shard in shards]
+                                     args=(directory.url, dict(settings.storage_options)),
+                                     timeout=PART_TIMEOUT.total_seconds()) for shard in shards]
             files = every_part(futures, shards)
             dense = write_dense_part(
                 directory, step=step, module=self.replica.module.state_dict(),
