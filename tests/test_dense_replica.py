@@ -198,6 +198,8 @@ def test_a_value_handed_out_through_the_store_outwaits_the_collective_timeout_an
     assert written == "written" and waited > 3, waited
     assert bounded == "TimeoutError" and 0.9 < bounded_waited < 10, bounded_waited
     assert abandoned == "GenerationAborted" and abandoned_waited < ABANDONED_WITHIN_S, abandoned_waited
+    # The value read by every member is gone from the store (one a checkpoint: it would stay for the cluster's life).
+    assert not store.check(["trainer_group/0/1/handout/0"]) and not store.check(["trainer_group/0/1/handout/0/read"])
 
 
 def test_the_state_comes_from_the_member_furthest_ahead_ties_to_the_lowest_rank():

@@ -194,7 +194,7 @@ class TrainerGroup:
             self.view, self.rank, self.world_size = view, rank, len(view.members)
             self.aborted = None
             self._abandoned = []  # (an abort noted while the last generation was being dropped: moot now)
-        self._handouts = dist.PrefixStore(f"{prefix}handout/", self._store)
+        self._handouts = dist.PrefixStore(f"{prefix}handout", self._store)  # keys: .../handout/N
         self._handed_out = 0
         _collectives_on_data_plane_interface()
         self.device = device_for(view.backend, getattr(self._source, "gpu", None))
@@ -276,7 +276,8 @@ class TrainerGroup:
         key = str(self._handed_out)
         self._handed_out += 1
         if self.rank == source:
-            self._handouts.set(key, pickle.dumps(value))
+            if self.world_size > 1:
+                self._handouts.set(key, pickle.dumps(value))
             return value
         deadline = time.monotonic() + within.total_seconds()
         while True:
@@ -290,7 +291,11 @@ class TrainerGroup:
                 self._handouts.wait([key], datetime.timedelta(seconds=min(left, HAND_OUT_SLICE.total_seconds())))
             except dist.DistStoreError:  # this slice's wait timed out
                 continue
-            return pickle.loads(self._handouts.get(key))
+            value = pickle.loads(self._handouts.get(key))
+            if self._handouts.add(f"{key}/read", 1) == self.world_size - 1:  # the last to read it: the store
+                self._handouts.delete_key(key)  # does not keep a checkpoint's outcome for the cluster's life
+                self._handouts.delete_key(f"{key}/read")
+            return value
 
     def _watch_views(self) -> None:
         while not self._closed.wait(WATCH_VIEWS_EVERY.total_seconds()):
