@@ -7,7 +7,7 @@ steps, after every push up to it was applied, it has every shard write its part 
 part and commits the manifest last.  The first export of a process is a base, so is every ``base_every``-th,
 and so is the one after an export failed (a shard that wrote its part of an uncommitted export gave its
 changes to it).  A failed export is logged in one line; training goes on.  No collective: the other
-members go on and wait for rank 0 in their next step's all-reduce.
+members wait for rank 0's outcome in the group's store (``at_boundary``).
 """
 
 import datetime
@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 #: How long a shard may take to write its part of an export.
 PART_TIMEOUT = datetime.timedelta(minutes=10)
+#: How long the group's other members wait for rank 0 to have written and committed one.
+WRITTEN_WITHIN = PART_TIMEOUT + datetime.timedelta(minutes=5)
 
 
 class LiveExports:
@@ -51,14 +53,18 @@ class LiveExports:
         self.written: List[str] = []
 
     def at_boundary(self, final: bool = False) -> None:
-        """At a step boundary where every push is applied: write an export if ``every`` steps passed since the
-        last (or, ``final``, any step did); rank 0 of the group writes, the others return at once."""
-        step = self.replica.step
-        due = step - self._last_step >= (1 if final else self.every)
-        if self.replica.group.rank != 0 or not due:
-            return
-        self._last_step = step
-        self.write()
+        """At a step boundary where every push is applied (every member of the group calls it at the same
+        boundaries): rank 0 writes an export if ``every`` steps passed since the last (or, ``final``, any step
+        did).  Except at the end, the others wait for it here, in the group's store (``TrainerGroup.hand_out``),
+        not in their next step's all-reduce, whose timeout (a minute) a base export of a large table would
+        outlast; at the end no collective follows, and they return at once."""
+        group, step = self.replica.group, self.replica.step
+        written = None
+        if group.rank == 0 and step - self._last_step >= (1 if final else self.every):
+            self._last_step = step
+            written = self.write()
+        if not final:
+            group.hand_out(written, 0, WRITTEN_WITHIN)
 
     def write(self) -> Optional[str]:
         """Write and commit an export of the model as of now; its name, or ``None`` when it failed."""

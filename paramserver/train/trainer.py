@@ -369,7 +369,7 @@ class _Run:
         """
         replica = self.replica
         # Every push is applied (drained) before what takes the model as of this step: the end, a live export
-        # (rank 0 writes it with no collective: every member drains before the agreement) and a checkpoint
+        # (rank 0 writes it, the others wait in the store: every member drains before the agreement) and a checkpoint
         # (every member drains before its first collective).  Otherwise pushes in flight cross the agreement.
         agreeing = final or replica.agreement_due()
         if agreeing and (final or self.exports is not None) and not self._settled(self.pipeline.drain()):
