@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from ..checkpoint.model import describe_model
 from ..ddp import DenseReplica, GroupStopped, TrainerGroup, canonical_hook_options
+from ..ddp.group import GenerationAborted
 from ..logs import RateLimitedLog, one_line
 from .checkpoints import TrainerCheckpoints, restore_point
 from .contract import Batch, Table
@@ -59,6 +60,9 @@ PHASE_FIGURE = "phase_ms."
 ROW_CACHE_FIGURE = "row_cache."
 #: Batches read ahead in the background while steps run.
 PREFETCH_BATCHES = 2
+#: How long the other members of a group wait for rank 0's held-out evaluation (in the store: not in their next
+#: collective, whose timeout, a minute, the evaluation of a large held-out set would outlast).
+EVALUATED_WITHIN = datetime.timedelta(minutes=30)
 #: How long a member waits for its batches up to the next agreement before the group agrees to wait (and
 #: agrees again after as long): data that follows files as they land has none while none landed.
 DATA_PATIENCE = datetime.timedelta(seconds=2)
@@ -509,6 +513,11 @@ class _Run:
                                                                          or step == self.steps):
             self.figures.update(self._evaluate())
             self.evaluated_at = step
+        if step % self.eval_every == 0 and step < self.steps:  # (at the end no collective follows)
+            try:  # every member, whatever data it was handed: rank 0 says it is done, evaluation or not
+                replica.group.hand_out(None, 0, EVALUATED_WITHIN)
+            except GenerationAborted:
+                pass  # rank 0 was lost: the group's next collective fails at once, and the group recovers there
         # Every step: the step reached (a progress bar moves with it), with the figures of the last log window.
         self._report(step)
         if reporting:
