@@ -187,32 +187,31 @@ def train(name: str, index: int, port: int, steps: int, hook: str, result_path: 
 def hand_out(name: str, index: int, port: int, result_path: str, publish=None) -> None:
     """``TrainerGroup.hand_out`` in a group of two whose collectives time out after 2 s.  Rank 0 hands a value
     out after 4 s (longer than a collective may wait); then nothing, while rank 1 waits at most 1 s; then it
-    publishes the view without itself, while rank 1 waits up to 30 s.  Rank 1 records each outcome (the value,
-    or the error's type) and how long it waited."""
+    publishes a newer view of the same members (any newer view, one without rank 0 too, ends a wait), while
+    rank 1 waits up to 30 s.  Rank 1 records each outcome (the value, or the error's type) and how long it
+    waited."""
     warnings.filterwarnings("ignore")
     source = StoreViews(name, index, port)
     if publish is not None:
         source.publish(*publish)
     group = TrainerGroup.join(source, TIMEOUT, collective_timeout=datetime.timedelta(seconds=2))
+    got = []
     if group.rank == 0:
         time.sleep(4)
         group.hand_out("written", 0, TIMEOUT)
         source._store.wait(["rank1/timed-out"], TIMEOUT)
-        source.publish(group.generation + 1, [member for member in group.members if member != name])
+        source.publish(group.generation + 1, group.members)  # re-formed with the same members
         source._store.wait(["rank1/done"], TIMEOUT)
-        got = []
     else:
-        got = []
-        for within in (30, 1, 30):
+        for within, then in ((30, None), (1, "rank1/timed-out"), (30, "rank1/done")):
             started = time.monotonic()
             try:
                 outcome = group.hand_out(None, 0, datetime.timedelta(seconds=within))
             except (TimeoutError, RuntimeError) as error:
                 outcome = type(error).__name__
             got.append((outcome, time.monotonic() - started))
-            if within == 1:
-                source._store.set("rank1/timed-out", "yes")
-        source._store.set("rank1/done", "yes")
+            if then is not None:
+                source._store.set(then, "yes")
     with open(result_path, "wb") as file:
         pickle.dump(got, file)
     group.close()

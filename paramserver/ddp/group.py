@@ -271,8 +271,8 @@ class TrainerGroup:
         """Member ``source``'s ``value`` (pickled; the others' is ignored) to every member, through the group's
         store instead of a collective: for what takes the source longer to make than the collective timeout
         allows (a checkpoint it writes while the others wait).  The others wait in slices that end at once when
-        the generation is abandoned (``GenerationAborted``), for at most ``within`` (``TimeoutError``).  Every
-        member calls it at the same point, as with a collective."""
+        the generation is abandoned or a newer view is published (``GenerationAborted``), for at most
+        ``within`` (``TimeoutError``).  Every member calls it at the same point, as with a collective."""
         key = str(self._handed_out)
         self._handed_out += 1
         if self.rank == source:
@@ -283,6 +283,12 @@ class TrainerGroup:
         while True:
             if self.aborted is not None:
                 raise GenerationAborted(self.aborted)
+            newest = self._source.group_view()
+            if newest is not None and newest.generation > self.view.generation:
+                # (the same members, re-formed after a collective failed on some of them: the source may be
+                # forming the new one instead of handing out in this one)
+                raise GenerationAborted(f"{self.describe()} was replaced by generation {newest.generation} while "
+                                        f"waiting for rank {source}")
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"{self.describe()}: rank {source} handed nothing out within "

@@ -68,7 +68,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .._torch_compat import is_collective_failure
 from ..checkpoint import tensors_on_cpu
-from .group import GroupStopped, TrainerGroup
+from .group import GenerationAborted, GroupStopped, TrainerGroup
 from .hooks import HookRecorder, canonical_hook_options, comm_hook
 
 logger = logging.getLogger(__name__)
@@ -327,8 +327,9 @@ class DenseReplica:
     def collective_failed(self, error: BaseException) -> bool:
         """Whether ``error``, raised by a training step, means a collective of the group failed:
         the comm hook saw its all-reduce fail, the backend raised it, or the group abandoned it (a newer
-        view dropped a member)."""
-        return self._hook_failure is not None or self.group.aborted is not None or is_collective_failure(error)
+        view dropped a member, or a wait for rank 0 in the store saw a newer view: ``GenerationAborted``)."""
+        return (self._hook_failure is not None or self.group.aborted is not None
+                or isinstance(error, GenerationAborted) or is_collective_failure(error))
 
     def recover(self, error: BaseException) -> bool:
         """Re-form the group after a collective of it failed; False if the worker was asked to stop meanwhile.

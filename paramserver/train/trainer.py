@@ -517,7 +517,7 @@ class _Run:
             try:  # every member, whatever data it was handed: rank 0 says it is done, evaluation or not
                 replica.group.hand_out(None, 0, EVALUATED_WITHIN)
             except GenerationAborted:
-                pass  # rank 0 was lost: the group's next collective fails at once, and the group recovers there
+                pass  # rank 0 was lost, or the group re-forms: its next collective fails, and it recovers there
         # Every step: the step reached (a progress bar moves with it), with the figures of the last log window.
         self._report(step)
         if reporting:
