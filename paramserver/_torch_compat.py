@@ -25,6 +25,8 @@ import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 
+from .logs import one_line
+
 logger = logging.getLogger(__name__)
 
 # --- The open RPC group's store (torch/distributed/rpc/__init__.py, api.py) -------------------------------
@@ -128,7 +130,7 @@ def forget_dead_peers_when_joining() -> None:
                         raise
                     forget_rpc_peer(agent, info)
                     logger.warning("joining the RPC group without %s: its process is gone (%s)", info.name,
-                                    str(error).strip().splitlines()[0] if str(error).strip() else "no message")
+                                   one_line(error))
         return original(agent)
 
     forgetting_dead_peers.forgets_dead_peers = True
