@@ -245,8 +245,11 @@ def run_ours(args, folder: pathlib.Path) -> Dict:
             extra["cache_steps"] = args.cache_steps
     environment = {THREADS_ENV: str(args.threads), "OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
     worker_logs = [folder / "logs" / f"ps-worker{i}.log" for i in range(reference_hybrid.TRAINERS)]
-    with watch_cpu(lambda: all(training_started(log) for log in worker_logs),
-                   lambda: all(training_ended(log, args.steps) for log in worker_logs)) as cpu:
+    # The Trainer's "... from step N" line as its loop starts, and "... step N/N:" at its last step (logged
+    # whatever the log interval).
+    started = [LogWatch(log, " from step ") for log in worker_logs]
+    ended = [LogWatch(log, f" step {args.steps}/{args.steps}:") for log in worker_logs]
+    with watch_cpu(lambda: all(seen() for seen in started), lambda: all(seen() for seen in ended)) as cpu:
         summary = run_demo(folder, args.steps, args.batch, args.log_every, args.timeout, extra_config=extra,
                            environment=environment)
     return dict(cpu_per_1000(cpu, args.steps * reference_hybrid.TRAINERS * args.batch),
@@ -257,21 +260,26 @@ def run_ours(args, folder: pathlib.Path) -> Dict:
                            if key.startswith(ROW_CACHE_FIGURE)})
 
 
-def training_started(worker_log: pathlib.Path) -> bool:
-    """Whether a ps-worker's log says its training loop starts (the Trainer's "... from step N" line)."""
-    try:
-        return " from step " in worker_log.read_text(errors="replace")
-    except OSError:
-        return False
+class LogWatch:
+    """Whether the log at ``path`` has said ``text`` yet, reading only what was written since the last look
+    (the CPU watcher looks every 0.1 s while the contestants run: it does not read whole logs again)."""
 
+    def __init__(self, path: pathlib.Path, text: str):
+        self.path, self.text = path, text
+        self._offset, self._tail, self._seen = 0, "", False
 
-def training_ended(worker_log: pathlib.Path, steps: int) -> bool:
-    """Whether a ps-worker's log says its last step is done (the Trainer's "... step N/N:" line, logged at the
-    last step whatever the log interval)."""
-    try:
-        return f" step {steps}/{steps}:" in worker_log.read_text(errors="replace")
-    except OSError:
-        return False
+    def __call__(self) -> bool:
+        if not self._seen:
+            try:
+                with open(self.path, "rb") as log:
+                    log.seek(self._offset)
+                    written = log.read()
+            except OSError:  # not there yet
+                return False
+            self._offset += len(written)
+            text = self._tail + written.decode(errors="replace")
+            self._seen, self._tail = self.text in text, text[-len(self.text):]
+        return self._seen
 
 
 def demo_config(batch: int, log_every: int, extra_config: Optional[Dict] = None) -> Dict:
