@@ -1,0 +1,108 @@
+"""A trainer group's own collectives on each backend's device, in one process (a group of one).
+
+The multi-member tests (``test_dense_replica``) run gloo on the CPU.  Under
+nccl every tensor a collective carries must be on the member's GPU: the
+pickled objects of ``gather_objects`` and ``broadcast_object`` (how members
+share their state at forming), the flat gradient and presence of
+``average_over_present`` and the buffers ``_broadcast_buffers`` hands on at
+an uneven step, and DDP's buckets under a comm hook.  Here a group of one
+runs each of them on gloo and, where a GPU is present, on nccl on
+``cuda:0`` (one rank: never two ranks of an NCCL group on one device), and
+its training equals plain local training.
+"""
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import replica_workers as rw
+from paramserver.ddp import DenseReplica, TrainerGroup
+from paramserver.runtime.context import GroupView
+
+TIMEOUT = datetime.timedelta(seconds=30)
+NAME = "worker0"
+
+BACKENDS = [
+    pytest.param("gloo", id="gloo-cpu"),
+    pytest.param("nccl", id="nccl-cuda", marks=pytest.mark.skipif(
+        not (torch.cuda.is_available() and dist.is_nccl_available()), reason="no GPU (or no NCCL) here")),
+]
+
+
+class OneMemberViews:
+    """The view source of a group whose only member is this process (the coordinator's part)."""
+
+    def __init__(self, port: int, backend: str):
+        self.rpc_name, self.worker_index, self.trainer_group = NAME, 0, 0
+        self.store_host, self.store_port = "127.0.0.1", port
+        self.gpu = 0 if backend == "nccl" else None
+        self.view = GroupView(group=0, generation=1, members=(NAME,), backend=backend)
+
+    def group_view(self):
+        return self.view
+
+    def wait_for_group_view(self, newer_than: int, timeout: datetime.timedelta):
+        return self.view if self.view.generation > newer_than else None
+
+
+@pytest.fixture
+def store():
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield master
+    del master
+
+
+@pytest.fixture
+def group_of_one(store, request):
+    group = TrainerGroup.join(OneMemberViews(store.port, request.param), TIMEOUT)
+    try:
+        yield group
+    finally:
+        group.close()
+
+
+@pytest.mark.parametrize("group_of_one", BACKENDS, indirect=True)
+def test_objects_gathered_broadcast_and_handed_out_arrive_whole(group_of_one):
+    value = {"step": 7, "rows": torch.arange(5, dtype=torch.float32), "name": "ü" * 300}
+    gathered = group_of_one.gather_objects(value)
+    assert len(gathered) == 1
+    assert gathered[0]["step"] == 7 and gathered[0]["name"] == value["name"]
+    assert torch.equal(gathered[0]["rows"], value["rows"]) and gathered[0]["rows"].device.type == "cpu"
+    assert group_of_one.broadcast_object(value, 0) is value
+    assert group_of_one.hand_out(value, 0, TIMEOUT) is value
+
+
+@pytest.mark.parametrize("hook", ["allreduce", "fp16", "powersgd"])
+@pytest.mark.parametrize("group_of_one", BACKENDS, indirect=True)
+def test_a_replica_trains_through_even_and_uneven_steps_as_locally(group_of_one, hook):
+    """Steps 0, 2 and 3 through DDP and the comm hook, step 1 an uneven one (``average_over_present``, then
+    the buffers broadcast from the member present): parameters and the buffer as plain local training's (the
+    hooks' compression is lossless for one member: fp16 halves and doubles back only what it sends, which
+    for one member is nothing but its own gradient rounded, within the tolerance)."""
+    replica = DenseReplica(group_of_one, rw.model(buffered=True), rw.make_optimizer, hook=hook, uneven_steps=True)
+    device = group_of_one.device
+    local = rw.model(buffered=True)
+    local_optimizer = rw.make_optimizer(local.parameters())
+    try:
+        assert next(replica.module.parameters()).device.type == device.type
+        for step in range(4):
+            inputs, target = rw.batch(NAME, step)
+            uneven = step == 1
+            module = replica.module if uneven else replica
+            loss = (module(inputs.to(device)) - target.to(device)).pow(2).mean()
+            loss.backward()
+            if uneven:
+                assert replica.average_over_present(True) == 1
+            replica.finish_step()
+            local_optimizer.zero_grad()
+            (local(inputs) - target).pow(2).mean().backward()
+            local_optimizer.step()
+        assert replica.step == 4
+        for name, expected in local.state_dict().items():
+            got = replica.module.state_dict()[name]
+            assert got.device.type == device.type, name
+            torch.testing.assert_close(got.cpu(), expected, rtol=1e-3, atol=1e-3, msg=name)
+    finally:
+        replica.close()
