@@ -243,7 +243,7 @@ def run_ours(args, folder: pathlib.Path) -> Dict:
         extra["cache_rows"] = args.cache_rows
         if args.cache_steps is not None:
             extra["cache_steps"] = args.cache_steps
-    environment = {THREADS_ENV: str(args.threads), "OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
+    environment = threads_environment(args.threads)
     worker_logs = [folder / "logs" / f"ps-worker{i}.log" for i in range(reference_hybrid.TRAINERS)]
     # The Trainer's "... from step N" line as its loop starts, and "... step N/N:" at its last step (logged
     # whatever the log interval).
@@ -286,6 +286,12 @@ def demo_config(batch: int, log_every: int, extra_config: Optional[Dict] = None)
     """The job configuration ps-demo is given: held-out evaluation only at the end (the Trainer always
     evaluates its last step), the batch, the log interval, ``extra_config``."""
     return {"eval_every": 1_000_000, "log_every": log_every, "batch_size": batch, **(extra_config or {})}
+
+
+def threads_environment(threads: Optional[int]) -> Dict[str, str]:
+    """What gives every process of a ps-demo run ``threads`` intra-op threads (0 or None: each sizes its own to
+    the host)."""
+    return {THREADS_ENV: str(threads), "OMP_NUM_THREADS": str(threads)} if threads else {}
 
 
 def run_demo(folder: pathlib.Path, steps: int, batch: int, log_every: int, timeout: float, *flags: str,

@@ -7,7 +7,11 @@ What it measures
       shards with 2 workers.  Efficiency of a row: its samples/s over
       (workers x the samples/s of 1 worker on 4 shards), from the same run.
       Every process sizes its threads to the host (``PARAMSERVER_HOST_PROCESSES``,
-      which ps-demo sets: ``paramserver.runtime.threads``).
+      which ps-demo sets: ``paramserver.runtime.threads``), so a worker of
+      the 1-worker run gets more intra-op threads than one of the 8-worker
+      run; ``--threads N`` gives every process N instead
+      (``PARAMSERVER_THREADS``), which shows the job's own scaling apart
+      from that split of the host.
     * **Resident memory per shard** in each run: the highest resident set
       of any shard process seen while it ran (sampled every 0.5 s), next to
       the floor its tables need (rows + QHM momentum, 4-byte floats).  For
@@ -23,7 +27,7 @@ What it measures
 
 How to run
     ``.venv/bin/python benchmarks/scaling.py [--steps N] [--workers 1,2,4,8] [--shards 2,4,8]
-    [--memory-rows N]``; the defaults take about 4 minutes on 2 cores.  Progress to stderr, results to stdout.
+    [--threads N] [--memory-rows N]``; the defaults take about 4 minutes on 2 cores.  Progress to stderr, results to stdout.
 """
 
 import argparse
@@ -37,7 +41,7 @@ from typing import Dict, List, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # end_to_end, also in spawned children
 
-from end_to_end import FORK_SERVER, ContestantFailed, run_demo  # noqa: E402
+from end_to_end import FORK_SERVER, ContestantFailed, run_demo, threads_environment  # noqa: E402
 
 from paramserver.jobs.ctr_data import CTRSpec  # noqa: E402
 
@@ -116,7 +120,8 @@ def throughput_rows(args, folder: pathlib.Path) -> List[Dict]:
         run_folder = folder / f"w{workers}-s{shards}"
         run_folder.mkdir()
         summary = run_demo(run_folder, args.steps, args.batch, max(10, args.steps // 5), args.timeout,
-                           "--workers", str(workers), "--shards", str(shards), watch=memory)
+                           "--workers", str(workers), "--shards", str(shards), watch=memory,
+                           environment=threads_environment(args.threads))
         rows.append({"workers": workers, "shards": shards, "samples_per_s": summary["samples_per_s"],
                      "shard_peak_mib": max(memory.peak.values(), default=0) / 2**20,
                      "floor_mib": job_floor_bytes(shards) / 2**20})
@@ -162,8 +167,9 @@ def memory_row(args, folder: pathlib.Path) -> Dict:
 
 
 def report(rows: List[Dict], memory: Optional[Dict], args) -> None:
+    threads = f"{args.threads} intra-op threads per process" if args.threads > 0 else "threads sized to the host"
     print(f"# Scaling of the default job: {os.cpu_count()} cores, {args.steps} steps x batch {args.batch} per "
-          f"worker, allreduce hook, one trainer group\n")
+          f"worker, allreduce hook, one trainer group, {threads}\n")
     base = next((r["samples_per_s"] for r in rows if r["workers"] == 1 and r["shards"] == 4), None)
     print("| workers | shards | samples/s | efficiency vs 1 worker | shard resident (peak, MiB) | "
           "tables' floor per shard (MiB) |")
@@ -196,6 +202,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--batch", type=int, default=1024, help="samples per worker per step (default 1024)")
     parser.add_argument("--workers", type=_counts, default=[1, 2, 4, 8], help="worker counts on 4 shards")
     parser.add_argument("--shards", type=_counts, default=[2, 4, 8], help="shard counts with 2 workers")
+    parser.add_argument("--threads", type=int, default=0, metavar="N",
+                        help="intra-op threads of every process (default 0: each sizes its own to the host)")
     parser.add_argument("--memory-rows", type=int, default=20_000_000,
                         help="rows of the memory probe's table (0: skip it; default 20M)")
     parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS", help="per run (default 600)")
