@@ -8,7 +8,10 @@ share their state at forming), the flat gradient and presence of
 an uneven step, and DDP's buckets under a comm hook.  Here a group of one
 runs each of them on gloo and, where a GPU is present, on nccl on
 ``cuda:0`` (one rank: never two ranks of an NCCL group on one device), and
-its training equals plain local training.
+its training equals plain local training.  The coordinator chooses each
+generation's backend afresh, so a member holding a GPU whose CPU peer was
+lost goes on alone on nccl, and back to gloo when a CPU worker joins: its
+replica follows onto each generation's device.
 """
 
 import datetime
@@ -24,10 +27,10 @@ from paramserver.runtime.context import GroupView
 TIMEOUT = datetime.timedelta(seconds=30)
 NAME = "worker0"
 
+HAS_GPU = torch.cuda.is_available() and dist.is_nccl_available()
 BACKENDS = [
     pytest.param("gloo", id="gloo-cpu"),
-    pytest.param("nccl", id="nccl-cuda", marks=pytest.mark.skipif(
-        not (torch.cuda.is_available() and dist.is_nccl_available()), reason="no GPU (or no NCCL) here")),
+    pytest.param("nccl", id="nccl-cuda", marks=pytest.mark.skipif(not HAS_GPU, reason="no GPU (or no NCCL) here")),
 ]
 
 
@@ -37,8 +40,12 @@ class OneMemberViews:
     def __init__(self, port: int, backend: str):
         self.rpc_name, self.worker_index, self.trainer_group = NAME, 0, 0
         self.store_host, self.store_port = "127.0.0.1", port
-        self.gpu = 0 if backend == "nccl" else None
+        self.gpu = 0 if HAS_GPU else None  # (claimed whatever the backend, as ps-worker does)
         self.view = GroupView(group=0, generation=1, members=(NAME,), backend=backend)
+
+    def publish(self, backend: str) -> None:
+        """The next generation, on ``backend``."""
+        self.view = GroupView(group=0, generation=self.view.generation + 1, members=(NAME,), backend=backend)
 
     def group_view(self):
         return self.view
@@ -104,5 +111,72 @@ def test_a_replica_trains_through_even_and_uneven_steps_as_locally(group_of_one,
             got = replica.module.state_dict()[name]
             assert got.device.type == device.type, name
             torch.testing.assert_close(got.cpu(), expected, rtol=1e-3, atol=1e-3, msg=name)
+    finally:
+        replica.close()
+
+
+def _step(replica: DenseReplica, local: torch.nn.Module, local_optimizer, step: int) -> None:
+    """Step ``step`` through DDP on the replica and plainly on ``local``."""
+    inputs, target = rw.batch(NAME, step)
+    device = replica.group.device
+    (replica(inputs.to(device)) - target.to(device)).pow(2).mean().backward()
+    replica.finish_step()
+    local_optimizer.zero_grad()
+    (local(inputs) - target).pow(2).mean().backward()
+    local_optimizer.step()
+
+
+@pytest.mark.parametrize("backends", [
+    pytest.param(("gloo", "gloo", "gloo"), id="gloo-gloo-gloo"),
+    pytest.param(("gloo", "nccl", "gloo"), id="gloo-nccl-gloo",
+                 marks=pytest.mark.skipif(not HAS_GPU, reason="no GPU (or no NCCL) here")),
+])
+def test_a_replica_follows_each_generation_onto_its_backends_device(store, backends):
+    """Re-formed after a failed collective (``recover``) into generations on each of ``backends`` in turn: the
+    module and its optimizer's momentum move to each generation's device and train on as locally."""
+    source = OneMemberViews(store.port, backends[0])
+    replica = DenseReplica(TrainerGroup.join(source, TIMEOUT), rw.model(buffered=True), rw.make_optimizer)
+    local = rw.model(buffered=True)
+    local_optimizer = rw.make_optimizer(local.parameters())
+    try:
+        step = 0
+        for generation, backend in enumerate(backends, start=1):
+            if generation > 1:
+                source.publish(backend)
+                assert replica.recover(RuntimeError("a collective failed (the test's)"))
+            assert replica.group.generation == generation and replica.group.backend == backend
+            device = replica.group.device
+            assert device.type == ("cuda" if backend == "nccl" else "cpu")
+            for _ in range(2):
+                _step(replica, local, local_optimizer, step)
+                step += 1
+            tensors = list(replica.module.parameters()) + list(replica.module.buffers()) + [
+                value for state in replica.optimizer.state.values() for value in state.values()
+                if isinstance(value, torch.Tensor) and value.dim() > 0]
+            assert tensors and {tensor.device.type for tensor in tensors} == {device.type}
+        assert replica.recoveries == len(backends) - 1
+        for name, expected in local.state_dict().items():
+            torch.testing.assert_close(replica.module.state_dict()[name].cpu(), expected, msg=name)
+    finally:
+        replica.close()
+
+
+def test_a_replica_moved_where_its_parameters_must_be_replaced_gets_an_optimizer_of_the_new_ones(store):
+    """Without a GPU, the move itself onto another device (``meta``, whose tensors cannot take the place of CPU
+    ones, so the module gets new parameters): every parameter, buffer and momentum there, and the optimizer
+    made again for the module's new parameters with their state."""
+    replica = DenseReplica(TrainerGroup.join(OneMemberViews(store.port, "gloo"), TIMEOUT), rw.model(buffered=True),
+                           rw.make_optimizer)
+    try:
+        local = rw.model(buffered=True)
+        _step(replica, local, rw.make_optimizer(local.parameters()), 0)
+        steps_before = [replica.optimizer.state[p].get("step") for p in replica.module.parameters()]
+        replica._move_to(torch.device("meta"))
+        parameters = list(replica.module.parameters())
+        assert [id(p) for group in replica.optimizer.param_groups for p in group["params"]] == [id(p) for p in parameters]
+        momenta = [replica.optimizer.state[p]["momentum_buffer"] for p in parameters]
+        assert {t.device.type for t in parameters + list(replica.module.buffers()) + momenta} == {"meta"}
+        assert [m.shape for m in momenta] == [p.shape for p in parameters]
+        assert [replica.optimizer.state[p].get("step") for p in parameters] == steps_before
     finally:
         replica.close()

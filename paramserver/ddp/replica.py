@@ -13,7 +13,12 @@ constructor copies nothing more (``DDP_INIT_SYNC_OFF``; before torch 2.6 it
 copies rank 0's, equal by then).  A re-formed group starts a fresh
 comm-hook state: PowerSGD's error memory belongs to one rank's gradients
 and its Q memory must be equal on every rank, so neither can be carried
-over to a group with other members.
+over to a group with other members.  The coordinator chooses each
+generation's backend afresh (nccl only when every member holds a GPU of its
+own), so a re-formed group may train on another device than the last: a
+GPU holder left alone after its CPU peer was lost goes from gloo on the CPU
+to nccl on its GPU, and back when a CPU worker joins; the module and its
+optimizer's state move to the new generation's device as it forms.
 
 The training loop calls ``sync_point()`` at the start of every step; at
 the steps of its agreements it is where the group agrees, in one
@@ -54,6 +59,7 @@ batch (counted in ``steps_skipped``).
 import functools
 import gc
 import inspect
+import itertools
 import logging
 import pickle
 import time
@@ -136,6 +142,7 @@ class DenseReplica:
         self.recorder = recorder
         self.on_formed, self.on_agreed = on_formed, on_agreed
         self.module = module.to(group.device)
+        self._make_optimizer = make_optimizer
         self.optimizer = make_optimizer(self.module.parameters())
         self.hook = hook
         self.hook_options = canonical_hook_options(hook, hook_options or {})
@@ -179,6 +186,7 @@ class DenseReplica:
                            initial.get("hook"), initial.get("hook_options") or "", self.hook, self.hook_options or "")
 
     def _form(self) -> None:
+        self._move_to(self.group.device)
         source = self._share_state()
         self.next_agreement = self.even_until = self.step  # every member at the shared step: all agree there
         device_ids = [self.group.device] if self.group.device.type == "cuda" else None
@@ -194,6 +202,21 @@ class DenseReplica:
                     source, self.hook)
         if self.on_formed is not None:
             self.on_formed(self)
+
+    def _move_to(self, device: torch.device) -> None:
+        """The module and its optimizer's state onto ``device`` (where this generation's collectives run).  The
+        module moves in place; its optimizer's state is loaded again, which puts each tensor where torch's own
+        rule says (by its parameter; a scalar step of most optimizers stays on the CPU).  Between the CPU and a
+        GPU the parameters stay the objects the optimizer holds (and a scheduler on it goes on); where a device
+        needs new ones, the optimizer is made again for them (``make_optimizer``) with the same state."""
+        if all(tensor.device == device for tensor in itertools.chain(self.module.parameters(), self.module.buffers())):
+            return
+        held = [id(param) for group in self.optimizer.param_groups for param in group["params"]]
+        state = self.optimizer.state_dict()
+        self.module.to(device)
+        if held != [id(param) for param in self.module.parameters()]:
+            self.optimizer = self._make_optimizer(self.module.parameters())
+        self.optimizer.load_state_dict(state)
 
     def _restore_hook_state(self) -> None:
         """At the first forming after a restore: this rank's hook state, when the group has the checkpoint's size
