@@ -160,13 +160,21 @@ def test_ps_ctl_checkpoint_waits_for_the_checkpoint_and_names_it_and_answers_wit
     root = tmp_path / "checkpoints"
     server, address = start_server(commands, "--shards", "2", "--group-size", "1", "--checkpoint-dir", str(root), "--job-config",
                                    job_config(**dict(SMALL, steps=100_000)))
-    worker = commands.start("ps-worker", "--connect", address)
-    wait_for_status(commands, address, lambda s: s["workers"] and s["workers"][0]["step"] > 0, 120)
+    # Two trainer groups of one (--group-size 1): group 0 writes the checkpoints while group 1 trains on.
+    worker, other_group = [commands.start("ps-worker", "--connect", address) for _ in range(2)]
+    wait_for_status(commands, address, lambda s: len(s["workers"]) == 2 and s["workers"][0]["step"] > 0
+                    and s["workers"][1]["step"] >= 30, 120)
     done = commands.run("ps-ctl", "--connect", address, "checkpoint", "--timeout", "120", timeout=150)
     assert done.returncode == 0, done.stderr
     match = re.match(r"checkpoint (ckpt-\d{10}) written at step (\d+): (.+)$", done.stdout.strip())
     assert match, done.stdout
     assert pathlib.Path(match.group(3)) == root / match.group(1) and (root / match.group(1) / MANIFEST).exists()
+    # It holds group 1's data position too, published at its last agreement (every 10 steps) before it was
+    # written: a restore resumes that worker's data there, not at its start.
+    positions = torch.load(root / match.group(1) / "dense.pt", weights_only=False)["data_positions"]
+    assert sorted(positions) == [0, 1], positions
+    assert positions[1]["used"] >= 30 and positions[1]["used"] % 10 == 0, positions[1]
+    assert positions[1]["state"] == {"index": positions[1]["used"]}, positions[1]  # (the stream's next batch)
 
     # Exported from the live cluster: a checkpoint written now, its tables whole (the first one split by rows).
     exported = tmp_path / "exported"
@@ -188,8 +196,9 @@ def test_ps_ctl_checkpoint_waits_for_the_checkpoint_and_names_it_and_answers_wit
     ids = {name: torch.randint(0, table["rows"], (8, 2)) for name, table in manifest["tables"].items()}
     with torch.no_grad():
         assert torch.isfinite(model(Batch(ids, torch.randn(8, 4), torch.zeros(8)))).all()
-    worker.terminate()
-    assert worker.wait(60) == 0, errors(worker)[-3000:]
+    for each in (worker, other_group):
+        each.terminate()
+        assert each.wait(60) == 0, errors(each)[-3000:]
     # No trainer left: asked for a checkpoint, or an export, the cluster answers at once with its newest one.
     wait_for_status(commands, address, lambda s: not any(w["alive"] for w in s["workers"]), 60)
     done = commands.run("ps-ctl", "--connect", address, "checkpoint", "--timeout", "600", timeout=120)

@@ -68,6 +68,8 @@ WATCH_VIEWS_EVERY = datetime.timedelta(seconds=0.2)
 #: How long ``hand_out`` waits in the store at a time before it looks whether the generation was abandoned.
 HAND_OUT_SLICE = datetime.timedelta(seconds=0.5)
 STORE_PREFIX = "trainer_group"
+#: The keys of ``job_store``: every group's, whatever its generation.
+JOB_STORE_PREFIX = "job"
 
 
 class GroupRecorder(Protocol):
@@ -266,6 +268,12 @@ class TrainerGroup:
         data = mine if mine is not None else torch.empty(int(size), dtype=torch.uint8, device=self.device)
         self.abortable(dist.broadcast(data, src=source, async_op=True).get_future()).wait()
         return value if self.rank == source else _unpickled(data)
+
+    def job_store(self, name: str) -> dist.Store:
+        """Keys under ``name`` in the coordinator's store, shared by every trainer group of the job and kept
+        across generations (``paramserver.train.positions`` keeps the data positions of groups other than 0
+        there)."""
+        return dist.PrefixStore(f"{JOB_STORE_PREFIX}/{name}", self._store)
 
     def hand_out(self, value: Any, source: int, within: datetime.timedelta) -> Any:
         """Member ``source``'s ``value`` (pickled; the others' is ignored) to every member, through the group's

@@ -44,8 +44,9 @@ from .._torch_compat import remote_error_cause
 from ..checkpoint.dense_part import read_dense_part, write_dense_part
 from ..checkpoint.records import CheckpointCommit, CheckpointFailure
 from ..checkpoint.storage import CheckpointStore, first_usable
-from ..logs import one_line
+from ..logs import RateLimitedLog, one_line
 from ..shards.server import service
+from .positions import STORE_NAME as POSITIONS_STORE_NAME, PublishedPositions
 
 logger = logging.getLogger(__name__)
 
@@ -82,15 +83,27 @@ class TrainerCheckpoints:
     ``every_steps`` overrides the cluster's ``--checkpoint-every``.
     ``model``: the model's description (``model.describe_model``), written
     into every dense part so that the checkpoint can be exported.
+    In the other trainer groups, call ``at_agreement()`` at every agreement
+    of the group: it publishes this member's data position for group 0's
+    checkpoints (``paramserver.train.positions``; ``staleness`` is the
+    job's).  ``restored``: the data positions of the checkpoint this run
+    started from.
     """
 
     def __init__(self, ctx, replica, data_position: Callable[[], Any], every_steps: Optional[int] = None,
-                 model: Optional[Dict[str, Any]] = None):
+                 model: Optional[Dict[str, Any]] = None, staleness: int = 0,
+                 restored: Optional[Dict[Any, Any]] = None):
         self.ctx = ctx
         self.model = model
         self.replica = replica
         self.data_position = data_position
         self.enabled = bool(ctx.checkpoint.directory) and ctx.trainer_group == 0
+        #: Where the groups other than 0 publish their data positions (none: this cluster keeps no checkpoints).
+        self.positions = PublishedPositions(replica.group.job_store(POSITIONS_STORE_NAME), staleness) \
+            if ctx.checkpoint.directory else None
+        self._restored_positions = dict(restored or {})
+        self._run_started = time.time()
+        self._unpublished = RateLimitedLog(logger, "{count} data position{s} not published", level=logging.WARNING)
         self.every_steps = ctx.checkpoint.every_steps if every_steps is None else every_steps
         self._done_request = 0
         self._last_step = replica.step  # a restored run does not write its starting point again
@@ -120,6 +133,18 @@ class TrainerCheckpoints:
             self._last_step = self.replica.step
             self.write(agreed_request)
 
+    def at_agreement(self) -> None:
+        """In a trainer group other than 0, at each of its agreements: publish this member's data position (best
+        effort: where the coordinator's store cannot be reached, training goes on, and a restore reads this
+        worker's data from an older position)."""
+        if self.positions is None or self.ctx.trainer_group == 0:
+            return
+        try:
+            self.positions.publish(self.ctx.worker_index, self.ctx.rpc_name, self.replica.step, self.data_position())
+        except (RuntimeError, OSError) as error:  # (torch's DistStoreError is a RuntimeError)
+            self._unpublished.record(type(error).__name__, f"{self.ctx.rpc_name}: its data position at step "
+                                                           f"{self.replica.step} was not published: {one_line(error)}")
+
     def write(self, request: int = 0) -> Optional[str]:
         """Every member: pause here while rank 0 writes and commits; returns the checkpoint's id on rank 0."""
         group = self.replica.group
@@ -140,6 +165,10 @@ class TrainerCheckpoints:
             settings = self.ctx.checkpoint
             directory = CheckpointStore(settings.locate(settings.directory)).new_directory(step)
             shards = list(self.ctx.shards)
+            # The other groups' positions, read before the shards write: their lines are all in the parts.
+            positions = self.positions.read((m["worker_index"] for m in members), self._run_started,
+                                            self._restored_positions)
+            positions.update({m["worker_index"]: m["position"] for m in members})
             futures = [rpc.rpc_async(shard, service.write_checkpoint_part,
                                      args=(directory.url, dict(settings.storage_options)),
                                      timeout=PART_TIMEOUT.total_seconds()) for shard in shards]
@@ -148,11 +177,12 @@ class TrainerCheckpoints:
                 directory, step=step, module=self.replica.module.state_dict(),
                 optimizer=self.replica.optimizer.state_dict(), hook=self.replica.hook,
                 hook_options=self.replica.hook_options, hook_states=[m["hook_state"] for m in members],
-                data_positions={m["worker_index"]: m["position"] for m in members},
+                data_positions=positions,
                 members=[m["rpc_name"] for m in members], model=self.model)
             files.append(dense.to_json())
             info = {"shards": shards, "group_members": [m["rpc_name"] for m in members],
-                    "data_used": {str(m["worker_index"]): m["position"]["used"] for m in members},
+                    "data_used": {str(index): position["used"] for index, position in sorted(positions.items())
+                                  if isinstance(position, dict)},
                     "hook": self.replica.hook}
             checkpoint_id = self.ctx.commit_checkpoint(CheckpointCommit(
                 request=request, directory=str(directory), step=step, files=tuple(files), info=info))

@@ -209,7 +209,7 @@ class _Run:
         ctx = trainer.ctx
         shared = bool(getattr(data, "shared", False))
         if shared and ctx.trainer_group != 0:
-            # Only group 0 saves data positions in checkpoints, and groups do not deal parts to each other.
+            # Groups do not deal a followed input's parts to each other: each would read all of it.
             raise ValueError(f"{ctx.rpc_name} is in trainer group {ctx.trainer_group}: a followed input is read by "
                              "one trainer group (several would each train on every line of it); start ps-server "
                              "without --group-size (one group of every worker) to train on a followed input")
@@ -239,7 +239,8 @@ class _Run:
                                     initial=restored, recorder=ctx.recorders.training, on_formed=self._formed,
                                     on_agreed=self._agreed if shared else None, uneven_steps=shared)
         self.checkpoints = TrainerCheckpoints(ctx, self.replica, self.batches.position,
-                                              model=trainer.model_description)
+                                              model=trainer.model_description, staleness=trainer.staleness,
+                                              restored=positions)
         self.exports = _live_exports(trainer, ctx, self.replica)
         self.figures: Dict[str, Any] = dict(figures)
         self.losses: List[float] = []
@@ -392,6 +393,8 @@ class _Run:
                         return False
                 if self.checkpoints.due(replica.agreed_checkpoint) and not self._settled(self.pipeline.drain()):
                     return False  # a checkpoint holds every update up to its step
+                if agreeing and not final:
+                    self.checkpoints.at_agreement()  # (another group than 0: its data position, for group 0's)
                 self.checkpoints.at_boundary(replica.agreed_checkpoint)
                 if self.exports is not None and agreeing:
                     self.exports.at_boundary(final)  # every push up to here is applied

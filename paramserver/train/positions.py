@@ -1,0 +1,87 @@
+"""``PublishedPositions``: the data positions of the trainer groups that do not write checkpoints, kept where
+trainer group 0 reads them when it writes one.
+
+Trainer group 0 writes every checkpoint; the other groups train on meanwhile, at steps of their own (groups do
+not pause together).  So that a restore does not send their workers back to the start of their data, every
+member of another group publishes its data position at each of its group's agreements (every
+``agree_every`` steps) in the coordinator's store (``TrainerGroup.job_store``), under its worker index; rank 0
+of group 0 reads the newest of them as it writes a checkpoint, beside its own group's positions, which it
+gathers exactly at the checkpoint's step.
+
+The published position is one whose lines all reached the shards before it was published: a member at
+agreement A with ``staleness`` k may have the pushes of steps A-k to A-1 in flight, so it publishes the
+position of its newest agreement at step A-k or earlier (with k = 0: A's own).  The shards write their parts
+later than that, so a restore reads again what such a worker trained between its last published agreement and
+the checkpoint: at most ``agree_every + k`` steps' batches per worker, trained twice (at least once, not exactly
+once, as group 0's own lines are).
+
+Entries published before the reader's own run began (``since``) are not used: they are a previous run's, whose
+workers were all gone before this one started (the coordinator and its store outlive them).  For a worker that
+published once but has no usable entry now, the position of the checkpoint the reader's run started from is
+kept, if it held one.  Only workers that published count: with one trainer group (a followed input, too)
+nothing is read here.
+"""
+
+import collections
+import logging
+import pickle
+import time
+from typing import Any, Deque, Dict, Iterable, Optional, Tuple
+
+logger = logging.getLogger(__name__)
+
+#: The name of the keys' space in the coordinator's store (``TrainerGroup.job_store``).
+STORE_NAME = "data_positions"
+#: The key listing the worker indices that published (comma-separated, appended once per publisher).
+INDICES_KEY = "indices"
+
+
+class PublishedPositions:
+    """Data positions of trainer groups other than 0 in ``store`` (a ``torch.distributed.Store``).
+
+    ``staleness``: the job's ``staleness`` (how many steps' pushes may still be in flight at an agreement).
+    """
+
+    def __init__(self, store, staleness: int = 0):
+        self.store = store
+        self.staleness = staleness
+        #: This member's positions at its recent agreements, oldest first: ``(step, position)``.
+        self._agreed: Deque[Tuple[int, Dict[str, Any]]] = collections.deque()
+        self._listed = False
+
+    def publish(self, worker_index: int, rpc_name: str, step: int, position: Dict[str, Any]) -> None:
+        """At an agreement at ``step`` (``position``: the data's before the batch of ``step``), publish the newest
+        position all of whose lines have reached the shards."""
+        self._agreed.append((step, position))
+        while len(self._agreed) > 1 and self._agreed[1][0] <= step - self.staleness:
+            self._agreed.popleft()
+        settled_step, settled = self._agreed[0]
+        if settled_step > step - self.staleness:
+            return  # not one yet: the run's first agreements, within k steps of its start
+        self.store.set(str(worker_index), pickle.dumps({"step": settled_step, "position": settled,
+                                                        "member": rpc_name, "published": time.time()}))
+        if not self._listed:
+            self.store.append(INDICES_KEY, f"{worker_index},")
+            self._listed = True
+
+    def read(self, skip: Iterable[int], since: float,
+             kept: Optional[Dict[Any, Any]] = None) -> Dict[int, Dict[str, Any]]:
+        """The newest published position of every worker index that published one and is not in ``skip`` (group
+        0's own members), of those published at or after ``since`` (a ``time.time()``); for one without such an
+        entry, its position in ``kept`` (the checkpoint the reader's run started from), if it has one."""
+        if not self.store.check([INDICES_KEY]):
+            return {}
+        indices = {int(part) for part in self.store.get(INDICES_KEY).decode().split(",") if part}
+        kept = {int(index): position for index, position in (kept or {}).items()}
+        found: Dict[int, Dict[str, Any]] = {}
+        for index in sorted(indices - set(skip)):
+            entry = pickle.loads(self.store.get(str(index))) if self.store.check([str(index)]) else None
+            if entry is not None and entry["published"] >= since:
+                found[index] = entry["position"]
+                continue
+            if entry is not None:
+                logger.info("the data position worker %d (%s) published at step %d is a previous run's: not used",
+                            index, entry["member"], entry["step"])
+            if index in kept:
+                found[index] = kept[index]
+        return found
