@@ -46,7 +46,7 @@ from ..checkpoint.records import CheckpointCommit, CheckpointFailure
 from ..checkpoint.storage import CheckpointStore, first_usable
 from ..logs import RateLimitedLog, one_line
 from ..shards.server import service
-from .positions import STORE_NAME as POSITIONS_STORE_NAME, PublishedPositions
+from .positions import PublishedPositions
 
 logger = logging.getLogger(__name__)
 
@@ -83,24 +83,23 @@ class TrainerCheckpoints:
     ``every_steps`` overrides the cluster's ``--checkpoint-every``.
     ``model``: the model's description (``model.describe_model``), written
     into every dense part so that the checkpoint can be exported.
-    In the other trainer groups, call ``at_agreement()`` at every agreement
-    of the group: it publishes this member's data position for group 0's
-    checkpoints (``paramserver.train.positions``; ``staleness`` is the
-    job's).  ``restored``: the data positions of the checkpoint this run
-    started from.
+    ``positions``: where the members of the other trainer groups publish
+    their data positions (``paramserver.train.positions``; ``None``: this
+    job has one group, or keeps no checkpoints); call ``at_agreement()`` at
+    every agreement of the group: in a group other than 0 it publishes this
+    member's, group 0's rank 0 reads them when it writes.  ``restored``: the
+    data positions of the checkpoint this run started from.
     """
 
     def __init__(self, ctx, replica, data_position: Callable[[], Any], every_steps: Optional[int] = None,
-                 model: Optional[Dict[str, Any]] = None, staleness: int = 0,
+                 model: Optional[Dict[str, Any]] = None, positions: Optional[PublishedPositions] = None,
                  restored: Optional[Dict[Any, Any]] = None):
         self.ctx = ctx
         self.model = model
         self.replica = replica
         self.data_position = data_position
         self.enabled = bool(ctx.checkpoint.directory) and ctx.trainer_group == 0
-        #: Where the groups other than 0 publish their data positions (none: this cluster keeps no checkpoints).
-        self.positions = PublishedPositions(replica.group.job_store(POSITIONS_STORE_NAME), staleness) \
-            if ctx.checkpoint.directory else None
+        self.positions = positions
         self._restored_positions = dict(restored or {})
         self._run_started = time.time()
         self._unpublished = RateLimitedLog(logger, "{count} data position{s} not published", level=logging.WARNING)
@@ -166,8 +165,8 @@ class TrainerCheckpoints:
             directory = CheckpointStore(settings.locate(settings.directory)).new_directory(step)
             shards = list(self.ctx.shards)
             # The other groups' positions, read before the shards write: their lines are all in the parts.
-            positions = self.positions.read((m["worker_index"] for m in members), self._run_started,
-                                            self._restored_positions)
+            positions = {} if self.positions is None else self.positions.read(
+                (m["worker_index"] for m in members), self._run_started, self._restored_positions)
             positions.update({m["worker_index"]: m["position"] for m in members})
             futures = [rpc.rpc_async(shard, service.write_checkpoint_part,
                                      args=(directory.url, dict(settings.storage_options)),
