@@ -16,7 +16,8 @@ the checkpoint: at most ``agree_every + k`` steps' batches per worker, trained t
 once, as group 0's own lines are).
 
 Entries published before the reader's own run began (``since``) are not used: they are a previous run's, whose
-workers were all gone before this one started (the coordinator and its store outlive them).  For a worker that
+workers were all gone before this one started (the coordinator and its store outlive them).  Times are
+the hosts' wall clocks: on several hosts they must agree to within the pause between two runs (NTP does).  For a worker that
 published once but has no usable entry now, the position of the checkpoint the reader's run started from is
 kept, if it held one.  Only workers that published count: with one trainer group (a followed input, too)
 nothing is read here.
@@ -48,6 +49,8 @@ class PublishedPositions:
         #: This member's positions at its recent agreements, oldest first: ``(step, position)``.
         self._agreed: Deque[Tuple[int, Dict[str, Any]]] = collections.deque()
         self._listed = False
+        #: Worker indices whose previous run's entry was logged as not used (once each).
+        self._told_stale: set = set()
 
     def publish(self, worker_index: int, rpc_name: str, step: int, position: Dict[str, Any]) -> None:
         """At an agreement at ``step`` (``position``: the data's before the batch of ``step``), publish the newest
@@ -79,7 +82,8 @@ class PublishedPositions:
             if entry is not None and entry["published"] >= since:
                 found[index] = entry["position"]
                 continue
-            if entry is not None:
+            if entry is not None and index not in self._told_stale:
+                self._told_stale.add(index)
                 logger.info("the data position worker %d (%s) published at step %d is a previous run's: not used",
                             index, entry["member"], entry["step"])
             if index in kept:
