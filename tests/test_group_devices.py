@@ -173,7 +173,8 @@ def test_a_replica_moved_where_its_parameters_must_be_replaced_gets_an_optimizer
         steps_before = [replica.optimizer.state[p].get("step") for p in replica.module.parameters()]
         replica._move_to(torch.device("meta"))
         parameters = list(replica.module.parameters())
-        assert [id(p) for group in replica.optimizer.param_groups for p in group["params"]] == [id(p) for p in parameters]
+        held = [p for group in replica.optimizer.param_groups for p in group["params"]]
+        assert [id(p) for p in held] == [id(p) for p in parameters]
         momenta = [replica.optimizer.state[p]["momentum_buffer"] for p in parameters]
         assert {t.device.type for t in parameters + list(replica.module.buffers()) + momenta} == {"meta"}
         assert [m.shape for m in momenta] == [p.shape for p in parameters]

@@ -16,18 +16,18 @@ the checkpoint: at most ``agree_every + k`` steps' batches per worker, trained t
 once, as group 0's own lines are).
 
 Entries published before the reader's own run began (``since``) are not used: they are a previous run's, whose
-workers were all gone before this one started (the coordinator and its store outlive them).  Times are
-the hosts' wall clocks: on several hosts they must agree to within the pause between two runs (NTP does).  For a worker that
-published once but has no usable entry now, the position of the checkpoint the reader's run started from is
-kept, if it held one.  Only workers that published count: with one trainer group (a followed input, too)
-nothing is read here.
+workers were all gone before this one started (the coordinator and its store outlive them).  Times are the
+hosts' wall clocks: on several hosts they must agree to within the pause between two runs (NTP does).  For a
+worker that published once but has no usable entry now, the position of the checkpoint the reader's run
+started from is kept, if it held one.  Only workers that published count: with one trainer group (a followed
+input, too) nothing is read here.
 """
 
 import collections
 import logging
 import pickle
 import time
-from typing import Any, Deque, Dict, Iterable, Optional, Tuple
+from typing import Any, Deque, Dict, Iterable, Optional, Set, Tuple
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class PublishedPositions:
         self._agreed: Deque[Tuple[int, Dict[str, Any]]] = collections.deque()
         self._listed = False
         #: Worker indices whose previous run's entry was logged as not used (once each).
-        self._told_stale: set = set()
+        self._told_stale: Set[int] = set()
 
     def publish(self, worker_index: int, rpc_name: str, step: int, position: Dict[str, Any]) -> None:
         """At an agreement at ``step`` (``position``: the data's before the batch of ``step``), publish the newest
