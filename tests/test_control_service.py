@@ -248,9 +248,13 @@ def test_rendezvous_store_removes_a_lost_member_and_frees_its_token():
         client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=5))
         rpc_store = dist.PrefixStore(RPC_STORE_PREFIX, client)
         names = dist.PrefixStore("names", rpc_store)
+        # (A TCPStore client's set is not answered: each is read back on the same connection before the store's
+        # own connection acts on it, or a loaded machine may let the removal run first.)
         names.set("_ALL_WORKER_INFOS", "shard0-1,worker0-2,worker1-3,")
+        assert names.get("_ALL_WORKER_INFOS") == b"shard0-1,worker0-2,worker1-3,"
         # worker0 died while joining, holding the group's token.
         rpc_store.set("RpcGroupManagementToken", "Token_for_worker0_join")
+        assert rpc_store.get("RpcGroupManagementToken") == b"Token_for_worker0_join"
         assert store.remove_rpc_peer("worker0", 2, takeover_after=datetime.timedelta(seconds=0.3))
         assert names.get("_ALL_WORKER_INFOS") == b"shard0-1,worker1-3,"
         assert rpc_store.get("RpcGroupManagementToken") == b""
@@ -261,6 +265,7 @@ def test_rendezvous_store_removes_a_lost_member_and_frees_its_token():
         # (Ordered by events, not by elapsed time: a loaded machine may
         # stall this thread past the release.)
         rpc_store.set("RpcGroupManagementToken", "Token_for_worker2_join")
+        assert rpc_store.get("RpcGroupManagementToken") == b"Token_for_worker2_join"
         released = threading.Event()
 
         def release_the_token():
