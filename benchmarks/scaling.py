@@ -27,7 +27,7 @@ What it measures
 
 How to run
     ``.venv/bin/python benchmarks/scaling.py [--steps N] [--workers 1,2,4,8] [--shards 2,4,8]
-    [--threads N] [--memory-rows N]``; the defaults take about 4 minutes on 2 cores.  Progress to stderr, results to stdout.
+    [--threads N] [--job-config JSON] [--memory-rows N]``; the defaults take about 4 minutes on 2 cores.  Progress to stderr, results to stdout.
 """
 
 import argparse
@@ -121,7 +121,7 @@ def throughput_rows(args, folder: pathlib.Path) -> List[Dict]:
         run_folder.mkdir()
         summary = run_demo(run_folder, args.steps, args.batch, max(10, args.steps // 5), args.timeout,
                            "--workers", str(workers), "--shards", str(shards), watch=memory,
-                           environment=threads_environment(args.threads))
+                           environment=threads_environment(args.threads), extra_config=args.job_config)
         rows.append({"workers": workers, "shards": shards, "samples_per_s": summary["samples_per_s"],
                      "shard_peak_mib": max(memory.peak.values(), default=0) / 2**20,
                      "floor_mib": job_floor_bytes(shards) / 2**20})
@@ -168,8 +168,9 @@ def memory_row(args, folder: pathlib.Path) -> Dict:
 
 def report(rows: List[Dict], memory: Optional[Dict], args) -> None:
     threads = f"{args.threads} intra-op threads per process" if args.threads > 0 else "threads sized to the host"
+    config = f", job configuration {json.dumps(args.job_config)}" if args.job_config else ""
     print(f"# Scaling of the default job: {os.cpu_count()} cores, {args.steps} steps x batch {args.batch} per "
-          f"worker, allreduce hook, one trainer group, {threads}\n")
+          f"worker, allreduce hook, one trainer group, {threads}{config}\n")
     base = next((r["samples_per_s"] for r in rows if r["workers"] == 1 and r["shards"] == 4), None)
     print("| workers | shards | samples/s | efficiency vs 1 worker | shard resident (peak, MiB) | "
           "tables' floor per shard (MiB) |")
@@ -204,6 +205,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--shards", type=_counts, default=[2, 4, 8], help="shard counts with 2 workers")
     parser.add_argument("--threads", type=int, default=0, metavar="N",
                         help="intra-op threads of every process (default 0: each sizes its own to the host)")
+    parser.add_argument("--job-config", type=json.loads, default=None, metavar="JSON",
+                        help="added to every run's job configuration, e.g. '{\"row_wise_min_rows\": 1000}' "
+                             "(tables of 1,000 rows or more split by rows over every shard, not packed whole)")
     parser.add_argument("--memory-rows", type=int, default=20_000_000,
                         help="rows of the memory probe's table (0: skip it; default 20M)")
     parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS", help="per run (default 600)")
