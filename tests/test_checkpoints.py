@@ -1,6 +1,8 @@
 """Checkpoints through the real commands: the default job writes them every N
 steps and on ``ps-ctl checkpoint``, and ``ps-ctl export`` has the live
-cluster write one and exports it; a restored run of a Trainer job (the
+cluster write one and exports it; with two trainer groups a checkpoint
+holds the other group's data position too, and a run restored from it
+reads each worker's data on from its own; a restored run of a Trainer job (the
 second job, ``tests/jobs/watch_next.py``, whose data has no saved position:
 the Trainer skips to it) continues the same trajectory as an undisturbed
 one, also on another number of shards (2 -> 3 and 3 -> 2: rows and their
@@ -172,7 +174,8 @@ def test_ps_ctl_checkpoint_waits_for_the_checkpoint_and_names_it_and_answers_wit
     assert pathlib.Path(match.group(3)) == root / match.group(1) and (root / match.group(1) / MANIFEST).exists()
     # It holds group 1's data position too, published at its last agreement (every 10 steps) before it was
     # written: a restore resumes that worker's data there, not at its start.
-    positions = torch.load(root / match.group(1) / "dense.pt", weights_only=False)["data_positions"]
+    asked = root / match.group(1)
+    positions = torch.load(asked / "dense.pt", weights_only=False)["data_positions"]
     assert sorted(positions) == [0, 1], positions
     assert positions[1]["used"] >= 30 and positions[1]["used"] % 10 == 0, positions[1]
     assert positions[1]["state"] == {"index": positions[1]["used"]}, positions[1]  # (the stream's next batch)
@@ -210,6 +213,20 @@ def test_ps_ctl_checkpoint_waits_for_the_checkpoint_and_names_it_and_answers_wit
     done = commands.run("ps-ctl", "--connect", address, "export", str(tmp_path / "after"), "--timeout", "600",
                         timeout=120)
     assert done.returncode == 0 and f"of {root / match.group(1)} to " in done.stdout, (done.stdout, done.stderr)
+    commands.run("ps-ctl", "--connect", address, "shutdown")
+    assert server.wait(30) == 0
+
+    # Restored from the first checkpoint, two groups again: each worker reads on from its own position there.
+    step = int(json.loads((asked / MANIFEST).read_text())["step"])
+    server, address = start_server(commands, "--shards", "2", "--group-size", "1", "--restore", str(asked),
+                                   "--checkpoint-dir", str(tmp_path / "again"),
+                                   "--job-config", job_config(**dict(SMALL, steps=step + 5)))
+    restored = [commands.start("ps-worker", "--connect", address) for _ in range(2)]
+    for each in restored:
+        assert each.wait(120) == 0, errors(each)[-3000:]
+    for each in restored:
+        index = int(re.search(r"joined \S+ as worker(\d+)", errors(each)).group(1))  # (whichever joined first)
+        assert f"data position restored after {positions[index]['used']} batches" in errors(each), index
     commands.run("ps-ctl", "--connect", address, "shutdown")
     assert server.wait(30) == 0
     shutil.rmtree(root)

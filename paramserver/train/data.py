@@ -68,6 +68,7 @@ class BatchStream:
         loads_state = self._stateful and restored.get("state") is not None
         if loads_state:
             data.load_state_dict(restored["state"])
+            logger.info("data position restored after %d batches (the data's own state)", self.used)
         # (batch, the data's state before it was pulled, its state after)
         self._ahead: Deque[Tuple[Batch, Any, Any]] = collections.deque()
         self._reader: Optional[_Reader] = None
