@@ -43,6 +43,11 @@ class PublishedPositions:
     ``staleness``: the job's ``staleness`` (how many steps' pushes may still be in flight at an agreement).
     """
 
+    @classmethod
+    def of_job(cls, group, staleness: int = 0) -> "PublishedPositions":
+        """Those of the job ``group`` (a ``TrainerGroup``) belongs to, in the coordinator's store."""
+        return cls(group.job_store(STORE_NAME), staleness)
+
     def __init__(self, store, staleness: int = 0):
         self.store = store
         self.staleness = staleness

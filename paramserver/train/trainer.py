@@ -44,7 +44,7 @@ from .data import BatchStream
 from .evaluation import evaluate
 from .live_exports import LiveExports
 from .pipeline import RowPipeline
-from .positions import STORE_NAME as POSITIONS_STORE_NAME, PublishedPositions
+from .positions import PublishedPositions
 from .shares import GroupShares
 from .sparse import RebuildStopped, SparseTables
 from .step import ShardStepFailed, StepTimes, train_step
@@ -239,8 +239,7 @@ class _Run:
                                     hook_options=trainer.hook_options, agree_every=trainer.agree_every,
                                     initial=restored, recorder=ctx.recorders.training, on_formed=self._formed,
                                     on_agreed=self._agreed if shared else None, uneven_steps=shared)
-        published = PublishedPositions(group.job_store(POSITIONS_STORE_NAME), trainer.staleness) \
-            if ctx.checkpoint.directory else None
+        published = PublishedPositions.of_job(group, trainer.staleness) if ctx.checkpoint.directory else None
         self.checkpoints = TrainerCheckpoints(ctx, self.replica, self.batches.position,
                                               model=trainer.model_description, positions=published,
                                               restored=positions)
