@@ -58,6 +58,8 @@ class Member:
     joined_generation: int
     trainer_group: int
     last_heartbeat: float
+    #: Workers: the job's run it joined (``Membership.join``); 0 for shards.
+    job_run: int = 0
     state: str = ALIVE
     ready: bool = False
     sequence: int = 0
@@ -105,6 +107,8 @@ class Membership:
         self._ends: Dict[Tuple[int, str], int] = {}  # (role, LEFT/DEAD/EXITED) -> how many ended that way
         self._stopping = False
         self._groups = groups or TrainerGroups()
+        #: The job's runs: one more each time a worker joins while no worker is alive.
+        self._job_runs = 0
         #: Shards whose process exited and is not restarted: RPC name -> why (a shard joining under it clears it).
         self._shards_gone: Dict[str, str] = {}
 
@@ -170,12 +174,15 @@ class Membership:
             self._role_joins[request.role] += 1
             self._generation += 1
             is_worker = request.role == pb.ROLE_WORKER
+            new_run = is_worker and not self._alive(pb.ROLE_WORKER)
+            if new_run:
+                self._job_runs += 1  # the job starts, or starts again from its checkpoint
             member = Member(
                 member_id=secrets.token_hex(8), role=request.role, name=request.name, host=request.host,
                 rpc_name=rpc_name, rpc_rank=next(self._ranks), index=index, pid=request.capabilities.pid,
                 joined_generation=self._generation,
                 trainer_group=self._groups.assign() if is_worker else 0,
-                last_heartbeat=self._clock())
+                last_heartbeat=self._clock(), job_run=self._job_runs if is_worker else 0)
             if is_worker:
                 self._groups.add(member.trainer_group, rpc_name, request.capabilities.gpus, self._clock())
             self._members[member.member_id] = member
@@ -183,6 +190,8 @@ class Membership:
             self._forget_oldest_former_members()
             self._changed.notify_all()
         logger.info("joined: %s, rank %d, generation %d", member.describe(), member.rpc_rank, member.joined_generation)
+        if new_run:
+            logger.info("job run %d starts: %s joined with no worker alive", member.job_run, member.rpc_name)
         return member
 
     def _rpc_name_for(self, request: pb.JoinRequest, index: int) -> str:

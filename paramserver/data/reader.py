@@ -29,7 +29,10 @@ hash of their names (``crc32 % workers``), so that every worker decides alone an
 whose; the parts under way of the position it starts from are its own whatever their hash, so that a group
 can re-deal its members' reading (``reshare``; the rule: ``paramserver.data.shares``).  Its position names
 parts by name: the parts done, the ones under way (chunk offset and rows given of each), so that after a
-restore nothing is read twice and no file from its start again.  What it names stays bounded by what the
+restore nothing is read twice and no file from its start again.  Where several readers that are not dealt
+their shares together read one input (trainer groups), ``claim`` (a callable: part key -> whether this
+reader may read it) is asked before a part not under way is started, and a part it refuses is left to
+whoever has it (``paramserver.train.claims``).  What it names stays bounded by what the
 input holds: a listing's oldest file name raises ``done_below`` (every part whose key sorts below it is
 done), and the parts done below it are forgotten, as are the sizes of their files, so that a stream whose old
 files are deleted (a retention policy) keeps a position of the size of what is left.  A file that lands later
@@ -50,7 +53,7 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ..logs import RateLimitedLog
 from ..train.contract import Batch
@@ -158,6 +161,10 @@ class FileReader:
         self._too_old_log = RateLimitedLog(logger, "found {count} file{s} older than the followed input's oldest",
                                            level=logging.WARNING)
         self._too_old_told: set = set()  # those of them logged, while they are listed
+        #: A followed input read beside readers it is not dealt with (other trainer groups): part key -> whether
+        #: this reader may start it (``None``: every part of its share is its own).
+        self.claim: Optional[Callable[[str], bool]] = None
+        self._elsewhere_log = RateLimitedLog(logger, "left {count} part{s} to other readers")
         #: A followed input: the oldest file name its last listing found ("" before one found any), and the
         #: name below which files are done (the producer's position's ``done_below``).
         self._oldest_listed = ""
@@ -203,8 +210,11 @@ class FileReader:
     is_position = staticmethod(sharing.is_followed)
 
     def dealt(self, worker: int, workers: int) -> "FileReader":
-        """Another reader of the same input, worker ``worker`` of ``workers``'s (not started)."""
-        return FileReader(**self._arguments, worker=worker, workers=workers)
+        """Another reader of the same input, worker ``worker`` of ``workers``'s (not started), asking the same
+        ``claim``."""
+        reader = FileReader(**self._arguments, worker=worker, workers=workers)
+        reader.claim = self.claim
+        return reader
 
     def reshare(self, worker: int, workers: int, state: Dict[str, Any]) -> None:
         """A followed input: read on as worker ``worker`` of ``workers`` from ``state`` (a position dealt by
@@ -293,7 +303,7 @@ class FileReader:
             stop.set()
             producer.join(10 * _POLL)
             pool.shutdown(wait=False, cancel_futures=True)
-            for log in (self._waiting_log, self._too_old_log, self._skipped_log):
+            for log in (self._waiting_log, self._too_old_log, self._skipped_log, self._elsewhere_log):
                 log.flush()  # what was counted is written now, not by a timer after the reading ended
 
     def _batches(self, chunks: "queue.Queue", producer: threading.Thread) -> Iterator[Batch]:
@@ -421,6 +431,7 @@ class FileReader:
         resume = {key: (offset, rows) for key, offset, rows in start.under_way()}  # in the order they are read
         done = tuple(key for key in start.done if key not in resume)
         finished = set(done)
+        elsewhere: set = set()  # parts ``claim`` refused: another reader's
         if set(resume) - self._keys() and not self._listed(stop, len(finished)):
             return
         gone = sorted(set(resume) - self._keys())
@@ -431,16 +442,21 @@ class FileReader:
         while not stop.is_set() and not self._stop.is_set():
             if self._oldest_listed > self._done_below:  # older files gone: forget the parts done below
                 done, finished = self._forget_below(self._oldest_listed, done, set(resume))
+                elsewhere = {key for key in elsewhere if key >= self._done_below}
             index_of = {part.key: index for index, part in enumerate(self.parts) if part is not None}
             pending = [index_of[key] for key in resume] + [index for index, part in enumerate(self.parts)
                                                            if part is not None and part.key not in finished
-                                                           and part.key not in resume]
+                                                           and part.key not in resume and part.key not in elsewhere]
             if not pending:
                 if not self._listed(stop, len(finished), waiting=True):
                     return
                 continue
             for index in pending:
                 part = self.parts[index]
+                if part.key not in resume and self.claim is not None and not self.claim(part.key):
+                    elsewhere.add(part.key)
+                    self._elsewhere_log.record("claimed", f"{part.key} is read by another reader")
+                    continue
                 offset, rows = resume.pop(part.key, (0, 0))
                 held = tuple((key, *progress) for key, progress in resume.items())
                 finished.add(part.key)

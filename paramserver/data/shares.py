@@ -6,10 +6,12 @@ group).  A followed input's position (``reader.FileReader.state_dict()``) names 
 parts under way: ``key`` with ``offset`` and ``rows`` (the part being read), and ``held`` (more of them,
 each ``(key, offset, rows)``, read after it).
 
-``deal(members, others, size)``: the positions of a group of ``size`` members, from ``members`` (rank
-``r``'s position now; ``None`` for a member that brings nothing, one that joined) and ``others`` (positions
-of readers that are no member: those of members that left, replayed up to the group's step, or a
-checkpoint's, whatever workers wrote them):
+``deal(members, others, size, take)``: the positions of a group of ``size`` members, from ``members``
+(rank ``r``'s position now; ``None`` for a member that brings nothing, one that joined) and ``others``
+(positions of readers that are no member: those of members that left, replayed up to the group's step, or a
+checkpoint's, whatever workers wrote them); ``take`` (part key -> bool; ``None``: every part) says which
+parts under way in ``others`` the group may read on (several groups reading one input:
+``paramserver.train.claims``); the others are left out of the deal, neither under way nor done:
 
 * a part is done if some position has it done and none has it under way (a reader's ``done`` also holds the
   parts under way elsewhere when it was dealt: under way wins);
@@ -26,7 +28,7 @@ So over the group's members every line not read yet is read once, and none alrea
 """
 
 import zlib
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 #: A part under way: (key, chunk offset, rows of that chunk given).
 UnderWay = Tuple[str, int, int]
@@ -61,7 +63,7 @@ def again(before: Dict[str, Any], after: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def deal(members: Sequence[Optional[Dict[str, Any]]], others: Sequence[Dict[str, Any]],
-         size: Optional[int] = None) -> List[Dict[str, Any]]:
+         size: Optional[int] = None, take: Optional[Callable[[str], bool]] = None) -> List[Dict[str, Any]]:
     """Each member's position (see the module's text); ``size`` defaults to ``len(members)``."""
     size = len(members) if size is None else size
     if size < 1 or len(members) > size:
@@ -74,15 +76,20 @@ def deal(members: Sequence[Optional[Dict[str, Any]]], others: Sequence[Dict[str,
     takers: Dict[str, Tuple[Tuple[int, int], int, UnderWay, int]] = {}
     sources = [(rank, state) for rank, state in enumerate(members) if state is not None] + \
               [(None, state) for state in others]
+    left: set = set()  # parts under way in ``others`` that ``take`` refused: another group's
     for order, (rank, state) in enumerate(sources):
         for part in under_way(state):
             key, offset, rows = part
+            if rank is None and take is not None and key not in takers and (key in left or not take(key)):
+                left.add(key)
+                continue
             taker = rank if rank is not None else owner(key, size)
             best = takers.get(key)
             if best is None or (offset, rows) > best[0]:
                 takers[key] = ((offset, rows), order, part, taker)
     done_below = max((str(state.get("done_below", "")) for state in states), default="")
-    done = {key for key in set().union(*(state["done"] for state in states)) - set(takers) if key >= done_below}
+    done = {key for key in set().union(*(state["done"] for state in states)) - set(takers) - left
+            if key >= done_below}
     dealt = []
     for rank in range(size):
         mine = [entry[2] for entry in sorted(takers.values(), key=lambda entry: entry[1]) if entry[3] == rank]

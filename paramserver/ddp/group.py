@@ -269,11 +269,15 @@ class TrainerGroup:
         self.abortable(dist.broadcast(data, src=source, async_op=True).get_future()).wait()
         return value if self.rank == source else _unpickled(data)
 
-    def job_store(self, name: str) -> dist.Store:
+    def job_store(self, name: str, own_connection: bool = False) -> dist.Store:
         """Keys under ``name`` in the coordinator's store, shared by every trainer group of the job and kept
         across generations (``paramserver.train.positions`` keeps the data positions of groups other than 0
-        there)."""
-        return dist.PrefixStore(f"{JOB_STORE_PREFIX}/{name}", self._store)
+        there, ``paramserver.train.claims`` the parts of a followed input each group reads).
+        ``own_connection``: through a connection of its own, for a thread that must not queue behind this
+        group's waits in the store (``hand_out``'s)."""
+        store = self._store if not own_connection else dist.TCPStore(
+            self._source.store_host, self._source.store_port, is_master=False, timeout=self._timeout)
+        return dist.PrefixStore(f"{JOB_STORE_PREFIX}/{name}", store)
 
     def hand_out(self, value: Any, source: int, within: datetime.timedelta) -> Any:
         """Member ``source``'s ``value`` (pickled; the others' is ignored) to every member, through the group's

@@ -185,6 +185,9 @@ class JobContext:
     exports: LiveExportSettings = field(default_factory=LiveExportSettings)
     #: The member id the coordinator knows this worker by.
     member_id: str = ""
+    #: The job's run this worker joined: one more each time a worker joins while none is alive; the workers of
+    #: one run share it (a followed input's parts are taken per run: ``paramserver.train.claims``).
+    job_run: int = 0
     inbox: Inbox = field(default_factory=Inbox, repr=False)
     #: The worker's metric sets to record into (each ``None``: this worker serves no metrics).
     recorders: Recorders = field(default_factory=Recorders, repr=False)
@@ -220,7 +223,8 @@ class JobContext:
                    trainer_group=assignment.trainer_group, shards=list(assignment.shards), group=group,
                    checkpoint=CheckpointSettings.from_message(assignment.checkpoint),
                    exports=LiveExportSettings.from_message(assignment.job.exports),
-                   member_id=assignment.member_id, inbox=inbox, recorders=recorders or Recorders(),
+                   member_id=assignment.member_id, job_run=assignment.job_run, inbox=inbox,
+                   recorders=recorders or Recorders(),
                    _live_shards=lambda: session.shards,
                    _shards_gone=lambda: session.shards_gone,
                    _refresh=session.beat_now, _commit_checkpoint=session.commit_checkpoint,

@@ -9,7 +9,8 @@ Batch), ``sparse`` (tables on the shards, lost shards), ``step`` (one
 step), ``data`` (the data position), ``evaluation`` (AUC, log loss),
 ``checkpoints`` (the trainers' checkpoint protocol: when group 0 writes
 one, its collectives and the RPC to every shard, the restore point),
-``trainer`` (the loop).
+``shares`` and ``claims`` (a followed input read by a group's members,
+and by several groups), ``trainer`` (the loop).
 """
 
 from .contract import Batch, Table

@@ -25,6 +25,10 @@ step, the agreement and re-forming are the Trainer's and ``DenseReplica``'s, whi
   first formation nobody has a snapshot: rank 0 deals the positions of the checkpoint the job starts from,
   whatever workers wrote them (``restored``), or the input from its start.
 
+Where the job has several trainer groups, the data's ``claim`` (``paramserver.train.claims``) says which
+parts each group reads: a deal takes on the parts under way in ``restored`` or in a gone member's
+position only where ``claim`` grants them to this group, and the readers ask it before each part they start.
+
 Each deal is named by the generation of the group that made it, and every member tells the deal it
 follows: a member that missed the last deal the dealer knows of (that formation failed before its
 broadcast reached it, and no step was completed since) is dealt from the dealer's snapshot of it, as a
@@ -115,8 +119,9 @@ class GroupShares:
 
     def _deal(self, told: Sequence[Dict[str, Any]], group, step: int) -> List[Dict[str, Any]]:
         members = [entry["state"] for entry in told]
+        take = getattr(self.data, "claim", None)  # several groups read the input: what is under way elsewhere
         if self.snapshot is None:  # the group's first formation: the checkpoint's positions, if any
-            return self.data.deal(members, self.restored, group.world_size)
+            return self.data.deal(members, self.restored, group.world_size, take)
         known = self.snapshot.entries
         # a member that missed a deal the dealer knows of tells a position of the deal before: not used
         members = [None if entry["name"] in known and entry["deal"] != known[entry["name"]].get("deal") else state
@@ -127,7 +132,7 @@ class GroupShares:
         others = [self._replayed(f"{name} {'missed the last deal' if name in group.members else 'left the group'}",
                                  known[name], min(step, known[name].get("until", step)) - self.snapshot.step)
                   for name in gone]
-        return self.data.deal(members, others, group.world_size)
+        return self.data.deal(members, others, group.world_size, take)
 
     def _replayed(self, who: str, entry: Dict[str, Any], batches: int) -> Dict[str, Any]:
         """Where a reader (``who``: its member's name, and why it is replayed) stood ``batches`` batches after

@@ -18,7 +18,9 @@ again once the lost shard serves again (skipping the agreement it
 passed already); a failed collective re-forms the group and the step is
 done again from its agreement, in the new group; every other error ends
 the job.  Data the group shares (a followed input) is dealt to its members
-at every formation and re-formation (``shares.GroupShares``).
+at every formation and re-formation (``shares.GroupShares``); with several
+trainer groups, each part of it is read by the group that claims it first
+(``claims.PartClaims``).
 
 Metrics: the context's recorders (``JobContext.recorders``, set when the
 worker serves metrics) are handed down here: the data-plane one to the
@@ -45,6 +47,7 @@ from .evaluation import evaluate
 from .live_exports import LiveExports
 from .pipeline import RowPipeline
 from .positions import PublishedPositions
+from .claims import PartClaims
 from .shares import GroupShares
 from .sparse import RebuildStopped, SparseTables
 from .step import ShardStepFailed, StepTimes, train_step
@@ -176,7 +179,8 @@ class Trainer:
         ``load_state_dict()`` its position is saved in checkpoints, else it
         is re-created by skipping batches.  Data the group shares (``data.shared``: a
         followed ``FileReader``) is dealt to the group's members by their place in it, and dealt again
-        whenever the group re-forms (``paramserver.train.shares``).  ``eval_data`` (a re-iterable of
+        whenever the group re-forms (``paramserver.train.shares``); the job's other trainer groups read
+        the same input, each part by the group that claims it (``paramserver.train.claims``).  ``eval_data`` (a re-iterable of
         batches): rank 0 reports held-out ``auc`` and ``log_loss`` every
         ``eval_every`` steps and at the end.  ``figures``: fixed figures of
         the job reported with the Trainer's (a reference AUC...).
@@ -209,11 +213,8 @@ class _Run:
                  log_every: int, figures: Dict[str, float]):
         ctx = trainer.ctx
         shared = bool(getattr(data, "shared", False))
-        if shared and ctx.trainer_group != 0:
-            # Groups do not deal a followed input's parts to each other: each would read all of it.
-            raise ValueError(f"{ctx.rpc_name} is in trainer group {ctx.trainer_group}: a followed input is read by "
-                             "one trainer group (several would each train on every line of it); start ps-server "
-                             "without --group-size (one group of every worker) to train on a followed input")
+        if shared:  # every trainer group of the job reads the input: each part is read by the group that claims it
+            data.claim = PartClaims.of_job(group, ctx.job_run, ctx.trainer_group).take
         self.trainer, self.ctx, self.steps = trainer, ctx, steps
         self.eval_data, self.eval_every, self.log_every = eval_data, eval_every, log_every
         restored = restore_point(ctx)
