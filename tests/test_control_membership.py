@@ -138,6 +138,19 @@ def test_silent_member_is_declared_dead_and_survivors_told_to_forget_it(table):
                                                                        ("worker1", True, "alive")]
 
 
+def test_a_worker_joining_while_no_worker_is_alive_starts_a_new_run_of_the_job(table):
+    first = table.join(join_request())
+    second = table.join(join_request())
+    shard = table.join(join_request(pb.ROLE_SHARD, name="shard0"))
+    assert (first.job_run, second.job_run, shard.job_run) == (1, 1, 0)
+    table.leave(pb.LeaveRequest(member_id=first.member_id, reason="done"))
+    assert table.join(join_request()).job_run == 1  # the second worker is still alive: the same run
+    table.leave(pb.LeaveRequest(member_id=second.member_id, reason="done"))
+    table.clock.now += 6  # the worker that joined last is lost too: no worker alive
+    assert [m.rpc_name for m in table.sweep() if m.role == pb.ROLE_WORKER] == ["worker2"]
+    assert table.join(join_request()).job_run == 2
+
+
 def test_exited_process_is_gone_at_once(table):
     shard = table.join(join_request(pb.ROLE_SHARD, name="shard3"))
     assert table.process_exited("shard3", -9) is shard

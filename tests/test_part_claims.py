@@ -1,0 +1,116 @@
+"""A followed input read by several trainer groups (``paramserver.train.claims``): each part goes to the group
+that claims it first, per run of the job; readers of different groups, each dealt alone, read every line once
+between them, as they read it and after a restore (one process, a real TCPStore; a group's side in a trainer
+group of one)."""
+
+import datetime
+import time
+
+import pytest
+import torch.distributed as dist
+
+from paramserver.data import FileReader
+from paramserver.data.shares import deal, under_way
+from paramserver.train.claims import PartClaims
+
+from test_data_follow import POLL, land
+from test_data_shares import group_of_one, position, read_all, two_readers_part_way  # noqa: F401
+
+
+@pytest.fixture
+def store():
+    """The coordinator's store, as a trainer group's job keys see it."""
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=10))
+    yield dist.PrefixStore("job/followed_parts/run1", master)
+
+
+def test_the_first_group_to_ask_for_a_part_has_it_and_every_later_asker_learns_whose_it_is(store):
+    zero, one = PartClaims(store, 0), PartClaims(store, 1)
+    assert zero.take("part-0.txt") and not one.take("part-0.txt") and zero.take("part-0.txt")
+    assert one.take("part-1.txt@0") and not zero.take("part-1.txt@0")
+
+
+def test_claims_belong_to_one_run_of_the_job(group_of_one):  # noqa: F811
+    earlier, later = (PartClaims.of_job(group_of_one, run, 1) for run in (1, 2))
+    assert earlier.take("part-0.txt")
+    assert not PartClaims.of_job(group_of_one, 1, 0).take("part-0.txt")
+    assert PartClaims.of_job(group_of_one, 2, 0).take("part-0.txt") and not later.take("part-0.txt")
+
+
+def test_readers_of_two_groups_read_every_line_once_between_them_as_files_land(tmp_path, store):
+    """Each reader is the only member of its group (every part of the input is its share); what one claims,
+    the other leaves."""
+    for index in range(6):
+        land(tmp_path, f"part-{index}.txt", index * 100, 100)
+    readers = [FileReader(str(tmp_path), 10, follow=True, poll=POLL, chunk_bytes=4_000) for _ in range(2)]
+    for group, reader in enumerate(readers):
+        reader.claim = PartClaims(store, group).take
+    land(tmp_path, "part-6.txt", 600, 100)
+    seen = read_all(readers, 700)
+    assert sorted(seen) == list(range(700))
+    keys = {part.key for reader in readers for part in reader.parts if part is not None}
+    assert len(keys) == 7 and all(store.get(key) in (b"0", b"1") for key in keys)  # each claimed by one group
+
+
+def test_a_reader_whose_every_part_is_another_groups_waits_without_reading_and_lists_at_its_pace(tmp_path, store):
+    for index in range(3):
+        land(tmp_path, f"part-{index}.txt", index * 100, 100)
+    reader = FileReader(str(tmp_path), 10, follow=True, poll=POLL, chunk_bytes=4_000)
+    keys = sorted(part.key for part in reader.parts)
+    assert len(keys) == 3 and all(PartClaims(store, 1).take(key) for key in keys)
+    asked = []
+    reader.claim = lambda key: asked.append(key) or PartClaims(store, 0).take(key)
+    assert read_all([reader], 1, within=1.0) == []
+    assert sorted(asked) == keys  # once each, not at every listing
+
+
+def test_a_deal_takes_on_the_saved_parts_under_way_its_group_may_read_and_leaves_the_others_out():
+    saved = [position(done=["f0", "f2"], key="f1", offset=40, rows=3), position(done=["f0", "f1"], key="f2")]
+    others_group = {"f2"}
+    dealt = deal([None], saved, 1, take=lambda key: key not in others_group)
+    assert under_way(dealt[0]) == [("f1", 40, 3)]
+    assert set(dealt[0]["done"]) == {"f0"}  # f2: neither under way here nor done (the other group reads it)
+    members = deal([saved[1]], [saved[0]], 1, take=lambda key: False)  # a member's own part is never asked
+    assert under_way(members[0]) == [("f2", 0, 0)] and set(members[0]["done"]) == {"f0"}
+
+
+def test_two_groups_restored_from_one_checkpoint_read_every_line_once_between_them(tmp_path, store,
+                                                                                      group_of_one):  # noqa: F811
+    """A checkpoint holds two workers' positions, each in the middle of a part; the job starts again as two
+    groups of one, each dealing those positions at its first formation."""
+    from paramserver.train.data import BatchStream
+    from paramserver.train.shares import GroupShares
+
+    read, states = two_readers_part_way(tmp_path, [[3], [5]])
+    saved = {0: {"used": 3, "state": states[0][0]}, 1: {"used": 5, "state": states[1][0]}}
+    readers, streams = [], []
+    for group in range(2):
+        reader = FileReader(str(tmp_path), 10, follow=True, poll=POLL, chunk_bytes=2_000)
+        reader.claim = PartClaims(store, group).take
+        stream = BatchStream(reader, None, prefetch=2, started=False)
+        GroupShares(reader, stream, saved).formed(group_of_one, 5)
+        readers.append(reader)
+        streams.append(stream)
+    rest = read_both(readers, streams, 240 - len(read))
+    assert sorted(read + rest) == list(range(240))
+
+
+def read_both(readers, streams, expected):
+    """The lines of the batches ``streams`` give, taken in turn, until ``expected`` came (or 30 s passed); then
+    nothing more may come."""
+    seen = []
+    deadline = time.monotonic() + 30
+    while len(seen) < expected and time.monotonic() < deadline:
+        for stream in streams:
+            if stream.ready(1, 0.1):
+                seen += [int(i) for i in stream.current().sparse["C1"].view(-1)]
+                stream.finished()
+    time.sleep(0.3)
+    extra = [stream.ready(1, 0.3) for stream in streams]
+    for reader in readers:
+        reader.close()  # first: a stream's thread, waiting in the reader for files, ends with it
+    for stream in streams:
+        stream.close()
+    assert not any(extra), "a line was left to read twice"
+    return seen
