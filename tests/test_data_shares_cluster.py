@@ -3,7 +3,8 @@ numbered lines (no ``data.workers`` anywhere; while one file is there, its holde
 member sits those steps out), one is SIGKILLed mid-stream, a third joins, more files land, and every line is
 trained exactly once by a step the group completed (``tests/jobs/count_lines.py`` records the lines of every
 step).  The killed worker's step in flight (not completed by the group) is re-read by
-the member its part went to: each of its lines is counted once among the completed steps."""
+the member its part went to: each of its lines is counted once among the completed steps.  Then two trainer
+groups (``--group-size 1``) follow one input: each line is trained once over both."""
 
 import json
 import os
@@ -158,3 +159,44 @@ def test_workers_joining_and_killed_mid_stream_train_every_line_once(commands, t
     assert records(folder)[joined], "the worker that joined trained nothing"
     text = errors(survivor)
     assert f"{killed} left the group" in text or f"{killed} left the group" in errors(joiner), text[-3000:]
+
+
+def test_two_trainer_groups_following_one_input_train_every_line_once_between_them(commands, tmp_path):
+    """``--group-size 1``: two workers, two groups, each dealt alone; each part is trained by the group that
+    claims it first (``paramserver.train.claims``), and every line once over both."""
+    data, folder = tmp_path / "data", tmp_path / "records"
+    data.mkdir()
+    folder.mkdir()
+    server, address = start_server(commands, "--shards", "1", "--group-size", "1", "--job", JOB,
+                                   "--job-config", job_config(train=str(data), records=str(folder)))
+    workers = [commands.start("ps-worker", "--connect", address) for _ in range(2)]
+    files = 0
+    deadline = time.monotonic() + 60
+    while len(records(folder)) < 2 or files < 12:  # files land until both groups have trained some
+        assert time.monotonic() < deadline, f"trained by {sorted(records(folder))} only, {files} files landed"
+        for process in workers:
+            assert process.poll() is None, errors(process)[-3000:]
+        land(data, files, files * LINES_PER_FILE)
+        files += 1
+        time.sleep(0.3)
+    total = files * LINES_PER_FILE
+    padding, deadline = files, time.monotonic() + 60
+    while not set(range(total)) <= set(trained(records(folder), "", 0, {})[0]):  # each group's last batch waits
+        assert time.monotonic() < deadline, "lines never trained"
+        land(data, padding, padding * LINES_PER_FILE, 24)
+        padding += 1
+        time.sleep(0.5)
+
+    assert commands.run("ps-ctl", "--connect", address, "shutdown").returncode == 0
+    for process in workers:
+        assert process.wait(60) == 0, errors(process)[-3000:]
+    assert server.wait(60) == 0, errors(server)[-3000:]
+    final = {name: json.loads((folder / f"{name}.json").read_text())["steps"] for name in records(folder)}
+    lines, _ = trained(records(folder), "", 0, final)
+    counted = [line for line in lines if line < total]
+    assert sorted(counted) == list(range(total)), (
+        f"twice: {sorted({line for line in counted if counted.count(line) > 1})[:20]}, "
+        f"never: {sorted(set(range(total)) - set(counted))[:20]}")
+    padded = [line for line in lines if line >= total]
+    assert len(padded) == len(set(padded))
+    assert any("is read by another reader" in errors(process) for process in workers)  # parts were left
