@@ -143,7 +143,8 @@ def test_a_shard_join_needs_the_shard_credential_and_says_which_flag_is_missing(
     assert "not the cluster's" in refusal(service, pb.ROLE_SHARD, "s1", shard_token="guess").message
     # The cluster token is no shard credential; workers and clients need none.
     refusal(service, pb.ROLE_SHARD, "s1", shard_token=TOKEN)
-    assert join(service, pb.ROLE_WORKER, "w").rpc_name == "worker0"
+    worker = join(service, pb.ROLE_WORKER, "w")
+    assert (worker.rpc_name, worker.job_run) == ("worker0", 1)  # the first worker: the job's first run
     assert join(service, pb.ROLE_CLIENT, "c").rpc_name == "client0"
     assert join(service, pb.ROLE_SHARD, "s1", shard_token=SHARD_TOKEN).rpc_name == "s1"
     # Refused joins left no trace: one shard, one worker, one client.
