@@ -255,17 +255,29 @@ def test_the_ctr_job_follows_files_as_they_land_and_waits_for_them_at_an_agreeme
     assert LandOnWait.waits and "step 10 waits" in LandOnWait.waits[0], LandOnWait.waits
 
 
-def test_a_followed_input_is_refused_to_a_worker_of_another_trainer_group_than_the_first(local_context, tmp_path,
-                                                                                           monkeypatch):
-    """Groups do not deal a followed input's files to each other: a second group would train every line again."""
+def test_a_worker_of_another_trainer_group_trains_on_the_parts_of_a_followed_input_its_group_claims(
+        local_context, tmp_path, monkeypatch):
+    """Several groups read one followed input (``paramserver.train.claims``): a worker of group 1 claims what it
+    starts for group 1 and leaves what group 0 has."""
+    import torch.distributed as dist
+
+    from paramserver.data import FileReader
     from paramserver.jobs import ctr
-    (tmp_path / "day_0.txt").write_text("")
+    from test_data_files import line, write
+
+    for day in range(2):
+        write(tmp_path / f"day_{day}.txt", [line(day * 2560 + i) for i in range(2560)])  # 10 batches each
+    first, second = sorted(part.key for part in FileReader(str(tmp_path), 256, follow=True).parts)
+    channel = local_context.group
+    claims = dist.PrefixStore(f"job/followed_parts/run{local_context.job_run}",
+                              dist.TCPStore(channel.store_host, channel.store_port, is_master=False))
+    assert claims.compare_set(second, "", "0") == b"0"  # group 0 has the second day
     monkeypatch.setattr(local_context, "trainer_group", 1)
     data = {"format": "criteo", "train": str(tmp_path), "follow": True, "poll_seconds": 0.2}
-    with pytest.raises(ValueError, match=f"{local_context.rpc_name} is in trainer group 1: a followed input is "
-                                         "read by one trainer group .* without --group-size"):
-        ctr.main(local_context, table_name="ctr-follow-group-1", steps=2, batch_size=256, hook="allreduce",
-                 eval_every=10 ** 9, log_every=10 ** 9, data=data)
+    result = ctr.main(local_context, table_name="ctr-follow-group-1", steps=10, batch_size=256, hook="allreduce",
+                      eval_every=10 ** 9, log_every=10 ** 9, data=data)
+    assert result["steps"] == 10, result
+    assert (claims.get(first), claims.get(second)) == (b"1", b"0")
 
 
 def test_a_stream_of_new_ids_keeps_a_bounded_table_with_ttl_steps(local_context, tmp_path):
