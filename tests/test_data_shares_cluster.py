@@ -4,7 +4,8 @@ member sits those steps out), one is SIGKILLed mid-stream, a third joins, more f
 trained exactly once by a step the group completed (``tests/jobs/count_lines.py`` records the lines of every
 step).  The killed worker's step in flight (not completed by the group) is re-read by
 the member its part went to: each of its lines is counted once among the completed steps.  Then two trainer
-groups (``--group-size 1``) follow one input: each line is trained once over both."""
+groups (``--group-size 1``) follow one input: each line is trained once over both; and a job restored from a
+checkpoint onto one group reads what the lost second group had claimed since (claims are per run)."""
 
 import json
 import os
@@ -200,3 +201,66 @@ def test_two_trainer_groups_following_one_input_train_every_line_once_between_th
     padded = [line for line in lines if line >= total]
     assert len(padded) == len(set(padded))
     assert any("is read by another reader" in errors(process) for process in workers)  # parts were left
+
+
+def test_a_job_restored_onto_fewer_groups_reads_what_a_lost_group_had_claimed_after_the_checkpoint(commands,
+                                                                                                    tmp_path):
+    """Claims belong to one run of the job: two groups of one follow an input, a checkpoint is taken, more files
+    land and group 1 trains some of them; both workers are killed, and one worker starts the job again (one
+    group) from the checkpoint: it trains every line of the files that landed after the checkpoint, those
+    group 1 had claimed included."""
+    data, folder, checkpoints = tmp_path / "data", tmp_path / "records", tmp_path / "checkpoints"
+    for path in (data, folder):
+        path.mkdir()
+    server, address = start_server(commands, "--shards", "1", "--group-size", "1", "--heartbeat-timeout", "2",
+                                   "--checkpoint-dir", str(checkpoints), "--job", JOB,
+                                   "--job-config", job_config(train=str(data), records=str(folder)))
+    first = [commands.start("ps-worker", "--connect", address) for _ in range(2)]
+    files = 0
+    deadline = time.monotonic() + 60
+    while len(records(folder)) < 2:
+        assert time.monotonic() < deadline, f"trained by {sorted(records(folder))} only"
+        for process in first:
+            assert process.poll() is None, errors(process)[-3000:]
+        land(data, files, files * LINES_PER_FILE)
+        files += 1
+        time.sleep(0.3)
+    assert commands.run("ps-ctl", "--connect", address, "checkpoint", timeout=90).returncode == 0
+    after = files  # files from here on landed after the checkpoint
+    names = {worker["pid"]: worker["name"] for worker in wait_for_status(
+        commands, address, lambda status: len(status["workers"]) == 2, 30)["workers"]}
+    group_one = names[first[1].pid]  # the second worker to join: group 1
+
+    def claimed_by_group_one():
+        return any(line >= after * LINES_PER_FILE for batch in records(folder).get(group_one, {}).values()
+                   for line in batch)
+
+    deadline = time.monotonic() + 60
+    while not claimed_by_group_one() or files < after + 4:
+        assert time.monotonic() < deadline, "group 1 trained nothing that landed after the checkpoint"
+        land(data, files, files * LINES_PER_FILE)
+        files += 1
+        time.sleep(0.3)
+    for process in first:
+        os.kill(process.pid, signal.SIGKILL)
+        assert process.wait(10) == -signal.SIGKILL
+    wait_for_status(commands, address, lambda status: not any(worker["alive"] for worker in status["workers"]), 30)
+    again = commands.start("ps-worker", "--connect", address)
+    wanted = set(range(after * LINES_PER_FILE, files * LINES_PER_FILE))
+    padding, deadline = files, time.monotonic() + 90
+
+    def trained_again():
+        return {line for name, steps in records(folder).items() if name not in names.values()
+                for batch in steps.values() for line in batch}
+
+    while not wanted <= trained_again():  # its last batch waits for more lines
+        assert time.monotonic() < deadline, f"never trained again: {sorted(wanted - trained_again())[:20]}"
+        assert again.poll() is None, errors(again)[-3000:]
+        land(data, padding, padding * LINES_PER_FILE, 24)
+        padding += 1
+        time.sleep(0.5)
+    assert "starts from checkpoint" in errors(again)
+    assert commands.run("ps-ctl", "--connect", address, "shutdown").returncode == 0
+    assert again.wait(60) == 0, errors(again)[-3000:]
+    assert server.wait(60) == 0, errors(server)[-3000:]
+    assert re.search(r"job run 2 starts", errors(server)), errors(server)[-3000:]
