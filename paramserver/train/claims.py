@@ -14,9 +14,10 @@ Claims belong to a run of the job (``JobContext.job_run``: one more each time a 
 alive).  A run starts from the newest checkpoint, whose positions say what was read; what an earlier run's
 groups claimed after that checkpoint must be free to be read again.
 
-A group keeps its claims while it is lost: the parts it had under way are read again, from the checkpoint's
-position or their start, by the next worker that joins that group (new workers fill the lowest-numbered
-group with room), and until then by no one.
+A group keeps its claims while it is lost whole: the next worker that joins it (new workers fill the
+lowest-numbered group with room) deals the newest checkpoint's positions at its first formation and reads the
+group's parts on from there, or from their start where that checkpoint does not name them: what the group
+read since the checkpoint is read again (at least once), and until a worker joins it, nobody reads its parts.
 """
 
 from typing import Any
