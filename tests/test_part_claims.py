@@ -63,6 +63,7 @@ def test_a_reader_whose_every_part_is_another_groups_waits_without_reading_and_l
     reader.claim = lambda key: asked.append(key) or PartClaims(store, 0).take(key)
     assert read_all([reader], 1, within=1.0) == []
     assert sorted(asked) == keys  # once each, not at every listing
+    assert read_all([reader], 1, within=0.5) == [] and len(asked) == 3  # nor at every iteration (a re-deal's)
 
 
 def test_a_deal_takes_on_the_saved_parts_under_way_its_group_may_read_and_leaves_the_others_out():

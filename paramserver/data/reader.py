@@ -164,6 +164,8 @@ class FileReader:
         #: A followed input read beside readers it is not dealt with (other trainer groups): part key -> whether
         #: this reader may start it (``None``: every part of its share is its own).
         self.claim: Optional[Callable[[str], bool]] = None
+        #: The parts ``claim`` refused (a claim never changes: each is asked once, whatever the iterations).
+        self._elsewhere: set = set()
         self._elsewhere_log = RateLimitedLog(logger, "left {count} part{s} to other readers")
         #: A followed input: the oldest file name its last listing found ("" before one found any), and the
         #: name below which files are done (the producer's position's ``done_below``).
@@ -431,7 +433,7 @@ class FileReader:
         resume = {key: (offset, rows) for key, offset, rows in start.under_way()}  # in the order they are read
         done = tuple(key for key in start.done if key not in resume)
         finished = set(done)
-        elsewhere: set = set()  # parts ``claim`` refused: another reader's
+        elsewhere = self._elsewhere
         if set(resume) - self._keys() and not self._listed(stop, len(finished)):
             return
         gone = sorted(set(resume) - self._keys())
@@ -442,7 +444,7 @@ class FileReader:
         while not stop.is_set() and not self._stop.is_set():
             if self._oldest_listed > self._done_below:  # older files gone: forget the parts done below
                 done, finished = self._forget_below(self._oldest_listed, done, set(resume))
-                elsewhere = {key for key in elsewhere if key >= self._done_below}
+                elsewhere.difference_update([key for key in elsewhere if key < self._done_below])
             index_of = {part.key: index for index, part in enumerate(self.parts) if part is not None}
             pending = [index_of[key] for key in resume] + [index for index, part in enumerate(self.parts)
                                                            if part is not None and part.key not in finished
