@@ -22,7 +22,8 @@ Target (issue 30, there for one process: ``benchmarks/online.py``)
 
 How to run
     ``.venv/bin/python benchmarks/online_group.py [--workers 2] [--files 16] [--lines 120] [--every 5]
-    [--poll 2]`` (``online.py``'s interval and poll); about a minute and a half at the defaults.  Progress on
+    [--poll 2] [--group-size N]`` (``online.py``'s interval and poll); about a minute and a half at the
+    defaults.  ``--group-size 1`` makes each worker a trainer group of its own: the groups claim the files.  Progress on
     stderr, results on stdout as a markdown table.
 """
 
@@ -58,12 +59,13 @@ class Cluster:
     """ps-server and its workers, started and reaped as ps-demo does (``LocalProcesses``), logging under
     ``folder``; ``stop()`` shuts the cluster down and kills by pid whatever is left."""
 
-    def __init__(self, folder: pathlib.Path, workers: int, data: pathlib.Path, records: pathlib.Path, poll: float):
+    def __init__(self, folder: pathlib.Path, workers: int, data: pathlib.Path, records: pathlib.Path, poll: float,
+                 group_size: int):
         self.processes = LocalProcesses(folder)
         config = {"train": str(data), "records": str(records), "poll_seconds": poll}
         host_processes = 2 + workers  # the coordinator, its shard, the workers: all on this host
         server = self.processes.start("ps-server", "paramserver.cli.server", "--shards", "1", "--port", "0",
-                                      "--group-size", str(workers), "--job", f"{JOB}:main",
+                                      "--group-size", str(group_size), "--job", f"{JOB}:main",
                                       "--job-config", json.dumps(config), host_processes=host_processes)
         self.address = wait_for_ready(self.processes, server)
         for index in range(workers):
@@ -132,9 +134,9 @@ def run(args) -> Dict:
         for made in (data, records_folder, logs):
             made.mkdir()
         records = Records(records_folder, args.lines)
-        cluster = Cluster(logs, args.workers, data, records_folder, args.poll)
+        cluster = Cluster(logs, args.workers, data, records_folder, args.poll, args.group_size or args.workers)
         try:
-            progress(f"cluster at {cluster.address}: {args.workers} workers forming their group")
+            progress(f"cluster at {cluster.address}: {args.workers} workers forming their group(s)")
             deadline = time.monotonic() + FORMED_WITHIN
             workers = [f"ps-worker{index}" for index in range(args.workers)]
             while "waits for its group's data" not in "".join(cluster.log(name) for name in workers):
@@ -175,11 +177,12 @@ def p95(values: List[float]) -> float:
 def report(result: Dict, args) -> None:
     lags = result["lags"]
     bound = args.poll + result["step_s"]
-    print(f"\nonline training in a trainer group of {args.workers}: {args.files} files of {args.lines} lines, one "
-          f"every {args.every:g} s, poll {args.poll:g} s\n")
+    groups = -(-args.workers // (args.group_size or args.workers))
+    print(f"\nonline training, {args.workers} workers in {groups} trainer group{'s' if groups > 1 else ''}: "
+          f"{args.files} files of {args.lines} lines, one every {args.every:g} s, poll {args.poll:g} s\n")
     print("| figure | value |\n|---|---:|")
     print(f"| files landed / trained on | {args.files} / {args.files - result['missed']} |")
-    print(f"| steps the group took | {result['steps']:,} |")
+    print(f"| steps (the most any worker took) | {result['steps']:,} |")
     if lags:
         print(f"| lag from landing to training: min / median / p95 / max (s) | {min(lags):.2f} / "
               f"{statistics.median(lags):.2f} / {p95(lags):.2f} / {max(lags):.2f} |")
@@ -200,6 +203,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--lines", type=int, default=120, help=f"lines a file (default 120: 30 steps of {BATCH})")
     parser.add_argument("--every", type=float, default=5.0, help="seconds between files landing (default 5)")
     parser.add_argument("--poll", type=float, default=2.0, help="the job's poll_seconds (default 2)")
+    parser.add_argument("--group-size", type=int, default=0,
+                        help="workers per trainer group (default 0: one group of every worker); below --workers, "
+                             "the groups claim the files part by part (paramserver.train.claims)")
     args = parser.parse_args(argv)
     if min(args.workers, args.files, args.lines) < 1 or min(args.every, args.poll) <= 0:
         parser.error("--workers, --files and --lines must be at least 1, --every and --poll more than 0")
