@@ -41,13 +41,13 @@ from ..ddp import DenseReplica, GroupStopped, TrainerGroup, canonical_hook_optio
 from ..ddp.group import GenerationAborted
 from ..logs import RateLimitedLog, one_line
 from .checkpoints import TrainerCheckpoints, restore_point
+from .claims import PartClaims
 from .contract import Batch, Table
 from .data import BatchStream
 from .evaluation import evaluate
 from .live_exports import LiveExports
 from .pipeline import RowPipeline
 from .positions import PublishedPositions
-from .claims import PartClaims
 from .shares import GroupShares
 from .sparse import RebuildStopped, SparseTables
 from .step import ShardStepFailed, StepTimes, train_step
@@ -180,8 +180,8 @@ class Trainer:
         is re-created by skipping batches.  Data the group shares (``data.shared``: a
         followed ``FileReader``) is dealt to the group's members by their place in it, and dealt again
         whenever the group re-forms (``paramserver.train.shares``); the job's other trainer groups read
-        the same input, each part by the group that claims it (``paramserver.train.claims``).  ``eval_data`` (a re-iterable of
-        batches): rank 0 reports held-out ``auc`` and ``log_loss`` every
+        the same input, each part by the group that claims it (``paramserver.train.claims``).
+        ``eval_data`` (a re-iterable of batches): rank 0 reports held-out ``auc`` and ``log_loss`` every
         ``eval_every`` steps and at the end.  ``figures``: fixed figures of
         the job reported with the Trainer's (a reference AUC...).
 
