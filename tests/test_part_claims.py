@@ -27,8 +27,29 @@ def store():
 
 def test_the_first_group_to_ask_for_a_part_has_it_and_every_later_asker_learns_whose_it_is(store):
     zero, one = PartClaims(store, 0), PartClaims(store, 1)
-    assert zero.take("part-0.txt") and not one.take("part-0.txt") and zero.take("part-0.txt")
-    assert one.take("part-1.txt@0") and not zero.take("part-1.txt@0")
+    assert zero.take("part-0.txt") is True and one.take("part-0.txt") is None and zero.take("part-0.txt") is True
+    assert one.take("part-1.txt@0") is True and zero.take("part-1.txt@0") is None
+    one.finish("part-1.txt@0")  # read whole: nobody reads it again, its own group neither
+    assert zero.take("part-1.txt@0") is False and one.take("part-1.txt@0") is False
+    zero.finish("part-1.txt@0")  # (another group's part: nothing changes)
+    assert store.get("part-1.txt@0") == b"1/done"
+
+
+def test_a_part_under_way_at_a_group_silent_too_long_is_taken_over_from_its_start(store):
+    now = [1000.0]
+    zero, one = (PartClaims(store, group, lost_after=datetime.timedelta(seconds=60), clock=lambda: now[0])
+                 for group in (0, 1))
+    zero.alive()
+    one.alive()
+    assert one.take("part-0.txt") is True and one.take("part-1.txt") is True
+    one.finish("part-1.txt")
+    now[0] += 50
+    zero.alive()
+    assert zero.take("part-0.txt") is None  # group 1 said it was alive 50 s ago
+    now[0] += 20
+    assert zero.take("part-0.txt") is True and zero.take("part-1.txt") is False  # lost: its part under way only
+    one.finish("part-0.txt")  # group 1 comes back and finishes it: group 0 reads it all the same
+    assert store.get("part-0.txt") == b"0" and one.take("part-0.txt") is None
 
 
 def test_claims_belong_to_one_run_of_the_job(group_of_one):  # noqa: F811
@@ -45,25 +66,56 @@ def test_readers_of_two_groups_read_every_line_once_between_them_as_files_land(t
         land(tmp_path, f"part-{index}.txt", index * 100, 100)
     readers = [FileReader(str(tmp_path), 10, follow=True, poll=POLL, chunk_bytes=4_000) for _ in range(2)]
     for group, reader in enumerate(readers):
-        reader.claim = PartClaims(store, group).take
+        reader.claims = PartClaims(store, group)
     land(tmp_path, "part-6.txt", 600, 100)
     seen = read_all(readers, 700)
     assert sorted(seen) == list(range(700))
     keys = {part.key for reader in readers for part in reader.parts if part is not None}
-    assert len(keys) == 7 and all(store.get(key) in (b"0", b"1") for key in keys)  # each claimed by one group
+    assert len(keys) == 7 and all(store.get(key) in (b"0/done", b"1/done") for key in keys)  # each read whole once
 
 
-def test_a_reader_whose_every_part_is_another_groups_waits_without_reading_and_lists_at_its_pace(tmp_path, store):
+class Asked(PartClaims):
+    """Group 0's claims, noting every part asked for."""
+
+    def __init__(self, store, **options):
+        super().__init__(store, 0, **options)
+        self.asked = []
+
+    def take(self, key):
+        self.asked.append(key)
+        return super().take(key)
+
+
+def test_a_reader_whose_every_part_another_group_read_waits_without_reading_or_asking_again(tmp_path, store):
     for index in range(3):
         land(tmp_path, f"part-{index}.txt", index * 100, 100)
     reader = FileReader(str(tmp_path), 10, follow=True, poll=POLL, chunk_bytes=4_000)
     keys = sorted(part.key for part in reader.parts)
-    assert len(keys) == 3 and all(PartClaims(store, 1).take(key) for key in keys)
-    asked = []
-    reader.claim = lambda key: asked.append(key) or PartClaims(store, 0).take(key)
+    other = PartClaims(store, 1)
+    assert len(keys) == 3 and all(other.take(key) for key in keys)
+    for key in keys:
+        other.finish(key)
+    reader.claims = Asked(store)
     assert read_all([reader], 1, within=1.0) == []
-    assert sorted(asked) == keys  # once each, not at every listing
-    assert read_all([reader], 1, within=0.5) == [] and len(asked) == 3  # nor at every iteration (a re-deal's)
+    assert sorted(reader.claims.asked) == keys  # once each, not at every listing
+    assert read_all([reader], 1, within=0.5) == [] and len(reader.claims.asked) == 3  # nor at every iteration
+
+
+def test_a_reader_asks_again_for_the_parts_under_way_elsewhere_and_reads_those_of_a_lost_group(tmp_path, store):
+    for index in range(2):
+        land(tmp_path, f"part-{index}.txt", index * 100, 100)
+    reader = FileReader(str(tmp_path), 10, follow=True, poll=POLL, chunk_bytes=4_000)
+    keys = sorted(part.key for part in reader.parts)
+    now = [1000.0]
+    other = PartClaims(store, 1, clock=lambda: now[0])
+    other.alive()
+    assert all(other.take(key) for key in keys)
+    other.finish(keys[1])  # part-1 read whole by group 1, part-0 under way there
+    reader.claims = Asked(store, lost_after=datetime.timedelta(seconds=60), clock=lambda: now[0])
+    assert read_all([reader], 1, within=0.5) == []
+    assert reader.claims.asked.count(keys[0]) > 1 and reader.claims.asked.count(keys[1]) == 1  # at each listing
+    now[0] += 61  # group 1 is lost: its part under way is read again, from its start
+    assert sorted(read_all([reader], 100)) == list(range(100))
 
 
 def test_a_deal_takes_on_the_saved_parts_under_way_its_group_may_read_and_leaves_the_others_out():
@@ -88,7 +140,7 @@ def test_two_groups_restored_from_one_checkpoint_read_every_line_once_between_th
     readers, streams = [], []
     for group in range(2):
         reader = FileReader(str(tmp_path), 10, follow=True, poll=POLL, chunk_bytes=2_000)
-        reader.claim = PartClaims(store, group).take
+        reader.claims = PartClaims(store, group)
         stream = BatchStream(reader, None, prefetch=2, started=False)
         GroupShares(reader, stream, saved).formed(group_of_one, 5)
         readers.append(reader)

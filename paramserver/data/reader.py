@@ -30,9 +30,10 @@ whose; the parts under way of the position it starts from are its own whatever t
 can re-deal its members' reading (``reshare``; the rule: ``paramserver.data.shares``).  Its position names
 parts by name: the parts done, the ones under way (chunk offset and rows given of each), so that after a
 restore nothing is read twice and no file from its start again.  Where several readers that are not dealt
-their shares together read one input (trainer groups), ``claim`` (a callable: part key -> whether this
-reader may read it) is asked before a part not under way is started, and a part it refuses is left to
-whoever has it (``paramserver.train.claims``).  What it names stays bounded by what the
+their shares together read one input (trainer groups), ``claims`` (``paramserver.train.claims``) is asked
+before a part not under way is started (``take(key)``: ``True`` read it, ``False`` never, ``None`` not now:
+asked again after the next listing), and told when a part's last rows were given (``finish(key)``).  What
+it names stays bounded by what the
 input holds: a listing's oldest file name raises ``done_below`` (every part whose key sorts below it is
 done), and the parts done below it are forgotten, as are the sizes of their files, so that a stream whose old
 files are deleted (a retention policy) keeps a position of the size of what is left.  A file that lands later
@@ -53,7 +54,7 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ..logs import RateLimitedLog
 from ..train.contract import Batch
@@ -161,10 +162,10 @@ class FileReader:
         self._too_old_log = RateLimitedLog(logger, "found {count} file{s} older than the followed input's oldest",
                                            level=logging.WARNING)
         self._too_old_told: set = set()  # those of them logged, while they are listed
-        #: A followed input read beside readers it is not dealt with (other trainer groups): part key -> whether
-        #: this reader may start it (``None``: every part of its share is its own).
-        self.claim: Optional[Callable[[str], bool]] = None
-        #: The parts ``claim`` refused (a claim never changes: each is asked once, whatever the iterations).
+        #: A followed input read beside readers it is not dealt with (other trainer groups): ``take(key)`` and
+        #: ``finish(key)``, see the module's text (``None``: every part of its share is its own).
+        self.claims: Optional[Any] = None
+        #: The parts ``claims`` said were read whole elsewhere (never asked again, whatever the iterations).
         self._elsewhere: set = set()
         self._elsewhere_log = RateLimitedLog(logger, "left {count} part{s} to other readers")
         #: A followed input: the oldest file name its last listing found ("" before one found any), and the
@@ -213,9 +214,9 @@ class FileReader:
 
     def dealt(self, worker: int, workers: int) -> "FileReader":
         """Another reader of the same input, worker ``worker`` of ``workers``'s (not started), asking the same
-        ``claim``."""
+        ``claims``."""
         reader = FileReader(**self._arguments, worker=worker, workers=workers)
-        reader.claim = self.claim
+        reader.claims = self.claims
         return reader
 
     def reshare(self, worker: int, workers: int, state: Dict[str, Any]) -> None:
@@ -343,18 +344,25 @@ class FileReader:
                 if waiting_rows == self.batch_size:
                     batch = Samples.join(waiting).batch()
                     waiting, waiting_rows = [], 0
-                    self._position = (dataclasses.replace(chunk.here, rows=given, malformed=malformed)
-                                      if given < len(samples) else dataclasses.replace(chunk.after,
-                                                                                       malformed=malformed))
+                    self._advance(dataclasses.replace(chunk.here, rows=given, malformed=malformed)
+                                  if given < len(samples) else dataclasses.replace(chunk.after, malformed=malformed))
                     yield batch
             if not waiting:
-                self._position = dataclasses.replace(chunk.after, malformed=malformed)
+                self._advance(dataclasses.replace(chunk.after, malformed=malformed))
             if self.max_rows is not None and rows_given >= self.max_rows:
                 break
         if waiting_rows:
             self._position = Position(self.epochs or 0, len(self.parts), 0, 0, malformed)
             yield Samples.join(waiting).batch()
         self._position = Position(self.epochs or 0, len(self.parts), 0, 0, malformed)
+
+    def _advance(self, position: Position) -> None:
+        """The next batch starts at ``position``; a followed input's part it left behind, done in it, is read
+        whole: ``claims`` is told."""
+        left = self._position.key
+        self._position = position
+        if self.claims is not None and left and left != position.key and left in position.done:
+            self.claims.finish(left)
 
     def _next_chunk(self, chunks: "queue.Queue", producer: threading.Thread):
         """The next chunk; ``None`` at the end of the data; ``_STOPPED`` once ``close()`` was called."""
@@ -434,6 +442,7 @@ class FileReader:
         done = tuple(key for key in start.done if key not in resume)
         finished = set(done)
         elsewhere = self._elsewhere
+        busy: set = set()  # parts under way elsewhere: asked again after the next listing
         if set(resume) - self._keys() and not self._listed(stop, len(finished)):
             return
         gone = sorted(set(resume) - self._keys())
@@ -448,15 +457,18 @@ class FileReader:
             index_of = {part.key: index for index, part in enumerate(self.parts) if part is not None}
             pending = [index_of[key] for key in resume] + [index for index, part in enumerate(self.parts)
                                                            if part is not None and part.key not in finished
-                                                           and part.key not in resume and part.key not in elsewhere]
+                                                           and part.key not in resume and part.key not in elsewhere
+                                                           and part.key not in busy]
             if not pending:
+                busy.clear()
                 if not self._listed(stop, len(finished), waiting=True):
                     return
                 continue
             for index in pending:
                 part = self.parts[index]
-                if part.key not in resume and self.claim is not None and not self.claim(part.key):
-                    elsewhere.add(part.key)
+                answer = self.claims.take(part.key) if part.key not in resume and self.claims is not None else True
+                if answer is not True:
+                    (busy if answer is None else elsewhere).add(part.key)
                     self._elsewhere_log.record("claimed", f"{part.key} is read by another reader")
                     continue
                 offset, rows = resume.pop(part.key, (0, 0))

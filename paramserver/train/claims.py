@@ -5,29 +5,40 @@ reaches them.  Within a group the members deal a followed input's parts among th
 (``paramserver.train.shares``); across groups nothing is dealt ahead, since groups neither pause nor
 re-form together.  A reader about to start a part it has not under way asks for it for its group
 (``take``: an atomic compare-and-set of the part's key, so the first group to ask gets it and every later
-asker learns whose it is) and skips it when another group has it.  Groups pull the parts as they have room
+asker learns whose it is) and leaves it when another group has it.  Groups pull the parts as they have room
 for them, and each part is read by one group.  A group dealing a checkpoint's positions (its first
 formation) asks the same for each part those positions had under way, so that two groups starting together
-do not both read it on.
+do not both read it on.  A part whose last rows a reader has given is marked done (``finish``).
+
+A group says it is alive at its formation and at every agreement (``alive``: every ``agree_every`` steps,
+and every 2 s while it waits for data).  A part under way at a group that has not said so for
+``lost_after`` (10 minutes: longer than a group's longest pause, a checkpoint written to an object store or
+a lost shard's rebuild) is taken over by the next group that asks for it, from its start: a group lost whole
+(every member gone) leaves its parts under way read again, at least once, and the parts it finished done.
 
 Claims belong to a run of the job (``JobContext.job_run``: one more each time a worker joins while none is
 alive).  A run starts from the newest checkpoint, whose positions say what was read; what an earlier run's
-groups claimed after that checkpoint must be free to be read again.
-
-A group keeps its claims while it is lost whole: the next worker that joins it (new workers fill the
-lowest-numbered group with room) deals the newest checkpoint's positions at its first formation and reads the
-group's parts on from there, or from their start where that checkpoint does not name them: what the group
-read since the checkpoint is read again (at least once), and until a worker joins it, nobody reads its parts.
+groups claimed after that checkpoint must be free to be read again.  Group times are the hosts' wall
+clocks: on several hosts they must agree to well within ``lost_after`` (NTP does).
 """
 
-from typing import Any
+import datetime
+import logging
+import time
+from typing import Any, Callable, Optional
+
+logger = logging.getLogger(__name__)
 
 #: The name of the claims' space in the coordinator's store, one per run (``TrainerGroup.job_store``).
 STORE_NAME = "followed_parts"
+#: How long a group may go without saying it is alive before its parts under way are taken over.
+GROUP_LOST_AFTER = datetime.timedelta(minutes=10)
+_DONE = "/done"
 
 
 class PartClaims:
-    """The claims of trainer group ``group_index`` in ``store`` (a ``torch.distributed.Store``, one run's)."""
+    """The claims of trainer group ``group_index`` in ``store`` (a ``torch.distributed.Store``, one run's);
+    ``clock``: the wall clock groups' liveness is told in."""
 
     @classmethod
     def of_job(cls, group, run: int, group_index: int) -> "PartClaims":
@@ -35,10 +46,41 @@ class PartClaims:
         their own (a reader's thread asks while the group may wait in the store)."""
         return cls(group.job_store(f"{STORE_NAME}/run{run}", own_connection=True), group_index)
 
-    def __init__(self, store: Any, group_index: int):
+    def __init__(self, store: Any, group_index: int, lost_after: datetime.timedelta = GROUP_LOST_AFTER,
+                 clock: Callable[[], float] = time.time):
         self.store = store
         self.group = str(group_index)
+        self.lost_after = lost_after
+        self.clock = clock
 
-    def take(self, key: str) -> bool:
-        """Whether this group reads part ``key``: claimed for it now, or before; ``False``: another group has it."""
-        return self.store.compare_set(key, "", self.group).decode() == self.group
+    def alive(self) -> None:
+        """This group is alive now (at its formation and every agreement)."""
+        self.store.set(f"alive/{self.group}", repr(self.clock()))
+
+    def take(self, key: str) -> Optional[bool]:
+        """Whether this group reads part ``key``: ``True`` (claimed for it now or before, or taken over from a
+        lost group), ``False`` (read whole: never), ``None`` (another group has it under way: ask again later,
+        that group may be lost by then)."""
+        value = self.store.compare_set(key, "", self.group).decode()
+        if value == self.group:
+            return True
+        if value.endswith(_DONE):
+            return False
+        if not self._lost(value):
+            return None
+        if self.store.compare_set(key, value, self.group).decode() != self.group:
+            return None  # another group took it over first, or its own group finished it meanwhile
+        logger.warning("trainer group %s takes over %s from trainer group %s, silent for more than %.0f s: read "
+                       "again from its start", self.group, key, value, self.lost_after.total_seconds())
+        return True
+
+    def finish(self, key: str) -> None:
+        """Part ``key``, this group's, is read whole (the last of its rows given to the group's training)."""
+        self.store.compare_set(key, self.group, self.group + _DONE)
+
+    def _lost(self, group: str) -> bool:
+        """Whether ``group`` has not said it is alive for ``lost_after`` (never: not lost, it has not formed)."""
+        said = f"alive/{group}"
+        if not self.store.check([said]):
+            return False
+        return self.clock() - float(self.store.get(said).decode()) > self.lost_after.total_seconds()

@@ -25,9 +25,9 @@ step, the agreement and re-forming are the Trainer's and ``DenseReplica``'s, whi
   first formation nobody has a snapshot: rank 0 deals the positions of the checkpoint the job starts from,
   whatever workers wrote them (``restored``), or the input from its start.
 
-Where the job has several trainer groups, the data's ``claim`` (``paramserver.train.claims``) says which
+Where the job has several trainer groups, the data's ``claims`` (``paramserver.train.claims``) say which
 parts each group reads: a deal takes on the parts under way in ``restored`` or in a gone member's
-position only where ``claim`` grants them to this group, and the readers ask it before each part they start.
+position only where ``claims`` grant them to this group, and the readers ask before each part they start.
 
 Each deal is named by the generation of the group that made it, and every member tells the deal it
 follows: a member that missed the last deal the dealer knows of (that formation failed before its
@@ -119,7 +119,8 @@ class GroupShares:
 
     def _deal(self, told: Sequence[Dict[str, Any]], group, step: int) -> List[Dict[str, Any]]:
         members = [entry["state"] for entry in told]
-        take = getattr(self.data, "claim", None)  # several groups read the input: what is under way elsewhere
+        claims = getattr(self.data, "claims", None)  # several groups read the input: what is under way elsewhere
+        take = (lambda key: claims.take(key) is True) if claims is not None else None
         if self.snapshot is None:  # the group's first formation: the checkpoint's positions, if any
             return self.data.deal(members, self.restored, group.world_size, take)
         known = self.snapshot.entries

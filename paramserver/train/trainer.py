@@ -213,8 +213,10 @@ class _Run:
                  log_every: int, figures: Dict[str, float]):
         ctx = trainer.ctx
         shared = bool(getattr(data, "shared", False))
-        if shared:  # every trainer group of the job reads the input: each part is read by the group that claims it
-            data.claim = PartClaims.of_job(group, ctx.job_run, ctx.trainer_group).take
+        #: Every trainer group of the job reads a shared input: each part by the group that claims it.
+        self.claims = PartClaims.of_job(group, ctx.job_run, ctx.trainer_group) if shared else None
+        if shared:
+            data.claims = self.claims
         self.trainer, self.ctx, self.steps = trainer, ctx, steps
         self.eval_data, self.eval_every, self.log_every = eval_data, eval_every, log_every
         restored = restore_point(ctx)
@@ -394,6 +396,8 @@ class _Run:
                             return False
                     if not going_on:
                         return False
+                    if agreeing and self.claims is not None and replica.group.rank == 0:
+                        self.claims.alive()  # (a followed input several groups read: this group is not lost)
                 if self.checkpoints.due(replica.agreed_checkpoint) and not self._settled(self.pipeline.drain()):
                     return False  # a checkpoint holds every update up to its step
                 if agreeing and not final:
@@ -494,6 +498,8 @@ class _Run:
         if self._catch_up(replica):  # the group moved on: the reads ahead are for other steps
             self.pipeline.drop_reads()
         if self.shares is not None:
+            if replica.group.rank == 0:
+                self.claims.alive()  # before its members claim parts
             self.shares.formed(replica.group, replica.step)
             self.pipeline.drop_reads()  # the batches ahead are others now
 
