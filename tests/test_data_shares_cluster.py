@@ -162,6 +162,20 @@ def test_workers_joining_and_killed_mid_stream_train_every_line_once(commands, t
     assert f"{killed} left the group" in text or f"{killed} left the group" in errors(joiner), text[-3000:]
 
 
+def land_until(data: pathlib.Path, processes, enough, what, landed: int = 0, within: float = 60) -> int:
+    """Land a file every 0.3 s, numbered on from ``landed``, until ``enough(files landed)`` holds, within
+    ``within`` seconds (``what()`` says what did not happen), ``processes`` running meanwhile; the files landed."""
+    deadline = time.monotonic() + within
+    while not enough(landed):
+        assert time.monotonic() < deadline, f"{what()}; {landed} files landed"
+        for process in processes:
+            assert process.poll() is None, errors(process)[-3000:]
+        land(data, landed, landed * LINES_PER_FILE)
+        landed += 1
+        time.sleep(0.3)
+    return landed
+
+
 def test_two_trainer_groups_following_one_input_train_every_line_once_between_them(commands, tmp_path):
     """``--group-size 1``: two workers, two groups, each dealt alone; each part is trained by the group that
     claims it first (``paramserver.train.claims``), and every line once over both."""
@@ -171,15 +185,8 @@ def test_two_trainer_groups_following_one_input_train_every_line_once_between_th
     server, address = start_server(commands, "--shards", "1", "--group-size", "1", "--job", JOB,
                                    "--job-config", job_config(train=str(data), records=str(folder)))
     workers = [commands.start("ps-worker", "--connect", address) for _ in range(2)]
-    files = 0
-    deadline = time.monotonic() + 60
-    while len(records(folder)) < 2 or files < 12:  # files land until both groups have trained some
-        assert time.monotonic() < deadline, f"trained by {sorted(records(folder))} only, {files} files landed"
-        for process in workers:
-            assert process.poll() is None, errors(process)[-3000:]
-        land(data, files, files * LINES_PER_FILE)
-        files += 1
-        time.sleep(0.3)
+    files = land_until(data, workers, lambda files: len(records(folder)) == 2 and files >= 12,
+                       lambda: f"trained by {sorted(records(folder))} only")  # both groups trained some
     total = files * LINES_PER_FILE
     padding, deadline = files, time.monotonic() + 60
     while not set(range(total)) <= set(trained(records(folder), "", 0, {})[0]):  # each group's last batch waits
@@ -216,15 +223,8 @@ def test_a_job_restored_onto_fewer_groups_reads_what_a_lost_group_had_claimed_af
                                    "--checkpoint-dir", str(checkpoints), "--job", JOB,
                                    "--job-config", job_config(train=str(data), records=str(folder)))
     first = [commands.start("ps-worker", "--connect", address) for _ in range(2)]
-    files = 0
-    deadline = time.monotonic() + 60
-    while len(records(folder)) < 2:
-        assert time.monotonic() < deadline, f"trained by {sorted(records(folder))} only"
-        for process in first:
-            assert process.poll() is None, errors(process)[-3000:]
-        land(data, files, files * LINES_PER_FILE)
-        files += 1
-        time.sleep(0.3)
+    files = land_until(data, first, lambda files: len(records(folder)) == 2,
+                       lambda: f"trained by {sorted(records(folder))} only")
     assert commands.run("ps-ctl", "--connect", address, "checkpoint", timeout=90).returncode == 0
     after = files  # files from here on landed after the checkpoint
     names = {worker["pid"]: worker["name"] for worker in wait_for_status(
@@ -235,12 +235,8 @@ def test_a_job_restored_onto_fewer_groups_reads_what_a_lost_group_had_claimed_af
         return any(line >= after * LINES_PER_FILE for batch in records(folder).get(group_one, {}).values()
                    for line in batch)
 
-    deadline = time.monotonic() + 60
-    while not claimed_by_group_one() or files < after + 4:
-        assert time.monotonic() < deadline, "group 1 trained nothing that landed after the checkpoint"
-        land(data, files, files * LINES_PER_FILE)
-        files += 1
-        time.sleep(0.3)
+    files = land_until(data, first, lambda files: claimed_by_group_one() and files >= after + 4,
+                       lambda: "group 1 trained nothing that landed after the checkpoint", landed=files)
     for process in first:
         os.kill(process.pid, signal.SIGKILL)
         assert process.wait(10) == -signal.SIGKILL
