@@ -14,7 +14,7 @@ from paramserver.data.shares import deal, under_way
 from paramserver.train.claims import PartClaims
 
 from test_data_follow import POLL, land
-from test_data_shares import group_of_one, position, read_all, two_readers_part_way  # noqa: F401
+from test_data_shares import group_of_one, position, read_all, read_rest, two_readers_part_way  # noqa: F401
 
 
 @pytest.fixture
@@ -29,8 +29,8 @@ def test_the_first_group_to_ask_for_a_part_has_it_and_every_later_asker_learns_w
     zero, one = PartClaims(store, 0), PartClaims(store, 1)
     assert zero.take("part-0.txt") is True and one.take("part-0.txt") is None and zero.take("part-0.txt") is True
     assert one.take("part-1.txt@0") is True and zero.take("part-1.txt@0") is None
-    one.finish("part-1.txt@0")  # read whole: nobody reads it again, its own group neither
-    assert zero.take("part-1.txt@0") is False and one.take("part-1.txt@0") is False
+    one.finish("part-1.txt@0")  # read whole: no other group reads it (its own may, where a position holds it)
+    assert zero.take("part-1.txt@0") is False and one.take("part-1.txt@0") is True
     zero.finish("part-1.txt@0")  # (another group's part: nothing changes)
     assert store.get("part-1.txt@0") == b"1/done"
 
@@ -167,3 +167,27 @@ def read_both(readers, streams, expected):
         stream.close()
     assert not any(extra), "a line was left to read twice"
     return seen
+
+
+def test_a_lost_members_part_its_reader_had_given_whole_is_read_on_by_its_own_group(tmp_path, store,
+                                                                                    group_of_one):  # noqa: F811
+    """The lost member's reader had given every row of its part under way to batches read ahead (so the part
+    is marked done) when it died; the group had trained only some of them: the re-deal hands the rest to a
+    survivor (a group's own part, done or not, is its own to read)."""
+    from paramserver.train.data import BatchStream
+    from paramserver.train.shares import GroupShares, Snapshot
+
+    read, states = two_readers_part_way(tmp_path, [[2], [1, 2]])
+    claims = PartClaims(store, 0)
+    for key, _, _ in under_way(states[1][0]):
+        assert claims.take(key)
+        claims.finish(key)
+    reader = FileReader(str(tmp_path), 10, follow=True, poll=POLL, chunk_bytes=2_000)
+    reader.claims = claims
+    stream = BatchStream(reader, {"used": 10, "state": states[0][0]}, prefetch=2, started=False)
+    shares = GroupShares(reader, stream)
+    shares.snapshot = Snapshot(10, {"worker0": {"state": states[0][0], "worker": 0, "workers": 2},
+                                    "lost": {"state": states[1][0], "worker": 1, "workers": 2}})
+    shares.formed(group_of_one, 12)
+    rest = read_rest(reader, stream, 240 - len(read))
+    assert sorted(read + rest) == list(range(240))

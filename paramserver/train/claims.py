@@ -8,7 +8,9 @@ re-form together.  A reader about to start a part it has not under way asks for 
 asker learns whose it is) and leaves it when another group has it.  Groups pull the parts as they have room
 for them, and each part is read by one group.  A group dealing a checkpoint's positions (its first
 formation) asks the same for each part those positions had under way, so that two groups starting together
-do not both read it on.  A part whose last rows a reader has given is marked done (``finish``).
+do not both read it on.  A part whose last rows a reader has given is marked done (``finish``): for the
+other groups, which never take it over; the group's own members may still read it on, where a position
+they are dealt holds it under way (the batches of a lost member that the group had not trained).
 
 A group says it is alive at its formation and at every agreement (``alive``: every ``agree_every`` steps,
 and every 2 s while it waits for data).  A part under way at a group that has not said so for
@@ -58,11 +60,12 @@ class PartClaims:
         self.store.set(f"alive/{self.group}", repr(self.clock()))
 
     def take(self, key: str) -> Optional[bool]:
-        """Whether this group reads part ``key``: ``True`` (claimed for it now or before, or taken over from a
-        lost group), ``False`` (read whole: never), ``None`` (another group has it under way: ask again later,
-        that group may be lost by then)."""
+        """Whether this group reads part ``key``: ``True`` (claimed for it now or before, read whole or not: a
+        member's position, a re-deal's or a checkpoint's, may still hold it under way; or taken over from a
+        lost group), ``False`` (another group read it whole: never), ``None`` (another group has it under way:
+        ask again later, that group may be lost by then)."""
         value = self.store.compare_set(key, "", self.group).decode()
-        if value == self.group:
+        if value in (self.group, self.group + _DONE):  # this group's: its members' positions say where it stands
             return True
         if value.endswith(_DONE):
             return False
