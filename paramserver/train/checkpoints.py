@@ -101,7 +101,6 @@ class TrainerCheckpoints:
         self.enabled = bool(ctx.checkpoint.directory) and ctx.trainer_group == 0
         self.positions = positions
         self._restored_positions = dict(restored or {})
-        self._run_started = time.time()
         self._unpublished = RateLimitedLog(logger, "{count} data position{s} not published", level=logging.WARNING)
         self.every_steps = ctx.checkpoint.every_steps if every_steps is None else every_steps
         self._done_request = 0
@@ -166,7 +165,7 @@ class TrainerCheckpoints:
             shards = list(self.ctx.shards)
             # The other groups' positions, read before the shards write: their lines are all in the parts.
             positions = {} if self.positions is None else self.positions.read(
-                (m["worker_index"] for m in members), self._run_started, self._restored_positions)
+                (m["worker_index"] for m in members), self._restored_positions)
             positions.update({m["worker_index"]: m["position"] for m in members})
             futures = [rpc.rpc_async(shard, service.write_checkpoint_part,
                                      args=(directory.url, dict(settings.storage_options)),

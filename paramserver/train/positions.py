@@ -15,18 +15,16 @@ later than that, so a restore reads again what such a worker trained between its
 the checkpoint: at most ``agree_every + k`` steps' batches per worker, trained twice (at least once, not exactly
 once, as group 0's own lines are).
 
-Entries published before the reader's own run began (``since``) are not used: they are a previous run's, whose
-workers were all gone before this one started (the coordinator and its store outlive them).  Times are the
-hosts' wall clocks: on several hosts they must agree to within the pause between two runs (NTP does).  For a
-worker that published once but has no usable entry now, the position of the checkpoint the reader's run
-started from is kept, if it held one.  Only workers that published count: with one trainer group (a followed
+Entries of another run of the job than the reader's (``JobContext.job_run``: one more each time a worker joins
+while none is alive) are not used: a previous run's workers were all gone before this one started from its
+checkpoint (the coordinator and its store outlive them).  For a worker that published once but has no entry
+of this run now, the position of the checkpoint the reader's run started from is kept, if it held one.  Only workers that published count: with one trainer group (a followed
 input, too) nothing is read here.
 """
 
 import collections
 import logging
 import pickle
-import time
 from typing import Any, Deque, Dict, Iterable, Optional, Set, Tuple
 
 logger = logging.getLogger(__name__)
@@ -40,17 +38,19 @@ INDICES_KEY = "indices"
 class PublishedPositions:
     """Data positions of trainer groups other than 0 in ``store`` (a ``torch.distributed.Store``).
 
-    ``staleness``: the job's ``staleness`` (how many steps' pushes may still be in flight at an agreement).
+    ``staleness``: the job's ``staleness`` (how many steps' pushes may still be in flight at an agreement);
+    ``run``: the run of the job this worker is in (``JobContext.job_run``).
     """
 
     @classmethod
-    def of_job(cls, group, staleness: int = 0) -> "PublishedPositions":
+    def of_job(cls, group, staleness: int = 0, run: int = 0) -> "PublishedPositions":
         """Those of the job ``group`` (a ``TrainerGroup``) belongs to, in the coordinator's store."""
-        return cls(group.job_store(STORE_NAME), staleness)
+        return cls(group.job_store(STORE_NAME), staleness, run)
 
-    def __init__(self, store, staleness: int = 0):
+    def __init__(self, store, staleness: int = 0, run: int = 0):
         self.store = store
         self.staleness = staleness
+        self.run = run
         #: This member's positions at its recent agreements, oldest first: ``(step, position)``.
         self._agreed: Deque[Tuple[int, Dict[str, Any]]] = collections.deque()
         self._listed = False
@@ -67,16 +67,15 @@ class PublishedPositions:
         if settled_step > step - self.staleness:
             return  # not one yet: the run's first agreements, within k steps of its start
         self.store.set(str(worker_index), pickle.dumps({"step": settled_step, "position": settled,
-                                                        "member": rpc_name, "published": time.time()}))
+                                                        "member": rpc_name, "run": self.run}))
         if not self._listed:
             self.store.append(INDICES_KEY, f"{worker_index},")
             self._listed = True
 
-    def read(self, skip: Iterable[int], since: float,
-             kept: Optional[Dict[Any, Any]] = None) -> Dict[int, Dict[str, Any]]:
-        """The newest published position of every worker index that published one and is not in ``skip`` (group
-        0's own members), of those published at or after ``since`` (a ``time.time()``); for one without such an
-        entry, its position in ``kept`` (the checkpoint the reader's run started from), if it has one."""
+    def read(self, skip: Iterable[int], kept: Optional[Dict[Any, Any]] = None) -> Dict[int, Dict[str, Any]]:
+        """The newest published position of every worker index that published one in this run and is not in
+        ``skip`` (group 0's own members); for one without such an entry, its position in ``kept`` (the checkpoint
+        the reader's run started from), if it has one."""
         if not self.store.check([INDICES_KEY]):
             return {}
         indices = {int(part) for part in self.store.get(INDICES_KEY).decode().split(",") if part}
@@ -84,7 +83,7 @@ class PublishedPositions:
         found: Dict[int, Dict[str, Any]] = {}
         for index in sorted(indices - set(skip)):
             entry = pickle.loads(self.store.get(str(index))) if self.store.check([str(index)]) else None
-            if entry is not None and entry["published"] >= since:
+            if entry is not None and entry.get("run") == self.run:
                 found[index] = entry["position"]
                 continue
             if entry is not None and index not in self._told_stale:

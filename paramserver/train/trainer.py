@@ -242,7 +242,8 @@ class _Run:
                                     hook_options=trainer.hook_options, agree_every=trainer.agree_every,
                                     initial=restored, recorder=ctx.recorders.training, on_formed=self._formed,
                                     on_agreed=self._agreed if shared else None, uneven_steps=shared)
-        published = PublishedPositions.of_job(group, trainer.staleness) if ctx.checkpoint.directory else None
+        published = (PublishedPositions.of_job(group, trainer.staleness, ctx.job_run) if ctx.checkpoint.directory
+                     else None)
         self.checkpoints = TrainerCheckpoints(ctx, self.replica, self.batches.position,
                                               model=trainer.model_description, positions=published,
                                               restored=positions)
