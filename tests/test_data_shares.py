@@ -164,20 +164,26 @@ def read_rest(shares_reader, stream, expected):
     return seen
 
 
-def test_a_lost_members_position_is_replayed_over_the_steps_its_group_completed(tmp_path, group_of_one):
+def lost_member_replayed(folder, group, claims_of=lambda states: None):
     """worker0 told its position at step 10 (2 batches read), the lost member too (1 batch read); the lost
-    member then trained steps 10 and 11 (2 more batches) and died: the group of one re-forms at step 12."""
+    member then trained steps 10 and 11 (2 more batches) and died: the group of one (``group``) re-forms at
+    step 12, its reader's ``claims`` what ``claims_of(states)`` gives.  The lines read before, and after."""
     from paramserver.train.data import BatchStream
     from paramserver.train.shares import GroupShares, Snapshot
 
-    read, states = two_readers_part_way(tmp_path, [[2], [1, 2]])
-    reader = FileReader(str(tmp_path), 10, follow=True, poll=POLL, chunk_bytes=2_000)
+    read, states = two_readers_part_way(folder, [[2], [1, 2]])
+    reader = FileReader(str(folder), 10, follow=True, poll=POLL, chunk_bytes=2_000)
+    reader.claims = claims_of(states)
     stream = BatchStream(reader, {"used": 10, "state": states[0][0]}, prefetch=2, started=False)
     shares = GroupShares(reader, stream)
     shares.snapshot = Snapshot(10, {"worker0": {"state": states[0][0], "worker": 0, "workers": 2},
                                     "lost": {"state": states[1][0], "worker": 1, "workers": 2}})
-    shares.formed(group_of_one, 12)
-    rest = read_rest(reader, stream, 240 - len(read))
+    shares.formed(group, 12)
+    return read, read_rest(reader, stream, 240 - len(read))
+
+
+def test_a_lost_members_position_is_replayed_over_the_steps_its_group_completed(tmp_path, group_of_one):
+    read, rest = lost_member_replayed(tmp_path, group_of_one)
     assert sorted(read + rest) == list(range(240))
 
 

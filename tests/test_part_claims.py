@@ -14,7 +14,8 @@ from paramserver.data.shares import deal, under_way
 from paramserver.train.claims import PartClaims
 
 from test_data_follow import POLL, land
-from test_data_shares import group_of_one, position, read_all, read_rest, two_readers_part_way  # noqa: F401
+from test_data_shares import (group_of_one, lost_member_replayed, position, read_all,  # noqa: F401
+                              two_readers_part_way)
 
 
 @pytest.fixture
@@ -174,20 +175,12 @@ def test_a_lost_members_part_its_reader_had_given_whole_is_read_on_by_its_own_gr
     """The lost member's reader had given every row of its part under way to batches read ahead (so the part
     is marked done) when it died; the group had trained only some of them: the re-deal hands the rest to a
     survivor (a group's own part, done or not, is its own to read)."""
-    from paramserver.train.data import BatchStream
-    from paramserver.train.shares import GroupShares, Snapshot
+    def claims_of(states):
+        claims = PartClaims(store, 0)
+        for key, _, _ in under_way(states[1][0]):
+            assert claims.take(key)
+            claims.finish(key)
+        return claims
 
-    read, states = two_readers_part_way(tmp_path, [[2], [1, 2]])
-    claims = PartClaims(store, 0)
-    for key, _, _ in under_way(states[1][0]):
-        assert claims.take(key)
-        claims.finish(key)
-    reader = FileReader(str(tmp_path), 10, follow=True, poll=POLL, chunk_bytes=2_000)
-    reader.claims = claims
-    stream = BatchStream(reader, {"used": 10, "state": states[0][0]}, prefetch=2, started=False)
-    shares = GroupShares(reader, stream)
-    shares.snapshot = Snapshot(10, {"worker0": {"state": states[0][0], "worker": 0, "workers": 2},
-                                    "lost": {"state": states[1][0], "worker": 1, "workers": 2}})
-    shares.formed(group_of_one, 12)
-    rest = read_rest(reader, stream, 240 - len(read))
+    read, rest = lost_member_replayed(tmp_path, group_of_one, claims_of)
     assert sorted(read + rest) == list(range(240))
