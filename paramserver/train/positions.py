@@ -18,8 +18,8 @@ once, as group 0's own lines are).
 Entries of another run of the job than the reader's (``JobContext.job_run``: one more each time a worker joins
 while none is alive) are not used: a previous run's workers were all gone before this one started from its
 checkpoint (the coordinator and its store outlive them).  For a worker that published once but has no entry
-of this run now, the position of the checkpoint the reader's run started from is kept, if it held one.  Only workers that published count: with one trainer group (a followed
-input, too) nothing is read here.
+of this run now, the position of the checkpoint the reader's run started from is kept, if it held one.  Only
+workers that published count: with one trainer group (a followed input, too) nothing is read here.
 """
 
 import collections
