@@ -202,10 +202,9 @@ def main() -> int:
         print("|---|---:|---:|---:|---:|---:|")
         for name, label in labels.items():
             client, server_cpu = (statistics.median(cpu[i] for cpu in cpus[name]) for i in (0, 1))
+            server_text = f"{server_cpu:.2f}" if name in server_pids else "-"
             print(f"| {label} | {medians[name][0]:.2f} | {medians[name][1]:.2f} | {statistics.median(raw[name]):.2f} "
-                  f"| {client:.2f} | {server_cpu:.2f} |" if name in server_pids else
-                  f"| {label} | {medians[name][0]:.2f} | {medians[name][1]:.2f} | {statistics.median(raw[name]):.2f} "
-                  f"| {client:.2f} | - |")
+                  f"| {client:.2f} | {server_text} |")
         print()
         for name in stores:
             if name == "local":

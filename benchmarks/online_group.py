@@ -23,8 +23,8 @@ Target (issue 30, there for one process: ``benchmarks/online.py``)
 How to run
     ``.venv/bin/python benchmarks/online_group.py [--workers 2] [--files 16] [--lines 120] [--every 5]
     [--poll 2] [--group-size N]`` (``online.py``'s interval and poll); about a minute and a half at the
-    defaults.  ``--group-size 1`` makes each worker a trainer group of its own: the groups claim the files.  Progress on
-    stderr, results on stdout as a markdown table.
+    defaults.  ``--group-size 1`` makes each worker a trainer group of its own: the groups claim the files.
+    Progress on stderr, results on stdout as a markdown table.
 """
 
 import argparse

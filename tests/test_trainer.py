@@ -268,8 +268,11 @@ def test_a_worker_of_another_trainer_group_trains_on_the_parts_of_a_followed_inp
     for day in range(2):
         write(tmp_path / f"day_{day}.txt", [line(day * 2560 + i) for i in range(2560)])  # 10 batches each
     first, second = sorted(part.key for part in FileReader(str(tmp_path), 256, follow=True).parts)
+    from paramserver.ddp.group import JOB_STORE_PREFIX
+    from paramserver.train.claims import STORE_NAME
+
     channel = local_context.group
-    claims = dist.PrefixStore(f"job/followed_parts/run{local_context.job_run}",
+    claims = dist.PrefixStore(f"{JOB_STORE_PREFIX}/{STORE_NAME}/run{local_context.job_run}",
                               dist.TCPStore(channel.store_host, channel.store_port, is_master=False))
     assert claims.compare_set(second, "", "0") == b"0"  # group 0 has the second day
     monkeypatch.setattr(local_context, "trainer_group", 1)

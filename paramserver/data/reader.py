@@ -167,7 +167,7 @@ class FileReader:
         self.claims: Optional[Any] = None
         #: The parts ``claims`` said were read whole elsewhere (never asked again, whatever the iterations).
         self._elsewhere: set = set()
-        self._elsewhere_log = RateLimitedLog(logger, "left {count} part{s} to other readers")
+        self._elsewhere_log = RateLimitedLog(logger, "left a part to another reader {count} time{s}")
         #: A followed input: the oldest file name its last listing found ("" before one found any), and the
         #: name below which files are done (the producer's position's ``done_below``).
         self._oldest_listed = ""
@@ -469,7 +469,8 @@ class FileReader:
                 answer = self.claims.take(part.key) if part.key not in resume and self.claims is not None else True
                 if answer is not True:
                     (busy if answer is None else elsewhere).add(part.key)
-                    self._elsewhere_log.record("claimed", f"{part.key} is read by another reader")
+                    self._elsewhere_log.record("under way there" if answer is None else "read whole there",
+                                               f"{part.key} is read by another reader")
                     continue
                 offset, rows = resume.pop(part.key, (0, 0))
                 held = tuple((key, *progress) for key, progress in resume.items())
