@@ -66,13 +66,17 @@ def _train_drop_in(optimizer_cls, config, steps=5, dist_cls=DistributedOptimizer
 
 def trainer_matches_local_optimizers():
     for optimizer_cls, config in CONFIGS:
+        started = time.monotonic()
         distributed, local, caught, dist_opt = _train_drop_in(optimizer_cls, config)
+        ended = time.monotonic()
         for got, expected in zip(distributed, local):
             torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12, msg=lambda m: f"{optimizer_cls.__name__}: {m}")
         messages = [str(w.message) for w in caught if "functional" in str(w.message)]
         stats = dist_opt.owner_step_stats()
         assert sorted(stats) == ["shard0", "shard1"]
         assert all(s["steps"] == 5 and s["total_seconds"] > 0 for s in stats.values()), stats
+        # The owners' last step, on the clock this host's processes share, lies within this trainer's steps.
+        assert all(started < s["last_began"] <= s["last_ended"] < ended for s in stats.values()), (started, stats)
         if optimizer_cls is SGDWithoutFunctionalForm:
             assert not dist_opt.is_functional_optim
             assert messages and "SGDWithoutFunctionalForm" in messages[0]

@@ -172,8 +172,10 @@ class DistributedOptimizer:
 
     def owner_step_stats(self) -> Dict[str, Dict[str, float]]:
         """Per owner: steps applied there and the seconds they took on the owner
-        (``steps``, ``total_seconds``, ``last_seconds``), to tell the owners'
-        work from the network's share of a step's latency."""
+        (``steps``, ``total_seconds``, ``last_seconds``), and when the last one
+        began and ended there (``last_began``, ``last_ended``: the owner's
+        ``time.monotonic()``, which on Linux a trainer on the same host shares),
+        to tell the owners' work from the network's share of a step's latency."""
         return self._on_every_owner(service.optimizer_step_stats, "reading step statistics")
 
     def state_dict(self) -> Dict[str, Any]:

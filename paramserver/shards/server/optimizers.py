@@ -296,6 +296,9 @@ class OwnerOptimizer:
         self.steps = 0
         self.step_seconds_total = 0.0
         self.last_step_seconds = 0.0
+        #: When the last step's work began and ended (its locks held), on ``time.monotonic()``: on Linux one
+        #: clock for every process of the host, so a trainer there can place the owners' steps in its own.
+        self.last_step_began = self.last_step_ended = 0.0
 
     @property
     def is_scripted(self) -> bool:
@@ -378,6 +381,7 @@ class OwnerOptimizer:
         with self._locked():
             if once is not None and self._last_push.get(once[0], -1) >= once[1]:
                 return False
+            began = time.monotonic()
             started = time.perf_counter()
             try:
                 rows, gradient_bytes = run(metrics is not None)
@@ -389,13 +393,16 @@ class OwnerOptimizer:
             self.steps += 1
             self.step_seconds_total += elapsed
             self.last_step_seconds = elapsed
+            self.last_step_began, self.last_step_ended = began, time.monotonic()
         if metrics is not None:  # after the locks: the next step need not wait for this
             metrics.owner_step(self.optimizer_cls.__qualname__, elapsed, peer(), rows, gradient_bytes, rpc)
         return True
 
     def step_stats(self) -> Dict[str, float]:
-        """Steps applied here, and seconds spent applying them (locks held, waiting excluded)."""
-        return {"steps": self.steps, "total_seconds": self.step_seconds_total, "last_seconds": self.last_step_seconds}
+        """Steps applied here, and seconds spent applying them (locks held, waiting excluded); when the last
+        one began and ended, on ``time.monotonic()``."""
+        return {"steps": self.steps, "total_seconds": self.step_seconds_total, "last_seconds": self.last_step_seconds,
+                "last_began": self.last_step_began, "last_ended": self.last_step_ended}
 
     def state_dict(self) -> StateDict:
         """``{local parameter index: {name: tensor}}`` (copies)."""
