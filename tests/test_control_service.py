@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from paramserver.control import CoordinatorSettings
+from paramserver.control.groups import TrainerGroups
 from paramserver.control.membership import Membership
 from paramserver.control.protocol import pb
 from paramserver.control.security import SHARD_TOKEN_METADATA_KEY, ShardCredential
@@ -32,10 +33,10 @@ METHODS = ["Join", "Heartbeat", "Leave", "Status", "Checkpoint", "Shutdown"]
 REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION}
 
 
-def make_service(shard_credential=None):
+def make_service(shard_credential=None, membership=None):
     shutdowns = []
     service = CoordinatorService(
-        Membership(datetime.timedelta(seconds=5)),
+        membership or Membership(datetime.timedelta(seconds=5)),
         ServiceSettings(store=pb.StoreAddress(host="127.0.0.1", port=1), job=pb.JobSpec(name="j", code=b"x"),
                         heartbeat_interval=datetime.timedelta(seconds=1),
                         heartbeat_timeout=datetime.timedelta(seconds=5)),
@@ -150,6 +151,18 @@ def test_a_shard_join_needs_the_shard_credential_and_says_which_flag_is_missing(
     # Refused joins left no trace: one shard, one worker, one client.
     status = service.handle("Status", b"")
     assert [len(status.shards), len(status.workers), len(status.clients)] == [1, 1, 1]
+
+
+def test_heartbeats_tell_workers_which_trainer_groups_are_gone():
+    groups = TrainerGroups(1, gone_after=datetime.timedelta(0))
+    service, _ = make_service(membership=Membership(datetime.timedelta(seconds=5), groups=groups))
+    first, second = join(service, pb.ROLE_WORKER, "w"), join(service, pb.ROLE_WORKER, "w")
+    assert (first.trainer_group, second.trainer_group) == (0, 1)
+    beat = lambda sequence: service.handle(  # noqa: E731
+        "Heartbeat", pb.HeartbeatRequest(member_id=first.member_id, sequence=sequence).SerializeToString())
+    assert list(beat(1).trainer_groups_gone) == []
+    service.handle("Leave", pb.LeaveRequest(member_id=second.member_id, reason="killed").SerializeToString())
+    assert list(beat(2).trainer_groups_gone) == [1]
 
 
 def test_a_credential_made_for_this_run_admits_only_the_servers_own_shards():

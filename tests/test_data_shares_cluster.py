@@ -260,3 +260,64 @@ def test_a_job_restored_onto_fewer_groups_reads_what_a_lost_group_had_claimed_af
     assert again.wait(60) == 0, errors(again)[-3000:]
     assert server.wait(60) == 0, errors(server)[-3000:]
     assert re.search(r"job run 2 starts", errors(server)), errors(server)[-3000:]
+
+
+def test_a_group_lost_whole_has_its_part_under_way_read_again_by_another_once_the_coordinator_says_it_is_gone(
+        commands, tmp_path):
+    """Two groups of one follow an input of files of 120 lines; group 1's worker is SIGKILLed early in a file
+    (the batches it read ahead reach well short of its end: the part is under way) and not replaced.  Once
+    the coordinator says the group is gone (no live worker for ``--group-gone-after``), group 0 takes its
+    part over and trains every line of it, from its start."""
+    data, folder = tmp_path / "data", tmp_path / "records"
+    data.mkdir()
+    folder.mkdir()
+    size = 120
+    server, address = start_server(commands, "--shards", "1", "--group-size", "1", "--heartbeat-timeout", "2",
+                                   "--group-gone-after", "1", "--job", JOB,
+                                   "--job-config", job_config(train=str(data), records=str(folder)))
+    workers = [commands.start("ps-worker", "--connect", address) for _ in range(2)]
+    statuses = wait_for_status(commands, address, lambda status: len(status["workers"]) == 2, 30)["workers"]
+    group_one = next(worker["name"] for worker in statuses if worker["trainer_group"] == 1)
+    killed = next(process for process in workers
+                  if process.pid == next(w["pid"] for w in statuses if w["name"] == group_one))
+    survivor = next(process for process in workers if process is not killed)
+
+    def last_line_of_group_one():
+        steps = records(folder).get(group_one, {})
+        return steps[max(steps)][-1] if steps else None
+
+    def early_in_a_file(landed):  # group 1's last trained line in a file's first third: what it read ahead is in it
+        last = last_line_of_group_one()
+        return landed >= 4 and last is not None and last % size < size // 3
+
+    files, next_file, deadline = 0, time.monotonic(), time.monotonic() + 90
+    while not early_in_a_file(files):  # a file every 0.4 s, group 1's progress looked at every 0.02 s
+        assert time.monotonic() < deadline, f"group 1 never trained early in a file: {last_line_of_group_one()}"
+        for process in workers:
+            assert process.poll() is None, errors(process)[-3000:]
+        if time.monotonic() >= next_file:
+            land(data, files, files * size, size)
+            files, next_file = files + 1, next_file + 0.4
+        time.sleep(0.02)
+    os.kill(killed.pid, signal.SIGKILL)
+    assert killed.wait(10) == -signal.SIGKILL
+    interrupted = last_line_of_group_one() // size  # the file group 1 had under way
+    wanted = set(range(interrupted * size, (interrupted + 1) * size))
+
+    def trained_by_group_zero():
+        return {line for name, steps in records(folder).items() if name != group_one
+                for batch in steps.values() for line in batch}
+
+    padding, deadline = files, time.monotonic() + 60
+    while not wanted <= trained_by_group_zero():  # its last batch waits for more lines
+        assert time.monotonic() < deadline, f"never trained: {sorted(wanted - trained_by_group_zero())[:20]}"
+        assert survivor.poll() is None, errors(survivor)[-3000:]
+        land(data, padding, padding * size, 24)
+        padding += 1
+        time.sleep(0.5)
+    assert commands.run("ps-ctl", "--connect", address, "shutdown").returncode == 0
+    assert survivor.wait(60) == 0, errors(survivor)[-3000:]
+    assert server.wait(60) == 0, errors(server)[-3000:]
+    assert re.search(rf"takes over \S*/part-{interrupted:03d}\.txt@\S* from trainer group 1, gone", errors(survivor)), \
+        errors(survivor)[-3000:]
+    assert "trainer group 1 is gone" in errors(server)

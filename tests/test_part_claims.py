@@ -53,6 +53,23 @@ def test_a_part_under_way_at_a_group_silent_too_long_is_taken_over_from_its_star
     assert store.get("part-0.txt") == b"0" and one.take("part-0.txt") is None
 
 
+def test_a_part_under_way_at_a_group_the_coordinator_says_is_gone_is_taken_over_at_once(store, caplog):
+    gone = set()
+    zero, one = (PartClaims(store, group, gone=lambda: frozenset(gone)) for group in (0, 1))
+    zero.alive()
+    one.alive()
+    assert one.take("part-0.txt") is True and one.take("part-1.txt") is True
+    one.finish("part-1.txt")
+    assert zero.take("part-0.txt") is None  # group 1 said it was alive just now, and is not gone
+    gone.add(1)  # its last worker was lost, and none rejoined it for the coordinator's grace
+    with caplog.at_level("WARNING", logger="paramserver.train.claims"):
+        assert zero.take("part-0.txt") is True and zero.take("part-1.txt") is False  # its part under way only
+    assert [r.getMessage() for r in caplog.records] == [
+        "trainer group 0 takes over part-0.txt from trainer group 1, gone (no live worker, says the "
+        "coordinator): read again from its start"]
+    assert one.take("part-0.txt") is None  # a worker rejoining group 1 leaves it to group 0
+
+
 def test_claims_belong_to_one_run_of_the_job(group_of_one):  # noqa: F811
     earlier, later = (PartClaims.of_job(group_of_one, run, 1) for run in (1, 2))
     assert earlier.take("part-0.txt")

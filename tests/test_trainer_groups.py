@@ -68,6 +68,28 @@ def test_bad_settings_are_refused():
         TrainerGroups(-1)
     with pytest.raises(ValueError, match="settle"):
         TrainerGroups(0, datetime.timedelta(seconds=-1))
+    with pytest.raises(ValueError, match="gone_after"):
+        TrainerGroups(0, SETTLE, datetime.timedelta(seconds=-1))
+
+
+def test_a_group_left_without_workers_is_gone_after_its_grace_until_one_rejoins_it(caplog):
+    groups = TrainerGroups(1, SETTLE, gone_after=datetime.timedelta(seconds=60))
+    for name in ("worker0", "worker1"):
+        groups.add(groups.assign(), name, 0, 0.0)
+    groups.remove(1, "worker1", 10.0)
+    assert groups.gone(69.9) == []  # a restarted worker would rejoin within the grace
+    with caplog.at_level("WARNING", logger="paramserver.control.groups"):
+        assert groups.gone(70.0) == [1] and groups.gone(80.0) == [1]
+    assert [r.getMessage() for r in caplog.records] == [
+        "trainer group 1 is gone: no live worker for 60 s; other groups may take over what it had under way"]
+    assert groups.assign() == 1
+    groups.add(1, "worker2", 0, 90.0)  # someone joins it again: not gone
+    assert groups.gone(1000.0) == []
+    groups.remove(1, "worker2", 100.0)
+    groups.remove(0, "worker0", 100.0)
+    assert groups.gone(160.0) == [0, 1]
+    groups.new_run()  # the job starts again: the groups of the run before are no run's
+    assert groups.gone(1000.0) == []
 
 
 class Clock:
@@ -96,6 +118,11 @@ def test_workers_hear_their_group_view_in_heartbeats_and_status_lists_it():
     assert [(v.group, list(v.members)) for v in table.status().groups] == [(0, ["worker0"]), (1, ["worker2"])]
     # The next worker fills the free place in group 0.
     assert join().trainer_group == 0
+    # Group 1's only worker is lost: gone once no worker rejoined it for its grace (60 s by default).
+    table.leave(pb.LeaveRequest(member_id=c.member_id, reason="killed"))
+    assert table.trainer_groups_gone() == []
+    clock.now += 60
+    assert table.trainer_groups_gone() == [1]
 
 
 def test_a_broken_generation_is_replaced_at_once_by_the_same_members():
@@ -109,3 +136,17 @@ def test_a_broken_generation_is_replaced_at_once_by_the_same_members():
     assert (view.generation, members(view)) == (2, ["worker0", "worker1"])
     groups.regroup(0, 1, 7.0)  # a late report about generation 1 changes nothing
     assert groups.view(0, 7.0).generation == 2
+
+
+def test_the_groups_of_a_job_run_before_are_not_gone_in_the_next():
+    clock = Clock()
+    table = Membership(datetime.timedelta(seconds=5), clock=clock, groups=TrainerGroups(1, SETTLE))
+    join = lambda: table.join(pb.JoinRequest(role=pb.ROLE_WORKER, name="h", host="127.0.0.1",  # noqa: E731
+                                             capabilities=pb.Capabilities(pid=1)))
+    workers = [join(), join()]
+    for worker in workers:
+        table.leave(pb.LeaveRequest(member_id=worker.member_id, reason="killed"))
+    clock.now += 60
+    assert table.trainer_groups_gone() == [0, 1]
+    assert join().job_run == 2  # no worker was alive: the job starts again, and group 1 is no longer gone
+    assert table.trainer_groups_gone() == []

@@ -1,6 +1,7 @@
 """``ps-server``: start a cluster's coordinator and its shard servers on this machine, or add shards to one.
 
-    ps-server --shards 4 [--host H] [--port P] [--job JOB] [--job-config JSON] [--group-size N [--group-settle S]]
+    ps-server --shards 4 [--host H] [--port P] [--job JOB] [--job-config JSON]
+              [--group-size N [--group-settle S] [--group-gone-after S]]
               [--stop-after-workers N]
               [--checkpoint-dir D|URL [--checkpoint-every STEPS|SECONDSs] [--keep-checkpoints K]] [--restore D|URL]
               [--export-dir D|URL [--export-every STEPS] [--export-base-every N]] [--storage-options JSON]
@@ -41,7 +42,7 @@ import tempfile
 from typing import Optional
 
 from ..control import DEFAULT_PORT, TlsFiles
-from ..control.groups import GROUP_SETTLE
+from ..control.groups import GROUP_GONE_AFTER, GROUP_SETTLE
 from ..control.protocol import HEARTBEAT_INTERVAL, pb
 from ..control.security import AdminCredential, ShardCredential
 from ..processes import start_fork_server
@@ -55,8 +56,8 @@ from .common import (UsageError, add_admin_token_file, add_log_level, add_metric
 
 
 #: Flags that configure the coordinator, refused with ``--join`` (which runs none) unless left at their defaults.
-COORDINATOR_FLAGS = ("port", "job", "job_config", "group_size", "group_settle", "checkpoint_dir", "checkpoint_every",
-                     "checkpoint_keep", "restore", "storage_options", "export_dir", "export_every",
+COORDINATOR_FLAGS = ("port", "job", "job_config", "group_size", "group_settle", "group_gone_after", "checkpoint_dir",
+                     "checkpoint_every", "checkpoint_keep", "restore", "storage_options", "export_dir", "export_every",
                      "export_base_every", "tls_cert", "tls_key", "heartbeat_timeout", "stop_after_workers",
                      "admin_token_file")
 
@@ -90,6 +91,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a trainer group that is not full starts training (or goes on after losing a member) "
                              "once its workers stayed the same this long; a full group starts at once (default "
                              f"{GROUP_SETTLE.total_seconds():.0f})")
+    parser.add_argument("--group-gone-after", type=float, default=GROUP_GONE_AFTER.total_seconds(),
+                        metavar="SECONDS",
+                        help="a trainer group left this long with no live worker is gone: other groups may take "
+                             "over the parts of a followed input it had under way, from their start (default "
+                             f"{GROUP_GONE_AFTER.total_seconds():.0f}; a restarted worker that rejoins sooner "
+                             "reads on)")
     parser.add_argument("--stop-after-workers", type=int, default=0, metavar="N",
                         help="a batch job's server (torchx, Slurm): shut down, as on SIGTERM, once N workers "
                              "have left and none is running (default 0: run until stopped)")
@@ -204,6 +211,8 @@ def options_from(args):
         raise UsageError(f"--group-size must be 0 (one group of every worker) or positive, got {args.group_size}")
     if args.group_settle < 0:
         raise UsageError(f"--group-settle must not be negative, got {args.group_settle}")
+    if args.group_gone_after < 0:
+        raise UsageError(f"--group-gone-after must not be negative, got {args.group_gone_after}")
     if args.stop_after_workers < 0:
         raise UsageError(f"--stop-after-workers must be 0 (run until stopped) or more, got {args.stop_after_workers}")
     try:
@@ -229,6 +238,7 @@ def options_from(args):
                              f"heartbeat interval, got {args.heartbeat_timeout}")
         settings["heartbeat_timeout"] = timeout
     settings["group_settle"] = datetime.timedelta(seconds=args.group_settle)
+    settings["group_gone_after"] = datetime.timedelta(seconds=args.group_gone_after)
     settings["hold_workers_until_ready"] = args.shards > 0
     return ServerOptions(num_shards=args.shards, coordinator=CoordinatorSettings(**settings),
                          log_level=args.log_level, shard_prefix=prefix, max_restarts=shard_restarts_from(args),

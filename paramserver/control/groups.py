@@ -12,6 +12,11 @@ instead of a chain of growing ones), or at once when the group is full.
 Ranks keep their order across generations: survivors first, in their old
 order, then newcomers in join order.  So rank 0 of a new view already
 trained in the last one whenever anyone did, and can hand its state on.
+A group left with no live worker for ``gone_after`` is *gone* (``gone``)
+until a worker joins it again: other groups may take over the parts of a
+followed input it had under way (``paramserver.train.claims``).  A worker
+restarted by its supervisor within that time joins it again (the lowest
+group with room) and reads on where it stood.
 It knows nothing of torch or gRPC transport; the workers form the process
 groups themselves (``paramserver.ddp.group``).
 """
@@ -28,6 +33,8 @@ logger = logging.getLogger(__name__)
 #: How long a group's membership must stay unchanged before a view that is
 #: not full is published.
 GROUP_SETTLE = datetime.timedelta(seconds=2)
+#: How long a group may have no live worker before it is gone (a restarted worker rejoins well within it).
+GROUP_GONE_AFTER = datetime.timedelta(seconds=60)
 
 GLOO, NCCL = "gloo", "nccl"
 
@@ -38,18 +45,24 @@ class _Group:
     changed_at: float = 0.0
     view: Optional[pb.TrainerGroupView] = None
     regroup: bool = False  # the current view broke: publish the next one even if its members are the same
+    emptied_at: Optional[float] = None  # when its last live worker went (None: it has one, or never had)
+    said_gone: bool = False  # its being gone was logged (once each time)
 
 
 class TrainerGroups:
     """Groups of ``group_size`` workers (0: one group of every worker)."""
 
-    def __init__(self, group_size: int = 0, settle: datetime.timedelta = GROUP_SETTLE):
+    def __init__(self, group_size: int = 0, settle: datetime.timedelta = GROUP_SETTLE,
+                 gone_after: datetime.timedelta = GROUP_GONE_AFTER):
         if group_size < 0:
             raise ValueError(f"group_size must be 0 (one group) or positive, got {group_size}")
         if settle.total_seconds() < 0:
             raise ValueError(f"settle must not be negative, got {settle}")
+        if gone_after.total_seconds() < 0:
+            raise ValueError(f"gone_after must not be negative, got {gone_after}")
         self.group_size = group_size
         self.settle = settle
+        self.gone_after = gone_after
         self._groups: Dict[int, _Group] = {}
 
     def assign(self) -> int:
@@ -65,11 +78,31 @@ class TrainerGroups:
         state = self._groups.setdefault(group, _Group())
         state.live[rpc_name] = gpus
         state.changed_at = now
+        state.emptied_at, state.said_gone = None, False
 
     def remove(self, group: int, rpc_name: str, now: float) -> None:
         state = self._groups.get(group)
         if state is not None and state.live.pop(rpc_name, None) is not None:
             state.changed_at = now
+            if not state.live:
+                state.emptied_at = now
+
+    def gone(self, now: float) -> List[int]:
+        """The groups left with no live worker for ``gone_after`` or longer, by number."""
+        gone = [group for group, state in sorted(self._groups.items())
+                if state.emptied_at is not None and now - state.emptied_at >= self.gone_after.total_seconds()]
+        for group in gone:
+            state = self._groups[group]
+            if not state.said_gone:
+                state.said_gone = True
+                logger.warning("trainer group %d is gone: no live worker for %.0f s; other groups may take over "
+                               "what it had under way", group, now - state.emptied_at)
+        return gone
+
+    def new_run(self) -> None:
+        """The job starts again (no worker is alive): no group of the run before is gone in the new one."""
+        for state in self._groups.values():
+            state.emptied_at, state.said_gone = None, False
 
     def regroup(self, group: int, generation: int, now: float) -> None:
         """A member says ``generation`` of ``group`` broke: the next view is due at once, even with the

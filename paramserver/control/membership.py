@@ -177,6 +177,7 @@ class Membership:
             new_run = is_worker and not self._alive(pb.ROLE_WORKER)
             if new_run:
                 self._job_runs += 1  # the job starts, or starts again from its checkpoint
+                self._groups.new_run()
             member = Member(
                 member_id=secrets.token_hex(8), role=request.role, name=request.name, host=request.host,
                 rpc_name=rpc_name, rpc_rank=next(self._ranks), index=index, pid=request.capabilities.pid,
@@ -246,6 +247,11 @@ class Membership:
             view = self._groups.view(member.trainer_group, member.last_heartbeat) \
                 if member.role == pb.ROLE_WORKER else None
             return self._generation, commands, self._live_shard_names(), view
+
+    def trainer_groups_gone(self) -> List[int]:
+        """Trainer groups of this job run left with no live worker for their ``gone_after``, by number."""
+        with self._changed:
+            return self._groups.gone(self._clock())
 
     def shards_gone(self) -> Dict[str, str]:
         """Shards that will not serve again (their process is not restarted): name -> why."""

@@ -23,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from .checkpoints import CheckpointCoordinator, CheckpointOptions
-from .groups import GROUP_SETTLE, TrainerGroups
+from .groups import GROUP_GONE_AFTER, GROUP_SETTLE, TrainerGroups
 from .membership import Member, Membership
 from .protocol import (DEFAULT_PORT, HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_ENV,
                        MAX_MESSAGE_BYTES, SERVICE_NAME, pb)
@@ -64,6 +64,8 @@ class CoordinatorSettings:
     max_workers: int = 32
     #: How long a trainer group's membership must stay unchanged before it forms (when not full).
     group_settle: datetime.timedelta = GROUP_SETTLE
+    #: How long a trainer group may have no live worker before other groups may take over what it had under way.
+    group_gone_after: datetime.timedelta = GROUP_GONE_AFTER
     #: Where and how often to checkpoint, and what to restore from (``None``: no checkpoints).
     checkpoints: Optional[CheckpointOptions] = None
     #: Refuse workers' joins (UNAVAILABLE, so they retry) until ``mark_ready()``: for a server that starts its
@@ -97,7 +99,8 @@ class CoordinatorServer:
         #: Every refused call, whether the interceptor or the service refused it.
         self.refusals = RateLimitedLog(logger, "refused {count} call{s}")
         self.store = RendezvousStore(settings.host)
-        groups = TrainerGroups(settings.job.group_size if settings.job is not None else 0, settings.group_settle)
+        groups = TrainerGroups(settings.job.group_size if settings.job is not None else 0, settings.group_settle,
+                               settings.group_gone_after)
         self.membership = Membership(settings.heartbeat_timeout, on_gone=self._remove_from_rpc_group,
                                      groups=groups)
         self.checkpoints = None

@@ -150,7 +150,8 @@ class CoordinatorService:
         validate_heartbeat(request)
         generation, commands, shards, view = self.membership.heartbeat(request)
         return pb.HeartbeatResponse(generation=generation, commands=commands, shards=shards, group=view,
-                                    shards_gone=self.membership.shards_gone())
+                                    shards_gone=self.membership.shards_gone(),
+                                    trainer_groups_gone=self.membership.trainer_groups_gone())
 
     def leave(self, request: pb.LeaveRequest) -> pb.LeaveResponse:
         validate_leave(request)

@@ -22,7 +22,7 @@ import datetime
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, AbstractSet, Any, Callable, Dict, List, Optional, Tuple
 
 if TYPE_CHECKING:
     from ..metrics.data_plane import DataPlaneMetrics
@@ -195,6 +195,8 @@ class JobContext:
     _live_shards: Optional[Callable[[], List[str]]] = field(default=None, repr=False)
     #: The shards that will not serve again (name -> why), as of the last word from the coordinator.
     _shards_gone: Callable[[], Dict[str, str]] = field(default=dict, repr=False)
+    #: The trainer groups of this job run gone (no live worker for a while), as of the last word from the coordinator.
+    _trainer_groups_gone: Callable[[], AbstractSet[int]] = field(default=frozenset, repr=False)
     #: Handles holding RRefs of a shard process that died, kept until the runtime leaves the data plane.
     _retired: List[Any] = field(default_factory=list, repr=False)
     #: Asks the coordinator for news now.
@@ -227,6 +229,7 @@ class JobContext:
                    recorders=recorders or Recorders(),
                    _live_shards=lambda: session.shards,
                    _shards_gone=lambda: session.shards_gone,
+                   _trainer_groups_gone=lambda: session.trainer_groups_gone,
                    _refresh=session.beat_now, _commit_checkpoint=session.commit_checkpoint,
                    _fail_checkpoint=session.fail_checkpoint)
 
@@ -269,6 +272,11 @@ class JobContext:
     def shards_gone(self) -> Dict[str, str]:
         """Shards that will not serve again (their process is not restarted): name -> why."""
         return dict(self._shards_gone())
+
+    def trainer_groups_gone(self) -> AbstractSet[int]:
+        """The trainer groups of this job run left with no live worker for the coordinator's ``group_gone_after``
+        (what they had under way may be taken over)."""
+        return frozenset(self._trainer_groups_gone())
 
     def retire_handles(self, handles: Any) -> None:
         """Keep ``handles`` (objects holding RRefs to objects of a shard process that died) until this

@@ -12,7 +12,7 @@ import json
 import logging
 import socket
 import threading
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, FrozenSet, List, Optional, Tuple
 
 from ..control import CoordinatorClient, CoordinatorError, CoordinatorUnavailable, HeartbeatLoop, TlsFiles, pb
 from ..shards import peer
@@ -37,6 +37,7 @@ class MemberSession:
         self.assignment: Optional[pb.Assignment] = None
         self._shards: List[str] = []
         self._shards_gone: Dict[str, str] = {}
+        self._trainer_groups_gone: FrozenSet[int] = frozenset()
         self._shards_lock = threading.Lock()
         self._heartbeats: Optional[HeartbeatLoop] = None
         #: Why this member is out of the cluster (the coordinator lost, or it refused us); None while in it.
@@ -70,10 +71,17 @@ class MemberSession:
         with self._shards_lock:
             return dict(self._shards_gone)
 
-    def _set_shards(self, shards, gone=None) -> None:
+    @property
+    def trainer_groups_gone(self) -> FrozenSet[int]:
+        """Trainer groups of this job run left with no live worker for a while, as of the last heartbeat."""
+        with self._shards_lock:
+            return self._trainer_groups_gone
+
+    def _set_shards(self, shards, gone=None, groups_gone=()) -> None:
         with self._shards_lock:
             self._shards = list(shards)
             self._shards_gone = dict(gone or {})
+            self._trainer_groups_gone = frozenset(groups_gone)
 
     def start_heartbeats(self, progress: Callable[[], Tuple[int, Dict[str, float]]] = lambda: (0, {}),
                          on_stop: Callable[[], None] = lambda: None,
@@ -102,7 +110,7 @@ class MemberSession:
                                pb.Command.Kind.Name(command.kind))
 
         def on_response(response: pb.HeartbeatResponse) -> None:
-            self._set_shards(response.shards, response.shards_gone)
+            self._set_shards(response.shards, response.shards_gone, response.trainer_groups_gone)
             if response.HasField("group"):
                 on_group(response.group)
 

@@ -12,11 +12,15 @@ do not both read it on.  A part whose last rows a reader has given is marked don
 other groups, which never take it over; the group's own members may still read it on, where a position
 they are dealt holds it under way (the batches of a lost member that the group had not trained).
 
-A group says it is alive at its formation and at every agreement (``alive``: every ``agree_every`` steps,
-and every 2 s while it waits for data).  A part under way at a group that has not said so for
-``lost_after`` (10 minutes: longer than a group's longest pause, a checkpoint written to an object store or
-a lost shard's rebuild) is taken over by the next group that asks for it, from its start: a group lost whole
-(every member gone) leaves its parts under way read again, at least once, and the parts it finished done.
+A part under way at a lost group is taken over by the next group that asks for it, from its start: a group
+lost whole (every member gone) leaves its parts under way read again, at least once, and the parts it
+finished done.  A group is lost when the coordinator says it is gone (``gone``: no live worker for its
+``group_gone_after``, a minute by default, and none rejoined it; a restarted worker that rejoins sooner
+reads on where the group stood), or when it has not said it is alive for ``lost_after`` (10 minutes: longer
+than a group's longest pause, a checkpoint written to an object store or a lost shard's rebuild), which
+covers a coordinator that restarted and no longer knows the group.  A group says it is alive at its
+formation and at every agreement (``alive``: every ``agree_every`` steps, and every 2 s while it waits for
+data).
 
 Claims belong to a run of the job (``JobContext.job_run``: one more each time a worker joins while none is
 alive).  A run starts from the newest checkpoint, whose positions say what was read; what an earlier run's
@@ -27,7 +31,7 @@ clocks: on several hosts they must agree to well within ``lost_after`` (NTP does
 import datetime
 import logging
 import time
-from typing import Any, Callable, Optional
+from typing import AbstractSet, Any, Callable, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -40,20 +44,23 @@ _DONE = "/done"
 
 class PartClaims:
     """The claims of trainer group ``group_index`` in ``store`` (a ``torch.distributed.Store``, one run's);
-    ``clock``: the wall clock groups' liveness is told in."""
+    ``gone``: the groups of the run the coordinator says are gone, as of its last word; ``clock``: the wall
+    clock groups' liveness is told in."""
 
     @classmethod
-    def of_job(cls, group, run: int, group_index: int) -> "PartClaims":
+    def of_job(cls, group, run: int, group_index: int,
+               gone: Callable[[], AbstractSet[int]] = frozenset) -> "PartClaims":
         """Those of run ``run`` of the job ``group`` (a ``TrainerGroup``) belongs to, through a connection of
         their own (a reader's thread asks while the group may wait in the store)."""
-        return cls(group.job_store(f"{STORE_NAME}/run{run}", own_connection=True), group_index)
+        return cls(group.job_store(f"{STORE_NAME}/run{run}", own_connection=True), group_index, gone=gone)
 
     def __init__(self, store: Any, group_index: int, lost_after: datetime.timedelta = GROUP_LOST_AFTER,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, gone: Callable[[], AbstractSet[int]] = frozenset):
         self.store = store
         self.group = str(group_index)
         self.lost_after = lost_after
         self.clock = clock
+        self.gone = gone
 
     def alive(self) -> None:
         """This group is alive now (at its formation and every agreement)."""
@@ -69,21 +76,26 @@ class PartClaims:
             return True
         if value.endswith(_DONE):
             return False
-        if not self._lost(value):
+        why = self._lost(value)
+        if why is None:
             return None
         if self.store.compare_set(key, value, self.group).decode() != self.group:
             return None  # another group took it over first, or its own group finished it meanwhile
-        logger.warning("trainer group %s takes over %s from trainer group %s, silent for more than %.0f s: read "
-                       "again from its start", self.group, key, value, self.lost_after.total_seconds())
+        logger.warning("trainer group %s takes over %s from trainer group %s, %s: read again from its start",
+                       self.group, key, value, why)
         return True
 
     def finish(self, key: str) -> None:
         """Part ``key``, this group's, is read whole (the last of its rows given to the group's training)."""
         self.store.compare_set(key, self.group, self.group + _DONE)
 
-    def _lost(self, group: str) -> bool:
-        """Whether ``group`` has not said it is alive for ``lost_after`` (never: not lost, it has not formed)."""
+    def _lost(self, group: str) -> Optional[str]:
+        """Why ``group`` is lost, ``None`` when it is not: the coordinator says it is gone, or it has not said it
+        is alive for ``lost_after`` (a group that never said so has not formed: not lost)."""
+        if int(group) in self.gone():
+            return "gone (no live worker, says the coordinator)"
         said = f"alive/{group}"
         if not self.store.check([said]):
-            return False
-        return self.clock() - float(self.store.get(said).decode()) > self.lost_after.total_seconds()
+            return None
+        silent = self.clock() - float(self.store.get(said).decode())
+        return f"silent for {silent:.0f} s" if silent > self.lost_after.total_seconds() else None

@@ -214,7 +214,8 @@ class _Run:
         ctx = trainer.ctx
         shared = bool(getattr(data, "shared", False))
         #: Every trainer group of the job reads a shared input: each part by the group that claims it.
-        self.claims = PartClaims.of_job(group, ctx.job_run, ctx.trainer_group) if shared else None
+        self.claims = PartClaims.of_job(group, ctx.job_run, ctx.trainer_group, ctx.trainer_groups_gone) \
+            if shared else None
         if shared:
             data.claims = self.claims
         self.trainer, self.ctx, self.steps = trainer, ctx, steps
