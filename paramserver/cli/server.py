@@ -95,8 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="SECONDS",
                         help="a trainer group left this long with no live worker is gone: other groups may take "
                              "over the parts of a followed input it had under way, from their start (default "
-                             f"{GROUP_GONE_AFTER.total_seconds():.0f}; a restarted worker that rejoins sooner "
-                             "reads on)")
+                             f"{GROUP_GONE_AFTER.total_seconds():.0f}; where a restarted worker rejoins sooner, "
+                             "the group keeps its parts)")
     parser.add_argument("--stop-after-workers", type=int, default=0, metavar="N",
                         help="a batch job's server (torchx, Slurm): shut down, as on SIGTERM, once N workers "
                              "have left and none is running (default 0: run until stopped)")

@@ -16,7 +16,7 @@ A group left with no live worker for ``gone_after`` is *gone* (``gone``)
 until a worker joins it again: other groups may take over the parts of a
 followed input it had under way (``paramserver.train.claims``).  A worker
 restarted by its supervisor within that time joins it again (the lowest
-group with room) and reads on where it stood.
+group with room), and the parts it had under way stay its own.
 It knows nothing of torch or gRPC transport; the workers form the process
 groups themselves (``paramserver.ddp.group``).
 """

@@ -15,10 +15,10 @@ they are dealt holds it under way (the batches of a lost member that the group h
 A part under way at a lost group is taken over by the next group that asks for it, from its start: a group
 lost whole (every member gone) leaves its parts under way read again, at least once, and the parts it
 finished done.  A group is lost when the coordinator says it is gone (``gone``: no live worker for its
-``group_gone_after``, a minute by default, and none rejoined it; a restarted worker that rejoins sooner
-reads on where the group stood), or when it has not said it is alive for ``lost_after`` (10 minutes: longer
-than a group's longest pause, a checkpoint written to an object store or a lost shard's rebuild), which
-covers a coordinator that restarted and no longer knows the group.  A group says it is alive at its
+``group_gone_after``, a minute by default, and none rejoined it; where a restarted worker rejoins sooner,
+the group's parts stay its own), or when it has not said it is alive for ``lost_after`` (10 minutes: longer
+than a group's longest pause, a checkpoint written to an object store or a lost shard's rebuild): a group
+whose workers still heartbeat but no longer train (hung).  A group says it is alive at its
 formation and at every agreement (``alive``: every ``agree_every`` steps, and every 2 s while it waits for
 data).
 
