@@ -38,7 +38,7 @@ class MemberSession:
         self._shards: List[str] = []
         self._shards_gone: Dict[str, str] = {}
         self._trainer_groups_gone: FrozenSet[int] = frozenset()
-        self._shards_lock = threading.Lock()
+        self._news_lock = threading.Lock()
         self._heartbeats: Optional[HeartbeatLoop] = None
         #: Why this member is out of the cluster (the coordinator lost, or it refused us); None while in it.
         self.lost_reason: Optional[str] = None
@@ -48,7 +48,7 @@ class MemberSession:
     def join(self) -> pb.Assignment:
         self.assignment = self.client.join(self.role, self.name, self.host, retry_for=self._retry_for,
                                            gpus=self._gpus)
-        self._set_shards(self.assignment.shards)
+        self._set_news(self.assignment.shards)
         logger.info("joined %s as %s (rank %d, generation %d)", self.client.address, self.assignment.rpc_name,
                     self.assignment.rpc_rank, self.assignment.generation)
         return self.assignment
@@ -62,23 +62,24 @@ class MemberSession:
     @property
     def shards(self) -> List[str]:
         """RPC names of the live shards, as of the last heartbeat."""
-        with self._shards_lock:
+        with self._news_lock:
             return list(self._shards)
 
     @property
     def shards_gone(self) -> Dict[str, str]:
         """Shards that will not serve again (not restarted), as of the last heartbeat: name -> why."""
-        with self._shards_lock:
+        with self._news_lock:
             return dict(self._shards_gone)
 
     @property
     def trainer_groups_gone(self) -> FrozenSet[int]:
         """Trainer groups of this job run left with no live worker for a while, as of the last heartbeat."""
-        with self._shards_lock:
+        with self._news_lock:
             return self._trainer_groups_gone
 
-    def _set_shards(self, shards, gone=None, groups_gone=()) -> None:
-        with self._shards_lock:
+    def _set_news(self, shards, gone=None, groups_gone=()) -> None:
+        """What the coordinator said of the cluster: the live shards, those gone for good, the groups gone."""
+        with self._news_lock:
             self._shards = list(shards)
             self._shards_gone = dict(gone or {})
             self._trainer_groups_gone = frozenset(groups_gone)
@@ -110,7 +111,7 @@ class MemberSession:
                                pb.Command.Kind.Name(command.kind))
 
         def on_response(response: pb.HeartbeatResponse) -> None:
-            self._set_shards(response.shards, response.shards_gone, response.trainer_groups_gone)
+            self._set_news(response.shards, response.shards_gone, response.trainer_groups_gone)
             if response.HasField("group"):
                 on_group(response.group)
 
