@@ -145,6 +145,10 @@ def sample_status():
                                  "dynamic.bytes": 12_582_912})
     response.workers.add(name="worker0", role=pb.ROLE_WORKER, alive=False, state="dead", step=2**40,
                          metrics={"loss": 0.25}, reason="no heartbeat for 5.1 s")
+    response.workers.add(name="worker1", role=pb.ROLE_WORKER, alive=True, state="alive", trainer_group=1)
+    response.groups.add(group=0, generation=3, members=["worker0"], backend="gloo")
+    response.groups.add(group=1, generation=1, members=["worker1"], backend="gloo")
+    response.trainer_groups_gone.append(0)
     return response
 
 
@@ -162,11 +166,16 @@ def test_status_json_has_plain_numbers_and_role_names():
 
 def test_status_table_lists_every_member():
     table = ctl.format_status(sample_status())
-    assert "generation 12" in table and "shards (1 alive of 1)" in table and "workers (0 alive of 1)" in table
+    assert "generation 12" in table and "shards (1 alive of 1)" in table and "workers (1 alive of 2)" in table
     assert "worker0    dead" in table and "loss=0.25  (no heartbeat for 5.1 s)" in table
     # A shard's dynamic tables on its one line, whole numbers in full.
     shard = next(line for line in table.splitlines() if "shard0" in line)
     assert shard.endswith("dynamic.admitted=123456 dynamic.bytes=12582912 dynamic.evicted=23456 dynamic.rows=100000")
+    # Each trainer group's newest view; a group with no live worker for the server's grace says it is gone.
+    assert [line for line in table.splitlines() if line.startswith("trainer group")] == [
+        "trainer group 0: generation 3, gloo, ranks worker0  (gone: no live worker; others take over its followed "
+        "parts)",
+        "trainer group 1: generation 1, gloo, ranks worker1"]
 
 
 def test_server_ships_the_group_size_with_the_job():
@@ -177,6 +186,11 @@ def test_server_ships_the_group_size_with_the_job():
     assert options.coordinator.group_settle == datetime.timedelta(seconds=30)
     assert options.coordinator.job.name == "paramserver.jobs.ctr:main"
     assert not options.coordinator.job.exports.directory
+    assert options.coordinator.group_gone_after == datetime.timedelta(seconds=60)  # GROUP_GONE_AFTER
+    gone_after = server.options_from(server_args("--shards", "2", "--group-gone-after", "5")).coordinator
+    assert gone_after.group_gone_after == datetime.timedelta(seconds=5)
+    with pytest.raises(server.UsageError, match="--group-gone-after must not be negative"):
+        server.options_from(server_args("--shards", "2", "--group-gone-after", "-1"))
 
 
 def test_server_ships_live_export_settings_with_the_job_and_workers_read_them(tmp_path, monkeypatch):

@@ -315,6 +315,7 @@ def test_a_group_lost_whole_has_its_part_under_way_read_again_by_another_once_th
         land(data, padding, padding * size, 24)
         padding += 1
         time.sleep(0.5)
+    assert wait_for_status(commands, address, lambda status: True, 10)["trainer_groups_gone"] == [1]
     assert commands.run("ps-ctl", "--connect", address, "shutdown").returncode == 0
     assert survivor.wait(60) == 0, errors(survivor)[-3000:]
     assert server.wait(60) == 0, errors(server)[-3000:]

@@ -75,9 +75,11 @@ def format_status(response: pb.StatusResponse) -> str:
                 figures = f"{figures}  ({m.reason})".lstrip()
             lines.append(f"  {m.name:<10} {m.state:<7} {m.host:<15} pid {m.pid:<7} step {m.step:<7} "
                          f"last heartbeat {m.seconds_since_heartbeat:5.1f} s ago  {figures}".rstrip())
+    gone = set(response.trainer_groups_gone)
     for view in response.groups:
         lines.append(f"trainer group {view.group}: generation {view.generation}, {view.backend}, "
-                     f"ranks {', '.join(view.members) or '-'}")
+                     f"ranks {', '.join(view.members) or '-'}"
+                     + ("  (gone: no live worker; others take over its followed parts)" if view.group in gone else ""))
     return "\n".join(lines)
 
 

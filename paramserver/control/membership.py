@@ -369,6 +369,7 @@ class Membership:
                     joined_generation=member.joined_generation, trainer_group=member.trainer_group,
                     pid=member.pid, reason=member.end_reason, ready=member.ready)
             response.groups.extend(self._groups.views(now))
+            response.trainer_groups_gone.extend(self._groups.gone(now))
             return response
 
 
