@@ -176,6 +176,22 @@ def land_until(data: pathlib.Path, processes, enough, what, landed: int = 0, wit
     return landed
 
 
+def pad_until(data: pathlib.Path, processes, trained, wanted: set, padding: int, size: int = LINES_PER_FILE,
+              within: float = 60) -> int:
+    """Land a short file (24 lines) every 0.5 s, numbered on from ``padding``, until every line of ``wanted``
+    is in ``trained()`` (a reader's last batch waits for more lines), within ``within`` seconds,
+    ``processes`` running meanwhile; the next file's number."""
+    deadline = time.monotonic() + within
+    while not wanted <= trained():
+        assert time.monotonic() < deadline, f"never trained: {sorted(wanted - trained())[:20]}"
+        for process in processes:
+            assert process.poll() is None, errors(process)[-3000:]
+        land(data, padding, padding * size, 24)
+        padding += 1
+        time.sleep(0.5)
+    return padding
+
+
 def test_two_trainer_groups_following_one_input_train_every_line_once_between_them(commands, tmp_path):
     """``--group-size 1``: two workers, two groups, each dealt alone; each part is trained by the group that
     claims it first (``paramserver.train.claims``), and every line once over both."""
@@ -188,12 +204,7 @@ def test_two_trainer_groups_following_one_input_train_every_line_once_between_th
     files = land_until(data, workers, lambda files: len(records(folder)) == 2 and files >= 12,
                        lambda: f"trained by {sorted(records(folder))} only")  # both groups trained some
     total = files * LINES_PER_FILE
-    padding, deadline = files, time.monotonic() + 60
-    while not set(range(total)) <= set(trained(records(folder), "", 0, {})[0]):  # each group's last batch waits
-        assert time.monotonic() < deadline, "lines never trained"
-        land(data, padding, padding * LINES_PER_FILE, 24)
-        padding += 1
-        time.sleep(0.5)
+    pad_until(data, workers, lambda: set(trained(records(folder), "", 0, {})[0]), set(range(total)), files)
 
     assert commands.run("ps-ctl", "--connect", address, "shutdown").returncode == 0
     for process in workers:
@@ -243,18 +254,12 @@ def test_a_job_restored_onto_fewer_groups_reads_what_a_lost_group_had_claimed_af
     wait_for_status(commands, address, lambda status: not any(worker["alive"] for worker in status["workers"]), 30)
     again = commands.start("ps-worker", "--connect", address)
     wanted = set(range(after * LINES_PER_FILE, files * LINES_PER_FILE))
-    padding, deadline = files, time.monotonic() + 90
 
     def trained_again():
         return {line for name, steps in records(folder).items() if name not in names.values()
                 for batch in steps.values() for line in batch}
 
-    while not wanted <= trained_again():  # its last batch waits for more lines
-        assert time.monotonic() < deadline, f"never trained again: {sorted(wanted - trained_again())[:20]}"
-        assert again.poll() is None, errors(again)[-3000:]
-        land(data, padding, padding * LINES_PER_FILE, 24)
-        padding += 1
-        time.sleep(0.5)
+    pad_until(data, [again], trained_again, wanted, files, within=90)
     assert "starts from checkpoint" in errors(again)
     assert commands.run("ps-ctl", "--connect", address, "shutdown").returncode == 0
     assert again.wait(60) == 0, errors(again)[-3000:]
@@ -308,13 +313,7 @@ def test_a_group_lost_whole_has_its_part_under_way_read_again_by_another_once_th
         return {line for name, steps in records(folder).items() if name != group_one
                 for batch in steps.values() for line in batch}
 
-    padding, deadline = files, time.monotonic() + 60
-    while not wanted <= trained_by_group_zero():  # its last batch waits for more lines
-        assert time.monotonic() < deadline, f"never trained: {sorted(wanted - trained_by_group_zero())[:20]}"
-        assert survivor.poll() is None, errors(survivor)[-3000:]
-        land(data, padding, padding * size, 24)
-        padding += 1
-        time.sleep(0.5)
+    pad_until(data, [survivor], trained_by_group_zero, wanted, files, size)
     assert wait_for_status(commands, address, lambda status: True, 10)["trainer_groups_gone"] == [1]
     assert commands.run("ps-ctl", "--connect", address, "shutdown").returncode == 0
     assert survivor.wait(60) == 0, errors(survivor)[-3000:]
