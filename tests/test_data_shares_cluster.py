@@ -4,8 +4,9 @@ member sits those steps out), one is SIGKILLed mid-stream, a third joins, more f
 trained exactly once by a step the group completed (``tests/jobs/count_lines.py`` records the lines of every
 step).  The killed worker's step in flight (not completed by the group) is re-read by
 the member its part went to: each of its lines is counted once among the completed steps.  Then two trainer
-groups (``--group-size 1``) follow one input: each line is trained once over both; and a job restored from a
-checkpoint onto one group reads what the lost second group had claimed since (claims are per run)."""
+groups (``--group-size 1``) follow one input: each line is trained once over both; a job restored from a
+checkpoint onto one group reads what the lost second group had claimed since (claims are per run); and the
+part a group lost whole had under way is trained by the other once the coordinator says the group is gone."""
 
 import json
 import os
