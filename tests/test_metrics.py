@@ -282,12 +282,15 @@ def test_the_cluster_collector_reads_the_membership_table():
     assert by_label(samples, "paramserver_members_ended_total", "state", role="shard") == {
         "left": 0, "dead": 2, "exited": 0}
     assert value(samples, "paramserver_checkpoints_committed_total") == 2
+    assert value(samples, "paramserver_trainer_groups_gone") == 0  # its last worker went 5 s ago: within the grace
     # Counts survive the table forgetting former members; a process exit counts as "exited".
     clock.now += 1
     again = join(pb.ROLE_SHARD, "shard0")
     membership.process_exited(again.rpc_name, -9)
     samples = parse(prometheus_client.generate_latest(registry).decode())
     assert value(samples, "paramserver_members_ended_total", role="shard", state="exited") == 1
+    clock.now += 60  # group 0 has had no live worker for a minute: gone
+    assert value(parse(prometheus_client.generate_latest(registry).decode()), "paramserver_trainer_groups_gone") == 1
     assert value(samples, "paramserver_checkpoints_committed_total") == 2
     assert not [name for name in samples if name.startswith("paramserver_checkpoint_newest")]  # none yet
     _Checkpoints.newest = types.SimpleNamespace(step=40, manifest={"created_unix": 1.8e9})

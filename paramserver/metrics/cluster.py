@@ -1,4 +1,4 @@
-"""Metrics of the coordinator: members by role, the generation, members lost, checkpoints.
+"""Metrics of the coordinator: members by role, the generation, members lost, trainer groups gone, checkpoints.
 
 Owns ``ClusterCollector``, which reads the membership table (and the
 checkpoint coordinator, when checkpoints are configured) at scrape time, so
@@ -6,7 +6,7 @@ the control plane records nothing for metrics: it keeps counts it needs
 anyway (``Membership.counts()``).  It never changes the table.
 """
 
-from typing import Any, Iterator, Optional, Protocol
+from typing import Any, Iterator, List, Optional, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -17,6 +17,8 @@ from ..control.protocol import ROLE_NAMES
 
 class _Membership(Protocol):
     def counts(self) -> MembershipCounts: ...
+
+    def trainer_groups_gone(self) -> List[int]: ...
 
 
 class _Checkpoints(Protocol):
@@ -52,6 +54,10 @@ class ClusterCollector(Collector):
         yield alive
         yield joined
         yield ended
+        yield GaugeMetricFamily("paramserver_trainer_groups_gone",
+                                "Trainer groups left with no live worker for --group-gone-after: other groups take "
+                                "over the parts of a followed input they had under way",
+                                value=len(self._membership.trainer_groups_gone()))
         yield CounterMetricFamily("paramserver_checkpoints_committed",
                                   "Checkpoints committed (manifest written) by this coordinator",
                                   value=self._checkpoints.committed if self._checkpoints is not None else 0)
