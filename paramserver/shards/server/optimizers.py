@@ -382,18 +382,18 @@ class OwnerOptimizer:
             if once is not None and self._last_push.get(once[0], -1) >= once[1]:
                 return False
             began = time.monotonic()
-            started = time.perf_counter()
             try:
                 rows, gradient_bytes = run(metrics is not None)
             except torch.jit.Error as error:
                 reraise_script_error(error)
             if once is not None:
                 self._last_push[once[0]] = once[1]
-            elapsed = time.perf_counter() - started
+            ended = time.monotonic()
+            elapsed = ended - began
             self.steps += 1
             self.step_seconds_total += elapsed
             self.last_step_seconds = elapsed
-            self.last_step_began, self.last_step_ended = began, time.monotonic()
+            self.last_step_began, self.last_step_ended = began, ended
         if metrics is not None:  # after the locks: the next step need not wait for this
             metrics.owner_step(self.optimizer_cls.__qualname__, elapsed, peer(), rows, gradient_bytes, rpc)
         return True
