@@ -19,6 +19,10 @@ What it measures
     * **Memory at the floor**: one shard hosting a ``--memory-rows`` x 16
       table (default 20M) with QHM's momentum, after a fused step through
       it; the growth of its resident set over the floor (rows + momentum).
+    * **Where a step's time goes** in each run: the Trainer's phase figures
+      (``phase_ms.*``, ms per step, the workers' mean), so that what grows
+      with the workers (the all-reduce inside the backward, the lookups, the
+      push wait) can be told apart.
 
     With more processes than cores (8 workers and 4 shards on 2 cores), the
     throughput rows show what a step costs in CPU over all processes, not
@@ -44,6 +48,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # end_to_end, al
 from end_to_end import FORK_SERVER, ContestantFailed, run_demo, threads_environment  # noqa: E402
 
 from paramserver.jobs.ctr_data import CTRSpec  # noqa: E402
+from paramserver.train.step import PHASES  # noqa: E402
+from paramserver.train.trainer import PHASE_FIGURE  # noqa: E402
 
 DIM = 16
 TARGET_EFFICIENCY = 0.70
@@ -124,7 +130,9 @@ def throughput_rows(args, folder: pathlib.Path) -> List[Dict]:
                            environment=threads_environment(args.threads), extra_config=args.job_config)
         rows.append({"workers": workers, "shards": shards, "samples_per_s": summary["samples_per_s"],
                      "shard_peak_mib": max(memory.peak.values(), default=0) / 2**20,
-                     "floor_mib": job_floor_bytes(shards) / 2**20})
+                     "floor_mib": job_floor_bytes(shards) / 2**20,
+                     "phase_ms": {key[len(PHASE_FIGURE):]: value for key, value in summary.items()
+                                  if key.startswith(PHASE_FIGURE)}})
         progress(f"  {summary['samples_per_s']:,.0f} samples/s")
     return rows
 
@@ -179,6 +187,7 @@ def report(rows: List[Dict], memory: Optional[Dict], args) -> None:
         efficiency = f"{row['samples_per_s'] / (row['workers'] * base):.0%}" if base else "n/a"
         print(f"| {row['workers']} | {row['shards']} | {row['samples_per_s']:,.0f} | {efficiency} | "
               f"{row['shard_peak_mib']:,.0f} | {row['floor_mib']:.1f} |")
+    print_phases(rows)
     eight = next((r for r in rows if r["workers"] == 8 and r["shards"] == 4), None)
     two = next((r for r in rows if r["workers"] == 2 and r["shards"] == 4), None)
     if eight and two and base:
@@ -191,6 +200,19 @@ def report(rows: List[Dict], memory: Optional[Dict], args) -> None:
         print(f"\nmemory: one shard hosting {memory['rows']:,} x {DIM} + QHM momentum grew "
               f"{memory['growth'] / 2**20:,.0f} MiB for a floor of {memory['floor'] / 2**20:,.0f} MiB: "
               f"{over:+.1%} (target <= {MEMORY_TARGET:.0%} over) {'PASS' if over <= MEMORY_TARGET else 'BELOW'}")
+
+
+def print_phases(rows: List[Dict]) -> None:
+    """Where a step's time goes in each run (ms per step, the workers' mean): what grows with the workers."""
+    shown = [phase for phase in PHASES if any(phase in row["phase_ms"] for row in rows)]
+    if not shown:
+        return
+    print("\nWhere a step's time goes (ms per step, the workers' mean):\n")
+    print("| workers | shards | " + " | ".join(PHASES[phase] for phase in shown) + " | step |")
+    print("|---:|---:|" + "---:|" * (len(shown) + 1))
+    for row in rows:
+        cells = " | ".join(f"{row['phase_ms'].get(phase, 0.0):.2f}" for phase in shown)
+        print(f"| {row['workers']} | {row['shards']} | {cells} | {sum(row['phase_ms'].values()):.2f} |")
 
 
 def _counts(text: str) -> List[int]:
