@@ -362,7 +362,8 @@ def run_reference(args, folder: pathlib.Path, sparse: bool) -> Dict:
     try:
         with watch_cpu(lambda: all(marker.exists() for marker in markers),
                        lambda: all(marker.exists() for marker in ends)) as cpu:
-            run_children(children, datetime.timedelta(seconds=args.timeout))
+            with reference_hybrid.hosted_stores(rpc_port, ddp_port):
+                run_children(children, datetime.timedelta(seconds=args.timeout))
     except ChildProcessesFailed as error:
         raise ContestantFailed(f"the reference failed: {error}") from error
     with open(results_path) as results_file:

@@ -19,15 +19,23 @@ context) and a DDP-wrapped local dense tower, ``dist_autograd.backward``,
 then ``torch.distributed.optim.DistributedOptimizer`` steps the tables' and
 the tower's parameters (the tower's as ``RRef``s of local parameters).  It
 never touches the framework's data plane, shards or control plane.
+
+The two rendezvous stores (RPC's and the trainers' process group's) are
+hosted by the caller (``hosted_stores``), as torchelastic's agent hosts
+its workers' (``TORCHELASTIC_USE_AGENT_STORE``), not by a rank: a rank
+that hosts a store and finishes ``rpc.shutdown`` first takes the store
+away from peers still in its last round ("Connection reset by peer").
 """
 
+import contextlib
 import datetime
 import json
+import os
 import pathlib
 import statistics
 import time
 import warnings
-from typing import Dict, List, Sequence
+from typing import Dict, Iterator, List, Sequence
 
 import torch
 import torch.distributed as dist
@@ -155,6 +163,17 @@ def master(config: Dict, results_path: str) -> None:
         json.dump(results, out)
 
 
+@contextlib.contextmanager
+def hosted_stores(*ports: int) -> Iterator[None]:
+    """The rendezvous stores of a run, served from this process on ``ports`` of 127.0.0.1 while it runs."""
+    stores = [dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=RPC_TIMEOUT)
+              for port in ports]
+    try:
+        yield
+    finally:
+        del stores
+
+
 def role(name: str) -> str:
     """The kind of a process of the run: ``master``, ``ps`` or ``trainer`` (``ROLES``)."""
     return name.rstrip("0123456789")
@@ -162,9 +181,11 @@ def role(name: str) -> str:
 
 def run_process(name: str, rank: int, rpc_port: int, ddp_port: int, config: Dict, results_path: str) -> None:
     """Process body: ``master``, ``psN`` or ``trainerN``; returns once every peer is done (rpc.shutdown).
+    The rendezvous stores on ``rpc_port`` and ``ddp_port`` are the caller's (``hosted_stores``).
     It runs ``config["threads"][role(name)]`` intra-op threads and names itself ``name`` (its comm)."""
     warnings.filterwarnings("ignore", message="You are using a Backend")  # torch's own use, at shutdown
     name_this_process(name)
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = str(True)  # every rank a client of the caller's stores
     world_size = 1 + NUM_PS + TRAINERS
     torch.set_num_threads(config["threads"][role(name)])
     if name.startswith("trainer"):
