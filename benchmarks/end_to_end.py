@@ -125,7 +125,9 @@ How to read it
     The step phases of each side (trainer means) show where its time goes
     (ours: the Trainer's ``phase_ms:`` figures, ``paramserver.train.step.PHASES``;
     its push is sent right after the backward pass and waited for after
-    the dense optimizer's step); ms/step is per trainer (2 x batch / samples/s).  This machine is
+    the dense optimizer's step; and within the backward, how long the
+    last gradient bucket's all-reduce was in flight: the wait for the
+    other worker, then the transfer); ms/step is per trainer (2 x batch / samples/s).  This machine is
     shared and noisy: compare runs, not digits; the header's load averages
     (1 minute, before and after) help tell whether something else was
     running (the run itself keeps 7-8 processes busy).  With more processes
@@ -161,7 +163,7 @@ from process_cpu import PollingThread, ProcessTreeCPU  # noqa: E402
 from paramserver.processes import Child, ChildProcessesFailed, free_port, run_children  # noqa: E402
 from paramserver.runtime.threads import HOST_PROCESSES_ENV, THREADS_ENV, choose_threads, host_cores  # noqa: E402
 from paramserver.train.step import PHASES  # noqa: E402
-from paramserver.train.trainer import PHASE_FIGURE, ROW_CACHE_FIGURE  # noqa: E402
+from paramserver.train.trainer import ALLREDUCE_FIGURE, PHASE_FIGURE, ROW_CACHE_FIGURE  # noqa: E402
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 #: Targets: ours over the reference; ours over the floor, without and with staleness.
@@ -255,7 +257,7 @@ def run_ours(args, folder: pathlib.Path) -> Dict:
     return dict(cpu_per_1000(cpu, args.steps * reference_hybrid.TRAINERS * args.batch),
                 samples_per_s=summary["samples_per_s"], loss=summary["loss"],
                 phase_ms={key[len(PHASE_FIGURE):]: value for key, value in summary.items()
-                          if key.startswith(PHASE_FIGURE)},
+                          if key.startswith(PHASE_FIGURE)}, allreduce_ms=summary.get(ALLREDUCE_FIGURE, 0.0),
                 row_cache={key[len(ROW_CACHE_FIGURE):]: value for key, value in summary.items()
                            if key.startswith(ROW_CACHE_FIGURE)})
 
@@ -421,6 +423,8 @@ def report(runs: Dict[str, List[Dict]], args, load_before: float) -> None:
         print("\n| where a paramserver step's time goes (worker mean, ms) | |\n|---|---:|")
         for phase, label in PHASES.items():
             print(f"| {label} | {statistics.mean(r['phase_ms'].get(phase, 0.0) for r in runs[OURS]):.1f} |")
+        print(f"| of the backward: its all-reduce in flight | "
+              f"{statistics.mean(r['allreduce_ms'] for r in runs[OURS]):.1f} |")
     print("\n| where a floor step's time goes (ms) | |\n|---|---:|")
     for phase in local_floor.PHASES:
         print(f"| {phase} | {statistics.mean(r['phase_ms'][phase] for r in runs[FLOOR]):.1f} |")

@@ -20,9 +20,10 @@ What it measures
       table (default 20M) with QHM's momentum, after a fused step through
       it; the growth of its resident set over the floor (rows + momentum).
     * **Where a step's time goes** in each run: the Trainer's phase figures
-      (``phase_ms.*``, ms per step, the workers' mean), so that what grows
-      with the workers (the all-reduce inside the backward, the lookups, the
-      push wait) can be told apart.
+      (``phase_ms.*``, ms per step, the workers' mean) and how long the
+      all-reduce was in flight within the backward (``allreduce_ms``), so
+      that what grows with the workers (the all-reduce and its wait for the
+      slowest worker, the lookups, the push wait) can be told apart.
 
     With more processes than cores (8 workers and 4 shards on 2 cores), the
     throughput rows show what a step costs in CPU over all processes, not
@@ -49,7 +50,7 @@ from end_to_end import FORK_SERVER, ContestantFailed, run_demo, threads_environm
 
 from paramserver.jobs.ctr_data import CTRSpec  # noqa: E402
 from paramserver.train.step import PHASES  # noqa: E402
-from paramserver.train.trainer import PHASE_FIGURE  # noqa: E402
+from paramserver.train.trainer import ALLREDUCE_FIGURE, PHASE_FIGURE  # noqa: E402
 
 DIM = 16
 TARGET_EFFICIENCY = 0.70
@@ -132,7 +133,8 @@ def throughput_rows(args, folder: pathlib.Path) -> List[Dict]:
                      "shard_peak_mib": max(memory.peak.values(), default=0) / 2**20,
                      "floor_mib": job_floor_bytes(shards) / 2**20,
                      "phase_ms": {key[len(PHASE_FIGURE):]: value for key, value in summary.items()
-                                  if key.startswith(PHASE_FIGURE)}})
+                                  if key.startswith(PHASE_FIGURE)},
+                     "allreduce_ms": summary.get(ALLREDUCE_FIGURE, 0.0)})
         progress(f"  {summary['samples_per_s']:,.0f} samples/s")
     return rows
 
@@ -207,12 +209,15 @@ def print_phases(rows: List[Dict]) -> None:
     shown = [phase for phase in PHASES if any(phase in row["phase_ms"] for row in rows)]
     if not shown:
         return
-    print("\nWhere a step's time goes (ms per step, the workers' mean):\n")
-    print("| workers | shards | " + " | ".join(PHASES[phase] for phase in shown) + " | step |")
-    print("|---:|---:|" + "---:|" * (len(shown) + 1))
+    print("\nWhere a step's time goes (ms per step, the workers' mean; the all-reduce in flight is part of the "
+          "backward: from a worker's last gradient bucket to its all-reduce's end, the wait for the slowest "
+          "worker included):\n")
+    print("| workers | shards | " + " | ".join(PHASES[phase] for phase in shown) + " | step | all-reduce in flight |")
+    print("|---:|---:|" + "---:|" * (len(shown) + 2))
     for row in rows:
         cells = " | ".join(f"{row['phase_ms'].get(phase, 0.0):.2f}" for phase in shown)
-        print(f"| {row['workers']} | {row['shards']} | {cells} | {sum(row['phase_ms'].values()):.2f} |")
+        step = sum(row["phase_ms"].get(phase, 0.0) for phase in shown)
+        print(f"| {row['workers']} | {row['shards']} | {cells} | {step:.2f} | {row['allreduce_ms']:.2f} |")
 
 
 def _counts(text: str) -> List[int]:

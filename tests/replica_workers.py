@@ -90,7 +90,7 @@ class StoreViews:
 def train(name: str, index: int, port: int, steps: int, hook: str, result_path: str,
           publish=None, late_member_at: int = 0, late: bool = False, lost_at: int = 0,
           lost: bool = False, hangs: bool = False, short_by=None, uneven: bool = False,
-          buffered: bool = False, retold_short=None, hangs_forming: bool = False) -> None:
+          buffered: bool = False, retold_short=None, hangs_forming: bool = False, late_backward=None) -> None:
     """Train ``steps`` steps in the group; ``publish=(generation, members)`` announces a view first.
 
     ``late_member_at``: a member there from the start waits at that step
@@ -111,8 +111,11 @@ def train(name: str, index: int, port: int, steps: int, hook: str, result_path: 
     ``hangs_forming``: a ``late`` member publishes the view without itself and
     SIGSTOPs itself as the group it joins starts sharing state (its peers
     wait in those collectives until the new view makes them abandon them).
+    ``late_backward=(step, seconds)``: this member sleeps that long before
+    that step's backward pass (its peers' all-reduce waits for it).
     ``slowest_step_s`` in the result is the longest step, its recovery
-    included; ``agreed_at`` the steps the group agreed at.
+    included; ``agreed_at`` the steps the group agreed at; ``allreduce_ms``
+    the replica's.
     """
     warnings.filterwarnings("ignore")
     faulthandler.dump_traceback_later(75, exit=True)  # a hang shows where, before the test's 90 s deadline
@@ -152,6 +155,8 @@ def train(name: str, index: int, port: int, steps: int, hook: str, result_path: 
         inputs, target = batch(name, replica.step)
         try:
             loss = ((replica.module if uneven_step else replica)(inputs) - target).pow(2).mean()
+            if late_backward and replica.step == late_backward[0]:
+                time.sleep(late_backward[1])
             loss.backward()
             if uneven_step:
                 replica.average_over_present(True)
@@ -179,7 +184,8 @@ def train(name: str, index: int, port: int, steps: int, hook: str, result_path: 
         pickle.dump({"step": replica.step, "reformations": replica.reformations, "recoveries": replica.recoveries,
                      "steps_skipped": replica.steps_skipped,
                      "state": {k: v.clone() for k, v in replica.module.state_dict().items()},
-                     "bytes_per_step": replica.bytes_per_step, "slowest_step_s": slowest_step_s,
+                     "bytes_per_step": replica.bytes_per_step, "allreduce_ms": replica.allreduce_ms(),
+                     "slowest_step_s": slowest_step_s,
                      "agreed_at": agreed_at}, file)
 
 

@@ -57,11 +57,14 @@ def local_training(names, steps, lost=None, lost_at=0, absent=None, buffered=Fal
 def test_a_group_trains_like_one_process_on_all_batches(tmp_path, store, hook):
     """Members short of data for part of a window (worker0 has 3 of the first 10 steps' batches, worker1 5,
     then 5 of the next 7): the group takes the steps every member has, agreeing at 0, 3 and 8 instead of
-    0 and 10, and trains as before."""
+    0 and 10, and trains as before.  worker1 starts step 5's backward pass 0.5 s late: worker0's all-reduce
+    is in flight that long, and its ``allreduce_ms`` says so."""
     names, steps = ["worker0", "worker1"], 12
     short_by = {"worker0": {0: 7}, "worker1": {0: 5, 3: 2}}
+    late_backward = {"worker0": None, "worker1": (5, 0.5)}
     children = [Child(name, rw.train, (name, index, store.port, steps, hook, str(tmp_path / f"{name}.pkl"),
-                                       (1, names) if index == 0 else None), dict(short_by=short_by[name]))
+                                       (1, names) if index == 0 else None),
+                      dict(short_by=short_by[name], late_backward=late_backward[name]))
                 for index, name in enumerate(names)]
     run_children(children, TIMEOUT)
     got = results(tmp_path, names)
@@ -76,6 +79,7 @@ def test_a_group_trains_like_one_process_on_all_batches(tmp_path, store, hook):
         assert torch.equal(got["worker0"]["state"][key], got["worker1"]["state"][key])
     full_bytes = sum(v.numel() * 4 for v in expected.values())
     assert got["worker0"]["bytes_per_step"] == (full_bytes if hook == "allreduce" else full_bytes // 2)
+    assert got["worker0"]["allreduce_ms"] * steps >= 500 and got["worker1"]["allreduce_ms"] > 0, got
 
 
 def test_a_group_takes_the_steps_some_member_has_data_for_and_averages_over_those_present(tmp_path, store):

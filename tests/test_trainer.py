@@ -37,6 +37,7 @@ def test_a_job_trains_in_one_process_and_accounts_for_every_step(local_context):
     assert figures["steps"] == 60 and figures["sparse_steps"] == 60 and figures["group_size"] == 1, figures
     assert figures["loss"] < figures["first_loss"] and 0.5 < figures["auc"] <= 1, figures
     assert figures["log_loss"] > 0 and figures["samples_per_s"] > 0 and figures["bytes_per_step"] > 0, figures
+    assert figures["allreduce_ms"] > 0, figures
     assert local_context.progress()[0] == 60
 
 

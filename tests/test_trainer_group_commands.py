@@ -39,7 +39,7 @@ def test_demo_trains_the_main_job_on_criteo_format_files_and_prints_its_summary(
                         "--log-dir", str(logs), timeout=280)
     assert demo.returncode == 0, demo.stderr[-3000:]
     summary = json.loads(demo.stdout.strip().splitlines()[-1])
-    assert {"steps", "samples_per_s", "auc", "hook", "bytes_per_step"} <= set(summary)
+    assert {"steps", "samples_per_s", "auc", "hook", "bytes_per_step", "allreduce_ms"} <= set(summary)
     assert summary["steps"] == 60 and summary["hook"] == "powersgd" and summary["samples_per_s"] > 0
     assert summary["loss"] < summary["first_loss"], summary
     assert 0.5 + 0.5 * (oracle - 0.5) < summary["auc"] <= oracle + 0.02, (oracle, summary)

@@ -30,7 +30,7 @@ from typing import Dict, List, Optional
 from ..control import CoordinatorClient, CoordinatorError
 from ..runtime.job import DEFAULT_JOB
 from ..runtime.threads import HOST_PROCESSES_ENV
-from ..train.trainer import PHASE_FIGURE, ROW_CACHE_FIGURE
+from ..train.trainer import ALLREDUCE_FIGURE, PHASE_FIGURE, ROW_CACHE_FIGURE
 from .common import UsageError, command_main, job_config_from
 from .progress import Progress
 
@@ -150,7 +150,7 @@ def _figures(workers) -> Dict[str, float]:
                 figures[key] = worker.metrics[key]
     figures["samples_per_s"] = sum(w.metrics.get("samples_per_s", 0.0) for w in workers)
     phases = sorted({key for worker in workers for key in worker.metrics
-                     if key.startswith(PHASE_FIGURE) or key.startswith(ROW_CACHE_FIGURE)})
+                     if key.startswith(PHASE_FIGURE) or key.startswith(ROW_CACHE_FIGURE) or key == ALLREDUCE_FIGURE})
     for key in phases:  # where a step's time goes, and the row cache's figures: the workers' mean
         values = [worker.metrics[key] for worker in workers if key in worker.metrics]
         figures[key] = sum(values) / len(values)
@@ -227,7 +227,7 @@ def run_demo(args, config: dict, processes: LocalProcesses) -> dict:
                "shards": args.shards,
                "seconds": round(time.monotonic() - began, 1)}
     summary.update({key: round(value, 2) for key, value in figures.items()
-                    if key.startswith(PHASE_FIGURE) or key.startswith(ROW_CACHE_FIGURE)})
+                    if key.startswith(PHASE_FIGURE) or key.startswith(ROW_CACHE_FIGURE) or key == ALLREDUCE_FIGURE})
     return summary
 
 

@@ -115,7 +115,10 @@ class DenseReplica:
 
     Call it like the module (it runs the DDP wrapper).  ``step`` counts the
     group's completed steps (advance it with ``finish_step()``);
-    ``bytes_per_step`` is what the hook measured in the last backward pass.
+    ``bytes_per_step`` is what the hook measured in the last backward pass;
+    ``allreduce_ms()`` the mean time a backward pass's last bucket was in
+    flight, from this member handing it to the hook to its all-reduce's end
+    (the wait for the group's slowest member, then the transfer).
     ``reformations`` counts agreed re-formations, ``recoveries`` those after
     a failed collective, ``steps_skipped`` the steps this member took from
     another instead of training them (on joining, or after a failure).
@@ -161,6 +164,8 @@ class DenseReplica:
         self.agreed_checkpoint = 0
         self._failures_in_a_row = 0
         self._hook_failure: Optional[str] = None
+        #: Seconds the last bucket of each backward pass was in flight, and how many such buckets (``allreduce_ms``).
+        self._in_flight_seconds, self._in_flight_buckets = 0.0, 0
         self._restored_hook_states: Optional[List[bytes]] = None
         if initial:
             self._restore(initial)
@@ -258,23 +263,33 @@ class DenseReplica:
         once when the group's generation is (``TrainerGroup.abortable``)."""
         generation = self.group.generation
 
-        def check_reduced(future):
-            try:
-                return future.value()
-            except Exception as error:  # noqa: BLE001 - noted, then raised again
-                if self.group.generation == generation:  # not an abandoned generation's late failure
-                    # Only the message is kept: the error's frames hold the broken group's work.
-                    self._hook_failure = str(error)
-                raise
-
         @functools.wraps(hook)
         def watched(state, bucket):
+            handed, last = time.perf_counter(), bucket.is_last()
+
+            def check_reduced(future):
+                try:
+                    reduced = future.value()
+                except Exception as error:  # noqa: BLE001 - noted, then raised again
+                    if self.group.generation == generation:  # not an abandoned generation's late failure
+                        # Only the message is kept: the error's frames hold the broken group's work.
+                        self._hook_failure = str(error)
+                    raise
+                if last:  # (runs where the all-reduce ended; the step's own thread reads the sums)
+                    self._in_flight_seconds += time.perf_counter() - handed
+                    self._in_flight_buckets += 1
+                return reduced
+
             try:
                 return self.group.abortable(hook(state, bucket).then(check_reduced))
             except Exception as error:  # noqa: BLE001 - noted, then raised again
                 self._hook_failure = str(error)
                 raise
         return watched
+
+    def allreduce_ms(self) -> float:
+        """Mean milliseconds a backward pass's last bucket was in flight (see the class docstring; 0 before any)."""
+        return 1e3 * self._in_flight_seconds / self._in_flight_buckets if self._in_flight_buckets else 0.0
 
     def __call__(self, *args, **kwargs):
         return self.ddp(*args, **kwargs)

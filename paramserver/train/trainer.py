@@ -60,6 +60,8 @@ POWERSGD_DEFAULTS = {"start_powerSGD_iter": 10}
 #: Prefix of the figures saying where a step's time goes (``phase_ms.lookups``...: ms per step, see
 #: ``step.PHASES``).
 PHASE_FIGURE = "phase_ms."
+#: The figure of how long a step's all-reduce was in flight, within its backward phase (``DenseReplica.allreduce_ms``).
+ALLREDUCE_FIGURE = "allreduce_ms"
 #: The prefix of the row cache's figures (``pipeline.RowCacheFigures``).
 ROW_CACHE_FIGURE = "row_cache."
 #: Batches read ahead in the background while steps run.
@@ -187,8 +189,9 @@ class Trainer:
 
         Returns the figures: steps, start_step, loss (the last log window's
         mean), first_loss (the loss of the first step this run took),
-        samples_per_s, bytes_per_step, ``phase_ms.<phase>`` (ms per step in
-        each of ``step.PHASES``), auc and log_loss (rank 0), the group
+        samples_per_s, bytes_per_step, allreduce_ms (``DenseReplica.allreduce_ms``:
+        within the backward phase, how long its all-reduce was in flight),
+        ``phase_ms.<phase>`` (ms per step in each of ``step.PHASES``), auc and log_loss (rank 0), the group
         (group_rank, group_size) and the faults survived: reformations,
         recoveries, shard_rebuilds, checkpoints, and every step accounted
         for once: sparse_steps (sparse update applied) + sparse_steps_lost
@@ -519,6 +522,7 @@ class _Run:
                 self.figures["steps_sat_out"] = self.steps_sat_out
             self.figures.update(samples_per_s=self.samples / (time.monotonic() - self.started),
                                 bytes_per_step=replica.bytes_per_step, shard_rebuilds=self.sparse.rebuilds)
+            self.figures[ALLREDUCE_FIGURE] = replica.allreduce_ms()
             self.figures.update({f"{PHASE_FIGURE}{phase}": ms for phase, ms in self.times.ms_per_step().items()})
             if self.trainer.cache_rows is not None:
                 self.figures.update(self.pipeline.cache.figures())
