@@ -32,7 +32,8 @@ What it measures
 
 How to run
     ``.venv/bin/python benchmarks/scaling.py [--steps N] [--workers 1,2,4,8] [--shards 2,4,8]
-    [--threads N] [--job-config JSON] [--memory-rows N]``; the defaults take about 4 minutes on 2 cores.  Progress to stderr, results to stdout.
+    [--threads N] [--job-config JSON] [--memory-rows N]``; the defaults take about 4 minutes on 2 cores.
+    Progress to stderr, results to stdout.
 """
 
 import argparse

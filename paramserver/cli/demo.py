@@ -151,7 +151,7 @@ def _figures(workers) -> Dict[str, float]:
     figures["samples_per_s"] = sum(w.metrics.get("samples_per_s", 0.0) for w in workers)
     phases = sorted({key for worker in workers for key in worker.metrics
                      if key.startswith(PHASE_FIGURE) or key.startswith(ROW_CACHE_FIGURE) or key == ALLREDUCE_FIGURE})
-    for key in phases:  # where a step's time goes, and the row cache's figures: the workers' mean
+    for key in phases:  # where a step's time goes, the all-reduce in flight, the row cache: the workers' mean
         values = [worker.metrics[key] for worker in workers if key in worker.metrics]
         figures[key] = sum(values) / len(values)
     return figures
