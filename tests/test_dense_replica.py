@@ -57,11 +57,11 @@ def local_training(names, steps, lost=None, lost_at=0, absent=None, buffered=Fal
 def test_a_group_trains_like_one_process_on_all_batches(tmp_path, store, hook):
     """Members short of data for part of a window (worker0 has 3 of the first 10 steps' batches, worker1 5,
     then 5 of the next 7): the group takes the steps every member has, agreeing at 0, 3 and 8 instead of
-    0 and 10, and trains as before.  worker1 starts step 5's backward pass 0.5 s late: worker0's all-reduce
-    is in flight that long, and its ``allreduce_ms`` says so."""
+    0 and 10, and trains as before.  worker1 starts step 5's backward pass 1 s late: worker0's all-reduce
+    is in flight that long (at least half of it, should worker0 itself stall), and its ``allreduce_ms`` says so."""
     names, steps = ["worker0", "worker1"], 12
     short_by = {"worker0": {0: 7}, "worker1": {0: 5, 3: 2}}
-    late_backward = {"worker0": None, "worker1": (5, 0.5)}
+    late_backward = {"worker0": None, "worker1": (5, 1.0)}
     children = [Child(name, rw.train, (name, index, store.port, steps, hook, str(tmp_path / f"{name}.pkl"),
                                        (1, names) if index == 0 else None),
                       dict(short_by=short_by[name], late_backward=late_backward[name]))
