@@ -295,7 +295,6 @@ class OwnerOptimizer:
         self._last_push: Dict[int, int] = {}
         self.steps = 0
         self.step_seconds_total = 0.0
-        self.last_step_seconds = 0.0
         #: When the last step's work began and ended (its locks held), on ``time.monotonic()``: on Linux one
         #: clock for every process of the host, so a trainer there can place the owners' steps in its own.
         self.last_step_began = self.last_step_ended = 0.0
@@ -392,7 +391,6 @@ class OwnerOptimizer:
             elapsed = ended - began
             self.steps += 1
             self.step_seconds_total += elapsed
-            self.last_step_seconds = elapsed
             self.last_step_began, self.last_step_ended = began, ended
         if metrics is not None:  # after the locks: the next step need not wait for this
             metrics.owner_step(self.optimizer_cls.__qualname__, elapsed, peer(), rows, gradient_bytes, rpc)
@@ -401,7 +399,8 @@ class OwnerOptimizer:
     def step_stats(self) -> Dict[str, float]:
         """Steps applied here, and seconds spent applying them (locks held, waiting excluded); when the last
         one began and ended, on ``time.monotonic()``."""
-        return {"steps": self.steps, "total_seconds": self.step_seconds_total, "last_seconds": self.last_step_seconds,
+        return {"steps": self.steps, "total_seconds": self.step_seconds_total,
+                "last_seconds": self.last_step_ended - self.last_step_began,
                 "last_began": self.last_step_began, "last_ended": self.last_step_ended}
 
     def state_dict(self) -> StateDict:
