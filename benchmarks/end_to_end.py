@@ -256,8 +256,7 @@ def run_ours(args, folder: pathlib.Path) -> Dict:
                            environment=environment)
     return dict(cpu_per_1000(cpu, args.steps * reference_hybrid.TRAINERS * args.batch),
                 samples_per_s=summary["samples_per_s"], loss=summary["loss"],
-                phase_ms={key[len(PHASE_FIGURE):]: value for key, value in summary.items()
-                          if key.startswith(PHASE_FIGURE)}, allreduce_ms=summary.get(ALLREDUCE_FIGURE, 0.0),
+                **step_figures(summary),
                 row_cache={key[len(ROW_CACHE_FIGURE):]: value for key, value in summary.items()
                            if key.startswith(ROW_CACHE_FIGURE)})
 
@@ -294,6 +293,14 @@ def threads_environment(threads: Optional[int]) -> Dict[str, str]:
     """What gives every process of a ps-demo run ``threads`` intra-op threads (0 or None: each sizes its own to
     the host)."""
     return {THREADS_ENV: str(threads), "OMP_NUM_THREADS": str(threads)} if threads else {}
+
+
+def step_figures(summary: Dict) -> Dict:
+    """From a ps-demo summary: where a step's time went (``phase_ms``, by phase) and how long of its backward the
+    all-reduce was in flight (``allreduce_ms``), the workers' means."""
+    return {"phase_ms": {key[len(PHASE_FIGURE):]: value for key, value in summary.items()
+                         if key.startswith(PHASE_FIGURE)},
+            "allreduce_ms": summary.get(ALLREDUCE_FIGURE, 0.0)}
 
 
 def run_demo(folder: pathlib.Path, steps: int, batch: int, log_every: int, timeout: float, *flags: str,

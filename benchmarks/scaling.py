@@ -47,11 +47,10 @@ from typing import Dict, List, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # end_to_end, also in spawned children
 
-from end_to_end import FORK_SERVER, ContestantFailed, run_demo, threads_environment  # noqa: E402
+from end_to_end import FORK_SERVER, ContestantFailed, run_demo, step_figures, threads_environment  # noqa: E402
 
 from paramserver.jobs.ctr_data import CTRSpec  # noqa: E402
 from paramserver.train.step import PHASES  # noqa: E402
-from paramserver.train.trainer import ALLREDUCE_FIGURE, PHASE_FIGURE  # noqa: E402
 
 DIM = 16
 TARGET_EFFICIENCY = 0.70
@@ -132,10 +131,7 @@ def throughput_rows(args, folder: pathlib.Path) -> List[Dict]:
                            environment=threads_environment(args.threads), extra_config=args.job_config)
         rows.append({"workers": workers, "shards": shards, "samples_per_s": summary["samples_per_s"],
                      "shard_peak_mib": max(memory.peak.values(), default=0) / 2**20,
-                     "floor_mib": job_floor_bytes(shards) / 2**20,
-                     "phase_ms": {key[len(PHASE_FIGURE):]: value for key, value in summary.items()
-                                  if key.startswith(PHASE_FIGURE)},
-                     "allreduce_ms": summary.get(ALLREDUCE_FIGURE, 0.0)})
+                     "floor_mib": job_floor_bytes(shards) / 2**20, **step_figures(summary)})
         progress(f"  {summary['samples_per_s']:,.0f} samples/s")
     return rows
 

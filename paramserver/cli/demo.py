@@ -141,6 +141,12 @@ def wait_for_ready(processes: LocalProcesses, server: subprocess.Popen) -> str:
     raise processes.failure("ps-server", f"was not ready within {READY_WITHIN:.0f} s")
 
 
+def _averaged(key: str) -> bool:
+    """Whether a worker figure is shown as the workers' mean: where a step's time goes, the all-reduce in
+    flight, the row cache."""
+    return key.startswith(PHASE_FIGURE) or key.startswith(ROW_CACHE_FIGURE) or key == ALLREDUCE_FIGURE
+
+
 def _figures(workers) -> Dict[str, float]:
     """The group's figures from its workers' reports: rank 0 evaluates, every worker counts its samples."""
     figures: Dict[str, float] = {}
@@ -149,9 +155,7 @@ def _figures(workers) -> Dict[str, float]:
             if key in worker.metrics:
                 figures[key] = worker.metrics[key]
     figures["samples_per_s"] = sum(w.metrics.get("samples_per_s", 0.0) for w in workers)
-    phases = sorted({key for worker in workers for key in worker.metrics
-                     if key.startswith(PHASE_FIGURE) or key.startswith(ROW_CACHE_FIGURE) or key == ALLREDUCE_FIGURE})
-    for key in phases:  # where a step's time goes, the all-reduce in flight, the row cache: the workers' mean
+    for key in sorted({key for worker in workers for key in worker.metrics if _averaged(key)}):
         values = [worker.metrics[key] for worker in workers if key in worker.metrics]
         figures[key] = sum(values) / len(values)
     return figures
@@ -226,8 +230,7 @@ def run_demo(args, config: dict, processes: LocalProcesses) -> dict:
                "first_loss": round(figures.get("first_loss", float("nan")), 4), "workers": args.workers,
                "shards": args.shards,
                "seconds": round(time.monotonic() - began, 1)}
-    summary.update({key: round(value, 2) for key, value in figures.items()
-                    if key.startswith(PHASE_FIGURE) or key.startswith(ROW_CACHE_FIGURE) or key == ALLREDUCE_FIGURE})
+    summary.update({key: round(value, 2) for key, value in figures.items() if _averaged(key)})
     return summary
 
 
