@@ -72,24 +72,23 @@ def test_bad_settings_are_refused():
         TrainerGroups(0, SETTLE, datetime.timedelta(seconds=-1))
 
 
-def test_a_group_left_without_workers_is_gone_after_its_grace_until_one_rejoins_it(caplog):
+def test_a_group_left_without_workers_is_gone_after_its_grace_until_one_rejoins_it():
     groups = TrainerGroups(1, SETTLE, gone_after=datetime.timedelta(seconds=60))
     for name in ("worker0", "worker1"):
         groups.add(groups.assign(), name, 0, 0.0)
     groups.remove(1, "worker1", 10.0)
-    assert groups.gone(69.9) == []  # a restarted worker would rejoin within the grace
-    with caplog.at_level("WARNING", logger="paramserver.control.groups"):
-        assert groups.gone(70.0) == [1] and groups.gone(80.0) == [1]
-    assert [r.getMessage() for r in caplog.records] == [
-        "trainer group 1 is gone: no live worker for 60 s; other groups may take over what it had under way"]
+    assert groups.gone(69.9) == [] and groups.newly_gone(69.9) == []  # a restarted worker would rejoin in time
+    assert groups.gone(70.0) == [1] and groups.gone(80.0) == [1]  # asking says nothing new
+    assert groups.newly_gone(80.0) == [(1, 70.0)] and groups.newly_gone(90.0) == []  # said once
     assert groups.assign() == 1
     groups.add(1, "worker2", 0, 90.0)  # someone joins it again: not gone
-    assert groups.gone(1000.0) == []
+    assert groups.gone(1000.0) == [] and groups.newly_gone(1000.0) == []
     groups.remove(1, "worker2", 100.0)
     groups.remove(0, "worker0", 100.0)
     assert groups.gone(160.0) == [0, 1]
+    assert groups.newly_gone(160.0) == [(0, 60.0), (1, 60.0)]  # gone again: said again
     groups.new_run()  # the job starts again: the groups of the run before are no run's
-    assert groups.gone(1000.0) == []
+    assert groups.gone(1000.0) == [] and groups.newly_gone(1000.0) == []
 
 
 class Clock:
@@ -99,7 +98,7 @@ class Clock:
         return self.now
 
 
-def test_workers_hear_their_group_view_in_heartbeats_and_status_lists_it():
+def test_workers_hear_their_group_view_in_heartbeats_and_status_lists_it(caplog):
     clock = Clock()
     table = Membership(datetime.timedelta(seconds=5), clock=clock, groups=TrainerGroups(2, SETTLE))
     join = lambda gpus=0: table.join(pb.JoinRequest(role=pb.ROLE_WORKER, name="h", host="127.0.0.1",  # noqa: E731
@@ -123,6 +122,14 @@ def test_workers_hear_their_group_view_in_heartbeats_and_status_lists_it():
     assert table.trainer_groups_gone() == []
     clock.now += 60
     assert table.trainer_groups_gone() == [1] and list(table.status().trainer_groups_gone) == [1]
+    # The coordinator's sweep says so, once, in one line (asking, as above, says nothing).
+    assert not [r for r in caplog.records if "is gone" in r.getMessage()]
+    with caplog.at_level("WARNING", logger="paramserver.control.membership"):
+        table.sweep()
+        clock.now += 10
+        table.sweep()
+    assert [r.getMessage() for r in caplog.records if "is gone" in r.getMessage()] == [
+        "trainer group 1 is gone: no live worker for 60 s; other groups may take over what it had under way"]
 
 
 def test_a_broken_generation_is_replaced_at_once_by_the_same_members():

@@ -24,7 +24,7 @@ groups themselves (``paramserver.ddp.group``).
 import datetime
 import logging
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from .protocol import pb
 
@@ -46,7 +46,7 @@ class _Group:
     view: Optional[pb.TrainerGroupView] = None
     regroup: bool = False  # the current view broke: publish the next one even if its members are the same
     emptied_at: Optional[float] = None  # when its last live worker went (None: it has one, or never had)
-    said_gone: bool = False  # its being gone was logged (once each time)
+    said_gone: bool = False  # its being gone was said (``newly_gone``), once each time
 
 
 class TrainerGroups:
@@ -89,15 +89,19 @@ class TrainerGroups:
 
     def gone(self, now: float) -> List[int]:
         """The groups left with no live worker for ``gone_after`` or longer, by number."""
-        gone = [group for group, state in sorted(self._groups.items())
+        return [group for group, state in sorted(self._groups.items())
                 if state.emptied_at is not None and now - state.emptied_at >= self.gone_after.total_seconds()]
-        for group in gone:
+
+    def newly_gone(self, now: float) -> List[Tuple[int, float]]:
+        """The groups gone (``gone``) that were not said to be since they last had a live worker, with how
+        many seconds they have had none: each is said once (the coordinator's sweep logs it)."""
+        said = []
+        for group in self.gone(now):
             state = self._groups[group]
             if not state.said_gone:
                 state.said_gone = True
-                logger.warning("trainer group %d is gone: no live worker for %.0f s; other groups may take over "
-                               "what it had under way", group, now - state.emptied_at)
-        return gone
+                said.append((group, now - state.emptied_at))
+        return said
 
     def new_run(self) -> None:
         """The job starts again (no worker is alive): no group of the run before is gone in the new one."""

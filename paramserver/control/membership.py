@@ -277,14 +277,19 @@ class Membership:
         return generation
 
     def sweep(self) -> List[Member]:
-        """Declare dead every member silent for longer than the heartbeat timeout."""
+        """Declare dead every member silent for longer than the heartbeat timeout, and say which trainer
+        groups have become gone (``TrainerGroups.newly_gone``)."""
         limit = self.heartbeat_timeout.total_seconds()
         with self._changed:
             now = self._clock()
             lost = [m for m in self._alive() if now - m.last_heartbeat > limit]
             for member in lost:
                 self._end(member, DEAD, f"no heartbeat for {now - member.last_heartbeat:.1f} s")
+            newly_gone = self._groups.newly_gone(now)
         self._report_gone(lost)
+        for group, empty_for in newly_gone:
+            logger.warning("trainer group %d is gone: no live worker for %.0f s; other groups may take over "
+                           "what it had under way", group, empty_for)
         return lost
 
     def process_exited(self, rpc_name: str, exit_code: Optional[int], not_restarted: str = "") -> Optional[Member]:
