@@ -14,6 +14,8 @@ import time
 import pytest
 
 from paramserver import serving
+from paramserver.checkpoint import live_export
+from paramserver.filesystems import locate
 
 from commands import errors, job_config, output, pid_exists, start_server, status, wait_for_status
 
@@ -32,7 +34,7 @@ def test_demo_trains_the_main_job_on_criteo_format_files_and_prints_its_summary(
     oracle = files.write_criteo(str(tmp_path / "eval.txt"), 99, 4_096)
     data = {"format": "criteo", "train": str(tmp_path / "day_*.gz"), "eval": str(tmp_path / "eval.txt")}
     logs, exports = tmp_path / "demo-logs", tmp_path / "exports"
-    # Live exports in a group of two: rank 0 writes them while the other member waits in the store.
+    # Live exports in a group of two: agreed on, then rank 0 writes them while the other member waits in the store.
     demo = commands.run("ps-demo", "--shards", "2", "--workers", "2", "--hook", "powersgd", "--steps", "60",
                         "--job-config", job_config(batch_size=256, log_every=10, eval_every=20, sparse_lr=64.0,
                                                    data=data, export_to=str(exports), export_every=20),
@@ -49,7 +51,10 @@ def test_demo_trains_the_main_job_on_criteo_format_files_and_prints_its_summary(
     worker_logs = "".join(path.read_text() for path in logs.glob("ps-worker*"))
     assert re.search(r"reads criteo: 1 part\(s\) of share 0 of 2", worker_logs), worker_logs[-3000:]
     assert re.search(r"reads criteo: 1 part\(s\) of share 1 of 2", worker_logs), worker_logs[-3000:]
-    assert serving.load(str(exports)).step == 60  # the last export: the model as training left it
+    # Due every 20 steps, agreed by the group (the other member took part in each: no hand-out otherwise), and
+    # the last one the model as training left it.
+    assert [export.step for export in live_export.chain(locate(str(exports)))] == [20, 40, 60]
+    assert serving.load(str(exports)).step == 60
     pids = json.loads((logs / "pids.json").read_text())
     assert sorted(pids) == ["ps-server", "ps-worker0", "ps-worker1"]
     assert not [name for name, pid in pids.items() if pid_exists(pid)]

@@ -83,13 +83,15 @@ class Agreement(NamedTuple):
     """What the members of a group agreed on at a step: re-form, stop, the checkpoint request to serve, and
     ``short``: the most steps of the coming window that a member has no data for yet (its data follows files as
     they land, or comes from a slow store), so that the group takes only the steps every member has data for;
-    ``least_short``: the fewest (the steps some member has data for: ``DenseReplica``'s uneven steps)."""
+    ``least_short``: the fewest (the steps some member has data for: ``DenseReplica``'s uneven steps);
+    ``export``: a live export is due here (some member said so)."""
 
     reform: bool
     stop: bool
     checkpoint_request: int
     short: int = 0
     least_short: int = 0
+    export: bool = False
 
 
 class GroupStopped(RuntimeError):
@@ -336,22 +338,30 @@ class TrainerGroup:
             for future in abandoned:
                 future.set_exception(GenerationAborted(self.aborted))
 
-    def agree(self, want_stop: bool = False, checkpoint_request: int = 0, short: int = 0) -> Agreement:
+    def agree(self, want_stop: bool = False, checkpoint_request: int = 0, short: int = 0,
+              export: bool = False) -> Agreement:
         """Collective: one all-reduce (MAX) of what each member heard of.
 
         A member heard of a newer view: all re-form; one wants to stop: all
         stop; the newest checkpoint request any member heard of: all serve it;
         a member is ``short`` of data for that many of the coming steps: all
         take that many fewer (the most any member is short of; and the fewest,
-        as the MAX of ``-short``).
+        as the MAX of ``-short``); one says a live ``export`` is due: all
+        take part in it.
         """
         newest = self._source.group_view()
         heard = newest.generation if newest is not None else 0
-        flags = torch.tensor([heard, int(want_stop), checkpoint_request, short, -short], dtype=torch.int64,
-                             device=self.device)
+        flags = torch.tensor([heard, int(want_stop), checkpoint_request, short, -short, int(export)],
+                             dtype=torch.int64, device=self.device)
         self.abortable(dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True).get_future()).wait()
-        newest_heard, stop, request, most_short, least_short = flags.tolist()
-        return Agreement(newest_heard > self.generation, bool(stop), int(request), int(most_short), -int(least_short))
+        newest_heard, stop, request, most_short, least_short, exporting = flags.tolist()
+        return Agreement(newest_heard > self.generation, bool(stop), int(request), int(most_short), -int(least_short),
+                         bool(exporting))
+
+    def barrier(self) -> None:
+        """Collective: returns once every member called it (abandoned with the generation, ``abortable``)."""
+        token = torch.zeros(1, device=self.device)
+        self.abortable(dist.all_reduce(token, async_op=True).get_future()).wait()
 
     def reform(self, after_failure: bool = False) -> None:
         """Form the newest generation that includes this worker.

@@ -160,8 +160,8 @@ class DenseReplica:
         self.uneven_steps = uneven_steps
         #: The first step of the window that a member may have no batch for (``next_agreement``: none).
         self.even_until = 0
-        #: The checkpoint request the last ``sync_point`` agreed on (0: none).
-        self.agreed_checkpoint = 0
+        #: The checkpoint request the last ``sync_point`` agreed on (0: none), and whether it agreed on a live export.
+        self.agreed_checkpoint, self.agreed_export = 0, False
         self._failures_in_a_row = 0
         self._hook_failure: Optional[str] = None
         #: Seconds the last bucket of each backward pass was in flight, and how many such buckets (``allreduce_ms``).
@@ -303,12 +303,13 @@ class DenseReplica:
         return (self.step // self.agree_every + 1) * self.agree_every - self.step
 
     def sync_point(self, want_stop: bool = False, checkpoint_request: int = 0, short: int = 0, *,
-                   retell: Optional[Callable[[], Tuple[bool, int]]] = None) -> bool:
+                   retell: Optional[Callable[[], Tuple[bool, int]]] = None, export: bool = False) -> bool:
         """Start of a step, on every member: re-form if the group changed; False when the group stops.
 
         At an agreement (``agreement_due``) the members agree (one
         all-reduce) on re-forming, stopping, the checkpoint request to serve
-        (``agreed_checkpoint``: 0 on other steps, or none) and the steps to
+        (``agreed_checkpoint``: 0 on other steps, or none), whether a live
+        export is due (``agreed_export``: some member said ``export``) and the steps to
         take before the next agreement: the ``window()`` less the most steps
         a member is ``short`` of data for, or with ``uneven_steps`` the
         fewest (the steps from ``even_until`` on are then uneven steps,
@@ -323,11 +324,11 @@ class DenseReplica:
         re-formation (``on_formed`` may have dealt this member other data);
         without it, what was passed holds.
         """
-        self.agreed_checkpoint = 0
+        self.agreed_checkpoint, self.agreed_export = 0, False
         while True:
             try:
                 if self.agreement_due():
-                    agreement = self.group.agree(want_stop, checkpoint_request, short)
+                    agreement = self.group.agree(want_stop, checkpoint_request, short, export)
                     if agreement.stop:
                         return False
                     if agreement.reform:
@@ -354,7 +355,7 @@ class DenseReplica:
 
     def _agreed(self, agreement) -> None:
         """Take what the group agreed on that goes on at this step (not a re-formation or a stop)."""
-        self.agreed_checkpoint = agreement.checkpoint_request
+        self.agreed_checkpoint, self.agreed_export = agreement.checkpoint_request, agreement.export
         even = max(0, self.window() - agreement.short)
         steps = max(0, self.window() - agreement.least_short) if self.uneven_steps else even
         self.next_agreement = self.step + steps

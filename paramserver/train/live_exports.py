@@ -6,8 +6,10 @@ steps, after every push up to it was applied, it has every shard write its part 
 ``service.write_export_part``: the rows changed since the last export, or all of them), writes the dense
 part and commits the manifest last.  The first export of a process is a base, so is every ``base_every``-th,
 and so is the one after an export failed (a shard that wrote its part of an uncommitted export gave its
-changes to it).  A failed export is logged in one line; training goes on.  No collective: the other
-members wait for rank 0's outcome in the group's store (``at_boundary``).
+changes to it).  A failed export is logged in one line; training goes on.  Whether one is due is told at
+the group's agreement (``due``), so a boundary without one costs nothing; where one is, the members drain
+their pushes and pass a barrier, rank 0 writes, and the others wait for its outcome in the group's store
+(``at_boundary``), not in a collective.
 """
 
 import datetime
@@ -52,19 +54,29 @@ class LiveExports:
         self.writer = secrets.token_hex(4)
         self.written: List[str] = []
 
+    def due(self) -> bool:
+        """Whether ``every`` steps passed since the last export this member took part in (or since it began):
+        what it says at the group's agreement.  The members' answers agree once they took part in one export
+        (a member that joined since began later, so it never asks for one earlier than the others)."""
+        return self.replica.step - self._last_step >= self.every
+
     def at_boundary(self, final: bool = False) -> None:
-        """At a step boundary where every push is applied (every member of the group calls it at the same
-        boundaries): rank 0 writes an export if ``every`` steps passed since the last (or, ``final``, any step
-        did).  Except at the end, the others wait for it here, in the group's store (``TrainerGroup.hand_out``),
-        not in their next step's all-reduce, whose timeout (a minute) a base export of a large table would
-        outlast; at the end no collective follows, and they return at once."""
+        """Every member of the group, at the boundary where the group agreed on an export (``due``), once it
+        applied every push of its own up to it; or ``final``: after the last step, every push applied.  Rank 0
+        writes the export (at the end only if any step passed since the last).  Except at the end the members
+        first pass a barrier, so that rank 0 writes once every member's pushes are applied, and the others
+        then wait for it in the group's store (``TrainerGroup.hand_out``), not in their next step's all-reduce,
+        whose timeout (a minute) a base export of a large table would outlast; at the end no collective
+        follows, and they return at once."""
         group, step = self.replica.group, self.replica.step
-        written = None
-        if group.rank == 0 and step - self._last_step >= (1 if final else self.every):
-            self._last_step = step
-            written = self.write()
-        if not final:
-            group.hand_out(written, 0, WRITTEN_WITHIN)
+        if final:
+            if group.rank == 0 and step > self._last_step:
+                self._last_step = step
+                self.write()
+            return
+        group.barrier()
+        self._last_step = step
+        group.hand_out(self.write() if group.rank == 0 else None, 0, WRITTEN_WITHIN)
 
     def write(self) -> Optional[str]:
         """Write and commit an export of the model as of now; its name, or ``None`` when it failed."""

@@ -373,28 +373,31 @@ class _Run:
         return True
 
     def _boundary(self, final: bool = False) -> bool:
-        """A step boundary: agree with the group (on some steps), then write a checkpoint if one is due.
+        """A step boundary: agree with the group (on some steps), then write a checkpoint or a live export if
+        the group agreed on one.
 
         False when the group stops here.  ``final``: after the last step
-        (no agreement).  A member lost in the checkpoint's collectives is
-        recovered from like one lost in a step; that checkpoint is skipped.
+        (no agreement).  A member lost in the checkpoint's collectives (or the
+        export's barrier) is recovered from like one lost in a step; that
+        checkpoint (export) is skipped.
         While a member's batches up to the next agreement have not come (data
         that follows files as they land), the group agrees again every
         ``_patience()`` (serving checkpoint requests and stops meanwhile).
         """
         replica = self.replica
         # Every push is applied (drained) before what takes the model as of this step: the end, a live export
-        # (rank 0 writes it, the others wait in the store: every member drains before the agreement) and a checkpoint
-        # (every member drains before its first collective).  Otherwise pushes in flight cross the agreement.
+        # and a checkpoint (every member drains before the export's barrier or the checkpoint's first collective).
+        # Otherwise pushes in flight cross the agreement.
         agreeing = final or replica.agreement_due()
-        if agreeing and (final or self.exports is not None) and not self._settled(self.pipeline.drain()):
+        if final and not self._settled(self.pipeline.drain()):
             return False
         while True:
             try:
                 if not final:
                     want_stop, short = self._told() if agreeing else self._agreement_flags()
                     # (asked again after a re-formation: the group may have dealt this member other data)
-                    going_on = replica.sync_point(want_stop, self.checkpoints.pending(), short, retell=self._told)
+                    going_on = replica.sync_point(want_stop, self.checkpoints.pending(), short, retell=self._told,
+                                                  export=self.exports is not None and self.exports.due())
                     if self._catch_up(replica):  # the group moved on: the reads ahead are for other steps
                         self.pipeline.drop_reads()
                         if not self._settled(self.pipeline.drain()):
@@ -403,13 +406,15 @@ class _Run:
                         return False
                     if agreeing and self.claims is not None and replica.group.rank == 0:
                         self.claims.alive()  # (a followed input several groups read: this group is not lost)
-                if self.checkpoints.due(replica.agreed_checkpoint) and not self._settled(self.pipeline.drain()):
-                    return False  # a checkpoint holds every update up to its step
+                exporting = self.exports is not None and (final or replica.agreed_export)
+                if not final and (exporting or self.checkpoints.due(replica.agreed_checkpoint)) and \
+                        not self._settled(self.pipeline.drain()):
+                    return False  # a checkpoint and an export hold every update up to their step
                 if agreeing and not final:
                     self.checkpoints.at_agreement()  # (another group than 0: its data position, for group 0's)
                 self.checkpoints.at_boundary(replica.agreed_checkpoint)
-                if self.exports is not None and agreeing:
-                    self.exports.at_boundary(final)  # every push up to here is applied
+                if exporting:
+                    self.exports.at_boundary(final)  # every push of this member's up to here is applied
                 if final or not replica.agreement_due():  # (still due: the group agreed to wait for data)
                     if agreeing and not final and replica.next_agreement < replica.step + replica.window():
                         why = ("no member's data for the rest of the window has come" if replica.uneven_steps
