@@ -57,7 +57,7 @@ class LiveExports:
     def due(self) -> bool:
         """Whether ``every`` steps passed since the last export this member took part in (or since it began):
         what it says at the group's agreement.  The members' answers agree once they took part in one export
-        (a member that joined since began later, so it never asks for one earlier than the others)."""
+        (a member that joined since then began counting later, so it never asks for one before the others do)."""
         return self.replica.step - self._last_step >= self.every
 
     def at_boundary(self, final: bool = False) -> None:
