@@ -75,8 +75,8 @@ class LiveExports:
                 self.write()
             return
         group.barrier()
-        self._last_step = step
         group.hand_out(self.write() if group.rank == 0 else None, 0, WRITTEN_WITHIN)
+        self._last_step = step  # (not before: where rank 0 is lost meanwhile, the group re-formed exports again)
 
     def write(self) -> Optional[str]:
         """Write and commit an export of the model as of now; its name, or ``None`` when it failed."""
