@@ -30,7 +30,7 @@ from torch import nn
 
 from commands import errors, job_config, start_server, status
 from paramserver import Trainer, serving
-from paramserver.checkpoint import MANIFEST, CheckpointStore, CorruptCheckpoint, atomic_write, save_tensors
+from paramserver.checkpoint import CheckpointStore, CorruptCheckpoint, atomic_write, save_tensors
 from paramserver.checkpoint.object_upload import PartUpload, open_for_upload
 from paramserver.checkpoint.records import CheckpointSettings
 from paramserver.checkpoint.storage import first_usable, load_tensors, open_checkpoint, read_manifest

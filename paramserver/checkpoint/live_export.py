@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
-from torch import Tensor
 
 from ..filesystems import Location, failures_named
 from ..tables import parse_part_name
