@@ -157,3 +157,51 @@ def test_an_appended_delta_holds_exactly_the_rows_that_differ_and_the_ids_gone()
     served["dynamic"].apply(key, entry)
     assert served["dynamic"].ids.tolist() == [3, 5, 9]
     assert torch.equal(served["dynamic"].rows, now.tables["dynamic"]["rows"])
+
+
+class _Group:
+    """A trainer group's side of an export, for one member: the barrier and rank 0's word (``hand_out``)."""
+
+    def __init__(self, rank: int, lost_rank_0: bool = False):
+        self.rank, self.lost_rank_0 = rank, lost_rank_0
+        self.calls = []
+
+    def barrier(self):
+        self.calls.append("barrier")
+
+    def hand_out(self, value, source, within):
+        self.calls.append(("hand_out", value if self.rank == source else None))
+        if self.lost_rank_0:
+            from paramserver.ddp.group import GenerationAborted
+            raise GenerationAborted("a newer view without rank 0")
+        return value
+
+
+class _Replica:
+    def __init__(self, group):
+        self.group, self.step, self.module = group, 0, torch.nn.Linear(2, 1)
+
+
+def test_an_export_is_due_every_n_steps_and_counted_done_only_once_rank_0s_word_came(tmp_path):
+    """What each member says at the agreement (``due``) and does where the group agreed on an export: the
+    barrier, then rank 0 writes and hands out its outcome; a member whose wait ended without it (rank 0 lost)
+    still says the export is due, so the re-formed group exports at its next agreement."""
+    from paramserver.ddp.group import GenerationAborted
+    from paramserver.train.live_exports import LiveExports
+    writer, other = _Replica(_Group(0)), _Replica(_Group(1))
+    exports = {replica: LiveExports(str(tmp_path / "root"), 20, 3, replica, [], {}) for replica in (writer, other)}
+    for replica in (writer, other):
+        replica.step = 19
+        assert not exports[replica].due()
+        replica.step = 20
+        assert exports[replica].due()
+        exports[replica].at_boundary()
+        assert not exports[replica].due()  # counted from here
+    name = live_export.chain(locate(str(tmp_path / "root")))[-1].name
+    assert writer.group.calls == ["barrier", ("hand_out", name)] and other.group.calls == ["barrier", ("hand_out", None)]
+    lost = _Replica(_Group(1, lost_rank_0=True))
+    waiting = LiveExports(str(tmp_path / "root"), 20, 3, lost, [], {})
+    lost.step = 20
+    with pytest.raises(GenerationAborted):
+        waiting.at_boundary()
+    assert waiting.due()  # the re-formed group's next agreement asks for it again
