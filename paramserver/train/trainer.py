@@ -373,8 +373,8 @@ class _Run:
         return True
 
     def _boundary(self, final: bool = False) -> bool:
-        """A step boundary: agree with the group (on some steps), then write a checkpoint or a live export if
-        the group agreed on one.
+        """A step boundary: agree with the group (on some steps), then write a checkpoint if one is due and a
+        live export if the group agreed on one.
 
         False when the group stops here.  ``final``: after the last step
         (no agreement).  A member lost in the checkpoint's collectives (or the
