@@ -294,21 +294,6 @@ def check_bytes_of_a_1024_square_layer():
     assert sent["allreduce"] / sent["powersgd"] >= 50, sent
 
 
-def check_a_small_sum_is_gathered_and_equals_the_all_reduce_to_the_bit():
-    # Under GATHER_BELOW_BYTES over the group: an all-gather and a local sum; above it, gloo's all-reduce.
-    from paramserver.ddp.hooks import GATHER_BELOW_BYTES, CommHookState
-    state = CommHookState("allreduce")
-    for numel in (1, 1000, GATHER_BELOW_BYTES // (WORLD_SIZE * FLOAT_BYTES), 300_000):
-        mine = torch.randn(numel, generator=torch.Generator().manual_seed(numel * 10 + dist.get_rank()))
-        summed, reference = mine.clone(), mine.clone()
-        future = state.all_reduce(summed)
-        dist.all_reduce(reference)
-        assert future.wait() is summed and torch.equal(summed, reference), numel
-        assert state.gathers(mine) == (numel * FLOAT_BYTES * WORLD_SIZE <= GATHER_BELOW_BYTES), numel
-    assert state.gathers(torch.zeros(1000)) and not state.gathers(torch.zeros(300_000))
-    assert state.total_bytes == (1 + 1000 + GATHER_BELOW_BYTES // (WORLD_SIZE * FLOAT_BYTES) + 300_000) * FLOAT_BYTES
-
-
 def check_plain_ddp_replicas_stay_identical():
     # A plain torch model in more than one bucket (after DDP rebuilds them, from the second step).
     for name in HOOK_NAMES:

@@ -54,9 +54,7 @@ so the hooks run on NCCL/CUDA as on gloo/CPU.
 
 Bytes are measured, not assumed: every all-reduce goes through
 ``CommHookState.all_reduce``, which adds ``numel * element_size`` of the
-tensor actually sent (and sums a small one over gloo by an all-gather and a
-local sum, which gloo does at half the cost of its all-reduce:
-``GATHER_BELOW_BYTES``); a step closes on the bucket DDP reports as last, and
+tensor actually sent; a step closes on the bucket DDP reports as last, and
 its bytes go to the state's ``recorder`` when it was handed one (a
 ``HookRecorder``: the worker's training metrics, when it serves them).
 
@@ -89,36 +87,6 @@ class HookRecorder(Protocol):
     completed backward pass, with the bytes handed to all-reduce in it."""
 
     def hook_step(self, hook: str, step_bytes: int) -> None: ...
-
-
-#: Sums whose copies over the group come to at most this many bytes are gathered and added locally rather than
-#: all-reduced, where the group is gloo's on CPU.  Gloo's all-reduce pays a fixed cost per call that a gather
-#: does not: two processes on one 2-core host, each summing 106 KB (the default job's tower), took 1.36 ms of
-#: wall and 0.96 ms of CPU per all-reduce against 0.69 and 0.45 ms for the all-gather and the sum; 48 bytes
-#: 0.68 against 0.35 ms; 256 KiB 1.84 against 0.98 ms; 512 KiB about even (1.83 and 1.71 ms); 1 MB and more
-#: favour the all-reduce (2.26 against 2.62 ms), whose ring moves fewer bytes in larger groups.
-GATHER_BELOW_BYTES = 1 << 20
-
-
-def _first(future: torch.futures.Future) -> torch.Tensor:
-    return future.value()[0]
-
-
-def _gathered_sum(tensor: torch.Tensor, group: dist.ProcessGroup, members: int) -> torch.futures.Future:
-    """``tensor`` summed in place over ``group`` by an all-gather and a local sum, in rank order on every member
-    (so every member gets the same sums, as from an all-reduce; with two members the very sums an all-reduce
-    makes, addition being commutative); a future of ``tensor``."""
-    copies = [torch.empty_like(tensor) for _ in range(members)]
-    gathered = dist.all_gather(copies, tensor, group=group, async_op=True).get_future()
-
-    def add(future: torch.futures.Future) -> torch.Tensor:
-        future.value()  # (its failure, raised)
-        tensor.copy_(copies[0])
-        for copy in copies[1:]:  # element by element, whatever a member's threads: the same bits on every one
-            tensor.add_(copy)
-        return tensor
-
-    return gathered.then(add)
 
 
 class CommHookState:
@@ -162,21 +130,12 @@ class CommHookState:
     def world_size(self) -> int:
         return dist.get_world_size(self.group)
 
-    def all_reduce(self, tensor: torch.Tensor) -> torch.futures.Future:
-        """Start summing ``tensor`` in place across the group, counting its bytes; a future of ``tensor`` summed.
-        A small sum on CPU over gloo (``gathers``) is an all-gather and a local sum instead of gloo's all-reduce."""
+    def all_reduce(self, tensor: torch.Tensor) -> dist.Work:
+        """Start summing ``tensor`` in place across the group, counting the bytes sent."""
         sent = tensor.numel() * tensor.element_size()
         self._open_step_bytes += sent
         self.total_bytes += sent
-        if self.gathers(tensor):
-            return _gathered_sum(tensor, self.group, self.world_size)
-        return dist.all_reduce(tensor, group=self.group, async_op=True).get_future().then(_first)
-
-    def gathers(self, tensor: torch.Tensor) -> bool:
-        """Whether ``all_reduce`` sums ``tensor`` by gathering it: on CPU over gloo, while the group's copies of it
-        come to at most ``GATHER_BELOW_BYTES``."""
-        return tensor.device.type == "cpu" and dist.get_backend(self.group) == dist.Backend.GLOO and \
-            tensor.numel() * tensor.element_size() * self.world_size <= GATHER_BELOW_BYTES
+        return dist.all_reduce(tensor, group=self.group, async_op=True)
 
     def end_bucket(self, bucket: dist.GradBucket) -> None:
         """Called by the hook once a bucket's all-reduces are issued; the last bucket closes the step."""
@@ -375,7 +334,7 @@ def _completed(tensor: torch.Tensor) -> torch.futures.Future:
 
 def _allreduce_mean(state: CommHookState, flat: torch.Tensor, bucket: dist.GradBucket) -> torch.futures.Future:
     flat.div_(state.world_size)  # before the sum, so low precision does not overflow
-    return state.all_reduce(flat)
+    return state.all_reduce(flat).get_future().then(lambda future: future.value()[0])
 
 
 def _keep_local(state: CommHookState, flat: torch.Tensor, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -533,13 +492,13 @@ def _powersgd_layerwise(state: PowerSGDState, flat: torch.Tensor, bucket: dist.G
         return _completed(flat)
 
     def unpack(future: torch.futures.Future) -> torch.Tensor:
-        reduced, offset = future.value(), 0
+        reduced, offset = future.value()[0], 0
         for view in uncompressed:
             view.copy_(reduced[offset:offset + view.numel()].view_as(view))
             offset += view.numel()
         return flat
 
-    return sent.then(unpack)
+    return sent.get_future().then(unpack)
 
 
 def _powersgd_batched(state: PowerSGDState, flat: torch.Tensor, bucket: dist.GradBucket) -> torch.futures.Future:
