@@ -298,8 +298,11 @@ def trainer_row_window_reads_once_and_pushes_in_order():
         cached.send(pushes).wait()
     assert counted.calls == {("push_lookup", shard): 1 for shard in shards}, counted.calls
     assert all(torch.equal(one, two) for one, two in zip(_weights(one_by_one).values(), _weights(together).values()))
-    # A bound on the rows held cuts the window short (its first step always stays).
-    assert RowWindow(cached, steps, max_rows=1).steps == [0]
+    # A bound on the rows held, or on their bytes, cuts the window short (its first step always stays).
+    assert RowWindow(cached, steps, max_rows=1).steps == RowWindow(cached, steps, max_bytes=1).steps == [0]
+    row_bytes = DIM * 4
+    assert RowWindow(cached, steps, max_bytes=window.rows_held * row_bytes).steps == [0, 1, 2]
+    assert RowWindow(cached, steps, max_bytes=window.rows_held * row_bytes - 1).steps == [0, 1]
 
 
 @pytest.mark.parametrize("mode", ["sum", "mean"])

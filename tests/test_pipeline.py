@@ -170,10 +170,17 @@ def test_a_row_cache_at_staleness_0_changes_nothing(local_context, dynamic):
     assert runs[1][2]["row_cache.hits"] == 0  # a window of one step: nothing read twice
 
 
-@pytest.mark.parametrize("dynamic, cache_rows", [(False, 10_000), (True, 10_000), (False, 50)],
-                         ids=["fixed", "dynamic", "fixed-tight"])
+ROW_BYTES = 4 * 4  # the tables' rows: 4 float32 values
+
+
+@pytest.mark.parametrize("dynamic, bound, cache_rows", [
+    (False, dict(cache_rows=10_000), 10_000), (True, dict(cache_rows=10_000), 10_000),
+    (False, dict(cache_rows=50), 50), (False, dict(cache_mib=50 * ROW_BYTES / 2 ** 20), 50),
+    (False, dict(cache_rows=200, cache_mib=50 * ROW_BYTES / 2 ** 20), 50)],
+    ids=["fixed", "dynamic", "fixed-tight", "fixed-tight-in-mib", "rows-and-mib"])
 def test_a_row_cache_reads_shared_rows_once_holds_at_most_cache_rows_and_applies_every_push(
-        local_context, monkeypatch, dynamic, cache_rows):
+        local_context, monkeypatch, dynamic, bound, cache_rows):
+    """``cache_rows`` in rows, ``cache_mib`` in MiB of rows (``cache_rows`` here: the rows that MiB hold)."""
     from paramserver.train import pipeline
     most_held = []
     count_read = pipeline.RowPipeline._count_read
@@ -186,8 +193,8 @@ def test_a_row_cache_reads_shared_rows_once_holds_at_most_cache_rows_and_applies
     monkeypatch.setattr(local_context, "recorders", Recorders(data_plane=DataPlaneMetrics(registry)))
     loss = RecordedLoss()
     # Agreements every 6 steps: windows of 3 steps line up with them (a dynamic table's reads stop there).
-    figures = trainer(local_context, f"cache2-{dynamic}-{cache_rows}", loss, dynamic=dynamic, staleness=2,
-                      cache_rows=cache_rows, agree_every=6).fit(
+    figures = trainer(local_context, f"cache2-{dynamic}-{'-'.join(bound)}-{cache_rows}", loss, dynamic=dynamic,
+                      staleness=2, agree_every=6, **bound).fit(
         overlapping_batches(24, hashed_ids=dynamic), steps=24, log_every=4)
     assert figures["steps"] == 24 and figures["sparse_steps"] == 24 and len(loss.values) == 24, figures
     assert max(most_held) <= cache_rows, (max(most_held), cache_rows)
@@ -207,7 +214,9 @@ def test_a_row_cache_reads_shared_rows_once_holds_at_most_cache_rows_and_applies
 def test_row_cache_options_are_refused_unless_they_make_sense(local_context):
     for options in (dict(cache_rows=0), dict(cache_rows=True), dict(cache_rows=1.5),
                     dict(cache_rows=10, staleness=1, cache_steps=3), dict(cache_steps=1),
-                    dict(cache_rows=10, staleness=1, cache_steps=0)):
+                    dict(cache_rows=10, staleness=1, cache_steps=0), dict(cache_mib=0), dict(cache_mib=-1.0),
+                    dict(cache_mib=True), dict(cache_mib="64"), dict(cache_mib=float("inf")),
+                    dict(cache_mib=float("nan")), dict(cache_mib=1.0, staleness=1, cache_steps=3)):
         with pytest.raises(ValueError, match="cache_"):
             trainer(local_context, "refused", RecordedLoss(), **options)
 

@@ -17,7 +17,7 @@ reports the held-out AUC and log loss of the ``eval`` files.
 ``staleness=k`` lets a step read rows missing the sparse updates of at
 most the last ``k`` steps, which are applied in the background
 (``paramserver.train.pipeline``); 0, the default, is exact.
-``cache_rows=N`` adds the worker's row cache (at most N rows held): with
+``cache_rows=N`` adds the worker's row cache (at most N rows held; ``cache_mib=M``: at most M MiB): with
 ``staleness=k`` the rows of ``k + 1`` steps are read at once and their
 pushes leave together (``cache_steps`` sets fewer), one message per shard
 every ``k + 1`` steps.
@@ -88,8 +88,9 @@ def main(ctx, steps: int = 1500, batch_size: int = 1024, hook: str = "powersgd",
          eval_every: int = 500, log_every: int = 100, seed: int = 0, spec: Optional[Dict] = None,
          table_name: str = "ctr", dynamic_tables: bool = False, table_options: Optional[Dict] = None,
          data: Optional[Dict] = None, staleness: int = 0, cache_rows: Optional[int] = None,
-         cache_steps: Optional[int] = None, export_to: Optional[str] = None, export_every: int = 100,
-         export_base_every: int = 24, export_storage_options: Optional[Dict] = None) -> dict:
+         cache_steps: Optional[int] = None, cache_mib: Optional[float] = None, export_to: Optional[str] = None,
+         export_every: int = 100, export_base_every: int = 24,
+         export_storage_options: Optional[Dict] = None) -> dict:
     """Train the job (``build``) for ``steps`` steps; the Trainer's figures and the source's.  The signature
     names every option, so that a worker refuses a config key the job does not take."""
     options = {name: value for name, value in locals().items()
@@ -109,8 +110,8 @@ def build(ctx, batch_size: int = 1024, hook: str = "powersgd", hook_options: Opt
           row_wise_min_rows: int = 1_000_000, holdout_size: int = 20_000, seed: int = 0,
           spec: Optional[Dict] = None, table_name: str = "ctr", dynamic_tables: bool = False,
           table_options: Optional[Dict] = None, data: Optional[Dict] = None, staleness: int = 0,
-          cache_rows: Optional[int] = None, cache_steps: Optional[int] = None, export_to: Optional[str] = None,
-          export_every: int = 100, export_base_every: int = 24,
+          cache_rows: Optional[int] = None, cache_steps: Optional[int] = None, cache_mib: Optional[float] = None,
+          export_to: Optional[str] = None, export_every: int = 100, export_base_every: int = 24,
           export_storage_options: Optional[Dict] = None) -> Tuple[Trainer, "PlantedSource | FileSource"]:
     """The job's Trainer and its data (``PlantedSource``, or ``FileSource`` with ``data``), not started."""
     if data is not None:
@@ -125,8 +126,8 @@ def build(ctx, batch_size: int = 1024, hook: str = "powersgd", hook_options: Opt
         dense_optimizer=lambda params: QHM(params, lr=dense_lr, momentum=momentum, nu=nu),
         loss=nn.BCEWithLogitsLoss(), comm_hook=hook, hook_options=hook_options,
         name=table_name, seed=seed, row_wise_min_rows=row_wise_min_rows, staleness=staleness,
-        cache_rows=cache_rows, cache_steps=cache_steps, export_to=export_to, export_every=export_every,
-        export_base_every=export_base_every, export_storage_options=export_storage_options)
+        cache_rows=cache_rows, cache_steps=cache_steps, cache_mib=cache_mib, export_to=export_to,
+        export_every=export_every, export_base_every=export_base_every, export_storage_options=export_storage_options)
     return trainer, source
 
 

@@ -48,9 +48,9 @@ is refused in its turn, by the step it belongs to.  When the step is
 redone, the group re-forms, or the sparse part is rebuilt, the reads ahead
 are dropped (``drop_reads``).  Their steps look their rows up again.
 
-The cache's memory is bounded (``cache_rows``): the windows alive at once
+The cache's memory is bounded (``cache_rows``, ``cache_bytes``): the windows alive at once
 (those read ahead: a window goes when its last step takes its rows) hold
-at most that many rows, each window being cut short to fit its share,
+at most that many rows and bytes of rows, each window being cut short to fit its share,
 except that a step's own rows are read even when they alone exceed it.  Its figures (``cache``): rows
 read, hits (rows a step needed that its window had read already), bytes
 those saved, evictions (rows dropped when their window ends) and rows held.
@@ -109,8 +109,8 @@ class RowPipeline:
     agreement) and ``last_step`` bound the reads ahead (agreements only
     when a table is dynamic).  ``cache_steps``
     (``L``, 1 to ``staleness + 1``): steps per window and per message;
-    ``cache_rows``: the most rows the windows alive at once hold (``None``:
-    no bound); ``recorder``: where the cache's figures go (``None``:
+    ``cache_rows``: the most rows the windows alive at once hold, and
+    ``cache_bytes`` the most bytes of rows (``None``: no bound); ``recorder``: where the cache's figures go (``None``:
     nowhere).  ``applied``/``lost`` count the steps whose pushes were
     applied, and those that failed against a shard.  The Trainer checks
     its arguments.
@@ -118,13 +118,15 @@ class RowPipeline:
 
     def __init__(self, staleness: int, upcoming: Callable[[int], Optional[Batch]], tables: Mapping[str, Table],
                  next_agreement: Callable[[], int], last_step: int, read_ahead: bool = True, cache_steps: int = 1,
-                 cache_rows: Optional[int] = None, recorder: Optional[RowCacheRecorder] = None):
+                 cache_rows: Optional[int] = None, recorder: Optional[RowCacheRecorder] = None,
+                 cache_bytes: Optional[int] = None):
         self.staleness, self.read_ahead = staleness, read_ahead
         self.window, self._depth = cache_steps, staleness + 1 - cache_steps
         # The windows alive at once: those read ahead, up to k + 1 steps on (a window goes when its last step
-        # takes its rows, before the next is read).
-        self._window_rows = None if cache_rows is None else \
-            max(1, cache_rows // math.ceil((staleness + 1) / cache_steps))
+        # takes its rows, before the next is read); each gets its share of the bounds.
+        alive = math.ceil((staleness + 1) / cache_steps)
+        self._window_rows = None if cache_rows is None else max(1, cache_rows // alive)
+        self._window_bytes = None if cache_bytes is None else max(1, cache_bytes // alive)
         self._upcoming, self._tables = upcoming, tables
         self._next_agreement, self._last_step = next_agreement, last_step
         self._reads_cross_agreements = not any(table.dynamic for table in tables.values())
@@ -164,10 +166,10 @@ class RowPipeline:
         if not steps:
             return None
         try:
-            return RowWindow(collection, steps, self._window_rows, distinct)
+            return RowWindow(collection, steps, self._window_rows, distinct, self._window_bytes)
         except (ValueError, TypeError, IndexError):  # a table's route refuses a later batch's ids: not read ahead
-            if steps[0][0] == step:
-                return RowWindow(collection, steps[:1], self._window_rows, distinct)  # the step's own refusal raises
+            if steps[0][0] == step:  # the step's own refusal raises
+                return RowWindow(collection, steps[:1], self._window_rows, distinct, self._window_bytes)
             return None
 
     def rows(self, collection: EmbeddingCollection, step: int, batch: Batch) -> CollectionLookup:

@@ -106,7 +106,8 @@ class Trainer:
     (the step without its pipeline, for comparisons).
 
     ``cache_rows``: the worker's row cache (``paramserver.shards.client.row_cache``), at most this many rows
-    held at once (``None``: no cache).  With ``staleness = k >= 1`` the rows of ``cache_steps`` consecutive
+    held at once; ``cache_mib``: at most this many MiB of rows (either or both; ``None`` for both: no
+    cache).  With ``staleness = k >= 1`` the rows of ``cache_steps`` consecutive
     steps (default ``k + 1``, at most that) are read in one lookup, each row once however many of those
     steps need it, and those steps' pushes leave together in one message per shard carrying the next
     window's reads: a shard handles one message per worker every ``cache_steps`` steps, every row still
@@ -126,7 +127,7 @@ class Trainer:
                  hook_options: Optional[Dict[str, Any]] = None, *, name: str = "model", seed: int = 0,
                  row_wise_min_rows: int = ROW_WISE_MIN_ROWS, agree_every: int = 10, staleness: int = 0,
                  read_ahead: bool = True, cache_rows: Optional[int] = None, cache_steps: Optional[int] = None,
-                 export_to: Optional[str] = None, export_every: int = 100, export_base_every: int = 24,
+                 cache_mib: Optional[float] = None, export_to: Optional[str] = None, export_every: int = 100, export_base_every: int = 24,
                  export_storage_options: Optional[Dict[str, Any]] = None):
         if not tables:
             raise ValueError("a Trainer needs at least one table")
@@ -141,11 +142,16 @@ class Trainer:
                                        or cache_rows < 1):
             raise ValueError(f"cache_rows must be a whole number of rows, 1 or more (or None: no cache); "
                              f"got {cache_rows!r}")
-        if cache_steps is not None and (cache_rows is None or isinstance(cache_steps, bool)
+        if cache_mib is not None and (isinstance(cache_mib, bool) or not isinstance(cache_mib, (int, float))
+                                      or not cache_mib > 0 or cache_mib == float("inf")):
+            raise ValueError(f"cache_mib must be a positive number of MiB (or None); got {cache_mib!r}")
+        cached = cache_rows is not None or cache_mib is not None
+        if cache_steps is not None and (not cached or isinstance(cache_steps, bool)
                                         or not isinstance(cache_steps, int)
                                         or not 1 <= cache_steps <= staleness + 1):
             raise ValueError(f"cache_steps must be 1 to staleness + 1 ({staleness + 1}) steps, with cache_rows "
-                             f"set; got {cache_steps!r} (cache_rows {cache_rows!r})")
+                             f"or cache_mib set; got {cache_steps!r} (cache_rows {cache_rows!r}, cache_mib "
+                             f"{cache_mib!r})")
         optimizer_class, optimizer_options = sparse_optimizer
         self.ctx = ctx
         self.tables = dict(tables)
@@ -162,7 +168,9 @@ class Trainer:
         self.agree_every = agree_every
         self.staleness, self.read_ahead = staleness, read_ahead
         self.cache_rows = cache_rows
-        self.cache_steps = 1 if cache_rows is None else (cache_steps or staleness + 1)
+        #: The row cache's bound in bytes (``cache_mib``), ``None``: none.
+        self.cache_bytes = None if cache_mib is None else max(1, int(cache_mib * 2 ** 20))
+        self.cache_steps = (cache_steps or staleness + 1) if cached else 1
         #: What every checkpoint records of the model (``paramserver.checkpoint.model``).
         self.model_description = describe_model(name, self.tables, dense)
         if export_to is not None and (isinstance(export_every, bool) or not isinstance(export_every, int)
@@ -239,7 +247,8 @@ class _Run:
         self.pipeline = RowPipeline(trainer.staleness, self._upcoming, trainer.tables,
                                     lambda: self.replica.next_agreement, steps,
                                     read_ahead=trainer.read_ahead, cache_steps=trainer.cache_steps,
-                                    cache_rows=trainer.cache_rows, recorder=ctx.recorders.data_plane)
+                                    cache_rows=trainer.cache_rows, cache_bytes=trainer.cache_bytes,
+                                    recorder=ctx.recorders.data_plane)
         #: ``replica.steps_skipped`` when this member's batches last caught up with it (``None``: not formed yet).
         self._skips_taken: Optional[int] = None
         self.replica = DenseReplica(group, trainer.dense, trainer.dense_optimizer, hook=trainer.comm_hook,
@@ -529,7 +538,7 @@ class _Run:
                                 bytes_per_step=replica.bytes_per_step, shard_rebuilds=self.sparse.rebuilds)
             self.figures[ALLREDUCE_FIGURE] = replica.allreduce_ms()
             self.figures.update({f"{PHASE_FIGURE}{phase}": ms for phase, ms in self.times.ms_per_step().items()})
-            if self.trainer.cache_rows is not None:
+            if self.trainer.cache_rows is not None or self.trainer.cache_bytes is not None:
                 self.figures.update(self.pipeline.cache.figures())
             self.losses.clear()
         if self.eval_data is not None and replica.group.rank == 0 and (step % self.eval_every == 0

@@ -10,12 +10,13 @@ crosses the wire once: those are the cache's hits.  Which steps make a
 window, when it is read and when it is dropped is the worker's pipeline's
 business (``paramserver.train.pipeline``), under the staleness bound: rows
 read once serve steps that run later, so a window never spans more steps
-than the staleness allows.  Its size is bounded in rows (``max_rows``):
-the longest run of the steps offered whose union fits, at least one step
-(a step's own rows are read whatever their number).
+than the staleness allows.  Its size is bounded in rows (``max_rows``),
+in bytes of rows (``max_bytes``), or both: the longest run of the steps
+offered whose union fits, at least one step (a step's own rows are read
+whatever their number).
 """
 
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -27,14 +28,15 @@ from .embedding import Route
 
 class RowWindow:
     """The steps ``steps`` (``(step, features)`` pairs, consecutive) of ``collection``, read as one lookup:
-    the longest leading run of them whose distinct rows, over every table, are at most ``max_rows``
-    (``None``: no bound; the first step always).  ``distinct``: per step, the distinct ids of its tables found
+    the longest leading run of them whose distinct rows, over every table, are at most ``max_rows`` and take
+    at most ``max_bytes`` (``None``: no bound; the first step always).  ``distinct``: per step, the distinct ids of its tables found
     already (``paramserver.tables.distinct_ids``), so that routing them does not find them again.  ``plan``
     is that lookup, not sent: send it (on its own with ``collection.lookup_planned``, or carried by a push)
     and hand the sent lookup to ``read``."""
 
     def __init__(self, collection: EmbeddingCollection, steps: Sequence[Tuple[int, Mapping[str, Tensor]]],
-                 max_rows: Optional[int] = None, distinct: Optional[Mapping[int, Mapping[str, DistinctIds]]] = None):
+                 max_rows: Optional[int] = None, distinct: Optional[Mapping[int, Mapping[str, DistinctIds]]] = None,
+                 max_bytes: Optional[int] = None):
         if not steps:
             raise ValueError("a row window needs at least one step")
         self.collection = collection
@@ -43,17 +45,24 @@ class RowWindow:
         # the end; the bound takes it sooner only when their sizes summed (its most) exceed it.
         taken: Dict[Tuple[str, int], List[Tensor]] = {}
         self.rows_needed = bytes_needed = 0  # each step's distinct rows, summed: what it would read alone
+
+        def over(grown: Mapping[Tuple[str, int], List[Tensor]], rows_of: Callable[[List[Tensor]], int]) -> bool:
+            rows = {key: rows_of(held) for key, held in grown.items()}
+            return (max_rows is not None and sum(rows.values()) > max_rows) or \
+                (max_bytes is not None and sum(count * collection.tables[name].row_bytes
+                                               for (name, _), count in rows.items()) > max_bytes)
+
         for step, features in steps:
             found = (distinct or {}).get(step, {})
             routes = {name: table.route(features[name], distinct=found.get(name))
                       for name, table in collection.tables.items()}
-            if self._routes and max_rows is not None:
+            if self._routes and (max_rows is not None or max_bytes is not None):
                 grown = {key: list(held) for key, held in taken.items()}
                 for name, route in routes.items():
                     for range_index, local_ids in route.requests:
                         grown.setdefault((name, range_index), []).append(local_ids)
-                if sum(piece.numel() for held in grown.values() for piece in held) > max_rows and \
-                        sum(_union(held).numel() for held in grown.values()) > max_rows:
+                if over(grown, lambda held: sum(piece.numel() for piece in held)) and \
+                        over(grown, lambda held: _union(held).numel()):
                     break
             self._routes[step] = routes
             for name, route in routes.items():
