@@ -198,7 +198,8 @@ def test_an_export_is_due_every_n_steps_and_counted_done_only_once_rank_0s_word_
         exports[replica].at_boundary()
         assert not exports[replica].due()  # counted from here
     name = live_export.chain(locate(str(tmp_path / "root")))[-1].name
-    assert writer.group.calls == ["barrier", ("hand_out", name)] and other.group.calls == ["barrier", ("hand_out", None)]
+    assert writer.group.calls == ["barrier", ("hand_out", name)]
+    assert other.group.calls == ["barrier", ("hand_out", None)]
     lost = _Replica(_Group(1, lost_rank_0=True))
     waiting = LiveExports(str(tmp_path / "root"), 20, 3, lost, [], {})
     lost.step = 20

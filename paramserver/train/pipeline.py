@@ -48,10 +48,11 @@ is refused in its turn, by the step it belongs to.  When the step is
 redone, the group re-forms, or the sparse part is rebuilt, the reads ahead
 are dropped (``drop_reads``).  Their steps look their rows up again.
 
-The cache's memory is bounded (``cache_rows``, ``cache_bytes``): the windows alive at once
-(those read ahead: a window goes when its last step takes its rows) hold
-at most that many rows and bytes of rows, each window being cut short to fit its share,
-except that a step's own rows are read even when they alone exceed it.  Its figures (``cache``): rows
+The cache's memory is bounded (``cache_rows``, ``cache_bytes``): the
+windows alive at once (those read ahead: a window goes when its last step
+takes its rows) hold at most that many rows and bytes of rows, each window
+being cut short to fit its share, except that a step's own rows are read
+even when they alone exceed it.  Its figures (``cache``): rows
 read, hits (rows a step needed that its window had read already), bytes
 those saved, evictions (rows dropped when their window ends) and rows held.
 """
@@ -110,10 +111,10 @@ class RowPipeline:
     when a table is dynamic).  ``cache_steps``
     (``L``, 1 to ``staleness + 1``): steps per window and per message;
     ``cache_rows``: the most rows the windows alive at once hold, and
-    ``cache_bytes`` the most bytes of rows (``None``: no bound); ``recorder``: where the cache's figures go (``None``:
-    nowhere).  ``applied``/``lost`` count the steps whose pushes were
-    applied, and those that failed against a shard.  The Trainer checks
-    its arguments.
+    ``cache_bytes`` the most bytes of rows (``None``: no bound);
+    ``recorder``: where the cache's figures go (``None``: nowhere).
+    ``applied``/``lost`` count the steps whose pushes were applied, and
+    those that failed against a shard.  The Trainer checks its arguments.
     """
 
     def __init__(self, staleness: int, upcoming: Callable[[int], Optional[Batch]], tables: Mapping[str, Table],

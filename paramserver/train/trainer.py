@@ -127,8 +127,8 @@ class Trainer:
                  hook_options: Optional[Dict[str, Any]] = None, *, name: str = "model", seed: int = 0,
                  row_wise_min_rows: int = ROW_WISE_MIN_ROWS, agree_every: int = 10, staleness: int = 0,
                  read_ahead: bool = True, cache_rows: Optional[int] = None, cache_steps: Optional[int] = None,
-                 cache_mib: Optional[float] = None, export_to: Optional[str] = None, export_every: int = 100, export_base_every: int = 24,
-                 export_storage_options: Optional[Dict[str, Any]] = None):
+                 cache_mib: Optional[float] = None, export_to: Optional[str] = None, export_every: int = 100,
+                 export_base_every: int = 24, export_storage_options: Optional[Dict[str, Any]] = None):
         if not tables:
             raise ValueError("a Trainer needs at least one table")
         for table_name, table in tables.items():

@@ -29,10 +29,10 @@ from .embedding import Route
 class RowWindow:
     """The steps ``steps`` (``(step, features)`` pairs, consecutive) of ``collection``, read as one lookup:
     the longest leading run of them whose distinct rows, over every table, are at most ``max_rows`` and take
-    at most ``max_bytes`` (``None``: no bound; the first step always).  ``distinct``: per step, the distinct ids of its tables found
-    already (``paramserver.tables.distinct_ids``), so that routing them does not find them again.  ``plan``
-    is that lookup, not sent: send it (on its own with ``collection.lookup_planned``, or carried by a push)
-    and hand the sent lookup to ``read``."""
+    at most ``max_bytes`` (``None``: no bound; the first step always).  ``distinct``: per step, the distinct
+    ids of its tables found already (``paramserver.tables.distinct_ids``), so that routing them does not
+    find them again.  ``plan`` is that lookup, not sent: send it (on its own with
+    ``collection.lookup_planned``, or carried by a push) and hand the sent lookup to ``read``."""
 
     def __init__(self, collection: EmbeddingCollection, steps: Sequence[Tuple[int, Mapping[str, Tensor]]],
                  max_rows: Optional[int] = None, distinct: Optional[Mapping[int, Mapping[str, DistinctIds]]] = None,
