@@ -167,10 +167,12 @@ class RowPipeline:
         if not steps:
             return None
         try:
-            return RowWindow(collection, steps, self._window_rows, distinct, self._window_bytes)
+            return RowWindow(collection, steps, max_rows=self._window_rows, distinct=distinct,
+                             max_bytes=self._window_bytes)
         except (ValueError, TypeError, IndexError):  # a table's route refuses a later batch's ids: not read ahead
             if steps[0][0] == step:  # the step's own refusal raises
-                return RowWindow(collection, steps[:1], self._window_rows, distinct, self._window_bytes)
+                return RowWindow(collection, steps[:1], max_rows=self._window_rows, distinct=distinct,
+                                 max_bytes=self._window_bytes)
             return None
 
     def rows(self, collection: EmbeddingCollection, step: int, batch: Batch) -> CollectionLookup:

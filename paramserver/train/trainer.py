@@ -145,8 +145,9 @@ class Trainer:
         if cache_mib is not None and (isinstance(cache_mib, bool) or not isinstance(cache_mib, (int, float))
                                       or not cache_mib > 0 or cache_mib == float("inf")):
             raise ValueError(f"cache_mib must be a positive number of MiB (or None); got {cache_mib!r}")
-        cached = cache_rows is not None or cache_mib is not None
-        if cache_steps is not None and (not cached or isinstance(cache_steps, bool)
+        #: Whether the worker keeps a row cache (bounded in rows, bytes or both).
+        self.caches_rows = cache_rows is not None or cache_mib is not None
+        if cache_steps is not None and (not self.caches_rows or isinstance(cache_steps, bool)
                                         or not isinstance(cache_steps, int)
                                         or not 1 <= cache_steps <= staleness + 1):
             raise ValueError(f"cache_steps must be 1 to staleness + 1 ({staleness + 1}) steps, with cache_rows "
@@ -170,7 +171,7 @@ class Trainer:
         self.cache_rows = cache_rows
         #: The row cache's bound in bytes (``cache_mib``), ``None``: none.
         self.cache_bytes = None if cache_mib is None else max(1, int(cache_mib * 2 ** 20))
-        self.cache_steps = (cache_steps or staleness + 1) if cached else 1
+        self.cache_steps = (cache_steps or staleness + 1) if self.caches_rows else 1
         #: What every checkpoint records of the model (``paramserver.checkpoint.model``).
         self.model_description = describe_model(name, self.tables, dense)
         if export_to is not None and (isinstance(export_every, bool) or not isinstance(export_every, int)
@@ -538,7 +539,7 @@ class _Run:
                                 bytes_per_step=replica.bytes_per_step, shard_rebuilds=self.sparse.rebuilds)
             self.figures[ALLREDUCE_FIGURE] = replica.allreduce_ms()
             self.figures.update({f"{PHASE_FIGURE}{phase}": ms for phase, ms in self.times.ms_per_step().items()})
-            if self.trainer.cache_rows is not None or self.trainer.cache_bytes is not None:
+            if self.trainer.caches_rows:
                 self.figures.update(self.pipeline.cache.figures())
             self.losses.clear()
         if self.eval_data is not None and replica.group.rank == 0 and (step % self.eval_every == 0
