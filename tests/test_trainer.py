@@ -16,6 +16,7 @@ from paramserver.metrics.data_plane import DataPlaneMetrics
 from paramserver.metrics.training import TrainingMetrics
 from paramserver.optim import QHM
 from paramserver.runtime.context import JobContext, Recorders
+from paramserver.shards import ShardRequestFailed
 from paramserver.train.data import BatchStream, DataExhausted
 from paramserver.train.sparse import ShardLost, SparseTables
 
@@ -93,6 +94,25 @@ def test_the_trainer_hands_the_contexts_recorders_down(local_context):
     # The same context without them (metrics off): the Trainer records nowhere.
     small_trainer(local_context, "unrecorded").fit(Counting(30), steps=10, log_every=5)
     assert sample("paramserver_training_steps_total") == 10
+
+
+def test_a_shard_lost_during_an_evaluation_is_waited_for_and_the_evaluation_done_again(local_context, monkeypatch):
+    """The held-out lookups meet a lost shard (as the chaos test's kill can land in one): the sparse part is
+    rebuilt, as after a step's failed lookups, and the evaluation is done again instead of ending the job."""
+    looked_up = SparseTables.eval_pool
+    failures = []
+
+    def fails_once(sparse, batch):
+        if not failures:
+            failures.append(batch)
+            raise ShardRequestFailed("lookup", [("worker0", RuntimeError("EOF: end of file"))])
+        return looked_up(sparse, batch)
+
+    monkeypatch.setattr(SparseTables, "eval_pool", fails_once)
+    figures = small_trainer(local_context, "evaluated").fit(Counting(30), steps=10, eval_data=Counting(4),
+                                                             eval_every=5, log_every=5)
+    assert len(failures) == 1 and figures["shard_rebuilds"] == 1, figures
+    assert figures["steps"] == 10 and figures["sparse_steps"] == 10 and 0 <= figures["auc"] <= 1, figures
 
 
 def test_a_rebuild_gives_up_at_once_on_a_shard_that_will_not_serve_again(local_context):

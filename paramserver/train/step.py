@@ -41,7 +41,8 @@ from .sparse import SparseTables
 
 
 class ShardStepFailed(RuntimeError):
-    """A step's lookups failed against a shard, before any collective of the trainer group: it can be redone."""
+    """A step's lookups failed against a shard, before any collective of the trainer group: it can be redone
+    (so can an evaluation's, which has no collective)."""
 
     def __init__(self, cause: BaseException):
         super().__init__(f"embedding lookups failed: {one_line(cause)}")

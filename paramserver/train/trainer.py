@@ -544,8 +544,10 @@ class _Run:
             self.losses.clear()
         if self.eval_data is not None and replica.group.rank == 0 and (step % self.eval_every == 0
                                                                          or step == self.steps):
-            self.figures.update(self._evaluate())
-            self.evaluated_at = step
+            held_out = self._evaluate()
+            if held_out is not None:  # (None: asked to stop while a lost shard was waited for)
+                self.figures.update(held_out)
+                self.evaluated_at = step
         if step % self.eval_every == 0 and step < self.steps:  # (at the end no collective follows)
             try:  # every member, whatever data it was handed: rank 0 says it is done, evaluation or not
                 replica.group.hand_out(None, 0, EVALUATED_WITHIN)
@@ -571,24 +573,44 @@ class _Run:
         if self.eval_data is None or replica.group.rank != 0 or self.ctx.should_stop() or \
                 replica.step in (self.evaluated_at, self.start_step):
             return
-        self.figures.update(self._evaluate())
+        held_out = self._evaluate()
+        if held_out is None:
+            return
+        self.figures.update(held_out)
         self.evaluated_at = replica.step
         self._report(replica.step)
         logger.info("%s step %d (the end of its data): held-out AUC %.4f log loss %.4f", self.ctx.rpc_name,
                     replica.step, self.figures["auc"], self.figures["log_loss"])
 
-    def _evaluate(self) -> Dict[str, float]:
-        self._settled(self.pipeline.drain())  # held-out figures of the model with every update applied
+    def _evaluate(self) -> Optional[Dict[str, float]]:
+        """Held-out figures of the model with every update applied.  A lost shard met by the evaluation's
+        lookups is waited for and the sparse part rebuilt, as for a step's, and the evaluation is done again
+        (within the rebuilds' bound: ``ShardLost`` past it).  ``None`` when the worker was asked to stop
+        meanwhile."""
         module, device = self.replica.module, self.replica.group.device
+
+        def score(batch: Batch) -> Tensor:
+            try:
+                pooled = self.sparse.eval_pool(batch)
+            except (RuntimeError, TimeoutError) as error:
+                raise ShardStepFailed(error) from error
+            return module({name: rows.to(device) for name, rows in pooled.items()}, batch.dense.to(device))
+
         was_training = module.training
         module.eval()
         try:
-            return evaluate(lambda batch: module(
-                {name: rows.to(device) for name, rows in self.sparse.eval_pool(batch).items()},
-                batch.dense.to(device)), self.eval_data)
+            while self._settled(self.pipeline.drain()):
+                try:
+                    held_out = evaluate(score, self.eval_data)
+                except ShardStepFailed as error:
+                    if not self._settled([], rebuild_for=error.cause):
+                        return None
+                    continue
+                self.sparse.step_succeeded()
+                return held_out
+            return None
         finally:
             module.train(was_training)
-
 
 def _live_exports(trainer: Trainer, ctx, replica) -> Optional[LiveExports]:
     """Trainer group 0's live exports: as the Trainer was told (``export_to``), else as the cluster says
