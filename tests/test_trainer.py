@@ -115,6 +115,17 @@ def test_a_shard_lost_during_an_evaluation_is_waited_for_and_the_evaluation_done
     assert figures["steps"] == 10 and figures["sparse_steps"] == 10 and 0 <= figures["auc"] <= 1, figures
 
 
+def test_a_bad_held_out_batch_is_refused_naming_the_table_not_taken_for_a_lost_shard(local_context):
+    class WrongTable(Counting):
+        def __iter__(self):
+            for batch in super().__iter__():
+                yield dataclasses.replace(batch, sparse={"u": batch.sparse["t"]})
+
+    with pytest.raises(ValueError, match=r"batch has ids for tables \['u'\], the Trainer has \['t'\]"):
+        small_trainer(local_context, "bad-held-out").fit(Counting(30), steps=10, eval_data=WrongTable(2),
+                                                          eval_every=5, log_every=5)
+
+
 def test_a_rebuild_gives_up_at_once_on_a_shard_that_will_not_serve_again(local_context):
     gone = {}
     sparse = SparseTables({"t": Table(10, 4)}, (QHM, dict(lr=0.1, momentum=0.9, nu=0.7)), local_context.shards,

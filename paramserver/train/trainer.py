@@ -590,6 +590,7 @@ class _Run:
         module, device = self.replica.module, self.replica.group.device
 
         def score(batch: Batch) -> Tensor:
+            batch.check(self.trainer.tables)  # bad held-out input ends the job naming what was wrong, not a rebuild
             try:
                 pooled = self.sparse.eval_pool(batch)
             except (RuntimeError, TimeoutError) as error:
@@ -611,6 +612,7 @@ class _Run:
             return None
         finally:
             module.train(was_training)
+
 
 def _live_exports(trainer: Trainer, ctx, replica) -> Optional[LiveExports]:
     """Trainer group 0's live exports: as the Trainer was told (``export_to``), else as the cluster says
