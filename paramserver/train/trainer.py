@@ -606,8 +606,7 @@ class _Run:
                 except ShardStepFailed as error:
                     if not self._settled([], rebuild_for=error.cause):
                         return None
-                    continue
-                self.sparse.step_succeeded()
+                    continue  # (its rebuilds count with the steps': a good step ends the run of them)
                 return held_out
             return None
         finally:
