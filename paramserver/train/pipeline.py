@@ -64,6 +64,8 @@ import math
 import time
 from typing import Callable, Deque, Dict, List, Mapping, Optional, Protocol, Tuple
 
+from torch import Tensor
+
 from ..logs import RateLimitedLog
 from ..shards.client.collection import CollectionLookup, EmbeddingCollection, PendingPush, PushOnGradients, StepPush
 from ..shards.client.row_cache import RowWindow
@@ -166,13 +168,16 @@ class RowPipeline:
             distinct[later] = ahead.distinct
         if not steps:
             return None
-        try:
-            return RowWindow(collection, steps, max_rows=self._window_rows, distinct=distinct,
+
+        def window_of(run: List[Tuple[int, Mapping[str, Tensor]]]) -> RowWindow:
+            return RowWindow(collection, run, max_rows=self._window_rows, distinct=distinct,
                              max_bytes=self._window_bytes)
+
+        try:
+            return window_of(steps)
         except (ValueError, TypeError, IndexError):  # a table's route refuses a later batch's ids: not read ahead
             if steps[0][0] == step:  # the step's own refusal raises
-                return RowWindow(collection, steps[:1], max_rows=self._window_rows, distinct=distinct,
-                                 max_bytes=self._window_bytes)
+                return window_of(steps[:1])
             return None
 
     def rows(self, collection: EmbeddingCollection, step: int, batch: Batch) -> CollectionLookup:

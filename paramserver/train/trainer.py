@@ -544,10 +544,7 @@ class _Run:
             self.losses.clear()
         if self.eval_data is not None and replica.group.rank == 0 and (step % self.eval_every == 0
                                                                          or step == self.steps):
-            held_out = self._evaluate()
-            if held_out is not None:  # (None: asked to stop while a lost shard was waited for)
-                self.figures.update(held_out)
-                self.evaluated_at = step
+            self._evaluate()
         if step % self.eval_every == 0 and step < self.steps:  # (at the end no collective follows)
             try:  # every member, whatever data it was handed: rank 0 says it is done, evaluation or not
                 replica.group.hand_out(None, 0, EVALUATED_WITHIN)
@@ -573,20 +570,17 @@ class _Run:
         if self.eval_data is None or replica.group.rank != 0 or self.ctx.should_stop() or \
                 replica.step in (self.evaluated_at, self.start_step):
             return
-        held_out = self._evaluate()
-        if held_out is None:
+        if not self._evaluate():
             return
-        self.figures.update(held_out)
-        self.evaluated_at = replica.step
         self._report(replica.step)
         logger.info("%s step %d (the end of its data): held-out AUC %.4f log loss %.4f", self.ctx.rpc_name,
                     replica.step, self.figures["auc"], self.figures["log_loss"])
 
-    def _evaluate(self) -> Optional[Dict[str, float]]:
-        """Held-out figures of the model with every update applied.  A lost shard met by the evaluation's
-        lookups is waited for and the sparse part rebuilt, as for a step's, and the evaluation is done again
-        (within the rebuilds' bound: ``ShardLost`` past it).  ``None`` when the worker was asked to stop
-        meanwhile."""
+    def _evaluate(self) -> bool:
+        """The held-out figures of the model with every update applied, into ``figures`` (``evaluated_at``: this
+        step).  A lost shard met by the evaluation's lookups is waited for and the sparse part rebuilt, as for a
+        step's, and the evaluation is done again (within the rebuilds' bound: ``ShardLost`` past it).  False
+        when the worker was asked to stop meanwhile (no figures)."""
         module, device = self.replica.module, self.replica.group.device
 
         def score(batch: Batch) -> Tensor:
@@ -602,13 +596,14 @@ class _Run:
         try:
             while self._settled(self.pipeline.drain()):
                 try:
-                    held_out = evaluate(score, self.eval_data)
+                    self.figures.update(evaluate(score, self.eval_data))
                 except ShardStepFailed as error:
                     if not self._settled([], rebuild_for=error.cause):
-                        return None
+                        return False
                     continue  # (its rebuilds count with the steps': a good step ends the run of them)
-                return held_out
-            return None
+                self.evaluated_at = self.replica.step
+                return True
+            return False
         finally:
             module.train(was_training)
 
