@@ -18,7 +18,7 @@ from paramserver.optim import QHM
 from paramserver.runtime.context import JobContext, Recorders
 from paramserver.shards import ShardRequestFailed
 from paramserver.train.data import BatchStream, DataExhausted
-from paramserver.train.sparse import ShardLost, SparseTables
+from paramserver.train.sparse import RebuildStopped, ShardLost, SparseTables
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent / "jobs"))
 import watch_next  # noqa: E402
@@ -124,6 +124,54 @@ def test_a_bad_held_out_batch_is_refused_naming_the_table_not_taken_for_a_lost_s
     with pytest.raises(ValueError, match=r"batch has ids for tables \['u'\], the Trainer has \['t'\]"):
         small_trainer(local_context, "bad-held-out").fit(Counting(30), steps=10, eval_data=WrongTable(2),
                                                           eval_every=5, log_every=5)
+
+
+def test_a_shard_lost_as_the_sparse_part_is_first_built_is_waited_for_and_the_job_trains(local_context,
+                                                                                          monkeypatch):
+    """A shard process that dies as the job starts fails the tables' creation (torch raises ``RuntimeError``):
+    the Trainer waits for it and builds again, as after a step's failed lookups, instead of ending the job."""
+    built = SparseTables._build
+    failures = []
+
+    def fails_once(sparse):
+        if not failures:
+            failures.append(RuntimeError("EOF: end of file"))
+            raise failures[-1]
+        return built(sparse)
+
+    monkeypatch.setattr(SparseTables, "_build", fails_once)
+    figures = small_trainer(local_context, "first-build").fit(Counting(30), steps=10, log_every=5)
+    assert len(failures) == 1 and figures["shard_rebuilds"] == 1, figures
+    assert figures["steps"] == 10 and figures["sparse_steps"] == 10, figures
+
+
+def test_a_first_build_that_keeps_failing_is_bounded_stops_when_asked_and_other_errors_pass(local_context,
+                                                                                          monkeypatch):
+    def make(name, **options):
+        return SparseTables({"t": Table(10, 4)}, (QHM, dict(lr=0.1, momentum=0.9, nu=0.7)), local_context.shards,
+                            name, 0, 10**6, live_shards=lambda: list(local_context.shards), **options)
+
+    def fails(error):
+        def build(sparse):
+            calls.append(error)
+            raise error
+        calls = []
+        monkeypatch.setattr(SparseTables, "_build", build)
+        return calls
+
+    calls = fails(RuntimeError("EOF: end of file"))
+    with pytest.raises(ShardLost, match=r"^every shard serves, but the sparse part could not be built again within "
+                                        r"1 s: RuntimeError: EOF: end of file$"):
+        make("keeps-failing", timeout=datetime.timedelta(seconds=1))
+    assert len(calls) >= 2  # built again while the shards served, until the timeout
+    calls = fails(RuntimeError("EOF: end of file"))
+    with pytest.raises(RebuildStopped):
+        make("stopped", should_stop=lambda: True)
+    assert len(calls) == 1
+    calls = fails(ValueError("not a lost shard"))  # e.g. a shard refusing the table: raised at once
+    with pytest.raises(ValueError, match="^not a lost shard$"):
+        make("refused")
+    assert len(calls) == 1
 
 
 def test_a_rebuild_gives_up_at_once_on_a_shard_that_will_not_serve_again(local_context):

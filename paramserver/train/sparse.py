@@ -9,7 +9,8 @@ splitting or spreading small tables only adds messages), the owner-side optimize
 shards (created through ``DistributedOptimizer``), the
 ``EmbeddingCollection`` through which a step looks them up and pushes
 their gradients (one RPC per shard each way), and rebuilding all of it
-after a shard was lost.
+after a shard was lost (the first build too, when a shard process died as
+the job started).
 
 The handles are RRefs bound to the processes that owned them: when a
 shard process dies, ``ps-server`` starts a new one under the same name,
@@ -115,7 +116,7 @@ class SparseTables:
         self._in_a_row = 0
         self.rebuilds = 0
         self._pusher = secrets.randbits(62)  # this run's name in idempotent pushes, kept across rebuilds
-        self.tables, self.optimizer, self.collection = self._build()
+        self.tables, self.optimizer, self.collection = self._first_build()
 
     def _build(self) -> Tuple[Dict[str, ShardedEmbeddingBag], DistributedOptimizer, EmbeddingCollection]:
         tables = build_tables(self.specs, self.shards, self._prefix, self._seed, self._row_wise_min_rows)
@@ -138,6 +139,17 @@ class SparseTables:
     def step_succeeded(self) -> None:
         self._in_a_row = 0
 
+    def _first_build(self) -> Tuple[Dict[str, ShardedEmbeddingBag], DistributedOptimizer, EmbeddingCollection]:
+        """The first build; a shard lost meanwhile (its process died as the job started) is waited for and the
+        sparse part built again, as after a step's failed lookups and with the same bounds."""
+        try:
+            return self._build()
+        except RuntimeError as error:  # torch's type for a request to a shard that died or did not answer in time
+            self._count_rebuild(error)
+            logger.warning("building the sparse part failed against the shards (%s); building it again once %s "
+                           "serve", one_line(error), ", ".join(self.shards))
+            return self._built_once_served(error)
+
     def rebuild(self, cause: BaseException) -> None:
         """Wait until every shard serves again, then build anew.
 
@@ -145,12 +157,25 @@ class SparseTables:
         failing), or at once when a shard will not serve again;
         ``RebuildStopped`` when the worker is asked to stop meanwhile.
         """
+        self._count_rebuild(cause)
+        logger.warning("a step failed against the shards (%s); rebuilding the sparse part once %s serve",
+                       one_line(cause), ", ".join(self.shards))
+        built = self._built_once_served(cause)
+        old = [*self.tables.values(), self.optimizer]
+        # the old handles go only now: see the module's docstring
+        self.tables, self.optimizer, self.collection = built
+        self._let_go(old)
+
+    def _count_rebuild(self, cause: BaseException) -> None:
+        """One more rebuild in a row; ``ShardLost`` past the bound."""
         self._in_a_row += 1
         if self._in_a_row > self._max_consecutive:
             raise ShardLost(f"{self._in_a_row - 1} rebuilds in a row did not make a step succeed; "
                             f"last failure: {one_line(cause)}") from cause
-        logger.warning("a step failed against the shards (%s); rebuilding the sparse part once %s serve",
-                       one_line(cause), ", ".join(self.shards))
+
+    def _built_once_served(self, cause: BaseException
+                           ) -> Tuple[Dict[str, ShardedEmbeddingBag], DistributedOptimizer, EmbeddingCollection]:
+        """The sparse part built anew once every shard serves (bounded by the timeout; see ``rebuild``)."""
         started = time.monotonic()
         deadline = started + self._timeout.total_seconds()
         last_error: Optional[BaseException] = None
@@ -167,14 +192,10 @@ class SparseTables:
                 except Exception as error:  # noqa: BLE001 - e.g. the restarted shard not reachable yet
                     last_error = error
                 else:
-                    old = [*self.tables.values(), self.optimizer]
-                    # the old handles go only now: see the module's docstring
-                    self.tables, self.optimizer, self.collection = built
-                    self._let_go(old)
                     self.rebuilds += 1
                     logger.warning("sparse part rebuilt after %.1f s (rebuild %d)", time.monotonic() - started,
                                    self.rebuilds)
-                    return
+                    return built
             if time.monotonic() > deadline:
                 waited = f"{self._timeout.total_seconds():.0f} s"
                 if missing:

@@ -215,7 +215,13 @@ class Trainer:
         except GroupStopped:  # asked to stop before the group formed: nothing trained
             logger.info("%s: stopped before its trainer group formed", self.ctx.rpc_name)
             return dict(figures or {}, steps=0)
-        return _Run(self, group, data, steps, eval_data, eval_every, log_every, figures or {}).run()
+        try:
+            run = _Run(self, group, data, steps, eval_data, eval_every, log_every, figures or {})
+        except RebuildStopped:  # asked to stop while a shard lost as the job started was waited for
+            group.close()
+            logger.info("%s: stopped while waiting for a lost shard, before its first step", self.ctx.rpc_name)
+            return dict(figures or {}, steps=0)
+        return run.run()
 
 
 class _Run:
