@@ -85,6 +85,10 @@ def build_tables(tables: Dict[str, Table], shards: Sequence[str], prefix: str, s
     return built
 
 
+#: What a build of the sparse part makes: the tables by name, their optimizer, the collection over both.
+_Built = Tuple[Dict[str, Union[ShardedEmbeddingBag, DynamicEmbeddingBag]], DistributedOptimizer, EmbeddingCollection]
+
+
 class SparseTables:
     """The tables of ``specs`` on the shards and ``optimizer``'s ``DistributedOptimizer`` over their rows.
 
@@ -118,7 +122,7 @@ class SparseTables:
         self._pusher = secrets.randbits(62)  # this run's name in idempotent pushes, kept across rebuilds
         self.tables, self.optimizer, self.collection = self._first_build()
 
-    def _build(self) -> Tuple[Dict[str, ShardedEmbeddingBag], DistributedOptimizer, EmbeddingCollection]:
+    def _build(self) -> _Built:
         tables = build_tables(self.specs, self.shards, self._prefix, self._seed, self._row_wise_min_rows)
         optimizer = DistributedOptimizer(self._optimizer_class,
                                          [rref for table in tables.values() for rref in table.remote_parameters()],
@@ -139,7 +143,7 @@ class SparseTables:
     def step_succeeded(self) -> None:
         self._in_a_row = 0
 
-    def _first_build(self) -> Tuple[Dict[str, ShardedEmbeddingBag], DistributedOptimizer, EmbeddingCollection]:
+    def _first_build(self) -> _Built:
         """The first build; a shard lost meanwhile (its process died as the job started) is waited for and the
         sparse part built again, as after a step's failed lookups and with the same bounds."""
         try:
@@ -173,8 +177,7 @@ class SparseTables:
             raise ShardLost(f"{self._in_a_row - 1} rebuilds in a row did not make a step succeed; "
                             f"last failure: {one_line(cause)}") from cause
 
-    def _built_once_served(self, cause: BaseException
-                           ) -> Tuple[Dict[str, ShardedEmbeddingBag], DistributedOptimizer, EmbeddingCollection]:
+    def _built_once_served(self, cause: BaseException) -> _Built:
         """The sparse part built anew once every shard serves (bounded by the timeout; see ``rebuild``)."""
         started = time.monotonic()
         deadline = started + self._timeout.total_seconds()
