@@ -17,7 +17,10 @@ shards wrote their parts, when the Trainer reads the dense part's state.
 over the video ids as raw 64-bit hashes.  ``row_wise_min_rows``: the
 Trainer's.  ``staleness``, ``cache_rows``: the Trainer's.  ``eval_scores=PATH``: the scores of the last held-out
 evaluation (the tower's outputs in eval mode) are saved there, as one
-tensor, for comparing an export's (worker 0).
+tensor, for comparing an export's (worker 0).  ``kill_at_first_build=PATH``:
+worker 1 SIGKILLs the process whose pid that file holds (a shard's) right
+before the Trainer first builds its tables on the shards, as if that
+shard's process died as the job started.
 """
 
 import os
@@ -31,6 +34,7 @@ from torch import Tensor, nn
 from paramserver import Batch, Table, Trainer
 from paramserver.optim import QHM
 from paramserver.tables.id_hash import salted
+from paramserver.train import sparse
 from paramserver.train.trainer import ROW_WISE_MIN_ROWS
 
 USERS, VIDEOS, CREATORS, RANK, HISTORY, DENSE = 600, 400, 50, 4, 4, 3
@@ -118,6 +122,19 @@ def crash_mid_checkpoint(module: nn.Module, checkpoints: pathlib.Path, from_step
     module.register_state_dict_pre_hook(before_state_dict)
 
 
+def kill_before_first_build(pid_file: pathlib.Path) -> None:
+    """SIGKILL the process whose pid ``pid_file`` holds right before this process first builds a Trainer's tables
+    on the shards (the requests that create them then meet a shard process that died)."""
+    build = sparse.build_tables
+
+    def killing_first(*args, **kwargs):
+        if pid_file.exists():
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            pid_file.unlink()
+        return build(*args, **kwargs)
+    sparse.build_tables = killing_first
+
+
 def evaluated_scores(module: nn.Module) -> List[Tensor]:
     """Every output of ``module`` in eval mode (the Trainer's evaluations), in order."""
     scores: List[Tensor] = []
@@ -129,7 +146,8 @@ def evaluated_scores(module: nn.Module) -> List[Tensor]:
 def main(ctx, steps: int = 200, batch_size: int = 128, dim: int = 8, lr: float = 16.0, stateful: bool = False,
          crash_in_checkpoint_at: Optional[int] = None, log_every: int = 10, eval_every: int = 50,
          seed: int = 7, dynamic_video: bool = False, row_wise_min_rows: int = ROW_WISE_MIN_ROWS,
-         eval_scores: Optional[str] = None, staleness: int = 0, cache_rows: Optional[int] = None) -> dict:
+         eval_scores: Optional[str] = None, staleness: int = 0, cache_rows: Optional[int] = None,
+         kill_at_first_build: Optional[str] = None) -> dict:
     planted = Planted(seed, hashed_videos=dynamic_video)
     data = (StatefulSessions if stateful else Sessions)(planted, ctx.worker_index, batch_size)
     tables = {"user": Table(USERS, dim, init_std=0.1), "history": Table(VIDEOS, dim, mode="mean", init_std=0.1),
@@ -138,6 +156,8 @@ def main(ctx, steps: int = 200, batch_size: int = 128, dim: int = 8, lr: float =
     tower = FactorizationMachine(list(tables), dim, DENSE)
     if crash_in_checkpoint_at is not None and ctx.worker_index == 0:
         crash_mid_checkpoint(tower, pathlib.Path(ctx.checkpoint.directory), crash_in_checkpoint_at)
+    if kill_at_first_build is not None and ctx.worker_index == 1:
+        kill_before_first_build(pathlib.Path(kill_at_first_build))
     scores = evaluated_scores(tower) if eval_scores else []
     trainer = Trainer(ctx, tables=tables, dense=tower,
                       sparse_optimizer=(QHM, dict(lr=lr, momentum=0.9, nu=0.7)),
