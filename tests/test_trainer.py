@@ -5,6 +5,7 @@ import dataclasses
 import datetime
 import pathlib
 import sys
+import threading
 import time
 
 import pytest
@@ -143,6 +144,24 @@ def test_a_shard_lost_as_the_sparse_part_is_first_built_is_waited_for_and_the_jo
     figures = small_trainer(local_context, "first-build").fit(Counting(30), steps=10, log_every=5)
     assert len(failures) == 1 and figures["shard_rebuilds"] == 1, figures
     assert figures["steps"] == 10 and figures["sparse_steps"] == 10, figures
+
+
+def test_a_worker_asked_to_stop_while_its_first_build_waits_for_a_shard_leaves_with_no_step(local_context,
+                                                                                            monkeypatch):
+    """...and leaves its trainer group, which the next job of the same worker forms again."""
+    asked = []
+
+    def lost(sparse):
+        asked.append(True)  # the stop request comes while the worker waits for the shard
+        raise RuntimeError("EOF: end of file")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(SparseTables, "_build", lost)
+        patched.setattr(local_context, "should_stop", lambda: bool(asked))
+        figures = small_trainer(local_context, "stopped-first-build").fit(Counting(30), steps=10, log_every=5)
+    assert figures == {"steps": 0} and asked == [True], figures
+    assert "trainer-group-views" not in [thread.name for thread in threading.enumerate()]  # the group was left
+    assert small_trainer(local_context, "after-the-stop").fit(Counting(30), steps=10, log_every=5)["steps"] == 10
 
 
 def test_a_first_build_that_keeps_failing_is_bounded_stops_when_asked_and_other_errors_pass(local_context,
