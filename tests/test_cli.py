@@ -164,6 +164,18 @@ def test_status_json_has_plain_numbers_and_role_names():
     json.dumps(status)
 
 
+def test_status_table_counts_a_restarted_shard_once_and_lists_its_exited_process():
+    response = pb.StatusResponse(generation=4)
+    response.shards.add(name="shard0", role=pb.ROLE_SHARD, alive=True, state="alive", pid=10)
+    response.shards.add(name="shard1", role=pb.ROLE_SHARD, alive=False, state="exited", pid=11,
+                        reason="process exited with code -9")
+    response.shards.add(name="shard1", role=pb.ROLE_SHARD, alive=True, state="alive", pid=12)
+    table = ctl.format_status(response)
+    assert "shards (2 alive of 2)" in table and "(process exited with code -9)" in table
+    assert [line.split()[:2] for line in table.splitlines() if line.startswith("  shard1")] == [
+        ["shard1", "exited"], ["shard1", "alive"]]
+
+
 def test_status_table_lists_every_member():
     table = ctl.format_status(sample_status())
     assert "generation 12" in table and "shards (1 alive of 1)" in table and "workers (1 alive of 2)" in table

@@ -68,7 +68,9 @@ def format_status(response: pb.StatusResponse) -> str:
     lines = [f"generation {response.generation}{'  (shutting down)' if response.stopping else ''}"
              f"   job {response.job or '-'}   store {response.store.host}:{response.store.port}"]
     for title, members in (("shards", response.shards), ("workers", response.workers), ("clients", response.clients)):
-        lines.append(f"{title} ({sum(m.alive for m in members)} alive of {len(members)})")
+        # Counted by name: a restarted shard's exited process is listed too, under the name its new one serves.
+        named, alive = {m.name for m in members}, {m.name for m in members if m.alive}
+        lines.append(f"{title} ({len(alive)} alive of {len(named)})")
         for m in members:
             figures = " ".join(f"{k}={_figure(v)}" for k, v in sorted(m.metrics.items()))
             if not m.alive and m.reason:
