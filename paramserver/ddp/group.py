@@ -231,6 +231,9 @@ class TrainerGroup:
         mine = torch.futures.Future(devices=[self.device] if self.device.type == "cuda" else None)
         with self._lock:
             if self.aborted is not None:
+                # Launched after the abort, it still runs in this generation's process group: that group is kept
+                # until it ends (``_drop_process_group``), as for those abandoned, or dropping it would wait for it.
+                self._abandoned.append(future)
                 mine.set_exception(GenerationAborted(self.aborted))
                 return mine
             self._pending[mine] = future
