@@ -90,7 +90,8 @@ class StoreViews:
 def train(name: str, index: int, port: int, steps: int, hook: str, result_path: str,
           publish=None, late_member_at: int = 0, late: bool = False, lost_at: int = 0,
           lost: bool = False, hangs: bool = False, short_by=None, uneven: bool = False,
-          buffered: bool = False, retold_short=None, hangs_forming: bool = False, late_backward=None) -> None:
+          buffered: bool = False, retold_short=None, hangs_forming: bool = False, late_backward=None,
+          shares_after_abort: bool = False) -> None:
     """Train ``steps`` steps in the group; ``publish=(generation, members)`` announces a view first.
 
     ``late_member_at``: a member there from the start waits at that step
@@ -108,13 +109,17 @@ def train(name: str, index: int, port: int, steps: int, hook: str, result_path: 
     ``buffered``: the model has a buffer (``model``).  ``retold_short``:
     ``{step: steps}`` this member says it is short of when asked again after a
     re-formation at that step (``sync_point``'s ``retell``).
-    ``hangs_forming``: a ``late`` member publishes the view without itself and
+    ``hangs_forming``: this member (late, or there from the start) publishes the view without itself and
     SIGSTOPs itself as the group it joins starts sharing state (its peers
     wait in those collectives until the new view makes them abandon them).
+    ``shares_after_abort``: in the first generation this member starts
+    sharing state only once the group abandoned that generation (its
+    collectives are launched after the abort).
     ``late_backward=(step, seconds)``: this member sleeps that long before
     that step's backward pass (its peers' all-reduce waits for it).
     ``slowest_step_s`` in the result is the longest step, its recovery
-    included; ``agreed_at`` the steps the group agreed at; ``allreduce_ms``
+    included; ``formed_s`` how long the replica took to form first (its
+    recovery included); ``agreed_at`` the steps the group agreed at; ``allreduce_ms``
     the replica's.
     """
     warnings.filterwarnings("ignore")
@@ -132,8 +137,19 @@ def train(name: str, index: int, port: int, steps: int, hook: str, result_path: 
             source._store.set("hung/pid", str(os.getpid()))
             os.kill(os.getpid(), signal.SIGSTOP)
         DenseReplica._share_state = hang
-    replica = DenseReplica(TrainerGroup.join(source, TIMEOUT), model(buffered), make_optimizer, hook=hook,
-                           uneven_steps=uneven)
+    if shares_after_abort:
+        share = DenseReplica._share_state
+
+        def after_abort(replica) -> str:
+            deadline = time.monotonic() + TIMEOUT.total_seconds()
+            while replica.group.generation == 1 and replica.group.aborted is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return share(replica)
+        DenseReplica._share_state = after_abort
+    group = TrainerGroup.join(source, TIMEOUT)
+    forming = time.monotonic()
+    replica = DenseReplica(group, model(buffered), make_optimizer, hook=hook, uneven_steps=uneven)
+    formed_s = time.monotonic() - forming
     slowest_step_s, agreed_at, own_until = 0.0, [], 0
     started = time.monotonic()
     while replica.step < steps:
@@ -185,7 +201,7 @@ def train(name: str, index: int, port: int, steps: int, hook: str, result_path: 
                      "steps_skipped": replica.steps_skipped,
                      "state": {k: v.clone() for k, v in replica.module.state_dict().items()},
                      "bytes_per_step": replica.bytes_per_step, "allreduce_ms": replica.allreduce_ms(),
-                     "slowest_step_s": slowest_step_s,
+                     "slowest_step_s": slowest_step_s, "formed_s": formed_s,
                      "agreed_at": agreed_at}, file)
 
 

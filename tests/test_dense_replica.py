@@ -188,6 +188,29 @@ def test_a_member_that_hangs_while_the_group_forms_is_left_behind_as_in_a_step(t
             assert torch.equal(got[name]["state"][key], got["worker0"]["state"][key])
 
 
+def test_a_member_that_hangs_as_the_group_first_forms_is_left_behind_and_the_others_train(tmp_path, store):
+    """The same in the group's first forming, in ``DenseReplica``'s constructor (where a Trainer's other members
+    also wait for one whose first build of the tables waits for a lost shard): the others abandon it, re-form
+    without it and train as two from the start, not ending their jobs.  worker1 launches its collectives only
+    after the abort (as a member that reaches them late does): the generation's process group is kept until
+    they end, or dropping it would wait for them until the collective timeout."""
+    names, steps = ["worker0", "worker1", "worker2"], 20
+    children = [Child(name, rw.train, (name, index, store.port, steps, "allreduce", str(tmp_path / f"{name}.pkl"),
+                                       (1, names) if index == 0 else None),
+                      dict(hangs=name != "worker2", hangs_forming=name == "worker2",
+                           shares_after_abort=name == "worker1"))
+                for index, name in enumerate(names)]
+    run_children(children, TIMEOUT, expected_exit_codes={"worker2": -signal.SIGKILL})
+    got = results(tmp_path, names[:2])
+    expected = local_training(names[:2], steps)
+    for name in names[:2]:
+        assert (got[name]["step"], got[name]["reformations"], got[name]["recoveries"]) == (steps, 0, 1)
+        assert got[name]["formed_s"] < ABANDONED_WITHIN_S, got[name]["formed_s"]  # not the collective timeout
+        for key, value in expected.items():
+            torch.testing.assert_close(got[name]["state"][key], value, atol=1e-6, rtol=1e-6)
+            assert torch.equal(got[name]["state"][key], got["worker0"]["state"][key])
+
+
 def test_a_value_handed_out_through_the_store_outwaits_the_collective_timeout_and_ends_with_the_generation(
         tmp_path, store):
     """What a checkpoint's members wait for while rank 0 writes it (``TrainerGroup.hand_out``): it arrives after

@@ -128,7 +128,10 @@ class DenseReplica:
     time from this constructor); ``on_agreed(replica)``: after every
     agreement that goes on with the step (not one that waits).  Their
     collectives are the group's like any other: one that fails is
-    recovered from (``recover``), and the agreement is taken again.
+    recovered from (``recover``), and the agreement is taken again.  So is
+    one of the first forming, in this constructor (a member lost or hung as
+    the group first formed: the others re-form without it); it raises
+    ``GroupStopped`` when the worker is asked to stop meanwhile.
     """
 
     def __init__(self, group: TrainerGroup, module: nn.Module,
@@ -177,6 +180,12 @@ class DenseReplica:
             self._drop_ddp()
             self.group.close()
             raise
+        except RuntimeError as error:  # a member lost (or hung) as the group first formed: re-form without it
+            if not self.collective_failed(error):
+                raise
+            if not self.recover(error):
+                raise GroupStopped(f"{self.group.members[self.group.rank]} was asked to stop while its trainer "
+                                   f"group re-formed") from error
 
     def _restore(self, initial: Dict[str, Any]) -> None:
         """Start from a checkpoint's dense part: module, optimizer and step now, the hook state at forming."""

@@ -217,9 +217,9 @@ class Trainer:
             return dict(figures or {}, steps=0)
         try:
             run = _Run(self, group, data, steps, eval_data, eval_every, log_every, figures or {})
-        except RebuildStopped:  # asked to stop while a shard lost as the job started was waited for
-            group.close()
-            logger.info("%s: stopped while waiting for a lost shard, before its first step", self.ctx.rpc_name)
+        except (RebuildStopped, GroupStopped) as stopped:  # asked to stop while waiting for a shard lost as the
+            group.close()                                    # job started, or while the group first formed again
+            logger.info("%s: stopped before its first step (%s)", self.ctx.rpc_name, stopped)
             return dict(figures or {}, steps=0)
         return run.run()
 
@@ -258,10 +258,14 @@ class _Run:
                                     recorder=ctx.recorders.data_plane)
         #: ``replica.steps_skipped`` when this member's batches last caught up with it (``None``: not formed yet).
         self._skips_taken: Optional[int] = None
-        self.replica = DenseReplica(group, trainer.dense, trainer.dense_optimizer, hook=trainer.comm_hook,
-                                    hook_options=trainer.hook_options, agree_every=trainer.agree_every,
-                                    initial=restored, recorder=ctx.recorders.training, on_formed=self._formed,
-                                    on_agreed=self._agreed if shared else None, uneven_steps=shared)
+        try:
+            self.replica = DenseReplica(group, trainer.dense, trainer.dense_optimizer, hook=trainer.comm_hook,
+                                        hook_options=trainer.hook_options, agree_every=trainer.agree_every,
+                                        initial=restored, recorder=ctx.recorders.training, on_formed=self._formed,
+                                        on_agreed=self._agreed if shared else None, uneven_steps=shared)
+        except BaseException:  # (asked to stop as the group first formed, or it could not form)
+            self.sparse.close()  # what the tables hold on the shards is released now
+            raise
         published = (PublishedPositions.of_job(group, trainer.staleness, ctx.job_run) if ctx.checkpoint.directory
                      else None)
         self.checkpoints = TrainerCheckpoints(ctx, self.replica, self.batches.position,
