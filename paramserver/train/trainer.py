@@ -217,8 +217,9 @@ class Trainer:
             return dict(figures or {}, steps=0)
         try:
             run = _Run(self, group, data, steps, eval_data, eval_every, log_every, figures or {})
-        except (RebuildStopped, GroupStopped) as stopped:  # asked to stop while waiting for a shard lost as the
-            group.close()                                    # job started, or while the group first formed again
+        except (RebuildStopped, GroupStopped) as stopped:
+            # Asked to stop while waiting for a shard lost as the job started, or as the group first re-formed.
+            group.close()
             logger.info("%s: stopped before its first step (%s)", self.ctx.rpc_name, stopped)
             return dict(figures or {}, steps=0)
         return run.run()
@@ -264,6 +265,8 @@ class _Run:
                                         initial=restored, recorder=ctx.recorders.training, on_formed=self._formed,
                                         on_agreed=self._agreed if shared else None, uneven_steps=shared)
         except BaseException:  # (asked to stop as the group first formed, or it could not form)
+            self.pipeline.close()
+            self.batches.close()
             self.sparse.close()  # what the tables hold on the shards is released now
             raise
         published = (PublishedPositions.of_job(group, trainer.staleness, ctx.job_run) if ctx.checkpoint.directory
