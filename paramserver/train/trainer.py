@@ -607,16 +607,17 @@ class _Run:
         was_training = module.training
         module.eval()
         try:
-            while self._settled(self.pipeline.drain()):
+            if not self._settled(self.pipeline.drain()):
+                return False
+            while True:
                 try:
                     self.figures.update(evaluate(score, self.eval_data))
-                except ShardStepFailed as error:
+                except ShardStepFailed as error:  # (the rebuild drains; its rebuilds count with the steps')
                     if not self._settled([], rebuild_for=error.cause):
                         return False
-                    continue  # (its rebuilds count with the steps': a good step ends the run of them)
+                    continue
                 self.evaluated_at = self.replica.step
                 return True
-            return False
         finally:
             module.train(was_training)
 
