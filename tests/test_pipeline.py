@@ -194,7 +194,7 @@ def test_a_row_cache_reads_shared_rows_once_holds_at_most_cache_rows_and_applies
     loss = RecordedLoss()
     # Agreements every 6 steps: windows of 3 steps line up with them (a dynamic table's reads stop there).
     figures = trainer(local_context, f"cache2-{dynamic}-{'-'.join(bound)}-{cache_rows}", loss, dynamic=dynamic,
-                      staleness=2, agree_every=6, **bound).fit(
+                      staleness=2, agree_every=6, cache_steps=3, **bound).fit(
         overlapping_batches(24, hashed_ids=dynamic), steps=24, log_every=4)
     assert figures["steps"] == 24 and figures["sparse_steps"] == 24 and len(loss.values) == 24, figures
     assert max(most_held) <= cache_rows, (max(most_held), cache_rows)
@@ -209,6 +209,23 @@ def test_a_row_cache_reads_shared_rows_once_holds_at_most_cache_rows_and_applies
         assert figures["row_cache.windows"] == 8 and figures["row_cache.hit_rate"] > 0.3, figures
     else:  # windows cut short to hold at most 50 rows (a step of these batches needs at most 30 + 16)
         assert figures["row_cache.windows"] > 8, figures
+
+
+@pytest.mark.parametrize("cores_to_spare, window", [(True, 2), (False, 3)], ids=["spare-cores", "short-of-cores"])
+def test_the_row_caches_default_window_follows_the_host(local_context, monkeypatch, caplog, cores_to_spare,
+                                                        window):
+    """``k`` steps a window where the host has cores to spare (each message overlaps a step), ``k + 1`` where
+    it is short of them (the fewest messages); a window given is kept either way."""
+    monkeypatch.setattr(local_context, "cores_to_spare", cores_to_spare)
+    assert trainer(local_context, "window", RecordedLoss(), staleness=2, cache_rows=100).cache_steps == window
+    assert trainer(local_context, "window", RecordedLoss(), staleness=2, cache_rows=100,
+                   cache_steps=1).cache_steps == 1
+    assert trainer(local_context, "window", RecordedLoss(), staleness=0, cache_rows=100).cache_steps == 1
+    with caplog.at_level("INFO", logger="paramserver.train.trainer"):
+        figures = trainer(local_context, f"window-{window}", RecordedLoss(), staleness=2, cache_rows=1000,
+                          agree_every=6).fit(overlapping_batches(12), steps=12, log_every=4)
+    assert figures["sparse_steps"] == 12 and figures["row_cache.windows"] == 12 // window, figures
+    assert f"staleness 2, a message per shard every {window} steps;" in caplog.text, caplog.text
 
 
 def test_row_cache_options_are_refused_unless_they_make_sense(local_context):

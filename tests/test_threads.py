@@ -24,6 +24,15 @@ def test_workers_share_the_cores_and_servers_take_one_thread():
                     "as a worker")
 
 
+def test_a_host_has_cores_to_spare_when_they_outnumber_the_clusters_processes_on_it():
+    assert choose_threads("worker", {}, SIXTEEN).cores_to_spare  # one process per host
+    assert choose_threads("worker", {HOST_PROCESSES_ENV: "13"}, SIXTEEN).cores_to_spare  # 8 workers, 4 shards
+    assert not choose_threads("worker", {HOST_PROCESSES_ENV: "16"}, SIXTEEN).cores_to_spare
+    assert not choose_threads("worker", {HOST_PROCESSES_ENV: "7"}, (2, "CPU affinity")).cores_to_spare
+    # Threads set by the environment change nothing: the processes still share the host's cores.
+    assert not choose_threads("worker", {HOST_PROCESSES_ENV: "7", THREADS_ENV: "1"}, (2, "x")).cores_to_spare
+
+
 def test_the_environment_overrides_and_bad_values_are_named():
     choice = choose_threads("shard", {THREADS_ENV: "3", INTEROP_THREADS_ENV: "2"}, SIXTEEN)
     assert (choice.intra_op, choice.inter_op, choice.overridden) == (3, 2, True)

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from ..metrics.training import TrainingMetrics
 
 from ..checkpoint.records import CheckpointCommit, CheckpointFailure, CheckpointSettings, LiveExportSettings
+from .threads import choose_threads
 
 #: How long a job waits for its trainer group to form before giving up.
 GROUP_WAIT = datetime.timedelta(seconds=120)
@@ -191,6 +192,9 @@ class JobContext:
     inbox: Inbox = field(default_factory=Inbox, repr=False)
     #: The worker's metric sets to record into (each ``None``: this worker serves no metrics).
     recorders: Recorders = field(default_factory=Recorders, repr=False)
+    #: Whether this worker's host has more cores than the cluster's processes on it (``runtime.threads``); the
+    #: Trainer's row cache chooses its default window by it.
+    cores_to_spare: bool = True
     #: The shards serving now, as of the last word from the coordinator.
     _live_shards: Optional[Callable[[], List[str]]] = field(default=None, repr=False)
     #: The shards that will not serve again (name -> why), as of the last word from the coordinator.
@@ -226,7 +230,7 @@ class JobContext:
                    checkpoint=CheckpointSettings.from_message(assignment.checkpoint),
                    exports=LiveExportSettings.from_message(assignment.job.exports),
                    member_id=assignment.member_id, job_run=assignment.job_run, inbox=inbox,
-                   recorders=recorders or Recorders(),
+                   recorders=recorders or Recorders(), cores_to_spare=choose_threads("worker").cores_to_spare,
                    _live_shards=lambda: session.shards,
                    _shards_gone=lambda: session.shards_gone,
                    _trainer_groups_gone=lambda: session.trainer_groups_gone,
@@ -254,7 +258,8 @@ class JobContext:
 
         group = GroupChannel(name, worker_index, 0, "127.0.0.1", store.port, inbox)
         return cls(rpc_name=name, worker_index=worker_index, trainer_group=0, shards=[name], group=group,
-                   inbox=inbox, recorders=recorders or Recorders(), _close=close)
+                   inbox=inbox, recorders=recorders or Recorders(),
+                   cores_to_spare=choose_threads("worker").cores_to_spare, _close=close)
 
     def close(self) -> None:
         """Leave what ``local`` joined (nothing for a worker's context: its runtime leaves)."""

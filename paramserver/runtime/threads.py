@@ -21,6 +21,10 @@ training slows down as workers are added.  Here:
 * ``PARAMSERVER_THREADS`` and ``PARAMSERVER_INTEROP_THREADS`` (or
   ``--threads`` of ``ps-server``/``ps-worker``) override.
 
+Whether the host has cores to spare (more than the cluster's processes on
+it: ``ThreadChoice.cores_to_spare``) is read here too, by what trades CPU
+for latency.
+
 ``apply_threads`` sets them once, before any parallel work (PyTorch fixes
 its inter-op pool at first use), and logs the choice in one line.
 """
@@ -47,6 +51,13 @@ class ThreadChoice:
     cores_from: str
     host_processes: int
     overridden: bool
+
+    @property
+    def cores_to_spare(self) -> bool:
+        """Whether the host has more cores than the cluster's processes on it: each can run on a core of its
+        own, so a step waits on its messages' latency more than on CPU (the row cache's default window,
+        ``paramserver.train.pipeline.default_window``, follows this)."""
+        return self.cores > self.host_processes
 
     def describe(self, role: str) -> str:
         how = ("as set by the environment" if self.overridden else

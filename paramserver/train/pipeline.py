@@ -29,7 +29,11 @@ a row several of them need crosses the wire once.
   message).  Other workers' rows are bound by the same rule one step later:
   the group's all-reduce keeps every member within a step of the others.
   The dense part stays synchronous (DDP).  Fewer messages are what the
-  cache buys: each shard handles one per worker every ``L`` steps.
+  cache buys: each shard handles one per worker every ``L`` steps.  The
+  Trainer's default ``L`` follows the host (``default_window``): ``k``
+  where it has more cores than the cluster's processes on it (a message
+  then overlaps a step instead of being waited for at once), else
+  ``k + 1`` (CPU is short: the fewest messages win).
 
 A read that no message carried (the first steps, after an agreement that
 reads do not cross, after ``drop_reads``) is sent when its step starts:
@@ -100,6 +104,14 @@ class RowCacheFigures:
         return {f"row_cache.{name}": value for name, value in figures.items()}
 
 
+def default_window(staleness: int, cores_to_spare: bool) -> int:
+    """The row cache's window ``L`` when the Trainer is not given one: 1 at ``staleness = 0``; else ``k`` steps on
+    a host with more cores than the cluster's processes on it, so that each message has a step to cross in
+    (``d = 1``), and ``k + 1`` on a host without, where each message costs CPU that the steps need and the
+    fewest messages win (``d = 0``: a message is waited for before the next step)."""
+    return max(1, staleness) if cores_to_spare else staleness + 1
+
+
 class RowPipeline:
     """The reads ahead, row cache and pushes in flight of one worker's steps (see the module's docstring).
 
@@ -141,6 +153,13 @@ class RowPipeline:
         self.cache = RowCacheFigures()
         self._recorder = recorder
         self._slow = RateLimitedLog(logger, "waited for {count} slow push{s} of earlier steps", level=logging.WARNING)
+
+    def describe(self) -> str:
+        """One line for the log: the staleness, and the window that pushes and reads leave in."""
+        if not self.read_ahead:
+            return "rows looked up as each step starts"
+        bound = "exact" if self.staleness == 0 else f"staleness {self.staleness}"
+        return f"{bound}, a message per shard every {self.window} step{'s' if self.window != 1 else ''}"
 
     def _horizon(self, step: int) -> int:
         """The first step whose rows must not be read during ``step``: the end, or the next agreement when a

@@ -46,7 +46,7 @@ from .contract import Batch, Table
 from .data import BatchStream
 from .evaluation import evaluate
 from .live_exports import LiveExports
-from .pipeline import RowPipeline
+from .pipeline import RowPipeline, default_window
 from .positions import PublishedPositions
 from .shares import GroupShares
 from .sparse import RebuildStopped, SparseTables
@@ -107,11 +107,12 @@ class Trainer:
 
     ``cache_rows``: the worker's row cache (``paramserver.shards.client.row_cache``), at most this many rows
     held at once; ``cache_mib``: at most this many MiB of rows (either or both; ``None`` for both: no
-    cache).  With ``staleness = k >= 1`` the rows of ``cache_steps`` consecutive
-    steps (default ``k + 1``, at most that) are read in one lookup, each row once however many of those
-    steps need it, and those steps' pushes leave together in one message per shard carrying the next
-    window's reads: a shard handles one message per worker every ``cache_steps`` steps, every row still
-    within the staleness bound.  With staleness 0 a window is one step and results are unchanged.  Its
+    cache).  With ``staleness = k >= 1`` the rows of ``cache_steps`` consecutive steps (1 to ``k + 1``;
+    by default ``k`` where the host has more cores than the cluster's processes on it, else ``k + 1``:
+    ``pipeline.default_window``) are read in one lookup, each row once however many of those steps need
+    it, and those steps' pushes leave together in one message per shard carrying the next window's
+    reads: a shard handles one message per worker every ``cache_steps`` steps, every row still within
+    the staleness bound.  With staleness 0 a window is one step and results are unchanged.  Its
     figures are the job's ``row_cache.*`` (hit rate, rows read, bytes saved, evictions, rows held).
 
     ``export_to``: a root (local path or fsspec URL, with ``export_storage_options``) where trainer group 0
@@ -171,7 +172,8 @@ class Trainer:
         self.cache_rows = cache_rows
         #: The row cache's bound in bytes (``cache_mib``), ``None``: none.
         self.cache_bytes = None if cache_mib is None else max(1, int(cache_mib * 2 ** 20))
-        self.cache_steps = (cache_steps or staleness + 1) if self.caches_rows else 1
+        self.cache_steps = ((cache_steps or default_window(staleness, ctx.cores_to_spare)) if self.caches_rows
+                            else 1)
         #: What every checkpoint records of the model (``paramserver.checkpoint.model``).
         self.model_description = describe_model(name, self.tables, dense)
         if export_to is not None and (isinstance(export_every, bool) or not isinstance(export_every, int)
@@ -290,8 +292,8 @@ class _Run:
 
     def run(self) -> Dict[str, Any]:
         replica, ctx = self.replica, self.ctx
-        logger.info("%s: tables %s; %s from step %d", ctx.rpc_name, self.sparse.describe(), replica.group.describe(),
-                    replica.step)
+        logger.info("%s: tables %s; %s; %s from step %d", ctx.rpc_name, self.sparse.describe(),
+                    self.pipeline.describe(), replica.group.describe(), replica.step)
         self.started = time.monotonic()
         try:
             self._loop()
