@@ -23,7 +23,11 @@ What it measures
       (``phase_ms.*``, ms per step, the workers' mean) and how long the
       all-reduce was in flight within the backward (``allreduce_ms``), so
       that what grows with the workers (the all-reduce and its wait for the
-      slowest worker, the lookups, the push wait) can be told apart.
+      slowest worker, the lookups, the push wait) can be told apart.  Next
+      to it, the same all-reduce (the job's gradient bucket, gloo, loopback)
+      between as many idle processes, measured after the run: what the
+      collective itself costs, so that the rest of its time in flight is the
+      wait for the slowest worker.
 
     With more processes than cores (8 workers and 4 shards on 2 cores), the
     throughput rows show what a step costs in CPU over all processes, not
@@ -41,8 +45,10 @@ import datetime
 import json
 import os
 import pathlib
+import statistics
 import sys
 import tempfile
+import time
 from typing import Dict, List, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # end_to_end, also in spawned children
@@ -50,6 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # end_to_end, al
 from end_to_end import FORK_SERVER, ContestantFailed, run_demo, step_figures, threads_environment  # noqa: E402
 
 from paramserver.jobs.ctr_data import CTRSpec  # noqa: E402
+from paramserver.processes import Child, free_port, run_children  # noqa: E402
 from paramserver.train.step import PHASES  # noqa: E402
 
 DIM = 16
@@ -118,6 +125,42 @@ def job_floor_bytes(shards: int) -> float:
     return rows * DIM * 4 * 2 / shards
 
 
+BARE_ROUNDS = 300
+
+
+def bare_allreduce_member(rank: int, world: int, port: int, numel: int, results_path: str) -> None:
+    """One of ``world`` idle processes: ``BARE_ROUNDS`` all-reduces of ``numel`` float32 over gloo, each after a
+    barrier (so that every member starts it together); rank 0 writes the median in ms."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    gradient, times = torch.randn(numel), []
+    for round_ in range(BARE_ROUNDS + 20):  # 20 untimed
+        dist.barrier()
+        began = time.perf_counter()
+        dist.all_reduce(gradient)
+        if round_ >= 20:
+            times.append(time.perf_counter() - began)
+    if rank == 0:
+        with open(results_path, "w") as results:
+            json.dump({"median_ms": 1e3 * statistics.median(times)}, results)
+    dist.destroy_process_group()
+
+
+def bare_allreduce_ms(world: int, numel: int, folder: pathlib.Path) -> float:
+    """The median time of the job's all-reduce between ``world`` idle processes (0 for one)."""
+    if world < 2 or numel < 1:
+        return 0.0
+    path, port = str(folder / f"bare-{world}.json"), free_port()
+    run_children([Child(f"member{rank}", bare_allreduce_member, (rank, world, port, numel, path))
+                  for rank in range(world)], datetime.timedelta(seconds=120))
+    with open(path) as results:
+        return json.load(results)["median_ms"]
+
+
 def throughput_rows(args, folder: pathlib.Path) -> List[Dict]:
     shapes = [(w, 4) for w in args.workers] + [(2, s) for s in args.shards if s != 4 or 2 not in args.workers]
     rows = []
@@ -129,10 +172,12 @@ def throughput_rows(args, folder: pathlib.Path) -> List[Dict]:
         summary = run_demo(run_folder, args.steps, args.batch, max(10, args.steps // 5), args.timeout,
                            "--workers", str(workers), "--shards", str(shards), watch=memory,
                            environment=threads_environment(args.threads), extra_config=args.job_config)
+        progress(f"  {summary['samples_per_s']:,.0f} samples/s; the bare all-reduce between {workers} idle processes")
+        bare = bare_allreduce_ms(workers, summary.get("bytes_per_step", 0) // 4, run_folder)
         rows.append({"workers": workers, "shards": shards, "samples_per_s": summary["samples_per_s"],
                      "shard_peak_mib": max(memory.peak.values(), default=0) / 2**20,
-                     "floor_mib": job_floor_bytes(shards) / 2**20, **step_figures(summary)})
-        progress(f"  {summary['samples_per_s']:,.0f} samples/s")
+                     "floor_mib": job_floor_bytes(shards) / 2**20, "bare_allreduce_ms": bare,
+                     **step_figures(summary)})
     return rows
 
 
@@ -208,13 +253,15 @@ def print_phases(rows: List[Dict]) -> None:
         return
     print("\nWhere a step's time goes (ms per step, the workers' mean; the all-reduce in flight is part of the "
           "backward: from a worker's last gradient bucket to its all-reduce's end, the wait for the slowest "
-          "worker included):\n")
-    print("| workers | shards | " + " | ".join(PHASES[phase] for phase in shown) + " | step | all-reduce in flight |")
-    print("|---:|---:|" + "---:|" * (len(shown) + 2))
+          "worker included; bare: the same all-reduce between as many idle processes, the median):\n")
+    print("| workers | shards | " + " | ".join(PHASES[phase] for phase in shown) +
+          " | step | all-reduce in flight | bare all-reduce |")
+    print("|---:|---:|" + "---:|" * (len(shown) + 3))
     for row in rows:
         cells = " | ".join(f"{row['phase_ms'].get(phase, 0.0):.2f}" for phase in shown)
         step = sum(row["phase_ms"].get(phase, 0.0) for phase in shown)
-        print(f"| {row['workers']} | {row['shards']} | {cells} | {step:.2f} | {row['allreduce_ms']:.2f} |")
+        print(f"| {row['workers']} | {row['shards']} | {cells} | {step:.2f} | {row['allreduce_ms']:.2f} | "
+              f"{row['bare_allreduce_ms']:.2f} |")
 
 
 def _counts(text: str) -> List[int]:
