@@ -488,7 +488,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--cache-rows", type=int, default=None, metavar="N",
                         help='ours only: the job configuration\'s "cache_rows": N (the workers\' row cache)')
     parser.add_argument("--cache-steps", type=int, default=None, metavar="L",
-                        help='ours only, with --cache-rows: "cache_steps": L (default: staleness + 1)')
+                        help='ours only, with --cache-rows: "cache_steps": L (default: the Trainer\'s, which '
+                             'follows the host)')
     parser.add_argument("--no-dense-variant", action="store_true",
                         help="skip the tutorial's dense-gradient EmbeddingBag variant")
     parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",

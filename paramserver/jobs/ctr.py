@@ -18,9 +18,10 @@ reports the held-out AUC and log loss of the ``eval`` files.
 most the last ``k`` steps, which are applied in the background
 (``paramserver.train.pipeline``); 0, the default, is exact.
 ``cache_rows=N`` adds the worker's row cache (at most N rows held; ``cache_mib=M``: at most M MiB): with
-``staleness=k`` the rows of ``k + 1`` steps are read at once and their
-pushes leave together (``cache_steps`` sets fewer), one message per shard
-every ``k + 1`` steps.
+``staleness=k`` the rows of several steps are read at once and their
+pushes leave together, one message per shard for them all (``k + 1``
+steps on a host short of cores, ``k`` on one with cores to spare;
+``cache_steps`` sets it).
 
 ``export_to=URL`` writes live exports there every ``export_every`` steps (a base, then deltas of the rows
 changed; ``paramserver.serving.load(URL)`` serves the newest and ``refresh()`` follows).
