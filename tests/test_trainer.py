@@ -164,6 +164,33 @@ def test_a_worker_asked_to_stop_while_its_first_build_waits_for_a_shard_leaves_w
     assert small_trainer(local_context, "after-the-stop").fit(Counting(30), steps=10, log_every=5)["steps"] == 10
 
 
+def test_a_worker_asked_to_stop_as_its_group_first_forms_leaves_with_no_step_and_lets_go_of_everything(
+        local_context, monkeypatch):
+    """``DenseReplica`` raises ``GroupStopped`` when the worker is asked to stop while its group first forms
+    (a member lost there, the group re-forming: ``test_dense_replica``'s hung first forming): ``fit`` returns
+    no step, leaves its group, and closes its tables, reader and pipeline."""
+    from paramserver.ddp import GroupStopped
+    from paramserver.train import trainer as trainer_module
+    closed = []
+    close = SparseTables.close
+
+    def counted_close(sparse):
+        closed.append(sparse)
+        close(sparse)
+
+    def stopped_forming(*args, **kwargs):
+        raise GroupStopped("asked to stop while the group re-formed after a member was lost")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(trainer_module, "DenseReplica", stopped_forming)
+        patched.setattr(SparseTables, "close", counted_close)
+        figures = small_trainer(local_context, "stopped-forming").fit(Counting(30), steps=10, log_every=5)
+    assert figures == {"steps": 0} and len(closed) == 1 and not closed[0].tables, (figures, closed)
+    threads = [thread.name for thread in threading.enumerate()]
+    assert "trainer-group-views" not in threads and "batch-reader" not in threads, threads
+    assert small_trainer(local_context, "stopped-forming").fit(Counting(30), steps=10, log_every=5)["steps"] == 10
+
+
 def test_a_first_build_that_keeps_failing_is_bounded_stops_when_asked_and_other_errors_pass(local_context,
                                                                                           monkeypatch):
     def make(name, **options):
