@@ -12,6 +12,10 @@ What it measures
       run; ``--threads N`` gives every process N instead
       (``PARAMSERVER_THREADS``), which shows the job's own scaling apart
       from that split of the host.
+    * **How busy the host was** in each run: the share of its cores busy
+      while the workers trained (``/proc/stat``, from a worker's first
+      logged step to the last), so that a run short of CPU shows apart from
+      one whose workers wait for each other.
     * **Resident memory per shard** in each run: the highest resident set
       of any shard process seen while it ran (sampled every 0.5 s), next to
       the floor its tables need (rows + QHM momentum, 4-byte floats).  For
@@ -119,6 +123,36 @@ class ShardMemory:
                 continue
 
 
+class HostBusy:
+    """How busy the host's cores were while a run trained: ``/proc/stat``'s totals, read at each call from the
+    first worker's first logged step (its Trainer's start line) to the logged last step of one."""
+
+    def __init__(self, steps: int):
+        self._last_step = f" step {steps}/{steps}:"
+        self.began: Optional[tuple] = None  # (busy ticks, all ticks) when training began
+        self.ended: Optional[tuple] = None
+
+    def __call__(self, log_dir: pathlib.Path) -> None:
+        if self.ended is not None:
+            return
+        logs = "".join(path.read_text(errors="replace") for path in log_dir.glob("ps-worker*.log"))
+        if self.began is None and ": tables " not in logs:
+            return
+        with open("/proc/stat") as stat:
+            ticks = [int(value) for value in stat.readline().split()[1:]]
+        reading = (sum(ticks) - ticks[3] - ticks[4], sum(ticks))  # all but idle and iowait
+        if self.began is None:
+            self.began = reading
+        elif self._last_step in logs:
+            self.ended = reading
+
+    def share(self) -> float:
+        """The share of the cores busy while training (0 to 1; 0 when the run was too short to tell)."""
+        if self.began is None or self.ended is None:
+            return 0.0
+        return (self.ended[0] - self.began[0]) / max(1, self.ended[1] - self.began[1])
+
+
 def job_floor_bytes(shards: int) -> float:
     """Rows + momentum of the default job's tables, per shard on average (whole tables placed by size)."""
     rows = sum(CTRSpec().vocab_sizes)
@@ -166,17 +200,22 @@ def throughput_rows(args, folder: pathlib.Path) -> List[Dict]:
     rows = []
     for workers, shards in shapes:
         progress(f"{workers} workers, {shards} shards, {args.steps} steps")
-        memory = ShardMemory()
+        memory, busy = ShardMemory(), HostBusy(args.steps)
         run_folder = folder / f"w{workers}-s{shards}"
         run_folder.mkdir()
+
+        def watch(log_dir: pathlib.Path) -> None:
+            memory(log_dir)
+            busy(log_dir)
         summary = run_demo(run_folder, args.steps, args.batch, max(10, args.steps // 5), args.timeout,
-                           "--workers", str(workers), "--shards", str(shards), watch=memory,
+                           "--workers", str(workers), "--shards", str(shards), watch=watch,
                            environment=threads_environment(args.threads), extra_config=args.job_config)
         progress(f"  {summary['samples_per_s']:,.0f} samples/s; the bare all-reduce between {workers} idle processes")
         bare = bare_allreduce_ms(workers, summary.get("bytes_per_step", 0) // 4, run_folder)
         rows.append({"workers": workers, "shards": shards, "samples_per_s": summary["samples_per_s"],
                      "shard_peak_mib": max(memory.peak.values(), default=0) / 2**20,
                      "floor_mib": job_floor_bytes(shards) / 2**20, "bare_allreduce_ms": bare,
+                     "host_busy": busy.share(),
                      **step_figures(summary)})
     return rows
 
@@ -224,13 +263,13 @@ def report(rows: List[Dict], memory: Optional[Dict], args) -> None:
     print(f"# Scaling of the default job: {os.cpu_count()} cores, {args.steps} steps x batch {args.batch} per "
           f"worker, allreduce hook, one trainer group, {threads}{config}\n")
     base = next((r["samples_per_s"] for r in rows if r["workers"] == 1 and r["shards"] == 4), None)
-    print("| workers | shards | samples/s | efficiency vs 1 worker | shard resident (peak, MiB) | "
-          "tables' floor per shard (MiB) |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("| workers | shards | samples/s | efficiency vs 1 worker | host's cores busy while training | "
+          "shard resident (peak, MiB) | tables' floor per shard (MiB) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         efficiency = f"{row['samples_per_s'] / (row['workers'] * base):.0%}" if base else "n/a"
         print(f"| {row['workers']} | {row['shards']} | {row['samples_per_s']:,.0f} | {efficiency} | "
-              f"{row['shard_peak_mib']:,.0f} | {row['floor_mib']:.1f} |")
+              f"{row['host_busy']:.0%} | {row['shard_peak_mib']:,.0f} | {row['floor_mib']:.1f} |")
     print_phases(rows)
     eight = next((r for r in rows if r["workers"] == 8 and r["shards"] == 4), None)
     two = next((r for r in rows if r["workers"] == 2 and r["shards"] == 4), None)
