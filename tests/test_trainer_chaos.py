@@ -12,9 +12,9 @@ its own), through the real commands, on one cluster of two shards and three work
 
 Every step of the survivor is accounted for exactly once, and the model it ends with still learned.  The job
 runs with pushes applied in the background two steps behind (``staleness=2``) and the row cache (windows of 3
-steps read at once, their pushes held and sent together), the harder case: the faults of exact steps (the
-default) are the other fault tests' (``test_fault_bounds``, ``test_multihost``, ``test_checkpoints``,
-``test_cluster_commands``).
+steps read at once, their pushes held and sent together, whatever the host's cores), the harder case: the
+faults of exact steps (the default) are the other fault tests' (``test_fault_bounds``, ``test_multihost``,
+``test_checkpoints``, ``test_cluster_commands``).
 """
 
 import os
@@ -46,7 +46,8 @@ def test_a_trainer_job_survives_a_crash_mid_checkpoint_a_lost_worker_and_a_lost_
     server, address = start_server(commands, "--shards", "2", "--group-size", "3", "--heartbeat-timeout", "3",
                                    "--checkpoint-dir", str(root), "--checkpoint-every", "20", "--job", JOB,
                                    "--job-config", job_config(steps=STEPS, stateful=True, staleness=STALENESS,
-                                                              cache_rows=10_000, crash_in_checkpoint_at=CRASH_AT,
+                                                              cache_rows=10_000, cache_steps=STALENESS + 1,
+                                                              crash_in_checkpoint_at=CRASH_AT,
                                                               kill_at_first_build=str(first_build_kill)))
     first_build_kill.write_text(str(next(s["pid"] for s in status(commands, address)["shards"]
                                          if s["name"] == "shard1")))

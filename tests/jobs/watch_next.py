@@ -15,8 +15,8 @@ step ``s`` or later that it writes as rank 0 of its group: after the
 shards wrote their parts, when the Trainer reads the dense part's state.
 ``dynamic_video=True`` makes the candidate video's table a dynamic one,
 over the video ids as raw 64-bit hashes.  ``row_wise_min_rows``: the
-Trainer's.  ``staleness``, ``cache_rows``: the Trainer's.  ``eval_scores=PATH``: the scores of the last held-out
-evaluation (the tower's outputs in eval mode) are saved there, as one
+Trainer's.  ``staleness``, ``cache_rows``, ``cache_steps``: the Trainer's.  ``eval_scores=PATH``: the scores
+of the last held-out evaluation (the tower's outputs in eval mode) are saved there, as one
 tensor, for comparing an export's (worker 0).  ``kill_at_first_build=PATH``:
 worker 1 SIGKILLs the process whose pid that file holds (a shard's) right
 before the Trainer first builds its tables on the shards, as if that
@@ -147,7 +147,7 @@ def main(ctx, steps: int = 200, batch_size: int = 128, dim: int = 8, lr: float =
          crash_in_checkpoint_at: Optional[int] = None, log_every: int = 10, eval_every: int = 50,
          seed: int = 7, dynamic_video: bool = False, row_wise_min_rows: int = ROW_WISE_MIN_ROWS,
          eval_scores: Optional[str] = None, staleness: int = 0, cache_rows: Optional[int] = None,
-         kill_at_first_build: Optional[str] = None) -> dict:
+         cache_steps: Optional[int] = None, kill_at_first_build: Optional[str] = None) -> dict:
     planted = Planted(seed, hashed_videos=dynamic_video)
     data = (StatefulSessions if stateful else Sessions)(planted, ctx.worker_index, batch_size)
     tables = {"user": Table(USERS, dim, init_std=0.1), "history": Table(VIDEOS, dim, mode="mean", init_std=0.1),
@@ -163,7 +163,8 @@ def main(ctx, steps: int = 200, batch_size: int = 128, dim: int = 8, lr: float =
                       sparse_optimizer=(QHM, dict(lr=lr, momentum=0.9, nu=0.7)),
                       dense_optimizer=lambda params: torch.optim.SGD(params, lr=0.5, momentum=0.9),
                       loss=nn.BCEWithLogitsLoss(), comm_hook="allreduce", name="watch", seed=seed,
-                      row_wise_min_rows=row_wise_min_rows, staleness=staleness, cache_rows=cache_rows)
+                      row_wise_min_rows=row_wise_min_rows, staleness=staleness, cache_rows=cache_rows,
+                      cache_steps=cache_steps)
     holdout = [planted.batch(999, index, 1024) for index in range(2)]
     figures = trainer.fit(data, steps=steps, eval_data=holdout, eval_every=eval_every, log_every=log_every)
     if scores:
