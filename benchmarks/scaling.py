@@ -3,9 +3,9 @@
 What it measures
     * **Throughput**: samples/s of the default CTR job (``ps-demo --hook
       allreduce``, no evaluation, batch 1024 per worker, all workers in one
-      trainer group) for 1, 2, 4 and 8 workers on 4 shards, then 2, 4 and 8
+      trainer group) for 1, 2, 4 and 8 workers on 4 shards (``--worker-shards``), then 2, 4 and 8
       shards with 2 workers.  Efficiency of a row: its samples/s over
-      (workers x the samples/s of 1 worker on 4 shards), from the same run.
+      (workers x the samples/s of 1 worker on as many shards), from the same run.
       Every process sizes its threads to the host (``PARAMSERVER_HOST_PROCESSES``,
       which ps-demo sets: ``paramserver.runtime.threads``), so a worker of
       the 1-worker run gets more intra-op threads than one of the 8-worker
@@ -39,7 +39,7 @@ What it measures
     names the machine).
 
 How to run
-    ``.venv/bin/python benchmarks/scaling.py [--steps N] [--workers 1,2,4,8] [--shards 2,4,8]
+    ``.venv/bin/python benchmarks/scaling.py [--steps N] [--workers 1,2,4,8] [--worker-shards N] [--shards 2,4,8]
     [--threads N] [--job-config JSON] [--memory-rows N]``; the defaults take about 4 minutes on 2 cores.
     Progress to stderr, results to stdout.
 """
@@ -196,7 +196,8 @@ def bare_allreduce_ms(world: int, numel: int, folder: pathlib.Path) -> float:
 
 
 def throughput_rows(args, folder: pathlib.Path) -> List[Dict]:
-    shapes = [(w, 4) for w in args.workers] + [(2, s) for s in args.shards if s != 4 or 2 not in args.workers]
+    on = args.worker_shards
+    shapes = [(w, on) for w in args.workers] + [(2, s) for s in args.shards if s != on or 2 not in args.workers]
     rows = []
     for workers, shards in shapes:
         progress(f"{workers} workers, {shards} shards, {args.steps} steps")
@@ -262,7 +263,8 @@ def report(rows: List[Dict], memory: Optional[Dict], args) -> None:
     config = f", job configuration {json.dumps(args.job_config)}" if args.job_config else ""
     print(f"# Scaling of the default job: {os.cpu_count()} cores, {args.steps} steps x batch {args.batch} per "
           f"worker, allreduce hook, one trainer group, {threads}{config}\n")
-    base = next((r["samples_per_s"] for r in rows if r["workers"] == 1 and r["shards"] == 4), None)
+    on = args.worker_shards
+    base = next((r["samples_per_s"] for r in rows if r["workers"] == 1 and r["shards"] == on), None)
     print("| workers | shards | samples/s | efficiency vs 1 worker | host's cores busy while training | "
           "shard resident (peak, MiB) | tables' floor per shard (MiB) |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
@@ -271,8 +273,8 @@ def report(rows: List[Dict], memory: Optional[Dict], args) -> None:
         print(f"| {row['workers']} | {row['shards']} | {row['samples_per_s']:,.0f} | {efficiency} | "
               f"{row['host_busy']:.0%} | {row['shard_peak_mib']:,.0f} | {row['floor_mib']:.1f} |")
     print_phases(rows)
-    eight = next((r for r in rows if r["workers"] == 8 and r["shards"] == 4), None)
-    two = next((r for r in rows if r["workers"] == 2 and r["shards"] == 4), None)
+    eight = next((r for r in rows if r["workers"] == 8 and r["shards"] == on), None)
+    two = next((r for r in rows if r["workers"] == 2 and r["shards"] == on), None)
     if eight and two and base:
         efficiency = eight["samples_per_s"] / (8 * base)
         print(f"\n8 workers vs 2: {eight['samples_per_s'] / two['samples_per_s']:.2f}x; efficiency at 8 workers "
@@ -311,7 +313,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description="The default job's scaling, and a shard's memory.")
     parser.add_argument("--steps", type=int, default=100, help="training steps per run (default 100)")
     parser.add_argument("--batch", type=int, default=1024, help="samples per worker per step (default 1024)")
-    parser.add_argument("--workers", type=_counts, default=[1, 2, 4, 8], help="worker counts on 4 shards")
+    parser.add_argument("--workers", type=_counts, default=[1, 2, 4, 8],
+                        help="worker counts on --worker-shards shards")
+    parser.add_argument("--worker-shards", type=int, default=4, metavar="N",
+                        help="the shards of the worker-count runs (default 4)")
     parser.add_argument("--shards", type=_counts, default=[2, 4, 8], help="shard counts with 2 workers")
     parser.add_argument("--threads", type=int, default=0, metavar="N",
                         help="intra-op threads of every process (default 0: each sizes its own to the host)")
@@ -322,6 +327,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="rows of the memory probe's table (0: skip it; default 20M)")
     parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS", help="per run (default 600)")
     args = parser.parse_args(argv)
+    if args.worker_shards < 1:
+        parser.error("--worker-shards must be at least 1")
     with tempfile.TemporaryDirectory(prefix="scaling-") as folder:
         try:
             rows = throughput_rows(args, pathlib.Path(folder))
