@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from paramserver.shards.client.placement import pack_whole, plan_dense, shard_loads, split_rows
+from paramserver.shards.client.placement import pack_whole, plan_dense, shard_loads, split_rows, spread_whole
 
 SHARDS = ["shard0", "shard1", "shard2", "shard3"]
 
@@ -94,3 +94,23 @@ def test_whole_tables_pack_onto_few_shards_no_fuller_than_the_balanced_plan():
     assert max(loads.values()) <= max(shard_loads(plan_dense(equal, SHARDS), equal, SHARDS).values())
     assert sum(1 for load in loads.values() if load) < 4
     assert pack_whole(sizes, SHARDS) == pack_whole(dict(reversed(list(sizes.items()))), SHARDS)  # deterministic
+
+
+def test_a_trainers_whole_tables_go_packed_by_default_or_spread_over_every_shard():
+    from paramserver.train.sparse import place_whole
+    sizes = {f"t{i}": rows * 64 for i, rows in enumerate((100_000, 20_000, 10_000, 5_000, 1_000, 500, 100, 20))}
+    assert place_whole(sizes, SHARDS, "packed") == pack_whole(sizes, SHARDS)
+    # Spread: two tables on each shard, largest first to the shard holding the fewest (then the fewest bytes),
+    # where packed puts seven of the eight on shard1.
+    assert place_whole(sizes, SHARDS, "spread") == spread_whole(sizes, SHARDS) == {
+        "t0": "shard0", "t1": "shard1", "t2": "shard2", "t3": "shard3",
+        "t4": "shard3", "t5": "shard2", "t6": "shard1", "t7": "shard0"}
+    seven = {f"s{i}": 10 for i in range(7)}
+    counts = [list(spread_whole(seven, SHARDS).values()).count(shard) for shard in SHARDS]
+    assert sorted(counts) == [1, 2, 2, 2]
+    assert spread_whole(sizes, SHARDS) == spread_whole(dict(reversed(list(sizes.items()))), SHARDS)  # deterministic
+    assert place_whole({}, SHARDS, "spread") == {}
+    with pytest.raises(ValueError, match="'bad' has a negative size"):
+        spread_whole({"bad": -1}, SHARDS)
+    with pytest.raises(ValueError, match=r"table_placement must be one of \('packed', 'spread'\), got 'even'"):
+        place_whole(sizes, SHARDS, "even")

@@ -64,10 +64,18 @@ class Logit(torch.nn.Module):
         return self.linear(torch.cat([pooled["t"], dense], 1)).squeeze(1)
 
 
-def small_trainer(ctx, name: str) -> Trainer:
+def small_trainer(ctx, name: str, **options) -> Trainer:
     return Trainer(ctx, tables={"t": Table(10, 4)}, dense=Logit(), sparse_optimizer=(QHM, dict(lr=0.1, momentum=0.9, nu=0.7)),
                    dense_optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
-                   loss=torch.nn.BCEWithLogitsLoss(), name=name)
+                   loss=torch.nn.BCEWithLogitsLoss(), name=name, **options)
+
+
+def test_tables_can_be_spread_over_the_shards_and_a_placement_not_offered_is_refused(local_context):
+    figures = small_trainer(local_context, "spread", table_placement="spread").fit(Counting(30), steps=10,
+                                                                                   log_every=5)
+    assert figures["steps"] == 10 and figures["sparse_steps"] == 10, figures
+    with pytest.raises(ValueError, match=r"^table_placement must be one of \('packed', 'spread'\), got 'even'$"):
+        small_trainer(local_context, "even", table_placement="even")
 
 
 def test_data_that_ends_stops_the_group_at_an_agreement(local_context):

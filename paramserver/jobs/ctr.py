@@ -91,7 +91,7 @@ def main(ctx, steps: int = 1500, batch_size: int = 1024, hook: str = "powersgd",
          data: Optional[Dict] = None, staleness: int = 0, cache_rows: Optional[int] = None,
          cache_steps: Optional[int] = None, cache_mib: Optional[float] = None, export_to: Optional[str] = None,
          export_every: int = 100, export_base_every: int = 24,
-         export_storage_options: Optional[Dict] = None) -> dict:
+         export_storage_options: Optional[Dict] = None, table_placement: str = "packed") -> dict:
     """Train the job (``build``) for ``steps`` steps; the Trainer's figures and the source's.  The signature
     names every option, so that a worker refuses a config key the job does not take."""
     options = {name: value for name, value in locals().items()
@@ -113,7 +113,8 @@ def build(ctx, batch_size: int = 1024, hook: str = "powersgd", hook_options: Opt
           table_options: Optional[Dict] = None, data: Optional[Dict] = None, staleness: int = 0,
           cache_rows: Optional[int] = None, cache_steps: Optional[int] = None, cache_mib: Optional[float] = None,
           export_to: Optional[str] = None, export_every: int = 100, export_base_every: int = 24,
-          export_storage_options: Optional[Dict] = None) -> Tuple[Trainer, "PlantedSource | FileSource"]:
+          export_storage_options: Optional[Dict] = None,
+          table_placement: str = "packed") -> Tuple[Trainer, "PlantedSource | FileSource"]:
     """The job's Trainer and its data (``PlantedSource``, or ``FileSource`` with ``data``), not started."""
     if data is not None:
         source = FileSource(ctx, data, batch_size, embedding_dim, init_std, table_options)
@@ -128,7 +129,8 @@ def build(ctx, batch_size: int = 1024, hook: str = "powersgd", hook_options: Opt
         loss=nn.BCEWithLogitsLoss(), comm_hook=hook, hook_options=hook_options,
         name=table_name, seed=seed, row_wise_min_rows=row_wise_min_rows, staleness=staleness,
         cache_rows=cache_rows, cache_steps=cache_steps, cache_mib=cache_mib, export_to=export_to,
-        export_every=export_every, export_base_every=export_base_every, export_storage_options=export_storage_options)
+        export_every=export_every, export_base_every=export_base_every, export_storage_options=export_storage_options,
+        table_placement=table_placement)
     return trainer, source
 
 

@@ -5,7 +5,10 @@ table of ``row_wise_min_rows`` rows or more split by rows over every
 shard, smaller ones placed whole and packed onto as few shards as keep
 the fullest no fuller than a balanced plan's, ``placement.pack_whole``:
 a step sends one message to every shard holding a table it reads, so
-splitting or spreading small tables only adds messages), the owner-side optimizers that update their rows on the
+splitting or spreading small tables only adds messages; or, with
+``placement="spread"``, spread over every shard, as many on each as can
+be, ``placement.spread_whole``: more messages, and fewer tables for each
+shard to update per push), the owner-side optimizers that update their rows on the
 shards (created through ``DistributedOptimizer``), the
 ``EmbeddingCollection`` through which a step looks them up and pushes
 their gradients (one RPC per shard each way), and rebuilding all of it
@@ -43,7 +46,7 @@ from torch import Tensor
 from ..logs import one_line
 from ..optim import DistributedOptimizer
 from ..shards import DynamicEmbeddingBag, EmbeddingCollection, ShardedEmbeddingBag
-from ..shards.client.placement import pack_whole
+from ..shards.client.placement import pack_whole, spread_whole
 from ..shards.client.collection import CollectionLookup, CollectionRecorder
 from .contract import Batch, Table
 
@@ -64,14 +67,29 @@ class RebuildStopped(RuntimeError):
     """The worker was asked to stop while waiting for a lost shard."""
 
 
-def build_tables(tables: Dict[str, Table], shards: Sequence[str], prefix: str, seed: int,
-                 row_wise_min_rows: int) -> Dict[str, Union[ShardedEmbeddingBag, DynamicEmbeddingBag]]:
-    """Every table on ``shards``, named ``<prefix>.<table>`` there; the i-th table's rows drawn from ``seed + i``
-    (a dynamic table's over every shard)."""
+#: How the tables placed whole are laid out over the shards (``Trainer(table_placement=...)``).
+TABLE_PLACEMENTS = ("packed", "spread")
+
+
+def place_whole(sizes: Dict[str, int], shards: Sequence[str], placement: str) -> Dict[str, str]:
+    """Table name -> shard for the tables placed whole: ``"packed"`` onto as few shards as keep the fullest no
+    fuller than a balanced plan's (``pack_whole``), ``"spread"`` over every shard, as many tables on each as can
+    be (``spread_whole``)."""
+    if placement not in TABLE_PLACEMENTS:
+        raise ValueError(f"table_placement must be one of {TABLE_PLACEMENTS}, got {placement!r}")
+    if not sizes:
+        return {}
+    return pack_whole(sizes, list(shards)) if placement == "packed" else spread_whole(sizes, list(shards))
+
+
+def build_tables(tables: Dict[str, Table], shards: Sequence[str], prefix: str, seed: int, row_wise_min_rows: int,
+                 placement: str = "packed") -> Dict[str, Union[ShardedEmbeddingBag, DynamicEmbeddingBag]]:
+    """Every table on ``shards``, named ``<prefix>.<table>`` there (those placed whole by ``placement``,
+    ``place_whole``); the i-th table's rows drawn from ``seed + i`` (a dynamic table's over every shard)."""
     names = {name: f"{prefix}.{name}" for name in tables}
     whole = {names[name]: table.num_embeddings * table.embedding_dim for name, table in tables.items()
              if not table.dynamic and table.num_embeddings < row_wise_min_rows}
-    plan = pack_whole(whole, list(shards)) if whole else {}
+    plan = place_whole(whole, shards, placement)
     built: Dict[str, Union[ShardedEmbeddingBag, DynamicEmbeddingBag]] = {}
     for index, (name, table) in enumerate(tables.items()):
         if table.dynamic:  # over every shard, by the ids' hash
@@ -105,8 +123,10 @@ class SparseTables:
                  timeout: datetime.timedelta = SHARD_RETURN_TIMEOUT,
                  max_consecutive: int = MAX_CONSECUTIVE_REBUILDS,
                  shards_gone: Callable[[], Dict[str, str]] = dict,
-                 retire: Optional[Callable[[Any], None]] = None, recorder: Optional[CollectionRecorder] = None):
+                 retire: Optional[Callable[[Any], None]] = None, recorder: Optional[CollectionRecorder] = None,
+                 placement: str = "packed"):
         self.specs = dict(specs)
+        self._placement = placement
         self._recorder = recorder
         self.shards = list(shards)
         self._optimizer_class, self._optimizer_options = optimizer
@@ -123,7 +143,8 @@ class SparseTables:
         self.tables, self.optimizer, self.collection = self._first_build()
 
     def _build(self) -> _Built:
-        tables = build_tables(self.specs, self.shards, self._prefix, self._seed, self._row_wise_min_rows)
+        tables = build_tables(self.specs, self.shards, self._prefix, self._seed, self._row_wise_min_rows,
+                              self._placement)
         optimizer = DistributedOptimizer(self._optimizer_class,
                                          [rref for table in tables.values() for rref in table.remote_parameters()],
                                          recorder=self._recorder, **self._optimizer_options)

@@ -49,7 +49,7 @@ from .live_exports import LiveExports
 from .pipeline import RowPipeline, default_window
 from .positions import PublishedPositions
 from .shares import GroupShares
-from .sparse import RebuildStopped, SparseTables
+from .sparse import TABLE_PLACEMENTS, RebuildStopped, SparseTables
 from .step import ShardStepFailed, StepTimes, train_step
 
 logger = logging.getLogger(__name__)
@@ -91,7 +91,11 @@ class Trainer:
     ``comm_hook``/``hook_options``: how the group all-reduces the dense
     gradients (``paramserver.ddp.HOOK_NAMES``).  ``name`` prefixes the
     tables' names on the shards (workers naming the same tables share
-    them); ``seed`` draws their initial rows.  Every checkpoint records
+    them); ``seed`` draws their initial rows.  ``table_placement``: the
+    tables placed whole (under ``row_wise_min_rows`` rows) go ``"packed"``
+    onto as few shards as keep them balanced (the fewest messages), or
+    ``"spread"`` over every shard, as many on each as can be (more
+    messages, fewer tables for each shard to update per push).  Every checkpoint records
     the model's description, so that it can be exported
     (``paramserver.export``): the tables, and ``dense``'s class with its
     ``export_kwargs()`` when it has that method (``TypeError`` here when it
@@ -129,7 +133,8 @@ class Trainer:
                  row_wise_min_rows: int = ROW_WISE_MIN_ROWS, agree_every: int = 10, staleness: int = 0,
                  read_ahead: bool = True, cache_rows: Optional[int] = None, cache_steps: Optional[int] = None,
                  cache_mib: Optional[float] = None, export_to: Optional[str] = None, export_every: int = 100,
-                 export_base_every: int = 24, export_storage_options: Optional[Dict[str, Any]] = None):
+                 export_base_every: int = 24, export_storage_options: Optional[Dict[str, Any]] = None,
+                 table_placement: str = "packed"):
         if not tables:
             raise ValueError("a Trainer needs at least one table")
         for table_name, table in tables.items():
@@ -154,6 +159,8 @@ class Trainer:
             raise ValueError(f"cache_steps must be 1 to staleness + 1 ({staleness + 1}) steps, with cache_rows "
                              f"or cache_mib set; got {cache_steps!r} (cache_rows {cache_rows!r}, cache_mib "
                              f"{cache_mib!r})")
+        if table_placement not in TABLE_PLACEMENTS:
+            raise ValueError(f"table_placement must be one of {TABLE_PLACEMENTS}, got {table_placement!r}")
         optimizer_class, optimizer_options = sparse_optimizer
         self.ctx = ctx
         self.tables = dict(tables)
@@ -166,7 +173,7 @@ class Trainer:
                                  **canonical_hook_options(comm_hook, hook_options or {}))
         self.name = name
         self.seed = seed
-        self.row_wise_min_rows = row_wise_min_rows
+        self.row_wise_min_rows, self.table_placement = row_wise_min_rows, table_placement
         self.agree_every = agree_every
         self.staleness, self.read_ahead = staleness, read_ahead
         self.cache_rows = cache_rows
@@ -245,7 +252,7 @@ class _Run:
         self.sparse = SparseTables(trainer.tables, trainer.sparse_optimizer, ctx.shards, trainer.name, trainer.seed,
                                    trainer.row_wise_min_rows, ctx.live_shards, ctx.refresh, ctx.should_stop,
                                    shards_gone=ctx.shards_gone, retire=ctx.retire_handles,
-                                   recorder=ctx.recorders.data_plane)
+                                   recorder=ctx.recorders.data_plane, placement=trainer.table_placement)
         positions = (restored or {}).get("data_positions", {})
         # Data the group shares starts once the group dealt it (``GroupShares.formed``).
         self.batches = BatchStream(data, None if shared else _position(positions.get(ctx.worker_index)),

@@ -10,7 +10,9 @@ Owns the placement decisions, as pure functions over sizes and shard names
   sizes differing by at most one row;
 * whole tables are packed onto as few shards as keep the fullest no fuller
   than the balanced plan's (``pack_whole``): every shard a step's tables
-  live on costs a message per worker and step.
+  live on costs a message per worker and step;
+* or spread over every shard, as many on each as can be (``spread_whole``):
+  each shard then has the fewest tables to update per push.
 
 Shards that already hold something (``initial_load``) are filled around it.
 """
@@ -143,5 +145,29 @@ def pack_whole(sizes: Mapping[str, int], shards: Sequence[str]) -> Dict[str, str
         if target is None:
             return balanced
         plan[name] = shards[target]
+        load[target] += size
+    return plan
+
+
+def spread_whole(sizes: Mapping[str, int], shards: Sequence[str]) -> Dict[str, str]:
+    """Assign whole tables (name -> bytes) to every shard, their counts differing by at most one; returns name ->
+    shard.
+
+    A push costs its shard a fixed amount per table it names, besides its
+    rows, so a shard holding most of the small tables is the one every
+    worker waits for when they push together.  Tables go largest first to
+    the shard holding the fewest so far (then the fewest bytes, then the
+    first named).  Deterministic.
+    """
+    _check_shards(shards)
+    tables = {shard: 0 for shard in shards}
+    load = {shard: 0 for shard in shards}
+    plan: Dict[str, str] = {}
+    for name, size in sorted(sizes.items(), key=lambda item: (-item[1], item[0])):
+        if size < 0:
+            raise ValueError(f"{name!r} has a negative size {size}")
+        target = min(shards, key=lambda shard: (tables[shard], load[shard]))
+        plan[name] = target
+        tables[target] += 1
         load[target] += size
     return plan
