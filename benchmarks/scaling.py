@@ -40,7 +40,7 @@ What it measures
 
 How to run
     ``.venv/bin/python benchmarks/scaling.py [--steps N] [--workers 1,2,4,8] [--worker-shards N] [--shards 2,4,8]
-    [--threads N] [--job-config JSON] [--memory-rows N]``; the defaults take about 5 minutes on 2 cores.
+    [--threads N] [--job-config JSON] [--memory-rows N]``; the defaults take about 2 minutes on 2 cores.
     Progress to stderr, results to stdout.
 """
 
