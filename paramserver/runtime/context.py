@@ -217,9 +217,10 @@ class JobContext:
     # -- building ------------------------------------------------------
     @classmethod
     def from_assignment(cls, assignment, session, gpu: Optional[int] = None,
-                        recorders: Optional[Recorders] = None) -> "JobContext":
+                        recorders: Optional[Recorders] = None, cores_to_spare: bool = True) -> "JobContext":
         """A worker's context: the coordinator's ``Assignment``, the worker's ``MemberSession``, the GPU it
-        holds (``None``: none) and the metric sets it serves (``None``: none)."""
+        holds (``None``: none), the metric sets it serves (``None``: none) and whether its host has cores to
+        spare (its ``ThreadChoice``'s)."""
         inbox = Inbox()
         group = GroupChannel(assignment.rpc_name, assignment.index, assignment.trainer_group,
                              assignment.store.host, assignment.store.port, inbox, refresh=session.beat_now,
@@ -230,7 +231,7 @@ class JobContext:
                    checkpoint=CheckpointSettings.from_message(assignment.checkpoint),
                    exports=LiveExportSettings.from_message(assignment.job.exports),
                    member_id=assignment.member_id, job_run=assignment.job_run, inbox=inbox,
-                   recorders=recorders or Recorders(), cores_to_spare=choose_threads("worker").cores_to_spare,
+                   recorders=recorders or Recorders(), cores_to_spare=cores_to_spare,
                    _live_shards=lambda: session.shards,
                    _shards_gone=lambda: session.shards_gone,
                    _trainer_groups_gone=lambda: session.trainer_groups_gone,

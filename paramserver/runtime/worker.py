@@ -82,7 +82,7 @@ def run_worker(options: WorkerOptions, say=print) -> int:
 
 
 def _run(options: WorkerOptions, say, metrics: Optional[ProcessMetrics]) -> int:
-    apply_threads("worker", "ps-worker")
+    threads = apply_threads("worker", "ps-worker")
     gpu = claim_gpu(name="ps-worker")  # held until the process ends
     session = MemberSession(options.address, pb.ROLE_WORKER, host=options.host, token=options.token,
                             tls=options.tls, retry_for=options.retry_for, gpus=int(gpu.index is not None))
@@ -100,7 +100,8 @@ def _run(options: WorkerOptions, say, metrics: Optional[ProcessMetrics]) -> int:
         return EXIT_REFUSED if error.code == grpc.StatusCode.INVALID_ARGUMENT else EXIT_FAILED
     recorders = Recorders() if metrics is None else Recorders(data_plane=metrics.data_plane,
                                                               training=metrics.training)
-    context = JobContext.from_assignment(assignment, session, gpu.index, recorders)
+    context = JobContext.from_assignment(assignment, session, gpu.index, recorders,
+                                         cores_to_spare=threads.cores_to_spare)
     if metrics is not None:
         metrics.watch_job(context)
     watchdog = _StopWatchdog(context, options.stop_grace, say, assignment.rpc_name)
