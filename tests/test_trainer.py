@@ -70,10 +70,19 @@ def small_trainer(ctx, name: str, **options) -> Trainer:
                    loss=torch.nn.BCEWithLogitsLoss(), name=name, **options)
 
 
-def test_tables_can_be_spread_over_the_shards_and_a_placement_not_offered_is_refused(local_context):
+def test_tables_can_be_spread_over_the_shards_and_a_placement_not_offered_is_refused(local_context, monkeypatch):
+    from paramserver.train import sparse
+    placed = []
+    place_whole = sparse.place_whole
+
+    def recorded(sizes, shards, placement):
+        placed.append(placement)
+        return place_whole(sizes, shards, placement)
+    monkeypatch.setattr(sparse, "place_whole", recorded)
     figures = small_trainer(local_context, "spread", table_placement="spread").fit(Counting(30), steps=10,
                                                                                    log_every=5)
     assert figures["steps"] == 10 and figures["sparse_steps"] == 10, figures
+    assert placed == ["spread"]  # the tables were built spread (on this one-shard context: all on it)
     with pytest.raises(ValueError, match=r"^table_placement must be one of \('packed', 'spread'\), got 'even'$"):
         small_trainer(local_context, "even", table_placement="even")
 

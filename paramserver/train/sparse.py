@@ -71,12 +71,17 @@ class RebuildStopped(RuntimeError):
 TABLE_PLACEMENTS = ("packed", "spread")
 
 
+def check_placement(placement: str) -> None:
+    """``ValueError`` naming ``placement`` unless it is one of ``TABLE_PLACEMENTS``."""
+    if placement not in TABLE_PLACEMENTS:
+        raise ValueError(f"table_placement must be one of {TABLE_PLACEMENTS}, got {placement!r}")
+
+
 def place_whole(sizes: Dict[str, int], shards: Sequence[str], placement: str) -> Dict[str, str]:
     """Table name -> shard for the tables placed whole: ``"packed"`` onto as few shards as keep the fullest no
     fuller than a balanced plan's (``pack_whole``), ``"spread"`` over every shard, as many tables on each as can
     be (``spread_whole``)."""
-    if placement not in TABLE_PLACEMENTS:
-        raise ValueError(f"table_placement must be one of {TABLE_PLACEMENTS}, got {placement!r}")
+    check_placement(placement)
     if not sizes:
         return {}
     return pack_whole(sizes, list(shards)) if placement == "packed" else spread_whole(sizes, list(shards))

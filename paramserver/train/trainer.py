@@ -49,7 +49,7 @@ from .live_exports import LiveExports
 from .pipeline import RowPipeline, default_window
 from .positions import PublishedPositions
 from .shares import GroupShares
-from .sparse import TABLE_PLACEMENTS, RebuildStopped, SparseTables
+from .sparse import RebuildStopped, SparseTables, check_placement
 from .step import ShardStepFailed, StepTimes, train_step
 
 logger = logging.getLogger(__name__)
@@ -95,8 +95,8 @@ class Trainer:
     tables placed whole (under ``row_wise_min_rows`` rows) go ``"packed"``
     onto as few shards as keep them balanced (the fewest messages), or
     ``"spread"`` over every shard, as many on each as can be (more
-    messages, fewer tables for each shard to update per push).  Every checkpoint records
-    the model's description, so that it can be exported
+    messages, fewer tables for each shard to update per push).  Every
+    checkpoint records the model's description, so that it can be exported
     (``paramserver.export``): the tables, and ``dense``'s class with its
     ``export_kwargs()`` when it has that method (``TypeError`` here when it
     returns values that are not JSON).
@@ -159,8 +159,7 @@ class Trainer:
             raise ValueError(f"cache_steps must be 1 to staleness + 1 ({staleness + 1}) steps, with cache_rows "
                              f"or cache_mib set; got {cache_steps!r} (cache_rows {cache_rows!r}, cache_mib "
                              f"{cache_mib!r})")
-        if table_placement not in TABLE_PLACEMENTS:
-            raise ValueError(f"table_placement must be one of {TABLE_PLACEMENTS}, got {table_placement!r}")
+        check_placement(table_placement)
         optimizer_class, optimizer_options = sparse_optimizer
         self.ctx = ctx
         self.tables = dict(tables)
