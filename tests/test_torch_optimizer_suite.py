@@ -14,6 +14,8 @@ one after another in a single RPC group: each is torch's test body, without
 the ``dist_init`` wrapper that would start and stop RPC around it.
 """
 
+import unittest
+
 import pytest
 import torch.testing._internal.distributed.rpc.dist_optimizer_test as torch_suite
 from torch.testing._internal.common_distributed import MultiProcessTestCase
@@ -48,7 +50,9 @@ class TestTorchsDistributedOptimizerSuite(TensorPipeRpcAgentTestFixture, torch_s
             case = getattr(torch_suite.DistOptimizerTest, name).__wrapped__  # torch's body, without dist_init
             try:
                 case(self)
-            except BaseException as error:
+            except unittest.SkipTest:
+                continue  # a case torch itself skips on this host
+            except Exception as error:
                 raise AssertionError(f"torch's DistOptimizerTest.{name} failed with ours in place: "
                                      f"{type(error).__name__}: {error}") from error
 
