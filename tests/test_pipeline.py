@@ -64,10 +64,10 @@ class RecordedLoss:
         return loss
 
 
-def trainer(ctx, name: str, loss, dynamic_options=None, dynamic: bool = True, **options) -> Trainer:
-    """The second table is dynamic (with ``dynamic_options``), or fixed with 40 rows."""
+def trainer(ctx, name: str, loss, second_options=None, dynamic: bool = True, **options) -> Trainer:
+    """The second table is dynamic, or fixed with 40 rows (with ``second_options`` either way)."""
     torch.manual_seed(0)  # the same tower in every run
-    second = Table(None, 4, **(dynamic_options or {})) if dynamic else Table(40, 4)
+    second = Table(None if dynamic else 40, 4, **(second_options or {}))
     tables = {"fixed": Table(FIXED_ROWS, 4, mode="mean"), "hashed": second}
     return Trainer(ctx, tables=tables, dense=Tower(), sparse_optimizer=(QHM, dict(lr=0.5, momentum=0.9, nu=0.7)),
                    dense_optimizer=lambda params: torch.optim.SGD(params, lr=0.1), loss=loss, name=name,
@@ -211,6 +211,30 @@ def test_a_row_cache_reads_shared_rows_once_holds_at_most_cache_rows_and_applies
         assert figures["row_cache.windows"] > 8, figures
 
 
+def test_a_tables_own_cache_rows_turns_the_cache_on_and_bounds_that_tables_rows(local_context, monkeypatch):
+    """``Table(..., cache_rows=N)`` alone: the cache is on, and no window holds more than ``N`` of that table's
+    rows (cut short where three steps' rows would be more), whatever the other table holds."""
+    from paramserver.train import pipeline
+    held = []
+    count_read = pipeline.RowPipeline._count_read
+
+    def counted(self, window):
+        count_read(self, window)
+        held.append(dict(window.table_rows_held, steps=len(window.steps)))
+    monkeypatch.setattr(pipeline.RowPipeline, "_count_read", counted)
+    loss = RecordedLoss()
+    # A step's 16 ids of the 40-row table are at most 16 rows, two steps' about 22, three steps' about 28.
+    job = trainer(local_context, "table-bound", loss, {"cache_rows": 24}, dynamic=False, staleness=2,
+                  cache_steps=3, agree_every=6)
+    assert job.caches_rows
+    figures = job.fit(overlapping_batches(24, hashed_ids=False), steps=24, log_every=4)
+    assert figures["steps"] == 24 and figures["sparse_steps"] == 24 and len(loss.values) == 24, figures
+    assert held and max(window["hashed"] for window in held) <= 24, held
+    assert figures["row_cache.windows"] > 8, (figures, held)  # some of the 8 windows of 3 steps were cut short
+    assert max(window["hashed"] + window["fixed"] for window in held) > 24, held  # the bound is that table's
+    assert figures["row_cache.rows_held"] == 0 and figures["row_cache.hit_rate"] > 0, figures
+
+
 @pytest.mark.parametrize("cores_to_spare, window", [(True, 2), (False, 3)], ids=["spare-cores", "short-of-cores"])
 def test_the_row_caches_default_window_follows_the_host(local_context, monkeypatch, caplog, cores_to_spare,
                                                         window):
@@ -236,6 +260,11 @@ def test_row_cache_options_are_refused_unless_they_make_sense(local_context):
                     dict(cache_mib=float("nan")), dict(cache_mib=1.0, staleness=1, cache_steps=3)):
         with pytest.raises(ValueError, match="cache_"):
             trainer(local_context, "refused", RecordedLoss(), **options)
+    for bound in (0, -3, True, 1.5, "16"):
+        with pytest.raises(ValueError, match="a table's cache_rows must be a whole number"):
+            Table(40, 4, cache_rows=bound)
+    # A worker's cache bound is not part of what a table is.
+    assert Table(40, 4, cache_rows=16) == Table(40, 4)
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["fixed", "dynamic"])

@@ -30,6 +30,12 @@ class Table:
     ``admit_probability``), and each shard keeps at most ``capacity`` rows,
     evicting the least recently touched, and drops rows untouched for
     ``ttl_steps`` steps.  Those four options are for dynamic tables only.
+
+    ``cache_rows``: at most this many of the table's rows in each worker's
+    row cache at once (``paramserver.train.pipeline``), beside the
+    Trainer's bound over every table (``Trainer(cache_rows=...)``); a
+    table's bound alone turns the cache on.  A worker's setting, not the
+    table's: it does not take part in comparing tables.
     """
 
     num_embeddings: Optional[int]
@@ -40,6 +46,7 @@ class Table:
     ttl_steps: Optional[int] = None
     admit_after: int = 1
     admit_probability: float = 1.0
+    cache_rows: Optional[int] = field(default=None, compare=False)
 
     #: The admission and eviction options as one value (made and checked once, here): what travels to the
     #: shards for a dynamic table.
@@ -65,6 +72,10 @@ class Table:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if not self.init_std >= 0:
             raise ValueError(f"init_std must be a non-negative number, got {self.init_std}")
+        if self.cache_rows is not None and (isinstance(self.cache_rows, bool) or not isinstance(self.cache_rows, int)
+                                            or self.cache_rows < 1):
+            raise ValueError(f"a table's cache_rows must be a whole number of rows, 1 or more (or None: no bound "
+                             f"of its own); got {self.cache_rows!r}")
 
 
 @dataclass

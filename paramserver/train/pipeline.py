@@ -52,10 +52,10 @@ is refused in its turn, by the step it belongs to.  When the step is
 redone, the group re-forms, or the sparse part is rebuilt, the reads ahead
 are dropped (``drop_reads``).  Their steps look their rows up again.
 
-The cache's memory is bounded (``cache_rows``, ``cache_bytes``): the
-windows alive at once (those read ahead: a window goes when its last step
-takes its rows) hold at most that many rows and bytes of rows, each window
-being cut short to fit its share, except that a step's own rows are read
+The cache's memory is bounded (``cache_rows``, ``cache_bytes``, and per
+table a ``Table``'s ``cache_rows``): the windows alive at once (those read
+ahead: a window goes when its last step takes its rows) hold at most that
+many rows and bytes of rows, each window being cut short to fit its share, except that a step's own rows are read
 even when they alone exceed it.  Its figures (``cache``): rows
 read, hits (rows a step needed that its window had read already), bytes
 those saved, evictions (rows dropped when their window ends) and rows held.
@@ -142,6 +142,8 @@ class RowPipeline:
         alive = math.ceil((staleness + 1) / cache_steps)
         self._window_rows = None if cache_rows is None else max(1, cache_rows // alive)
         self._window_bytes = None if cache_bytes is None else max(1, cache_bytes // alive)
+        self._window_table_rows = {name: max(1, table.cache_rows // alive) for name, table in tables.items()
+                                   if table.cache_rows is not None}
         self._upcoming, self._tables = upcoming, tables
         self._next_agreement, self._last_step = next_agreement, last_step
         self._reads_cross_agreements = not any(table.dynamic for table in tables.values())
@@ -190,7 +192,7 @@ class RowPipeline:
 
         def window_of(run: List[Tuple[int, Mapping[str, Tensor]]]) -> RowWindow:
             return RowWindow(collection, run, max_rows=self._window_rows, distinct=distinct,
-                             max_bytes=self._window_bytes)
+                             max_bytes=self._window_bytes, max_table_rows=self._window_table_rows)
 
         try:
             return window_of(steps)

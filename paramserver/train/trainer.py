@@ -116,7 +116,8 @@ class Trainer:
     ``pipeline.default_window``) are read in one lookup, each row once however many of those steps need
     it, and those steps' pushes leave together in one message per shard carrying the next window's
     reads: a shard handles one message per worker every ``cache_steps`` steps, every row still within
-    the staleness bound.  With staleness 0 a window is one step and results are unchanged.  Its
+    the staleness bound.  A ``Table(..., cache_rows=N)`` also bounds that table's rows alone (and turns
+    the cache on by itself).  With staleness 0 a window is one step and results are unchanged.  Its
     figures are the job's ``row_cache.*`` (hit rate, rows read, bytes saved, evictions, rows held).
 
     ``export_to``: a root (local path or fsspec URL, with ``export_storage_options``) where trainer group 0
@@ -151,14 +152,15 @@ class Trainer:
         if cache_mib is not None and (isinstance(cache_mib, bool) or not isinstance(cache_mib, (int, float))
                                       or not cache_mib > 0 or cache_mib == float("inf")):
             raise ValueError(f"cache_mib must be a positive number of MiB (or None); got {cache_mib!r}")
-        #: Whether the worker keeps a row cache (bounded in rows, bytes or both).
-        self.caches_rows = cache_rows is not None or cache_mib is not None
+        #: Whether the worker keeps a row cache (bounded in rows, bytes or both, over every table or per table).
+        self.caches_rows = cache_rows is not None or cache_mib is not None or \
+            any(table.cache_rows is not None for table in tables.values())
         if cache_steps is not None and (not self.caches_rows or isinstance(cache_steps, bool)
                                         or not isinstance(cache_steps, int)
                                         or not 1 <= cache_steps <= staleness + 1):
             raise ValueError(f"cache_steps must be 1 to staleness + 1 ({staleness + 1}) steps, with cache_rows "
-                             f"or cache_mib set; got {cache_steps!r} (cache_rows {cache_rows!r}, cache_mib "
-                             f"{cache_mib!r})")
+                             f"or cache_mib set (the Trainer's or a Table's cache_rows); got {cache_steps!r} "
+                             f"(cache_rows {cache_rows!r}, cache_mib {cache_mib!r})")
         check_placement(table_placement)
         optimizer_class, optimizer_options = sparse_optimizer
         self.ctx = ctx

@@ -11,9 +11,10 @@ window, when it is read and when it is dropped is the worker's pipeline's
 business (``paramserver.train.pipeline``), under the staleness bound: rows
 read once serve steps that run later, so a window never spans more steps
 than the staleness allows.  Its size is bounded in rows (``max_rows``),
-in bytes of rows (``max_bytes``), or both: the longest run of the steps
-offered whose union fits, at least one step (a step's own rows are read
-whatever their number).
+in bytes of rows (``max_bytes``), in rows per table (``max_table_rows``),
+or any of those together: the longest run of the steps offered whose union
+fits, at least one step (a step's own rows are read whatever their
+number).
 """
 
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -29,14 +30,15 @@ from .embedding import Route
 class RowWindow:
     """The steps ``steps`` (``(step, features)`` pairs, consecutive) of ``collection``, read as one lookup:
     the longest leading run of them whose distinct rows, over every table, are at most ``max_rows`` and take
-    at most ``max_bytes`` (``None``: no bound; the first step always).  ``distinct``: per step, the distinct
+    at most ``max_bytes``, and whose rows of table ``name`` are at most ``max_table_rows[name]`` (``None``,
+    or a table not named: no bound; the first step always).  ``distinct``: per step, the distinct
     ids of its tables found already (``paramserver.tables.distinct_ids``), so that routing them does not
     find them again.  ``plan`` is that lookup, not sent: send it (on its own with
     ``collection.lookup_planned``, or carried by a push) and hand the sent lookup to ``read``."""
 
     def __init__(self, collection: EmbeddingCollection, steps: Sequence[Tuple[int, Mapping[str, Tensor]]],
                  max_rows: Optional[int] = None, distinct: Optional[Mapping[int, Mapping[str, DistinctIds]]] = None,
-                 max_bytes: Optional[int] = None):
+                 max_bytes: Optional[int] = None, max_table_rows: Optional[Mapping[str, int]] = None):
         if not steps:
             raise ValueError("a row window needs at least one step")
         self.collection = collection
@@ -48,6 +50,9 @@ class RowWindow:
 
         def over(grown: Mapping[Tuple[str, int], List[Tensor]], rows_of: Callable[[List[Tensor]], int]) -> bool:
             rows = {key: rows_of(held) for key, held in grown.items()}
+            if max_table_rows and any(sum(count for (name, _), count in rows.items() if name == table) > most
+                                      for table, most in max_table_rows.items()):
+                return True
             return (max_rows is not None and sum(rows.values()) > max_rows) or \
                 (max_bytes is not None and sum(count * collection.tables[name].row_bytes
                                                for (name, _), count in rows.items()) > max_bytes)
@@ -56,7 +61,7 @@ class RowWindow:
             found = (distinct or {}).get(step, {})
             routes = {name: table.route(features[name], distinct=found.get(name))
                       for name, table in collection.tables.items()}
-            if self._routes and (max_rows is not None or max_bytes is not None):
+            if self._routes and (max_rows is not None or max_bytes is not None or max_table_rows):
                 grown = {key: list(held) for key, held in taken.items()}
                 for name, route in routes.items():
                     for range_index, local_ids in route.requests:
@@ -74,8 +79,11 @@ class RowWindow:
         union = {key: _union(held) for key, held in taken.items()}
         #: The steps it serves, in order.
         self.steps: List[int] = list(self._routes)
-        #: Distinct rows it reads (and holds once read).
+        #: Distinct rows it reads (and holds once read), in all and per table.
         self.rows_held = sum(ids.numel() for ids in union.values())
+        self.table_rows_held: Dict[str, int] = {name: 0 for name in collection.tables}
+        for (name, _), ids in union.items():
+            self.table_rows_held[name] += ids.numel()
         #: Bytes of rows its steps need that cross the wire once instead of once per step.
         self.bytes_saved = bytes_needed - sum(ids.numel() * collection.tables[name].row_bytes
                                               for (name, _), ids in union.items())
