@@ -55,10 +55,11 @@ are dropped (``drop_reads``).  Their steps look their rows up again.
 The cache's memory is bounded (``cache_rows``, ``cache_bytes``, and per
 table a ``Table``'s ``cache_rows``): the windows alive at once (those read
 ahead: a window goes when its last step takes its rows) hold at most that
-many rows and bytes of rows, each window being cut short to fit its share, except that a step's own rows are read
-even when they alone exceed it.  Its figures (``cache``): rows
-read, hits (rows a step needed that its window had read already), bytes
-those saved, evictions (rows dropped when their window ends) and rows held.
+many rows and bytes of rows, each window being cut short to fit its share,
+except that a step's own rows are read even when they alone exceed it.
+Its figures (``cache``): rows read, hits (rows a step needed that its
+window had read already), bytes those saved, evictions (rows dropped when
+their window ends) and rows held.
 """
 
 import collections
