@@ -15,6 +15,11 @@ from ..tables import DistinctIds, DynamicOptions, distinct_ids
 MODES = ("sum", "mean")
 
 
+def is_count(value, least: int = 1) -> bool:
+    """Whether ``value`` is a whole number (an ``int``, not a ``bool``) of at least ``least``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
 @dataclass(frozen=True)
 class Table:
     """An embedding table on the shards, shared by every worker that names it.
@@ -72,8 +77,7 @@ class Table:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if not self.init_std >= 0:
             raise ValueError(f"init_std must be a non-negative number, got {self.init_std}")
-        if self.cache_rows is not None and (isinstance(self.cache_rows, bool) or not isinstance(self.cache_rows, int)
-                                            or self.cache_rows < 1):
+        if self.cache_rows is not None and not is_count(self.cache_rows):
             raise ValueError(f"a table's cache_rows must be a whole number of rows, 1 or more (or None: no bound "
                              f"of its own); got {self.cache_rows!r}")
 

@@ -42,7 +42,7 @@ from ..ddp.group import GenerationAborted
 from ..logs import RateLimitedLog, one_line
 from .checkpoints import TrainerCheckpoints, restore_point
 from .claims import PartClaims
-from .contract import Batch, Table
+from .contract import Batch, Table, is_count
 from .data import BatchStream
 from .evaluation import evaluate
 from .live_exports import LiveExports
@@ -141,12 +141,11 @@ class Trainer:
         for table_name, table in tables.items():
             if not isinstance(table, Table):
                 raise TypeError(f"table {table_name!r} must be a paramserver.Table, got {type(table).__name__}")
-        if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
+        if not is_count(staleness, least=0):
             raise ValueError(f"staleness must be a whole number of steps, 0 or more; got {staleness!r}")
         if staleness > 0 and not read_ahead:
             raise ValueError(f"staleness {staleness} needs read_ahead=True (its rows are read ahead)")
-        if cache_rows is not None and (isinstance(cache_rows, bool) or not isinstance(cache_rows, int)
-                                       or cache_rows < 1):
+        if cache_rows is not None and not is_count(cache_rows):
             raise ValueError(f"cache_rows must be a whole number of rows, 1 or more (or None: no cache); "
                              f"got {cache_rows!r}")
         if cache_mib is not None and (isinstance(cache_mib, bool) or not isinstance(cache_mib, (int, float))
@@ -155,9 +154,8 @@ class Trainer:
         #: Whether the worker keeps a row cache (bounded in rows, bytes or both, over every table or per table).
         self.caches_rows = cache_rows is not None or cache_mib is not None or \
             any(table.cache_rows is not None for table in tables.values())
-        if cache_steps is not None and (not self.caches_rows or isinstance(cache_steps, bool)
-                                        or not isinstance(cache_steps, int)
-                                        or not 1 <= cache_steps <= staleness + 1):
+        if cache_steps is not None and (not self.caches_rows or not is_count(cache_steps)
+                                        or cache_steps > staleness + 1):
             raise ValueError(f"cache_steps must be 1 to staleness + 1 ({staleness + 1}) steps, with cache_rows "
                              f"or cache_mib set (the Trainer's or a Table's cache_rows); got {cache_steps!r} "
                              f"(cache_rows {cache_rows!r}, cache_mib {cache_mib!r})")

@@ -79,11 +79,8 @@ class RowWindow:
         union = {key: _union(held) for key, held in taken.items()}
         #: The steps it serves, in order.
         self.steps: List[int] = list(self._routes)
-        #: Distinct rows it reads (and holds once read), in all and per table.
+        #: Distinct rows it reads (and holds once read).
         self.rows_held = sum(ids.numel() for ids in union.values())
-        self.table_rows_held: Dict[str, int] = {name: 0 for name in collection.tables}
-        for (name, _), ids in union.items():
-            self.table_rows_held[name] += ids.numel()
         #: Bytes of rows its steps need that cross the wire once instead of once per step.
         self.bytes_saved = bytes_needed - sum(ids.numel() * collection.tables[name].row_bytes
                                               for (name, _), ids in union.items())
@@ -104,6 +101,14 @@ class RowWindow:
              for name, pieces in requests.items()}, self.steps[0])
         self._read: Optional[CollectionLookup] = None
         self._rows: Optional[Dict[str, Tensor]] = None
+
+    @property
+    def table_rows_held(self) -> Dict[str, int]:
+        """Distinct rows it reads (and holds once read) per table."""
+        held = {name: 0 for name in self.collection.tables}
+        for (name, _), ids in self._union.items():
+            held[name] += ids.numel()
+        return held
 
     @property
     def row_hits(self) -> int:
