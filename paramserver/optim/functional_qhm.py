@@ -38,8 +38,8 @@ import torch
 from torch import Tensor
 
 from .hyperparameters import check_qhm_hyperparameters
-from .kernels import (check_gradients, check_state_entry, momentum_step, resize_rows_, row_slice_fused_min_elements,
-                      sparse_rows)
+from .kernels import check_gradients, momentum_step, row_slice_fused_min_elements
+from .row_sparse import RowState, RowStep
 
 
 @torch.jit.script
@@ -64,7 +64,7 @@ class FunctionalQHM:
         self.weight_decay = weight_decay
         self.weight_decay_type = weight_decay_type
         # Momentum buffers are stored multiplied by ``buffer_scale`` (k above).
-        self.momentum_buffers: List[Optional[Tensor]] = [None for _ in params]
+        self.state = RowState("FunctionalQHM", params, ["momentum_buffer"], ["element"], [0.0])
         self.buffer_scale: float = 1.0
         # Tensors written by the last in-place list kernel; see _apply.
         self.last_updated: List[Tensor] = []
@@ -81,10 +81,9 @@ class FunctionalQHM:
         stored = self.buffer_scale
         new = scale if scale != 0.0 else 1.0
         if new != stored:
-            for i in range(len(self.momentum_buffers)):
-                buf = self.momentum_buffers[i]
-                if buf is not None:
-                    buf.mul_(new / stored)
+            for i in range(len(self.params)):
+                if self.state.has(i):
+                    self.state.of(i)[0].mul_(new / stored)
             self.buffer_scale = new
 
     def _apply(self, params: List[Tensor], grads: List[Tensor], buffers: List[Tensor], scale: float,
@@ -134,60 +133,22 @@ class FunctionalQHM:
     def _step(self, gradients: List[Optional[Tensor]]) -> None:
         scale = self._target_scale()
         self._rescale_buffers(scale)
-        params: List[Tensor] = []
-        grads: List[Tensor] = []
-        buffers: List[Tensor] = []
         # Row-sparse gradients: every parameter's touched rows stepped together, in one update of the lists of
         # their row slices (the same arithmetic per element as one parameter at a time), then written back.
-        sparse_params: List[Tensor] = []
-        sparse_buffers: List[Tensor] = []
-        sparse_rows_of: List[Tensor] = []
-        param_rows: List[Tensor] = []
-        buf_rows: List[Tensor] = []
-        row_grads: List[Tensor] = []
-        for i in range(len(self.params)):
-            grad = gradients[i]
-            if grad is not None:
-                param = self.params[i]
-                buf = self._buffer(i)
-                if grad.is_sparse:
-                    rows, values = sparse_rows(grad)
-                    if rows.numel() > 0:
-                        sparse_params.append(param)
-                        sparse_buffers.append(buf)
-                        sparse_rows_of.append(rows)
-                        param_rows.append(param.index_select(0, rows))
-                        buf_rows.append(buf.index_select(0, rows))
-                        row_grads.append(values)
-                else:
-                    params.append(param)
-                    grads.append(grad)
-                    buffers.append(buf)
-        if len(param_rows) > 0:
-            self._apply(param_rows, row_grads, buf_rows, scale, row_slice_fused_min_elements())
-            for j in range(len(param_rows)):
-                sparse_params[j].index_copy_(0, sparse_rows_of[j], param_rows[j])
-                sparse_buffers[j].index_copy_(0, sparse_rows_of[j], buf_rows[j])
-        if len(params) > 0:
-            self._apply(params, grads, buffers, scale, 0)
-
-    def _buffer(self, i: int) -> Tensor:
-        buf = self.momentum_buffers[i]
-        if buf is None:
-            created = torch.zeros_like(self.params[i], memory_format=torch.preserve_format)
-            self.momentum_buffers[i] = created
-            return created
-        return buf
+        batch = RowStep(self.state, gradients)
+        if batch.has_rows():
+            self._apply(batch.row_params, batch.row_grads, batch.row_state[0], scale, row_slice_fused_min_elements())
+            batch.scatter()
+        if batch.has_dense():
+            self._apply(batch.dense_params, batch.dense_grads, batch.dense_state[0], scale, 0)
 
     def resize_rows(self, i: int, rows: int) -> None:
         """Parameter ``i`` now has ``rows`` rows (it grew in place): so does its momentum, new rows zero."""
-        resize_rows_(self.momentum_buffers[i], rows)
+        self.state.resize_rows(i, rows)
 
     def reset_rows(self, i: int, rows: Tensor) -> None:
         """Rows ``rows`` of parameter ``i`` start afresh (a new id took them): their momentum is zero."""
-        buf = self.momentum_buffers[i]
-        if buf is not None:
-            buf.index_fill_(0, rows, 0.0)
+        self.state.reset_rows(i, rows)
 
     def state_dict(self) -> Dict[int, Dict[str, Tensor]]:
         """A snapshot of the state: ``{param index: {"momentum_buffer": b}}``.
@@ -195,22 +156,14 @@ class FunctionalQHM:
         Tensors are copies (a consistent snapshot while training goes on);
         parameters that never had a gradient have no entry.
         """
-        state: Dict[int, Dict[str, Tensor]] = {}
-        for i in range(len(self.momentum_buffers)):
-            buf = self.momentum_buffers[i]
-            if buf is not None:
-                state[i] = {"momentum_buffer": buf / self.buffer_scale}
+        state = self.state.state_dict()
+        for entry in state.values():
+            entry["momentum_buffer"].div_(self.buffer_scale)
         return state
 
     def load_state_dict(self, state: Dict[int, Dict[str, Tensor]]) -> None:
         """Restore a ``state_dict()``; validated whole before anything changes."""
-        for i, entry in state.items():
-            check_state_entry("FunctionalQHM", self.params, i, entry)
-        buffers: List[Optional[Tensor]] = [None for _ in self.params]
-        for i, entry in state.items():
-            param = self.params[i]
-            restored = torch.empty_like(param, memory_format=torch.preserve_format)
-            restored.copy_(entry["momentum_buffer"])
-            restored.mul_(self.buffer_scale)
-            buffers[i] = restored
-        self.momentum_buffers = buffers
+        self.state.load_state_dict(state)
+        for i in range(len(self.params)):
+            if self.state.has(i):
+                self.state.of(i)[0].mul_(self.buffer_scale)

@@ -11,8 +11,7 @@ the touched rows and their momentum rows (lazy momentum: untouched rows do
 not decay).  ``torch.optim.SGD`` sets a buffer to the gradient on its first
 step; row-wise, that is the first time a row is touched.  With zero
 dampening a zero buffer gives the same result, so nothing extra is kept;
-with dampening, a per-row "initialized" mask (one bool per row) is kept
-until a dense step touches every row.
+with dampening, a per-row "initialized" flag (one bool per row) is kept.
 """
 
 from typing import Dict, List, Optional
@@ -21,8 +20,8 @@ import torch
 from torch import Tensor
 
 from .hyperparameters import check_sgd_hyperparameters
-from .kernels import (check_gradients, check_state_entry, momentum_step, resize_rows_, row_slice_fused_min_elements,
-                      sparse_rows)
+from .kernels import check_gradients, momentum_step, row_slice_fused_min_elements
+from .row_sparse import RowState, RowStep
 
 
 @torch.jit.script
@@ -48,8 +47,15 @@ class FunctionalSGD:
         self.weight_decay = weight_decay
         self.nesterov = nesterov
         self.maximize = maximize
-        self.momentum_buffers: List[Optional[Tensor]] = [None for _ in params]
-        self.rows_initialized: List[Optional[Tensor]] = [None for _ in params]
+        names: List[str] = []
+        layouts: List[str] = []
+        if momentum != 0.0:  # a zero buffer's first update is the gradient, as torch.optim.SGD sets it
+            names.append("momentum_buffer")
+            layouts.append("element")
+            if dampening != 0.0:  # where that does not hold: which rows had their first step
+                names.append("rows_initialized")
+                layouts.append("row_flag")
+        self.state = RowState("FunctionalSGD", params, names, layouts, [0.0 for _ in names])
         # Tensors written by the last in-place list kernel; see _fused.
         self.last_updated: List[Tensor] = []
 
@@ -73,71 +79,31 @@ class FunctionalSGD:
             self._step(gradients)
 
     def _step(self, gradients: List[Optional[Tensor]]) -> None:
-        use_momentum = self.momentum != 0.0
-        first_params: List[Tensor] = []
-        first_grads: List[Tensor] = []
-        first_buffers: List[Tensor] = []
-        params: List[Tensor] = []
-        grads: List[Tensor] = []
-        buffers: List[Tensor] = []
-        for i in range(len(self.params)):
-            grad = gradients[i]
-            if grad is not None:
-                param = self.params[i]
-                if grad.is_sparse:
-                    rows, values = sparse_rows(grad)
-                    self._rows_step(i, rows, values)
-                elif not use_momentum:
-                    params.append(param)
-                    grads.append(grad)
-                elif self.rows_initialized[i] is not None:
-                    # Buffer made by row-sparse steps, some rows never touched.
-                    self._rows_step(i, torch.arange(param.size(0), device=param.device), grad)
-                    self.rows_initialized[i] = None
-                else:
-                    buf = self.momentum_buffers[i]
-                    if buf is None:
-                        created = torch.empty_like(param, memory_format=torch.preserve_format)
-                        self.momentum_buffers[i] = created
-                        first_params.append(param)
-                        first_grads.append(grad)
-                        first_buffers.append(created)
-                    else:
-                        params.append(param)
-                        grads.append(grad)
-                        buffers.append(buf)
-        if len(first_params) > 0:
-            self._fused(first_params, first_grads, first_buffers, True, 0)
-        if len(params) > 0:
-            self._fused(params, grads, buffers, False, 0)
+        batch = RowStep(self.state, gradients)
+        if batch.has_rows():
+            self._update(batch.row_params, batch.row_grads, batch.row_state, row_slice_fused_min_elements())
+            batch.scatter()
+        if batch.has_dense():
+            self._update(batch.dense_params, batch.dense_grads, batch.dense_state, 0)
 
-    def _rows_step(self, i: int, rows: Tensor, values: Tensor) -> None:
-        """Step only ``rows`` of parameter ``i`` with gradient rows ``values``."""
-        if rows.numel() == 0:
-            return
-        param = self.params[i]
-        param_rows = param.index_select(0, rows)
+    def _update(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]],
+                fused_min_elements: int) -> None:
+        """SGD's update of ``params`` (whole tensors, or a step's row slices) and their state."""
         if self.momentum == 0.0:
-            self._fused([param_rows], [values], [], False, row_slice_fused_min_elements())
-            param.index_copy_(0, rows, param_rows)
-            return
-        buf = self.momentum_buffers[i]
-        if buf is None:
-            buf = torch.zeros_like(param, memory_format=torch.preserve_format)
-            self.momentum_buffers[i] = buf
-            if self.dampening != 0.0:
-                self.rows_initialized[i] = torch.zeros(param.size(0), dtype=torch.bool, device=param.device)
-        buf_rows = buf.index_select(0, rows)
-        initialized = self.rows_initialized[i]
-        if initialized is None:
-            self._fused([param_rows], [values], [buf_rows], False, row_slice_fused_min_elements())
+            self._fused(params, grads, [], False, fused_min_elements)
+        elif self.dampening == 0.0:
+            self._fused(params, grads, state[0], False, fused_min_elements)
         else:
-            seen = initialized.index_select(0, rows)
-            self._subset_step(param_rows, values, buf_rows, seen.nonzero().view(-1), False)
-            self._subset_step(param_rows, values, buf_rows, seen.logical_not().nonzero().view(-1), True)
-            initialized.index_fill_(0, rows, True)
-        param.index_copy_(0, rows, param_rows)
-        buf.index_copy_(0, rows, buf_rows)
+            for j in range(len(params)):
+                seen = state[1][j]
+                if bool(seen.all()):
+                    self._fused([params[j]], [grads[j]], [state[0][j]], False, fused_min_elements)
+                elif not bool(seen.any()):
+                    self._fused([params[j]], [grads[j]], [state[0][j]], True, fused_min_elements)
+                else:
+                    self._subset_step(params[j], grads[j], state[0][j], seen.nonzero().view(-1), False)
+                    self._subset_step(params[j], grads[j], state[0][j], seen.logical_not().nonzero().view(-1), True)
+                seen.fill_(True)
 
     def _subset_step(self, param_rows: Tensor, values: Tensor, buf_rows: Tensor, subset: Tensor, first: bool) -> None:
         if subset.numel() == 0:
@@ -150,47 +116,16 @@ class FunctionalSGD:
 
     def resize_rows(self, i: int, rows: int) -> None:
         """Parameter ``i`` now has ``rows`` rows (it grew in place): so does its state, new rows fresh."""
-        resize_rows_(self.momentum_buffers[i], rows)
-        resize_rows_(self.rows_initialized[i], rows)
+        self.state.resize_rows(i, rows)
 
     def reset_rows(self, i: int, rows: Tensor) -> None:
         """Rows ``rows`` of parameter ``i`` start afresh (a new id took them): their state is as never stepped."""
-        buf = self.momentum_buffers[i]
-        if buf is not None:
-            buf.index_fill_(0, rows, 0.0)
-        initialized = self.rows_initialized[i]
-        if initialized is not None:
-            initialized.index_fill_(0, rows, False)
+        self.state.reset_rows(i, rows)
 
     def state_dict(self) -> Dict[int, Dict[str, Tensor]]:
         """A snapshot: ``{param index: {"momentum_buffer": ..., ["rows_initialized": ...]}}`` (copies)."""
-        state: Dict[int, Dict[str, Tensor]] = {}
-        for i in range(len(self.params)):
-            buf = self.momentum_buffers[i]
-            if buf is not None:
-                entry: Dict[str, Tensor] = {"momentum_buffer": buf.clone()}
-                initialized = self.rows_initialized[i]
-                if initialized is not None:
-                    entry["rows_initialized"] = initialized.clone()
-                state[i] = entry
-        return state
+        return self.state.state_dict()
 
     def load_state_dict(self, state: Dict[int, Dict[str, Tensor]]) -> None:
         """Restore a ``state_dict()``; validated whole before anything changes."""
-        for i, entry in state.items():
-            check_state_entry("FunctionalSGD", self.params, i, entry)
-            param = self.params[i]
-            if "rows_initialized" in entry and list(entry["rows_initialized"].shape) != [param.size(0)]:
-                raise ValueError("FunctionalSGD.load_state_dict: rows_initialized {} has shape {}, expected [{}]"
-                                 .format(i, list(entry["rows_initialized"].shape), param.size(0)))
-        buffers: List[Optional[Tensor]] = [None for _ in self.params]
-        masks: List[Optional[Tensor]] = [None for _ in self.params]
-        for i, entry in state.items():
-            param = self.params[i]
-            restored = torch.empty_like(param, memory_format=torch.preserve_format)
-            restored.copy_(entry["momentum_buffer"])
-            buffers[i] = restored
-            if "rows_initialized" in entry:
-                masks[i] = entry["rows_initialized"].to(device=param.device, dtype=torch.bool).clone()
-        self.momentum_buffers = buffers
-        self.rows_initialized = masks
+        self.state.load_state_dict(state)
