@@ -142,14 +142,6 @@ class FunctionalQHM:
         if batch.has_dense():
             self._apply(batch.dense_params, batch.dense_grads, batch.dense_state[0], scale, 0)
 
-    def resize_rows(self, i: int, rows: int) -> None:
-        """Parameter ``i`` now has ``rows`` rows (it grew in place): so does its momentum, new rows zero."""
-        self.state.resize_rows(i, rows)
-
-    def reset_rows(self, i: int, rows: Tensor) -> None:
-        """Rows ``rows`` of parameter ``i`` start afresh (a new id took them): their momentum is zero."""
-        self.state.reset_rows(i, rows)
-
     def state_dict(self) -> Dict[int, Dict[str, Tensor]]:
         """A snapshot of the state: ``{param index: {"momentum_buffer": b}}``.
 

@@ -114,14 +114,6 @@ class FunctionalSGD:
         param_rows.index_copy_(0, subset, p)
         buf_rows.index_copy_(0, subset, b)
 
-    def resize_rows(self, i: int, rows: int) -> None:
-        """Parameter ``i`` now has ``rows`` rows (it grew in place): so does its state, new rows fresh."""
-        self.state.resize_rows(i, rows)
-
-    def reset_rows(self, i: int, rows: Tensor) -> None:
-        """Rows ``rows`` of parameter ``i`` start afresh (a new id took them): their state is as never stepped."""
-        self.state.reset_rows(i, rows)
-
     def state_dict(self) -> Dict[int, Dict[str, Tensor]]:
         """A snapshot: ``{param index: {"momentum_buffer": ..., ["rows_initialized": ...]}}`` (copies)."""
         return self.state.state_dict()

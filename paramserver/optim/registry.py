@@ -21,9 +21,13 @@ from typing import Dict, Iterator, List, Optional
 import torch
 from torch import Tensor
 
+from .ftrl import FTRL, FunctionalFTRL
+from .functional_adagrad import FunctionalAdagrad
+from .functional_adam import FunctionalAdam
 from .functional_qhm import FunctionalQHM
 from .functional_sgd import FunctionalSGD
 from .qhm import QHM
+from .rowwise_adagrad import FunctionalRowWiseAdagrad, RowWiseAdagrad
 
 
 class FunctionalOptimMap(MutableMapping):
@@ -74,7 +78,10 @@ class FunctionalOptimMap(MutableMapping):
 
 #: local optimizer class -> TorchScript functional class (``FunctionalOptimMap``).  The tests step each of
 #: them in TorchScript against its local optimizer.
-functional_optim_map = FunctionalOptimMap({torch.optim.SGD: FunctionalSGD, QHM: FunctionalQHM})
+functional_optim_map = FunctionalOptimMap({
+    QHM: FunctionalQHM, torch.optim.SGD: FunctionalSGD, torch.optim.Adagrad: FunctionalAdagrad,
+    torch.optim.Adam: FunctionalAdam, torch.optim.SparseAdam: FunctionalAdam,
+    RowWiseAdagrad: FunctionalRowWiseAdagrad, FTRL: FunctionalFTRL})
 
 _PROBE_SOURCE = """
 def _step_contract(optimizer: FunctionalClass, gradients: List[Optional[Tensor]]) -> None:

@@ -1,0 +1,90 @@
+"""``FunctionalAdagrad``: ``torch.optim.Adagrad`` as a TorchScript class on the row-sparse driver.
+
+Owns the server-side Adagrad with ``torch.optim.Adagrad``'s arguments and results (its single-tensor
+path, the one it takes on CPU and for sparse gradients)::
+
+    step += 1;  clr = lr / (1 + (step - 1) * lr_decay)
+    g = -grad if maximize else grad;  g += weight_decay * p   (dense gradients only, as torch)
+    sum += g * g;  p -= clr * g / (sqrt(sum) + eps)
+
+State: ``sum`` shaped like the parameter, starting at ``initial_accumulator_value`` (a dynamic table's
+new rows too), and ``step`` per parameter.  A row-sparse gradient (duplicates summed) updates only the
+touched rows and their sums, as ``torch.optim.Adagrad`` does with a sparse gradient; like torch it
+refuses ``weight_decay`` there.  It knows nothing of RPC.
+"""
+
+from typing import Dict, List, Optional
+
+import torch
+from torch import Tensor
+
+from .hyperparameters import check_adagrad_hyperparameters
+from .kernels import check_gradients
+from .row_sparse import RowState, RowStep
+
+
+@torch.jit.script
+class FunctionalAdagrad:
+    def __init__(
+        self,
+        params: List[Tensor],
+        lr: float = 1e-2,
+        lr_decay: float = 0.0,
+        weight_decay: float = 0.0,
+        initial_accumulator_value: float = 0.0,
+        eps: float = 1e-10,
+        foreach: Optional[bool] = None,
+        maximize: bool = False,
+        differentiable: bool = False,
+        fused: Optional[bool] = None,
+        _allow_empty_param_list: bool = False,
+    ):
+        check_adagrad_hyperparameters("Adagrad", lr, lr_decay, weight_decay, initial_accumulator_value, eps)
+        if len(params) == 0 and not _allow_empty_param_list:
+            raise ValueError("FunctionalAdagrad: optimizer got an empty parameter list")
+        self.params = params
+        self.lr = lr
+        self.lr_decay = lr_decay
+        self.weight_decay = weight_decay
+        self.eps = eps
+        self.maximize = maximize
+        self.state = RowState("FunctionalAdagrad", params, ["step", "sum"], ["scalar", "element"],
+                              [0.0, initial_accumulator_value])
+
+    def step(self, gradients: List[Optional[Tensor]]) -> None:
+        """Apply one step; ``gradients[i]`` belongs to ``params[i]`` (``None`` skips it), validated first."""
+        check_gradients("FunctionalAdagrad", self.params, gradients)
+        with torch.no_grad():
+            batch = RowStep(self.state, gradients)
+            self._update(batch.row_params, batch.row_grads, batch.row_state, True)
+            batch.scatter()
+            self._update(batch.dense_params, batch.dense_grads, batch.dense_state, False)
+
+    def _update(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]], rows: bool) -> None:
+        if rows and self.weight_decay != 0.0 and len(params) > 0:
+            raise ValueError("FunctionalAdagrad: weight_decay={} is not compatible with row-sparse gradients "
+                             "(torch.optim.Adagrad refuses it too)".format(self.weight_decay))
+        for j in range(len(params)):
+            param = params[j]
+            step_t = state[0][j]
+            state_sum = state[1][j]
+            step_t.add_(1)
+            step = float(step_t.item())
+            grad = grads[j] if not self.maximize else -grads[j]
+            clr = self.lr / (1 + (step - 1) * self.lr_decay)
+            if rows:  # torch's sparse path: sum += g^2 on the rows; p += -clr * (g / std)
+                state_sum.add_(grad.pow(2))
+                std = state_sum.sqrt().add_(self.eps)
+                param.add_(grad / std, alpha=-clr)
+            else:
+                if self.weight_decay != 0.0:
+                    grad = grad.add(param, alpha=self.weight_decay)
+                state_sum.addcmul_(grad, grad, value=1)
+                std = state_sum.sqrt().add_(self.eps)
+                param.addcdiv_(grad, std, value=-clr)
+
+    def state_dict(self) -> Dict[int, Dict[str, Tensor]]:  # {index: {"step", "sum"}}, as torch names them
+        return self.state.state_dict()
+
+    def load_state_dict(self, state: Dict[int, Dict[str, Tensor]]) -> None:
+        self.state.load_state_dict(state)

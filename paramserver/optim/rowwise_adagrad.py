@@ -1,0 +1,91 @@
+"""Row-wise Adagrad (FBGEMM's ``EXACT_ROWWISE_ADAGRAD``, TorchRec's default for embedding tables).
+
+Owns ``FunctionalRowWiseAdagrad`` (the TorchScript class shards run, on the row-sparse driver) and
+``RowWiseAdagrad`` (the same update as a local ``torch.optim.Optimizer``).  One float of state per row
+of a 2-D parameter::
+
+    g = grad + weight_decay * row                      (a row's gradients summed first)
+    state[row] += mean(g ** 2)                         (over the row's columns)
+    row -= lr * g / (sqrt(state[row]) + eps)
+
+On parameters that are not 2-D it is element-wise Adagrad (the state shaped like the parameter, no
+mean).  State ``sum`` starts at zero, as FBGEMM's.  A row-sparse gradient (duplicates summed) updates
+only the touched rows and their state; a dense gradient is every row touched.
+"""
+
+from typing import Dict, List, Optional
+
+import torch
+from torch import Tensor
+
+from .hyperparameters import check_finite_at_least
+from .kernels import check_gradients
+from .local import FunctionalBackedOptimizer
+from .row_sparse import RowState, RowStep
+
+
+def check_rowwise_adagrad_hyperparameters(lr: float, eps: float, weight_decay: float) -> None:
+    check_finite_at_least("RowWiseAdagrad", "lr", lr, 0.0)
+    if not eps > 0.0 or eps == float("inf"):
+        raise ValueError("RowWiseAdagrad: invalid eps={} (must be finite and > 0)".format(eps))
+    check_finite_at_least("RowWiseAdagrad", "weight_decay", weight_decay, 0.0)
+
+
+@torch.jit.script
+class FunctionalRowWiseAdagrad:
+    def __init__(self, params: List[Tensor], lr: float, eps: float = 1e-8, weight_decay: float = 0.0,
+                 _allow_empty_param_list: bool = False):
+        check_rowwise_adagrad_hyperparameters(lr, eps, weight_decay)
+        if len(params) == 0 and not _allow_empty_param_list:
+            raise ValueError("FunctionalRowWiseAdagrad: optimizer got an empty parameter list")
+        self.params = params
+        self.lr = lr
+        self.eps = eps
+        self.weight_decay = weight_decay
+        self.state = RowState("FunctionalRowWiseAdagrad", params, ["sum"], ["row"], [0.0])
+
+    def step(self, gradients: List[Optional[Tensor]]) -> None:
+        """Apply one step; ``gradients[i]`` belongs to ``params[i]`` (``None`` skips it), validated first."""
+        check_gradients("FunctionalRowWiseAdagrad", self.params, gradients)
+        with torch.no_grad():
+            batch = RowStep(self.state, gradients)
+            self._update(batch.row_params, batch.row_grads, batch.row_state[0])
+            batch.scatter()
+            self._update(batch.dense_params, batch.dense_grads, batch.dense_state[0])
+
+    def _update(self, params: List[Tensor], grads: List[Tensor], sums: List[Tensor]) -> None:
+        for j in range(len(params)):
+            param = params[j]
+            grad = grads[j]
+            if self.weight_decay != 0.0:
+                grad = grad.add(param, alpha=self.weight_decay)
+            state_sum = sums[j]
+            if param.dim() == 2:
+                state_sum.add_(grad.pow(2).mean(1))
+                std = state_sum.sqrt().add_(self.eps).unsqueeze(1)
+            else:
+                state_sum.addcmul_(grad, grad)
+                std = state_sum.sqrt().add_(self.eps)
+            param.addcdiv_(grad, std, value=-self.lr)
+
+    def state_dict(self) -> Dict[int, Dict[str, Tensor]]:  # {index: {"sum": one float per row}}
+        return self.state.state_dict()
+
+    def load_state_dict(self, state: Dict[int, Dict[str, Tensor]]) -> None:
+        self.state.load_state_dict(state)
+
+
+class RowWiseAdagrad(FunctionalBackedOptimizer):
+    """Row-wise Adagrad over ``params``: dense or row-sparse gradients (``nn.Embedding(sparse=True)``).
+
+    Args:
+        lr: learning rate.
+        eps: added to the root of a row's accumulated squared gradient.
+        weight_decay: L2 coefficient, added to the gradient.
+    """
+
+    functional_cls = FunctionalRowWiseAdagrad
+
+    def __init__(self, params, lr: float, eps: float = 1e-8, weight_decay: float = 0.0):
+        check_rowwise_adagrad_hyperparameters(float(lr), float(eps), float(weight_decay))
+        super().__init__(params, dict(lr=lr, eps=eps, weight_decay=weight_decay))
