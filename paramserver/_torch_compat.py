@@ -262,6 +262,21 @@ def remote_error_cause(error: BaseException) -> str:
     return f"{kind}: {message}"
 
 
+#: The error types a shard raises for a request it refuses (bad input, an optimizer that cannot apply it), as
+#: opposed to a shard that is gone or timed out.
+REFUSAL_TYPES = ("ValueError", "TypeError", "IndexError", "KeyError")
+
+
+def is_remote_refusal(error: BaseException) -> bool:
+    """Whether ``error`` (from an RPC) is the peer refusing the request (``REFUSAL_TYPES``), not the peer lost.
+
+    Across a TorchScript RPC torch delivers every error as a ``RuntimeError`` whose text holds the original
+    type: only the text can tell (``remote_error_cause``)."""
+    if isinstance(error, (ValueError, TypeError, IndexError, KeyError)):
+        return True
+    return remote_error_cause(error).split(":", 1)[0] in REFUSAL_TYPES
+
+
 # --- Collectives --------------------------------------------------------------------------------------------
 
 _BACKEND_ERROR_MARKERS = ("gloo", "NCCL")

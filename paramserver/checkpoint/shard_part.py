@@ -135,6 +135,14 @@ class CheckpointSource:
                     self.checkpoint.step, part["ids"].numel())
         return part
 
+    def optimizer_of(self, name: str) -> Optional[str]:
+        """The optimizer class name whose state the checkpoint keeps for rows ``name``, or ``None``."""
+        found = self._table(name)
+        if found is None:
+            return None
+        kept = [e["optimizer"] for _, _, e in found[3] if e["optimizer"] and e["state"]]
+        return kept[0] if kept else None
+
     def optimizer_state(self, name: str, optimizer: str) -> Optional[Dict[str, Tensor]]:
         """The state ``optimizer`` (a class name) kept for rows ``name``; ``None`` if the checkpoint has none."""
         found = self._table(name)

@@ -40,6 +40,7 @@ from ..checkpoint.model import describe_model
 from ..ddp import DenseReplica, GroupStopped, TrainerGroup, canonical_hook_options
 from ..ddp.group import GenerationAborted
 from ..logs import RateLimitedLog, one_line
+from ..shards.client.collection import ShardRefused, ShardRequestFailed
 from .checkpoints import TrainerCheckpoints, restore_point
 from .claims import PartClaims
 from .contract import Batch, Table, is_count
@@ -396,6 +397,9 @@ class _Run:
         cause = rebuild_for if rebuild_for is not None else (failures[-1][1] if failures else None)
         if cause is None:
             return True
+        refusal = _refusal_in(cause)
+        if refusal is not None:  # the request's own fault (bad rows, an optimizer that cannot apply them): no rebuild
+            raise refusal from cause
         self.pipeline.drop_reads()
         try:
             self.sparse.rebuild(cause)
@@ -628,6 +632,15 @@ class _Run:
                 return True
         finally:
             module.train(was_training)
+
+
+def _refusal_in(cause: Optional[BaseException]) -> Optional[ShardRefused]:
+    """The ``ShardRefused`` a failed lookup or push carries when shards refused it (rather than being lost)."""
+    while cause is not None:
+        if isinstance(cause, ShardRequestFailed):
+            return cause.refusal()
+        cause = cause.__cause__
+    return None
 
 
 def _live_exports(trainer: Trainer, ctx, replica) -> Optional[LiveExports]:

@@ -32,7 +32,7 @@ import torch
 import torch.distributed.rpc as rpc
 from torch import Tensor
 
-from ..._torch_compat import remote_error_cause
+from ..._torch_compat import is_remote_refusal, remote_error_cause
 from ..peer import creation_timeout, settle
 from .. import wire
 from ..server import service
@@ -55,6 +55,20 @@ class ShardRequestFailed(RuntimeError):
         super().__init__("; ".join(f"{action} failed on shard {shard!r}: {remote_error_cause(error)}"
                                    for shard, error in failures))
         self.failures = list(failures)
+
+    def refusal(self) -> Optional["ShardRefused"]:
+        """A ``ShardRefused`` naming the shards that refused the request (bad input, an optimizer that cannot
+        apply it), or ``None`` when every failure is a shard gone or timed out."""
+        refused = [(shard, error) for shard, error in self.failures if is_remote_refusal(error)]
+        if not refused:
+            return None
+        return ShardRefused("; ".join(f"shard {shard!r} refused it: {remote_error_cause(error)}"
+                                      for shard, error in refused))
+
+
+class ShardRefused(ValueError):
+    """A shard refused a lookup or push for a reason of the request's own (its rows, its gradients, an
+    optimizer that cannot apply them), not because it is gone: sending it again cannot succeed."""
 
 
 class _Slot:

@@ -37,9 +37,10 @@ import torch.distributed.autograd as dist_autograd
 from torch import Tensor, nn
 
 from ..._torch_compat import torchscript_enabled
+from ...logs import one_line
 from ..._torch_compat import autograd_context_creator, current_rpc_agent
-from ...optim.kernels import resize_rows_
 from ...optim.registry import class_name, functional_optim_map
+from ...optim.row_sparse import RowState
 from ...optim.scripted import reraise_script_error
 from .state import ShardState
 
@@ -141,11 +142,11 @@ class _ScriptedStep(nn.Module):
     add the state methods for the two kinds of functional classes.)
     """
 
-    def __init__(self, functional_cls, params: List[Tensor], names: List[str], args, kwargs):
+    def __init__(self, optim, params: List[Tensor], names: List[str]):
         super().__init__()
         self.params = params
         self.names = names
-        self.optim = functional_cls(params, *args, **kwargs)
+        self.optim = optim
 
     @torch.jit.export
     def step(self, context_id: int, measure: bool) -> Tuple[int, int]:
@@ -179,16 +180,16 @@ class _ScriptedStepWithStateDict(_ScriptedStep):
 
 
 class _ScriptedStepWithRowState(_ScriptedStepWithStateDict):
-    """For functional classes whose per-row state can follow rows (ours: ``resize_rows`` / ``reset_rows``),
-    which dynamic tables need."""
+    """For functional classes on the row-sparse driver (``state: RowState``: ours), whose per-row state follows
+    the rows, which tables need: dynamic ones as their slabs grow and their slots take new ids."""
 
     @torch.jit.export
     def resize_state_rows(self, index: int, rows: int) -> None:
-        self.optim.resize_rows(index, rows)
+        self.optim.state.resize_rows(index, rows)
 
     @torch.jit.export
     def reset_state_rows(self, index: int, rows: Tensor) -> None:
-        self.optim.reset_rows(index, rows)
+        self.optim.state.reset_rows(index, rows)
 
 
 class _ScriptedStepWithStateAttribute(_ScriptedStep):
@@ -219,15 +220,18 @@ class _ScriptedStepWithStateAttribute(_ScriptedStep):
 
 
 def _compile_step(functional_cls, params: List[Tensor], names: List[str], args, kwargs):
-    """The most capable compiled step module ``functional_cls`` supports."""
-    if all(hasattr(functional_cls, name) for name in ("state_dict", "load_state_dict", "resize_rows", "reset_rows")):
-        return torch.jit.script(_ScriptedStepWithRowState(functional_cls, params, names, args, kwargs))
+    """The most capable step module ``functional_cls`` supports, compiled with TorchScript where it is on, else
+    the same module run eagerly (the same operations, so the same rows; the GIL held)."""
+    optim = functional_cls(params, *args, **kwargs)
+    compile_module = torch.jit.script if torchscript_enabled() else (lambda module: module)
+    if isinstance(getattr(optim, "state", None), RowState):
+        return compile_module(_ScriptedStepWithRowState(optim, params, names))
     if hasattr(functional_cls, "state_dict") and hasattr(functional_cls, "load_state_dict"):
-        return torch.jit.script(_ScriptedStepWithStateDict(functional_cls, params, names, args, kwargs))
+        return compile_module(_ScriptedStepWithStateDict(optim, params, names))
     try:
-        return torch.jit.script(_ScriptedStepWithStateAttribute(functional_cls, params, names, args, kwargs))
+        return compile_module(_ScriptedStepWithStateAttribute(optim, params, names))
     except RuntimeError:  # no ``state`` attribute of that type: steps only
-        return torch.jit.script(_ScriptedStep(functional_cls, params, names, args, kwargs))
+        return compile_module(_ScriptedStep(optim, params, names))
 
 
 class _PythonStep:
@@ -252,16 +256,6 @@ class _PythonStep:
                 param.grad = None
         return gradient_stats(gradients) if measure else (0, 0)
 
-    def resize_state_rows(self, index: int, rows: int) -> None:
-        for value in self.optim.state.get(self.params[index], {}).values():
-            if isinstance(value, Tensor) and value.dim() > 0:
-                resize_rows_(value, rows)
-
-    def reset_state_rows(self, index: int, rows: Tensor) -> None:
-        for value in self.optim.state.get(self.params[index], {}).values():
-            if isinstance(value, Tensor) and value.dim() > 0:
-                value.index_fill_(0, rows, 0)
-
 
 class OwnerOptimizer:
     """The optimizer over one DistributedOptimizer's parameters on this owner."""
@@ -285,11 +279,9 @@ class OwnerOptimizer:
         self._dynamic = [state.dynamic_rows(p) for p in self.params]
         #: Each parameter's rows changed since a live export (``ShardState.row_marks``: one object for its life).
         self._marks = [state.row_marks(p) for p in self.params]
+        self._refuse_unless_rows_apply(state, args, kwargs)
         for index, rows in enumerate(self._dynamic):
             if rows is not None:
-                if not hasattr(self._impl, "reset_state_rows"):
-                    raise TypeError(f"dynamic table {rows.name!r} needs an optimizer whose per-row state can follow "
-                                    f"its rows; {optimizer_cls.__qualname__} cannot (use QHM or SGD)")
                 rows.attach(self, index)
         #: Idempotent pushes: the last step applied per pusher (``apply_rows(once=...)``).
         self._last_push: Dict[int, int] = {}
@@ -302,6 +294,32 @@ class OwnerOptimizer:
     @property
     def is_scripted(self) -> bool:
         return self.functional_cls is not None
+
+    def _refuse_unless_rows_apply(self, state: ShardState, args: tuple, kwargs: dict) -> None:
+        """Tables (fixed or dynamic) are updated by row-sparse pushes, and their per-row state must follow their
+        rows: ``TypeError`` naming the table and the optimizer when its class has no per-row state
+        (``RowState``), ``ValueError`` when its settings refuse row-sparse gradients (tried here on a scratch
+        row, so that the refusal comes now, not at every push)."""
+        tables = [index for index, param in enumerate(self.params)
+                  if self._dynamic[index] is not None or state.is_shared_table(param)]
+        if not tables:
+            return
+        first = tables[0]
+        table = self._dynamic[first].name if self._dynamic[first] is not None else self.names[first]
+        optimizer = self.optimizer_cls.__qualname__
+        if not hasattr(self._impl, "reset_state_rows"):
+            raise TypeError(f"table {table}: optimizer {optimizer} cannot apply row-sparse gradients with per-row "
+                            f"state that follows the table's rows (it has no form on the row-sparse driver; "
+                            f"use QHM, SGD, Adagrad, RowWiseAdagrad, Adam, SparseAdam or FTRL)")
+        param = self.params[first]
+        scratch = torch.zeros((1,) + tuple(param.shape[1:]), dtype=param.dtype, device=param.device)
+        gradient = torch.sparse_coo_tensor(torch.zeros(1, 1, dtype=torch.int64), torch.ones_like(scratch),
+                                           scratch.shape)
+        try:
+            self.functional_cls([scratch], *args, **kwargs).step([gradient])
+        except (ValueError, RuntimeError) as error:
+            raise ValueError(f"table {table}: optimizer {optimizer} with {kwargs} cannot apply row-sparse "
+                             f"gradients: {one_line(error)}") from None
 
     @contextmanager
     def _locked(self):
@@ -382,9 +400,13 @@ class OwnerOptimizer:
                 return False
             began = time.monotonic()
             try:
-                rows, gradient_bytes = run(metrics is not None)
-            except torch.jit.Error as error:
-                reraise_script_error(error)
+                try:
+                    rows, gradient_bytes = run(metrics is not None)
+                except torch.jit.Error as error:
+                    reraise_script_error(error)
+            except RuntimeError as error:  # a kernel's failure: the request's own (its values), never a lost shard
+                raise ValueError(f"optimizer {self.optimizer_cls.__qualname__} could not apply a {rpc} to "
+                                 f"{', '.join(self.names)}: {one_line(error)}") from error
             if once is not None:
                 self._last_push[once[0]] = once[1]
             ended = time.monotonic()
@@ -487,10 +509,11 @@ def owner_optimizer_for(state: ShardState, optimizer_cls, params: List[Tensor], 
     optimizer) that ``optimizer_cls(params, *args, **kwargs)`` asks for, shared when it exists; a new one runs
     compiled when this process's ``functional_optim_map`` has the class, and starts from the state the
     checkpoint ``state`` was restored from kept for its parameters."""
-    functional_cls = functional_optim_map.get(optimizer_cls) if torchscript_enabled() else None
+    functional_cls = functional_optim_map.get(optimizer_cls)
     for index, param in zip(indices, params):
         if not isinstance(param, Tensor):
             raise TypeError(f"parameter #{index} of the optimizer is a {type(param).__name__}, not a tensor")
+    _refuse_another_optimizers_state(state, class_name(optimizer_cls), params)
     # Trainers asking for the same optimizer share it (and its state); steps name it by a small integer
     # handle rather than an RRef, which spares every step the RRef fork/acknowledge messages.  The state
     # holds optimizers weakly: the RRefs that DistributedOptimizers keep are what keeps one alive.
@@ -504,9 +527,28 @@ def owner_optimizer_for(state: ShardState, optimizer_cls, params: List[Tensor], 
     if created:
         logger.info("optimizer %d: %s over %d parameters (%s)", owner_optimizer.handle,
                     optimizer_cls.__qualname__, len(params),
-                    "TorchScript" if functional_cls is not None else "Python, under a lock")
+                    ("Python, under a lock" if functional_cls is None else
+                     "TorchScript" if torchscript_enabled() else "eager: TorchScript is off"))
         _restore_state(state, owner_optimizer)
     return owner_optimizer
+
+
+def _refuse_another_optimizers_state(state: ShardState, optimizer: str, params: List[Tensor]) -> None:
+    """A shard started from a checkpoint whose state for one of ``params`` was kept by another optimizer class
+    than ``optimizer``: ``ValueError`` naming the table and both classes, before anything is made or changed
+    (that state cannot be read as this optimizer's, and starting it afresh would silently drop it)."""
+    source = state.restore_source
+    if source is None:
+        return
+    for param in params:
+        name = state.name_of(param)
+        dynamic = state.dynamic_rows(param)
+        kept = dynamic.restored_optimizer() if dynamic is not None else \
+            source.optimizer_of(name) if name is not None else None
+        if kept and kept != optimizer:
+            raise ValueError(f"table {name!r}: the checkpoint holds its optimizer state for {kept}, but {optimizer} "
+                             f"is configured; train it with {kept.rsplit('.', 1)[-1]}, or start it from an export "
+                             f"of the checkpoint, which holds no optimizer state")
 
 
 def _restore_state(state: ShardState, owner_optimizer: OwnerOptimizer) -> None:

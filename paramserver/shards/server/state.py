@@ -42,6 +42,8 @@ class RestoreSource(Protocol):
 
     def dynamic_part(self, table: str, index: int, count: int) -> Optional[Dict]: ...
 
+    def optimizer_of(self, name: str) -> Optional[str]: ...
+
     def optimizer_state(self, name: str, optimizer: str) -> Optional[Dict[str, Tensor]]: ...
 
 
@@ -163,6 +165,11 @@ class ShardState:
         """The shared tables hosted here, by name (what a checkpoint of this shard holds)."""
         with self._tensors_lock:
             return dict(self._shared)
+
+    def is_shared_table(self, tensor: Tensor) -> bool:
+        """Whether ``tensor`` is one of the shared tables hosted here (fixed or a dynamic table's slab)."""
+        with self._tensors_lock:
+            return any(table is tensor for table in self._shared.values())
 
     def name_of(self, tensor: Tensor) -> Optional[str]:
         """The name ``tensor`` is hosted under, or ``None``."""

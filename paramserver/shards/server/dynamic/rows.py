@@ -265,6 +265,11 @@ class DynamicRows:
             self.clock = self._last_sweep = clock
             self._restored_state = (optimizer, state) if optimizer else None
 
+    def restored_optimizer(self) -> Optional[str]:
+        """The optimizer class name whose state the restore held for these rows, or ``None``."""
+        with self._lock:
+            return self._restored_state[0] if self._restored_state is not None else None
+
     def restored_optimizer_state(self, optimizer: str) -> Optional[Dict[str, Tensor]]:
         """The restored state of ``optimizer`` (a class name) for the whole slab, or ``None``."""
         with self._lock:
