@@ -266,6 +266,13 @@ class JobContext:
         """Leave what ``local`` joined (nothing for a worker's context: its runtime leaves)."""
         self._close()
 
+    def __enter__(self) -> "JobContext":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        """``with JobContext.local() as ctx:`` leaves what it joined on the way out, error or not."""
+        self.close()
+
     # -- what a job reads ----------------------------------------------
     def should_stop(self) -> bool:
         """True once the coordinator asked this worker to stop (or was lost)."""
