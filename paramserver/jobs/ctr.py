@@ -32,26 +32,74 @@ categorical values come; ``table_options`` passes their admission and
 eviction options (``capacity``, ``ttl_steps``, ``admit_after``,
 ``admit_probability``).
 
-The sparse learning rate looks large because the loss is a batch mean: a
-row's gradient is its samples' share of 1/batch_size.  The defaults were
-tuned on the planted data (1500 steps of 2 x 1024 samples reach about
-0.015 below the oracle AUC).
+``sparse_optimizer=NAME`` picks the tables' optimizer on the shards by name
+(``SPARSE_OPTIMIZERS``: ``qhm``, the default, ``sgd``, ``adagrad``,
+``rowwise_adagrad``, ``adam``, ``ftrl``), with its learning rate tuned on
+the planted data; ``sparse_lr`` overrides that rate (None, the default:
+the tuned one).  QHM's momentum and nu are the job's ``momentum`` and
+``nu``, which the dense QHM takes too.
+
+The learning rates of QHM and SGD look large because the loss is a batch
+mean: a row's gradient is its samples' share of 1/batch_size.  The
+defaults were tuned on the planted data (1500 steps of 2 x 1024 samples
+reach about 0.015 below the oracle AUC with QHM; every optimizer's figures
+are in docs/demo-job.md).
 """
 
 import logging
-from typing import Dict, List, Optional, Sequence, Tuple
+import math
+from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from paramserver import Table, Trainer
 from paramserver.optim import QHM
+from paramserver.optim.ftrl import FTRL
+from paramserver.optim.rowwise_adagrad import RowWiseAdagrad
 from paramserver.jobs.ctr_data import CTRSpec, PlantedCTR, PlantedStream, auc, feature_names, to_batch
 
 logger = logging.getLogger(__name__)
 
 #: Samples per batch of the held-out files.
 EVAL_BATCH = 4096
+
+#: The tables' optimizers by name (the job's ``sparse_optimizer``): the class the shards run and its keyword
+#: arguments, tuned on the planted data (``make demo``'s 1500 steps, fixed and dynamic tables: see
+#: docs/demo-job.md); the job's ``sparse_lr`` replaces the ``lr`` here, and for ``qhm`` the job's
+#: ``momentum`` and ``nu`` replace these.
+SPARSE_OPTIMIZERS: Dict[str, Tuple[type, Dict[str, Any]]] = {
+    "qhm": (QHM, dict(lr=128.0, momentum=0.9, nu=0.7)),
+    "sgd": (torch.optim.SGD, dict(lr=128.0)),
+    "adagrad": (torch.optim.Adagrad, dict(lr=0.05)),
+    "rowwise_adagrad": (RowWiseAdagrad, dict(lr=0.05)),
+    "adam": (torch.optim.SparseAdam, dict(lr=0.01)),  # lazy Adam: only the rows a step touched move
+    "ftrl": (FTRL, dict(lr=0.05)),
+}
+
+#: The names ``sparse_optimizer`` takes: a config naming another is refused before the job is shipped.
+SparseOptimizerName = Literal[tuple(SPARSE_OPTIMIZERS)]  # type: ignore[valid-type]
+
+
+def sparse_optimizer_of(name: str = "qhm", lr: Optional[float] = None, momentum: Optional[float] = None,
+                     nu: Optional[float] = None) -> Tuple[type, Dict[str, Any]]:
+    """``(optimizer class, keyword arguments)`` of the tables' optimizer ``name`` (``SPARSE_OPTIMIZERS``), with
+    ``lr`` instead of its tuned rate unless None, and for ``qhm`` ``momentum`` and ``nu`` instead of its own unless
+    None.  A name not in the table, or an ``lr`` that is not a finite positive number, is a ``ValueError`` naming
+    the key and the value."""
+    if not isinstance(name, str) or name not in SPARSE_OPTIMIZERS:
+        raise ValueError(f"sparse_optimizer must be one of {', '.join(SPARSE_OPTIMIZERS)}; got {name!r}")
+    if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr)
+                           or lr <= 0):
+        raise ValueError(f"sparse_lr must be a finite number above 0 (or None: {name}'s tuned "
+                         f"{SPARSE_OPTIMIZERS[name][1]['lr']}); got {lr!r}")
+    optimizer_class, tuned = SPARSE_OPTIMIZERS[name]
+    options = dict(tuned)
+    if lr is not None:
+        options["lr"] = float(lr)
+    if name == "qhm":
+        options.update({key: value for key, value in (("momentum", momentum), ("nu", nu)) if value is not None})
+    return optimizer_class, options
 
 
 def dense_tower(num_inputs: int, hidden: Sequence[int]) -> nn.Module:
@@ -84,8 +132,8 @@ class Tower(nn.Module):
 
 def main(ctx, steps: int = 1500, batch_size: int = 1024, hook: str = "powersgd",
          hook_options: Optional[Dict] = None, embedding_dim: int = 16, hidden: Sequence[int] = (128, 64),
-         sparse_lr: float = 128.0, dense_lr: float = 0.5, momentum: float = 0.9, nu: float = 0.7,
-         init_std: float = 0.01, row_wise_min_rows: int = 1_000_000, holdout_size: int = 20_000,
+         sparse_optimizer: SparseOptimizerName = "qhm", sparse_lr: Optional[float] = None, dense_lr: float = 0.5,
+         momentum: float = 0.9, nu: float = 0.7, init_std: float = 0.01, row_wise_min_rows: int = 1_000_000, holdout_size: int = 20_000,
          eval_every: int = 500, log_every: int = 100, seed: int = 0, spec: Optional[Dict] = None,
          table_name: str = "ctr", dynamic_tables: bool = False, table_options: Optional[Dict] = None,
          data: Optional[Dict] = None, staleness: int = 0, cache_rows: Optional[int] = None,
@@ -106,8 +154,9 @@ def main(ctx, steps: int = 1500, batch_size: int = 1024, hook: str = "powersgd",
 
 
 def build(ctx, batch_size: int = 1024, hook: str = "powersgd", hook_options: Optional[Dict] = None,
-          embedding_dim: int = 16, hidden: Sequence[int] = (128, 64), sparse_lr: float = 128.0,
-          dense_lr: float = 0.5, momentum: float = 0.9, nu: float = 0.7, init_std: float = 0.01,
+          embedding_dim: int = 16, hidden: Sequence[int] = (128, 64), sparse_optimizer: SparseOptimizerName = "qhm",
+          sparse_lr: Optional[float] = None, dense_lr: float = 0.5, momentum: float = 0.9, nu: float = 0.7,
+          init_std: float = 0.01,
           row_wise_min_rows: int = 1_000_000, holdout_size: int = 20_000, seed: int = 0,
           spec: Optional[Dict] = None, table_name: str = "ctr", dynamic_tables: bool = False,
           table_options: Optional[Dict] = None, data: Optional[Dict] = None, staleness: int = 0,
@@ -116,6 +165,7 @@ def build(ctx, batch_size: int = 1024, hook: str = "powersgd", hook_options: Opt
           export_storage_options: Optional[Dict] = None,
           table_placement: str = "packed") -> Tuple[Trainer, "PlantedSource | FileSource"]:
     """The job's Trainer and its data (``PlantedSource``, or ``FileSource`` with ``data``), not started."""
+    sparse = sparse_optimizer_of(sparse_optimizer, sparse_lr, momentum, nu)  # refused before anything is built
     if data is not None:
         source = FileSource(ctx, data, batch_size, embedding_dim, init_std, table_options)
     else:
@@ -124,7 +174,7 @@ def build(ctx, batch_size: int = 1024, hook: str = "powersgd", hook_options: Opt
     torch.manual_seed(seed)  # every replica starts equal (the group shares one anyway)
     trainer = Trainer(
         ctx, tables=source.tables, dense=Tower(list(source.tables), embedding_dim, source.num_dense, hidden),
-        sparse_optimizer=(QHM, dict(lr=sparse_lr, momentum=momentum, nu=nu)),
+        sparse_optimizer=sparse,
         dense_optimizer=lambda params: QHM(params, lr=dense_lr, momentum=momentum, nu=nu),
         loss=nn.BCEWithLogitsLoss(), comm_hook=hook, hook_options=hook_options,
         name=table_name, seed=seed, row_wise_min_rows=row_wise_min_rows, staleness=staleness,
