@@ -76,7 +76,7 @@ def restore_map():
 
 
 def test_register_a_valid_class(restore_map):
-    register_functional_optim(SignSGD, FunctionalSignSGD)
+    register_functional_optim(SignSGD, FunctionalSignSGD, rows=False)
     assert functional_optim_map[SignSGD] is FunctionalSignSGD
     param = torch.zeros(3)
     optimizer = ScriptedOptimizer(FunctionalSignSGD, [param], lr=0.5)
@@ -121,6 +121,8 @@ class NoStep:
     (SignSGD, NoStep, "no step"),
     (SignSGD, NotScriptable, "does not compile under TorchScript"),
     (SignSGD, DenseOnlyStep, r"step must accept a List\[Optional\[Tensor\]\]"),
+    (SignSGD, FunctionalSignSGD, r"no per-row state that can follow a table's rows: it needs a 'state' attribute "
+                                 r"of type paramserver.optim.RowState"),
 ])
 def test_register_refuses_classes_that_break_the_contract(restore_map, local_cls, functional_cls, message):
     with pytest.raises(TypeError, match=message):

@@ -8,7 +8,9 @@ user's class against the functional contract before adding it:
 * it compiles under TorchScript;
 * its constructor takes the parameter list (``List[Tensor]``) first;
 * ``step`` accepts ``List[Optional[Tensor]]`` (one gradient per parameter,
-  ``None`` for "no gradient").
+  ``None`` for "no gradient");
+* for tables (the default), its state is a ``RowState`` (``state`` attribute), so
+  that per-row state follows a table's rows.
 
 It owns no optimizer math.
 """
@@ -21,12 +23,15 @@ from typing import Dict, Iterator, List, Optional
 import torch
 from torch import Tensor
 
+from .._torch_compat import torchscript_enabled
+
 from .ftrl import FTRL, FunctionalFTRL
 from .functional_adagrad import FunctionalAdagrad
 from .functional_adam import FunctionalAdam
 from .functional_qhm import FunctionalQHM
 from .functional_sgd import FunctionalSGD
 from .qhm import QHM
+from .row_sparse import RowState
 from .rowwise_adagrad import FunctionalRowWiseAdagrad, RowWiseAdagrad
 
 
@@ -104,6 +109,8 @@ def check_functional_contract(functional_cls) -> None:
         raise TypeError(f"{name}.__init__ must take the parameters first, annotated List[Tensor]")
     if not callable(getattr(functional_cls, "step", None)):
         raise TypeError(f"{name} has no step(gradients: List[Optional[Tensor]]) method")
+    if not torchscript_enabled():
+        return
     try:
         torch.jit.script(functional_cls)
     except Exception as error:
@@ -117,15 +124,42 @@ def check_functional_contract(functional_cls) -> None:
             f"{_first_error_line(error)}") from error
 
 
-def register_functional_optim(local_cls, functional_cls) -> None:
+_ROW_STATE_PROBE = """
+def _row_state_contract(optimizer: FunctionalClass, index: int, rows: Tensor) -> RowState:
+    optimizer.state.resize_rows(index, 0)
+    optimizer.state.reset_rows(index, rows)
+    return optimizer.state
+"""
+
+
+def check_row_state(functional_cls) -> None:
+    """Raise ``TypeError`` saying what ``functional_cls`` lacks of the row-state part of the protocol: a
+    ``state`` attribute of type ``RowState`` (``paramserver.optim.row_sparse``), through which a table's
+    per-row state follows its rows (made at the optimizer's initial values, grown, reset, saved)."""
+    name = getattr(functional_cls, "__qualname__", repr(functional_cls))
+    names = {"FunctionalClass": functional_cls, "RowState": RowState, "Tensor": Tensor}
+    try:
+        torch.jit.CompilationUnit().define(_ROW_STATE_PROBE, rcb=names.get)
+    except Exception as error:
+        raise TypeError(
+            f"{name} keeps no per-row state that can follow a table's rows: it needs a 'state' attribute of type "
+            f"paramserver.optim.RowState, made in __init__ with its state's names, layouts and initial values "
+            f"(docs/optimizers.md, 'Adding an optimizer'); register it with rows=False to use it on dense "
+            f"parameters only ({_first_error_line(error)})") from error
+
+
+def register_functional_optim(local_cls, functional_cls, rows: bool = True) -> None:
     """Map ``local_cls`` (a ``torch.optim.Optimizer`` subclass) to ``functional_cls``.
 
-    Raises ``TypeError`` if either class does not qualify; the map is left
-    unchanged then.
+    Raises ``TypeError`` if either class does not qualify (``check_functional_contract``; with ``rows``,
+    the default, also ``check_row_state``: tables need it); the map is left unchanged then.  With
+    TorchScript off (``PYTORCH_JIT=0``) nothing compiles, so only the Python-level checks run.
     """
     if not (inspect.isclass(local_cls) and issubclass(local_cls, torch.optim.Optimizer)):
         raise TypeError(f"local optimizer must be a torch.optim.Optimizer subclass, got {local_cls!r}")
     check_functional_contract(functional_cls)
+    if rows and torchscript_enabled():
+        check_row_state(functional_cls)
     functional_optim_map[local_cls] = functional_cls
 
 

@@ -99,7 +99,7 @@ class RowState:
                     state = made[k]
                     old = state.size(0)
                     shape = state.size()
-                    state.resize_([rows] + shape[1:])
+                    state.resize_([rows] + list(shape[1:]))
                     if rows > old:
                         state.narrow(0, old, rows - old).fill_(self.initial[k])
 

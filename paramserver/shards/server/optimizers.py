@@ -538,13 +538,11 @@ def _refuse_another_optimizers_state(state: ShardState, optimizer: str, params: 
     than ``optimizer``: ``ValueError`` naming the table and both classes, before anything is made or changed
     (that state cannot be read as this optimizer's, and starting it afresh would silently drop it)."""
     source = state.restore_source
-    if source is None:
-        return
     for param in params:
         name = state.name_of(param)
         dynamic = state.dynamic_rows(param)
         kept = dynamic.restored_optimizer() if dynamic is not None else \
-            source.optimizer_of(name) if name is not None else None
+            source.optimizer_of(name) if name is not None and source is not None else None
         if kept and kept != optimizer:
             raise ValueError(f"table {name!r}: the checkpoint holds its optimizer state for {kept}, but {optimizer} "
                              f"is configured; train it with {kept.rsplit('.', 1)[-1]}, or start it from an export "
