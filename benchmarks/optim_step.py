@@ -1,7 +1,8 @@
-"""How fast is one ``FunctionalQHM`` step?  A side-by-side CPU benchmark.
+"""How fast is one optimizer step on a shard?  A side-by-side CPU benchmark.
 
 What it measures
-    Nanoseconds per parameter element of one optimizer step for:
+    Cases (a) to (c): nanoseconds per parameter element of one optimizer
+    step for:
 
     * ``FunctionalQHM``, compiled through ``ScriptedOptimizer`` (how the
       parameter servers run it: the step executes in the TorchScript
@@ -23,13 +24,35 @@ What it measures
         whole table, both through the same ``FunctionalQHM``; the reference's
         dense step on the table is timed too.
 
+    Case (d), row-sparse steps of every optimizer the shards run: for dims
+    16, 64 and 128, a table of 2,000,000 x dim float32 and COO gradients of
+    1,000 distinct random rows each (uncoalesced, as
+    ``nn.Embedding(sparse=True)`` hands them over), microseconds per step and
+    nanoseconds per touched row of SGD (momentum 0), QHM (lr 1.0, momentum
+    0.9, nu 0.7), Adagrad, RowWiseAdagrad, Adam (``SparseAdam``'s lazy update
+    of the touched rows) and FTRL, each looked up in ``functional_optim_map``
+    as a shard does and run through ``ScriptedOptimizer``; against the memory
+    floor of the bytes a row step must move (per touched row: read the row,
+    its state and the gradient row, write the row and its state).  Where
+    ``fbgemm_gpu`` is importable (the ``fbgemm-gpu-cpu`` wheel: not a
+    dependency, not installed by the project), FBGEMM's CPU fused row-wise
+    Adagrad (``SplitTableBatchedEmbeddingBagsCodegen``, ``EXACT_ROWWISE_ADAGRAD``)
+    is timed on the same rows; otherwise one line says why not.
+
 How to run
     ``make bench``, or ``.venv/bin/python benchmarks/optim_step.py``.
-    Options: ``--quick`` (a smoke run: fewer rounds, a 1M-row table),
-    ``--rounds N`` (timed rounds for (a) and (b); the table case uses a third
-    of them, at least 3), ``--threads N`` (``torch.set_num_threads``; the
-    default leaves torch's choice).  Progress goes to stderr; the results go
-    to stdout as markdown tables that can be pasted into docs/benchmarks.md.
+    Options: ``--quick`` (a smoke run: fewer rounds, a 1M-row table for (c),
+    a 200,000-row table for (d)), ``--cases LIST`` (comma-separated, any of
+    ``dense`` = (a) and (b), ``table`` = (c), ``rows`` = (d); default all),
+    ``--rounds N`` (timed rounds for (a), (b) and (d); the table case uses a
+    third of them, at least 3), ``--row-table N`` (rows of (d)'s table,
+    default 2,000,000), ``--touched R`` (distinct rows per step in (d),
+    default 1,000), ``--threads N`` (``torch.set_num_threads``; the default
+    leaves torch's choice).  Progress goes to stderr; the results go to
+    stdout as markdown tables that can be pasted into docs/benchmarks.md.
+    The row case alone: ``.venv/bin/python benchmarks/optim_step.py --cases
+    rows`` (a few minutes and about 8 GB of memory at dim 128; ``--quick``:
+    seconds).
 
 How to read it
     Contestants of a case run round-robin (A, B, copy, A, B, copy, ...) after
@@ -40,6 +63,25 @@ How to read it
     speed" is floor time / FunctionalQHM time (100% = memory bound).  Each
     target line says PASS or BELOW; the script always exits 0.  Timings on a
     shared machine are noisy: compare runs, not digits.
+
+    Case (d): "us/step" is the median of one row-sparse step (10 steps per
+    sample), "ns/row" that over the touched rows.  All optimizers of a dim
+    step one shared table (each keeps its own state), and consecutive steps,
+    whichever optimizer takes them, touch disjoint row sets drawn in turn
+    from a rotation of 256 sets (fewer if the table is smaller), so a step
+    finds its rows and state cold, as a server whose steps touch different
+    rows does.  "floor us" is the step's bytes at the better of two copy
+    bandwidths of the same run: a 64 MB flat copy (DRAM streaming, as the
+    other cases' floor) and one copy of R x dim float32 from a rotation of
+    cold blocks (what one operation moving a step's worth of rows out of
+    memory achieves, its fixed cost included).  A copy of one small block
+    over and over would run from cache at a bandwidth that cold rows never
+    see, so it is not used.  "x of floor" is floor time / step time (target
+    >= 0.5x); "RowWiseAdagrad / SGD" is the ratio of their step times (target
+    <= 1.2x: one float of state per row should cost little over plain SGD).
+    FBGEMM's update is fused into its backward: it is timed as forward +
+    backward minus a forward alone, and "ours / FBGEMM" is RowWiseAdagrad's
+    step over that.  The legend under the tables spells out the bytes.
 """
 
 import argparse
@@ -49,12 +91,16 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from qhoptim.pyt import QHM
 
+from paramserver.optim.ftrl import FTRL
 from paramserver.optim.functional_qhm import FunctionalQHM
+from paramserver.optim.qhm import QHM as LocalQHM
+from paramserver.optim.registry import functional_optim_map
+from paramserver.optim.rowwise_adagrad import RowWiseAdagrad
 from paramserver.optim.scripted import ScriptedOptimizer
 
 # Small enough that parameters stay finite over hundreds of steps.
@@ -66,6 +112,18 @@ COPY_BYTES_PER_ELEMENT = 8  # read src, write dst
 TARGET_SPEEDUP_FEW_LARGE = 1.8
 TARGET_SPEEDUP_MANY_SMALL = 4.0
 TARGET_SPARSE_VS_DENSE = 100.0
+
+CASES = ("dense", "table", "rows")
+ROW_DIMS = (16, 64, 128)
+ROW_TABLE_ROWS, ROW_TABLE_ROWS_QUICK = 2_000_000, 200_000
+ROW_TOUCHED = 1_000
+ROW_ROTATION = 256  # disjoint row sets consecutive steps draw in turn
+ROW_CALLS = 10  # row steps per timed sample
+STREAM_COPY_NUMEL = 16 * 1024 * 1024  # 64 MB per tensor: DRAM, not cache
+FLOAT_BYTES = 4
+TARGET_ROW_FLOOR = 0.5  # floor time / step time, each optimizer
+TARGET_ROWWISE_VS_SGD = 1.2  # RowWiseAdagrad time / SGD time, at most
+ADAGRAD_LR, ADAGRAD_EPS = 0.01, 1e-8
 
 
 # --------------------------------------------------------------------------
@@ -97,11 +155,11 @@ def time_interleaved(contestants: Sequence[Contestant], rounds: int) -> Dict[str
     return samples
 
 
-def copy_contestant(numel: int) -> Contestant:
+def copy_contestant(numel: int, name: str = "copy") -> Contestant:
     """``dst.copy_(src)`` over two flat float32 tensors of ``numel`` elements."""
     src = torch.randn(numel)
     dst = torch.empty(numel)
-    return Contestant("copy", lambda: dst.copy_(src))
+    return Contestant(name, lambda: dst.copy_(src))
 
 
 def floor_seconds(copy_samples: List[float]) -> float:
@@ -202,6 +260,163 @@ def table_case(rows: int, dim: int, touched: int, rounds: int, with_reference: b
         floor_s=floor_seconds(samples["copy"]),
         copy_gbps=copy_gbps(samples["copy"], numel))
 
+@dataclass
+class RowOptimizer:
+    """One optimizer of case (d): its local class (looked up in ``functional_optim_map``, as a shard does),
+    hyperparameters, and the state a row step must read and write per touched row."""
+
+    name: str
+    local_cls: type
+    kwargs: Dict[str, float]
+    state_rows: int  # float32 state tensors shaped like the table
+    state_floats: int  # float32 state values per row besides those (RowWiseAdagrad's one)
+    state_label: str
+
+    def bytes_per_row(self, dim: int) -> int:
+        """Read the row, the gradient row and the row's state; write the row and its state."""
+        row = FLOAT_BYTES * dim
+        state = self.state_rows * row + FLOAT_BYTES * self.state_floats
+        return 3 * row + 2 * state
+
+
+ROW_OPTIMIZERS = (
+    RowOptimizer("SGD", torch.optim.SGD, dict(lr=0.01, momentum=0.0), 0, 0, "none"),
+    RowOptimizer("QHM", LocalQHM, dict(lr=1.0, momentum=0.9, nu=0.7), 1, 0, "1 row"),
+    RowOptimizer("Adagrad", torch.optim.Adagrad, dict(lr=ADAGRAD_LR), 1, 0, "1 row (+ step scalar)"),
+    RowOptimizer("RowWiseAdagrad", RowWiseAdagrad, dict(lr=ADAGRAD_LR, eps=ADAGRAD_EPS), 0, 1, "1 float"),
+    RowOptimizer("Adam", torch.optim.SparseAdam, dict(lr=1e-3), 2, 0, "2 rows (+ step scalar)"),
+    RowOptimizer("FTRL", FTRL, dict(lr=0.1), 2, 0, "2 rows"),
+)
+
+
+class RowRotation:
+    """``sets`` disjoint sets of ``touched`` random rows of a ``rows x dim`` table, each with a COO gradient
+    of its own (uncoalesced, as ``nn.Embedding(sparse=True)`` hands it over), taken in turn by ``take()``:
+    consecutive steps, whoever takes them, touch different rows."""
+
+    def __init__(self, rows: int, dim: int, touched: int, sets: int):
+        self.ids = torch.randperm(rows)[:sets * touched].view(sets, touched)
+        self.values = torch.randn(sets * touched, dim).view(sets, touched, dim)
+        self.grads = [torch.sparse_coo_tensor(self.ids[k].unsqueeze(0), self.values[k], (rows, dim),
+                                              check_invariants=True) for k in range(sets)]
+        self.next = 0
+
+    def take(self) -> int:
+        k = self.next
+        self.next = (k + 1) % len(self.grads)
+        return k
+
+
+def rows_copy_contestant(touched: int, dim: int, sets: int) -> Contestant:
+    """``dst.copy_(src)`` of one ``touched x dim`` float32 block per call, the blocks taken in turn from
+    ``sets`` of them (cold, as a step's rows are)."""
+    src = torch.randn(sets, touched * dim)
+    dst = torch.empty(sets, touched * dim)
+    turn = [0]
+
+    def step() -> None:
+        k = turn[0]
+        turn[0] = (k + 1) % sets
+        dst[k].copy_(src[k])
+
+    return Contestant("copy rows", step, calls=ROW_CALLS)
+
+
+def load_fbgemm() -> Tuple[Optional[Dict[str, object]], str]:
+    """FBGEMM's CPU table-batched embedding training API, if ``fbgemm_gpu`` imports: (names, version) or
+    (None, why not).  An optional comparison: ``fbgemm_gpu`` is not a dependency of paramserver."""
+    try:
+        import fbgemm_gpu
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen)
+    except (ImportError, OSError, RuntimeError) as error:  # absent, or built for another torch
+        reason = (str(error).strip().splitlines() or [""])[0]
+        return None, "{}: {}".format(type(error).__name__, reason[:200])
+    names = dict(EmbOptimType=EmbOptimType, EmbeddingLocation=EmbeddingLocation, PoolingMode=PoolingMode,
+                 ComputeDevice=ComputeDevice, Codegen=SplitTableBatchedEmbeddingBagsCodegen)
+    return names, str(getattr(fbgemm_gpu, "__version__", "version unknown"))
+
+
+def fbgemm_contestants(fbgemm: Dict[str, object], table: torch.Tensor, rotation: RowRotation
+                       ) -> List[Contestant]:
+    """FBGEMM's fused row-wise Adagrad on CPU over a copy of ``table``, stepped with ``rotation``'s rows as
+    bags of one row (pooling sum): the update runs inside backward.  Two contestants: forward + backward
+    (lookup and update) and forward alone (lookup), so that their difference is the update."""
+    location, device = fbgemm["EmbeddingLocation"], fbgemm["ComputeDevice"]
+    emb = fbgemm["Codegen"](
+        [(table.size(0), table.size(1), location.HOST, device.CPU)],
+        optimizer=fbgemm["EmbOptimType"].EXACT_ROWWISE_ADAGRAD, learning_rate=ADAGRAD_LR, eps=ADAGRAD_EPS,
+        pooling_mode=fbgemm["PoolingMode"].SUM)
+    with torch.no_grad():
+        emb.split_embedding_weights()[0].copy_(table)
+    offsets = torch.arange(rotation.ids.size(1) + 1, dtype=torch.int64)
+
+    def step() -> None:
+        k = rotation.take()
+        emb(rotation.ids[k], offsets).backward(rotation.values[k])
+
+    def lookup() -> None:
+        k = rotation.take()
+        with torch.no_grad():
+            emb(rotation.ids[k], offsets)
+
+    step()  # fails here, not in the timing, if this FBGEMM does not take these arguments
+    return [Contestant("fbgemm step", step, calls=ROW_CALLS), Contestant("fbgemm lookup", lookup, calls=ROW_CALLS)]
+
+
+@dataclass
+class RowsResult:
+    rows: int
+    dim: int
+    touched: int
+    sets: int
+    step_s: Dict[str, float]  # optimizer name -> median seconds per row step
+    stream_gbps: float
+    rows_gbps: float
+    fbgemm_step_s: Optional[float] = None
+    fbgemm_lookup_s: Optional[float] = None
+    fbgemm_error: Optional[str] = None
+
+    @property
+    def floor_gbps(self) -> float:
+        return max(self.stream_gbps, self.rows_gbps)
+
+    def floor_s(self, optimizer: RowOptimizer) -> float:
+        return self.touched * optimizer.bytes_per_row(self.dim) / (self.floor_gbps * 1e9)
+
+
+def rows_case(rows: int, dim: int, touched: int, rounds: int, fbgemm: Optional[Dict[str, object]]) -> RowsResult:
+    """Case (d): a row-sparse step of ``touched`` rows of a ``rows x dim`` table, per optimizer."""
+    sets = max(1, min(ROW_ROTATION, rows // touched))
+    table = torch.randn(rows, dim)  # one table, stepped by every optimizer (each keeps its own state)
+    rotation = RowRotation(rows, dim, touched, sets)
+    contestants = []
+    for spec in ROW_OPTIMIZERS:
+        optimizer = ScriptedOptimizer(functional_optim_map[spec.local_cls], [table], **spec.kwargs)
+        contestants.append(Contestant(
+            spec.name, lambda optimizer=optimizer: optimizer.step([rotation.grads[rotation.take()]]),
+            calls=ROW_CALLS))
+    contestants.append(copy_contestant(STREAM_COPY_NUMEL, "copy stream"))
+    contestants.append(rows_copy_contestant(touched, dim, sets))
+    fbgemm_error = None
+    if fbgemm is not None:
+        try:
+            contestants.extend(fbgemm_contestants(fbgemm, table, rotation))
+        except Exception as error:  # an FBGEMM whose API differs: reported, the rest still timed
+            fbgemm_error = "{}: {}".format(type(error).__name__, (str(error).strip().splitlines() or [""])[0][:200])
+    samples = time_interleaved(contestants, rounds)
+    with_fbgemm = "fbgemm step" in samples
+    return RowsResult(
+        rows=rows, dim=dim, touched=touched, sets=sets,
+        step_s={spec.name: statistics.median(samples[spec.name]) for spec in ROW_OPTIMIZERS},
+        stream_gbps=copy_gbps(samples["copy stream"], STREAM_COPY_NUMEL),
+        rows_gbps=copy_gbps(samples["copy rows"], touched * dim),
+        fbgemm_step_s=statistics.median(samples["fbgemm step"]) if with_fbgemm else None,
+        fbgemm_lookup_s=statistics.median(samples["fbgemm lookup"]) if with_fbgemm else None,
+        fbgemm_error=fbgemm_error)
+
 
 # --------------------------------------------------------------------------
 # Report
@@ -241,6 +456,47 @@ def print_table_case(r: TableResult) -> None:
               verdict(ratio, TARGET_SPARSE_VS_DENSE), r.sparse_s * 1e6, r.dense_s * 1e3))
 
 
+def print_rows_case(results: List[RowsResult], fbgemm_note: str) -> None:
+    print("| (d) dim | optimizer | state per row | bytes/row | us/step | ns/row | floor us | x of floor | target |")
+    print("|---:|---|---|---:|---:|---:|---:|---:|---|")
+    for r in results:
+        for spec in ROW_OPTIMIZERS:
+            step_s, floor_s = r.step_s[spec.name], r.floor_s(spec)
+            print("| {} | {} | {} | {:,} | {:.1f} | {:.0f} | {:.1f} | {:.2f}x | >= {:g}x {} |".format(
+                r.dim, spec.name, spec.state_label, spec.bytes_per_row(r.dim), step_s * 1e6,
+                step_s * 1e9 / r.touched, floor_s * 1e6, floor_s / step_s, TARGET_ROW_FLOOR,
+                verdict(floor_s / step_s, TARGET_ROW_FLOOR)))
+    print()
+    print("| (d) dim | table | rows/step | rotation | copy GB/s, 64 MB stream | copy GB/s, R x dim blocks "
+          "| floor at | RowWiseAdagrad / SGD | target |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---|")
+    for r in results:
+        ratio = r.step_s["RowWiseAdagrad"] / r.step_s["SGD"]
+        print("| {} | {:,} x {} float32 | {:,} | {} sets | {:.1f} | {:.1f} | {:.1f} GB/s | {:.2f}x | <= {:g}x {} |".format(
+            r.dim, r.rows, r.dim, r.touched, r.sets, r.stream_gbps, r.rows_gbps, r.floor_gbps, ratio,
+            TARGET_ROWWISE_VS_SGD, "PASS" if ratio <= TARGET_ROWWISE_VS_SGD else "BELOW"))
+    print()
+    timed = [r for r in results if r.fbgemm_step_s is not None]
+    if not timed:
+        errors = [r.fbgemm_error for r in results if r.fbgemm_error]
+        print("FBGEMM row-wise Adagrad: not timed, {}.".format(
+            "its module failed: " + errors[0] if errors else fbgemm_note))
+        return
+    print("| (d) dim | FBGEMM forward+backward us | FBGEMM forward us | FBGEMM update us | RowWiseAdagrad us "
+          "| RowWiseAdagrad / FBGEMM update | RowWiseAdagrad / FBGEMM forward+backward |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for r in timed:
+        ours = r.step_s["RowWiseAdagrad"]
+        update = r.fbgemm_step_s - r.fbgemm_lookup_s
+        print("| {} | {:.1f} | {:.1f} | {} | {:.1f} | {} | {:.2f}x |".format(
+            r.dim, r.fbgemm_step_s * 1e6, r.fbgemm_lookup_s * 1e6,
+            "{:.1f}".format(update * 1e6) if update > 0 else "n/a (noise)", ours * 1e6,
+            "{:.2f}x".format(ours / update) if update > 0 else "n/a", ours / r.fbgemm_step_s))
+    print()
+    print("FBGEMM: {} (SplitTableBatchedEmbeddingBagsCodegen, CPU, EXACT_ROWWISE_ADAGRAD, lr={:g}, eps={:g}).".format(
+        fbgemm_note, ADAGRAD_LR, ADAGRAD_EPS))
+
+
 LEGEND = """\
 Legend: ns/elem = median step time / elements (for the table: / table elements, touched or not).
 FunctionalQHM runs scripted (ScriptedOptimizer); qhoptim is qhoptim.pyt.QHM; lr={lr}, momentum={m}, nu={nu}.
@@ -253,6 +509,36 @@ at full memory speed (which writes only what it read) can show up to ~150% of th
 dense/sparse time = dense step of the whole table / sparse step touching the listed rows (same optimizer).""".format(
     lr=LR, m=MOMENTUM, nu=NU, q=QHM_BYTES_PER_ELEMENT, c=COPY_BYTES_PER_ELEMENT)
 
+ROWS_LEGEND = """\
+(d) Legend: us/step = median time of one row-sparse step (ScriptedOptimizer over the functional class that
+functional_optim_map gives: one COO gradient of R distinct rows, {calls} steps per sample); ns/row = us/step / R.
+Hyperparameters: SGD lr=0.01 momentum=0; QHM lr=1.0 momentum=0.9 nu=0.7; Adagrad lr={alr}; RowWiseAdagrad
+lr={alr} eps={aeps}; Adam lr=1e-3 (SparseAdam: the lazy update of the touched rows); FTRL lr=0.1.
+All optimizers of a dim step one table (each its own state). Consecutive steps, whichever optimizer takes
+them, touch disjoint sets of R random rows taken in turn from the rotation (each set with a gradient of its
+own), so a step finds its rows and state out of cache, as on a server whose steps touch different rows.
+bytes/row = read the row, the gradient row and the row's state, write the row and its state, float32:
+3 x 4 x dim + 2 x state, state per row: SGD none, QHM 1 row (momentum), Adagrad 1 row (sum), RowWiseAdagrad
+4 bytes (one float), Adam 2 rows (exp_avg, exp_avg_sq), FTRL 2 rows (accumulator, linear). Adagrad's and Adam's
+step counts are one scalar per table, not per row, and are not counted; nor are the row indices, the sort
+that coalescing the gradient does, or temporaries: the floor is a lower bound on the time.
+floor us = R x bytes/row at the better (higher) of the two copy bandwidths of the same run, both
+`dst.copy_(src)` counted at 8 bytes per element: "64 MB stream" (flat tensors far larger than the caches:
+DRAM streaming, as the floor of (a)-(c)) and "R x dim blocks" (one copy of a block the size of a step's R
+rows per call, the blocks taken in turn from as many as the rotation has sets, so they come from memory as
+the rows do; one operation's fixed cost included). Copying one small block over and over would run from
+cache, at a bandwidth that a step's cold rows never see, so that is not used. Caveat: the cache reads
+each dst line before writing it (write-allocate), so a copy really moves ~12 bytes per element; a step at
+full memory speed can show up to ~1.5x.
+x of floor = floor time / step time (1.00x = memory bound); target >= {target:g}x for each optimizer.
+RowWiseAdagrad / SGD = ratio of their median step times; target <= {rw:g}x (one float of state per row
+should cost little over plain SGD).
+FBGEMM (where fbgemm_gpu imports): its CPU module over a copy of the table, stepped with the same rows as bags
+of one row (pooling sum, the gradient rows as the output's gradient); its update runs inside backward, so
+"FBGEMM update" = median(forward + backward) - median(forward alone, no autograd), and "RowWiseAdagrad /
+FBGEMM update" compares our whole step (coalesce, gather, update, scatter) with that.""".format(
+    calls=ROW_CALLS, alr=ADAGRAD_LR, aeps=ADAGRAD_EPS, target=TARGET_ROW_FLOOR, rw=TARGET_ROWWISE_VS_SGD)
+
 
 # --------------------------------------------------------------------------
 # Main
@@ -262,13 +548,40 @@ def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def parse_cases(text: str) -> List[str]:
+    cases = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in cases if name not in CASES]
+    if not cases or unknown:
+        raise argparse.ArgumentTypeError("expected a comma-separated list of {}, got {!r}".format(
+            ", ".join(CASES), text))
+    return cases
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="FunctionalQHM step vs qhoptim vs the memory floor (CPU).")
-    parser.add_argument("--quick", action="store_true", help="smoke run: fewer rounds, a 1M-row table")
+    parser = argparse.ArgumentParser(
+        description="Optimizer steps vs their references vs the memory floor (CPU): FunctionalQHM dense and "
+                    "sparse, and a row-sparse step of every functional optimizer.")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: fewer rounds, a 1M-row table for (c), a 200,000-row table for (d)")
+    parser.add_argument("--cases", type=parse_cases, default=list(CASES),
+                        help="comma-separated cases to run: dense = (a) and (b), table = (c), rows = (d) "
+                             "(default: all)")
     parser.add_argument("--rounds", type=int, default=None,
-                        help="timed rounds for cases (a) and (b) (default 15, 5 with --quick)")
+                        help="timed rounds for cases (a), (b) and (d) (default 15, 5 with --quick)")
+    parser.add_argument("--row-table", type=int, default=None,
+                        help="rows of case (d)'s table (default {:,}, {:,} with --quick)".format(
+                            ROW_TABLE_ROWS, ROW_TABLE_ROWS_QUICK))
+    parser.add_argument("--touched", type=int, default=ROW_TOUCHED,
+                        help="distinct rows a step of case (d) touches (default {:,})".format(ROW_TOUCHED))
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.row_table is None:
+        args.row_table = ROW_TABLE_ROWS_QUICK if args.quick else ROW_TABLE_ROWS
+    if args.touched < 1 or args.row_table < args.touched:
+        parser.error("--touched must be at least 1 and at most --row-table ({:,})".format(args.row_table))
+    if args.rounds is not None and args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    return args
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -283,8 +596,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     torch.manual_seed(0)
     started = time.perf_counter()
 
-    print("# Optimizer step benchmark: torch {}, {} threads, {} rounds ((c): {}){}".format(
-        torch.__version__, torch.get_num_threads(), rounds, table_rounds, ", --quick" if args.quick else ""))
+    print("# Optimizer step benchmark: torch {}, {} threads, {} rounds ((c): {}), cases {}{}".format(
+        torch.__version__, torch.get_num_threads(), rounds, table_rounds, ",".join(args.cases),
+        ", --quick" if args.quick else ""))
     print()
 
     dense_cases = [
@@ -292,20 +606,47 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ("(b) 16,384 x 256", 16_384, 256, TARGET_SPEEDUP_MANY_SMALL),
     ]
     dense_results = []
-    for label, count, size, target in dense_cases:
-        progress("case {} float32: {} rounds ...".format(label, rounds))
-        dense_results.append(dense_case(label, count, size, rounds, target))
+    if "dense" in args.cases:
+        for label, count, size, target in dense_cases:
+            progress("case {} float32: {} rounds ...".format(label, rounds))
+            dense_results.append(dense_case(label, count, size, rounds, target))
+            gc.collect()
+
+    table_result = None
+    if "table" in args.cases:
+        progress("case (c) {:,} x 16 float32 table, 1,000 rows touched: {} rounds ...".format(
+            table_rows, table_rounds))
+        table_result = table_case(table_rows, 16, 1_000, table_rounds, with_reference=True)
         gc.collect()
 
-    progress("case (c) {:,} x 16 float32 table, 1,000 rows touched: {} rounds ...".format(table_rows, table_rounds))
-    table_result = table_case(table_rows, 16, 1_000, table_rounds, with_reference=True)
-    gc.collect()
+    rows_results = []
+    fbgemm, fbgemm_note = None, ""
+    if "rows" in args.cases:
+        fbgemm, fbgemm_note = load_fbgemm()
+        fbgemm_note = ("fbgemm_gpu " + fbgemm_note) if fbgemm is not None else \
+            "fbgemm_gpu is not importable ({})".format(fbgemm_note)
+        for dim in ROW_DIMS:
+            progress("case (d) {:,} x {} float32 table, {:,} rows per step, {} optimizers{}: {} rounds ...".format(
+                args.row_table, dim, args.touched, len(ROW_OPTIMIZERS),
+                " + FBGEMM" if fbgemm is not None else "", rounds))
+            rows_results.append(rows_case(args.row_table, dim, args.touched, rounds, fbgemm))
+            gc.collect()
 
-    print_dense_table(dense_results)
-    print()
-    print_table_case(table_result)
-    print()
-    print(LEGEND)
+    if dense_results:
+        print_dense_table(dense_results)
+        print()
+    if table_result is not None:
+        print_table_case(table_result)
+        print()
+    if rows_results:
+        print_rows_case(rows_results, fbgemm_note)
+        print()
+    if dense_results or table_result is not None:
+        print(LEGEND)
+    if rows_results:
+        if dense_results or table_result is not None:
+            print()
+        print(ROWS_LEGEND)
     progress("done in {:.0f} s".format(time.perf_counter() - started))
     return 0
 
