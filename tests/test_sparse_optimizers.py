@@ -5,6 +5,10 @@ refused, and where (hyperparameters, tables, checkpoints); and the eager path a 
 off, bit-identical to the compiled one."""
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -337,3 +341,25 @@ def test_with_torchscript_off_a_shard_steps_the_same_classes_eagerly_to_the_same
     assert torch.equal(eager_rows, scripted_rows)
     for key, value in scripted_state.items():
         assert torch.equal(eager_state[key], value)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("optimizer", ["rowwise_adagrad"])
+def test_a_trainer_job_with_torchscript_off_trains_the_same_rows_as_with_it(tmp_path, optimizer):
+    runs = {}
+    for scripted in (True, False):
+        out = tmp_path / f"{scripted}.pt"
+        env = dict(os.environ, PYTORCH_JIT="1" if scripted else "0")
+        done = subprocess.run([sys.executable, str(Path(__file__).with_name("shard_job.py")), str(out), optimizer],
+                              env=env, capture_output=True, text=True, timeout=150)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[scripted] = torch.load(out)
+        assert runs[scripted]["scripted"] == scripted
+    compiled, eager = runs[True], runs[False]
+    assert torch.equal(eager["losses"], compiled["losses"])
+    assert set(eager["rows"]) == set(compiled["rows"]) and len(compiled["rows"]) >= 2
+    for name, rows in compiled["rows"].items():
+        if isinstance(rows, tuple):  # a dynamic table: its ids and their rows
+            assert torch.equal(eager["rows"][name][0], rows[0]) and torch.equal(eager["rows"][name][1], rows[1])
+        else:
+            assert torch.equal(eager["rows"][name], rows)
