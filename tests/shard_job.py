@@ -10,6 +10,7 @@ import torch
 from paramserver import Batch, JobContext, Table, Trainer
 from paramserver.optim import FTRL, QHM, RowWiseAdagrad
 from paramserver.shards.server import service
+from test_pipeline import Tower  # (this script's folder is on its path)
 
 OPTIMIZERS = {"rowwise_adagrad": (RowWiseAdagrad, dict(lr=0.2)), "ftrl": (FTRL, dict(lr=0.2, l1=0.001)),
               "adam": (torch.optim.Adam, dict(lr=0.01)), "qhm": (QHM, dict(lr=0.5, momentum=0.9, nu=0.7))}
@@ -23,15 +24,6 @@ def batches():
                             "hashed": torch.randint(0, 60, (16, 1), generator=generator) * 0x9E3779B97F4A7C15 % 2 ** 62},
                     dense=torch.randn(16, 2, generator=generator),
                     labels=(torch.rand(16, generator=generator) < 0.5).float())
-
-
-class Tower(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.linear = torch.nn.Linear(4 + 4 + 2, 1)
-
-    def forward(self, pooled, dense):
-        return self.linear(torch.cat([pooled["fixed"], pooled["hashed"], dense], 1)).squeeze(1)
 
 
 def main(out: str, optimizer: str) -> None:
