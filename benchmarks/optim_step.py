@@ -44,12 +44,13 @@ How to run
     Options: ``--quick`` (a smoke run: fewer rounds, a 1M-row table for (c),
     a 200,000-row table for (d)), ``--cases LIST`` (comma-separated, any of
     ``dense`` = (a) and (b), ``table`` = (c), ``rows`` = (d); default all),
-    ``--rounds N`` (timed rounds for (a), (b) and (d); the table case uses a
-    third of them, at least 3), ``--row-table N`` (rows of (d)'s table,
-    default 2,000,000), ``--touched R`` (distinct rows per step in (d),
-    default 1,000), ``--threads N`` (``torch.set_num_threads``; the default
-    leaves torch's choice).  Progress goes to stderr; the results go to
-    stdout as markdown tables that can be pasted into docs/benchmarks.md.
+    ``--rounds N`` (timed rounds for (a) and (b), 10 x N one-step samples for
+    (d); the table case uses a third of them, at least 3), ``--row-table N``
+    (rows of (d)'s table, default 2,000,000), ``--touched R`` (distinct rows
+    per step in (d), default 1,000), ``--threads N``
+    (``torch.set_num_threads``; the default leaves torch's choice).  Progress
+    goes to stderr; the results go to stdout as markdown tables that can be
+    pasted into docs/benchmarks.md.
     The row case alone: ``.venv/bin/python benchmarks/optim_step.py --cases
     rows`` (a few minutes and about 8 GB of memory at dim 128; ``--quick``:
     seconds).
@@ -64,9 +65,11 @@ How to read it
     target line says PASS or BELOW; the script always exits 0.  Timings on a
     shared machine are noisy: compare runs, not digits.
 
-    Case (d): "us/step" is the median of one row-sparse step (10 steps per
-    sample), "ns/row" that over the touched rows.  All optimizers of a dim
-    step one shared table (each keeps its own state), and consecutive steps,
+    Case (d): "us/step" is the median of one row-sparse step (one step per
+    sample, 10 x rounds samples, so that few samples are cut by other
+    processes on a busy machine; each round starts one contestant further
+    on), "ns/row" that over the touched rows.  All optimizers of a dim step
+    one shared table (each keeps its own state), and consecutive steps,
     whichever optimizer takes them, touch disjoint row sets drawn in turn
     from a rotation of 256 sets (fewer if the table is smaller), so a step
     finds its rows and state cold, as a server whose steps touch different
@@ -80,8 +83,8 @@ How to read it
     >= 0.5x); "RowWiseAdagrad / SGD" is the ratio of their step times (target
     <= 1.2x: one float of state per row should cost little over plain SGD).
     FBGEMM's update is fused into its backward: it is timed as forward +
-    backward minus a forward alone, and "ours / FBGEMM" is RowWiseAdagrad's
-    step over that.  The legend under the tables spells out the bytes.
+    backward minus a forward alone, and "RowWiseAdagrad / FBGEMM update" is
+    our step's time over that.  The legend under the tables spells out the bytes.
 """
 
 import argparse
@@ -118,7 +121,7 @@ ROW_DIMS = (16, 64, 128)
 ROW_TABLE_ROWS, ROW_TABLE_ROWS_QUICK = 2_000_000, 200_000
 ROW_TOUCHED = 1_000
 ROW_ROTATION = 256  # disjoint row sets consecutive steps draw in turn
-ROW_CALLS = 10  # row steps per timed sample
+ROW_SAMPLES_PER_ROUND = 10  # (d) times one step per sample, 10 x rounds samples: short samples, few preempted
 STREAM_COPY_NUMEL = 16 * 1024 * 1024  # 64 MB per tensor: DRAM, not cache
 FLOAT_BYTES = 4
 TARGET_ROW_FLOOR = 0.5  # floor time / step time, each optimizer
@@ -139,14 +142,18 @@ class Contestant:
     calls: int = 1
 
 
-def time_interleaved(contestants: Sequence[Contestant], rounds: int) -> Dict[str, List[float]]:
-    """Seconds per call of each contestant, one sample per round, round-robin after a warm-up."""
+def time_interleaved(contestants: Sequence[Contestant], rounds: int, rotate: bool = False) -> Dict[str, List[float]]:
+    """Seconds per call of each contestant, one sample per round, round-robin after a warm-up.
+
+    ``rotate``: each round starts one contestant further on, so that none always runs right after the same
+    one (say, a copy that flushed the caches)."""
     for contestant in contestants:
         for _ in range(WARMUP_STEPS):
             contestant.step()
     samples: Dict[str, List[float]] = {c.name: [] for c in contestants}
-    for _ in range(rounds):
-        for contestant in contestants:
+    for round_index in range(rounds):
+        first = round_index % len(contestants) if rotate else 0
+        for contestant in list(contestants[first:]) + list(contestants[:first]):
             start = time.perf_counter_ns()
             for _ in range(contestant.calls):
                 contestant.step()
@@ -311,7 +318,7 @@ def rows_copy_contestant(touched: int, dim: int, sets: int) -> Contestant:
     """``dst.copy_(src)`` of one ``touched x dim`` float32 block per call, the blocks taken in turn from
     ``sets`` of them (cold, as a step's rows are)."""
     src = torch.randn(sets, touched * dim)
-    dst = torch.empty(sets, touched * dim)
+    dst = torch.zeros(sets, touched * dim)  # written once: no first-touch page faults in the timing
     turn = [0]
 
     def step() -> None:
@@ -319,7 +326,7 @@ def rows_copy_contestant(touched: int, dim: int, sets: int) -> Contestant:
         turn[0] = (k + 1) % sets
         dst[k].copy_(src[k])
 
-    return Contestant("copy rows", step, calls=ROW_CALLS)
+    return Contestant("copy rows", step)
 
 
 def load_fbgemm() -> Tuple[Optional[Dict[str, object]], str]:
@@ -363,7 +370,7 @@ def fbgemm_contestants(fbgemm: Dict[str, object], table: torch.Tensor, rotation:
             emb(rotation.ids[k], offsets)
 
     step()  # fails here, not in the timing, if this FBGEMM does not take these arguments
-    return [Contestant("fbgemm step", step, calls=ROW_CALLS), Contestant("fbgemm lookup", lookup, calls=ROW_CALLS)]
+    return [Contestant("fbgemm step", step), Contestant("fbgemm lookup", lookup)]
 
 
 @dataclass
@@ -388,7 +395,8 @@ class RowsResult:
 
 
 def rows_case(rows: int, dim: int, touched: int, rounds: int, fbgemm: Optional[Dict[str, object]]) -> RowsResult:
-    """Case (d): a row-sparse step of ``touched`` rows of a ``rows x dim`` table, per optimizer."""
+    """Case (d): a row-sparse step of ``touched`` rows of a ``rows x dim`` table, per optimizer; one step per
+    sample, ``ROW_SAMPLES_PER_ROUND x rounds`` samples each."""
     sets = max(1, min(ROW_ROTATION, rows // touched))
     table = torch.randn(rows, dim)  # one table, stepped by every optimizer (each keeps its own state)
     rotation = RowRotation(rows, dim, touched, sets)
@@ -396,8 +404,7 @@ def rows_case(rows: int, dim: int, touched: int, rounds: int, fbgemm: Optional[D
     for spec in ROW_OPTIMIZERS:
         optimizer = ScriptedOptimizer(functional_optim_map[spec.local_cls], [table], **spec.kwargs)
         contestants.append(Contestant(
-            spec.name, lambda optimizer=optimizer: optimizer.step([rotation.grads[rotation.take()]]),
-            calls=ROW_CALLS))
+            spec.name, lambda optimizer=optimizer: optimizer.step([rotation.grads[rotation.take()]])))
     contestants.append(copy_contestant(STREAM_COPY_NUMEL, "copy stream"))
     contestants.append(rows_copy_contestant(touched, dim, sets))
     fbgemm_error = None
@@ -406,7 +413,7 @@ def rows_case(rows: int, dim: int, touched: int, rounds: int, fbgemm: Optional[D
             contestants.extend(fbgemm_contestants(fbgemm, table, rotation))
         except Exception as error:  # an FBGEMM whose API differs: reported, the rest still timed
             fbgemm_error = "{}: {}".format(type(error).__name__, (str(error).strip().splitlines() or [""])[0][:200])
-    samples = time_interleaved(contestants, rounds)
+    samples = time_interleaved(contestants, rounds * ROW_SAMPLES_PER_ROUND, rotate=True)
     with_fbgemm = "fbgemm step" in samples
     return RowsResult(
         rows=rows, dim=dim, touched=touched, sets=sets,
@@ -511,7 +518,8 @@ dense/sparse time = dense step of the whole table / sparse step touching the lis
 
 ROWS_LEGEND = """\
 (d) Legend: us/step = median time of one row-sparse step (ScriptedOptimizer over the functional class that
-functional_optim_map gives: one COO gradient of R distinct rows, {calls} steps per sample); ns/row = us/step / R.
+functional_optim_map gives: one COO gradient of R distinct rows; one step per sample, {per} x rounds samples,
+interleaved step by step, each round starting one contestant further on); ns/row = us/step / R.
 Hyperparameters: SGD lr=0.01 momentum=0; QHM lr=1.0 momentum=0.9 nu=0.7; Adagrad lr={alr}; RowWiseAdagrad
 lr={alr} eps={aeps}; Adam lr=1e-3 (SparseAdam: the lazy update of the touched rows); FTRL lr=0.1.
 All optimizers of a dim step one table (each its own state). Consecutive steps, whichever optimizer takes
@@ -537,7 +545,7 @@ FBGEMM (where fbgemm_gpu imports): its CPU module over a copy of the table, step
 of one row (pooling sum, the gradient rows as the output's gradient); its update runs inside backward, so
 "FBGEMM update" = median(forward + backward) - median(forward alone, no autograd), and "RowWiseAdagrad /
 FBGEMM update" compares our whole step (coalesce, gather, update, scatter) with that.""".format(
-    calls=ROW_CALLS, alr=ADAGRAD_LR, aeps=ADAGRAD_EPS, target=TARGET_ROW_FLOOR, rw=TARGET_ROWWISE_VS_SGD)
+    per=ROW_SAMPLES_PER_ROUND, alr=ADAGRAD_LR, aeps=ADAGRAD_EPS, target=TARGET_ROW_FLOOR, rw=TARGET_ROWWISE_VS_SGD)
 
 
 # --------------------------------------------------------------------------
@@ -567,7 +575,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="comma-separated cases to run: dense = (a) and (b), table = (c), rows = (d) "
                              "(default: all)")
     parser.add_argument("--rounds", type=int, default=None,
-                        help="timed rounds for cases (a), (b) and (d) (default 15, 5 with --quick)")
+                        help="timed rounds for cases (a) and (b), {} x that many one-step samples for (d) "
+                             "(default 15, 5 with --quick)".format(ROW_SAMPLES_PER_ROUND))
     parser.add_argument("--row-table", type=int, default=None,
                         help="rows of case (d)'s table (default {:,}, {:,} with --quick)".format(
                             ROW_TABLE_ROWS, ROW_TABLE_ROWS_QUICK))
@@ -626,9 +635,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         fbgemm_note = ("fbgemm_gpu " + fbgemm_note) if fbgemm is not None else \
             "fbgemm_gpu is not importable ({})".format(fbgemm_note)
         for dim in ROW_DIMS:
-            progress("case (d) {:,} x {} float32 table, {:,} rows per step, {} optimizers{}: {} rounds ...".format(
+            progress("case (d) {:,} x {} float32 table, {:,} rows per step, {} optimizers{}: {} samples ...".format(
                 args.row_table, dim, args.touched, len(ROW_OPTIMIZERS),
-                " + FBGEMM" if fbgemm is not None else "", rounds))
+                " + FBGEMM" if fbgemm is not None else "", rounds * ROW_SAMPLES_PER_ROUND))
             rows_results.append(rows_case(args.row_table, dim, args.touched, rounds, fbgemm))
             gc.collect()
 
