@@ -479,7 +479,8 @@ def print_rows_case(results: List[RowsResult], fbgemm_note: str) -> None:
     print("|---:|---|---:|---:|---:|---:|---:|---:|---|")
     for r in results:
         ratio = r.step_s["RowWiseAdagrad"] / r.step_s["SGD"]
-        print("| {} | {:,} x {} float32 | {:,} | {} sets | {:.1f} | {:.1f} | {:.1f} GB/s | {:.2f}x | <= {:g}x {} |".format(
+        print("| {} | {:,} x {} float32 | {:,} | {} sets | {:.1f} | {:.1f} | {:.1f} GB/s | {:.2f}x "
+              "| <= {:g}x {} |".format(
             r.dim, r.rows, r.dim, r.touched, r.sets, r.stream_gbps, r.rows_gbps, r.floor_gbps, ratio,
             TARGET_ROWWISE_VS_SGD, "PASS" if ratio <= TARGET_ROWWISE_VS_SGD else "BELOW"))
     print()
