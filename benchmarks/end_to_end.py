@@ -106,13 +106,20 @@ What it measures
 How to run
     ``.venv/bin/python benchmarks/end_to_end.py [--steps N] [--batch N]
     [--repeats N] [--log-every N] [--threads N] [--staleness K]
-    [--cache-rows N [--cache-steps L]] [--no-dense-variant]``; the defaults
+    [--cache-rows N [--cache-steps L]] [--sparse-optimizer NAME] [--no-dense-variant]``; the defaults
     (300 steps, batch 1024 per trainer, 1 repeat) take about 3-4 minutes on
     2 cores.  ``--staleness K`` is for ours only: the job configuration gets
     ``"staleness": K`` (without the flag the key is not set: the job's
     default); ``--cache-rows N`` adds the workers' row cache (``"cache_rows":
     N``, and ``"cache_steps": L`` with ``--cache-steps``), whose figures
-    (hit rate, rows read, bytes saved, evictions) follow the tables.  Every
+    (hit rate, rows read, bytes saved, evictions) follow the tables.
+    ``--sparse-optimizer NAME`` is for ours only too: the job configuration
+    gets ``"sparse_optimizer": NAME`` (``qhm``, the job's default, ``sgd``,
+    ``adagrad``, ``rowwise_adagrad``, ``adam``, ``ftrl``: the names of
+    ``paramserver.jobs.ctr.SPARSE_OPTIMIZERS``, each at its tuned learning
+    rate), so that the default job can be compared across optimizers; the
+    floor and the reference still run QHM, so with another name the rows
+    compare cost, not the same update.  Every
     run of ours also prints how much a worker's resident memory grew over
     training (its largest reading after the first step, minus its reading
     then).  Repeats alternate the order
@@ -160,6 +167,7 @@ import reference_hybrid  # noqa: E402
 from local_floor import JOB_DEFAULTS  # noqa: E402
 from process_cpu import PollingThread, ProcessTreeCPU  # noqa: E402
 
+from paramserver.jobs.ctr import SPARSE_OPTIMIZERS  # noqa: E402
 from paramserver.processes import Child, ChildProcessesFailed, free_port, run_children  # noqa: E402
 from paramserver.runtime.threads import HOST_PROCESSES_ENV, THREADS_ENV, choose_threads, host_cores  # noqa: E402
 from paramserver.train.step import PHASES  # noqa: E402
@@ -241,6 +249,8 @@ def run_ours(args, folder: pathlib.Path) -> Dict:
     """``ps-demo --hook allreduce`` as a subprocess; its final JSON line's figures, and its processes' CPU
     from when both workers start their first step."""
     extra = {} if args.staleness is None else {"staleness": args.staleness}
+    if args.sparse_optimizer is not None:
+        extra["sparse_optimizer"] = args.sparse_optimizer
     if args.cache_rows is not None:
         extra["cache_rows"] = args.cache_rows
         if args.cache_steps is not None:
@@ -400,6 +410,8 @@ def report(runs: Dict[str, List[Dict]], args, load_before: float) -> None:
     if args.cache_rows is not None:
         staleness += f", row cache of {args.cache_rows:,} rows" + \
             ("" if args.cache_steps is None else f" over {args.cache_steps} steps")
+    if args.sparse_optimizer is not None:
+        staleness += f", ours' tables stepped by {args.sparse_optimizer} (the others' by qhm)"
     print(f"# End-to-end training throughput: torch {torch.__version__}, {os.cpu_count()} cores, "
           f"{args.steps} steps x batch {args.batch} per trainer, {reference_hybrid.TRAINERS} trainers, "
           f"{reference_hybrid.NUM_PS} parameter servers, {args.repeats} repeat(s){staleness}; 1-min load average "
@@ -490,6 +502,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--cache-steps", type=int, default=None, metavar="L",
                         help='ours only, with --cache-rows: "cache_steps": L (default: the Trainer\'s, which '
                              'follows the host)')
+    parser.add_argument("--sparse-optimizer", default=None, metavar="NAME", choices=list(SPARSE_OPTIMIZERS),
+                        help='ours only: the job configuration\'s "sparse_optimizer": NAME, one of '
+                             f'{", ".join(SPARSE_OPTIMIZERS)} (default: not set, the job\'s own, qhm); the floor '
+                             'and the reference still run qhm')
     parser.add_argument("--no-dense-variant", action="store_true",
                         help="skip the tutorial's dense-gradient EmbeddingBag variant")
     parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
