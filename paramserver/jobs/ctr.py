@@ -2,7 +2,8 @@
 
 Sparse part: one table per categorical feature of the planted data
 (``ctr_data.PlantedCTR``), living on the shards and shared by every
-worker, updated there by QHM.  Dense part: an MLP over the pooled
+worker, updated there by QHM (or the ``sparse_optimizer`` named, below).
+Dense part: an MLP over the pooled
 embeddings and the dense features, replicated in the worker's trainer
 group with the chosen comm hook and updated by a local QHM.  Each worker
 reads its own stream of the planted data; rank 0 of the group reports the
