@@ -3,9 +3,9 @@
 Sparse part: one table per categorical feature of the planted data
 (``ctr_data.PlantedCTR``), living on the shards and shared by every
 worker, updated there by QHM (or the ``sparse_optimizer`` named, below).
-Dense part: an MLP over the pooled
-embeddings and the dense features, replicated in the worker's trainer
-group with the chosen comm hook and updated by a local QHM.  Each worker
+Dense part: an MLP over the pooled embeddings and the dense features,
+replicated in the worker's trainer group with the chosen comm hook and
+updated by a local QHM.  Each worker
 reads its own stream of the planted data; rank 0 of the group reports the
 held-out AUC next to the planted model's (``oracle_auc``: the best any
 model can do).  Everything else (the step, faults, checkpoints, reports)
@@ -85,7 +85,7 @@ SparseOptimizerName = Literal[tuple(SPARSE_OPTIMIZERS)]  # type: ignore[valid-ty
 
 
 def sparse_optimizer_of(name: str = "qhm", lr: Optional[float] = None, momentum: Optional[float] = None,
-                     nu: Optional[float] = None) -> Tuple[type, Dict[str, Any]]:
+                        nu: Optional[float] = None) -> Tuple[type, Dict[str, Any]]:
     """``(optimizer class, keyword arguments)`` of the tables' optimizer ``name`` (``SPARSE_OPTIMIZERS``), with
     ``lr`` instead of its tuned rate unless None, and for ``qhm`` ``momentum`` and ``nu`` instead of its own unless
     None.  A name not in the table, or an ``lr`` that is not a finite positive number, is a ``ValueError`` naming
@@ -136,7 +136,8 @@ class Tower(nn.Module):
 def main(ctx, steps: int = 1500, batch_size: int = 1024, hook: str = "powersgd",
          hook_options: Optional[Dict] = None, embedding_dim: int = 16, hidden: Sequence[int] = (128, 64),
          sparse_optimizer: SparseOptimizerName = "qhm", sparse_lr: Optional[float] = None, dense_lr: float = 0.5,
-         momentum: float = 0.9, nu: float = 0.7, init_std: float = 0.01, row_wise_min_rows: int = 1_000_000, holdout_size: int = 20_000,
+         momentum: float = 0.9, nu: float = 0.7, init_std: float = 0.01, row_wise_min_rows: int = 1_000_000,
+         holdout_size: int = 20_000,
          eval_every: int = 500, log_every: int = 100, seed: int = 0, spec: Optional[Dict] = None,
          table_name: str = "ctr", dynamic_tables: bool = False, table_options: Optional[Dict] = None,
          data: Optional[Dict] = None, staleness: int = 0, cache_rows: Optional[int] = None,
