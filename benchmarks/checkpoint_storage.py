@@ -19,7 +19,7 @@ What it measures
     the CPU seconds writing took in this process (serialising, hashing, the HTTP client) and in the S3
     server's process, which shares this machine's cores on loopback (Linux: read from /proc).
 
-Target (issue 30)
+Target
     A checkpoint to the loopback S3 server within 2x of the same checkpoint to local disk (written and
     committed).  PASS or BELOW; exit 0 either way.  Loopback S3 measures the client's cost (serialising,
     hashing, HTTP, multipart) more than a network's; a remote store adds its bandwidth.

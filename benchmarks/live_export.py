@@ -13,7 +13,7 @@ What it measures
     Each is written ``--repeats`` times (alternately, so that drifting load hits both alike; the median time
     is reported); a delta's rows are pushed again before each of its writes.
 
-Targets (issue 30)
+Targets
     A delta after 1% of the rows changed is at most 2% of the base's bytes and written in at most 5% of its
     time.  Each says PASS or BELOW; the script exits 0 either way.
 

@@ -15,7 +15,7 @@ What it measures
        loss (``FileClock``: after the step's lookups and forward pass).  The resident memory of the
        process is sampled every second.
 
-Targets (issue 30)
+Targets
     In the steady state (the second half of the run), a file is being trained on within one poll interval
     plus one step (from its rename to its first batch's step), judged on the 95th percentile; and the job keeps
     up (the last file is trained on before the run ends) without growing memory (resident memory at the end

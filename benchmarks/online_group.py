@@ -12,7 +12,7 @@ What it measures
     enough for the group to train each well within ``--every`` make the lag a matter of dealing and waiting,
     not of throughput.
 
-Target (issue 30, there for one process: ``benchmarks/online.py``)
+Target (for one process: ``benchmarks/online.py``)
     A file is being trained on within one poll interval plus one step, judged on the 95th percentile of the
     lags; here the step is the median over the files of a file's steps, first to last (from the records; a
     file's lines are read 0.05 s apart at best, so short steps read long).  PASS or BELOW; exit 0
