@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from paramserver.optim import (FTRL, FunctionalAdagrad, FunctionalAdam, FunctionalFTRL, FunctionalRowWiseAdagrad,
+from paramserver.optim import (FTRL, QHM, FunctionalAdagrad, FunctionalAdam, FunctionalFTRL, FunctionalRowWiseAdagrad,
                                RowState, RowWiseAdagrad, ScriptedOptimizer, functional_optim_map,
                                register_functional_optim)
 from paramserver.shards.server import ShardState
@@ -287,7 +287,7 @@ def test_a_checkpoint_kept_by_another_optimizer_is_refused_naming_both():
                  {"momentum_buffer": torch.zeros(3, DIM)}, [], 0)
     with pytest.raises(ValueError, match=r"t@0/1.*paramserver.optim.qhm.QHM.*torch.optim.adagrad.Adagrad"):
         owner(state, [rows.slab], torch.optim.Adagrad, lr=0.1)
-    owner(state, [rows.slab], getattr(__import__("paramserver.optim", fromlist=["QHM"]), "QHM"), lr=0.1,
+    owner(state, [rows.slab], QHM, lr=0.1,
           momentum=0.9, nu=0.7)  # the same optimizer takes its state
 
 
@@ -313,7 +313,7 @@ def test_a_kernel_failure_in_a_push_is_a_refusal_naming_the_optimizer_not_a_lost
 @pytest.mark.parametrize("optimizer_cls, options", [
     (torch.optim.Adagrad, dict(lr=0.1, initial_accumulator_value=0.1)), (RowWiseAdagrad, dict(lr=0.1)),
     (torch.optim.SparseAdam, dict(lr=0.01)), (FTRL, dict(lr=0.1, l1=0.001)),
-    (getattr(__import__("paramserver.optim", fromlist=["QHM"]), "QHM"), dict(lr=0.5, momentum=0.9, nu=0.7)),
+    (QHM, dict(lr=0.5, momentum=0.9, nu=0.7)),
     (torch.optim.SGD, dict(lr=0.1, momentum=0.9, dampening=0.2))],
     ids=["Adagrad", "RowWiseAdagrad", "SparseAdam", "FTRL", "QHM", "SGD"])
 def test_with_torchscript_off_a_shard_steps_the_same_classes_eagerly_to_the_same_rows(monkeypatch, optimizer_cls,

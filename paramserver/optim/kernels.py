@@ -3,8 +3,8 @@
 Owns: validating a gradient against its parameter, the update of the
 momentum-SGD family (for large tensors PyTorch's fused multi-tensor kernel,
 ``torch._fused_sgd_``, which reads parameter, gradient and buffer once and
-writes parameter and buffer once; for small ones multi-tensor ops), growing per-row state with its
-parameter, and turning a row-sparse COO gradient into (row indices, row values).  It owns no optimizer state.
+writes parameter and buffer once; for small ones multi-tensor ops), and turning a row-sparse COO
+gradient into (row indices, row values).  It owns no optimizer state.
 
 Everything here compiles under TorchScript (compiled where a script class
 calls it; plain Python when called from Python).  A caution that shaped this
@@ -14,7 +14,7 @@ views or slices.  Callers pass lists whose elements are the parameter and
 buffer tensors themselves, and the trajectory tests prove every update lands.
 """
 
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -67,19 +67,6 @@ def check_gradients(optimizer: str, params: List[Tensor], gradients: List[Option
             optimizer, len(gradients), len(params)))
     for i in range(len(params)):
         check_gradient(optimizer, i, params[i], gradients[i])
-
-
-def check_state_entry(optimizer: str, params: List[Tensor], index: int, entry: Dict[str, Tensor]) -> None:
-    """Validate one ``{index: {"momentum_buffer": ...}}`` entry of a state dict."""
-    if index < 0 or index >= len(params):
-        raise ValueError("{}.load_state_dict: parameter index {} out of range for {} parameters".format(
-            optimizer, index, len(params)))
-    if "momentum_buffer" not in entry:
-        raise ValueError("{}.load_state_dict: entry {} has no 'momentum_buffer'".format(optimizer, index))
-    buf = entry["momentum_buffer"]
-    if buf.shape != params[index].shape:
-        raise ValueError("{}.load_state_dict: momentum_buffer {} has shape {} but parameter {} has shape {}".format(
-            optimizer, index, list(buf.shape), index, list(params[index].shape)))
 
 
 def momentum_step(
@@ -156,17 +143,6 @@ def momentum_step(
             else:
                 torch._foreach_add_(small_params, small_buffers, alpha=-lr)
     return large_params + large_buffers + small_params + small_buffers
-
-
-def resize_rows_(state: Optional[Tensor], rows: int) -> None:
-    """Per-row optimizer state of a parameter that grew in place to ``rows`` rows (a dynamic table's slab):
-    resized in place too, its new rows zero (``False``); ``None`` (no state yet) is left alone."""
-    if state is not None:
-        old = state.size(0)
-        shape = state.size()
-        state.resize_([rows] + shape[1:])
-        if rows > old:
-            state.narrow(0, old, rows - old).zero_()
 
 
 def sparse_rows(grad: Tensor) -> Tuple[Tensor, Tensor]:

@@ -21,9 +21,6 @@ class FunctionalBackedOptimizer(Optimizer):
 
     functional_cls: Any = None
 
-    def __init__(self, params, defaults: Dict[str, Any]):
-        super().__init__(params, defaults)
-
     def _functional(self, group: Dict[str, Any], params: List[torch.Tensor]):
         options = {key: value for key, value in group.items() if key != "params"}
         return self.functional_cls(params, _allow_empty_param_list=True, **options)

@@ -10,7 +10,13 @@ targets that reach them):
   process-wide lock (TorchScript compilation is not thread-safe; each
   functional class is compiled once per process and reused), whose ``step``
   reads the context's gradients, validates them and applies the step without
-  the GIL.  Without one, a Python optimizer is stepped instead.
+  the GIL; with TorchScript off the same module runs eagerly.  Without one, a
+  Python optimizer is stepped instead (dense parameters only: a table needs an
+  optimizer on the row-sparse driver, and refuses others when it is created).
+* Refusals: a checkpoint's state for a table kept by another optimizer class,
+  and an optimizer that cannot apply a table's rows, when it is created; a
+  kernel failure in a push as a ``ValueError`` (the request's own fault, never
+  a lost shard).
 * Serialization: every parameter has a lock; a step takes the locks of its
   parameters in one global order, so concurrent steps from several trainers
   are applied one after another per parameter and none is lost.
@@ -37,8 +43,8 @@ import torch.distributed.autograd as dist_autograd
 from torch import Tensor, nn
 
 from ..._torch_compat import torchscript_enabled
-from ...logs import one_line
 from ..._torch_compat import autograd_context_creator, current_rpc_agent
+from ...logs import one_line
 from ...optim.registry import class_name, functional_optim_map
 from ...optim.row_sparse import RowState
 from ...optim.scripted import reraise_script_error
@@ -545,8 +551,8 @@ def _refuse_another_optimizers_state(state: ShardState, optimizer: str, params: 
             source.optimizer_of(name) if name is not None and source is not None else None
         if kept and kept != optimizer:
             raise ValueError(f"table {name!r}: the checkpoint holds its optimizer state for {kept}, but {optimizer} "
-                             f"is configured; train it with {kept.rsplit('.', 1)[-1]}, or start it from an export "
-                             f"of the checkpoint, which holds no optimizer state")
+                             f"is configured (a checkpoint's optimizer state is read only by the optimizer that "
+                             f"kept it): train the table with {kept.rsplit('.', 1)[-1]}")
 
 
 def _restore_state(state: ShardState, owner_optimizer: OwnerOptimizer) -> None:
