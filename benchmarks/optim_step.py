@@ -26,8 +26,8 @@ What it measures
 
     Case (d), row-sparse steps of every optimizer the shards run: for dims
     16, 64 and 128, a table of 2,000,000 x dim float32 and COO gradients of
-    1,000 distinct random rows each (uncoalesced, as
-    ``nn.Embedding(sparse=True)`` hands them over), microseconds per step and
+    1,000 distinct random rows each (sorted and marked coalesced, as a shard
+    builds a push's gradient), microseconds per step and
     nanoseconds per touched row of SGD (momentum 0), QHM (lr 1.0, momentum
     0.9, nu 0.7), Adagrad, RowWiseAdagrad, Adam (``SparseAdam``'s lazy update
     of the touched rows) and FTRL, each looked up in ``functional_optim_map``
@@ -298,14 +298,15 @@ ROW_OPTIMIZERS = (
 
 class RowRotation:
     """``sets`` disjoint sets of ``touched`` random rows of a ``rows x dim`` table, each with a COO gradient
-    of its own (uncoalesced, as ``nn.Embedding(sparse=True)`` hands it over), taken in turn by ``take()``:
-    consecutive steps, whoever takes them, touch different rows."""
+    of its own (sorted distinct rows marked coalesced, as a shard builds a push's gradient:
+    ``optimizers._row_gradient``), taken in turn by ``take()``: consecutive steps, whoever takes them, touch
+    different rows."""
 
     def __init__(self, rows: int, dim: int, touched: int, sets: int):
-        self.ids = torch.randperm(rows)[:sets * touched].view(sets, touched)
+        self.ids = torch.randperm(rows)[:sets * touched].view(sets, touched).sort(1).values
         self.values = torch.randn(sets * touched, dim).view(sets, touched, dim)
         self.grads = [torch.sparse_coo_tensor(self.ids[k].unsqueeze(0), self.values[k], (rows, dim),
-                                              check_invariants=True) for k in range(sets)]
+                                              check_invariants=True, is_coalesced=True) for k in range(sets)]
         self.next = 0
 
     def take(self) -> int:
