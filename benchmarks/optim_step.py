@@ -39,11 +39,17 @@ What it measures
     Adagrad (``SplitTableBatchedEmbeddingBagsCodegen``, ``EXACT_ROWWISE_ADAGRAD``)
     is timed on the same rows; otherwise one line says why not.
 
+    Case (e), memory: the resident bytes a 20,000,000 x 16 float32 table
+    (2,000,000 with ``--quick``) and its ``RowWiseAdagrad`` state take in
+    this process once stepped, against the rows plus one float32 per row
+    (target: within 2%).
+
 How to run
     ``make bench``, or ``.venv/bin/python benchmarks/optim_step.py``.
     Options: ``--quick`` (a smoke run: fewer rounds, a 1M-row table for (c),
     a 200,000-row table for (d)), ``--cases LIST`` (comma-separated, any of
-    ``dense`` = (a) and (b), ``table`` = (c), ``rows`` = (d); default all),
+    ``dense`` = (a) and (b), ``table`` = (c), ``rows`` = (d), ``memory`` =
+    (e); default all),
     ``--rounds N`` (timed rounds for (a) and (b), 10 x N one-step samples for
     (d); the table case uses a third of them, at least 3), ``--row-table N``
     (rows of (d)'s table, default 2,000,000), ``--touched R`` (distinct rows
@@ -89,6 +95,7 @@ How to read it
 
 import argparse
 import gc
+import os
 import statistics
 import sys
 import time
@@ -116,7 +123,7 @@ TARGET_SPEEDUP_FEW_LARGE = 1.8
 TARGET_SPEEDUP_MANY_SMALL = 4.0
 TARGET_SPARSE_VS_DENSE = 100.0
 
-CASES = ("dense", "table", "rows")
+CASES = ("dense", "table", "rows", "memory")
 ROW_DIMS = (16, 64, 128)
 ROW_TABLE_ROWS, ROW_TABLE_ROWS_QUICK = 2_000_000, 200_000
 ROW_TOUCHED = 1_000
@@ -551,6 +558,40 @@ FBGEMM update" compares our whole step (coalesce, gather, update, scatter) with 
 
 
 # --------------------------------------------------------------------------
+# Case (e): what a shard's table costs in memory with row-wise Adagrad
+# --------------------------------------------------------------------------
+
+MEMORY_TARGET = 1.02  # rows + one float32 per row, at most this many times
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (Linux: /proc/self/statm)."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_case(rows: int, dim: int, touched: int) -> str:
+    """Resident bytes a ``rows x dim`` float32 table and its ``RowWiseAdagrad`` state take once stepped (a
+    step's temporaries freed), against the rows plus one float32 per row: a markdown table with the target."""
+    gc.collect()
+    before = resident_bytes()
+    table = torch.empty(rows, dim).normal_()
+    optimizer = ScriptedOptimizer(functional_optim_map[RowWiseAdagrad], [table], lr=0.01)
+    ids = torch.randperm(rows)[:touched].sort().values
+    gradient = torch.sparse_coo_tensor(ids.unsqueeze(0), torch.randn(touched, dim), (rows, dim), is_coalesced=True)
+    optimizer.step([gradient])
+    del ids, gradient
+    gc.collect()
+    held = resident_bytes() - before
+    expected = rows * dim * 4 + rows * 4
+    ratio = held / expected
+    return ("| (e) table | rows MB | + one float per row MB | resident MB | resident / (rows + one float per row) "
+            "| target |\n|---|---:|---:|---:|---:|---|\n| {:,} x {} float32, RowWiseAdagrad | {:.1f} | {:.1f} | {:.1f} "
+            "| {:.4f}x | <= {:g}x {} |".format(rows, dim, rows * dim * 4 / 1e6, rows * 4 / 1e6, held / 1e6, ratio,
+                                                MEMORY_TARGET, "PASS" if ratio <= MEMORY_TARGET else "BELOW"))
+
+
+# --------------------------------------------------------------------------
 # Main
 # --------------------------------------------------------------------------
 
@@ -574,7 +615,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: fewer rounds, a 1M-row table for (c), a 200,000-row table for (d)")
     parser.add_argument("--cases", type=parse_cases, default=list(CASES),
-                        help="comma-separated cases to run: dense = (a) and (b), table = (c), rows = (d) "
+                        help="comma-separated cases to run: dense = (a) and (b), table = (c), rows = (d), memory = (e) "
                              "(default: all)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="timed rounds for cases (a) and (b), {} x that many one-step samples for (d) "
@@ -651,6 +692,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print()
     if rows_results:
         print_rows_case(rows_results, fbgemm_note)
+        print()
+    if "memory" in args.cases:  # last: what the other cases allocated is freed by then
+        progress("case (e) memory ...")
+        print(memory_case(2_000_000 if args.quick else 20_000_000, 16, args.touched))
         print()
     if dense_results or table_result is not None:
         print(LEGEND)

@@ -208,7 +208,8 @@ def test_updates_equal_a_fixed_table_holding_the_same_rows_with_state_following_
     assert_same(rows.slab[slots], fixed[order])
     dynamic_state, fixed_state = dynamic_optimizer.state_dict()[0], fixed_optimizer.state_dict()[0]
     for key, value in dynamic_state.items():  # (a step count is one value for the whole table)
-        assert_same(value[slots] if value.dim() else value, fixed_state[key][order] if value.dim() else fixed_state[key])
+        assert_same(value[slots] if value.dim() else value,
+                    fixed_state[key][order] if value.dim() else fixed_state[key])
 
 
 def test_an_optimizer_whose_state_cannot_follow_rows_is_refused_naming_the_table(kernel):
