@@ -11,7 +11,7 @@ import torch
 
 from torch.optim import SGD
 
-from paramserver.optim import FTRL, QHM, RowWiseAdagrad
+from paramserver.optim import QHM
 from paramserver.shards.server.optimizers import OwnerOptimizer
 from paramserver.optim.registry import functional_optim_map
 from paramserver.checkpoint.shard_part import select_part
@@ -173,13 +173,17 @@ def _owner_optimizer(state: ShardState, params, optimizer=QHM, **options):
                           (), options, state)
 
 
-@pytest.mark.parametrize("optimizer,options", [
-    (QHM, dict(lr=0.5, momentum=0.9, nu=0.7)), (SGD, dict(lr=0.5, momentum=0.9, dampening=0.1)),
-    (torch.optim.Adagrad, dict(lr=0.5, initial_accumulator_value=0.1)), (RowWiseAdagrad, dict(lr=0.5)),
-    (torch.optim.SparseAdam, dict(lr=0.05)), (FTRL, dict(lr=0.5, l1=0.001))],
-    ids=["QHM", "SGD", "Adagrad", "RowWiseAdagrad", "SparseAdam", "FTRL"])
+@pytest.mark.parametrize("optimizer,options", [(QHM, dict(lr=0.5, momentum=0.9, nu=0.7)),
+                                               (SGD, dict(lr=0.5, momentum=0.9, dampening=0.1))])
 def test_updates_equal_a_fixed_table_holding_the_same_rows_with_state_following_the_rows(optimizer, options,
                                                                                          kernel):
+    equal_to_a_fixed_table(kernel, optimizer, options)
+
+
+def equal_to_a_fixed_table(kernel, optimizer, options) -> None:
+    """A dynamic table's part (lookups in ``kernel``) stepped by ``optimizer`` holds, through growth and
+    eviction, the rows and optimizer state of a fixed table of every id stepped alike (evicted ids start again
+    there: their rows from their initial values, their state from the optimizer's initial values)."""
     state = ShardState()
     rows = dynamic(kernel, DynamicOptions(capacity=1500), state)
     universe = spread_ids(2_000)

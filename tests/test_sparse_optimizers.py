@@ -22,6 +22,7 @@ from paramserver.shards.server.dynamic import DynamicRows
 from paramserver.shards.server.hosted import host_rows
 from paramserver.shards.server.optimizers import OwnerOptimizer, owner_optimizer_for
 from paramserver.tables import DynamicOptions
+from test_dynamic_tables import equal_to_a_fixed_table  # (this folder is on the tests' path)
 
 ROWS, DIM, STEPS, TOUCHED = 40, 6, 100, 24
 
@@ -122,9 +123,8 @@ TORCH_CASES = [
 @pytest.mark.parametrize("mode", ["eager", "scripted"])
 @pytest.mark.parametrize("local_cls, functional_cls, options", TORCH_CASES,
                          ids=["Adagrad", "Adagrad-maximize", "SparseAdam", "SparseAdam-maximize"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_adagrad_and_adam_equal_torchs_classes_on_row_sparse_gradients(mode, local_cls, functional_cls, options,
-                                                                       dtype):
+def test_adagrad_and_adam_equal_torchs_classes_on_row_sparse_gradients(mode, local_cls, functional_cls, options):
+    dtype = torch.float32  # (float64 agrees as well; float32 is where rounding could part them)
     assert functional_optim_map[local_cls] is functional_cls
     weights = torch.randn(ROWS, DIM, dtype=dtype)
     local_param = torch.nn.Parameter(weights.clone())
@@ -244,6 +244,15 @@ def dynamic_table(state: ShardState, name="t@0/1") -> DynamicRows:
 
 def owner(state, params, optimizer_cls, **options) -> OwnerOptimizer:
     return owner_optimizer_for(state, optimizer_cls, params, list(range(len(params))), (), options)
+
+
+@pytest.mark.parametrize("optimizer_cls, options", [
+    (torch.optim.Adagrad, dict(lr=0.5, initial_accumulator_value=0.1)), (RowWiseAdagrad, dict(lr=0.5)),
+    (torch.optim.SparseAdam, dict(lr=0.05)), (FTRL, dict(lr=0.5, l1=0.001))],
+    ids=["Adagrad", "RowWiseAdagrad", "SparseAdam", "FTRL"])
+def test_a_dynamic_table_equals_a_fixed_one_with_state_following_its_rows(optimizer_cls, options):
+    # (the lookup paths are covered with QHM and SGD there; the optimizer's side does not depend on them)
+    equal_to_a_fixed_table(None, optimizer_cls, options)
 
 
 def test_a_dynamic_tables_new_rows_start_with_the_optimizers_initial_state():
