@@ -7,6 +7,10 @@ Owns the optimizer side of paramserver: the local optimizers of its own (``QHM``
 all run on (``RowState``, ``RowStep``), the ``functional_optim_map`` registry, ``ScriptedOptimizer`` to run
 a functional optimizer compiled from Python, and ``DistributedOptimizer``, which runs them where the
 parameters live (its RPC side in ``distributed``; the shard's side is ``paramserver.shards.server.optimizers``).
+
+The functional classes are TorchScript-compatible Python classes, compiled where they are first used (a
+shard's step module, ``ScriptedOptimizer``, ``register_functional_optim``), not at import: every process of
+a cluster imports this package, and most never run them.
 """
 
 from .distributed import DistributedOptimizer, OwnerFailedError

@@ -27,7 +27,6 @@ from .local import FunctionalBackedOptimizer
 from .row_sparse import RowState, RowStep
 
 
-@torch.jit.script
 class FunctionalFTRL:
     def __init__(self, params: List[Tensor], lr: float, lr_power: float = -0.5,
                  initial_accumulator_value: float = 0.1, l1: float = 0.0, l2: float = 0.0, beta: float = 0.0,

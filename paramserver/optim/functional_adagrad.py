@@ -23,7 +23,6 @@ from .kernels import check_gradients
 from .row_sparse import RowState, RowStep
 
 
-@torch.jit.script
 class FunctionalAdagrad:
     def __init__(
         self,

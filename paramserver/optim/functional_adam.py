@@ -28,7 +28,6 @@ from .kernels import check_gradients
 from .row_sparse import RowState, RowStep
 
 
-@torch.jit.script
 class FunctionalAdam:
     def __init__(
         self,

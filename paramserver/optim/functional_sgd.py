@@ -24,7 +24,6 @@ from .kernels import check_gradients, momentum_step, row_slice_fused_min_element
 from .row_sparse import RowState, RowStep
 
 
-@torch.jit.script
 class FunctionalSGD:
     def __init__(
         self,

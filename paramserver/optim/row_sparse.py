@@ -48,7 +48,6 @@ def state_shape(layout: str, param: Tensor) -> List[int]:
     return list(param.shape)
 
 
-@torch.jit.script
 class RowState:
     """The state ``optimizer`` keeps for each of ``params``: kinds ``names``, of ``layouts``, starting at
     ``initial`` (made on a parameter's first step; ``tensors[i]`` is ``None`` until then)."""
@@ -159,7 +158,6 @@ class RowState:
         self.tensors = tensors
 
 
-@torch.jit.script
 class RowStep:
     """``gradients`` (one per parameter of ``state``, ``None`` to skip one) split for one step.
 

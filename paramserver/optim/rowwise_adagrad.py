@@ -31,7 +31,6 @@ def check_rowwise_adagrad_hyperparameters(lr: float, eps: float, weight_decay: f
     check_finite_at_least("RowWiseAdagrad", "weight_decay", weight_decay, 0.0)
 
 
-@torch.jit.script
 class FunctionalRowWiseAdagrad:
     def __init__(self, params: List[Tensor], lr: float, eps: float = 1e-8, weight_decay: float = 0.0,
                  _allow_empty_param_list: bool = False):
