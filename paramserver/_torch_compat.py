@@ -203,7 +203,7 @@ def torchscript_enabled() -> bool:
 
 #: Private operators called inside TorchScript code (optim/kernels.py, optim/qhm.py,
 #: optim/functional_qhm.py: the fused and multi-tensor kernels torch.optim itself uses) and private
-#: tensor methods (optim/owner.py: a sparse gradient's values without coalescing).
+#: tensor methods (shards/server/optimizers.py: a sparse gradient's values without coalescing).
 TORCHSCRIPT_PRIVATE_OPS = ("_fused_sgd_", "_foreach_mul_", "_foreach_add", "_foreach_add_", "_foreach_neg",
                            "_foreach_copy_")
 TORCHSCRIPT_PRIVATE_TENSOR_METHODS = ("_values", "_nnz")
