@@ -21,7 +21,9 @@ from paramserver.shards.server import optimizers as owner_optimizers
 from paramserver.shards.server.dynamic import DynamicRows
 from paramserver.shards.server.hosted import host_rows
 from paramserver.shards.server.optimizers import OwnerOptimizer, owner_optimizer_for
+from paramserver.checkpoint.shard_part import select_part
 from paramserver.tables import DynamicOptions
+from paramserver.tables.id_hash import shard_of
 from test_dynamic_tables import equal_to_a_fixed_table  # (this folder is on the tests' path)
 
 ROWS, DIM, STEPS, TOUCHED = 40, 6, 100, 24
@@ -372,3 +374,37 @@ def test_a_trainer_job_with_torchscript_off_trains_the_same_rows_as_with_it(tmp_
             assert torch.equal(eager["rows"][name][0], rows[0]) and torch.equal(eager["rows"][name][1], rows[1])
         else:
             assert torch.equal(eager["rows"][name], rows)
+
+
+def test_one_float_per_row_of_state_is_checkpointed_and_split_with_the_rows_onto_another_shard_count():
+    states = [ShardState(), ShardState()]
+    parts = [dynamic_table(state) for state in states]
+    optimizers = [owner(state, [part.slab], RowWiseAdagrad, lr=0.1) for state, part in zip(states, parts)]
+    ids = torch.arange(1, 2_001, dtype=torch.int64) * 7_919
+    mine = shard_of(ids, 2)
+    for step in range(3):
+        for index, (part, optimizer) in enumerate(zip(parts, optimizers)):
+            held = ids[mine == index]
+            part.lookup(held, step)
+            optimizer.apply_rows([0], [held], [torch.full((held.numel(), DIM), step + 1.0)], "test")
+    entries = [optimizer.snapshot()[0][0] for optimizer in optimizers]  # as a shard writes its checkpoint part
+    assert all(list(entry["state"]["sum"].shape) == [entry["ids"].numel()] for entry in entries)
+    expected = {}
+    for part, optimizer in zip(parts, optimizers):
+        held, slots = part.index.items()
+        sums = optimizer.state_dict()[0]["sum"]
+        expected.update({i: (part.slab[slot].clone(), sums[slot]) for i, slot in zip(held.tolist(), slots.tolist())})
+    restored = set()
+    for index in range(3):
+        state = ShardState()
+        part = dynamic_table(state)
+        part.restore(**select_part(entries, index, 3))
+        optimizer = owner(state, [part.slab], RowWiseAdagrad, lr=0.1)
+        optimizer.load_state_dict({0: part.restored_optimizer_state(optimizer.class_name)})
+        held, slots = part.index.items()
+        sums = optimizer.state_dict()[0]["sum"]
+        for i, slot in zip(held.tolist(), slots.tolist()):
+            row, total = expected[i]
+            assert torch.equal(part.slab[slot], row) and torch.equal(sums[slot], total)
+        restored |= set(held.tolist())
+    assert restored == set(expected)
