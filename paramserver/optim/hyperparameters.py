@@ -74,6 +74,14 @@ def check_adagrad_hyperparameters(optimizer: str, lr: float, lr_decay: float, we
         raise ValueError("{}: invalid eps={} (must be finite and > 0)".format(optimizer, eps))
 
 
+def check_rowwise_adagrad_hyperparameters(lr: float, eps: float, weight_decay: float) -> None:
+    """Raise ``ValueError`` for a negative ``lr`` or ``weight_decay``, ``eps <= 0``, and NaN/inf."""
+    check_finite_at_least("RowWiseAdagrad", "lr", lr, 0.0)
+    if not math.isfinite(eps) or eps <= 0.0:
+        raise ValueError("RowWiseAdagrad: invalid eps={} (must be finite and > 0)".format(eps))
+    check_finite_at_least("RowWiseAdagrad", "weight_decay", weight_decay, 0.0)
+
+
 def check_adam_hyperparameters(optimizer: str, lr: float, beta1: float, beta2: float, eps: float,
                                weight_decay: float) -> None:
     """Raise ``ValueError`` for what ``torch.optim.Adam`` refuses, ``eps <= 0``, and NaN/inf."""

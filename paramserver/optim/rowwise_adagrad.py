@@ -18,17 +18,10 @@ from typing import Dict, List, Optional
 import torch
 from torch import Tensor
 
-from .hyperparameters import check_finite_at_least
+from .hyperparameters import check_rowwise_adagrad_hyperparameters
 from .kernels import check_gradients
 from .local import FunctionalBackedOptimizer
 from .row_sparse import RowState, RowStep
-
-
-def check_rowwise_adagrad_hyperparameters(lr: float, eps: float, weight_decay: float) -> None:
-    check_finite_at_least("RowWiseAdagrad", "lr", lr, 0.0)
-    if not eps > 0.0 or eps == float("inf"):
-        raise ValueError("RowWiseAdagrad: invalid eps={} (must be finite and > 0)".format(eps))
-    check_finite_at_least("RowWiseAdagrad", "weight_decay", weight_decay, 0.0)
 
 
 class FunctionalRowWiseAdagrad:
