@@ -70,7 +70,16 @@ class FixedTable(nn.Module):
             if low < 0 or high >= self.weight.size(0):
                 raise IndexError(f"table {self.name!r}: id {low if low < 0 else high} is out of range for a table "
                                  f"of {self.weight.size(0)} rows")
-        return F.embedding_bag(ids, self.weight, mode=self.mode)
+        return pooled(ids, self.weight, self.mode)
+
+
+def pooled(ids: Tensor, rows: Tensor, mode: str) -> Tensor:
+    """The bags of ``ids`` (batch, bag) over ``rows``, pooled with ``mode``, in float32: half-precision rows
+    are upcast as they are gathered (as a worker upcasts them), so the bag sums in float32."""
+    if rows.dtype == torch.float16 or rows.dtype == torch.bfloat16:
+        gathered = F.embedding(ids, rows).to(torch.float32)
+        return gathered.sum(1) if mode == "sum" else gathered.mean(1)
+    return F.embedding_bag(ids, rows, mode=mode)
 
 
 class DynamicTable(nn.Module):
@@ -94,7 +103,7 @@ class DynamicTable(nn.Module):
         if held:
             found = torch.searchsorted(self.ids, ids).clamp_(max=held - 1)
             slots = torch.where(self.ids[found] == ids, found, slots)
-        return F.embedding_bag(slots, self.rows, mode=self.mode)
+        return pooled(slots, self.rows, self.mode)
 
 
 class ServedModel(nn.Module):
@@ -207,7 +216,7 @@ class _LiveSource:
         self.reset()
 
     def reset(self) -> None:
-        self.rows = {name: live_export.TableRows(name, shape.embedding_dim, shape.num_embeddings)
+        self.rows = {name: live_export.TableRows(name, shape.embedding_dim, shape.num_embeddings, shape.dtype)
                      for name, shape in self.model.tables.items()}
 
     def modules(self) -> List[nn.Module]:

@@ -75,7 +75,7 @@ def _served_rows(links, model: ModelDescription) -> Optional[Dict[str, live_expo
         logger.warning("the chain under %s is of another model (tables %s, this checkpoint's %s): a base is written",
                        links[0].directory.parent(), sorted(served.tables), sorted(model.tables))
         return None
-    rows = {name: live_export.TableRows(name, shape.embedding_dim, shape.num_embeddings)
+    rows = {name: live_export.TableRows(name, shape.embedding_dim, shape.num_embeddings, shape.dtype)
             for name, shape in model.tables.items()}
     for link in links:
         live_export.apply_export(link, rows, model.prefix)

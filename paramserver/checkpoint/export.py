@@ -126,8 +126,7 @@ def read_model(checkpoint: PathLike, storage_options: Optional[Mapping[str, Any]
             tables[name] = {"ids": ids, "rows": part["values"].index_select(0, order)}
         else:
             tables[name] = {"weight": parts.rows(range_name(model.shard_name(name), 0, shape.num_embeddings),
-                                                 shape.num_embeddings, shape.embedding_dim,
-                                                 torch.float32)}  # the Trainer's tables are float32
+                                                 shape.num_embeddings, shape.embedding_dim, shape.dtype)}
     return CheckpointModel(source, model, dict(dense["model"]), dense["module"], tables)
 
 

@@ -164,14 +164,14 @@ def chain(root: Location, after: Optional[str] = None) -> List[LiveExport]:
 
 class TableRows:
     """A table's rows as serving holds them, changed by export parts: a fixed table's ``weight`` (rows x dim),
-    or a dynamic table's ``ids`` (sorted) and ``rows``."""
+    or a dynamic table's ``ids`` (sorted) and ``rows``, in the type the table's rows are stored in."""
 
-    def __init__(self, name: str, dim: int, num_embeddings: Optional[int]):
+    def __init__(self, name: str, dim: int, num_embeddings: Optional[int], dtype: torch.dtype = torch.float32):
         self.name, self.dim = name, dim
         self.dynamic = num_embeddings is None
-        self.weight = torch.zeros(0 if num_embeddings is None else num_embeddings, dim)
+        self.weight = torch.zeros(0 if num_embeddings is None else num_embeddings, dim, dtype=dtype)
         self.ids = torch.zeros(0, dtype=torch.int64)
-        self.rows = torch.zeros(0, dim)
+        self.rows = torch.zeros(0, dim, dtype=dtype)
 
     def apply(self, shard_name: str, entry: Mapping[str, Any]) -> None:
         """One part's entry (``shard_name``: the range or dynamic part it was hosted as)."""

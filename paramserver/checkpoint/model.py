@@ -22,6 +22,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional
 
+import torch
 from torch import nn
 
 #: The method a dense module defines to be rebuilt from an export.
@@ -58,17 +59,39 @@ def describe_model(prefix: str, tables: Mapping[str, Any], dense: nn.Module) -> 
             raise TypeError(f"{class_reference(type(dense))}.{EXPORT_KWARGS}() must return JSON-able values: "
                             f"{error}") from error
     return {"format": MODEL_FORMAT, "prefix": prefix,
-            "tables": {name: dataclasses.asdict(table) for name, table in tables.items()},
+            "tables": {name: _described_table(table) for name, table in tables.items()},
             "dense": {"class": class_reference(type(dense)), "kwargs_json": kwargs_json}}
+
+
+def _described_table(table: Any) -> Dict[str, Any]:
+    """A ``Table``'s fields as JSON values (its row type by name: ``"float16"``)."""
+    described = dataclasses.asdict(table)
+    described["dtype"] = dtype_name(table.dtype)
+    return described
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float16`` -> ``"float16"``: how descriptions and manifests name a row type."""
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def named_dtype(name: str) -> torch.dtype:
+    """The row type ``dtype_name`` named (also as ``"torch.float16"``; ``ValueError`` for another name)."""
+    dtype = getattr(torch, name.rsplit(".", 1)[-1], None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} names no torch dtype")
+    return dtype
 
 
 @dataclass(frozen=True)
 class TableShape:
-    """What an export needs of one table: its size (``None``: a dynamic table), row width and pooling."""
+    """What an export needs of one table: its size (``None``: a dynamic table), row width, pooling and the type
+    its rows are stored in (float32 in descriptions written before tables had one)."""
 
     num_embeddings: Optional[int]
     embedding_dim: int
     mode: str
+    dtype: torch.dtype = torch.float32
 
     @property
     def dynamic(self) -> bool:
@@ -102,7 +125,8 @@ class ModelDescription:
             if model["format"] != MODEL_FORMAT:
                 raise ValueError(f"format {model['format']}, this version reads {MODEL_FORMAT}")
             tables = {str(name): TableShape(None if table["num_embeddings"] is None else int(table["num_embeddings"]),
-                                            int(table["embedding_dim"]), str(table["mode"]))
+                                            int(table["embedding_dim"]), str(table["mode"]),
+                                            named_dtype(str(table.get("dtype", "float32"))))
                       for name, table in model["tables"].items()}
             kwargs_json = model["dense"]["kwargs_json"]
             return cls(prefix=str(model["prefix"]), tables=tables, dense_class=str(model["dense"]["class"]),

@@ -29,6 +29,9 @@ class CheckpointSettings:
     restore_from: str = ""
     restore_step: int = 0
     storage_options: Mapping[str, Any] = field(default_factory=dict)
+    #: Tables whose rows the checkpoint holds in another type are restored converted (``ps-server
+    #: --convert-rows``), not refused.
+    convert_rows: bool = False
 
     def locate(self, name: str) -> Location:
         """``name`` (``directory``, ``restore_from`` or one below them) on the checkpoints' filesystem."""
@@ -39,7 +42,8 @@ class CheckpointSettings:
         options = getattr(settings, "storage_options_json", "")
         return cls(directory=settings.directory, every_steps=int(settings.every_steps),
                    restore_from=settings.restore_from, restore_step=int(settings.restore_step),
-                   storage_options=json.loads(options) if options else {})
+                   storage_options=json.loads(options) if options else {},
+                   convert_rows=bool(getattr(settings, "convert_rows", False)))
 
 
 @dataclass(frozen=True)

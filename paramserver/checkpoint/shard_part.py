@@ -49,8 +49,10 @@ class CheckpointSource:
     sha256 were checked against the manifest.
     """
 
-    def __init__(self, checkpoint: Checkpoint, verified: bool = False):
+    def __init__(self, checkpoint: Checkpoint, verified: bool = False, convert_rows: bool = False):
         self.checkpoint = checkpoint
+        #: Rows held in another type than a table asks for are converted (else refused: ``check_row_type``).
+        self.convert_rows = convert_rows
         self._verified = verified  # its files' sha256 were checked already: not hashed again when read
         self._failure: Optional[CorruptCheckpoint] = None  # a file that could not be read: raised, logged once
         self._lock = threading.Lock()
@@ -59,13 +61,21 @@ class CheckpointSource:
         self._dynamic_pieces: Dict[str, List[Dict]] = {}  # dynamic table -> the entries of all its parts
 
     @classmethod
-    def newest_verified(cls, preferred: PathLike, step: int, shard: str) -> "CheckpointSource":
+    def newest_verified(cls, preferred: PathLike, step: int, shard: str,
+                        convert_rows: bool = False) -> "CheckpointSource":
         """The checkpoint at ``preferred`` (the coordinator's choice, of ``step``) if every file of it
         verifies, else the newest one beside it that does and is not newer (``storage.first_usable``: each
         refusal logged once, naming the file; ``CorruptCheckpoint`` naming the shard and the files when
         none verifies)."""
         checkpoint, _ = first_usable(preferred, step, Checkpoint.verify, f"shard {shard}")
-        return cls(checkpoint, verified=True)
+        return cls(checkpoint, verified=True, convert_rows=convert_rows)
+
+    def check_row_type(self, table: str, held: torch.dtype, wanted: torch.dtype) -> None:
+        """``ValueError`` naming ``table`` and both types when the checkpoint holds its rows as ``held`` and the
+        table's are ``wanted``, unless this source converts rows (``convert_rows``)."""
+        if held != wanted and not self.convert_rows:
+            raise ValueError(f"table {table!r}: checkpoint {self.checkpoint.path} holds its rows as {held}, the "
+                             f"table's are {wanted}; restore with --convert-rows (ps-server) to convert them")
 
     def _tables(self) -> Dict[str, List[Tuple[int, int, Dict]]]:
         with self._lock:
@@ -119,6 +129,7 @@ class CheckpointSource:
         if stop > total or shape != (embedding_dim,) or stop - start != num_rows:
             raise ValueError(f"table {table!r} in checkpoint {self.checkpoint.path} has {total} rows of "
                              f"{list(shape)}, asked for rows {start}:{stop} of [{embedding_dim}]")
+        self.check_row_type(table, pieces[0][2]["value"].dtype, dtype)
         rows = assemble_rows([(a, b, e["value"]) for a, b, e in pieces], start, stop, f"table {table!r}")
         logger.info("%s read from checkpoint step %d", name, self.checkpoint.step)
         return rows.to(dtype).contiguous()

@@ -112,6 +112,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start from a checkpoint: a checkpoint directory, or a checkpoint root (its newest "
                              "valid checkpoint), a path or URL; the number of shards may differ from the one "
                              "that wrote it")
+    parser.add_argument("--convert-rows", action="store_true",
+                        help="with --restore: a table whose rows the checkpoint holds in another type than the "
+                             "job's (float32, float16, bfloat16) is converted (to half precision: to nearest); "
+                             "without it such a restore is refused, naming the table and the types")
     parser.add_argument("--export-dir", metavar="DIR",
                         help="trainer group 0 writes live exports under DIR (a path or fsspec URL): a base, then "
                              "deltas of the rows changed, that paramserver.serving.load(DIR) serves and refresh() "
@@ -305,6 +309,8 @@ def checkpoint_options_from(args):
     from ..control.checkpoints import CheckpointOptions
     if args.checkpoint_keep < 1:
         raise UsageError(f"--keep-checkpoints must be at least 1, got {args.checkpoint_keep}")
+    if args.convert_rows and not args.restore:
+        raise UsageError("--convert-rows needs --restore")
     if not args.checkpoint_dir and not args.restore:
         if args.checkpoint_every is not None:
             raise UsageError("--checkpoint-every needs --checkpoint-dir")
@@ -334,7 +340,8 @@ def checkpoint_options_from(args):
     options = (directory or restore).storage_options
     return CheckpointOptions(directory=directory.url if directory else None, every_steps=every_steps,
                              every_seconds=every_seconds, keep=args.checkpoint_keep,
-                             restore=restore.url if restore else None, storage_options=options)
+                             restore=restore.url if restore else None, storage_options=options,
+                             convert_rows=args.convert_rows)
 
 
 def run(args) -> int:

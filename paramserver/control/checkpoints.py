@@ -51,6 +51,8 @@ class CheckpointOptions:
     newest valid checkpoint is used.  ``keep``: complete checkpoints kept
     (``--keep-checkpoints``).  ``storage_options``: fsspec options for
     their filesystem (``--storage-options``), handed on to every member.
+    ``convert_rows``: tables whose rows ``restore`` holds in another type are
+    converted (``--convert-rows``), not refused.
     """
 
     directory: Optional[str] = None
@@ -59,6 +61,7 @@ class CheckpointOptions:
     keep: int = 3
     restore: Optional[str] = None
     storage_options: Mapping[str, Any] = field(default_factory=dict)
+    convert_rows: bool = False
 
 
 class CheckpointCoordinator:
@@ -70,7 +73,8 @@ class CheckpointCoordinator:
     """
 
     def __init__(self, store: CheckpointStore, command_workers: Callable[[pb.Command], int],
-                 every_steps: int = 0, every_seconds: float = 0.0, restored: Optional[Checkpoint] = None):
+                 every_steps: int = 0, every_seconds: float = 0.0, restored: Optional[Checkpoint] = None,
+                 convert_rows: bool = False):
         if every_steps < 0 or every_seconds < 0:
             raise ValueError("checkpoint intervals must not be negative")
         self.store = store
@@ -78,6 +82,8 @@ class CheckpointCoordinator:
         self.every_steps = every_steps
         self.every_seconds = every_seconds
         self.restored = restored
+        #: Members restoring convert rows held in another type than their tables' (``--convert-rows``).
+        self.convert_rows = convert_rows
         self._changed = threading.Condition()
         self._requests = 0
         self._answered: Dict[int, Checkpoint] = {}  # request number -> the checkpoint that answered it
@@ -107,7 +113,7 @@ class CheckpointCoordinator:
         if restored is not None:
             store.protect(restored)  # what a member joining before the first commit reads
         return cls(store, command_workers, every_steps=options.every_steps, every_seconds=options.every_seconds,
-                   restored=restored)
+                   restored=restored, convert_rows=options.convert_rows)
 
     # -- what members are told ----------------------------------------
     @property
@@ -126,6 +132,7 @@ class CheckpointCoordinator:
         if newest is not None:
             settings.restore_from = str(newest.path)
             settings.restore_step = newest.step
+            settings.convert_rows = self.convert_rows
         return settings
 
     # -- requests -----------------------------------------------------

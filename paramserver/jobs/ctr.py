@@ -40,6 +40,12 @@ the planted data; ``sparse_lr`` overrides that rate (None, the default:
 the tuned one).  QHM's momentum and nu are the job's ``momentum`` and
 ``nu``, which the dense QHM takes too.
 
+``row_dtype`` (``"float32"``, ``"float16"`` or ``"bfloat16"``) is the
+type of the tables' rows on the shards, ``row_rounding`` how updates are
+written into half-precision rows (``"stochastic"`` or ``"nearest"``), and
+``push_dtype`` (``"float32"`` or ``"bfloat16"``) the type of the row
+gradients pushed (``paramserver.Table``, ``Trainer(push_dtype=...)``).
+
 The learning rates of QHM, SGD and FTRL look large because the loss is a
 batch mean: a row's gradient is its samples' share of 1/batch_size.  The
 defaults were tuned on the planted data (1500 steps of 2 x 1024 samples
@@ -47,6 +53,7 @@ reach about 0.015 below the oracle AUC with QHM; every optimizer's figures
 are in docs/demo-job.md).
 """
 
+import dataclasses
 import logging
 import math
 from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple
@@ -82,6 +89,10 @@ SPARSE_OPTIMIZERS: Dict[str, Tuple[type, Dict[str, Any]]] = {
 
 #: The names ``sparse_optimizer`` takes: a config naming another is refused before the job is shipped.
 SparseOptimizerName = Literal[tuple(SPARSE_OPTIMIZERS)]  # type: ignore[valid-type]
+#: The tables' row types (``row_dtype``), their rounding (``row_rounding``) and the pushes' type (``push_dtype``).
+RowDtypeName = Literal["float32", "float16", "bfloat16"]
+RoundingName = Literal["stochastic", "nearest"]
+PushDtypeName = Literal["float32", "bfloat16"]
 
 
 def sparse_optimizer_of(name: str = "qhm", lr: Optional[float] = None, momentum: Optional[float] = None,
@@ -143,7 +154,9 @@ def main(ctx, steps: int = 1500, batch_size: int = 1024, hook: str = "powersgd",
          data: Optional[Dict] = None, staleness: int = 0, cache_rows: Optional[int] = None,
          cache_steps: Optional[int] = None, cache_mib: Optional[float] = None, export_to: Optional[str] = None,
          export_every: int = 100, export_base_every: int = 24,
-         export_storage_options: Optional[Dict] = None, table_placement: str = "packed") -> dict:
+         export_storage_options: Optional[Dict] = None, table_placement: str = "packed",
+         row_dtype: RowDtypeName = "float32", row_rounding: RoundingName = "stochastic",
+         push_dtype: PushDtypeName = "float32") -> dict:
     """Train the job (``build``) for ``steps`` steps; the Trainer's figures and the source's.  The signature
     names every option, so that a worker refuses a config key the job does not take."""
     options = {name: value for name, value in locals().items()
@@ -166,8 +179,9 @@ def build(ctx, batch_size: int = 1024, hook: str = "powersgd", hook_options: Opt
           table_options: Optional[Dict] = None, data: Optional[Dict] = None, staleness: int = 0,
           cache_rows: Optional[int] = None, cache_steps: Optional[int] = None, cache_mib: Optional[float] = None,
           export_to: Optional[str] = None, export_every: int = 100, export_base_every: int = 24,
-          export_storage_options: Optional[Dict] = None,
-          table_placement: str = "packed") -> Tuple[Trainer, "PlantedSource | FileSource"]:
+          export_storage_options: Optional[Dict] = None, table_placement: str = "packed",
+          row_dtype: RowDtypeName = "float32", row_rounding: RoundingName = "stochastic",
+          push_dtype: PushDtypeName = "float32") -> Tuple[Trainer, "PlantedSource | FileSource"]:
     """The job's Trainer and its data (``PlantedSource``, or ``FileSource`` with ``data``), not started."""
     sparse = sparse_optimizer_of(sparse_optimizer, sparse_lr, momentum, nu)  # refused before anything is built
     if data is not None:
@@ -176,15 +190,17 @@ def build(ctx, batch_size: int = 1024, hook: str = "powersgd", hook_options: Opt
         source = PlantedSource(ctx, spec, seed, batch_size, holdout_size, embedding_dim, init_std, dynamic_tables,
                                table_options)
     torch.manual_seed(seed)  # every replica starts equal (the group shares one anyway)
+    tables = {name: dataclasses.replace(table, dtype=getattr(torch, row_dtype), rounding=row_rounding)
+              for name, table in source.tables.items()}
     trainer = Trainer(
-        ctx, tables=source.tables, dense=Tower(list(source.tables), embedding_dim, source.num_dense, hidden),
+        ctx, tables=tables, dense=Tower(list(source.tables), embedding_dim, source.num_dense, hidden),
         sparse_optimizer=sparse,
         dense_optimizer=lambda params: QHM(params, lr=dense_lr, momentum=momentum, nu=nu),
         loss=nn.BCEWithLogitsLoss(), comm_hook=hook, hook_options=hook_options,
         name=table_name, seed=seed, row_wise_min_rows=row_wise_min_rows, staleness=staleness,
         cache_rows=cache_rows, cache_steps=cache_steps, cache_mib=cache_mib, export_to=export_to,
         export_every=export_every, export_base_every=export_base_every, export_storage_options=export_storage_options,
-        table_placement=table_placement)
+        table_placement=table_placement, push_dtype=None if push_dtype == "float32" else getattr(torch, push_dtype))
     return trainer, source
 
 

@@ -19,11 +19,14 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from .rounding import is_half
+
 
 def check_gradient(optimizer: str, index: int, param: Tensor, grad: Optional[Tensor]) -> None:
     """Raise ``ValueError`` if ``grad`` cannot be applied to ``param``.
 
-    ``None`` is fine (the parameter is skipped).  A sparse gradient must be a
+    ``None`` is fine (the parameter is skipped).  A half-precision parameter also takes float32 gradients
+    (its update is computed in float32).  A sparse gradient must be a
     COO tensor indexed on the first dimension only (one index per row), as
     ``nn.Embedding(sparse=True)`` and ``embedding_bag(sparse=True)`` produce.
     """
@@ -33,7 +36,7 @@ def check_gradient(optimizer: str, index: int, param: Tensor, grad: Optional[Ten
         raise ValueError(
             "{}: gradient {} has shape {} but parameter {} has shape {}".format(
                 optimizer, index, list(grad.shape), index, list(param.shape)))
-    if grad.dtype != param.dtype:
+    if grad.dtype != param.dtype and not (is_half(param.dtype) and grad.dtype == torch.float32):
         raise ValueError("{}: gradient {} has dtype {} but parameter {} has dtype {}".format(
             optimizer, index, grad.dtype, index, param.dtype))
     if grad.device != param.device:

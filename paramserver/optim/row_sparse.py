@@ -19,6 +19,13 @@ Layouts of a state tensor: ``"element"`` (shaped like its parameter), ``"row"`` 
 State lists are kind-major: ``state[k][j]`` is kind ``k`` of the ``j``-th parameter of a list, so that
 an optimizer's math is a handful of multi-tensor operations over each list.
 
+Half-precision parameters (float16 or bfloat16 rows, ``rounding.is_half``) are updated in float32: their
+state is float32, a step gathers their touched rows as float32 copies (a dense gradient of such a parameter
+touches every row), the optimizer's math runs on those, and ``scatter()`` writes them back rounded
+(``rounding.round_rows``): stochastically by default, from a generator seeded per parameter
+(``RowState.set_rounding``) and per step, or to nearest.  Gradients may come in float32 or in the
+parameter's own type; they are read as float32.
+
 Everything compiles under TorchScript (where a script class uses it) and runs as plain Python too: with
 TorchScript off the same classes step eagerly, with the same operations, so the same rows.  It owns no
 optimizer math.
@@ -30,6 +37,7 @@ import torch
 from torch import Tensor
 
 from .kernels import sparse_rows
+from .rounding import is_half, round_rows, rounding_generator
 
 
 def check_layout(optimizer: str, name: str, layout: str) -> None:
@@ -46,6 +54,14 @@ def state_shape(layout: str, param: Tensor) -> List[int]:
     if layout == "row_flag" or (layout == "row" and param.dim() == 2):
         return [param.size(0)]
     return list(param.shape)
+
+
+def state_dtype(param: Tensor) -> torch.dtype:
+    """The type of ``param``'s state and of the values its update is computed in: float32 for a half-precision
+    parameter, its own type otherwise."""
+    if is_half(param.dtype):
+        return torch.float32
+    return param.dtype
 
 
 class RowState:
@@ -65,14 +81,35 @@ class RowState:
         self.layouts = layouts
         self.initial = initial
         self.tensors: List[Optional[List[Tensor]]] = [None for _ in params]
+        #: Per parameter, how its half-precision rows are rounded (``set_rounding``) and how many steps wrote
+        #: them (each step draws its rounding bits from its own generator).
+        self.rounding_seeds: List[int] = [0 for _ in params]
+        self.rounds_nearest: List[bool] = [False for _ in params]
+        self.rounding_steps: List[int] = [0 for _ in params]
+
+    def set_rounding(self, i: int, seed: int, nearest: bool) -> None:
+        """Parameter ``i``'s rows (if half-precision) are written back to nearest (``nearest``) or stochastically
+        from bits drawn from ``seed`` and the step's number (the default seed is 0)."""
+        self.rounding_seeds[i] = seed
+        self.rounds_nearest[i] = nearest
+
+    def rounded(self, i: int, values: Tensor) -> Tensor:
+        """``values`` (rows of parameter ``i``, computed in float32) in the parameter's type, rounded as
+        ``set_rounding`` said; each call is a step of its own (new rounding bits)."""
+        dtype = self.params[i].dtype
+        if not is_half(dtype):
+            return values
+        step = self.rounding_steps[i]
+        self.rounding_steps[i] = step + 1
+        return round_rows(values, dtype, self.rounds_nearest[i], rounding_generator(self.rounding_seeds[i], step))
 
     def _new(self, k: int, param: Tensor) -> Tensor:
         shape = state_shape(self.layouts[k], param)
         if self.layouts[k] == "row_flag":
             return torch.zeros(shape, dtype=torch.bool, device=param.device)
-        if self.layouts[k] == "element":
+        if self.layouts[k] == "element" and not is_half(param.dtype):
             return torch.full_like(param, self.initial[k], memory_format=torch.preserve_format)
-        return torch.full(shape, self.initial[k], dtype=param.dtype, device=param.device)
+        return torch.full(shape, self.initial[k], dtype=state_dtype(param), device=param.device)
 
     def of(self, i: int) -> List[Tensor]:
         """Parameter ``i``'s state tensors (one per kind), made at their initial values if it had none."""
@@ -164,7 +201,8 @@ class RowStep:
     ``dense_*``: the parameters with dense gradients, those gradients and their whole state (kind-major);
     ``row_*``: for each parameter with a row-sparse gradient that touches rows, the touched rows
     (``rows``, ascending) of the parameter, the gradient (duplicates summed) and the state (``"scalar"``
-    kinds: the parameter's tensor itself, updated in place).  ``*_index``: each one's parameter index.
+    kinds: the parameter's tensor itself, updated in place).  A half-precision parameter's rows and
+    gradient are float32 copies (a dense gradient of one is taken as touching every row).  ``*_index``: each one's parameter index.
     The optimizer updates the lists in place, then calls ``scatter()``, which writes the rows back.
     """
 
@@ -185,13 +223,21 @@ class RowStep:
             if grad is not None:
                 param = state.params[i]
                 tensors = state.of(i)
-                if grad.is_sparse:
-                    rows, values = sparse_rows(grad)
+                half = is_half(param.dtype)
+                if grad.is_sparse or half:
+                    if grad.is_sparse:
+                        rows, values = sparse_rows(grad)
+                    else:  # every row, in order
+                        rows, values = torch.arange(param.size(0), device=param.device), grad
                     if rows.numel() > 0:
                         self.row_index.append(i)
                         self.rows.append(rows)
-                        self.row_params.append(param.index_select(0, rows))
-                        self.row_grads.append(values)
+                        if half:
+                            self.row_params.append(param.index_select(0, rows).to(torch.float32))
+                            self.row_grads.append(values.to(torch.float32))
+                        else:
+                            self.row_params.append(param.index_select(0, rows))
+                            self.row_grads.append(values)
                         for k in range(kinds):
                             if state.layouts[k] == "scalar":
                                 self.row_state[k].append(tensors[k])
@@ -216,7 +262,7 @@ class RowStep:
         for j in range(len(self.row_params)):
             i = self.row_index[j]
             rows = self.rows[j]
-            state.params[i].index_copy_(0, rows, self.row_params[j])
+            state.params[i].index_copy_(0, rows, state.rounded(i, self.row_params[j]))
             tensors = state.of(i)
             for k in range(len(state.names)):
                 if state.layouts[k] != "scalar":

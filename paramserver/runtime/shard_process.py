@@ -103,7 +103,8 @@ def run_shard_member(address: str, name: str, host: str, token: Optional[str] = 
         checkpoint = CheckpointSettings.from_message(assignment.checkpoint)
         try:
             restore_source = CheckpointSource.newest_verified(checkpoint.locate(checkpoint.restore_from),
-                                                              checkpoint.restore_step, assignment.rpc_name)
+                                                              checkpoint.restore_step, assignment.rpc_name,
+                                                              convert_rows=checkpoint.convert_rows)
         except (CorruptCheckpoint, StorageUnavailable) as error:
             logger.error("%s", error)
             session.leave(one_line(error))

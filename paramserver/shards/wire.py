@@ -7,7 +7,7 @@ one tensor with a count per table, and their rows or row gradients as one
 flat tensor.  They do not travel as a list of tensors: TensorPipe handles
 every tensor of a message on its own, at a CPU cost on both sides that
 outweighs copying a step's rows once.  The rows of one message share a
-dtype: the tables of one collection have one.
+dtype (a shard whose tables' rows differ in type sends them as float32).
 """
 
 from typing import List, Sequence

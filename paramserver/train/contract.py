@@ -10,6 +10,7 @@ from typing import Dict, Optional
 import torch
 from torch import Tensor
 
+from ..optim.rounding import ROUNDINGS, row_dtypes
 from ..tables import DistinctIds, DynamicOptions, distinct_ids
 
 MODES = ("sum", "mean")
@@ -36,6 +37,13 @@ class Table:
     evicting the least recently touched, and drops rows untouched for
     ``ttl_steps`` steps.  Those four options are for dynamic tables only.
 
+    ``dtype``: the type its rows are stored in on the shards: ``torch.float32``,
+    or ``torch.float16`` / ``torch.bfloat16`` (half the memory, half the
+    bytes of a lookup); half-precision rows are upcast to float32 on the
+    worker, updated in float32 on the shards (their optimizer state is
+    float32) and written back with ``rounding``: ``"stochastic"`` (unbiased:
+    small updates accumulate; seeded per shard and step) or ``"nearest"``.
+
     ``cache_rows``: at most this many of the table's rows in each worker's
     row cache at once (``paramserver.train.pipeline``), beside the
     Trainer's bound over every table (``Trainer(cache_rows=...)``); a
@@ -51,6 +59,8 @@ class Table:
     ttl_steps: Optional[int] = None
     admit_after: int = 1
     admit_probability: float = 1.0
+    dtype: torch.dtype = torch.float32
+    rounding: str = "stochastic"
     cache_rows: Optional[int] = field(default=None, compare=False)
 
     #: The admission and eviction options as one value (made and checked once, here): what travels to the
@@ -77,6 +87,10 @@ class Table:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if not self.init_std >= 0:
             raise ValueError(f"init_std must be a non-negative number, got {self.init_std}")
+        if self.dtype not in row_dtypes():
+            raise ValueError(f"dtype must be torch.float32, torch.float16 or torch.bfloat16, got {self.dtype!r}")
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"rounding must be one of {ROUNDINGS}, got {self.rounding!r}")
         if self.cache_rows is not None and not is_count(self.cache_rows):
             raise ValueError(f"a table's cache_rows must be a whole number of rows, 1 or more (or None: no bound "
                              f"of its own); got {self.cache_rows!r}")

@@ -99,12 +99,13 @@ def build_tables(tables: Dict[str, Table], shards: Sequence[str], prefix: str, s
     for index, (name, table) in enumerate(tables.items()):
         if table.dynamic:  # over every shard, by the ids' hash
             built[name] = DynamicEmbeddingBag(table.embedding_dim, table.mode, shards=list(shards), name=names[name],
-                                              seed=seed + index, init_std=table.init_std, options=table.options)
+                                              seed=seed + index, dtype=table.dtype, init_std=table.init_std,
+                                              options=table.options, rounding=table.rounding)
         else:
             built[name] = ShardedEmbeddingBag(table.num_embeddings, table.embedding_dim, table.mode,
                                               shards=[plan[names[name]]] if names[name] in plan else list(shards),
-                                              name=names[name], seed=seed + index, shared=True,
-                                              init_std=table.init_std)
+                                              name=names[name], seed=seed + index, dtype=table.dtype, shared=True,
+                                              init_std=table.init_std, rounding=table.rounding)
     return built
 
 
@@ -129,8 +130,9 @@ class SparseTables:
                  max_consecutive: int = MAX_CONSECUTIVE_REBUILDS,
                  shards_gone: Callable[[], Dict[str, str]] = dict,
                  retire: Optional[Callable[[Any], None]] = None, recorder: Optional[CollectionRecorder] = None,
-                 placement: str = "packed"):
+                 placement: str = "packed", push_dtype: Optional[torch.dtype] = None):
         self.specs = dict(specs)
+        self._push_dtype = push_dtype
         self._placement = placement
         self._recorder = recorder
         self.shards = list(shards)
@@ -154,7 +156,8 @@ class SparseTables:
                                          [rref for table in tables.values() for rref in table.remote_parameters()],
                                          recorder=self._recorder, **self._optimizer_options)
         return tables, optimizer, EmbeddingCollection(tables, optimizer.owner_layout(), rpc.get_worker_info().name,
-                                                      self._pusher, recorder=self._recorder)
+                                                      self._pusher, recorder=self._recorder,
+                                                      push_dtype=self._push_dtype)
 
     def lookup(self, batch: Batch, step: int = -1) -> CollectionLookup:
         """Send the batch's lookups for training step ``step`` (negative: evaluation, reading only), one RPC

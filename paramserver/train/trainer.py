@@ -40,7 +40,7 @@ from ..checkpoint.model import describe_model
 from ..ddp import DenseReplica, GroupStopped, TrainerGroup, canonical_hook_options
 from ..ddp.group import GenerationAborted
 from ..logs import RateLimitedLog, one_line
-from ..shards.client.collection import ShardRefused, ShardRequestFailed
+from ..shards.client.collection import ShardRefused, ShardRequestFailed, check_push_dtype
 from .checkpoints import TrainerCheckpoints, restore_point
 from .claims import PartClaims
 from .contract import Batch, Table, is_count
@@ -126,6 +126,9 @@ class Trainer:
     a base, then deltas holding the rows changed since the export before, a new base every
     ``export_base_every`` exports; ``paramserver.serving.load(root)`` serves the newest and ``refresh()``
     follows.  Without ``export_to``, the cluster's ``ps-server --export-dir`` (``ctx.exports``) applies.
+
+    ``push_dtype``: the type row gradients travel to the shards in: ``None`` (float32, the default) or
+    ``torch.bfloat16`` (half a push's bytes; the shards apply them in float32).
     """
 
     def __init__(self, ctx, tables: Dict[str, Table], dense: nn.Module, sparse_optimizer: Tuple[type, Dict[str, Any]],
@@ -136,7 +139,7 @@ class Trainer:
                  read_ahead: bool = True, cache_rows: Optional[int] = None, cache_steps: Optional[int] = None,
                  cache_mib: Optional[float] = None, export_to: Optional[str] = None, export_every: int = 100,
                  export_base_every: int = 24, export_storage_options: Optional[Dict[str, Any]] = None,
-                 table_placement: str = "packed"):
+                 table_placement: str = "packed", push_dtype: Optional[torch.dtype] = None):
         if not tables:
             raise ValueError("a Trainer needs at least one table")
         for table_name, table in tables.items():
@@ -161,6 +164,9 @@ class Trainer:
                              f"or cache_mib set (the Trainer's or a Table's cache_rows); got {cache_steps!r} "
                              f"(cache_rows {cache_rows!r}, cache_mib {cache_mib!r})")
         check_placement(table_placement)
+        check_push_dtype(push_dtype)
+        #: The type row gradients travel to the shards in (``None``: float32).
+        self.push_dtype = push_dtype
         optimizer_class, optimizer_options = sparse_optimizer
         self.ctx = ctx
         self.tables = dict(tables)
@@ -252,7 +258,8 @@ class _Run:
         self.sparse = SparseTables(trainer.tables, trainer.sparse_optimizer, ctx.shards, trainer.name, trainer.seed,
                                    trainer.row_wise_min_rows, ctx.live_shards, ctx.refresh, ctx.should_stop,
                                    shards_gone=ctx.shards_gone, retire=ctx.retire_handles,
-                                   recorder=ctx.recorders.data_plane, placement=trainer.table_placement)
+                                   recorder=ctx.recorders.data_plane, placement=trainer.table_placement,
+                                   push_dtype=trainer.push_dtype)
         positions = (restored or {}).get("data_positions", {})
         # Data the group shares starts once the group dealt it (``GroupShares.formed``).
         self.batches = BatchStream(data, None if shared else _position(positions.get(ctx.worker_index)),

@@ -19,7 +19,10 @@ A lookup's rows are a local leaf per table: the model's backward pass
 fills their gradients, and ``push`` sends them.  A message's ids, rows and
 row gradients travel packed, a few tensors each (``paramserver.shards.wire``):
 compact copies (an RPC sends a view's whole storage).  A collection's tables
-share a dtype.  Each lookup and push RPC is
+may store rows in different types (float32, float16, bfloat16); rows arrive
+as stored (a shard whose tables differ in type sends them as float32) and
+are upcast to float32 on arrival, and row gradients leave as float32, or in
+the collection's ``push_dtype``.  Each lookup and push RPC is
 counted by the collection's ``recorder`` when it was handed one (a
 ``CollectionRecorder``: the worker's data-plane metrics, when it serves
 them).
@@ -37,7 +40,7 @@ from ..peer import creation_timeout, settle
 from .. import wire
 from ..server import service
 from .dynamic_embedding import DynamicEmbeddingBag
-from .embedding import LookupRecorder, Route, ShardedEmbeddingBag
+from .embedding import LookupRecorder, Route, ShardedEmbeddingBag, computed
 
 
 class CollectionRecorder(LookupRecorder, Protocol):
@@ -71,6 +74,16 @@ class ShardRefused(ValueError):
     optimizer that cannot apply them), not because it is gone: sending it again cannot succeed."""
 
 
+#: The types row gradients may travel in (``EmbeddingCollection(push_dtype=...)``; ``None`` is float32).
+PUSH_DTYPES = (None, torch.float32, torch.bfloat16)
+
+
+def check_push_dtype(push_dtype: Optional[torch.dtype]) -> None:
+    """``ValueError`` unless row gradients may travel as ``push_dtype``."""
+    if push_dtype not in PUSH_DTYPES:
+        raise ValueError(f"push_dtype is None (float32), torch.float32 or torch.bfloat16, got {push_dtype!r}")
+
+
 class _Slot:
     """How a shard names one row range of one table: its table handle and its index in the shard's optimizer."""
 
@@ -86,7 +99,8 @@ class EmbeddingCollection:
     ``optimizer_layout``: ``DistributedOptimizer.owner_layout()`` of an
     optimizer built over ``[rref for table in tables.values() for rref in
     table.remote_parameters()]`` (in that order): whose owner-side optimizer
-    applies each shard's pushes.  ``peer``: this process's RPC name (the
+    applies each shard's pushes.  ``push_dtype``: the type row gradients
+    travel in (``None``: float32; ``torch.bfloat16`` halves a push's bytes).  ``peer``: this process's RPC name (the
     shards count what each peer pushes).  ``token``: names this pusher in
     idempotent pushes (random by default; keep it when the collection is
     built again in the same process, so that a step's push is recognised).
@@ -96,12 +110,11 @@ class EmbeddingCollection:
 
     def __init__(self, tables: Mapping[str, Union[ShardedEmbeddingBag, DynamicEmbeddingBag]],
                  optimizer_layout: Mapping[str, Tuple[int, List[int]]],
-                 peer: str, token: Optional[int] = None, *, recorder: Optional[CollectionRecorder] = None):
+                 peer: str, token: Optional[int] = None, *, recorder: Optional[CollectionRecorder] = None,
+                 push_dtype: Optional[torch.dtype] = None):
         self.tables = dict(tables)
-        dtypes = {name: table.dtype for name, table in self.tables.items()}
-        if len(set(dtypes.values())) > 1:
-            raise ValueError(f"the tables of one collection share a dtype (their rows travel packed in one tensor "
-                             f"per shard, see paramserver.shards.wire); got {dtypes}")
+        check_push_dtype(push_dtype)
+        self.push_dtype = push_dtype
         self.peer = peer
         self.recorder = recorder
         #: Names this pusher on the shards, for idempotent pushes (``CollectionLookup.push(step=...)``).
@@ -280,7 +293,7 @@ class CollectionLookup:
             widths = [tables[name].embedding_dim for name, _ in keys]
             for (name, position), rows in zip(keys, wire.unpack_rows(reply, row_counts, widths)):
                 pieces[name][position] = rows
-        return {name: torch.cat(pieces[name]) if pieces[name] else tables[name].no_rows(False)
+        return {name: computed(torch.cat(pieces[name])) if pieces[name] else tables[name].no_rows(False)
                 for name in self._routes}
 
     def step_push(self, step: int = -1, gradients: Optional[Mapping[str, Optional[Tensor]]] = None) -> StepPush:
@@ -291,10 +304,13 @@ class CollectionLookup:
         if gradients is None:
             gradients = {name: rows.grad for name, rows in self.rows.items()}
         requests: Dict[str, Tuple[List[int], List[Tensor], List[Tensor]]] = {}
+        push_dtype = collection.push_dtype
         for name, route in self._routes.items():
             gradient = gradients.get(name)
             if gradient is None:
                 continue
+            if push_dtype is not None and gradient.dtype != push_dtype:
+                gradient = gradient.to(push_dtype)
             start = 0
             for range_index, local_ids in route.requests:
                 stop = start + local_ids.numel()

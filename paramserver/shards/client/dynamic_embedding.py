@@ -23,7 +23,7 @@ from ...tables import DistinctIds, DynamicOptions, distinct_ids
 from ...tables.id_hash import shard_of
 from ..peer import creation_timeout
 from ..server import service
-from .embedding import Route, draw_seed
+from .embedding import Route, computed, computed_dtype, draw_seed
 
 _MODES = ("sum", "mean")
 
@@ -46,7 +46,7 @@ class DynamicEmbeddingBag(nn.Module):
 
     def __init__(self, embedding_dim: int, mode: str = "sum", *, shards: Sequence[str], name: Optional[str] = None,
                  seed: Optional[int] = None, dtype: torch.dtype = torch.float32, init_std: float = 0.01,
-                 options: Optional[DynamicOptions] = None, **limits):
+                 options: Optional[DynamicOptions] = None, rounding: str = "stochastic", **limits):
         super().__init__()
         self.name = name or f"dynamic-{uuid.uuid4().hex[:8]}"
         if mode not in _MODES:
@@ -63,7 +63,8 @@ class DynamicEmbeddingBag(nn.Module):
         seed = draw_seed() if seed is None else seed
         timeout = creation_timeout()
         futures = [rpc.rpc_async(shard, service.host_dynamic, args=(
-            self.name, embedding_dim, dtype, seed, init_std, self.options, index, len(self.shards)), timeout=timeout)
+            self.name, embedding_dim, dtype, seed, init_std, self.options, index, len(self.shards), rounding),
+            timeout=timeout)
             for index, shard in enumerate(self.shards)]
         self._shard_rrefs: List[RRef] = [future.wait() for future in futures]
         #: Bytes of one row (what a lookup returns per id).
@@ -92,8 +93,9 @@ class DynamicEmbeddingBag(nn.Module):
         return Route(self, position[inverse].view(ids.shape), requests)
 
     def no_rows(self, requires_grad: bool) -> Tensor:
-        """The rows of a lookup without ids: none, yet differentiable as ``nn.EmbeddingBag``'s result is."""
-        return torch.empty(0, self.embedding_dim, dtype=self.dtype, requires_grad=requires_grad)
+        """The rows of a lookup without ids: none, yet differentiable as ``nn.EmbeddingBag``'s result is (of
+        the type the worker computes in)."""
+        return torch.empty(0, self.embedding_dim, dtype=computed_dtype(self.dtype), requires_grad=requires_grad)
 
     def _check_ids(self, input: Tensor, offsets: Optional[Tensor]) -> Tensor:
         """Everything that can be checked before sending anything (any int64 value is an id)."""
@@ -116,7 +118,7 @@ class DynamicEmbeddingBag(nn.Module):
         futures = [rpc.rpc_async(self.shards[index], service.read_dynamic, args=(self._shard_rrefs[index], ids))
                    for index, ids in route.requests]
         rows = torch.cat([future.wait() for future in futures]) if futures else self.no_rows(False)
-        return route.pool(rows, offsets, per_sample_weights)
+        return route.pool(computed(rows), offsets, per_sample_weights)
 
     def extra_repr(self) -> str:
         return f"?, {self.embedding_dim}, mode={self.mode!r}, shards={self.shards}, {self.options}"

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.rpc import RRef
 
+from ...optim.rounding import is_half
 from ...tables import DistinctIds, distinct_ids
 from ..peer import creation_timeout
 from ..server import service
@@ -41,6 +42,17 @@ def draw_seed() -> int:
     fixes it as it fixes a local ``nn.EmbeddingBag``'s initial rows."""
     return int(torch.randint(0, 2**62, (1,)).item())
 
+def computed_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The type a worker computes with rows stored as ``dtype`` in: float32 for half-precision rows."""
+    return torch.float32 if is_half(dtype) else dtype
+
+
+def computed(rows: Tensor) -> Tensor:
+    """Rows as they arrived from a shard, in the type the worker computes in (half-precision rows upcast to
+    float32: the dense part and the row gradients are float32)."""
+    return rows.to(torch.float32) if is_half(rows.dtype) else rows
+
+
 class ShardedEmbeddingBag(nn.Module):
     """Like ``nn.EmbeddingBag(num_embeddings, embedding_dim, mode=...)``, with its rows on ``shards``.
 
@@ -54,6 +66,12 @@ class ShardedEmbeddingBag(nn.Module):
     so that rows of ids never seen add no noise).  ``recorder``: where the
     lookups its forward pass sends are counted (``None``: nowhere).
 
+    ``dtype``: the rows' type on the shards: float32, or float16 or bfloat16
+    (half the memory and half the bytes of a lookup); half-precision rows are
+    upcast to float32 where they arrive, updated in float32 on the shards
+    and written back with ``rounding`` (``"stochastic"``, the default, or
+    ``"nearest"``: ``paramserver.optim.rounding``).
+
     ``forward(input, offsets=None, per_sample_weights=None)`` takes the
     arguments of ``nn.EmbeddingBag``: a 2-D ``(bags, ids per bag)`` tensor,
     or 1-D ids with ``offsets``.
@@ -62,7 +80,8 @@ class ShardedEmbeddingBag(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, mode: str = "sum", *,
                  shards: Sequence[str], name: Optional[str] = None, seed: Optional[int] = None,
                  dtype: torch.dtype = torch.float32, shared: bool = False, init_std: float = 1.0,
-                 recorder: Optional[LookupRecorder] = None, _weight: Optional[Tensor] = None):
+                 recorder: Optional[LookupRecorder] = None, rounding: str = "stochastic",
+                 _weight: Optional[Tensor] = None):
         super().__init__()
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
@@ -88,7 +107,8 @@ class ShardedEmbeddingBag(nn.Module):
             part = f"{self.name}[{rows.start}:{rows.stop}]"
             if _weight is None:
                 futures.append(rpc.rpc_async(rows.shard, service.host_rows, args=(
-                    part, rows.num_rows, embedding_dim, dtype, seed, rows.start, shared, init_std), timeout=timeout))
+                    part, rows.num_rows, embedding_dim, dtype, seed, rows.start, shared, init_std, rounding),
+                    timeout=timeout))
             else:
                 # Each shard gets a compact copy of just its rows.
                 futures.append(rpc.rpc_async(rows.shard, service.host_tensor, args=(
@@ -140,7 +160,7 @@ class ShardedEmbeddingBag(nn.Module):
         def finish() -> Tensor:
             unique_rows = torch.cat([future.wait() for future in pending]) if pending else \
                 self.no_rows(torch.is_grad_enabled())
-            return route.pool(unique_rows, offsets, per_sample_weights)
+            return route.pool(computed(unique_rows), offsets, per_sample_weights)
         return finish
 
     def route(self, input: Tensor, offsets: Optional[Tensor] = None,
@@ -162,8 +182,9 @@ class ShardedEmbeddingBag(nn.Module):
         return Route(self, inverse.view(ids.shape), requests)
 
     def no_rows(self, requires_grad: bool) -> Tensor:
-        """The rows of a lookup without ids: none, yet differentiable as ``nn.EmbeddingBag``'s result is."""
-        return torch.empty(0, self.embedding_dim, dtype=self.dtype, requires_grad=requires_grad)
+        """The rows of a lookup without ids: none, yet differentiable as ``nn.EmbeddingBag``'s result is (of
+        the type the worker computes in: float32 for half-precision rows)."""
+        return torch.empty(0, self.embedding_dim, dtype=computed_dtype(self.dtype), requires_grad=requires_grad)
 
     def _check_ids(self, input: Tensor, offsets: Optional[Tensor]) -> Tensor:
         """Everything about the ids' tensor that can be checked before sending anything (their values:

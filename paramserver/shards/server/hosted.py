@@ -15,6 +15,7 @@ nothing of RPC (``service`` calls them and wraps what they return in RRefs).
 import torch
 from torch import Tensor
 
+from ...optim.rounding import ROUNDINGS, row_dtypes
 from ...tables import DynamicOptions, part_name
 from .dynamic import DynamicRows
 from .state import ShardState
@@ -28,31 +29,46 @@ def host_tensor(state: ShardState, name: str, value: Tensor) -> Tensor:
     return state.register(name, value.detach().clone().contiguous().requires_grad_(True))
 
 
+def check_row_type(table: str, dtype: torch.dtype, rounding: str) -> None:
+    """``ValueError`` naming ``table`` unless its rows may be of ``dtype`` and updated with ``rounding``."""
+    if dtype not in row_dtypes():
+        raise ValueError(f"table {table!r}: rows are float32, float16 or bfloat16, not {dtype}")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"table {table!r}: rounding is one of {ROUNDINGS}, not {rounding!r}")
+
+
 def host_rows(state: ShardState, name: str, num_rows: int, embedding_dim: int, dtype: torch.dtype, seed: int,
-              start_row: int, shared: bool = False, init_std: float = 1.0) -> Tensor:
+              start_row: int, shared: bool = False, init_std: float = 1.0, rounding: str = "stochastic") -> Tensor:
     """``num_rows`` embedding rows, initialized N(0, init_std²) (N(0, 1) like ``nn.EmbeddingBag``).
 
-    Each row's values come from ``(seed, start_row)``, drawn here, so a big
-    table never crosses the network to be created.  With ``shared``, a table
-    already hosted under ``name`` (by another trainer) is reused when its
-    shape and dtype match, and kept for the shard's lifetime.
+    Each row's values come from ``(seed, start_row)``, drawn here (in float32,
+    then stored as ``dtype``), so a big table never crosses the network to
+    be created.  With ``shared``, a table already hosted under ``name`` (by
+    another trainer) is reused when its shape and dtype match, and kept for
+    the shard's lifetime.  ``rounding``: how updates are written into
+    half-precision rows (``paramserver.optim.rounding``).
     """
     if num_rows <= 0 or embedding_dim <= 0:
         raise ValueError(f"table {name!r}: rows and embedding_dim must be positive, "
                          f"got {num_rows} x {embedding_dim}")
+    check_row_type(name, dtype, rounding)
 
     def initial_rows() -> Tensor:
         rows = state.restore_source.rows(name, num_rows, embedding_dim, dtype) \
             if shared and state.restore_source is not None else None
         if rows is None:
             generator = torch.Generator().manual_seed((seed * 0x9E3779B97F4A7C15 + start_row) % 2**63)
-            rows = torch.empty(num_rows, embedding_dim, dtype=dtype)
+            rows = torch.empty(num_rows, embedding_dim)
             rows.normal_(0.0, init_std, generator=generator)
+            rows = rows.to(dtype)
         return rows.requires_grad_(True)
 
     if not shared:
-        return state.register(name, initial_rows())
+        table = state.register(name, initial_rows())
+        state.set_rounding(table, rounding)
+        return table
     table = state.shared_table(name, initial_rows)  # one creator wins; the others find its table
+    state.set_rounding(table, rounding)
     if tuple(table.shape) != (num_rows, embedding_dim) or table.dtype != dtype:
         raise ValueError(f"shared table {name!r} is hosted here as {list(table.shape)} "
                          f"{table.dtype}, asked for [{num_rows}, {embedding_dim}] {dtype}")
@@ -60,12 +76,14 @@ def host_rows(state: ShardState, name: str, num_rows: int, embedding_dim: int, d
 
 
 def host_dynamic(state: ShardState, table: str, embedding_dim: int, dtype: torch.dtype, seed: int, init_std: float,
-                 options: DynamicOptions, index: int, count: int) -> Tensor:
+                 options: DynamicOptions, index: int, count: int, rounding: str = "stochastic") -> Tensor:
     """This shard's part (``index`` of ``count``) of dynamic table ``table`` (every trainer naming it shares
     it; kept for the shard's lifetime), restored from the checkpoint the shard started from, if any, whatever
-    the number of shards that wrote it; returns its slab.  ``options`` were checked where they were made."""
+    the number of shards that wrote it; returns its slab.  ``options`` were checked where they were made;
+    ``dtype`` and ``rounding`` as ``host_rows`` takes them."""
     if embedding_dim <= 0:
         raise ValueError(f"dynamic table {table!r}: embedding_dim must be positive, got {embedding_dim}")
+    check_row_type(table, dtype, rounding)
     name = part_name(table, index, count)
 
     def create() -> DynamicRows:
@@ -73,6 +91,7 @@ def host_dynamic(state: ShardState, table: str, embedding_dim: int, dtype: torch
                            kernel=state.kernels.chosen(), huge_pages=state.huge_pages)
         restored = state.restore_source.dynamic_part(table, index, count) if state.restore_source else None
         if restored is not None:
+            state.restore_source.check_row_type(table, restored["values"].dtype, dtype)
             rows.restore(**restored)
         return rows
 
@@ -80,6 +99,7 @@ def host_dynamic(state: ShardState, table: str, embedding_dim: int, dtype: torch
     if rows.embedding_dim != embedding_dim or rows.dtype != dtype or rows.options != options:
         raise ValueError(f"dynamic table {name!r} is hosted here with rows of {rows.embedding_dim} {rows.dtype} and "
                          f"{rows.options}, asked for {embedding_dim} {dtype} and {options}")
+    state.set_rounding(rows.slab, rounding)
     return rows.slab
 
 

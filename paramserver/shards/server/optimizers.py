@@ -35,6 +35,7 @@ This module never sends RPCs.
 
 import logging
 import time
+import zlib
 from contextlib import contextmanager
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -46,11 +47,15 @@ from ..._torch_compat import torchscript_enabled
 from ..._torch_compat import autograd_context_creator, current_rpc_agent
 from ...logs import one_line
 from ...optim.registry import class_name, functional_optim_map
-from ...optim.row_sparse import RowState
+from ...optim.rounding import is_half
+from ...optim.row_sparse import RowState, state_dtype
 from ...optim.scripted import reraise_script_error
 from .state import ShardState
 
 StateDict = Dict[int, Dict[str, Tensor]]
+
+#: The types row gradients may be pushed in, whatever the rows' type: read in the type the update is computed in.
+PUSHED_TYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 #: The peer named in a step's figures when the RPC agent cannot name the trainer (gone, or no agent).
 UNKNOWN_PEER = "unknown"
@@ -197,6 +202,10 @@ class _ScriptedStepWithRowState(_ScriptedStepWithStateDict):
     def reset_state_rows(self, index: int, rows: Tensor) -> None:
         self.optim.state.reset_rows(index, rows)
 
+    @torch.jit.export
+    def set_rounding(self, index: int, seed: int, nearest: bool) -> None:
+        self.optim.state.set_rounding(index, seed, nearest)
+
 
 class _ScriptedStepWithStateAttribute(_ScriptedStep):
     """For PyTorch's functional classes, which keep ``state: Dict[param, Dict[str, Tensor]]``."""
@@ -286,6 +295,10 @@ class OwnerOptimizer:
         #: Each parameter's rows changed since a live export (``ShardState.row_marks``: one object for its life).
         self._marks = [state.row_marks(p) for p in self.params]
         self._refuse_unless_rows_apply(state, args, kwargs)
+        for index, param in enumerate(self.params):
+            if is_half(param.dtype):  # seeded by the table part's name: the same pushes give the same rows
+                self._impl.set_rounding(index, zlib.crc32(self.names[index].encode()) & 0x7FFFFFFF,
+                                        state.rounds_to_nearest(param))
         for index, rows in enumerate(self._dynamic):
             if rows is not None:
                 rows.attach(self, index)
@@ -307,20 +320,27 @@ class OwnerOptimizer:
         (``RowState``), ``ValueError`` when its settings refuse row-sparse gradients (tried here on a scratch
         row, so that the refusal comes now, not at every push)."""
         tables = [index for index, param in enumerate(self.params)
-                  if self._dynamic[index] is not None or state.is_shared_table(param)]
+                  if self._dynamic[index] is not None or state.is_shared_table(param) or is_half(param.dtype)]
         if not tables:
             return
         first = tables[0]
         table = self._dynamic[first].name if self._dynamic[first] is not None else self.names[first]
         optimizer = self.optimizer_cls.__qualname__
         if not hasattr(self._impl, "reset_state_rows"):
+            halves = [index for index in tables if is_half(self.params[index].dtype)]
+            if halves:
+                param = self.params[halves[0]]
+                raise TypeError(f"table {self.names[halves[0]]} has {param.dtype} rows: optimizer {optimizer} cannot "
+                                f"update them in float32 and round them back stochastically (it has no form on the "
+                                f"row-sparse driver; use QHM, SGD, Adagrad, RowWiseAdagrad, Adam, SparseAdam or FTRL, "
+                                f"or float32 rows)")
             raise TypeError(f"table {table}: optimizer {optimizer} cannot apply row-sparse gradients with per-row "
                             f"state that follows the table's rows (it has no form on the row-sparse driver; "
                             f"use QHM, SGD, Adagrad, RowWiseAdagrad, Adam, SparseAdam or FTRL)")
         param = self.params[first]
         scratch = torch.zeros((1,) + tuple(param.shape[1:]), dtype=param.dtype, device=param.device)
-        gradient = torch.sparse_coo_tensor(torch.zeros(1, 1, dtype=torch.int64), torch.ones_like(scratch),
-                                           scratch.shape)
+        gradient = torch.sparse_coo_tensor(torch.zeros(1, 1, dtype=torch.int64),
+                                           torch.ones(scratch.shape, dtype=state_dtype(scratch)), scratch.shape)
         try:
             self.functional_cls([scratch], *args, **kwargs).step([gradient])
         except (ValueError, RuntimeError) as error:
@@ -381,7 +401,10 @@ class OwnerOptimizer:
                     held = (slots >= 0).nonzero().view(-1)
                     rows, values = (slots, values) if held.numel() == slots.numel() else \
                         (slots.index_select(0, held), values.index_select(0, held))
-                by_param[index] = _row_gradient(rows, values, self.params[index].shape, self.names[index])
+                param = self.params[index]
+                if values.dtype != state_dtype(param) and values.dtype in PUSHED_TYPES:  # (``push_dtype``)
+                    values = values.to(state_dtype(param))
+                by_param[index] = _row_gradient(rows, values, param.shape, self.names[index])
                 self._marks[index].mark(rows)
             return self._impl.apply(by_param, measure)
         return self._timed(run, lambda: peer, "push", once)

@@ -59,8 +59,11 @@ def lookup(state: ShardState, incarnation: int, tables: List[int], ids: Tensor, 
     touches and admits ids then); negative to read only."""
     check_incarnation(state, incarnation)
     with torch.no_grad():
-        return wire.pack_rows([_rows(state, state.table(handle), rows, step)
-                               for handle, rows in zip(tables, wire.unpack_ids(ids, counts))])
+        pieces = [_rows(state, state.table(handle), rows, step)
+                  for handle, rows in zip(tables, wire.unpack_ids(ids, counts))]
+        if len({piece.dtype for piece in pieces}) > 1:  # tables of several types: one packed tensor, in float32
+            pieces = [piece.to(torch.float32) for piece in pieces]
+        return wire.pack_rows(pieces)
 
 
 def _rows(state: ShardState, table: Tensor, ids: Tensor, step: int) -> Tensor:

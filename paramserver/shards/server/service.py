@@ -89,15 +89,17 @@ def host_tensor(name: str, value: Tensor) -> RRef:
 
 
 def host_rows(name: str, num_rows: int, embedding_dim: int, dtype: torch.dtype, seed: int,
-              start_row: int, shared: bool = False, init_std: float = 1.0) -> RRef:
+              start_row: int, shared: bool = False, init_std: float = 1.0, rounding: str = "stochastic") -> RRef:
     """RPC target: host embedding rows (``hosted.host_rows``); the RRef the caller keeps."""
-    return RRef(hosted.host_rows(_state(), name, num_rows, embedding_dim, dtype, seed, start_row, shared, init_std))
+    return RRef(hosted.host_rows(_state(), name, num_rows, embedding_dim, dtype, seed, start_row, shared, init_std,
+                                 rounding))
 
 
 def host_dynamic(table: str, embedding_dim: int, dtype: torch.dtype, seed: int, init_std: float,
-                 options: DynamicOptions, index: int, count: int) -> RRef:
+                 options: DynamicOptions, index: int, count: int, rounding: str = "stochastic") -> RRef:
     """RPC target: host this shard's part of a dynamic table (``hosted.host_dynamic``); an RRef to its slab."""
-    return RRef(hosted.host_dynamic(_state(), table, embedding_dim, dtype, seed, init_std, options, index, count))
+    return RRef(hosted.host_dynamic(_state(), table, embedding_dim, dtype, seed, init_std, options, index, count,
+                                    rounding))
 
 
 def read_dynamic(slab: RRef, ids: Tensor) -> Tensor:

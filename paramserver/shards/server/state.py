@@ -24,7 +24,7 @@ import itertools
 import secrets
 import threading
 import weakref
-from typing import Callable, Dict, List, Optional, Protocol, Tuple
+from typing import Callable, Dict, List, Optional, Protocol, Set, Tuple
 
 import torch
 from torch import Tensor
@@ -41,6 +41,8 @@ class RestoreSource(Protocol):
     def rows(self, name: str, num_rows: int, embedding_dim: int, dtype: torch.dtype) -> Optional[Tensor]: ...
 
     def dynamic_part(self, table: str, index: int, count: int) -> Optional[Dict]: ...
+
+    def check_row_type(self, table: str, held: torch.dtype, wanted: torch.dtype) -> None: ...
 
     def optimizer_of(self, name: str) -> Optional[str]: ...
 
@@ -76,6 +78,7 @@ class ShardState:
         self._shared: Dict[str, Tensor] = {}
         self._dynamic: Dict[int, object] = {}  # id of a dynamic table's slab -> its DynamicRows
         self._row_marks: Dict[int, RowMarks] = {}  # id of a fixed hosted tensor -> its rows changed since an export
+        self._nearest: Set[int] = set()  # ids of half-precision tables whose updates round to nearest
         self._tables_by_handle: "weakref.WeakValueDictionary[int, Tensor]" = weakref.WeakValueDictionary()
         self._table_handles: Dict[int, int] = {}
         self._table_handle_counter = itertools.count(1)
@@ -148,6 +151,20 @@ class ShardState:
             with self._tensors_lock:
                 marks = self._row_marks.setdefault(id(tensor), RowMarks())
         return marks
+
+    def set_rounding(self, tensor: Tensor, rounding: str) -> None:
+        """How updates are written into hosted ``tensor``'s rows when they are half-precision
+        (``paramserver.optim.rounding.ROUNDINGS``): ``"nearest"``, or ``"stochastic"`` (the default)."""
+        with self._tensors_lock:
+            if rounding == "nearest":
+                self._nearest.add(id(tensor))
+                weakref.finalize(tensor, self._nearest.discard, id(tensor))
+            else:
+                self._nearest.discard(id(tensor))
+
+    def rounds_to_nearest(self, tensor: Tensor) -> bool:
+        """Whether updates to ``tensor``'s half-precision rows round to nearest (``set_rounding``)."""
+        return id(tensor) in self._nearest
 
     def dynamic_rows(self, tensor: Tensor) -> Optional[object]:
         """The ``DynamicRows`` whose slab ``tensor`` is, or ``None`` (a fixed tensor)."""

@@ -1,0 +1,74 @@
+"""Writing float32 values back into half-precision rows: stochastic rounding, or rounding to nearest.
+
+Owns the row types a table may have (``ROW_DTYPES``), the rounding modes (``ROUNDINGS``) and the one
+kernel that turns an update computed in float32 into a float16 or bfloat16 row.  Rounding to nearest
+loses every update smaller than half a unit in the last place (at float16's 10 bits of mantissa, a row
+near 0.01 ignores steps under about 5e-6), so tables round *stochastically* by default, as FBGEMM does:
+a value is rounded up with probability equal to its distance from the value below, in units of the
+gap between the two, so that rounding is unbiased on average and small updates accumulate.
+
+The random bits come from a ``torch.Generator`` seeded from a seed of the row owner's choosing (a shard
+seeds each table from its own name and the table's) and the number of the step (``rounding_generator``):
+the same pushes in the same order give the same rows.
+
+Everything compiles under TorchScript (the row-sparse driver calls it from compiled steps).
+"""
+
+from typing import List
+
+import torch
+from torch import Tensor
+
+#: Modes of writing a float32 update into a half-precision row.
+ROUNDINGS = ("stochastic", "nearest")
+
+
+def row_dtypes() -> List[torch.dtype]:
+    """The types a table's rows may be stored in (a function: TorchScript reads no module-level lists)."""
+    return [torch.float32, torch.float16, torch.bfloat16]
+
+
+def is_half(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` is a half-precision row type (its rows are updated in float32, then rounded)."""
+    return dtype == torch.float16 or dtype == torch.bfloat16
+
+
+def rounding_generator(seed: int, step: int) -> torch.Generator:
+    """The generator of step ``step``'s rounding bits for rows seeded with ``seed`` (the low 31 bits of
+    ``seed`` and 32 of ``step`` count; the same in Python and TorchScript, whose ints are 64-bit)."""
+    generator = torch.Generator()
+    generator.manual_seed((seed % 2147483648) * 4294967296 + step % 4294967296)
+    return generator
+
+
+def round_stochastic(values: Tensor, dtype: torch.dtype, generator: torch.Generator) -> Tensor:
+    """``values`` (float32) rounded to ``dtype`` (float16 or bfloat16) stochastically: to the upper of the two
+    neighbouring values of ``dtype`` with the probability of its share of the gap between them, so unbiased.
+
+    The gap at a value is a power of two read off its exponent: ``2**(e - 11)`` for float16 (10 bits of
+    mantissa and the implicit one; a fixed ``2**-24`` below its normal range) and ``2**(e - 8)`` for bfloat16,
+    where ``|value| = m * 2**e``, ``m`` in [0.5, 1).  Dividing by it is exact, so the magnitude splits exactly
+    into whole gaps and a fraction, and the fraction is compared with a uniform draw.  Infinities and NaNs
+    stay as they are; the result's sign is the value's (zeros keep theirs)."""
+    magnitude = values.abs()
+    _, exponent = torch.frexp(magnitude)
+    if dtype == torch.bfloat16:
+        gap_exponent = exponent - 8
+    else:
+        gap_exponent = torch.clamp(exponent - 11, min=-24)
+    gap = torch.exp2(gap_exponent.to(torch.float32))
+    scaled = magnitude / gap
+    lower = scaled.floor()
+    uniform = torch.rand(values.shape, generator=generator, dtype=torch.float32, device=values.device)
+    # An infinity stays one (its fraction is NaN, never above the draw); a NaN stays NaN.
+    return torch.copysign((lower + (uniform < scaled - lower).to(torch.float32)) * gap, values).to(dtype)
+
+
+def round_rows(values: Tensor, dtype: torch.dtype, nearest: bool, generator: torch.Generator) -> Tensor:
+    """``values`` (float32) as ``dtype``: unchanged when ``dtype`` is not a half type, else rounded to nearest
+    (``nearest``) or stochastically."""
+    if not is_half(dtype) or values.dtype == dtype:
+        return values
+    if nearest:
+        return values.to(dtype)
+    return round_stochastic(values, dtype, generator)

@@ -1,0 +1,277 @@
+"""Half-precision rows: float16 and bfloat16 tables, updated in float32 and rounded back.
+
+The rounding kernel (unbiased, reproducible, small updates accumulate), the row-sparse driver's half
+parameters for every optimizer (float32 state, compiled equal to eager, close to a float32 run), the
+shard's side (hosting, pushes in float32 or bfloat16, refusals naming the table and the types, restoring
+a checkpoint of another type), the trainer side's upcast, and serving's pooling.  Single process.
+"""
+
+import pytest
+import torch
+
+from paramserver import Table
+from paramserver.checkpoint.model import ModelDescription, describe_model
+from paramserver.checkpoint.live_export import TableRows
+from paramserver.checkpoint.shard_part import CheckpointSource
+from paramserver.checkpoint.storage import CheckpointStore, save_tensors
+from paramserver.optim import (QHM, FunctionalAdagrad, FunctionalAdam, FunctionalFTRL, FunctionalQHM,
+                               FunctionalRowWiseAdagrad, FunctionalSGD, RowWiseAdagrad, ScriptedOptimizer)
+from paramserver.optim.rounding import round_rows, rounding_generator
+from paramserver.serving import DynamicTable, FixedTable
+from paramserver.shards.client.collection import check_push_dtype
+from paramserver.shards.client.embedding import computed
+from paramserver.shards.server import ShardState
+from paramserver.shards.server.hosted import host_dynamic, host_rows
+from paramserver.shards.server.optimizers import owner_optimizer_for
+from paramserver.tables import DynamicOptions
+
+HALVES = [torch.float16, torch.bfloat16]
+DIM = 8
+
+FUNCTIONAL = [(FunctionalQHM, dict(lr=0.1, momentum=0.9, nu=0.7)), (FunctionalSGD, dict(lr=0.1, momentum=0.9)),
+              (FunctionalAdagrad, dict(lr=0.1)), (FunctionalRowWiseAdagrad, dict(lr=0.1)),
+              (FunctionalAdam, dict(lr=0.01)), (FunctionalFTRL, dict(lr=0.1))]
+
+
+def sparse(rows, values, shape):
+    return torch.sparse_coo_tensor(torch.tensor([rows]), values, shape, check_invariants=True)
+
+
+# -- the rounding kernel ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", HALVES)
+@pytest.mark.parametrize("value", [0.01, -0.37, 3e-6, 1e-7, -2e-5, 1234.5])
+def test_stochastic_rounding_lands_on_the_two_neighbours_and_is_unbiased(dtype, value):
+    values = torch.full((100_000,), value)
+    rounded = round_rows(values, dtype, False, rounding_generator(7, 1))
+    assert rounded.dtype == dtype
+    landed = rounded.float().unique()
+    assert 1 <= landed.numel() <= 2
+    assert all(abs(x - value) <= abs(value) * 2 ** -6 + 2 ** -24 for x in landed.tolist())
+    assert rounded.float().double().mean().item() == pytest.approx(value, rel=2e-3, abs=1e-9)
+
+
+def test_rounding_is_reproducible_from_its_seed_and_step_and_differs_between_steps():
+    values = torch.randn(1_000, DIM)
+    first = round_rows(values, torch.float16, False, rounding_generator(3, 5))
+    assert torch.equal(first, round_rows(values, torch.float16, False, rounding_generator(3, 5)))
+    assert not torch.equal(first, round_rows(values, torch.float16, False, rounding_generator(3, 6)))
+    compiled = torch.jit.script(round_rows)
+    assert torch.equal(first, compiled(values, torch.float16, False, rounding_generator(3, 5)))
+
+
+def test_rounding_keeps_infinities_nans_and_signed_zeros_and_leaves_float32_alone():
+    special = torch.tensor([float("inf"), float("-inf"), 0.0, -0.0])
+    for dtype in HALVES:
+        rounded = round_rows(special, dtype, False, rounding_generator(0, 0))
+        assert rounded.float().tolist() == special.tolist()
+        assert torch.signbit(rounded).tolist() == [False, True, False, True]
+        assert round_rows(torch.tensor([float("nan")]), dtype, False, rounding_generator(0, 0)).isnan().all()
+    values = torch.randn(5)
+    assert round_rows(values, torch.float32, False, rounding_generator(0, 0)) is values
+
+
+def test_small_updates_accumulate_with_stochastic_rounding_and_are_lost_to_nearest():
+    results = {}
+    for nearest in (True, False):
+        row = torch.ones(4_000, dtype=torch.float16)
+        for step in range(200):  # each step adds 1e-4, under half float16's gap at 1.0 (about 4.9e-4)
+            row = round_rows(row.float() + 1e-4, torch.float16, nearest, rounding_generator(1, step))
+        results[nearest] = row.float().mean().item()
+    assert results[True] == 1.0
+    assert results[False] == pytest.approx(1.02, abs=0.002)
+
+
+# -- the row-sparse driver -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", HALVES)
+@pytest.mark.parametrize("functional_cls, options", FUNCTIONAL, ids=[cls.__name__ for cls, _ in FUNCTIONAL])
+def test_every_optimizer_updates_half_rows_in_float32_close_to_float32_rows(functional_cls, options, dtype):
+    torch.manual_seed(0)
+    start = torch.randn(50, DIM)
+    half, full = start.to(dtype), start.to(dtype).float()
+    optimizer, reference = functional_cls([half], **options), functional_cls([full], **options)
+    for step in range(30):
+        rows = sorted(torch.randperm(50)[:10].tolist())
+        gradient = sparse(rows, torch.randn(10, DIM), (50, DIM))
+        optimizer.step([gradient])
+        reference.step([gradient])
+    assert half.dtype == dtype
+    for kind in optimizer.state.of(0):
+        assert kind.dtype in (torch.float32, torch.bool)
+    gap = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
+    assert (half.float() - full).abs().max().item() <= 30 * gap * full.abs().max().item()
+
+
+@pytest.mark.parametrize("functional_cls, options", FUNCTIONAL, ids=[cls.__name__ for cls, _ in FUNCTIONAL])
+def test_a_compiled_step_gives_the_same_half_rows_as_an_eager_one(functional_cls, options):
+    compiled_rows, eager_rows = torch.randn(40, DIM).half(), None
+    eager_rows = compiled_rows.clone()
+    compiled, eager = ScriptedOptimizer(functional_cls, [compiled_rows], **options), functional_cls([eager_rows],
+                                                                                                   **options)
+    for step in range(5):
+        gradient = sparse([1, 4, 9, 30], torch.randn(4, DIM), (40, DIM))
+        compiled.step([gradient])
+        eager.step([gradient])
+    assert torch.equal(compiled_rows, eager_rows)
+
+
+def test_a_dense_gradient_of_half_rows_touches_every_row_and_takes_float32_or_its_own_type():
+    rows = torch.zeros(6, DIM, dtype=torch.bfloat16)
+    optimizer = FunctionalRowWiseAdagrad([rows], lr=0.5)
+    optimizer.step([torch.ones(6, DIM)])
+    optimizer.step([torch.ones(6, DIM, dtype=torch.bfloat16)])
+    assert rows.dtype == torch.bfloat16 and (rows < 0).all()
+    with pytest.raises(ValueError, match="dtype torch.float64"):
+        optimizer.step([torch.ones(6, DIM, dtype=torch.float64)])
+
+
+def test_nearest_rounding_is_chosen_per_parameter():
+    rows = [torch.ones(4, DIM, dtype=torch.float16) for _ in range(2)]
+    optimizer = FunctionalSGD(rows, lr=1.0)
+    optimizer.state.set_rounding(0, 5, True)
+    for _ in range(100):
+        optimizer.step([torch.full((4, DIM), -1e-4), torch.full((4, DIM), -1e-4)])
+    assert (rows[0] == 1.0).all()  # every update of 1e-4 lost to nearest
+    assert rows[1].float().mean().item() == pytest.approx(1.01, abs=0.002)
+
+
+# -- the shard's side --------------------------------------------------------------------------------------------------
+
+def owner(state, params, optimizer_cls, **options):
+    return owner_optimizer_for(state, optimizer_cls, params, list(range(len(params))), (), options)
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+def test_a_shard_hosts_half_rows_and_applies_float32_and_bfloat16_pushes_with_float32_state(dtype):
+    state = ShardState()
+    table = host_rows(state, "job.t[0:100]", 100, DIM, dtype, 0, 0, shared=True, init_std=0.1)
+    assert table.dtype == dtype
+    reference = host_rows(ShardState(), "job.t[0:100]", 100, DIM, torch.float32, 0, 0, shared=True, init_std=0.1)
+    assert torch.equal(table, reference.to(dtype))  # the same draw, stored in the table's type
+    optimizer = owner(state, [table], RowWiseAdagrad, lr=0.1)
+    before = table.detach().clone()
+    optimizer.apply_rows([0], [torch.tensor([3, 7])], [torch.ones(2, DIM)], "test")
+    optimizer.apply_rows([0], [torch.tensor([3, 9])], [torch.ones(2, DIM, dtype=torch.bfloat16)], "test")
+    changed = (table != before).any(1).nonzero().view(-1).tolist()
+    assert changed == [3, 7, 9] and table.dtype == dtype
+    assert optimizer.state_dict()[0]["sum"].dtype == torch.float32
+
+
+def test_a_shards_rounding_is_seeded_by_the_table_so_the_same_pushes_give_the_same_rows():
+    results = []
+    for _ in range(2):
+        state = ShardState()
+        table = host_rows(state, "job.t[0:50]", 50, DIM, torch.float16, 0, 0, shared=True)
+        optimizer = owner(state, [table], QHM, lr=0.3, momentum=0.9, nu=0.7)
+        for step in range(5):
+            optimizer.apply_rows([0], [torch.arange(10) * 3], [torch.full((10, DIM), 0.01 * step)], "test", (1, step))
+        results.append(table.detach().clone())
+    assert torch.equal(results[0], results[1])
+
+
+def test_a_dynamic_tables_half_rows_are_updated_with_float32_state():
+    state = ShardState()
+    slab = host_dynamic(state, "job.d", DIM, torch.bfloat16, 0, 0.1, DynamicOptions(), 0, 1)
+    rows = state.dynamic_rows(slab)
+    ids = torch.tensor([11, 22, 33])
+    assert rows.lookup(ids, 0).dtype == torch.bfloat16
+    optimizer = owner(state, [rows.slab], torch.optim.Adagrad, lr=0.5)
+    before = rows.lookup(ids, 1).clone()
+    optimizer.apply_rows([0], [ids], [torch.ones(3, DIM)], "test")
+    after = rows.lookup(ids, 2)
+    assert after.dtype == torch.bfloat16 and (after < before).all()
+    assert optimizer.state_dict()[0]["sum"].dtype == torch.float32
+
+
+def test_a_half_table_refuses_an_optimizer_that_cannot_round_naming_the_table_and_types():
+    state = ShardState()
+    table = host_rows(state, "job.t[0:10]", 10, DIM, torch.float16, 0, 0, shared=True)
+    with pytest.raises(TypeError, match=r"job.t\[0:10\].*torch.float16.*RMSprop.*round"):
+        owner(state, [table], torch.optim.RMSprop, lr=0.1)
+    assert torch.equal(table, host_rows(ShardState(), "job.t[0:10]", 10, DIM, torch.float16, 0, 0, shared=True))
+
+
+@pytest.mark.parametrize("make", [
+    lambda state: host_rows(state, "job.t[0:10]", 10, DIM, torch.float64, 0, 0, shared=True),
+    lambda state: host_dynamic(state, "job.d", DIM, torch.int8, 0, 0.1, DynamicOptions(), 0, 1),
+    lambda state: host_rows(state, "job.t[0:10]", 10, DIM, torch.float16, 0, 0, shared=True, rounding="up")])
+def test_a_row_type_or_rounding_a_shard_does_not_keep_is_refused_naming_the_table(make):
+    state = ShardState()
+    with pytest.raises(ValueError, match=r"table 'job\.(t\[0:10\]|d)'.*(float64|int8|'up')"):
+        make(state)
+    assert state.shared_tables() == {}
+
+
+def checkpoint_of(tmp_path, dtype: torch.dtype, convert_rows: bool = False) -> CheckpointSource:
+    store = CheckpointStore(tmp_path)
+    directory = store.new_directory(10)
+    part = save_tensors(directory / "shard-shard0.pt", {"format": 1, "shard": "shard0", "tables": {
+        "job.t[0:4]": {"value": torch.linspace(-1, 1, 4 * DIM).view(4, DIM).to(dtype), "optimizer": "",
+                       "state": {}}}})
+    return CheckpointSource(store.commit(directory, [part], 10, {}), convert_rows=convert_rows)
+
+
+@pytest.mark.parametrize("held, wanted", [(torch.float32, torch.float16), (torch.float16, torch.float32),
+                                          (torch.bfloat16, torch.float16)])
+def test_restoring_rows_of_another_type_is_refused_naming_table_and_types_unless_converting(tmp_path, held, wanted):
+    state = ShardState(restore_source=checkpoint_of(tmp_path / "refused", held))
+    with pytest.raises(ValueError, match=rf"table 'job.t'.*holds its rows as {held}.*are {wanted}.*--convert-rows"):
+        host_rows(state, "job.t[0:4]", 4, DIM, wanted, 0, 0, shared=True)
+    assert state.shared_tables() == {}
+    state = ShardState(restore_source=checkpoint_of(tmp_path / "converted", held, convert_rows=True))
+    rows = host_rows(state, "job.t[0:4]", 4, DIM, wanted, 0, 0, shared=True)
+    assert rows.dtype == wanted
+    assert torch.equal(rows, torch.linspace(-1, 1, 4 * DIM).view(4, DIM).to(held).to(wanted))
+
+
+def test_restoring_rows_of_the_same_half_type_keeps_them_bit_for_bit(tmp_path):
+    state = ShardState(restore_source=checkpoint_of(tmp_path, torch.bfloat16))
+    rows = host_rows(state, "job.t[0:4]", 4, DIM, torch.bfloat16, 0, 0, shared=True)
+    assert torch.equal(rows, torch.linspace(-1, 1, 4 * DIM).view(4, DIM).to(torch.bfloat16))
+
+
+# -- the trainer's and serving's side ---------------------------------------------------------------------------------
+
+def test_a_table_takes_float32_float16_and_bfloat16_rows_and_refuses_other_types_and_roundings():
+    assert Table(10, 4).dtype == torch.float32
+    assert Table(None, 4, dtype=torch.bfloat16, rounding="nearest").rounding == "nearest"
+    assert Table(10, 4, dtype=torch.float16) != Table(10, 4)  # workers naming a table agree on its type
+    with pytest.raises(ValueError, match="dtype must be torch.float32, torch.float16 or torch.bfloat16.*float64"):
+        Table(10, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="rounding must be one of.*'up'"):
+        Table(10, 4, dtype=torch.float16, rounding="up")
+    with pytest.raises(ValueError, match="push_dtype.*torch.float16"):
+        check_push_dtype(torch.float16)
+
+
+def test_half_rows_are_upcast_where_they_arrive():
+    rows = torch.randn(3, DIM).half()
+    assert computed(rows).dtype == torch.float32 and torch.equal(computed(rows), rows.float())
+    full = torch.randn(3, DIM)
+    assert computed(full) is full
+
+
+def test_a_models_description_keeps_each_tables_row_type_as_json():
+    import json
+    model = describe_model("job", {"a": Table(10, 4, dtype=torch.float16), "b": Table(None, 4)}, torch.nn.Linear(1, 1))
+    read = ModelDescription.from_dense_part({"model": json.loads(json.dumps(model))}, "here")
+    assert read.tables["a"].dtype == torch.float16 and read.tables["b"].dtype == torch.float32
+    legacy = json.loads(json.dumps(model))
+    del legacy["tables"]["a"]["dtype"]  # written before tables had a type
+    assert ModelDescription.from_dense_part({"model": legacy}, "here").tables["a"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+def test_serving_pools_half_rows_in_float32_like_the_float32_rows(dtype):
+    weight = torch.randn(20, DIM).to(dtype)
+    ids = torch.tensor([[1, 2, 3], [4, 4, 19]])
+    for mode in ("sum", "mean"):
+        expected = torch.nn.functional.embedding_bag(ids, weight.float(), mode=mode)
+        served = FixedTable("t", weight, mode)(ids)
+        assert served.dtype == torch.float32 and torch.allclose(served, expected)
+        dynamic = DynamicTable("d", torch.arange(20) * 10, weight, mode)(ids * 10)
+        assert dynamic.dtype == torch.float32 and torch.allclose(dynamic, expected)
+    rows = TableRows("t", DIM, 20, dtype)
+    rows.apply("job.t[0:20]", {"whole": True, "values": weight.float()})
+    assert rows.weight.dtype == dtype and torch.equal(rows.weight, weight)
