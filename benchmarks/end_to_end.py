@@ -60,11 +60,22 @@ What it measures
       then moves rows the step did not touch: not the same math).  The
       gradient travelling over RPC is still only the pooled outputs'.
 
-    Throughput is measured the same way on both sides: per trainer, samples
-    over the wall time from the start of its first training step to the end
-    of its last (the batch's generation included, process start and table
-    creation excluded), summed over the two trainers; the floor's is its one
-    loop's, the same way.
+    Throughput is measured the same way on every side, after a warm-up: per
+    trainer, samples over the wall time from step ``--warmup`` (default 100)
+    to the end of its last step (the batch's generation included; process
+    start, table creation and the warm-up steps excluded: the first steps
+    run 20-40% slower, while TorchScript compiles the optimizers where first
+    used, the allocator, the caches and the other processes' start-up
+    settle), summed over the two trainers; the floor's is its one loop's,
+    the same way.  Ours is read from the workers' logs: the Trainer logs its
+    running samples/s every ``--log-every`` steps, so a worker's window runs
+    from the first step it logs at or after the warm-up to its last
+    (``window_rate``); the reference's trainers and the floor time their own
+    window.  Each round runs every contestant once, one after the other (the
+    order reversed every other round), after the processes of the one
+    before are gone; each row gives the median of the rounds, the min, the
+    max, and the spread (how far the run farthest from the median is from
+    it, in % of the median), and the ratios and verdicts are of the medians.
     Final loss: mean training loss of the last ``--log-every`` steps (ours:
     ps-demo's figure, one worker's; reference: the mean of both trainers'), a
     check that both learn the same thing.  Close, not equal: the tables start
@@ -92,23 +103,25 @@ What it measures
     paramserver.cli.demo`` the driver, ``.server`` the coordinator, with its
     fork server and resource tracker, ``.worker`` a worker; a process forked
     by the coordinator's fork server a shard), the reference's processes name
-    themselves (``master``, ``psN``, ``trainerN``).  Counted from when both
-    trainers start their loops (ours: the Trainer's "from step" log line; the
-    reference's: a file each trainer touches) to when both have trained their
-    last step (ours: the Trainer's "step N/N" log line, which rank 0 writes
-    after its held-out evaluation of that step, so that evaluation counts; the
-    reference's: another file), so imports, start-up, the export and the exit
-    are left out (the header of the table says if the start was not seen),
-    and divided by every sample trained.  The processes are read every half
+    themselves (``master``, ``psN``, ``trainerN``).  Counted over the timed
+    window: from when both trainers are past the warm-up (ours: the Trainer's
+    "step W/N" log line; the reference's: a file each trainer touches) to
+    when both have trained their last step (ours: the last "step S/N" line
+    before the last step, since rank 0 logs the last after its held-out
+    evaluation; the reference's: another file), so imports, start-up, the
+    warm-up, the evaluation, the export and the exit are left out (the header
+    of the table says if the start was not seen),
+    and divided by the samples trained in it.  The processes are read every half
     second and once more at each end of the window.  The floor's is its own
     process's over its timed loop.
 
 How to run
-    ``.venv/bin/python benchmarks/end_to_end.py [--steps N] [--batch N]
+    ``.venv/bin/python benchmarks/end_to_end.py [--steps N] [--warmup N] [--batch N]
     [--repeats N] [--log-every N] [--threads N] [--staleness K]
     [--cache-rows N [--cache-steps L]] [--sparse-optimizer NAME] [--no-dense-variant]``; the defaults
-    (300 steps, batch 1024 per trainer, 1 repeat) take about 3-4 minutes on
-    2 cores.  ``--staleness K`` is for ours only: the job configuration gets
+    (600 steps of which 100 warm-up, batch 1024 per trainer, 3 rounds;
+    ``--rounds`` is another name of ``--repeats``) take about 6-7 minutes on
+    2 cores, 4 with ``--no-dense-variant``.  ``--staleness K`` is for ours only: the job configuration gets
     ``"staleness": K`` (without the flag the key is not set: the job's
     default); ``--cache-rows N`` adds the workers' row cache (``"cache_rows":
     N``, and ``"cache_steps": L`` with ``--cache-steps``), whose figures
@@ -122,9 +135,7 @@ How to run
     compare cost, not the same update.  Every
     run of ours also prints how much a worker's resident memory grew over
     training (its largest reading after the first step, minus its reading
-    then).  Repeats alternate the order
-    of the contestants; each row shows the median and every run.  Progress
-    goes to stderr, results to stdout.
+    then).  Progress goes to stderr, results to stdout.
 
 How to read it
     vs reference: a row's samples/s over the sparse reference's, same run;
@@ -141,8 +152,9 @@ How to read it
     than cores, throughput is set by the CPU time a step costs over all
     processes, trainers and servers alike.  The targets (ours at least 2x
     the reference; at least 0.6x the floor, 0.9x with ``--staleness`` above
-    0) say PASS or BELOW; the script exits 0 either way, 1 if a contestant
-    failed.
+    0) say PASS or BELOW, and so does the figures' own: every run of every
+    contestant within 10% of its median; the script exits 0 either way, 1 if
+    a contestant failed.
 """
 
 import argparse
@@ -176,6 +188,12 @@ from paramserver.train.trainer import ALLREDUCE_FIGURE, PHASE_FIGURE, ROW_CACHE_
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 #: Targets: ours over the reference; ours over the floor, without and with staleness.
 REFERENCE_TARGET, FLOOR_TARGET, FLOOR_TARGET_STALE = 2.0, 0.6, 0.9
+#: Target of the figures themselves: every run of a contestant within this % of its median.
+SPREAD_TARGET_PCT = 10.0
+#: Defaults: steps per trainer, of which the first are warm-up (not timed), and rounds.
+DEFAULT_STEPS, DEFAULT_WARMUP, DEFAULT_ROUNDS = 600, 100, 3
+#: How long to wait, before a contestant starts, for the processes of the one before to be gone.
+SETTLE_WITHIN = 30.0
 OURS, FLOOR, REFERENCE, DENSE = "paramserver", "floor", "reference", "dense"
 LABELS = {
     OURS: "paramserver (ps-demo, allreduce hook)",
@@ -226,6 +244,14 @@ def watch_cpu(started: Callable[[], bool], ended: Callable[[], bool]) -> Polling
     return PollingThread(ProcessTreeCPU(os.getpid(), "benchmark", process_kind), started, done=ended)
 
 
+def settle(cpu: PollingThread) -> None:
+    """Wait (``SETTLE_WITHIN`` at most) until no process that ``cpu`` saw is left: one that exits late (a shard
+    of the fork server, a resource tracker) would take CPU from the next contestant's window."""
+    deadline = time.monotonic() + SETTLE_WITHIN
+    while cpu.tree.alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
 def cpu_per_1000(cpu: PollingThread, samples: int) -> Dict:
     """CPU seconds per 1,000 samples of each kind counted by ``cpu``, and whether start-up and exit are left out."""
     return {"cpu_per_1000": {kind: 1e3 * seconds / samples for kind, seconds in cpu.tree.cpu_by_kind().items()},
@@ -257,18 +283,57 @@ def run_ours(args, folder: pathlib.Path) -> Dict:
             extra["cache_steps"] = args.cache_steps
     environment = threads_environment(args.threads)
     worker_logs = [folder / "logs" / f"ps-worker{i}.log" for i in range(reference_hybrid.TRAINERS)]
-    # The Trainer's "... from step N" line as its loop starts, and "... step N/N:" at its last step (logged
-    # whatever the log interval).
-    started = [LogWatch(log, " from step ") for log in worker_logs]
-    ended = [LogWatch(log, f" step {args.steps}/{args.steps}:") for log in worker_logs]
+    # The Trainer's "... step N/M:" lines, logged every log_every steps and at the last: the window opens at the
+    # first one at or after the warm-up, and the CPU's closes at the last one before the last step (rank 0 logs
+    # the last step after its held-out evaluation, which is not training).
+    first, cpu_last = window_steps(args)
+    started = [LogWatch(log, f" step {first}/{args.steps}:" if first else " from step ") for log in worker_logs]
+    ended = [LogWatch(log, f" step {cpu_last}/{args.steps}:") for log in worker_logs]
     with watch_cpu(lambda: all(seen() for seen in started), lambda: all(seen() for seen in ended)) as cpu:
         summary = run_demo(folder, args.steps, args.batch, args.log_every, args.timeout, extra_config=extra,
                            environment=environment)
-    return dict(cpu_per_1000(cpu, args.steps * reference_hybrid.TRAINERS * args.batch),
-                samples_per_s=summary["samples_per_s"], loss=summary["loss"],
+    settle(cpu)
+    rates = [logged_rates(log, args.steps) for log in worker_logs]
+    return dict(cpu_per_1000(cpu, (cpu_last - first) * reference_hybrid.TRAINERS * args.batch),
+                samples_per_s=sum(window_rate(rate, first, args.steps, args.batch) for rate in rates),
+                samples_per_s_with_warmup=summary["samples_per_s"], loss=summary["loss"],
                 **step_figures(summary),
                 row_cache={key[len(ROW_CACHE_FIGURE):]: value for key, value in summary.items()
                            if key.startswith(ROW_CACHE_FIGURE)})
+
+
+def window_steps(args) -> tuple:
+    """The steps that bound ours' timed window: the first step the Trainer logs at or after ``--warmup`` (it logs
+    every ``--log-every`` steps and the last; 0, the start of its loop, when it logs none before the last step
+    from there), and the last it logs before the last step (where the CPU's window closes; the last step itself
+    when none is logged between)."""
+    logged = range(args.log_every, args.steps, args.log_every)
+    first = next((step for step in logged if step >= args.warmup), 0) if args.warmup else 0
+    logged = [*logged, args.steps]
+    before_last = [step for step in logged if first < step < args.steps]
+    return first, (before_last[-1] if before_last else args.steps)
+
+
+def logged_rates(log: pathlib.Path, steps: int) -> Dict[int, float]:
+    """The Trainer's running samples/s at each step it logged (``worker0 step 150/300: loss ..., 51234
+    samples/s, ...``): this worker's samples since its loop started over the time since then."""
+    rates = {}
+    for line in log.read_text(errors="replace").splitlines():
+        marker = line.find(f"/{steps}: loss ")
+        if " step " in line and marker > 0 and " samples/s" in line:
+            step = int(line[:marker].rsplit(" step ", 1)[1])
+            rates[step] = float(line[:line.index(" samples/s")].rsplit(" ", 1)[1])
+    return rates
+
+
+def window_rate(rates: Dict[int, float], first: int, last: int, batch: int) -> float:
+    """One worker's samples/s from the end of step ``first`` to the end of step ``last``, from its running
+    figures there: at step k it had trained k x batch samples in k x batch / rate_k seconds (the loop starts
+    at step 0; the figure of the last step is taken before its held-out evaluation)."""
+    if last not in rates or (first and first not in rates):
+        raise ContestantFailed(f"ps-demo's worker logged no samples/s at step {first if last in rates else last}")
+    seconds = last * batch / rates[last] - (first * batch / rates[first] if first else 0.0)
+    return (last - first) * batch / seconds
 
 
 class LogWatch:
@@ -353,14 +418,15 @@ def run_floor(args, folder: pathlib.Path) -> Dict:
     results_path = str(folder / "floor.json")
     threads = threads_of(args)[FLOOR]["floor"]
     child = Child("floor", local_floor.train_to_file,
-                  (results_path, args.steps, args.batch, reference_hybrid.TRAINERS, threads, args.log_every))
+                  (results_path, args.steps, args.batch, reference_hybrid.TRAINERS, threads, args.log_every),
+                  {"warmup": args.warmup})
     try:
         run_children([child], datetime.timedelta(seconds=args.timeout))
     except ChildProcessesFailed as error:
         raise ContestantFailed(f"the floor failed: {error}") from error
     with open(results_path) as results_file:
         result = json.load(results_file)
-    samples = args.steps * reference_hybrid.TRAINERS * args.batch
+    samples = (args.steps - args.warmup) * reference_hybrid.TRAINERS * args.batch
     return dict(result, cpu_per_1000={"floor": 1e3 * result["cpu_seconds"] / samples}, cpu_window=True)
 
 
@@ -370,7 +436,7 @@ def run_reference(args, folder: pathlib.Path, sparse: bool) -> Dict:
     variant = "sparse" if sparse else "dense"
     started_path, ended_path = folder / f"reference-{variant}.started", folder / f"reference-{variant}.ended"
     config = dict(JOB_DEFAULTS, steps=args.steps, batch_size=args.batch, loss_window=args.log_every,
-                  sparse=sparse, transports=["uv"], threads=threads_of(args)[REFERENCE],
+                  sparse=sparse, transports=["uv"], threads=threads_of(args)[REFERENCE], warmup=args.warmup,
                   started_path=str(started_path), ended_path=str(ended_path))
     results_path = str(folder / f"reference-{variant}.json")
     rpc_port, ddp_port = free_port(), free_port()
@@ -383,15 +449,23 @@ def run_reference(args, folder: pathlib.Path, sparse: bool) -> Dict:
                        lambda: all(marker.exists() for marker in ends)) as cpu:
             with reference_hybrid.hosted_stores(rpc_port, ddp_port):
                 run_children(children, datetime.timedelta(seconds=args.timeout))
+        settle(cpu)
     except ChildProcessesFailed as error:
         raise ContestantFailed(f"the reference failed: {error}") from error
     with open(results_path) as results_file:
         trainers = json.load(results_file)
-    return dict(cpu_per_1000(cpu, args.steps * reference_hybrid.TRAINERS * args.batch),
+    return dict(cpu_per_1000(cpu, (args.steps - args.warmup) * reference_hybrid.TRAINERS * args.batch),
                 samples_per_s=sum(t["samples_per_s"] for t in trainers),
                 loss=statistics.mean(t["loss"] for t in trainers),
                 phase_ms={phase: statistics.mean(t["phase_ms"][phase] for t in trainers)
                           for phase in reference_hybrid.PHASES})
+
+
+def spread(values: Sequence[float]) -> Dict[str, float]:
+    """min, median and max of ``values``, and the spread: how far the farthest is from the median, in % of it."""
+    middle = statistics.median(values)
+    return {"min": min(values), "median": middle, "max": max(values),
+            "spread_pct": 100.0 * max(abs(value - middle) for value in values) / middle if middle else float("inf")}
 
 
 def ratio(numerator: float, denominator: float) -> float:
@@ -403,7 +477,8 @@ def verdict(name: str, value: float, target: float) -> str:
 
 
 def report(runs: Dict[str, List[Dict]], args, load_before: float) -> None:
-    median = {name: statistics.median(r["samples_per_s"] for r in results) for name, results in runs.items()}
+    spreads = {name: spread([r["samples_per_s"] for r in results]) for name, results in runs.items()}
+    median = {name: figures["median"] for name, figures in spreads.items()}
     reference = median[REFERENCE]
     threads = threads_of(args)
     staleness = "" if args.staleness is None else f", ours with staleness {args.staleness}"
@@ -413,23 +488,31 @@ def report(runs: Dict[str, List[Dict]], args, load_before: float) -> None:
     if args.sparse_optimizer is not None:
         staleness += f", ours' tables stepped by {args.sparse_optimizer} (the others' by qhm)"
     print(f"# End-to-end training throughput: torch {torch.__version__}, {os.cpu_count()} cores, "
-          f"{args.steps} steps x batch {args.batch} per trainer, {reference_hybrid.TRAINERS} trainers, "
-          f"{reference_hybrid.NUM_PS} parameter servers, {args.repeats} repeat(s){staleness}; 1-min load average "
-          f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
+          f"{args.steps} steps x batch {args.batch} per trainer, timed from step {args.warmup} (ours: from step "
+          f"{window_steps(args)[0]}, the first it logs), {reference_hybrid.TRAINERS} trainers, "
+          f"{reference_hybrid.NUM_PS} parameter servers, {args.repeats} round(s), the contestants interleaved in each"
+          f"{staleness}; 1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
     if args.threads:
         print(f"# intra-op threads (--threads): {args.threads} in every process of every contestant\n")
     else:
         print(f"# intra-op threads: floor {threads[FLOOR]['floor']}; paramserver "
               f"{', '.join(f'{kind} {n}' for kind, n in threads[OURS].items())} (as ps-demo sizes them); reference "
               f"{', '.join(f'{kind} {n}' for kind, n in threads[REFERENCE].items())}\n")
-    print("| implementation | samples/s | vs reference | vs floor | ms/step | final loss | runs (samples/s) |")
-    print("|---|---:|---:|---:|---:|---:|---|")
+    print("| implementation | samples/s (median) | min | max | spread | vs reference | vs floor | ms/step | final loss "
+          "| runs in order (samples/s; with the warm-up) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for name, results in runs.items():
+        figures = spreads[name]
         per_step_ms = 1e3 * reference_hybrid.TRAINERS * args.batch / median[name]
         loss = statistics.mean(r["loss"] for r in results)
-        every = ", ".join(f"{r['samples_per_s']:,.0f}" for r in results)
-        print(f"| {LABELS[name]} | {median[name]:,.0f} | {ratio(median[name], reference):.2f}x "
+        every = ", ".join(f"{r['samples_per_s']:,.0f}" + (f" ({r['samples_per_s_with_warmup']:,.0f})"
+                                                          if "samples_per_s_with_warmup" in r else "")
+                          for r in results)
+        print(f"| {LABELS[name]} | {median[name]:,.0f} | {figures['min']:,.0f} | {figures['max']:,.0f} "
+              f"| {figures['spread_pct']:.1f}% | {ratio(median[name], reference):.2f}x "
               f"| {ratio(median[name], median[FLOOR]):.2f}x | {per_step_ms:.1f} | {loss:.4f} | {every} |")
+    print("\nspread: how far the run farthest from a contestant's median is from it, in % of the median; the ratios "
+          "and the verdicts below are of the medians")
     report_cpu(runs)
     references = [name for name in (REFERENCE, DENSE) if name in runs]
     print("\n| where a reference step's time goes (trainer mean, ms) | "
@@ -457,6 +540,11 @@ def report(runs: Dict[str, List[Dict]], args, load_before: float) -> None:
           f"runs): {growth:.1f} MiB")
     stale = bool(args.staleness)
     print()
+    worst = max(spreads, key=lambda name: spreads[name]["spread_pct"])
+    print(f"end-to-end: spread across {args.repeats} runs within {SPREAD_TARGET_PCT:.0f}% of the median "
+          f"(the widest: {LABELS[worst]}, {spreads[worst]['spread_pct']:.1f}%; "
+          + ", ".join(f"{name} {figures['spread_pct']:.1f}%" for name, figures in spreads.items())
+          + f") {'PASS' if spreads[worst]['spread_pct'] <= SPREAD_TARGET_PCT else 'BELOW'}")
     print("end-to-end: " + verdict("paramserver / floor (one process)", ratio(median[OURS], median[FLOOR]),
                                    FLOOR_TARGET_STALE if stale else FLOOR_TARGET)
           + f" [{'with staleness' if stale else 'staleness 0'}]")
@@ -469,27 +557,37 @@ def report_cpu(runs: Dict[str, List[Dict]]) -> None:
     def cell(name: str, kind: Optional[str]) -> str:
         if kind is None or name not in runs:
             return ""
-        return f"{statistics.mean(r['cpu_per_1000'].get(kind, 0.0) for r in runs[name]):.3f}"
+        return f"{statistics.median(r['cpu_per_1000'].get(kind, 0.0) for r in runs[name]):.4f}"
 
     def total(name: str, kinds: Sequence[Optional[str]]) -> str:
-        return f"{statistics.mean(sum(r['cpu_per_1000'].get(k, 0.0) for k in kinds if k) for r in runs[name]):.3f}"
+        totals = [sum(r['cpu_per_1000'].get(k, 0.0) for k in kinds if k) for r in runs[name]]
+        return f"{statistics.median(totals):.4f} ({min(totals):.4f}-{max(totals):.4f})"
 
     windowed = all(r["cpu_window"] for results in runs.values() for r in results)
-    print(f"\n| CPU seconds per 1,000 samples ({'training only' if windowed else 'start-up or exit included in some'}) "
+    print(f"\n| CPU seconds per 1,000 samples, medians of the runs ({'timed window only' if windowed else 'start-up or exit included in some'}) "
           f"| paramserver | reference | floor |\n|---|---:|---:|---:|")
     for label, ours, theirs in CPU_ROWS:
         floor = cell(FLOOR, "floor") if ours == "worker" else ""  # the floor's one process trains
         print(f"| {label} | {cell(OURS, ours)} | {cell(REFERENCE, theirs)} | {floor} |")
-    print(f"| total | {total(OURS, [row[1] for row in CPU_ROWS])} | {total(REFERENCE, [row[2] for row in CPU_ROWS])} "
-          f"| {total(FLOOR, ['floor'])} |")
+    print(f"| total (min-max) | {total(OURS, [row[1] for row in CPU_ROWS])} "
+          f"| {total(REFERENCE, [row[2] for row in CPU_ROWS])} | {total(FLOOR, ['floor'])} |")
+    ours = statistics.median(sum(r["cpu_per_1000"].get(row[1], 0.0) for row in CPU_ROWS) for r in runs[OURS])
+    floor = statistics.median(r["cpu_per_1000"]["floor"] for r in runs[FLOOR])
+    print(f"\nCPU per sample, paramserver / floor (medians): {ratio(ours, floor):.2f}x")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description="The default job's samples/s: paramserver vs torch RPC+DDP "
                                                  "vs the same model in one process.")
-    parser.add_argument("--steps", type=int, default=300, help="training steps per trainer (default 300)")
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS,
+                        help=f"training steps per trainer (default {DEFAULT_STEPS})")
+    parser.add_argument("--warmup", type=int, default=None, metavar="N",
+                        help=f"steps of each run trained before its timed window starts (default {DEFAULT_WARMUP}, "
+                             "a sixth of --steps when that is fewer; ours' window starts at the first step its "
+                             "workers log at or after it)")
     parser.add_argument("--batch", type=int, default=1024, help="samples per trainer per step (default 1024)")
-    parser.add_argument("--repeats", type=int, default=1, help="runs of each contestant (default 1)")
+    parser.add_argument("--repeats", "--rounds", dest="repeats", type=int, default=DEFAULT_ROUNDS,
+                        help=f"rounds: runs of each contestant, interleaved (default {DEFAULT_ROUNDS})")
     parser.add_argument("--log-every", type=int, default=50,
                         help="the job's log_every; also the window of the final loss (default 50)")
     parser.add_argument("--threads", type=int, default=None, metavar="N",
@@ -513,6 +611,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if min(args.steps, args.batch, args.repeats, args.log_every, args.threads or 1) < 1:
         parser.error("--steps, --batch, --repeats, --log-every and --threads must be at least 1")
+    if args.warmup is None:
+        args.warmup = min(DEFAULT_WARMUP, args.steps // 6)
+    if not 0 <= args.warmup < args.steps:
+        parser.error("--warmup must be at least 0 and under --steps")
     if args.staleness is not None and args.staleness < 0:
         parser.error("--staleness must be at least 0")
     if (args.cache_rows is not None and args.cache_rows < 1) or \
@@ -525,7 +627,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         try:
             for repeat in range(args.repeats):
                 for name in (contestants if repeat % 2 == 0 else contestants[::-1]):
-                    progress(f"repeat {repeat + 1}/{args.repeats}: {LABELS[name]}, {args.steps} steps")
+                    progress(f"round {repeat + 1}/{args.repeats}: {LABELS[name]}, {args.steps} steps")
                     run_folder = pathlib.Path(folder) / f"{name}-{repeat}"
                     run_folder.mkdir()
                     if name == OURS:
@@ -534,7 +636,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         result = run_floor(args, run_folder)
                     else:
                         result = run_reference(args, run_folder, sparse=name == REFERENCE)
-                    progress(f"  {result['samples_per_s']:,.0f} samples/s, loss {result['loss']:.4f}")
+                    progress(f"  {result['samples_per_s']:,.0f} samples/s from step {args.warmup}, "
+                             f"loss {result['loss']:.4f}")
                     runs[name].append(result)
         except ContestantFailed as error:
             progress(str(error))

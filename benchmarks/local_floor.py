@@ -118,12 +118,17 @@ class LocalCTR(nn.Module):
 
 
 def train(steps: int, batch_size: int = WORKER_BATCH, workers: int = WORKERS, threads: Optional[int] = None,
-          loss_window: int = 50, config: Optional[Dict] = None, read_ahead: bool = True) -> Dict:
+          loss_window: int = 50, config: Optional[Dict] = None, read_ahead: bool = True, warmup: int = 0) -> Dict:
     """Train the floor for ``steps`` steps of ``workers`` x ``batch_size`` samples with ``threads`` intra-op
     threads (default: every core); with ``read_ahead`` the next step's batch is made in a background thread
-    while a step trains (as the job's Trainer reads ahead).  Returns samples_per_s, loss (mean of the last
-    ``loss_window`` steps), cpu_seconds (this process, over the timed window), seconds, threads and phase_ms
-    (mean per step; "data": waiting for the batch)."""
+    while a step trains (as the job's Trainer reads ahead).  The first ``warmup`` steps are trained but not
+    timed (the sparse optimizer's TorchScript compile at its first step, the allocator's and the caches'
+    first passes): the window runs from the start of step ``warmup`` to the end of the last.  Returns
+    samples_per_s, loss (mean of the last ``loss_window`` steps), cpu_seconds (this process, over the timed
+    window), seconds, threads, warmup, samples_per_s_with_warmup (every step timed) and phase_ms (mean per
+    timed step; "data": waiting for the batch)."""
+    if not 0 <= warmup < steps:
+        raise ValueError(f"warmup must be at least 0 and under steps ({steps}), got {warmup}")
     config = dict(JOB_DEFAULTS, **(config or {}))
     threads = threads or host_cores()[0]
     torch.set_num_threads(threads)
@@ -138,9 +143,13 @@ def train(steps: int, batch_size: int = WORKER_BATCH, workers: int = WORKERS, th
     losses: List[float] = []
     phases = {phase: 0.0 for phase in PHASES}
     reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="floor-data") if read_ahead else None
-    started, cpu_started = time.monotonic(), time.process_time()
+    first_started = time.monotonic()
+    started, cpu_started = first_started, time.process_time()
     ahead = reader.submit(global_batch, data, workers, 0, batch_size) if reader else None
     for step in range(steps):
+        if step == warmup and step:  # the timed window starts here
+            started, cpu_started = time.monotonic(), time.process_time()
+            phases = {phase: 0.0 for phase in PHASES}
         t0 = time.perf_counter()
         if ahead is None:
             batch = global_batch(data, workers, step, batch_size)
@@ -161,12 +170,15 @@ def train(steps: int, batch_size: int = WORKER_BATCH, workers: int = WORKERS, th
         losses.append(loss.item())
         for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
             phases[phase] += seconds
-    elapsed, cpu = time.monotonic() - started, time.process_time() - cpu_started
+    ended = time.monotonic()
+    elapsed, cpu = ended - started, time.process_time() - cpu_started
     if reader is not None:
         reader.shutdown()
-    return {"samples_per_s": steps * workers * batch_size / elapsed, "loss": statistics.mean(losses[-loss_window:]),
-            "cpu_seconds": cpu, "seconds": elapsed, "threads": threads,
-            "phase_ms": {phase: 1e3 * seconds / steps for phase, seconds in phases.items()}}
+    timed = steps - warmup
+    return {"samples_per_s": timed * workers * batch_size / elapsed, "loss": statistics.mean(losses[-loss_window:]),
+            "cpu_seconds": cpu, "seconds": elapsed, "threads": threads, "warmup": warmup,
+            "samples_per_s_with_warmup": steps * workers * batch_size / (ended - first_started),
+            "phase_ms": {phase: 1e3 * seconds / timed for phase, seconds in phases.items()}}
 
 
 def train_to_file(results_path: str, *args, **kwargs) -> None:
@@ -185,13 +197,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help=f"workers whose batches make the global batch (default {WORKERS})")
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: every core)")
     parser.add_argument("--log-every", type=int, default=50, help="window of the final loss (default 50)")
+    parser.add_argument("--warmup", type=int, default=0,
+                        help="steps trained before the timed window starts (default 0: every step timed)")
     parser.add_argument("--no-read-ahead", action="store_true",
                         help="make each step's batch when the step starts, not in a background thread")
     args = parser.parse_args(argv)
     if min(args.steps, args.batch, args.workers, args.log_every, args.threads or 1) < 1:
         parser.error("--steps, --batch, --workers, --threads and --log-every must be at least 1")
+    if not 0 <= args.warmup < args.steps:
+        parser.error("--warmup must be at least 0 and under --steps")
     print(json.dumps(train(args.steps, args.batch, args.workers, args.threads, args.log_every,
-                           read_ahead=not args.no_read_ahead)))
+                           read_ahead=not args.no_read_ahead, warmup=args.warmup)))
     return 0
 
 

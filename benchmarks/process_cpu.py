@@ -135,6 +135,12 @@ class ProcessTreeCPU:
         self.poll()
         self._ended = True
 
+    def alive(self) -> int:
+        """How many of the processes seen under the root (not the root) are still running."""
+        with self._lock:
+            seen = [key for key in self._kinds if key[0] != self.root]
+        return sum(1 for pid, started in seen if (read_stat(pid) or (0, -1))[1] == started)
+
     @property
     def marked(self) -> bool:
         return self._baseline is not None

@@ -120,10 +120,14 @@ def run_trainer(tables: Sequence[RemoteModule], rank: int, config: Dict) -> Dict
     steps, batch_size = config["steps"], config["batch_size"]
     losses: List[float] = []
     phases = {phase: 0.0 for phase in PHASES}
-    if config.get("started_path"):  # tells a watcher of the processes' CPU that training starts
-        pathlib.Path(f"{config['started_path']}.{rank}").touch()
+    warmup = config.get("warmup", 0)  # steps trained before the timed window (and the CPU's) starts
     started = time.monotonic()
     for step in range(steps):
+        if step == warmup:
+            if config.get("started_path"):  # tells a watcher of the processes' CPU that the window starts
+                pathlib.Path(f"{config['started_path']}.{rank}").touch()
+            started = time.monotonic()
+            phases = {phase: 0.0 for phase in PHASES}
         t0 = time.perf_counter()
         batch = data.batch(rank, step, batch_size)
         t1 = time.perf_counter()
@@ -144,9 +148,9 @@ def run_trainer(tables: Sequence[RemoteModule], rank: int, config: Dict) -> Dict
     elapsed = time.monotonic() - started
     if config.get("ended_path"):  # and that it ended
         pathlib.Path(f"{config['ended_path']}.{rank}").touch()
-    return {"samples_per_s": steps * batch_size / elapsed, "seconds": elapsed,
+    return {"samples_per_s": (steps - warmup) * batch_size / elapsed, "seconds": elapsed,
             "loss": statistics.mean(losses[-config["loss_window"]:]),
-            "phase_ms": {phase: 1e3 * seconds / steps for phase, seconds in phases.items()}}
+            "phase_ms": {phase: 1e3 * seconds / (steps - warmup) for phase, seconds in phases.items()}}
 
 
 def master(config: Dict, results_path: str) -> None:
