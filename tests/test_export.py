@@ -1,8 +1,8 @@
 """Exporting a trained model and serving it, in one process (``JobContext.local``: the process is its own
 shard and a trainer group of one, checkpoints committed by a ``CheckpointStore`` as the coordinator does): the
 newest checkpoint of a Trainer run, exported and loaded with ``serving.load``, scores held-out batches as the
-Trainer's own evaluation did, to 1e-6 (fixed and dynamic tables, sum and mean, ids without a row in a dynamic
-table); ``ps-ctl export``'s flags; bad input refused by type, naming what was wrong.  Tables split by rows
+Trainer's own evaluation did, to 1e-6 (fixed and dynamic tables, sum and mean, float32, float16 and bfloat16
+rows, ids without a row in a dynamic table); ``ps-ctl export``'s flags; bad input refused by type, naming what was wrong.  Tables split by rows
 over several shards, and an export from a live cluster: ``tests/test_checkpoints.py``."""
 
 import argparse
@@ -37,8 +37,9 @@ from watch_next import evaluated_scores  # noqa: E402
 pytestmark = pytest.mark.timeout(120)
 
 DIM, DENSE, STEPS = 4, 2, 30
-TABLES = {"user": Table(40, DIM), "items": Table(30, DIM, mode="mean"),
-          "tags": Table(None, DIM, mode="mean", admit_after=2), "video": Table(None, DIM)}
+#: Rows of every type a table takes: exports and serving keep each table's (half-precision rows pooled in float32).
+TABLES = {"user": Table(40, DIM), "items": Table(30, DIM, mode="mean", dtype=torch.float16),
+          "tags": Table(None, DIM, mode="mean", admit_after=2), "video": Table(None, DIM, dtype=torch.bfloat16)}
 
 
 class Scorer(nn.Module):
@@ -121,6 +122,8 @@ def test_the_newest_checkpoint_exported_scores_as_the_trainer_evaluated(trained,
     assert described == {"user": ("fixed", DIM, "sum"), "items": ("fixed", DIM, "mean"),
                          "tags": ("dynamic", DIM, "mean"), "video": ("dynamic", DIM, "sum")}
     assert (manifest["tables"]["user"]["rows"], manifest["tables"]["items"]["rows"]) == (40, 30)
+    assert {name: t["dtype"] for name, t in manifest["tables"].items()} == {
+        "user": "float32", "items": "float16", "tags": "float32", "video": "bfloat16"}
     # Plain files: every one as the manifest says, each loadable without paramserver's classes.
     assert sorted(p.name for p in out.iterdir()) == sorted([EXPORT_MANIFEST] + [f["name"] for f in manifest["files"]])
     for record in manifest["files"]:
@@ -135,6 +138,7 @@ def test_the_newest_checkpoint_exported_scores_as_the_trainer_evaluated(trained,
 
     model = serving.load(out)
     assert isinstance(model, nn.Module) and not model.training and model.step == STEPS
+    assert (model.table("items").weight.dtype, model.table("video").rows.dtype) == (torch.float16, torch.bfloat16)
     served = scores(model, trained.holdout)
     assert served.shape == trained.scores.shape == (512,)
     assert (served - trained.scores).abs().max().item() <= 1e-6

@@ -35,7 +35,7 @@ from typing import Any, Callable, Dict, Mapping, Optional
 import torch
 
 from ..filesystems import Location, failures_named, locate
-from .model import ModelDescription, NotExportable
+from .model import ModelDescription, NotExportable, dtype_name
 from .shard_part import CheckpointSource
 from .storage import Checkpoint, PathLike, atomic_write, open_checkpoint, range_name, save_tensors
 from .dense_part import read_dense_part
@@ -80,7 +80,8 @@ def export_checkpoint(checkpoint: PathLike, out: PathLike,
         records.append(save_tensors(out / table_file(index, name), content))
         rows = content["ids"].numel() if shape.dynamic else shape.num_embeddings
         described[name] = {"kind": "dynamic" if shape.dynamic else "fixed", "dim": shape.embedding_dim,
-                           "mode": shape.mode, "rows": rows, "file": records[-1].name}
+                           "mode": shape.mode, "rows": rows, "dtype": dtype_name(shape.dtype),
+                           "file": records[-1].name}
     manifest = {"format": EXPORT_FORMAT, "step": source.step, "checkpoint": str(source.path),
                 "created_unix": time.time(),
                 "dense": {"class": model.dense_class, "kwargs": model.dense_kwargs, "file": DENSE_FILE},

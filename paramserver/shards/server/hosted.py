@@ -29,6 +29,10 @@ def host_tensor(state: ShardState, name: str, value: Tensor) -> Tensor:
     return state.register(name, value.detach().clone().contiguous().requires_grad_(True))
 
 
+#: Rows of a half-precision table drawn at a time (in float32, then stored): 4 MiB at dimension 16.
+DRAW_ROWS = 65_536
+
+
 def check_row_type(table: str, dtype: torch.dtype, rounding: str) -> None:
     """``ValueError`` naming ``table`` unless its rows may be of ``dtype`` and updated with ``rounding``."""
     if dtype not in row_dtypes():
@@ -58,9 +62,14 @@ def host_rows(state: ShardState, name: str, num_rows: int, embedding_dim: int, d
             if shared and state.restore_source is not None else None
         if rows is None:
             generator = torch.Generator().manual_seed((seed * 0x9E3779B97F4A7C15 + start_row) % 2**63)
-            rows = torch.empty(num_rows, embedding_dim)
-            rows.normal_(0.0, init_std, generator=generator)
-            rows = rows.to(dtype)
+            rows = torch.empty(num_rows, embedding_dim, dtype=dtype)
+            if dtype == torch.float32:
+                rows.normal_(0.0, init_std, generator=generator)
+            else:  # drawn in float32 a slice at a time (the same values), so no float32 copy of the table is made
+                drawn = torch.empty(min(num_rows, DRAW_ROWS), embedding_dim)
+                for start in range(0, num_rows, DRAW_ROWS):
+                    piece = drawn[:min(DRAW_ROWS, num_rows - start)]
+                    rows[start:start + piece.size(0)] = piece.normal_(0.0, init_std, generator=generator)
         return rows.requires_grad_(True)
 
     if not shared:
