@@ -22,13 +22,16 @@ What it measures
 
     * backlog: the shard's RPC worker threads are held (an RPC that sleeps
       until a deadline, one per thread) while the pushers send a batch of
-      requests (64 MB per pusher, 8 to 1,000 requests); from the deadline on
+      requests (64 MB per pusher, 8 to 1,000 requests; a batch still
+      arriving, the shard still busy in the last 30 ms, is sent again with a
+      longer hold); from the deadline on
       the shard works through them while the pushers only wait.  Timed from
       the deadline to the last reply.  Requests are made in advance and the
       pushers' work does not share the cores with the shard's, so this is the
       shard's own rate;
     * live: each pusher keeps 4 requests in flight for the whole window
-      (what trainers do; the pushers' own sending shares the cores).
+      (what trainers do; the pushers' own sending shares the cores); with
+      the first thread configuration only, unless ``--live-all``.
 
     For each: rows per second of wall time, rows per second of the shard
     process's CPU time (``/proc/PID/task/*/schedstat``: every thread of the
@@ -64,13 +67,14 @@ What it measures
         ``service.lookup``, over RPC).
 
 How to run
-    ``.venv/bin/python benchmarks/shard_throughput.py`` (about 3 minutes on 2
-    cores, about 3 GB of memory at dim 128).  ``--quick``: a smoke run of a
+    ``.venv/bin/python benchmarks/shard_throughput.py`` (about 3 to 4 minutes
+    on 2 busy cores, about 3 GB of memory at dim 128).  ``--quick``: a smoke run of a
     few seconds of timing (a 100,000-row table, R = 1,000, dim 16, QHM, short
     windows).  Options: ``--rows LIST``, ``--dims LIST``, ``--optimizers
     LIST`` (of ``QHM``, ``RowWiseAdagrad``), ``--seconds S`` (timed window
-    per measurement, default 1.0), ``--table-rows N``, ``--pushers N``,
-    ``--thread-configs LIST``, ``--no-live``.  Progress goes to stderr, the
+    per measurement, default 0.6), ``--table-rows N``, ``--pushers N``,
+    ``--thread-configs LIST``, ``--no-live``, ``--live-all``, ``--profile``
+    (a cProfile of in-process ``push_lookup`` calls per case).  Progress goes to stderr, the
     results to stdout as markdown.
 
 How to read it
@@ -83,8 +87,10 @@ How to read it
       time, backlog (the pushers idle while the shard works), the best
       two-thread configuration against ``1x1``.
 
-    In-process figures are medians of one request per sample, the layers
-    interleaved; RPC figures are totals over their window.  On a shared
+    In-process figures are medians of the CPU time of one request per sample
+    (this thread's: time other processes take is not counted, as it is not
+    in the shard's CPU time), the layers interleaved; RPC figures are totals
+    over their window.  On a shared
     machine other processes take cores too: compare runs, not digits.
 """
 
@@ -152,7 +158,7 @@ def lookup_bytes_per_row(dim: int) -> int:
 
 
 def progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    print(f"{time.strftime('%H:%M:%S')} {message}", file=sys.stderr, flush=True)
 
 
 def row_sets(table_rows: int, rows: int, seed: int) -> torch.Tensor:
@@ -180,8 +186,9 @@ def copy_gbps(seconds: float) -> float:
 
 def time_layers(layers: Sequence[Tuple[str, Callable[[], None]]], seconds: float, min_rounds: int = 5
                 ) -> Dict[str, float]:
-    """Median seconds per call of each layer: one call each per round, round-robin, each round starting one
-    layer further on, until ``seconds`` passed (at least ``min_rounds`` rounds), after a warm-up."""
+    """Median CPU seconds of this thread per call of each layer (CPU time, as the shard's figures are: time
+    other processes take from it is not counted): one call each per round, round-robin, each round starting
+    one layer further on, until ``seconds`` passed (at least ``min_rounds`` rounds), after a warm-up."""
     for _, call in layers:
         for _ in range(WARMUP_CALLS):
             call()
@@ -190,9 +197,9 @@ def time_layers(layers: Sequence[Tuple[str, Callable[[], None]]], seconds: float
     while round_index < min_rounds or time.perf_counter() < deadline:
         first = round_index % len(layers)
         for name, call in list(layers[first:]) + list(layers[:first]):
-            started = time.perf_counter_ns()
+            started = time.thread_time_ns()
             call()
-            samples[name].append((time.perf_counter_ns() - started) * 1e-9)
+            samples[name].append((time.thread_time_ns() - started) * 1e-9)
         round_index += 1
     return {name: statistics.median(values) for name, values in samples.items()}
 
@@ -216,7 +223,6 @@ def in_process_case(table_rows: int, rows: int, dim: int, spec: OptimizerSpec, s
                     with_lookups: bool) -> Dict[str, float]:
     """Seconds per request of every layer of a push (and of a lookup), in this process, as a shard holds the
     table: its own ``ShardState`` installed in this process's shard service."""
-    from paramserver.shards import wire
     from paramserver.shards.server import hosted, optimizers, rows as shard_rows, service
     from paramserver.shards.server.state import ShardState
 
@@ -260,10 +266,10 @@ def in_process_case(table_rows: int, rows: int, dim: int, spec: OptimizerSpec, s
 
     no_ids = torch.empty(0, dtype=torch.long)
 
-    def push_lookup() -> None:
+    def push_lookup() -> None:  # one table's ids and rows are packed as they are (contiguous): no copy here
         ids, values = rotation.take()
-        service.push_lookup(incarnation, owner.handle, [0], [1], wire.pack_ids([ids]), [rows],
-                            wire.pack_rows([values]), "bench", 0, [-1], [], no_ids, [], -1)
+        service.push_lookup(incarnation, owner.handle, [0], [1], ids, [rows], values.view(-1), "bench", 0, [-1], [],
+                            no_ids, [], -1)
 
     layers += [("apply_rows", apply_rows), ("pushes", pushes), ("push_lookup", push_lookup)]
     if with_lookups:
@@ -283,7 +289,6 @@ def profile_push(table_rows: int, rows: int, dim: int, spec: OptimizerSpec, call
     import io
     import pstats
 
-    from paramserver.shards import wire
     from paramserver.shards.server import hosted, optimizers, rows as shard_rows, service
     from paramserver.shards.server.state import ShardState
 
@@ -298,8 +303,8 @@ def profile_push(table_rows: int, rows: int, dim: int, spec: OptimizerSpec, call
 
     def push() -> None:
         ids, values = rotation.take()
-        service.push_lookup(incarnation, owner.handle, [0], [1], wire.pack_ids([ids]), [rows],
-                            wire.pack_rows([values]), "bench", 0, [-1], [], no_ids, [], -1)
+        service.push_lookup(incarnation, owner.handle, [0], [1], ids, [rows], values.view(-1), "bench", 0, [-1], [],
+                            no_ids, [], -1)
 
     for _ in range(WARMUP_CALLS):
         push()
@@ -440,7 +445,7 @@ class Driver:
         self.rpc = rpc
         self.pushers, self.rpc_threads, self.config = list(pushers), rpc_threads, config
         self.shard_pid = rpc.rpc_sync(SHARD, os.getpid)
-        self.hold = 0.3  # seconds the shard's threads are held while the backlog is sent; grows when too short
+        self.hold = 0.2  # seconds the shard's threads are held while the backlog is sent; grows when too short
 
     def on_pushers(self, function, args_of: Callable[[int], tuple]) -> List:
         futures = [self.rpc.rpc_async(name, function, args=args_of(k)) for k, name in enumerate(self.pushers)]
@@ -459,14 +464,14 @@ class Driver:
             deadline = start + self.hold
             holds = [self.rpc.rpc_async(SHARD, hold_until, args=(deadline,)) for _ in range(self.rpc_threads)]
             sends = [self.rpc.rpc_async(name, send_backlog, args=(kind, count, start)) for name in self.pushers]
-            sleep_until(deadline)
+            busy_until = self.held_until_idle(deadline)
             cpu_before = shard_cpu_seconds(self.shard_pid)
             answers = [future.wait() for future in sends]
             cpu = shard_cpu_seconds(self.shard_pid) - cpu_before
             for future in holds:
                 future.wait()
-            if max(answer["last_sent"] for answer in answers) > deadline - 0.005:
-                self.hold *= 2  # the backlog was still leaving: not all of it waited
+            if max(answer["last_sent"] for answer in answers) > deadline - 0.005 or busy_until > deadline - 0.03:
+                self.hold *= 2  # the backlog was still leaving or arriving: not all of it waited
                 continue
             total["requests"] += sum(answer["count"] for answer in answers)
             total["wall"] += max(answer["last_done"] for answer in answers) - deadline
@@ -474,6 +479,20 @@ class Driver:
             total["cycles"] += 1
         total["rows"] = total["requests"] * rows
         return total
+
+    def held_until_idle(self, deadline: float) -> float:
+        """Sleep until ``deadline``, reading the shard's CPU time every 10 ms; the last moment it was still
+        working (its RPC threads are held: receiving the backlog), so that a backlog still arriving at the
+        deadline is not counted."""
+        busy_until, last = 0.0, shard_cpu_seconds(self.shard_pid)
+        while time.monotonic() < deadline - 0.01:
+            time.sleep(0.01)
+            now = shard_cpu_seconds(self.shard_pid)
+            if now - last > 0.001:
+                busy_until = time.monotonic()
+            last = now
+        sleep_until(deadline)
+        return busy_until
 
     def live(self, kind: str, seconds: float) -> Dict[str, float]:
         """Every pusher keeps requests in flight for ``seconds``; the shard's CPU read around the window."""
@@ -565,7 +584,8 @@ def over_rpc(args, label: str, timeout_s: float) -> List[Dict]:
     rpc_threads, intra = parse_threads(label)
     pushers = [f"trainer{k + 1}" for k in range(args.pushers)]
     plan = dict(label=label, dims=args.dims, optimizers=args.optimizers, rows=args.rows,
-                table_rows=args.table_rows, seconds=args.seconds, live=not args.no_live)
+                table_rows=args.table_rows, seconds=args.seconds,
+                live=not args.no_live and (label == args.thread_configs[0] or args.live_all))
     shard_options = ShardServerOptions(peer=PeerOptions(num_worker_threads=rpc_threads, intra_op_threads=intra,
                                                         transports=("uv",)))
     trainer_options = PeerOptions(transports=("uv",))
@@ -725,8 +745,8 @@ def report(args, gbps: float, local: Dict, rpc_figures: Dict[str, List[Dict]]) -
 
 
 LEGEND = """\
-Legend: R = distinct sorted rows per request; in-process figures are medians of one request per sample with
-1 intra-op thread, layers interleaved. Over RPC: pushes are service.push_lookup (one push, no read), lookups
+Legend: R = distinct sorted rows per request; in-process figures are medians of one request per sample (the
+thread's CPU time) with 1 intra-op thread, layers interleaved. Over RPC: pushes are service.push_lookup (one push, no read), lookups
 service.lookup, arguments packed as EmbeddingCollection.send packs them. Backlog = the shard's RPC threads
 held while the pushers send 64 MB of requests each, then timed from their release to the last reply (the
 pushers idle meanwhile); live = each pusher keeps {in_flight} requests in flight (their sending shares the
@@ -785,20 +805,22 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--dims", type=int_list, default=None, help="row widths (default 16,64,128)")
     parser.add_argument("--optimizers", type=optimizer_list, default=None,
                         help="of QHM, RowWiseAdagrad (default both)")
-    parser.add_argument("--seconds", type=float, default=None, help="timed window per measurement (default 1.0)")
+    parser.add_argument("--seconds", type=float, default=None, help="timed window per measurement (default 0.6)")
     parser.add_argument("--table-rows", type=int, default=None, help="rows of the table (default 1,000,000)")
     parser.add_argument("--pushers", type=int, default=2, help="pusher processes (default 2)")
     parser.add_argument("--thread-configs", type=thread_list, default=None,
                         help="shard threads to run with, AxB = A RPC worker threads x B intra-op threads "
                              "(default 1x1,2x1; the first is the one the other figures use)")
     parser.add_argument("--no-live", action="store_true", help="backlog measurements only")
+    parser.add_argument("--live-all", action="store_true",
+                        help="the live measurement with every thread configuration (default: the first only)")
     parser.add_argument("--profile", action="store_true",
                         help="also print a cProfile of in-process push_lookup calls per case")
     args = parser.parse_args(argv)
     args.rows = args.rows or ([1000] if args.quick else [1000, 16384])
     args.dims = args.dims or ([16] if args.quick else [16, 64, 128])
     args.optimizers = args.optimizers or (["QHM"] if args.quick else list(OPTIMIZERS))
-    args.seconds = args.seconds or (0.2 if args.quick else 1.0)
+    args.seconds = args.seconds or (0.2 if args.quick else 0.6)
     args.table_rows = args.table_rows or (100_000 if args.quick else 1_000_000)
     args.thread_configs = args.thread_configs or ["1x1", "2x1"]
     if max(args.rows) > args.table_rows:
@@ -815,7 +837,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     started = time.perf_counter()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    local_seconds = 0.15 if args.quick else 0.6
+    local_seconds = 0.15 if args.quick else 0.4
     progress("copy bandwidth ...")
     gbps = copy_gbps(0.5 if args.quick else 1.0)
     local: Dict[Tuple[int, int, str], Dict[str, float]] = {}
