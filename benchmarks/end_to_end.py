@@ -192,6 +192,8 @@ REFERENCE_TARGET, FLOOR_TARGET, FLOOR_TARGET_STALE = 2.0, 0.6, 0.9
 SPREAD_TARGET_PCT = 10.0
 #: Defaults: steps per trainer, of which the first are warm-up (not timed), and rounds.
 DEFAULT_STEPS, DEFAULT_WARMUP, DEFAULT_ROUNDS = 600, 100, 3
+#: Thread groups under this many CPU seconds per 1,000 samples are left out of the table by thread.
+THREAD_ROW_AT_LEAST = 0.00005
 #: How long to wait, before a contestant starts, for the processes of the one before to be gone.
 SETTLE_WITHIN = 30.0
 OURS, FLOOR, REFERENCE, DENSE = "paramserver", "floor", "reference", "dense"
@@ -241,7 +243,8 @@ def process_kind(cmdline: str, name: str, parent_cmdline: str, parent_kind: str)
 def watch_cpu(started: Callable[[], bool], ended: Callable[[], bool]) -> PollingThread:
     """Counts the CPU of this benchmark's descendants by kind, from when ``started()`` first holds to when
     ``ended()`` does."""
-    return PollingThread(ProcessTreeCPU(os.getpid(), "benchmark", process_kind), started, done=ended)
+    return PollingThread(ProcessTreeCPU(os.getpid(), "benchmark", process_kind, by_thread=True), started,
+                         done=ended)
 
 
 def settle(cpu: PollingThread) -> None:
@@ -255,6 +258,8 @@ def settle(cpu: PollingThread) -> None:
 def cpu_per_1000(cpu: PollingThread, samples: int) -> Dict:
     """CPU seconds per 1,000 samples of each kind counted by ``cpu``, and whether start-up and exit are left out."""
     return {"cpu_per_1000": {kind: 1e3 * seconds / samples for kind, seconds in cpu.tree.cpu_by_kind().items()},
+            "thread_cpu_per_1000": {f"{kind}/{thread}": 1e3 * seconds / samples
+                                    for (kind, thread), seconds in cpu.tree.cpu_by_thread().items()},
             "cpu_window": cpu.tree.marked and cpu.tree.ended, "rss_growth_mib": cpu.tree.rss_growth_by_kind()}
 
 
@@ -574,6 +579,16 @@ def report_cpu(runs: Dict[str, List[Dict]]) -> None:
     ours = statistics.median(sum(r["cpu_per_1000"].get(row[1], 0.0) for row in CPU_ROWS) for r in runs[OURS])
     floor = statistics.median(r["cpu_per_1000"]["floor"] for r in runs[FLOOR])
     print(f"\nCPU per sample, paramserver / floor (medians): {ratio(ours, floor):.2f}x")
+    groups = sorted({group for r in runs[OURS] for group in r.get("thread_cpu_per_1000", {})})
+    shown = {group: statistics.median(r.get("thread_cpu_per_1000", {}).get(group, 0.0) for r in runs[OURS])
+             for group in groups}
+    shown = {group: value for group, value in shown.items() if value >= THREAD_ROW_AT_LEAST}
+    if shown:
+        print("\n| paramserver's CPU seconds per 1,000 samples by thread (kind of process / its threads, medians; "
+              "main: the process's first thread; python: its other Python threads, a worker's batch reader among them; "
+              "benchmark: this script's watcher) | |\n|---|---:|")
+        for group, value in sorted(shown.items(), key=lambda item: -item[1]):
+            print(f"| {group} | {value:.4f} |")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

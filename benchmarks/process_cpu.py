@@ -5,7 +5,10 @@ Owns watching the processes a benchmark starts, however they were started
 followed by parent pid from a root process; each process gets a kind when
 it is seen (a ``classify`` function of its command line, its name, its
 parent's command line and kind; by default its parent's kind); its CPU time (utime + stime of ``/proc/<pid>/stat``,
-every thread) is read at every ``poll`` and the last reading of each
+every thread) is read at every ``poll``, and with ``by_thread`` each group of its
+threads' too (``/proc/<pid>/task/<tid>/stat`` by the thread's name: ``main`` for
+its first thread, ``TP_UV_loop`` for TensorPipe's, ``pt_gloo_runloop`` for
+gloo's, ``pt_thread_pool`` for the RPC handlers...), and the last reading of each
 process is kept, since most exit before the run ends (what a process spent
 between its last poll and its exit is missed: poll often).  ``mark`` takes
 a baseline, so that ``cpu_by_kind`` counts only what was spent after it
@@ -55,6 +58,24 @@ def read_stat(pid: int) -> Optional[Tuple[int, int, float]]:
     return int(fields[1]), int(fields[19]), (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
+def read_threads(pid: int) -> Dict[str, float]:
+    """CPU seconds of each named group of ``pid``'s threads: ``main`` (its first thread), the others by their
+    name (``/proc/<pid>/task/<tid>/comm``, digits at its end dropped); empty when it is gone."""
+    groups: Dict[str, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return groups
+    for tid in tids:
+        stat = _read(f"/proc/{pid}/task/{tid}/stat")
+        if stat is None:
+            continue
+        name = "main" if tid == str(pid) else stat[stat.index("(") + 1:stat.rindex(")")].rstrip("0123456789-_")
+        fields = stat[stat.rindex(")") + 2:].split()
+        groups[name] = groups.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    return groups
+
+
 def read_rss(pid: int) -> int:
     """Resident memory of ``pid`` in bytes (``VmRSS``), 0 when it is gone."""
     for line in (_read(f"/proc/{pid}/status") or "").splitlines():
@@ -75,8 +96,10 @@ class ProcessTreeCPU:
     """The CPU seconds of ``root`` and its descendants, by kind (``classify``; the root's kind is
     ``root_kind``).  ``poll`` is safe to call from a thread of its own (``PollingThread``)."""
 
-    def __init__(self, root: int, root_kind: str, classify: Classify):
-        self.root, self.root_kind, self.classify = root, root_kind, classify
+    def __init__(self, root: int, root_kind: str, classify: Classify, by_thread: bool = False):
+        self.root, self.root_kind, self.classify, self.by_thread = root, root_kind, classify, by_thread
+        self._threads: Dict[ProcessKey, Dict[str, float]] = {}  # the last reading of each thread group
+        self._threads_baseline: Dict[ProcessKey, Dict[str, float]] = {}
         self._lock = threading.Lock()
         self._parents: Dict[int, Tuple[int, int]] = {}  # pid -> (parent pid, start time), every pid seen
         self._kinds: Dict[ProcessKey, str] = {}
@@ -121,6 +144,8 @@ class ProcessTreeCPU:
                     self._kinds[key] = self.classify(self._cmdlines[key], read_name(pid),
                                                      self._cmdlines.get(parent_key, ""), parent_kind) or parent_kind
                 self._readings[key] = cpu
+                if self.by_thread:
+                    self._threads[key] = read_threads(pid) or self._threads.get(key, {})
                 self._rss[key] = max(self._rss.get(key, 0), read_rss(pid))
 
     def mark(self) -> None:
@@ -128,6 +153,7 @@ class ProcessTreeCPU:
         self.poll()
         with self._lock:
             self._baseline = dict(self._readings)
+            self._threads_baseline = {key: dict(groups) for key, groups in self._threads.items()}
             self._rss_baseline = dict(self._rss)
 
     def end(self) -> None:
@@ -158,6 +184,18 @@ class ProcessTreeCPU:
                 spent[kind] = spent.get(kind, 0.0) + cpu - (self._baseline or {}).get(key, 0.0)
             return spent
 
+
+    def cpu_by_thread(self) -> Dict[Tuple[str, str], float]:
+        """With ``by_thread``: CPU seconds of each (kind of process, thread group) since ``mark``; a thread that
+        exited between two polls is counted up to its last reading."""
+        with self._lock:
+            spent: Dict[Tuple[str, str], float] = {}
+            for key, groups in self._threads.items():
+                before = self._threads_baseline.get(key, {})
+                for name, cpu in groups.items():
+                    group = (self._kinds[key], name)
+                    spent[group] = spent.get(group, 0.0) + max(0.0, cpu - before.get(name, 0.0))
+            return spent
 
     def rss_growth_by_kind(self) -> Dict[str, float]:
         """Per kind, the most any one of its processes' resident memory grew from ``mark`` to its largest
