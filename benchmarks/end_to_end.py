@@ -192,6 +192,9 @@ REFERENCE_TARGET, FLOOR_TARGET, FLOOR_TARGET_STALE = 2.0, 0.6, 0.9
 SPREAD_TARGET_PCT = 10.0
 #: Defaults: steps per trainer, of which the first are warm-up (not timed), and rounds.
 DEFAULT_STEPS, DEFAULT_WARMUP, DEFAULT_ROUNDS = 600, 100, 3
+#: Seconds between two readings of every process while the CPU's window is open (its ends are read when the
+#: log lines or files that mark them are seen): each reading takes the contestants' CPU too.
+WATCH_INTERVAL = 2.0
 #: Thread groups under this many CPU seconds per 1,000 samples are left out of the table by thread.
 THREAD_ROW_AT_LEAST = 0.00005
 #: How long to wait, before a contestant starts, for the processes of the one before to be gone.
@@ -244,7 +247,7 @@ def watch_cpu(started: Callable[[], bool], ended: Callable[[], bool]) -> Polling
     """Counts the CPU of this benchmark's descendants by kind, from when ``started()`` first holds to when
     ``ended()`` does."""
     return PollingThread(ProcessTreeCPU(os.getpid(), "benchmark", process_kind, by_thread=True), started,
-                         done=ended)
+                         interval=WATCH_INTERVAL, done=ended)
 
 
 def settle(cpu: PollingThread) -> None:
@@ -569,7 +572,8 @@ def report_cpu(runs: Dict[str, List[Dict]]) -> None:
         return f"{statistics.median(totals):.4f} ({min(totals):.4f}-{max(totals):.4f})"
 
     windowed = all(r["cpu_window"] for results in runs.values() for r in results)
-    print(f"\n| CPU seconds per 1,000 samples, medians of the runs ({'timed window only' if windowed else 'start-up or exit included in some'}) "
+    window = "timed window only" if windowed else "start-up or exit included in some"
+    print(f"\n| CPU seconds per 1,000 samples, medians of the runs ({window}) "
           f"| paramserver | reference | floor |\n|---|---:|---:|---:|")
     for label, ours, theirs in CPU_ROWS:
         floor = cell(FLOOR, "floor") if ours == "worker" else ""  # the floor's one process trains

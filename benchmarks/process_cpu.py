@@ -6,9 +6,11 @@ followed by parent pid from a root process; each process gets a kind when
 it is seen (a ``classify`` function of its command line, its name, its
 parent's command line and kind; by default its parent's kind); its CPU time (utime + stime of ``/proc/<pid>/stat``,
 every thread) is read at every ``poll``, and with ``by_thread`` each group of its
-threads' too (``/proc/<pid>/task/<tid>/stat`` by the thread's name: ``main`` for
-its first thread, ``TP_UV_loop`` for TensorPipe's, ``pt_gloo_runloop`` for
-gloo's, ``pt_thread_pool`` for the RPC handlers...), and the last reading of each
+threads' too, at ``mark`` and ``end`` only (``/proc/<pid>/task/<tid>/stat`` by
+the thread's name: ``main`` for its first thread, ``TP_UV_loop`` for
+TensorPipe's, ``pt_gloo_runloop`` for gloo's, ``pt_thread_pool`` for the RPC
+handlers...: reading every thread costs the watcher about 4x a plain poll, CPU
+taken from what it watches), and the last reading of each
 process is kept, since most exit before the run ends (what a process spent
 between its last poll and its exit is missed: poll often).  ``mark`` takes
 a baseline, so that ``cpu_by_kind`` counts only what was spent after it
@@ -110,9 +112,9 @@ class ProcessTreeCPU:
         self._rss_baseline: Dict[ProcessKey, int] = {}
         self._ended = False
 
-    def poll(self) -> None:
-        """Read the CPU time of every process of the tree now (new ones are classified first); nothing after
-        ``end``."""
+    def poll(self, threads: bool = False) -> None:
+        """Read the CPU time of every process of the tree now (new ones are classified first), and with
+        ``threads`` (and ``by_thread``) of its threads; nothing after ``end``."""
         if self._ended:
             return
         stats = {}
@@ -144,13 +146,13 @@ class ProcessTreeCPU:
                     self._kinds[key] = self.classify(self._cmdlines[key], read_name(pid),
                                                      self._cmdlines.get(parent_key, ""), parent_kind) or parent_kind
                 self._readings[key] = cpu
-                if self.by_thread:
+                if threads and self.by_thread:
                     self._threads[key] = read_threads(pid) or self._threads.get(key, {})
                 self._rss[key] = max(self._rss.get(key, 0), read_rss(pid))
 
     def mark(self) -> None:
         """Poll, and count from now on."""
-        self.poll()
+        self.poll(threads=True)
         with self._lock:
             self._baseline = dict(self._readings)
             self._threads_baseline = {key: dict(groups) for key, groups in self._threads.items()}
@@ -158,7 +160,7 @@ class ProcessTreeCPU:
 
     def end(self) -> None:
         """Poll, and count nothing from now on."""
-        self.poll()
+        self.poll(threads=True)
         self._ended = True
 
     def alive(self) -> int:
@@ -186,8 +188,8 @@ class ProcessTreeCPU:
 
 
     def cpu_by_thread(self) -> Dict[Tuple[str, str], float]:
-        """With ``by_thread``: CPU seconds of each (kind of process, thread group) since ``mark``; a thread that
-        exited between two polls is counted up to its last reading."""
+        """With ``by_thread``: CPU seconds of each (kind of process, thread group) from ``mark`` to ``end`` (a
+        thread that exited between them is not counted; a process that did, up to its reading at ``mark``)."""
         with self._lock:
             spent: Dict[Tuple[str, str], float] = {}
             for key, groups in self._threads.items():
@@ -210,8 +212,8 @@ class ProcessTreeCPU:
 
 
 class PollingThread:
-    """Polls a ``ProcessTreeCPU`` every ``interval`` seconds (every ``fast_interval`` until ``ready()`` says
-    the window starts, then it marks; then every ``fast_interval`` again, once ``done`` is given, until
+    """Polls a ``ProcessTreeCPU`` every ``interval`` seconds (every half second at most until ``ready()``, asked
+    every ``fast_interval``, says the window starts, then it marks; then every ``fast_interval`` again, once ``done`` is given, until
     ``done()`` says the window ends, then it ends the tree's counting) while the ``with`` block runs, and
     once more at its end."""
 
@@ -228,8 +230,9 @@ class PollingThread:
             if not self.tree.marked:
                 if self.ready():
                     self.tree.mark()
-                else:
+                elif time.monotonic() >= next_poll:  # (at most every half second: a reading costs CPU)
                     self.tree.poll()
+                    next_poll = time.monotonic() + min(self.interval, 0.5)
             elif self.done is not None and self.done():  # (asked every fast_interval: it is a cheap look)
                 self.tree.end()
                 return
