@@ -16,8 +16,20 @@ import torch
 from torch import Tensor
 
 
+#: The rows of a message that carries none.
+NO_ROWS = torch.empty(0)
+
+
+def is_compact(piece: Tensor) -> bool:
+    """Whether ``piece`` is the whole of its storage, contiguous: sent as it is, it sends nothing more."""
+    return piece.is_contiguous() and piece.storage_offset() == 0 and \
+        piece.untyped_storage().nbytes() == piece.numel() * piece.element_size()
+
+
 def pack_ids(ids: Sequence[Tensor]) -> Tensor:
     """``ids`` (1-D int64 pieces) as one tensor; ``counts(ids)`` says where each piece ends."""
+    if len(ids) == 1 and is_compact(ids[0]):
+        return ids[0]
     return torch.cat(list(ids)) if ids else torch.empty(0, dtype=torch.long)
 
 
@@ -27,7 +39,9 @@ def counts(pieces: Sequence[Tensor]) -> List[int]:
 
 
 def pack_rows(rows: Sequence[Tensor]) -> Tensor:
-    """``rows`` (2-D pieces of one dtype, any widths) as one flat tensor."""
+    """``rows`` (2-D pieces of one dtype, any widths) as one flat tensor (one compact piece: a view of it)."""
+    if len(rows) == 1 and is_compact(rows[0]):
+        return rows[0].view(-1)
     return torch.cat([piece.reshape(-1) for piece in rows]) if rows else torch.empty(0)
 
 
@@ -36,7 +50,7 @@ def unpack_ids(ids: Tensor, row_counts: Sequence[int]) -> List[Tensor]:
     if ids.dim() != 1 or any(count < 0 for count in row_counts) or sum(row_counts) != ids.numel():
         raise ValueError(f"{ids.numel()} packed ids (shape {list(ids.shape)}) do not split into counts "
                          f"{list(row_counts)}")
-    return list(ids.split(list(row_counts)))
+    return [ids] if len(row_counts) == 1 else list(ids.split(list(row_counts)))
 
 
 def unpack_rows(flat: Tensor, row_counts: Sequence[int], widths: Sequence[int]) -> List[Tensor]:
@@ -47,4 +61,6 @@ def unpack_rows(flat: Tensor, row_counts: Sequence[int], widths: Sequence[int]) 
             sum(sizes) != flat.numel():
         raise ValueError(f"{flat.numel()} packed values (shape {list(flat.shape)}) do not split into "
                          f"{list(row_counts)} rows of widths {list(widths)}")
+    if len(sizes) == 1:
+        return [flat.view(row_counts[0], widths[0])]
     return [piece.view(count, width) for piece, count, width in zip(flat.split(sizes), row_counts, widths)]

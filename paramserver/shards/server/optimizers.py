@@ -19,7 +19,10 @@ targets that reach them):
   a lost shard).
 * Serialization: every parameter has a lock; a step takes the locks of its
   parameters in one global order, so concurrent steps from several trainers
-  are applied one after another per parameter and none is lost.
+  are applied one after another per parameter and none is lost.  What a
+  push's rows need before that (checks, a fixed table's sparse gradient,
+  built by a compiled function) is done before its locks are taken, so a
+  push being applied and the next one's preparation overlap.
 * Sharing (``owner_optimizer_for``): trainers that ask for the same optimizer
   (class, hyperparameters, parameters) get the same ``OwnerOptimizer``, so the
   server keeps one optimizer state per parameter, which all trainers'
@@ -392,20 +395,29 @@ class OwnerOptimizer:
                 raise ValueError(f"a push for {self.names[index]} (shape {list(param.shape)}) has "
                                  f"{list(rows.shape)} rows and gradients of shape {list(values.shape)}")
 
-        def run(measure: bool) -> Tuple[int, int]:  # under the locks: a dynamic table's ids name the same rows
-            by_param: List[Optional[Tensor]] = [None] * len(self.params)
-            for index, rows, values in zip(params, ids, gradients):
-                dynamic = self._dynamic[index]
-                if dynamic is not None:  # ids -> slots; gradients of ids without a row are dropped
-                    slots = dynamic.slots_locked(rows)
-                    held = (slots >= 0).nonzero().view(-1)
-                    rows, values = (slots, values) if held.numel() == slots.numel() else \
-                        (slots.index_select(0, held), values.index_select(0, held))
-                param = self.params[index]
-                if values.dtype != state_dtype(param) and values.dtype in PUSHED_TYPES:  # (``push_dtype``)
-                    values = values.to(state_dtype(param))
-                by_param[index] = _row_gradient(rows, values, param.shape, self.names[index])
-                self._marks[index].mark(rows)
+        # A fixed table's gradient is built (and its rows checked) before the locks are taken: a push being
+        # applied does not wait for the next one's preparation.  A dynamic table's ids name rows only under them.
+        by_param: List[Optional[Tensor]] = [None] * len(self.params)
+        by_id = []
+        for index, rows, values in zip(params, ids, gradients):
+            param = self.params[index]
+            if values.dtype != state_dtype(param) and values.dtype in PUSHED_TYPES:  # (``push_dtype``)
+                values = values.to(state_dtype(param))
+            if self._dynamic[index] is None:
+                by_param[index] = row_gradient(rows, values, list(param.shape), self.names[index])
+            else:
+                by_id.append((index, rows, values))
+
+        def run(measure: bool) -> Tuple[int, int]:  # under the locks
+            for index, rows, values in by_id:  # ids -> slots; gradients of ids without a row are dropped
+                slots = self._dynamic[index].slots_locked(rows)
+                held = (slots >= 0).nonzero().view(-1)
+                rows, values = (slots, values) if held.numel() == slots.numel() else \
+                    (slots.index_select(0, held), values.index_select(0, held))
+                by_param[index] = row_gradient(rows, values, list(self.params[index].shape), self.names[index])
+            for index, gradient in enumerate(by_param):
+                if gradient is not None:
+                    self._marks[index].mark(gradient._indices()[0])
             return self._impl.apply(by_param, measure)
         return self._timed(run, lambda: peer, "push", once)
 
@@ -599,20 +611,31 @@ def _restore_state(state: ShardState, owner_optimizer: OwnerOptimizer) -> None:
                     owner_optimizer.handle, len(restored), len(owner_optimizer.params))
 
 
-def _row_gradient(rows: Tensor, values: Tensor, shape: torch.Size, name: str) -> Tensor:
+def row_gradient(rows: Tensor, values: Tensor, shape: List[int], name: str) -> Tensor:
+    """``_row_gradient``; its refusals raised as the ``ValueError`` they are."""
+    try:
+        return _row_gradient(rows, values, shape, name)
+    except torch.jit.Error as error:
+        reraise_script_error(error)  # always raises
+
+
+@torch.jit.script
+def _row_gradient(rows: Tensor, values: Tensor, shape: List[int], name: str) -> Tensor:
     """The row-sparse gradient of ``values`` at ``rows``, built coalesced when the rows are distinct (as pushes
     send them: sorted for a fixed table, in slot order for a dynamic one), so that the optimizer's step does
     not sort and deduplicate them again; the same tensor ``coalesce()`` would make, so the same update.
     ``ValueError`` naming parameter ``name`` when a row is not one of its rows: the rows are checked here, by
-    their ends once sorted, not again by the sparse tensor (whose checks cost more than a small table's update)."""
+    their ends once sorted, not again by the sparse tensor (whose checks cost more than a small table's update).
+    Compiled: a push's checks cost a few operations, not a few Python calls each."""
     increasing = rows.numel() < 2 or bool((rows[1:] > rows[:-1]).all())
     if not increasing:  # a dynamic table's slots, or duplicates
         rows, order = rows.sort()
         values = values.index_select(0, order)
         increasing = bool((rows[1:] > rows[:-1]).all())  # false only with duplicates: coalesce() sums them
-    if rows.numel():  # sorted: its ends are the least and the greatest row
-        least, greatest = int(rows[0]), int(rows[-1])
+    if rows.numel() > 0:  # sorted: its ends are the least and the greatest row
+        least = int(rows[0])
+        greatest = int(rows[-1])
         if least < 0 or greatest >= shape[0]:
-            raise ValueError(f"a push names row {least if least < 0 else greatest} of parameter {name}, which has "
-                             f"{shape[0]} rows; no parameter on this owner was changed")
-    return torch.sparse_coo_tensor(rows.unsqueeze(0), values, shape, check_invariants=False, is_coalesced=increasing)
+            raise ValueError("a push names row {} of parameter {}, which has {} rows; no parameter on this owner "
+                             "was changed".format(least if least < 0 else greatest, name, shape[0]))
+    return torch.ops.aten._sparse_coo_tensor_unsafe(rows.unsqueeze(0), values, shape, is_coalesced=increasing)

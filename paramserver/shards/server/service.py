@@ -42,6 +42,7 @@ from torch.distributed.rpc import RRef
 
 from ...filesystems import locate
 from ...tables import DynamicOptions
+from .. import wire
 from . import checkpoint_part, export_part, figures, hosted, optimizers, rows
 from .state import ShardState
 
@@ -144,6 +145,8 @@ def _push_lookup_kernel(incarnation: int, optimizer: int, params: List[int], par
                         tables: List[int], lookup_ids: Tensor, lookup_counts: List[int], lookup_step: int) -> Tensor:
     state = _state()
     rows.pushes(state, incarnation, optimizer, params, param_counts, ids, counts, gradients, peer, pusher, steps)
+    if not tables:  # a push that reads nothing (its incarnation was checked)
+        return wire.NO_ROWS
     return rows.lookup(state, incarnation, tables, lookup_ids, lookup_counts, lookup_step)
 
 
