@@ -9,16 +9,18 @@ from paramserver.runtime.threads import (HOST_PROCESSES_ENV, INTEROP_THREADS_ENV
 SIXTEEN = (16, "CPU affinity")
 
 
-def test_workers_share_the_cores_and_servers_take_one_thread():
+def test_workers_share_the_cores_and_servers_take_one_intra_op_thread():
     alone = choose_threads("worker", {}, SIXTEEN)
     assert (alone.intra_op, alone.inter_op) == (16, 2)
     crowded = {HOST_PROCESSES_ENV: "13"}  # coordinator + 4 shards + 8 workers
     assert choose_threads("worker", crowded, SIXTEEN).intra_op == 1
     assert choose_threads("worker", {HOST_PROCESSES_ENV: "7"}, SIXTEEN).intra_op == 2
     assert choose_threads("worker", {HOST_PROCESSES_ENV: "7"}, (2, "cgroup CPU quota 2")).intra_op == 1
-    for role in ("shard", "coordinator"):
+    for role, inter_op in (("shard", 16), ("coordinator", 1)):  # a shard's inter-op pool applies a push in parts
         choice = choose_threads(role, {}, SIXTEEN)
-        assert (choice.intra_op, choice.inter_op) == (1, 1)
+        assert (choice.intra_op, choice.inter_op) == (1, inter_op)
+    assert (choose_threads("shard", crowded, SIXTEEN).inter_op, choose_threads("shard", {HOST_PROCESSES_ENV: "4"},
+                                                                               SIXTEEN).inter_op) == (1, 4)
     line = choose_threads("worker", crowded, SIXTEEN).describe("worker")
     assert line == ("1 intra-op and 1 inter-op threads: 16 cores (CPU affinity) shared by 13 processes of this host, "
                     "as a worker")

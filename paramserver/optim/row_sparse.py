@@ -23,7 +23,7 @@ Half-precision parameters (float16 or bfloat16 rows, ``rounding.is_half``) are u
 state is float32, a step gathers their touched rows as float32 copies (a dense gradient of such a parameter
 touches every row), the optimizer's math runs on those, and ``scatter()`` writes them back rounded
 (``rounding.round_rows``): stochastically by default, from a generator seeded per parameter
-(``RowState.set_rounding``) and per step, or to nearest.  Gradients may come in float32 or in the
+(``RowState.set_rounding``), per step and by the first row written, or to nearest.  Gradients may come in float32 or in the
 parameter's own type; they are read as float32.
 
 Everything compiles under TorchScript (where a script class uses it) and runs as plain Python too: with
@@ -86,6 +86,9 @@ class RowState:
         self.rounding_seeds: List[int] = [0 for _ in params]
         self.rounds_nearest: List[bool] = [False for _ in params]
         self.rounding_steps: List[int] = [0 for _ in params]
+        #: Whether each write counts as a step of its own (``rounded``); a caller that applies one step in
+        #: several parts at once turns it off and counts the steps itself (``count_rounding_step``).
+        self.counts_rounding_steps = True
 
     def set_rounding(self, i: int, seed: int, nearest: bool) -> None:
         """Parameter ``i``'s rows (if half-precision) are written back to nearest (``nearest``) or stochastically
@@ -93,15 +96,21 @@ class RowState:
         self.rounding_seeds[i] = seed
         self.rounds_nearest[i] = nearest
 
-    def rounded(self, i: int, values: Tensor) -> Tensor:
-        """``values`` (rows of parameter ``i``, computed in float32) in the parameter's type, rounded as
-        ``set_rounding`` said; each call is a step of its own (new rounding bits)."""
+    def count_rounding_step(self, i: int) -> None:
+        """Parameter ``i`` starts a step (when ``counts_rounding_steps`` is off)."""
+        self.rounding_steps[i] += 1
+
+    def rounded(self, i: int, values: Tensor, first_row: int) -> Tensor:
+        """``values`` (rows of parameter ``i`` from row ``first_row`` on, computed in float32) in the parameter's
+        type, rounded as ``set_rounding`` said, with bits drawn for this step and first row."""
         dtype = self.params[i].dtype
         if not is_half(dtype):
             return values
         step = self.rounding_steps[i]
-        self.rounding_steps[i] = step + 1
-        return round_rows(values, dtype, self.rounds_nearest[i], rounding_generator(self.rounding_seeds[i], step))
+        if self.counts_rounding_steps:
+            self.rounding_steps[i] = step + 1
+        generator = rounding_generator(self.rounding_seeds[i], step * 1000003 + first_row)
+        return round_rows(values, dtype, self.rounds_nearest[i], generator)
 
     def _new(self, k: int, param: Tensor) -> Tensor:
         shape = state_shape(self.layouts[k], param)
@@ -262,7 +271,8 @@ class RowStep:
         for j in range(len(self.row_params)):
             i = self.row_index[j]
             rows = self.rows[j]
-            state.params[i].index_copy_(0, rows, state.rounded(i, self.row_params[j]))
+            first_row = int(rows[0]) if is_half(state.params[i].dtype) else 0
+            state.params[i].index_copy_(0, rows, state.rounded(i, self.row_params[j], first_row))
             tensors = state.of(i)
             for k in range(len(state.names)):
                 if state.layouts[k] != "scalar":

@@ -15,9 +15,11 @@ training slows down as workers are added.  Here:
   per container);
 * a worker takes its share (``cores // processes``, at least 1) for its
   dense layers; a shard server and the coordinator take 1 intra-op
-  thread: a shard gets its parallelism from concurrent RPC threads and
-  from running several shards, and a per-op pool would fight them for
-  cores; the coordinator does no tensor work;
+  thread: a shard gets its parallelism from concurrent RPC threads, from
+  running several shards, and from its inter-op pool, which applies a
+  large push's rows in parts at once (``shards/server/optimizers.py``) and
+  is its share of the cores; a per-op pool would fight them for cores;
+  the coordinator does no tensor work;
 * ``PARAMSERVER_THREADS`` and ``PARAMSERVER_INTEROP_THREADS`` (or
   ``--threads`` of ``ps-server``/``ps-worker``) override.
 
@@ -117,7 +119,7 @@ def choose_threads(role: str, environ=None, cores: Optional[Tuple[int, str]] = N
     processes = _positive_env(HOST_PROCESSES_ENV, environ) or 1
     share = max(1, count // processes)
     intra = share if role == "worker" else 1
-    inter = min(2, intra)
+    inter = share if role == "shard" else min(2, intra)
     intra_override, inter_override = _positive_env(THREADS_ENV, environ), _positive_env(INTEROP_THREADS_ENV, environ)
     return ThreadChoice(intra_op=intra_override or intra, inter_op=inter_override or inter, cores=count,
                         cores_from=source, host_processes=processes,

@@ -50,6 +50,7 @@ from ..._torch_compat import torchscript_enabled
 from ..._torch_compat import autograd_context_creator, current_rpc_agent
 from ...logs import one_line
 from ...optim.registry import class_name, functional_optim_map
+from ...optim.kernels import row_slice_fused_min_elements
 from ...optim.rounding import is_half
 from ...optim.row_sparse import RowState, state_dtype
 from ...optim.scripted import reraise_script_error
@@ -195,7 +196,63 @@ class _ScriptedStepWithStateDict(_ScriptedStep):
 
 class _ScriptedStepWithRowState(_ScriptedStepWithStateDict):
     """For functional classes on the row-sparse driver (``state: RowState``: ours), whose per-row state follows
-    the rows, which tables need: dynamic ones as their slabs grow and their slots take new ids."""
+    the rows, which tables need: dynamic ones as their slabs grow and their slots take new ids.
+
+    A push is applied in ``parts`` parts at once (``set_parts``: 1 by default) when the class updates each row
+    from its own row, gradient and state only (``ROW_INDEPENDENT``) and the push is large enough: its rows
+    split into consecutive runs, each stepped on a thread of the inter-op pool (``torch.jit.fork``), without
+    the GIL.  The rows and their state come out as one step gives them.  Half-precision rows are applied in
+    one part (``split_rows``)."""
+
+    def __init__(self, optim, params: List[Tensor], names: List[str]):
+        super().__init__(optim, params, names)
+        self.parts = 1
+        optim.state.counts_rounding_steps = False  # counted here, once per step however many parts apply it
+
+    @torch.jit.export
+    def set_parts(self, parts: int) -> None:
+        self.parts = parts
+
+    @torch.jit.export
+    def apply(self, gradients: List[Optional[Tensor]], measure: bool) -> Tuple[int, int]:
+        """Apply ``gradients`` (one per parameter, ``None`` to skip one) as one step, in parts where it pays;
+        ``measure`` as in ``step``."""
+        check_gradient_shapes(self.names, self.params, gradients)
+        state = self.optim.state
+        for i in range(len(gradients)):
+            if gradients[i] is not None:
+                state.of(i)  # made now, not by the parts at once
+                state.count_rounding_step(i)
+        pieces = split_rows(gradients, self.params, self.parts, row_slice_fused_min_elements())
+        if len(pieces) == 1:
+            self.optim.step(gradients)
+        else:
+            futures: List[torch.jit.Future[int]] = []
+            for part in range(1, len(pieces)):
+                futures.append(torch.jit.fork(self._step_part, pieces[part]))
+            self._step_part(pieces[0])
+            for future in futures:
+                torch.jit.wait(future)
+        if measure:
+            return gradient_stats(gradients)
+        return 0, 0
+
+    @torch.jit.export
+    def step(self, context_id: int, measure: bool) -> Tuple[int, int]:
+        """Apply the context's gradients (``apply``, in one part)."""
+        gradients = checked_context_gradients(context_id, self.names, self.params)
+        state = self.optim.state
+        for i in range(len(gradients)):
+            if gradients[i] is not None:
+                state.count_rounding_step(i)
+        self.optim.step(gradients)
+        if measure:
+            return gradient_stats(gradients)
+        return 0, 0
+
+    def _step_part(self, gradients: List[Optional[Tensor]]) -> int:
+        self.optim.step(gradients)
+        return 0
 
     @torch.jit.export
     def resize_state_rows(self, index: int, rows: int) -> None:
@@ -208,6 +265,51 @@ class _ScriptedStepWithRowState(_ScriptedStepWithStateDict):
     @torch.jit.export
     def set_rounding(self, index: int, seed: int, nearest: bool) -> None:
         self.optim.state.set_rounding(index, seed, nearest)
+
+
+@torch.jit.script
+def split_rows(gradients: List[Optional[Tensor]], params: List[Tensor], parts: int,
+               least: int) -> List[List[Optional[Tensor]]]:
+    """``gradients`` (of ``params``) as up to ``parts`` lists of the same kind, each holding a run of
+    consecutive rows of each gradient split, of at least ``least`` values (``kernels.row_slice_fused_min_elements``:
+    so that a run takes the same kernel as the whole); ``[gradients]`` when none splits.  Only coalesced
+    row-sparse gradients of float32 (or wider) rows split: half-precision rows are rounded with the bits of one
+    stream per step, which a split would deal out differently; the others go whole into the first list."""
+    counts: List[int] = []
+    most = 1
+    for i in range(len(gradients)):
+        gradient = gradients[i]
+        count = 1
+        if gradient is not None and gradient.is_sparse and gradient.is_coalesced() and not is_half(params[i].dtype):
+            count = max(1, min(parts, gradient._values().numel() // least))
+        counts.append(count)
+        most = max(most, count)
+    if most < 2:
+        return [gradients]
+    pieces: List[List[Optional[Tensor]]] = []
+    for part in range(most):
+        piece: List[Optional[Tensor]] = []
+        for i in range(len(gradients)):
+            gradient = gradients[i]
+            count = counts[i]
+            if gradient is None or part >= count:
+                piece.append(None)
+            elif count == 1:
+                piece.append(gradient)
+            else:
+                rows = gradient._nnz()
+                start = rows * part // count
+                stop = rows * (part + 1) // count
+                piece.append(torch.ops.aten._sparse_coo_tensor_unsafe(
+                    gradient._indices()[:, start:stop], gradient._values()[start:stop], gradient.shape,
+                    is_coalesced=True))
+        pieces.append(piece)
+    return pieces
+
+
+#: Functional classes whose update of a row reads only that row, its gradient and its state (no count or norm
+#: over the table): a push may be applied to runs of its rows at once.
+ROW_INDEPENDENT = ("FunctionalQHM", "FunctionalSGD", "FunctionalRowWiseAdagrad", "FunctionalFTRL")
 
 
 class _ScriptedStepWithStateAttribute(_ScriptedStep):
@@ -298,6 +400,9 @@ class OwnerOptimizer:
         #: Each parameter's rows changed since a live export (``ShardState.row_marks``: one object for its life).
         self._marks = [state.row_marks(p) for p in self.params]
         self._refuse_unless_rows_apply(state, args, kwargs)
+        if hasattr(self._impl, "set_parts") and functional_cls.__name__ in ROW_INDEPENDENT:
+            # a large push in as many parts as the shard's inter-op pool has threads (its cores' share)
+            self._impl.set_parts(torch.get_num_interop_threads())
         for index, param in enumerate(self.params):
             if is_half(param.dtype):  # seeded by the table part's name: the same pushes give the same rows
                 self._impl.set_rounding(index, zlib.crc32(self.names[index].encode()) & 0x7FFFFFFF,
