@@ -36,10 +36,13 @@ What it measures
     For each: rows per second of wall time, rows per second of the shard
     process's CPU time (``/proc/PID/task/*/schedstat``: every thread of the
     shard, in nanoseconds), and the cores the shard used (CPU / wall).  The
-    shard runs once per ``--thread-configs`` entry ``AxB``: A RPC worker
-    threads (``PeerOptions.num_worker_threads``, which run the requests) and
-    B torch intra-op threads (``PeerOptions.intra_op_threads``, 1 on shards
-    by default); the default ``1x1,2x1``.
+    shard runs once per ``--thread-configs`` entry ``AxBxC``: A RPC worker
+    threads (``PeerOptions.num_worker_threads``, which run the requests), B
+    torch intra-op threads (``PeerOptions.intra_op_threads``, 1 on shards by
+    default) and C inter-op threads (``PeerOptions.inter_op_threads``: the
+    pool on which a large push is applied in parts; a shard's share of the
+    cores by default); the default ``1x1x1,1x1x2,2x1x1``: one thread, then
+    two applying a push in parts, then two applying pushes.
 
     Beside them, in this process (1 intra-op thread, as a shard runs):
 
@@ -82,10 +85,10 @@ How to read it
 
     * rows applied per second over RPC at least 0.7x of the in-process fused
       step, at dims 16 and 64, judged per shard core: rows per second of the
-      shard's CPU time, backlog, one shard thread;
+      shard's CPU time, backlog, the first thread configuration (one thread);
     * 2 shard threads at least 1.7x of 1 on 2 cores: rows per second of wall
       time, backlog (the pushers idle while the shard works), the best
-      two-thread configuration against ``1x1``.
+      two-thread configuration against the first.
 
     In-process figures are medians of the CPU time of one request per sample
     (this thread's: time other processes take is not counted, as it is not
@@ -231,6 +234,8 @@ def in_process_case(table_rows: int, rows: int, dim: int, spec: OptimizerSpec, s
     table = hosted.host_rows(state, "table", table_rows, dim, torch.float32, seed=7, start_row=0, shared=True,
                              init_std=0.01)
     owner = optimizers.owner_optimizer_for(state, spec.cls, [table], [0], (), dict(spec.kwargs))
+    if hasattr(getattr(owner, "_impl", None), "set_parts"):
+        owner._impl.set_parts(1)  # one thread, as the fused step: a push's parts would run on others, unmeasured
     incarnation, (table_handle,) = shard_rows.table_handles(state, [table])
     shape = table.shape
     # The kernel's floor: the functional step on plain storage of the same table, a state of its own.
@@ -253,7 +258,7 @@ def in_process_case(table_rows: int, rows: int, dim: int, spec: OptimizerSpec, s
         if row_gradient is not None:
             def built() -> None:
                 ids, values = rotation.take()
-                impl.apply([row_gradient(ids, values, shape, "table")], False)
+                impl.apply([row_gradient(ids, values, list(shape), "table")], False)
             layers.append(("gradient", built))
 
     def apply_rows() -> None:
@@ -570,9 +575,13 @@ def driver(pushers: Sequence[str], rpc_threads: int, plan: Dict, out_path: str) 
         json.dump(figures, out)
 
 
-def parse_threads(text: str) -> Tuple[int, int]:
-    rpc_threads, _, intra = text.partition("x")
-    return int(rpc_threads), int(intra or 1)
+def parse_threads(text: str) -> Tuple[int, int, Optional[int]]:
+    """``AxB`` or ``AxBxC``: RPC worker threads, intra-op threads, inter-op threads (``None``: torch's default)."""
+    numbers = [int(part) for part in text.split("x")]
+    if not 1 <= len(numbers) <= 3 or min(numbers) < 1:
+        raise ValueError(f"a thread configuration is AxB or AxBxC of positive numbers, got {text!r}")
+    numbers += [1, None][len(numbers) - 1:]
+    return numbers[0], numbers[1], numbers[2]
 
 
 def over_rpc(args, label: str, timeout_s: float) -> List[Dict]:
@@ -581,13 +590,13 @@ def over_rpc(args, label: str, timeout_s: float) -> List[Dict]:
     from paramserver.shards.peer import PeerOptions
     from paramserver.shards.server.process import ShardServerOptions
 
-    rpc_threads, intra = parse_threads(label)
+    rpc_threads, intra, inter = parse_threads(label)
     pushers = [f"trainer{k + 1}" for k in range(args.pushers)]
     plan = dict(label=label, dims=args.dims, optimizers=args.optimizers, rows=args.rows,
                 table_rows=args.table_rows, seconds=args.seconds,
                 live=not args.no_live and (label == args.thread_configs[0] or args.live_all))
     shard_options = ShardServerOptions(peer=PeerOptions(num_worker_threads=rpc_threads, intra_op_threads=intra,
-                                                        transports=("uv",)))
+                                                        inter_op_threads=inter, transports=("uv",)))
     trainer_options = PeerOptions(transports=("uv",))
     with tempfile.TemporaryDirectory() as directory:
         out_path = os.path.join(directory, "figures.json")
@@ -624,10 +633,10 @@ def report(args, gbps: float, local: Dict, rpc_figures: Dict[str, List[Dict]]) -
     first = args.thread_configs[0]
     by_key = {(label, f["rows"], f["dim"], f["optimizer"], f["kind"]): f
               for label, figures in rpc_figures.items() for f in figures}
-    print("# Shard throughput: torch {}, {} cores, measured on a busy shared machine; table {:,} rows, {} pushers, "
-          "{:g} s per window, TCP (uv); shard threads {}; copy {:.1f} GB/s{}".format(
-              torch.__version__, os.cpu_count(), args.table_rows, args.pushers, args.seconds,
-              ", ".join(args.thread_configs), gbps, ", --quick" if args.quick else ""))
+    print("# Shard throughput: torch {}, {} cores, 1-min load average {:.1f} before, {:.1f} after; table {:,} rows, "
+          "{} pushers, {:g} s per window, TCP (uv); shard threads {}; copy {:.1f} GB/s{}".format(
+              torch.__version__, os.cpu_count(), args.load_before, os.getloadavg()[0], args.table_rows,
+              args.pushers, args.seconds, ", ".join(args.thread_configs), gbps, ", --quick" if args.quick else ""))
     print()
     print(f"Rows applied per second (pushes), shard threads {first}:")
     print()
@@ -761,8 +770,8 @@ TorchScript RPC target called in-process (the custom op's Python kernel); over R
 request (receiving, deserializing, replying included). glue in-process = push_lookup op - fused step.
 Targets: rows applied per second over RPC, per shard CPU second, at least {target:g}x of the in-process fused
 step at dims {dims} (shard threads {first}); the best two-thread configuration at least {two:g}x of {first}
-in backlog rows per second of wall time. Measured on a busy shared 2-core machine: compare runs, not
-digits."""
+in backlog rows per second of wall time. Other processes on the machine take cores too (the load average
+above): compare runs, not digits."""
 
 
 # --------------------------------------------------------------------------
@@ -787,13 +796,14 @@ def optimizer_list(text: str) -> List[str]:
 def thread_list(text: str) -> List[str]:
     labels = [part.strip() for part in text.split(",") if part.strip()]
     try:
-        parsed = [parse_threads(label) for label in labels]
+        for label in labels:
+            parse_threads(label)
     except ValueError:
-        parsed = []
-    if not parsed or min(min(pair) for pair in parsed) < 1:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of AxB (RPC threads x intra-op "
-                                         f"threads), got {text!r}")
-    return [f"{a}x{b}" for a, b in parsed]
+        labels = []
+    if not labels:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of AxB or AxBxC (RPC threads x intra-op "
+                                         f"threads x inter-op threads), got {text!r}")
+    return labels
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -809,8 +819,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--table-rows", type=int, default=None, help="rows of the table (default 1,000,000)")
     parser.add_argument("--pushers", type=int, default=2, help="pusher processes (default 2)")
     parser.add_argument("--thread-configs", type=thread_list, default=None,
-                        help="shard threads to run with, AxB = A RPC worker threads x B intra-op threads "
-                             "(default 1x1,2x1; the first is the one the other figures use)")
+                        help="shard threads to run with, AxBxC = A RPC worker threads x B intra-op threads x C "
+                             "inter-op threads (C left out: torch's default) (default 1x1x1,1x1x2,2x1x1; the first "
+                             "is the one the other figures use)")
     parser.add_argument("--no-live", action="store_true", help="backlog measurements only")
     parser.add_argument("--live-all", action="store_true",
                         help="the live measurement with every thread configuration (default: the first only)")
@@ -822,7 +833,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args.optimizers = args.optimizers or (["QHM"] if args.quick else list(OPTIMIZERS))
     args.seconds = args.seconds or (0.2 if args.quick else 0.6)
     args.table_rows = args.table_rows or (100_000 if args.quick else 1_000_000)
-    args.thread_configs = args.thread_configs or ["1x1", "2x1"]
+    args.thread_configs = args.thread_configs or ["1x1x1", "1x1x2", "2x1x1"]
     if max(args.rows) > args.table_rows:
         parser.error("--rows must not exceed --table-rows")
     if args.pushers < 1:
@@ -832,6 +843,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
+    args.load_before = os.getloadavg()[0]
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", category=UserWarning, message=".*[Ss]parse invariant.*")
     started = time.perf_counter()

@@ -91,8 +91,11 @@ class PeerOptions:
 
     ``intra_op_threads``: threads each PyTorch op may use (``None`` keeps
     PyTorch's default).  Shard servers default to 1: they get their
-    parallelism from concurrent RPC threads and from running several
-    shards, and a per-op thread pool would only fight them for cores.
+    parallelism from concurrent RPC threads, from running several shards
+    and from their inter-op pool, and a per-op thread pool would only fight
+    them for cores.  ``inter_op_threads``: PyTorch's inter-op pool (``None``
+    keeps its default: the cores), on which a shard applies a large push in
+    parts (``shards/server/optimizers.py``).
 
     ``transports``: TensorPipe transports to offer, in order (``None``: its
     default, which on one host prefers shared memory, ``shm``, in a static
@@ -107,6 +110,7 @@ class PeerOptions:
     rpc_timeout: datetime.timedelta = field(default_factory=_env_timeout)
     num_worker_threads: int = field(default_factory=_env_threads)
     intra_op_threads: Optional[int] = None
+    inter_op_threads: Optional[int] = None
     transports: Optional[Tuple[str, ...]] = field(default_factory=_env_transports)
 
     def __post_init__(self):
@@ -114,8 +118,9 @@ class PeerOptions:
             raise ValueError(f"rpc_timeout must be positive, got {self.rpc_timeout}")
         if self.num_worker_threads < 1:
             raise ValueError(f"num_worker_threads must be at least 1, got {self.num_worker_threads}")
-        if self.intra_op_threads is not None and self.intra_op_threads < 1:
-            raise ValueError(f"intra_op_threads must be at least 1, got {self.intra_op_threads}")
+        for threads in ("intra_op_threads", "inter_op_threads"):
+            if getattr(self, threads) is not None and getattr(self, threads) < 1:
+                raise ValueError(f"{threads} must be at least 1, got {getattr(self, threads)}")
 
 
 #: TensorPipe's own variable naming the network interface to listen on.
@@ -155,6 +160,8 @@ def join(name: str, rank: int, world_size: Optional[int], init_method: str,
     options = options or PeerOptions()
     if options.intra_op_threads is not None:
         torch.set_num_threads(options.intra_op_threads)
+    if options.inter_op_threads is not None and options.inter_op_threads != torch.get_num_interop_threads():
+        torch.set_num_interop_threads(options.inter_op_threads)  # RuntimeError once the pool has started
     if bind_host and TENSORPIPE_INTERFACE_ENV not in os.environ:
         interface = interface_for(bind_host)
         if interface is None:
