@@ -64,7 +64,7 @@ class DataPlaneMetrics:
             "Rows of row-sparse gradients applied by optimizer steps here, by the peer that sent them", "peer")
         self.step_seconds = Histogram(
             "paramserver_optimizer_step_seconds",
-            "Time of one optimizer step on this owner (the compiled step; waiting for parameter locks excluded)",
+            "Time of one optimizer step on this shard (the scripted step; waiting for parameter locks excluded)",
             ["optimizer"], buckets=STEP_SECONDS_BUCKETS, registry=registry)
         self.step_rows = Histogram(
             "paramserver_optimizer_step_rows", "Rows updated by one optimizer step with row-sparse gradients",

@@ -121,6 +121,7 @@ class DistributedOptimizer:
         self._owner_handles: List[int] = [self._handles[name] for name in self._owner_names]
         self._step_sender = torch.jit.script(_send_steps)
         python_owners = [name for name in self._by_owner if not created[name][2]]
+        # torch's DistributedOptimizer's name (kept for drop-in use): every owner runs the optimizer scripted.
         self.is_functional_optim = not python_owners
         if python_owners:
             name = getattr(optimizer_class, "__qualname__", repr(optimizer_class))

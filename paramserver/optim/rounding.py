@@ -11,7 +11,7 @@ The random bits come from a ``torch.Generator`` seeded from a seed of the row ow
 seeds each table from its own name and the table's) and the number of the step (``rounding_generator``):
 the same pushes in the same order give the same rows.
 
-Everything compiles under TorchScript (the row-sparse driver calls it from compiled steps).
+Everything compiles under TorchScript (the row-sparse driver calls it from scripted steps).
 """
 
 from typing import List

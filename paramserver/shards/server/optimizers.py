@@ -29,8 +29,8 @@ targets that reach them):
   gradients update (the parameter-server semantics) and which checkpoints
   save; a shard started from a checkpoint restores that state.
 * Step figures: when the state has a recorder (the process serves metrics),
-  each step's time (measured around the compiled call) goes there, with the
-  rows and bytes of the gradients it applied (counted inside the compiled
+  each step's time (measured around the scripted call) goes there, with the
+  rows and bytes of the gradients it applied (counted inside the scripted
   step, without the GIL, and only then).
 
 This module never sends RPCs.

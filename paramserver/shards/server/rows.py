@@ -18,7 +18,7 @@ asks of each shard, as plain functions of the shard's ``ShardState``
 * ``push`` (``pushes``: several steps' in one message, in order): the step's row gradients for every one of those tables,
   applied on arrival by the owner-side optimizer named by its handle (an
   ``optimizers.OwnerOptimizer``), under its parameters' locks, with the
-  same compiled update that ``DistributedOptimizer.step`` runs on a
+  same scripted update that ``DistributedOptimizer.step`` runs on a
   ``dist_autograd`` context's row-sparse gradients: the rows come out
   equal to the unfused path's.
 """

@@ -16,7 +16,7 @@ of what a shard answers:
   functions over the custom ops ``paramserver::lookup``,
   ``paramserver::push`` and ``paramserver::push_lookup``: requests and replies are TorchScript calls, no
   Python pickling; the ops' Python kernels hold the GIL to look handles up,
-  and the row copies and the compiled update release it);
+  and the row copies and the scripted update release it);
 * optimizers: ``new_owner_optimizer``, ``optimizer_step`` (TorchScript over
   ``paramserver::owner_step``), ``optimizer_step_stats``,
   ``optimizer_state_dict``, ``optimizer_load_state_dict``;
@@ -209,7 +209,7 @@ def push_lookup(incarnation: int, optimizer: int, params: List[int], param_count
 def new_owner_optimizer(optimizer_cls, param_rrefs: List[RRef], indices: List[int], args: tuple,
                         kwargs: dict) -> Tuple[RRef, int, bool]:
     """RPC target: the OwnerOptimizer for these parameters (``optimizers.owner_optimizer_for``, shared when it
-    exists): an RRef that keeps it alive, the handle that steps use, and whether it runs compiled."""
+    exists): an RRef that keeps it alive, the handle that steps use, and whether it is scripted."""
     owner_optimizer = optimizers.owner_optimizer_for(_state(), optimizer_cls, [rref.local_value() for rref in param_rrefs],
                                                      indices, args, kwargs)
     return RRef(owner_optimizer), owner_optimizer.handle, owner_optimizer.is_scripted
@@ -218,7 +218,7 @@ def new_owner_optimizer(optimizer_cls, param_rrefs: List[RRef], indices: List[in
 @torch.jit.script
 def optimizer_step(handle: int, context_id: int) -> int:
     """RPC target: one step of an OwnerOptimizer with the gradients of ``dist_autograd`` context ``context_id``
-    (the compiled step runs without the GIL)."""
+    (the scripted step runs without the GIL)."""
     return torch.ops.paramserver.owner_step(handle, context_id)
 
 
