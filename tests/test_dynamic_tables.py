@@ -204,7 +204,7 @@ def equal_to_a_fixed_table(kernel, optimizer, options) -> None:
         gone = torch.tensor(sorted(set(universe.tolist()) - held_ids(rows)), dtype=torch.int64)
         lost = torch.isin(universe, gone).nonzero().view(-1)
         fixed[lost] = initial_rows(universe[lost], 3, DIM, 0.1, torch.float32)
-        fixed_optimizer.reset_state_rows(0, lost)  # and its state starts again at the optimizer's initial values
+        fixed_optimizer.reset_rows(0, lost)  # and its state starts again at the optimizer's initial values
     assert rows.stats()["evicted"] > 0 and rows.slab.size(0) > 1024
     held, slots = rows.index.items()
     positions = torch.searchsorted(universe.sort().values, held)

@@ -255,11 +255,11 @@ class _ScriptedStepWithRowState(_ScriptedStepWithStateDict):
         return 0
 
     @torch.jit.export
-    def resize_state_rows(self, index: int, rows: int) -> None:
+    def resize_rows(self, index: int, rows: int) -> None:
         self.optim.state.resize_rows(index, rows)
 
     @torch.jit.export
-    def reset_state_rows(self, index: int, rows: Tensor) -> None:
+    def reset_rows(self, index: int, rows: Tensor) -> None:
         self.optim.state.reset_rows(index, rows)
 
     @torch.jit.export
@@ -434,7 +434,7 @@ class OwnerOptimizer:
         first = tables[0]
         table = self._dynamic[first].name if self._dynamic[first] is not None else self.names[first]
         optimizer = self.optimizer_cls.__qualname__
-        if not hasattr(self._impl, "reset_state_rows"):
+        if not hasattr(self._impl, "reset_rows"):
             halves = [index for index in tables if is_half(self.params[index].dtype)]
             if halves:
                 param = self.params[halves[0]]
@@ -526,15 +526,15 @@ class OwnerOptimizer:
             return self._impl.apply(by_param, measure)
         return self._timed(run, lambda: peer, "push", once)
 
-    def resize_state_rows(self, index: int, rows: int) -> None:
+    def resize_rows(self, index: int, rows: int) -> None:
         """Parameter ``index`` (a dynamic table's slab) grew to ``rows`` rows: its state too.  The caller holds
         the parameter's lock."""
-        self._impl.resize_state_rows(index, rows)
+        self._impl.resize_rows(index, rows)
 
-    def reset_state_rows(self, index: int, rows: Tensor) -> None:
+    def reset_rows(self, index: int, rows: Tensor) -> None:
         """Rows ``rows`` of parameter ``index`` were given new ids: their state starts afresh.  The caller
         holds the parameter's lock."""
-        self._impl.reset_state_rows(index, rows)
+        self._impl.reset_rows(index, rows)
 
     def _timed(self, run: Callable[[bool], Tuple[int, int]], peer: Callable[[], str], rpc: str,
                once: Optional[Tuple[int, int]] = None) -> bool:

@@ -83,7 +83,7 @@ class DynamicRows:
     # -- the optimizers whose state follows the rows -----------------------------
     def attach(self, optimizer, index: int) -> None:
         """``optimizer`` keeps per-row state of this slab as its parameter ``index``: it is told of growth
-        (``resize_state_rows``) and of slots given new ids (``reset_state_rows``), under the lock."""
+        (``resize_rows``) and of slots given new ids (``reset_rows``), under the lock."""
         with self._lock:
             self._optimizers.append((weakref.ref(optimizer), index))
 
@@ -148,7 +148,7 @@ class DynamicRows:
         self.index.insert(new_ids, taken, step)
         self.marks.mark(taken)
         for optimizer, index in self._each_optimizer():
-            optimizer.reset_state_rows(index, taken)
+            optimizer.reset_rows(index, taken)
         self.admitted += count
         slots[:count] = taken
         return slots
@@ -193,7 +193,7 @@ class DynamicRows:
         # The slab changes its memory in place (set_): the optimizers and RRefs hold this very tensor.
         self.slab.set_(self._huge_pages.grown(self.slab, rows))
         for optimizer, index in self._each_optimizer():
-            optimizer.resize_state_rows(index, rows)
+            optimizer.resize_rows(index, rows)
 
     # -- figures -------------------------------------------------------------------
     def stats(self) -> Dict[str, int]:
