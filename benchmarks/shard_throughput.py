@@ -629,6 +629,15 @@ def per_wall(figure: Dict) -> float:
     return figure["rows"] / figure["wall"]
 
 
+def table_start(title: str, header: str, alignment: str) -> None:
+    """A blank line, ``title``, a blank line and a markdown table's first two lines."""
+    print()
+    print(title)
+    print()
+    print(header)
+    print(alignment)
+
+
 def report(args, gbps: float, local: Dict, rpc_figures: Dict[str, List[Dict]]) -> None:
     first = args.thread_configs[0]
     by_key = {(label, f["rows"], f["dim"], f["optimizer"], f["kind"]): f
@@ -637,13 +646,10 @@ def report(args, gbps: float, local: Dict, rpc_figures: Dict[str, List[Dict]]) -
           "{} pushers, {:g} s per window, TCP (uv); shard threads {}; copy {:.1f} GB/s{}".format(
               torch.__version__, os.cpu_count(), args.load_before, os.getloadavg()[0], args.table_rows,
               args.pushers, args.seconds, ", ".join(args.thread_configs), gbps, ", --quick" if args.quick else ""))
-    print()
-    print(f"Rows applied per second (pushes), shard threads {first}:")
-    print()
-    print("| R | dim | optimizer | bytes/row | memory floor rows/s | in-process fused step rows/s (x of floor) "
-          "| over RPC rows/s per shard CPU s | x of in-process | target | over RPC rows/s wall (shard cores) "
-          "| live rows/s wall (shard cores) |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---|---:|---:|")
+    table_start(f"Rows applied per second (pushes), shard threads {first}:",
+                "| R | dim | optimizer | bytes/row | memory floor rows/s | in-process fused step rows/s (x of floor) "
+                "| over RPC rows/s per shard CPU s | x of in-process | target | over RPC rows/s wall (shard cores) "
+                "| live rows/s wall (shard cores) |", "|---:|---:|---|---:|---:|---:|---:|---:|---|---:|---:|")
     for rows in args.rows:
         for dim in args.dims:
             for name in args.optimizers:
@@ -663,13 +669,10 @@ def report(args, gbps: float, local: Dict, rpc_figures: Dict[str, List[Dict]]) -
                     rows, dim, name, spec.bytes_per_row(dim), rate(floor), rate(fused), fused / floor, rate(per_cpu(b)),
                     ratio, target, rate(per_wall(b)), b["cpu"] / b["wall"],
                     "{} ({:.2f})".format(rate(per_wall(live)), live["cpu"] / live["wall"]) if live else "n/a"))
-    print()
-    print(f"Rows served per second (lookups), shard threads {first}:")
-    print()
-    print("| R | dim | bytes/row | memory floor rows/s | in-process index_select rows/s (x of floor) "
-          "| over RPC rows/s per shard CPU s | x of in-process | over RPC rows/s wall (shard cores) "
-          "| live rows/s wall (shard cores) |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    table_start(f"Rows served per second (lookups), shard threads {first}:",
+                "| R | dim | bytes/row | memory floor rows/s | in-process index_select rows/s (x of floor) "
+                "| over RPC rows/s per shard CPU s | x of in-process | over RPC rows/s wall (shard cores) "
+                "| live rows/s wall (shard cores) |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for rows in args.rows:
         for dim in args.dims:
             name = args.optimizers[0]
