@@ -128,7 +128,7 @@ def test_every_rpc_target_is_the_shard_services():
             continue
         text = module.read_text()
         assert "torch.library.Library(" not in text, f"{module.relative_to(ROOT)} defines custom ops"
-        assert "_door" not in text and "ShardState.current" not in text, \
+        assert "_process_state" not in text and "ShardState.current" not in text, \
             f"{module.relative_to(ROOT)} looks up the shard's state"
         for node in ast.walk(parse(text)):  # helpers that send RPCs are handed the service's functions
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
@@ -140,7 +140,7 @@ def test_every_rpc_target_is_the_shard_services():
 
 #: Module-level state meant to be there: registries meant to be extended, and the shard service's door and
 #: custom ops (torch RPC has one agent per process: the door is the one place a request finds its state).
-ALLOWED_GLOBALS = {("optim/registry.py", "functional_optim_map"), ("shards/server/service.py", "_door"),
+ALLOWED_GLOBALS = {("optim/registry.py", "functional_optim_map"), ("shards/server/service.py", "_process_state"),
                    ("shards/server/service.py", "_ops")}
 _IMMUTABLE_CALLS = {"logging.getLogger", "TypeVar", "re.compile", "datetime.timedelta", "tuple", "frozenset",
                     "object", "pow", "_signed", "np.full"}

@@ -88,7 +88,7 @@ class CheckpointCoordinator:
         self._requests = 0
         self._answered: Dict[int, Checkpoint] = {}  # request number -> the checkpoint that answered it
         self._failed: Dict[int, str] = {}  # request number -> why the checkpoint answering it failed
-        self._settled = 0  # every request up to this one is answered or failed
+        self._answered_through = 0  # every request up to this one is answered or failed
         self._newest: Optional[Checkpoint] = restored
         #: Checkpoints committed by this coordinator (a restored one does not count).
         self.committed = 0
@@ -198,9 +198,9 @@ class CheckpointCoordinator:
         with self._changed:
             # Up to the requests made (a number beyond them is the writer's mistake, not a loop of its size).
             covered = min(request.request, self._requests)
-            for number in range(self._settled + 1, covered + 1):
+            for number in range(self._answered_through + 1, covered + 1):
                 self._failed[number] = reason
-            self._settled = max(self._settled, covered)
+            self._answered_through = max(self._answered_through, covered)
             self._changed.notify_all()
         logger.error("checkpoint%s at step %d failed: %s", f" request {request.request}" if request.request else "",
                      request.step, reason)
@@ -236,9 +236,9 @@ class CheckpointCoordinator:
             self._newest = checkpoint
             self.committed += 1
             # A request is answered by the first checkpoint committed after it (unless one failed before).
-            for number in range(self._settled + 1, self._requests + 1):
+            for number in range(self._answered_through + 1, self._requests + 1):
                 self._answered[number] = checkpoint
-            self._settled = self._requests
+            self._answered_through = self._requests
             self._changed.notify_all()
         size = sum(f.bytes for f in files)
         logger.info("checkpoint %s committed at step %d by %s: %d files, %.1f MB", checkpoint.id, checkpoint.step,

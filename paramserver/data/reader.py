@@ -161,7 +161,7 @@ class FileReader:
         self._waiting_log = RateLimitedLog(logger, "listed {count} time{s} without finding a new file")
         self._too_old_log = RateLimitedLog(logger, "found {count} file{s} older than the followed input's oldest",
                                            level=logging.WARNING)
-        self._too_old_told: set = set()  # those of them logged, while they are listed
+        self._too_old_logged: set = set()  # those of them logged, while they are listed
         #: A followed input read beside readers it is not dealt with (other trainer groups): ``take(key)`` and
         #: ``finish(key)``, see the module's text (``None``: every part of its share is its own).
         self.claims: Optional[Any] = None
@@ -240,8 +240,8 @@ class FileReader:
         self._oldest_listed = self.inputs.oldest_found or self._oldest_listed
         new_files = [name for name in listed if name not in known
                      and (_names_part_of(name, claimed) or not self._too_old(name))]
-        if self._too_old_told:  # forget those no longer listed (usually none: no set of the listing built)
-            self._too_old_told &= set(listed)
+        if self._too_old_logged:  # forget those no longer listed (usually none: no set of the listing built)
+            self._too_old_logged &= set(listed)
         mine = [part for part in self._parts_of_files(new_files)
                 if zlib.crc32(part.key.encode()) % self.workers == self.worker or part.key in claimed]
         mine.sort(key=lambda part: (part.path, part.start, part.row_group or 0))
@@ -252,8 +252,8 @@ class FileReader:
         """Whether a followed input's file ``name`` sorts below its position's ``done_below`` (logged)."""
         if name >= self._done_below:
             return False
-        if name not in self._too_old_told:
-            self._too_old_told.add(name)
+        if name not in self._too_old_logged:
+            self._too_old_logged.add(name)
             self._too_old_log.record("too old", f"{name} is older than every file of the followed input at an "
                                      f"earlier listing ({self._done_below}): taken as read, not read")
         return True

@@ -264,8 +264,8 @@ class _Run:
         # Data the group shares starts once the group dealt it (``GroupShares.formed``).
         self.batches = BatchStream(data, None if shared else _position(positions.get(ctx.worker_index)),
                                    prefetch=PREFETCH_BATCHES + trainer.staleness, started=not shared)
-        #: The first step of the window this member has no batch for, as it told at the group's agreement (``_told``;
-        #: an uneven step from there on is sat out: ``_loop``).
+        #: The first step of the window this member has no batch for, as it told at the group's agreement
+        #: (``_say_at_agreement``; an uneven step from there on is sat out: ``_loop``).
         self._own_until = 0
         self.shares = GroupShares(data, self.batches, positions, until=lambda: self._own_until) if shared else None
         self.pipeline = RowPipeline(trainer.staleness, self._upcoming, trainer.tables,
@@ -294,15 +294,15 @@ class _Run:
         self.figures: Dict[str, Any] = dict(figures)
         self.losses: List[float] = []
         self.samples = 0
-        #: Uneven steps this member took no batch in (``_sat_out``): with ``sparse_steps``, ``sparse_steps_lost``
-        #: and ``steps_skipped`` they add up to the steps.
+        #: Uneven steps this member took no batch in (``_step_without_batch``): with ``sparse_steps``,
+        #: ``sparse_steps_lost`` and ``steps_skipped`` they add up to the steps.
         self.steps_sat_out = 0
         self.times = StepTimes()
         self.start_step = self.replica.step
         self.evaluated_at: Optional[int] = None
         self._waiting_for_data = RateLimitedLog(logger, "waited {count} time{s} for data")
         self._short_of_data = RateLimitedLog(logger, "took {count} window{s} short of data")
-        self._sat_out_of = RateLimitedLog(logger, "sat out {count} step{s} with no batch")
+        self._sat_out_log = RateLimitedLog(logger, "sat out {count} step{s} with no batch")
 
     def run(self) -> Dict[str, Any]:
         replica, ctx = self.replica, self.ctx
@@ -311,7 +311,7 @@ class _Run:
         self.started = time.monotonic()
         try:
             self._loop()
-            self._settled(self.pipeline.drain())  # the pushes of the last steps, when the loop ended early
+            self._after_pushes_settled(self.pipeline.drain())  # the pushes of the last steps, when the loop ended early
             if self.exports is not None:
                 self.exports.at_boundary(final=True)  # serving gets the model as training left it
             self._evaluate_at_the_end()
@@ -341,7 +341,7 @@ class _Run:
             self.times.start()
             if replica.uneven_step() and replica.step >= self._own_until:
                 # Another member has a batch for this step, this one none: it counts zero in the mean.
-                if not self._sat_out():
+                if not self._step_without_batch():
                     return
                 continue
             batch = self.batches.current()
@@ -354,7 +354,7 @@ class _Run:
                 if isinstance(error, ShardStepFailed):
                     # Before any collective of the step: done again, while the group's other members wait
                     # for it in the step's all-reduce (up to the collective timeout).
-                    if not self._settled([], rebuild_for=error.cause):
+                    if not self._after_pushes_settled([], rebuild_for=error.cause):
                         return
                     redo = True
                     continue
@@ -364,7 +364,7 @@ class _Run:
             self.batches.finished()
             if not sparse_failures:
                 sparse.step_succeeded()
-            elif not self._settled(sparse_failures):
+            elif not self._after_pushes_settled(sparse_failures):
                 return
             self.samples += len(batch)
             self.losses.append(loss)
@@ -372,11 +372,11 @@ class _Run:
             self._after_step()
         self._boundary(final=True)
 
-    def _sat_out(self) -> bool:
+    def _step_without_batch(self) -> bool:
         """An uneven step this member has no batch for: its pushes settle and its reads ahead go (its next batch
         is for a later step), and it takes part in the step's mean with nothing.  False when the group stops."""
         replica = self.replica
-        if not self._settled(self.pipeline.drain()):
+        if not self._after_pushes_settled(self.pipeline.drain()):
             return False
         self.pipeline.drop_reads()
         try:
@@ -385,12 +385,12 @@ class _Run:
             return self._recovered(error)
         replica.finish_step()
         self.steps_sat_out += 1
-        self._sat_out_of.record("sat out", f"{self.ctx.rpc_name}: steps from {replica.step - 1} go on without a "
+        self._sat_out_log.record("sat out", f"{self.ctx.rpc_name}: steps from {replica.step - 1} go on without a "
                                            f"batch of this member: another member's data came, its own not yet")
         self._after_step()
         return True
 
-    def _settled(self, failures: List[Tuple[int, BaseException]],
+    def _after_pushes_settled(self, failures: List[Tuple[int, BaseException]],
                  rebuild_for: Optional[BaseException] = None) -> bool:
         """After pushes settled: when some failed against the shards (their sparse updates are lost, the
         dense steps went on), or a step's lookups failed (``rebuild_for``), every push still in flight is
@@ -431,18 +431,19 @@ class _Run:
         # and a checkpoint (every member drains before the export's barrier or the checkpoint's first collective).
         # Otherwise pushes in flight cross the agreement.
         agreeing = final or replica.agreement_due()
-        if final and not self._settled(self.pipeline.drain()):
+        if final and not self._after_pushes_settled(self.pipeline.drain()):
             return False
         while True:
             try:
                 if not final:
-                    want_stop, short = self._told() if agreeing else self._agreement_flags()
+                    want_stop, short = self._say_at_agreement() if agreeing else self._agreement_flags()
                     # (asked again after a re-formation: the group may have dealt this member other data)
-                    going_on = replica.sync_point(want_stop, self.checkpoints.pending(), short, retell=self._told,
+                    going_on = replica.sync_point(want_stop, self.checkpoints.pending(), short,
+                                                  retell=self._say_at_agreement,
                                                   export=self.exports is not None and self.exports.due())
                     if self._catch_up(replica):  # the group moved on: the reads ahead are for other steps
                         self.pipeline.drop_reads()
-                        if not self._settled(self.pipeline.drain()):
+                        if not self._after_pushes_settled(self.pipeline.drain()):
                             return False
                     if not going_on:
                         return False
@@ -450,7 +451,7 @@ class _Run:
                         self.claims.alive()  # (a followed input several groups read: this group is not lost)
                 exporting = self.exports is not None and (final or replica.agreed_export)
                 if not final and (exporting or self.checkpoints.due(replica.agreed_checkpoint)) and \
-                        not self._settled(self.pipeline.drain()):
+                        not self._after_pushes_settled(self.pipeline.drain()):
                     return False  # a checkpoint and an export hold every update up to their step
                 if agreeing and not final:
                     self.checkpoints.at_agreement()  # (another group than 0: its data position, for group 0's)
@@ -512,7 +513,7 @@ class _Run:
             return self.ctx.should_stop(), 0 if ready else window - min(window, len(self.batches))
         return self.ctx.should_stop(), 0
 
-    def _told(self) -> Tuple[bool, int]:
+    def _say_at_agreement(self) -> Tuple[bool, int]:
         """What this member says at an agreement (``_agreement_flags``), noting the first step it has no batch for
         (asked at the step agreed at: after a re-formation a member that caught up with its group is asked again)."""
         want_stop, short = self._agreement_flags()
@@ -526,7 +527,7 @@ class _Run:
         if not replica.collective_failed(error):
             raise error
         self.pipeline.drop_reads()  # the group may skip steps; a step redone looks its rows up again
-        if not self._settled(self.pipeline.drain()):
+        if not self._after_pushes_settled(self.pipeline.drain()):
             return False
         try:
             recovered = replica.recover(error)
@@ -626,13 +627,13 @@ class _Run:
         was_training = module.training
         module.eval()
         try:
-            if not self._settled(self.pipeline.drain()):
+            if not self._after_pushes_settled(self.pipeline.drain()):
                 return False
             while True:
                 try:
                     self.figures.update(evaluate(score, self.eval_data))
                 except ShardStepFailed as error:  # (the rebuild drains; its rebuilds count with the steps')
-                    if not self._settled([], rebuild_for=error.cause):
+                    if not self._after_pushes_settled([], rebuild_for=error.cause):
                         return False
                     continue
                 self.evaluated_at = self.replica.step

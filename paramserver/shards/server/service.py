@@ -49,7 +49,7 @@ from .state import ShardState
 logger = logging.getLogger(__name__)
 
 
-class _Door:
+class _ProcessState:
     """The process's ``ShardState``, installed once by its shard server (or made on first use)."""
 
     def __init__(self):
@@ -71,16 +71,16 @@ class _Door:
 
 
 #: The one place the process's state is found (see the module's docstring).
-_door = _Door()
+_process_state = _ProcessState()
 
 
 def install(state: ShardState) -> None:
     """Serve ``state`` from now on (a shard server, before peers can reach it)."""
-    _door.install(state)
+    _process_state.install(state)
 
 
 def _state() -> ShardState:
-    return _door.state()
+    return _process_state.state()
 
 
 # -- hosting ------------------------------------------------------------------
