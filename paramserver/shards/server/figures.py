@@ -14,7 +14,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 from ...tables import parse_part_name
 from .state import ShardState
 
-#: One part's figures: ``(table, "index/count", {"rows", "admitted", "evicted", "not_admitted", "bytes"})``.
+#: One part's stats: ``(table, "index/count", {"rows", "admitted", "evicted", "not_admitted", "bytes"})``.
 PartStats = Tuple[str, str, Mapping[str, int]]
 
 #: The heartbeat figures' names: ``dynamic.`` and these ``DynamicRows.stats`` keys.
