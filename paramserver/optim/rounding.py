@@ -45,18 +45,20 @@ def round_stochastic(values: Tensor, dtype: torch.dtype, generator: torch.Genera
     """``values`` (float32) rounded to ``dtype`` (float16 or bfloat16) stochastically: to the upper of the two
     neighbouring values of ``dtype`` with the probability of its share of the gap between them, so unbiased.
 
-    The gap at a value is a power of two read off its exponent: ``2**(e - 11)`` for float16 (10 bits of
-    mantissa and the implicit one; a fixed ``2**-24`` below its normal range) and ``2**(e - 8)`` for bfloat16,
-    where ``|value| = m * 2**e``, ``m`` in [0.5, 1).  Dividing by it is exact, so the magnitude splits exactly
-    into whole gaps and a fraction, and the fraction is compared with a uniform draw.  Infinities and NaNs
-    stay as they are; the result's sign is the value's (zeros keep theirs)."""
+    The gap at a value is a power of two read off its binary logarithm: ``2**(floor(log2|value|) - 10)`` for
+    float16 (10 bits of mantissa; a fixed ``2**-24`` below its normal range) and ``2**(floor(log2|value|) - 7)``
+    for bfloat16 (``2**-133`` at least); at most the gap at the type's largest value, so that an infinity
+    stays one.  Dividing by it is exact, so the magnitude splits exactly into whole gaps and a fraction, and
+    the fraction is compared with a uniform draw.  (Where the logarithm of a value within an ulp of a power
+    of two comes out on the other side of it, the gap is doubled or halved there: both its ends are still
+    values of the type, or the value itself.)  Infinities and NaNs stay as they are; the result's sign is
+    the value's."""
     magnitude = values.abs()
-    _, exponent = torch.frexp(magnitude)
     if dtype == torch.bfloat16:
-        gap_exponent = exponent - 8
+        gap_exponent = torch.clamp(torch.floor(torch.log2(magnitude)) - 7.0, min=-133.0, max=120.0)
     else:
-        gap_exponent = torch.clamp(exponent - 11, min=-24)
-    gap = torch.exp2(gap_exponent.to(torch.float32))
+        gap_exponent = torch.clamp(torch.floor(torch.log2(magnitude)) - 10.0, min=-24.0, max=5.0)
+    gap = torch.exp2(gap_exponent)
     scaled = magnitude / gap
     lower = scaled.floor()
     uniform = torch.rand(values.shape, generator=generator, dtype=torch.float32, device=values.device)
