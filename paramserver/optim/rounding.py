@@ -49,9 +49,9 @@ def round_stochastic(values: Tensor, dtype: torch.dtype, generator: torch.Genera
     float16 (10 bits of mantissa; a fixed ``2**-24`` below its normal range) and ``2**(floor(log2|value|) - 7)``
     for bfloat16 (``2**-133`` at least); at most the gap at the type's largest value, so that an infinity
     stays one.  Dividing by it is exact, so the magnitude splits exactly into whole gaps and a fraction, and
-    the fraction is compared with a uniform draw.  (Where the logarithm of a value within an ulp of a power
-    of two comes out on the other side of it, the gap is doubled or halved there: both its ends are still
-    values of the type, or the value itself.)  Infinities and NaNs stay as they are; the result's sign is
+    the fraction is compared with a uniform draw.  (For a value a few ulps below a power of two the logarithm
+    rounds up to it, and the gap is doubled there: both its ends are still values of the type, so the
+    rounding stays unbiased.)  Infinities and NaNs stay as they are; the result's sign is
     the value's."""
     magnitude = values.abs()
     if dtype == torch.bfloat16:
