@@ -40,7 +40,7 @@ def sparse(rows, values, shape):
 # -- the rounding kernel ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", HALVES)
-@pytest.mark.parametrize("value", [0.01, -0.37, 3e-6, 1e-7, -2e-5, 1234.5])
+@pytest.mark.parametrize("value", [0.01, -0.37, 3e-6, 1e-7, -2e-5, 1234.5, 0.125 * (1 - 2 ** -24)])
 def test_stochastic_rounding_lands_on_the_two_neighbours_and_is_unbiased(dtype, value):
     values = torch.full((100_000,), value)
     rounded = round_rows(values, dtype, False, rounding_generator(7, 1))
