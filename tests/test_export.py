@@ -2,7 +2,7 @@
 shard and a trainer group of one, checkpoints committed by a ``CheckpointStore`` as the coordinator does): the
 newest checkpoint of a Trainer run, exported and loaded with ``serving.load``, scores held-out batches as the
 Trainer's own evaluation did, to 1e-6 (fixed and dynamic tables, sum and mean, float32, float16 and bfloat16
-rows, ids without a row in a dynamic table); ``ps-ctl export``'s flags; bad input refused by type, naming what was wrong.  Tables split by rows
+rows, gradients pushed in bfloat16, ids without a row in a dynamic table); ``ps-ctl export``'s flags; bad input refused by type, naming what was wrong.  Tables split by rows
 over several shards, and an export from a live cluster: ``tests/test_checkpoints.py``."""
 
 import argparse
@@ -96,7 +96,8 @@ def trained(tmp_path_factory):
         trainer = Trainer(exporting, tables=TABLES, dense=dense,
                           sparse_optimizer=(QHM, dict(lr=8.0, momentum=0.9, nu=0.7)),
                           dense_optimizer=lambda params: torch.optim.SGD(params, lr=0.5),
-                          loss=nn.BCEWithLogitsLoss(), name="exported", seed=3)
+                          loss=nn.BCEWithLogitsLoss(), name="exported", seed=3,
+                          push_dtype=torch.bfloat16)  # row gradients travel in bfloat16
         holdout = [batch(1000 + index, 256, unseen=True) for index in range(2)]
         figures = trainer.fit((batch(index, 64) for index in range(10 ** 6)), steps=STEPS, eval_data=holdout,
                               eval_every=10 ** 9, log_every=10 ** 9)
