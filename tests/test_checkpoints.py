@@ -123,7 +123,7 @@ def test_a_restored_run_continues_the_same_trajectory_on_2_then_3_then_2_shards_
     manifest = paramserver.export(straight, exported)
     assert manifest["step"] == 60 and manifest["checkpoint"] == str(straight / "ckpt-0000000060")
     assert table_ranges(straight / "ckpt-0000000060", "watch.user") == ["watch.user[0:300]", "watch.user[300:600]"]
-    assert manifest["tables"]["user"] == {"kind": "fixed", "dim": 8, "mode": "sum", "rows": 600,
+    assert manifest["tables"]["user"] == {"kind": "fixed", "dim": 8, "mode": "sum", "rows": 600, "dtype": "float32",
                                           "file": "table-0-user.pt"}
     assert (manifest["tables"]["video"]["kind"], manifest["tables"]["history"]["mode"]) == ("dynamic", "mean")
     with pytest.raises(NotServable, match="FactorizationMachine cannot be imported here"):  # a job file's class
