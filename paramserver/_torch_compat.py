@@ -202,11 +202,13 @@ def torchscript_enabled() -> bool:
 
 
 #: Private operators called inside TorchScript code (optim/kernels.py, optim/qhm.py,
-#: optim/functional_qhm.py: the fused and multi-tensor kernels torch.optim itself uses) and private
-#: tensor methods (shards/server/optimizers.py: a sparse gradient's values without coalescing).
+#: optim/functional_qhm.py: the fused and multi-tensor kernels torch.optim itself uses;
+#: shards/server/optimizers.py: a push's row-sparse gradient built, and cut into runs of rows, without
+#: the invariant checks its rows were checked for already) and private tensor methods
+#: (shards/server/optimizers.py: a sparse gradient's indices and values without coalescing).
 TORCHSCRIPT_PRIVATE_OPS = ("_fused_sgd_", "_foreach_mul_", "_foreach_add", "_foreach_add_", "_foreach_neg",
-                           "_foreach_copy_")
-TORCHSCRIPT_PRIVATE_TENSOR_METHODS = ("_values", "_nnz")
+                           "_foreach_copy_", "_sparse_coo_tensor_unsafe")
+TORCHSCRIPT_PRIVATE_TENSOR_METHODS = ("_values", "_nnz", "_indices")
 
 _SCRIPT_ERROR = re.compile(r"builtins\.(\w+): (.*)", re.DOTALL)
 

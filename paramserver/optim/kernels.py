@@ -19,7 +19,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .rounding import is_half
+from ..tables.row_types import is_half
 
 
 def check_gradient(optimizer: str, index: int, param: Tensor, grad: Optional[Tensor]) -> None:

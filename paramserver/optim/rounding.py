@@ -1,7 +1,7 @@
 """Writing float32 values back into half-precision rows: stochastic rounding, or rounding to nearest.
 
-Owns the row types a table may have (``ROW_DTYPES``), the rounding modes (``ROUNDINGS``) and the one
-kernel that turns an update computed in float32 into a float16 or bfloat16 row.  Rounding to nearest
+Owns the one kernel that turns an update computed in float32 into a float16 or bfloat16 row (the row types
+and the rounding modes, ``ROUNDINGS``, are ``paramserver.tables.row_types``).  Rounding to nearest
 loses every update smaller than half a unit in the last place (at float16's 10 bits of mantissa, a row
 near 0.01 ignores steps under about 5e-6), so tables round *stochastically* by default, as FBGEMM does:
 a value is rounded up with probability equal to its distance from the value below, in units of the
@@ -14,24 +14,10 @@ the same pushes in the same order give the same rows.
 Everything compiles under TorchScript (the row-sparse driver calls it from scripted steps).
 """
 
-from typing import List
-
 import torch
 from torch import Tensor
 
-#: Modes of writing a float32 update into a half-precision row.
-ROUNDINGS = ("stochastic", "nearest")
-
-
-def row_dtypes() -> List[torch.dtype]:
-    """The types a table's rows may be stored in (a function: TorchScript reads no module-level lists)."""
-    return [torch.float32, torch.float16, torch.bfloat16]
-
-
-def is_half(dtype: torch.dtype) -> bool:
-    """Whether ``dtype`` is a half-precision row type (its rows are updated in float32, then rounded)."""
-    return dtype == torch.float16 or dtype == torch.bfloat16
-
+from ..tables.row_types import is_half
 
 def rounding_generator(seed: int, step: int) -> torch.Generator:
     """The generator of step ``step``'s rounding bits for rows seeded with ``seed`` (the low 31 bits of

@@ -37,7 +37,8 @@ import torch
 from torch import Tensor
 
 from .kernels import sparse_rows
-from .rounding import is_half, round_rows, rounding_generator
+from ..tables.row_types import is_half
+from .rounding import round_rows, rounding_generator
 
 
 def check_layout(optimizer: str, name: str, layout: str) -> None:

@@ -10,8 +10,8 @@ from typing import Dict, Optional
 import torch
 from torch import Tensor
 
-from ..optim.rounding import ROUNDINGS, row_dtypes
 from ..tables import DistinctIds, DynamicOptions, distinct_ids
+from ..tables.row_types import ROUNDINGS, row_dtypes
 
 MODES = ("sum", "mean")
 

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.rpc import RRef
 
-from ...optim.rounding import is_half
 from ...tables import DistinctIds, distinct_ids
+from ...tables.row_types import is_half
 from ..peer import creation_timeout
 from ..server import service
 from .placement import RowRange, split_rows

@@ -15,8 +15,8 @@ nothing of RPC (``service`` calls them and wraps what they return in RRefs).
 import torch
 from torch import Tensor
 
-from ...optim.rounding import ROUNDINGS, row_dtypes
 from ...tables import DynamicOptions, part_name
+from ...tables.row_types import ROUNDINGS, row_dtypes
 from .dynamic import DynamicRows
 from .state import ShardState
 

@@ -51,9 +51,9 @@ from ..._torch_compat import autograd_context_creator, current_rpc_agent
 from ...logs import one_line
 from ...optim.registry import class_name, functional_optim_map
 from ...optim.kernels import row_slice_fused_min_elements
-from ...optim.rounding import is_half
 from ...optim.row_sparse import RowState, state_dtype
 from ...optim.scripted import reraise_script_error
+from ...tables.row_types import is_half
 from .state import ShardState
 
 StateDict = Dict[int, Dict[str, Tensor]]
