@@ -275,3 +275,16 @@ def test_serving_pools_half_rows_in_float32_like_the_float32_rows(dtype):
     rows = TableRows("t", DIM, 20, dtype)
     rows.apply("job.t[0:20]", {"whole": True, "values": weight.float()})
     assert rows.weight.dtype == dtype and torch.equal(rows.weight, weight)
+
+
+def test_half_rows_restore_onto_another_cut_of_the_table(tmp_path):
+    """Two shards' parts of a float16 table, read back as the middle rows (a restore onto another shard count)."""
+    store = CheckpointStore(tmp_path)
+    directory = store.new_directory(10)
+    rows = (torch.linspace(-1, 1, 8 * DIM).view(8, DIM) / 3).to(torch.float16)
+    parts = [save_tensors(directory / f"shard-shard{index}.pt", {"format": 1, "shard": f"shard{index}", "tables": {
+        f"job.t[{start}:{start + 4}]": {"value": rows[start:start + 4].clone(), "optimizer": "", "state": {}}}})
+        for index, start in enumerate((0, 4))]
+    state = ShardState(restore_source=CheckpointSource(store.commit(directory, parts, 10, {})))
+    middle = host_rows(state, "job.t[2:6]", 4, DIM, torch.float16, 0, 2, shared=True)
+    assert middle.dtype == torch.float16 and torch.equal(middle, rows[2:6])
