@@ -84,9 +84,11 @@ def tiny_disk(tmp_path):
 
 
 @pytest.fixture(scope="session")
-def _s3_server():
+def _s3_server(tmp_path_factory):
+    """SeaweedFS's S3 server on loopback, once a session (a test process), its data in the session's
+    temporary folder; ended by its pid."""
     from object_store import S3Store
-    store = S3Store()
+    store = S3Store(tmp_path_factory.mktemp("seaweedfs"))
     yield store
     store.stop()
 
