@@ -1,4 +1,4 @@
-"""Checkpoints and exports on an object store: the real S3 API on loopback (moto's server, fixture ``s3``).
+"""Checkpoints and exports on an object store: a real S3 server on loopback (SeaweedFS, fixture ``s3``).
 
 Single-process: a ``CheckpointStore`` under ``s3://`` commits by writing the manifest last, keeps the newest
 ``keep``, refuses a damaged file naming its URL and falls back to the previous checkpoint; a writer stopped
