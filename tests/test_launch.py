@@ -11,8 +11,9 @@ Owns the checks that:
   ``ps-server``/``ps-worker`` that print what they were given;
 * ``torchx run -s local_cwd`` trains on this machine and ends with exit 0;
 * ``deploy/slurm/paramserver.sbatch`` runs with the Slurm variables set by hand and fake ``srun``
-  and ``scontrol`` (two "nodes": each srun task in a process group of its own, on loopback), and
-  ends with exit 0.
+  and ``scontrol`` (two "nodes": each srun task in a process group of its own, on loopback, the
+  address given as PS_ADDRESS), and ends with exit 0 (``tests/test_slurm.py`` runs it through a real
+  Slurm).
 """
 
 import argparse
@@ -220,7 +221,8 @@ def test_the_sbatch_script_runs_a_server_and_workers_across_the_allocation(comma
     pids.touch()
     env = {"PATH": f"{fake}:{BIN}:{os.environ['PATH']}", "FAKE_SLURM_PIDS": str(pids),
            "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_NUM_NODES": "2",
-           "SLURM_NTASKS": "1", "PS_SHARDS": "1", "PS_PORT": str(free_port()), "PS_JOB_CONFIG": SMALL_JOB}
+           "SLURM_NTASKS": "1", "PS_SHARDS": "1", "PS_PORT": str(free_port()), "PS_JOB_CONFIG": SMALL_JOB,
+           "PS_ADDRESS": "127.0.0.1"}  # the "nodes" are this machine's process groups: loopback, given
     job = commands.start(str(SBATCH), env=env)
     try:
         code = job.wait(200)
@@ -232,10 +234,10 @@ def test_the_sbatch_script_runs_a_server_and_workers_across_the_allocation(comma
                 pass
     logs = output(job) + errors(job)
     assert code == 0, logs[-4000:]
-    assert len(pids.read_text().split()) == 3  # the address probe, the server, one worker
+    assert len(pids.read_text().split()) == 2  # the server, one worker: no address probe, PS_ADDRESS is given
     assert "finished paramserver.jobs.ctr:main at step 20" in logs
     assert "ps-server ended with exit code 0" in logs
-    assert "ps-server on node1 at 127.0.0.1:" in logs  # the first node's address, asked on it
+    assert "ps-server on node1 at 127.0.0.1:" in logs
 
 
 def test_without_torchx_the_component_module_names_the_extra(monkeypatch):
