@@ -40,7 +40,8 @@ def test_every_panel_queries_metrics_that_the_processes_export():
 def test_every_panel_returns_data_from_a_running_cluster(commands, tmp_path):
     prometheus = shutil.which("prometheus")
     if prometheus is None:
-        pytest.skip("no prometheus binary (Debian: apt-get install prometheus) to check the dashboard against")
+        pytest.skip("no prometheus binary to check the dashboard against: Debian's prometheus package "
+                    "(apt-get install prometheus; .ci/run installs it)")
     metrics = free_port()
     job = {"steps": 10 ** 6, "batch_size": 256, "dynamic_tables": True, "hook": "allreduce", "log_every": 5,
            "eval_every": 10 ** 9, "holdout_size": 1000}
