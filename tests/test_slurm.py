@@ -157,8 +157,8 @@ def test_the_sbatch_script_runs_two_workers_on_one_node_of_a_real_slurm(slurm, t
         refused.stderr
 
     log = tmp_path / "job.out"
-    submitted = slurm.run("sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", f"--output={log}", str(SBATCH),
-                          **env)
+    submitted = slurm.run("sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1",
+                          f"--output={log}", str(SBATCH), **env)
     assert submitted.returncode == 0, submitted.stderr
     code = slurm.wait_for_job(submitted.stdout.strip(), datetime.timedelta(seconds=200))
     logs = log.read_text() if log.exists() else ""
