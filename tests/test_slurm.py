@@ -85,10 +85,14 @@ class Slurm:
         conf.write_text(SLURM_CONF.format(host=host, ctld_port=free_port(), d_port=free_port(), folder=folder))
         self.environment = {"SLURM_CONF": str(conf)}
         self.daemons = []
-        for command in (["slurmctld", "-D", "-i"], ["slurmd", "-D", "-N", host]):
-            with open(folder / f"{command[0]}.out", "w") as out:
-                self.daemons.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
-                                                     env=self.env(), start_new_session=True))
+        try:
+            for command in (["slurmctld", "-D", "-i"], ["slurmd", "-D", "-N", host]):
+                with open(folder / f"{command[0]}.out", "w") as out:
+                    self.daemons.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                                         env=self.env(), start_new_session=True))
+        except BaseException:
+            self.stop()
+            raise
 
     def env(self, **more: str) -> dict:
         return dict(os.environ, **self.environment, **more)
@@ -118,7 +122,7 @@ class Slurm:
 
     def stop(self) -> None:
         """Cancel what is left of the jobs, then end slurmd and slurmctld by their pids (SIGKILL after 10 s)."""
-        if self.daemons[0].poll() is None:
+        if self.daemons and self.daemons[0].poll() is None:
             self.run("scancel", "--full", "--partition=test")
         for daemon in reversed(self.daemons):
             if daemon.poll() is None:
