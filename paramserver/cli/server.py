@@ -49,7 +49,7 @@ from ..processes import start_fork_server
 from ..runtime.exit_codes import EXIT_FAILED, EXIT_REFUSED
 from ..runtime.job import DEFAULT_JOB, JobConfigError, JobError, pack_job
 from ..runtime.shard_policy import MAX_RESTARTS, SHARD_PRELOAD
-from .common import (UsageError, add_admin_token_file, add_log_level, add_metrics_port, add_storage_options, add_threads, add_token_file,
+from .common import (UsageError, add_admin_token_file, add_coordinator_grace, coordinator_grace_from, add_log_level, add_metrics_port, add_storage_options, add_threads, add_token_file,
                      admin_token_from, command_main, coordinator_address, location_from,
                      data_plane_host, job_config_from, metrics_port_from, own_host, secret_from, setup_logging,
                      threads_from, token_from)
@@ -59,7 +59,7 @@ from .common import (UsageError, add_admin_token_file, add_log_level, add_metric
 COORDINATOR_FLAGS = ("port", "job", "job_config", "group_size", "group_settle", "group_gone_after", "checkpoint_dir",
                      "checkpoint_every", "checkpoint_keep", "restore", "storage_options", "export_dir", "export_every",
                      "export_base_every", "tls_cert", "tls_key", "heartbeat_timeout", "stop_after_workers",
-                     "admin_token_file")
+                     "admin_token_file", "state_dir")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -145,6 +145,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heartbeat-timeout", type=float, default=None, metavar="SECONDS",
                         help="declare a member dead after this long without a heartbeat "
                              "(default 5, or $PARAMSERVER_HEARTBEAT_TIMEOUT)")
+    add_coordinator_grace(parser, "this host's shards serve on")
+    parser.add_argument("--state-dir", metavar="DIR",
+                        help="keep the coordinator's journal in DIR (made if missing; on storage that outlives "
+                             "this process, a volume kept across restarts): members, their credentials, trainer "
+                             "groups, generations, the job's run, checkpoint requests. A ps-server started again "
+                             "with the same flags and DIR on the same address takes the running cluster back")
     add_metrics_port(parser, "the coordinator on P, shard i on P+1+i")
     add_threads(parser, "each shard server (1 unless set: a shard gets its parallelism from its RPC threads)")
     add_log_level(parser)
@@ -189,7 +195,8 @@ def shard_host_options_from(args):
     return ShardHostOptions(coordinator=address, num_shards=args.shards, host=host, prefix=prefix,
                             token=token, shard_token=shard_token, max_restarts=shard_restarts_from(args),
                             tls=TlsFiles(ca=args.tls_ca) if args.tls_ca else None,
-                            log_level=args.log_level, metrics_port=metrics_port_from(args, 1 + args.shards))
+                            log_level=args.log_level, metrics_port=metrics_port_from(args, 1 + args.shards),
+                            coordinator_grace=coordinator_grace_from(args))
 
 
 def options_from(args):
@@ -247,7 +254,8 @@ def options_from(args):
     return ServerOptions(num_shards=args.shards, coordinator=CoordinatorSettings(**settings),
                          log_level=args.log_level, shard_prefix=prefix, max_restarts=shard_restarts_from(args),
                          metrics_port=metrics_port_from(args, 1 + args.shards),
-                         stop_after_workers=args.stop_after_workers)
+                         stop_after_workers=args.stop_after_workers,
+                         coordinator_grace=coordinator_grace_from(args))
 
 
 def live_exports_from(args) -> Optional["pb.LiveExportSettings"]:

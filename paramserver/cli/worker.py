@@ -18,7 +18,7 @@ import sys
 from ..logs import exit_now
 from ..runtime.exit_codes import EXIT_REFUSED
 from ..runtime.worker import WorkerOptions, run_worker
-from .common import (UsageError, add_connect, add_log_level, add_metrics_port, add_threads, client_tls,
+from .common import (UsageError, add_connect, add_coordinator_grace, coordinator_grace_from, add_log_level, add_metrics_port, add_threads, client_tls,
                      command_main, coordinator_address, metrics_port_from, own_host, setup_logging, threads_from,
                      token_from)
 
@@ -30,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: the address of the interface facing the coordinator)")
     parser.add_argument("--retry-for", type=float, default=30.0, metavar="SECONDS",
                         help="keep trying an unreachable coordinator this long (default 30)")
+    add_coordinator_grace(parser, "the job trains on")
     parser.add_argument("--comm-hook", metavar="NAME",
                         help="DDP comm hook for the job's trainer group (allreduce, fp16, bf16, powersgd, "
                              "batched_powersgd, fp16_powersgd, bf16_powersgd, noop); default: the job's")
@@ -49,7 +50,8 @@ def run(args) -> int:
                                 token=token_from(args), tls=client_tls(args),
                                 retry_for=datetime.timedelta(seconds=args.retry_for),
                                 config_overrides=hook_overrides(args.comm_hook, args.comm_hook_option),
-                                metrics_port=metrics_port_from(args))
+                                metrics_port=metrics_port_from(args),
+                                coordinator_grace=coordinator_grace_from(args))
     except UsageError as error:
         print(f"ps-worker: {error}", file=sys.stderr)
         return EXIT_REFUSED

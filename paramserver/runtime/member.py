@@ -10,23 +10,40 @@ run a job, drive) belongs to its caller.
 import datetime
 import json
 import logging
+import os
 import socket
 import threading
 from typing import Callable, Dict, FrozenSet, List, Optional, Tuple
 
 from ..control import CoordinatorClient, CoordinatorError, CoordinatorUnavailable, HeartbeatLoop, TlsFiles, pb
+from ..control.protocol import COORDINATOR_GRACE, COORDINATOR_GRACE_ENV
 from ..shards import peer
 
 logger = logging.getLogger(__name__)
 
 
+def coordinator_grace(given: Optional[datetime.timedelta] = None) -> datetime.timedelta:
+    """``given``, else ``$PARAMSERVER_COORDINATOR_GRACE`` (seconds), else ``COORDINATOR_GRACE``."""
+    if given is not None:
+        return given
+    value = os.environ.get(COORDINATOR_GRACE_ENV)
+    return datetime.timedelta(seconds=float(value)) if value else COORDINATOR_GRACE
+
+
 class MemberSession:
-    """``join()``, then ``start_heartbeats(...)``, then ``leave(...)``."""
+    """``join()``, then ``start_heartbeats(...)``, then ``leave(...)``.
+
+    ``grace``: how long the member goes on while the coordinator does not answer (``coordinator_grace``):
+    heartbeats are retried, a checkpoint's commit waits for it, and a coordinator started again on the same
+    state directory takes the member back; past it the member is lost (``on_lost``).
+    """
 
     def __init__(self, address: str, role: int, name: Optional[str] = None, host: str = "127.0.0.1",
                  token: Optional[str] = None, tls: Optional[TlsFiles] = None,
                  retry_for: Optional[datetime.timedelta] = None, shard_token: Optional[str] = None,
-                 gpus: Optional[int] = None, admin_token: Optional[str] = None):
+                 gpus: Optional[int] = None, admin_token: Optional[str] = None,
+                 grace: Optional[datetime.timedelta] = None):
+        self.grace = coordinator_grace(grace)
         self.client = CoordinatorClient(address, token=token, tls=tls, shard_token=shard_token,
                                         admin_token=admin_token)
         self.role = role
@@ -93,7 +110,6 @@ class MemberSession:
         ``on_checkpoint`` each checkpoint request's number (members without it ignore requests),
         ``on_lost(reason, refused)`` the end of this member's session, once."""
         interval = datetime.timedelta(milliseconds=self.assignment.heartbeat_interval_ms)
-        timeout = datetime.timedelta(milliseconds=self.assignment.heartbeat_timeout_ms)
 
         def on_command(command: pb.Command) -> None:
             if command.kind == pb.Command.KIND_STOP:
@@ -120,9 +136,9 @@ class MemberSession:
             logger.error("%s: %s", self.assignment.rpc_name, reason)
             on_lost(reason, refused)
 
-        self._heartbeats = HeartbeatLoop(self.client, self.assignment.member_id, interval, give_up_after=timeout,
+        self._heartbeats = HeartbeatLoop(self.client, self.assignment.member_id, interval, give_up_after=self.grace,
                                          progress=progress, on_command=on_command, on_lost=lost,
-                                         on_response=on_response).start()
+                                         on_response=on_response, credential=self.assignment.credential).start()
 
     def beat_now(self) -> None:
         """Send a heartbeat now (to hear of a change sooner than the next beat); nothing once lost."""
@@ -130,8 +146,9 @@ class MemberSession:
             return
         try:
             self._heartbeats.beat()
-        except CoordinatorUnavailable as error:  # the loop declares it lost once it lasts
-            logger.warning("heartbeat failed: %s", error)
+        except CoordinatorUnavailable as error:  # the loop says so once, and declares it lost past the grace
+            if self._heartbeats.outage is None:
+                logger.debug("heartbeat failed: %s", error)
         except CoordinatorError:  # refused: reported once, through on_lost
             pass
 
@@ -146,11 +163,16 @@ class MemberSession:
             member_id=self.assignment.member_id, request=commit.request, directory=commit.directory,
             step=commit.step, files=[pb.CheckpointFile(**record) for record in commit.files],
             info_json=json.dumps(commit.info))
-        return self.client.commit_checkpoint(request).checkpoint_id
+        return self._through_outage("CommitCheckpoint", request).checkpoint_id
+
+    def _through_outage(self, method: str, request):
+        """``method`` once the coordinator answers, waiting (retrying) for it through an outage within the
+        grace: a checkpoint written during one is committed once the coordinator is back, never half."""
+        return self.client.call_retrying(method, request, retry_for=self.grace)
 
     def fail_checkpoint(self, failure) -> None:
         """Tell the coordinator that a checkpoint (a ``checkpoint.records.CheckpointFailure``) could not be written."""
-        self.client.commit_checkpoint(pb.CommitCheckpointRequest(
+        self._through_outage("CommitCheckpoint", pb.CommitCheckpointRequest(
             member_id=self.assignment.member_id, request=failure.request, directory=failure.directory,
             step=failure.step, failure=failure.reason))
 

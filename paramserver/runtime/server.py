@@ -50,6 +50,8 @@ class ServerOptions:
     metrics_port: Optional[int] = None
     #: Shut down once this many workers have left and none is running (a batch job's end); 0: run until told.
     stop_after_workers: int = 0
+    #: How long its shards serve on while the coordinator does not answer (``None``: the default).
+    coordinator_grace: Optional[datetime.timedelta] = None
 
 
 class _Shutdown:
@@ -91,7 +93,7 @@ def serve(options: ServerOptions, announce=print) -> int:
                 # (a restart would silently serve freshly initialized tables).
                 restart=coordinator.checkpoints is not None, max_restarts=options.max_restarts,
                 prefix=options.shard_prefix,
-                metrics_port=options.metrics_port).start()
+                metrics_port=options.metrics_port, grace=options.coordinator_grace).start()
         want = options.num_shards
         all_joined = coordinator.membership.wait_until(
             lambda m: len(m.serving_shards()) >= want or shutdown.event.is_set()
