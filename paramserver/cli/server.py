@@ -251,6 +251,8 @@ def options_from(args):
     settings["group_settle"] = datetime.timedelta(seconds=args.group_settle)
     settings["group_gone_after"] = datetime.timedelta(seconds=args.group_gone_after)
     settings["hold_workers_until_ready"] = args.shards > 0
+    if args.state_dir:
+        settings["state_dir"] = args.state_dir
     return ServerOptions(num_shards=args.shards, coordinator=CoordinatorSettings(**settings),
                          log_level=args.log_level, shard_prefix=prefix, max_restarts=shard_restarts_from(args),
                          metrics_port=metrics_port_from(args, 1 + args.shards),

