@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 CALL_TIMEOUT = datetime.timedelta(seconds=10)
 JOIN_RETRY_FOR = datetime.timedelta(seconds=30)
 JOIN_RETRY_FOR_ENV = "PARAMSERVER_JOIN_RETRY_FOR"
+#: The longest a channel waits before it tries to reach an unreachable coordinator again.
+MAX_RECONNECT_BACKOFF = datetime.timedelta(seconds=1)
 #: The first retry of a heartbeat the coordinator did not answer (then doubling, up to the interval).
 OUTAGE_RETRY_FIRST = datetime.timedelta(seconds=0.2)
 
@@ -88,8 +90,12 @@ class CoordinatorClient:
         self._shard_token = shard_token
         self._admin_token = admin_token
         self._metrics_left_out: Set[Tuple[str, ...]] = set()  # the names ``sendable`` warned about
+        # Reconnect within a second of a coordinator coming back (gRPC's own backoff grows to 2 minutes):
+        # members re-attach within the heartbeat timeout of its return.
         options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                   ("grpc.max_reconnect_backoff_ms", int(MAX_RECONNECT_BACKOFF.total_seconds() * 1000))]
         if tls is not None:
             channel = grpc.secure_channel(address, tls.channel_credentials(), options=options)
         else:

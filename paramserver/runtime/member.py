@@ -16,6 +16,7 @@ import threading
 from typing import Callable, Dict, FrozenSet, List, Optional, Tuple
 
 from ..control import CoordinatorClient, CoordinatorError, CoordinatorUnavailable, HeartbeatLoop, TlsFiles, pb
+from ..control.client import sendable
 from ..control.protocol import COORDINATOR_GRACE, COORDINATOR_GRACE_ENV
 from ..shards import peer
 
@@ -186,8 +187,10 @@ class MemberSession:
         if self._heartbeats is not None:
             self._heartbeats.stop()
         if self.assignment is not None and self.lost_reason is None:
-            try:
-                self.client.leave(self.assignment.member_id, reason, step, metrics)
+            try:  # a coordinator out for a while hears it once it is back (within the grace)
+                self._through_outage("Leave", pb.LeaveRequest(
+                    member_id=self.assignment.member_id, reason=reason[:512], step=step,
+                    metrics=sendable(metrics or {}, set())))
             except CoordinatorError as error:
                 logger.warning("leaving the coordinator: %s", error)
         self.client.close()
