@@ -101,3 +101,43 @@ def test_a_restarted_coordinator_takes_the_running_cluster_back_with_no_step_los
     commands.run("ps-ctl", "--connect", address, "shutdown")
     assert server.wait(30) == 0, errors(server)[-3000:]
     assert shard_host.wait(30) == 0, errors(shard_host)[-3000:]
+
+
+def test_a_re_attach_without_the_members_credential_is_refused_and_with_it_taken_back(tmp_path, caplog):
+    from paramserver.control import CoordinatorClient, CoordinatorServer, CoordinatorSettings, NotPermitted, pb
+
+    def server(port):
+        return CoordinatorServer(CoordinatorSettings(host="127.0.0.1", port=port, state_dir=str(tmp_path)),
+                                 request_shutdown=lambda reason: None).start()
+
+    first = server(0)
+    client = CoordinatorClient(first.address)
+    try:
+        shard = client.join(pb.ROLE_SHARD, "shard0", "127.0.0.1")
+        worker = client.join(pb.ROLE_WORKER, "host", "127.0.0.1")
+        assert shard.credential and worker.credential and shard.credential != worker.credential
+        client.call("Heartbeat", pb.HeartbeatRequest(member_id=worker.member_id, sequence=1, step=7,
+                                                      credential=worker.credential))
+        generation = first.membership.generation
+        time.sleep(0.3)  # the journal is written within 0.1 s of a change
+        first.stop()  # lost (its journal stays)
+        second = server(first.port)
+        try:
+            assert second.membership.generation > generation
+            assert {m.rpc_name for m in second.membership.unattached()} == {"shard0", "worker0"}
+            forged = [pb.HeartbeatRequest(member_id=worker.member_id, sequence=2),  # no credential
+                      pb.HeartbeatRequest(member_id=worker.member_id, sequence=2, credential=shard.credential)]
+            for request in forged:
+                with pytest.raises(NotPermitted, match="PERMISSION_DENIED: re-attach as worker0 refused"):
+                    client.call("Heartbeat", request)
+            assert {m.rpc_name for m in second.membership.unattached()} == {"shard0", "worker0"}
+            answer = client.call("Heartbeat", pb.HeartbeatRequest(member_id=worker.member_id, sequence=2, step=8,
+                                                                   credential=worker.credential))
+            assert answer.generation == second.membership.generation
+            assert {m.rpc_name for m in second.membership.unattached()} == {"shard0"}
+            again = client.join(pb.ROLE_WORKER, "host", "127.0.0.1")
+            assert again.rpc_name == "worker1" and again.rpc_rank == 3  # numbering continues
+        finally:
+            second.stop()
+    finally:
+        client.close()
