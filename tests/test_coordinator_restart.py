@@ -141,3 +141,29 @@ def test_a_re_attach_without_the_members_credential_is_refused_and_with_it_taken
             second.stop()
     finally:
         client.close()
+
+
+def test_a_coordinator_that_never_comes_back_ends_its_members_within_their_grace(commands, tmp_path):
+    grace = 3
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    server = commands.start("ps-server", "--shards", "1", "--port", str(port), "--state-dir", str(tmp_path / "state"),
+                            "--coordinator-grace", str(grace), "--job", JOB,
+                            "--job-config", job_config(steps=100_000, log_every=5, eval_every=100_000))
+    wait_for_output(server, r"ps-server ready at", 90)
+    worker = commands.start("ps-worker", "--connect", address, "--coordinator-grace", str(grace))
+    state = wait_for_status(commands, address, lambda s: s["workers"] and s["workers"][0]["step"] >= 10, 120)
+    shard_pid = state["shards"][0]["pid"]
+    os.kill(server.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    code = worker.wait(grace + 2 + 1)  # +1 s for a loaded machine's exit
+    took = time.monotonic() - killed_at
+    print(f"the worker exited {code} {took:.1f} s after the coordinator was SIGKILLed (grace {grace} s)")
+    lines = output(worker).strip().splitlines()
+    assert code == 1 and len(lines) == 1, lines
+    assert "lost the cluster at step" in lines[0] and "lost the coordinator: unreachable for" in lines[0], lines
+    assert "going on without it for up to 3 s" in errors(worker)
+    deadline = killed_at + grace + 2 + 1
+    while pid_exists(shard_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not pid_exists(shard_pid), "the shard outlived its grace"
