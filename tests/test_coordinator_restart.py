@@ -167,3 +167,35 @@ def test_a_coordinator_that_never_comes_back_ends_its_members_within_their_grace
     while pid_exists(shard_pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not pid_exists(shard_pid), "the shard outlived its grace"
+
+
+def test_the_shards_a_lost_ps_server_started_outlive_it_and_are_taken_back_not_started_again(commands, tmp_path):
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    flags = ["--shards", "2", "--port", str(port), "--state-dir", str(tmp_path / "state"),
+             "--checkpoint-dir", str(tmp_path / "checkpoints"), "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S),
+             "--coordinator-grace", str(GRACE_S), "--job", JOB,
+             "--job-config", job_config(steps=100_000, log_every=5, eval_every=100_000)]
+    server = commands.start("ps-server", *flags)
+    wait_for_output(server, r"ps-server ready at", 90)
+    worker = commands.start("ps-worker", "--connect", address, "--coordinator-grace", str(GRACE_S))
+    before = wait_for_status(commands, address, lambda s: s["workers"] and s["workers"][0]["step"] >= 10, 120)
+    shards = {s["name"]: s["pid"] for s in before["shards"]}
+    os.kill(server.pid, signal.SIGKILL)
+    server.wait(10)
+    time.sleep(2)
+    assert all(pid_exists(pid) for pid in shards.values()) and worker.poll() is None
+    server = commands.start("ps-server", *flags)
+    wait_for_output(server, r"ps-server ready at", 60)
+    step = before["workers"][0]["step"]
+    back = wait_for_status(commands, address, lambda s: s["workers"][0]["alive"] and s["workers"][0]["step"] > step
+                           and all(m["alive"] and m["seconds_since_heartbeat"] < 1.5 for m in s["shards"]), 30)
+    assert {s["name"]: s["pid"] for s in back["shards"]} == shards, back["shards"]  # the same processes, no others
+    assert "took back shard0, shard1" in errors(server)
+    commands.run("ps-ctl", "--connect", address, "shutdown")
+    assert worker.wait(30) == 0, errors(worker)[-3000:]
+    assert server.wait(30) == 0, errors(server)[-3000:]
+    deadline = time.monotonic() + 10
+    while any(pid_exists(pid) for pid in shards.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(pid_exists(pid) for pid in shards.values())

@@ -83,7 +83,11 @@ def serve(options: ServerOptions, announce=print) -> int:
         child_tls = TlsFiles(ca=tls.ca or tls.cert) if tls is not None else None
         # Shards listen on the server's host and dial the coordinator there.
         host = options.coordinator.host
-        if options.num_shards:  # none: a coordinator only, whose shards other hosts add (ps-server --join)
+        adopted = _adopted_shards(coordinator, options)
+        if adopted:
+            logger.info("took back %s, started by the ps-server before this one: they serve on and re-attach; "
+                        "this one starts no second set", ", ".join(adopted))
+        elif options.num_shards:  # none: a coordinator only, whose shards other hosts add (ps-server --join)
             supervisor = ShardSupervisor(
                 options.num_shards, format_address(host, coordinator.port), host,
                 on_exit=coordinator.membership.process_exited,
@@ -97,13 +101,14 @@ def serve(options: ServerOptions, announce=print) -> int:
         want = options.num_shards
         all_joined = coordinator.membership.wait_until(
             lambda m: len(m.serving_shards()) >= want or shutdown.event.is_set()
-            or not all(supervisor.alive().values()),
+            or (supervisor is not None and not all(supervisor.alive().values())),
             options.ready_timeout)
         joined = len(coordinator.membership.serving_shards())
         if shutdown.event.is_set():
             return 0
         if not all_joined or joined < want:
-            dead = [name for name, alive in supervisor.alive().items() if not alive]
+            dead = [name for name, alive in (supervisor.alive() if supervisor is not None else {}).items()
+                    if not alive]
             logger.error("only %d of %d shards joined%s", joined, want,
                          f"; exited: {', '.join(dead)}" if dead else
                          f" within {options.ready_timeout.total_seconds():.0f} s")
@@ -132,6 +137,15 @@ def serve(options: ServerOptions, announce=print) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0
+
+
+def _adopted_shards(coordinator: CoordinatorServer, options: ServerOptions):
+    """This server's shards (``<prefix>0..``) that the journal of the server before it lists alive: their
+    processes outlive the server that started them, and are taken back instead of started again."""
+    if not coordinator.resumed or not options.num_shards:
+        return []
+    own = {f"{options.shard_prefix}{index}" for index in range(options.num_shards)}
+    return sorted(m.rpc_name for m in coordinator.membership.alive(pb.ROLE_SHARD) if m.rpc_name in own)
 
 
 def workers_done(membership: Membership, workers: int) -> bool:
