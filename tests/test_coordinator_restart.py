@@ -170,6 +170,8 @@ def test_a_coordinator_that_never_comes_back_ends_its_members_within_their_grace
 
 
 def test_the_shards_a_lost_ps_server_started_outlive_it_and_are_taken_back_not_started_again(commands, tmp_path):
+    """SIGKILLed, then SIGTERMed (with a journal: the coordinator alone ends), ps-server is started again twice:
+    its shards serve on and are taken back each time, never started again."""
     port = _free_port()
     address = f"127.0.0.1:{port}"
     flags = ["--shards", "2", "--port", str(port), "--state-dir", str(tmp_path / "state"),
@@ -192,6 +194,16 @@ def test_the_shards_a_lost_ps_server_started_outlive_it_and_are_taken_back_not_s
                            and all(m["alive"] and m["seconds_since_heartbeat"] < 1.5 for m in s["shards"]), 30)
     assert {s["name"]: s["pid"] for s in back["shards"]} == shards, back["shards"]  # the same processes, no others
     assert "took back shard0, shard1" in errors(server)
+
+    # SIGTERM (a pod moved by a node drain): with a journal, the coordinator alone ends; the cluster trains on.
+    server.send_signal(signal.SIGTERM)
+    assert server.wait(15) == 0, errors(server)[-3000:]
+    time.sleep(1)
+    assert all(pid_exists(pid) for pid in shards.values()) and worker.poll() is None
+    server = commands.start("ps-server", *flags)
+    wait_for_output(server, r"ps-server ready at", 60)
+    wait_for_status(commands, address, lambda s: s["workers"][0]["alive"] and all(
+        m["alive"] and m["seconds_since_heartbeat"] < 1.5 for m in s["shards"] + s["workers"]), 30)
     commands.run("ps-ctl", "--connect", address, "shutdown")
     assert worker.wait(30) == 0, errors(worker)[-3000:]
     assert server.wait(30) == 0, errors(server)[-3000:]

@@ -23,6 +23,7 @@ from typing import Optional
 from ..control import CoordinatorServer, CoordinatorSettings, TlsFiles, pb
 from ..control.membership import LEFT, Membership
 from ..control.server import format_address
+from ..logs import exit_now
 from ..metrics.process import coordinator_metrics
 from .shard_policy import MAX_RESTARTS
 from .supervisor import ShardSupervisor
@@ -58,6 +59,8 @@ class _Shutdown:
     def __init__(self):
         self.event = threading.Event()
         self.reason = ""
+        #: Only this process ends; the cluster rides the outage out (``step_away``).
+        self.members_stay = False
 
     def request(self, reason: str) -> None:
         if not self.event.is_set():
@@ -65,12 +68,25 @@ class _Shutdown:
             logger.info("shutting down: %s", reason)
             self.event.set()
 
+    def step_away(self, reason: str) -> None:
+        """End this coordinator alone: its journal is kept, and its members ride the outage out until one
+        started again takes them back (a pod moved by a node drain or an eviction gets SIGTERM)."""
+        if not self.event.is_set():
+            self.reason, self.members_stay = reason, True
+            logger.info("%s: this coordinator ends; the cluster trains on for its members' grace, for a "
+                        "ps-server started again with the same --state-dir to take it back (ps-ctl shutdown "
+                        "stops the cluster)", reason)
+            self.event.set()
+
 
 def serve(options: ServerOptions, announce=print) -> int:
     """Run until shut down; returns the exit code (0 on a clean shutdown)."""
     apply_threads("coordinator", "ps-server")
     shutdown = _Shutdown()
-    previous = {sig: signal.signal(sig, lambda signum, _frame: shutdown.request(signal.Signals(signum).name))
+    # With a journal, SIGTERM/SIGINT end this process alone (a pod moved elsewhere comes back to take the
+    # cluster again); without one, they shut the cluster down.
+    on_signal = shutdown.step_away if options.coordinator.state_dir else shutdown.request
+    previous = {sig: signal.signal(sig, lambda signum, _frame: on_signal(signal.Signals(signum).name))
                 for sig in (signal.SIGTERM, signal.SIGINT)}
     coordinator = CoordinatorServer(options.coordinator, request_shutdown=shutdown.request).start()
     supervisor = metrics = None
@@ -120,6 +136,8 @@ def serve(options: ServerOptions, announce=print) -> int:
             _stop_after_workers(coordinator.membership, options.stop_after_workers, shutdown)
         shutdown.event.wait()
     finally:
+        if shutdown.members_stay:
+            _step_away(coordinator, supervisor, metrics)
         # Workers and drivers first (they need the shards until they are done), shards last.
         if coordinator.membership.stop_members([pb.ROLE_WORKER, pb.ROLE_CLIENT]):
             left = coordinator.membership.wait_until(
@@ -137,6 +155,17 @@ def serve(options: ServerOptions, announce=print) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0
+
+
+def _step_away(coordinator: CoordinatorServer, supervisor: Optional[ShardSupervisor], metrics) -> None:
+    """End this process alone, its journal written last, leaving every member (its own shards too) running
+    for a coordinator started again to take back; never returns."""
+    coordinator.stop(datetime.timedelta(seconds=0.5))
+    if metrics is not None:
+        metrics.close()
+    if supervisor is not None:
+        logger.info("leaving %s serving for the next ps-server to take back", ", ".join(supervisor.processes))
+    exit_now(0)  # not the interpreter's exit, which would wait for the shard processes
 
 
 def _adopted_shards(coordinator: CoordinatorServer, options: ServerOptions):
