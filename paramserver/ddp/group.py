@@ -40,7 +40,7 @@ import os
 import pickle
 import threading
 import time
-from typing import Any, Dict, List, NamedTuple, Optional, Protocol, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Tuple
 
 import torch
 import torch.distributed as dist
@@ -459,6 +459,12 @@ class JobStore:
         self._own: Optional[dist.Store] = group._connect_store() if own_connection else None
         #: How many times this store's connection was made again.
         self.reconnections = 0
+        self._on_reconnect: List[Callable[[], None]] = []
+
+    def on_reconnect(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` each time the connection is made again, before the operation that found it broken
+        is tried again: to publish again, in the store that came back empty, what this member had there."""
+        self._on_reconnect.append(callback)
 
     def _store(self) -> dist.Store:
         return dist.PrefixStore(self._prefix, self._own if self._own is not None else self._group._store)
@@ -471,6 +477,8 @@ class JobStore:
         else:
             self._group._reconnect_store()
         self.reconnections += 1
+        for callback in self._on_reconnect:
+            callback()
 
     def __getattr__(self, name: str):
         if name.startswith("_"):
