@@ -28,8 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=None,
                         help="this machine's address as the shards reach it; the data plane listens there "
                              "(default: the address of the interface facing the coordinator)")
-    parser.add_argument("--retry-for", type=float, default=30.0, metavar="SECONDS",
-                        help="keep trying an unreachable coordinator this long (default 30)")
+    parser.add_argument("--retry-for", type=float, default=None, metavar="SECONDS",
+                        help="keep trying to join an unreachable coordinator this long (default: the "
+                             "--coordinator-grace, so a worker started while the coordinator is being started "
+                             "again joins once it is back)")
     add_coordinator_grace(parser, "the job trains on")
     parser.add_argument("--comm-hook", metavar="NAME",
                         help="DDP comm hook for the job's trainer group (allreduce, fp16, bf16, powersgd, "
@@ -48,7 +50,8 @@ def run(args) -> int:
         address = coordinator_address(args.connect)
         options = WorkerOptions(address=address, host=own_host(args.host, address),
                                 token=token_from(args), tls=client_tls(args),
-                                retry_for=datetime.timedelta(seconds=args.retry_for),
+                                retry_for=(datetime.timedelta(seconds=args.retry_for)
+                                           if args.retry_for is not None else None),
                                 config_overrides=hook_overrides(args.comm_hook, args.comm_hook_option),
                                 metrics_port=metrics_port_from(args),
                                 coordinator_grace=coordinator_grace_from(args))

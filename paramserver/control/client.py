@@ -116,9 +116,11 @@ class CoordinatorClient:
         except grpc.RpcError as error:
             raise _error_from(self.address, method, error) from None
 
-    def call_retrying(self, method: str, request, retry_for: Optional[datetime.timedelta] = None, metadata=None):
+    def call_retrying(self, method: str, request, retry_for: Optional[datetime.timedelta] = None, metadata=None,
+                      quiet: bool = False):
         """``call``, retried with exponential backoff (0.1 s doubling to 2 s) while the coordinator is
-        unreachable (or asks to be called again), for ``retry_for`` (default ``$PARAMSERVER_JOIN_RETRY_FOR``)."""
+        unreachable (or asks to be called again), for ``retry_for`` (default ``$PARAMSERVER_JOIN_RETRY_FOR``);
+        ``quiet``: each retry is logged at DEBUG, not INFO (the heartbeats already said the outage began)."""
         deadline = time.monotonic() + (retry_for or _retry_for()).total_seconds()
         delay = 0.1
         attempts = 0
@@ -129,7 +131,7 @@ class CoordinatorClient:
             except CoordinatorUnavailable as error:
                 if time.monotonic() + delay > deadline:
                     raise CoordinatorUnavailable(f"{error} (gave up after {attempts} attempts)", error.code) from None
-                logger.info("%s; retrying in %.1f s", error, delay)
+                logger.log(logging.DEBUG if quiet else logging.INFO, "%s; retrying in %.1f s", error, delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
 

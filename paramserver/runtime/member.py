@@ -64,7 +64,8 @@ class MemberSession:
         self.refused = False
 
     def join(self) -> pb.Assignment:
-        self.assignment = self.client.join(self.role, self.name, self.host, retry_for=self._retry_for,
+        # An outage of the coordinator (started again, or still starting) is waited out within the grace.
+        self.assignment = self.client.join(self.role, self.name, self.host, retry_for=self._retry_for or self.grace,
                                            gpus=self._gpus)
         self._set_news(self.assignment.shards)
         logger.info("joined %s as %s (rank %d, generation %d)", self.client.address, self.assignment.rpc_name,
@@ -169,7 +170,7 @@ class MemberSession:
     def _through_outage(self, method: str, request):
         """``method`` once the coordinator answers, waiting (retrying) for it through an outage within the
         grace: a checkpoint written during one is committed once the coordinator is back, never half."""
-        return self.client.call_retrying(method, request, retry_for=self.grace)
+        return self.client.call_retrying(method, request, retry_for=self.grace, quiet=True)
 
     def fail_checkpoint(self, failure) -> None:
         """Tell the coordinator that a checkpoint (a ``checkpoint.records.CheckpointFailure``) could not be written."""

@@ -30,6 +30,7 @@ from .server import READY_TIMEOUT, SHARDS_STOP_WITHIN
 from .exit_codes import EXIT_REFUSED
 from .shard_policy import MAX_RESTARTS
 from .supervisor import ShardSupervisor
+from .member import coordinator_grace
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,8 @@ def serve_shard_host(options: ShardHostOptions, announce=print) -> int:
     supervisor = None
     try:
         # The coordinator may still be starting: retried while unreachable.
-        status = client.status(retry_for=options.retry_for or JOIN_RETRY_FOR)
+        status = client.status(retry_for=options.retry_for or max(JOIN_RETRY_FOR, coordinator_grace(
+            options.coordinator_grace)))
         keeps_checkpoints = bool(status.checkpoint.directory)
         supervisor = ShardSupervisor(
             options.num_shards, options.coordinator, options.host,
