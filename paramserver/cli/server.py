@@ -6,12 +6,18 @@
               [--checkpoint-dir D|URL [--checkpoint-every STEPS|SECONDSs] [--keep-checkpoints K]] [--restore D|URL]
               [--export-dir D|URL [--export-every STEPS] [--export-base-every N]] [--storage-options JSON]
               [--token-file F] [--shard-token-file S] [--admin-token-file A] [--tls-cert C --tls-key K]
-              [--heartbeat-timeout S] [--metrics-port P]
+              [--heartbeat-timeout S] [--coordinator-grace S] [--state-dir D] [--metrics-port P]
     ps-server --join HOST:PORT --shards 4 [--host H] [--shard-prefix P] [--token-file F --shard-token-file S]
-              [--tls-ca PEM] [--metrics-port P]
+              [--tls-ca PEM] [--coordinator-grace S] [--metrics-port P]
 
 Prints ``ps-server ready at HOST:PORT (...)`` once every shard has joined;
 SIGTERM/SIGINT (or ``ps-ctl shutdown``) stops members, shards and itself.
+With ``--state-dir`` it journals the cluster there, and a ps-server started
+again with the same flags and directory on the same address takes the
+running cluster back (its members, their groups, the shards it started);
+SIGTERM/SIGINT then end this process alone (a pod moved elsewhere), and
+``ps-ctl shutdown`` stops the cluster.  Members go on without an answering
+coordinator for ``--coordinator-grace`` (60 s by default).
 With ``--join`` it runs no coordinator: its shards join the cluster whose
 coordinator is at HOST:PORT, it prints ``ps-server joined ...`` once they
 serve, and ends when they are stopped (SIGTERM, or the cluster's shutdown).

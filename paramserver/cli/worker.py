@@ -1,10 +1,13 @@
 """``ps-worker``: join a cluster and run its job.
 
-    ps-worker --connect HOST:PORT [--token-file F] [--tls-ca PEM] [--host H]
+    ps-worker --connect HOST:PORT [--token-file F] [--tls-ca PEM] [--host H] [--coordinator-grace S]
               [--comm-hook NAME [--comm-hook-option KEY=VALUE ...]] [--metrics-port P]
 
 Retries an unreachable coordinator with bounded backoff (``--retry-for``),
-then exits non-zero with a one-line reason.  Exit codes: 0 the job
+then exits non-zero with a one-line reason.  Once joined, the job trains on
+while the coordinator does not answer, for ``--coordinator-grace`` (60 s by
+default: a coordinator started again takes the worker back), then exits 1
+saying the cluster was lost.  Exit codes: 0 the job
 finished, 1 it or the cluster failed, 2 refused (wrong token, bad job,
 bad flags).  ``--comm-hook`` overrides the job's ``hook`` (the DDP comm
 hook of its trainer group: every member of a group must use the same).

@@ -25,8 +25,8 @@ JOURNAL_VERSION = 1
 WRITE_EVERY_S = 0.1
 
 
-class JournalError(RuntimeError):
-    """The journal cannot be read or written; ``str()`` says which file and why."""
+class JournalError(OSError):
+    """The journal cannot be read or made; ``str()`` says which file and why (ps-server says it and exits 1)."""
 
 
 class Journal:
