@@ -211,3 +211,37 @@ def test_the_shards_a_lost_ps_server_started_outlive_it_and_are_taken_back_not_s
     while any(pid_exists(pid) for pid in shards.values()) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(pid_exists(pid) for pid in shards.values())
+
+
+def test_a_worker_killed_while_the_coordinator_is_out_is_declared_dead_on_its_return_and_its_group_re_forms(
+        commands, tmp_path):
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    flags = ["--shards", "1", "--port", str(port), "--state-dir", str(tmp_path / "state"),
+             "--checkpoint-dir", str(tmp_path / "checkpoints"), "--group-size", "2", "--group-settle", "1",
+             "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), "--coordinator-grace", str(GRACE_S), "--job", JOB,
+             "--job-config", job_config(steps=100_000, log_every=5, eval_every=100_000)]
+    server = commands.start("ps-server", *flags)
+    wait_for_output(server, r"ps-server ready at", 90)
+    workers = [commands.start("ps-worker", "--connect", address, "--coordinator-grace", str(GRACE_S))
+               for _ in range(2)]
+    before = wait_for_status(commands, address, lambda s: len(s["workers"]) == 2 and all(
+        w["step"] >= 10 for w in s["workers"]), 120)
+    by_name = {w["name"]: next(p for p in workers if p.pid == w["pid"]) for w in before["workers"]}
+    os.kill(server.pid, signal.SIGKILL)
+    server.wait(10)
+    os.kill(by_name["worker1"].pid, signal.SIGKILL)  # lost while nobody watches
+    server = commands.start("ps-server", *flags)
+    wait_for_output(server, r"ps-server ready at", 60)
+    listening_at = time.monotonic()
+    dead = wait_for_status(commands, address, lambda s: [w for w in s["workers"] if w["name"] == "worker1"][0][
+        "state"] == "dead", HEARTBEAT_TIMEOUT_S + 3)
+    print(f"worker1 declared dead {time.monotonic() - listening_at:.1f} s after the coordinator came back")
+    step = [w for w in dead["workers"] if w["name"] == "worker0"][0]["step"]
+    after = wait_for_status(commands, address, lambda s: s["groups"] and int(s["groups"][0]["generation"]) >= 2 and
+                            [w for w in s["workers"] if w["name"] == "worker0"][0]["step"] >= step + 10, 60)
+    assert after["groups"][0]["members"] == ["worker0"], after["groups"]
+    assert by_name["worker0"].poll() is None
+    commands.run("ps-ctl", "--connect", address, "shutdown")
+    assert by_name["worker0"].wait(30) == 0, errors(by_name["worker0"])[-3000:]
+    assert server.wait(30) == 0, errors(server)[-3000:]

@@ -65,7 +65,7 @@ from .common import (UsageError, add_admin_token_file, add_coordinator_grace, co
 COORDINATOR_FLAGS = ("port", "job", "job_config", "group_size", "group_settle", "group_gone_after", "checkpoint_dir",
                      "checkpoint_every", "checkpoint_keep", "restore", "storage_options", "export_dir", "export_every",
                      "export_base_every", "tls_cert", "tls_key", "heartbeat_timeout", "stop_after_workers",
-                     "admin_token_file", "state_dir")
+                     "admin_token_file", "state_dir", "store_name")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -157,6 +157,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "this process, a volume kept across restarts): members, their credentials, trainer "
                              "groups, generations, the job's run, checkpoint requests. A ps-server started again "
                              "with the same flags and DIR on the same address takes the running cluster back")
+    parser.add_argument("--store-name", metavar="NAME",
+                        help="the name members reach the rendezvous store by (default: --host): a stable DNS "
+                             "name that resolves to --host (on Kubernetes the pod's, ps-coordinator-0.paramserver), "
+                             "so that members find the store again when the coordinator comes back on another "
+                             "address")
     add_metrics_port(parser, "the coordinator on P, shard i on P+1+i")
     add_threads(parser, "each shard server (1 unless set: a shard gets its parallelism from its RPC threads)")
     add_log_level(parser)
@@ -259,6 +264,8 @@ def options_from(args):
     settings["hold_workers_until_ready"] = args.shards > 0
     if args.state_dir:
         settings["state_dir"] = args.state_dir
+    if args.store_name:
+        settings["store_name"] = data_plane_host("--store-name", args.store_name)
     return ServerOptions(num_shards=args.shards, coordinator=CoordinatorSettings(**settings),
                          log_level=args.log_level, shard_prefix=prefix, max_restarts=shard_restarts_from(args),
                          metrics_port=metrics_port_from(args, 1 + args.shards),

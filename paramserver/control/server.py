@@ -75,6 +75,9 @@ class CoordinatorSettings:
     #: Where the coordinator's journal lives (``ps-server --state-dir``): a server started again with the same
     #: directory takes the running cluster back.  ``None``: no journal (a restarted server starts a new cluster).
     state_dir: Optional[str] = None
+    #: The name members reach the rendezvous store by (``None``: ``host``): a stable DNS name where the
+    #: coordinator may come back on another address (a Kubernetes pod's), so members find the store again.
+    store_name: Optional[str] = None
 
     def __post_init__(self):
         if self.shard_credential is not None and self.shard_credential.same_as(self.token):
@@ -121,7 +124,8 @@ class CoordinatorServer:
                 self.checkpoints.resume(journaled.get("checkpoints") or {})
         self.service = CoordinatorService(
             self.membership,
-            ServiceSettings(store=pb.StoreAddress(host=self.store.host, port=self.store.port), job=settings.job,
+            ServiceSettings(store=pb.StoreAddress(host=settings.store_name or self.store.host, port=self.store.port),
+                            job=settings.job,
                             heartbeat_interval=settings.heartbeat_interval,
                             heartbeat_timeout=settings.heartbeat_timeout),
             request_shutdown, self.checkpoints, shard_credential=self.shard_credential, refusals=self.refusals,
