@@ -217,7 +217,7 @@ def test_a_worker_killed_while_the_coordinator_is_out_is_declared_dead_on_its_re
         commands, tmp_path):
     port = _free_port()
     address = f"127.0.0.1:{port}"
-    flags = ["--shards", "1", "--port", str(port), "--state-dir", str(tmp_path / "state"),
+    flags = ["--shards", "1", "--port", str(port), "--state-dir", str(tmp_path / "state"), "--store-name", "localhost",
              "--checkpoint-dir", str(tmp_path / "checkpoints"), "--group-size", "2", "--group-settle", "1",
              "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), "--coordinator-grace", str(GRACE_S), "--job", JOB,
              "--job-config", job_config(steps=100_000, log_every=5, eval_every=100_000)]
