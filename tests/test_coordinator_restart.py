@@ -73,7 +73,7 @@ def test_a_restarted_coordinator_takes_the_running_cluster_back_with_no_step_los
     wait_for_output(server, r"ps-server ready at", 60)
     listening_at = time.monotonic()
     back = wait_for_status(commands, address, lambda s: all(
-        m["alive"] and m["seconds_since_heartbeat"] < 1.5 for m in s["workers"] + s["shards"]) and all(
+        m["alive"] and not m["reason"] and m["seconds_since_heartbeat"] < 1.5 for m in s["workers"] + s["shards"]) and all(
         w["step"] > 0 for w in s["workers"]), 30)
     reattached = time.monotonic() - listening_at
     print(f"every member re-attached {reattached:.1f} s after the new coordinator listened "
@@ -191,7 +191,7 @@ def test_the_shards_a_lost_ps_server_started_outlive_it_and_are_taken_back_not_s
     wait_for_output(server, r"ps-server ready at", 60)
     step = before["workers"][0]["step"]
     back = wait_for_status(commands, address, lambda s: s["workers"][0]["alive"] and s["workers"][0]["step"] > step
-                           and all(m["alive"] and m["seconds_since_heartbeat"] < 1.5 for m in s["shards"]), 30)
+                           and all(m["alive"] and not m["reason"] and m["seconds_since_heartbeat"] < 1.5 for m in s["shards"]), 30)
     assert {s["name"]: s["pid"] for s in back["shards"]} == shards, back["shards"]  # the same processes, no others
     assert "took back shard0, shard1" in errors(server)
 
@@ -203,7 +203,8 @@ def test_the_shards_a_lost_ps_server_started_outlive_it_and_are_taken_back_not_s
     server = commands.start("ps-server", *flags)
     wait_for_output(server, r"ps-server ready at", 60)
     wait_for_status(commands, address, lambda s: s["workers"][0]["alive"] and all(
-        m["alive"] and m["seconds_since_heartbeat"] < 1.5 for m in s["shards"] + s["workers"]), 30)
+        m["alive"] and not m["reason"] and m["seconds_since_heartbeat"] < 1.5 for m in s["shards"] + s["workers"]), 30)
+    assert "took back shard0, shard1" in errors(server)
     commands.run("ps-ctl", "--connect", address, "shutdown")
     assert worker.wait(30) == 0, errors(worker)[-3000:]
     assert server.wait(30) == 0, errors(server)[-3000:]

@@ -32,6 +32,8 @@ from .validation import RequestError
 logger = logging.getLogger(__name__)
 
 ALIVE, LEFT, DEAD, EXITED = "alive", "left", "dead", "exited"
+#: What status says of a live member taken from the journal that has not re-attached yet.
+NOT_REATTACHED = "not re-attached yet"
 #: Members no longer alive that status keeps showing (oldest are dropped first).
 MAX_FORMER_MEMBERS = 256
 
@@ -438,7 +440,8 @@ class Membership:
                     host=member.host, alive=member.state == ALIVE, state=member.state, step=member.step,
                     metrics=member.metrics, seconds_since_heartbeat=round(now - member.last_heartbeat, 3),
                     joined_generation=member.joined_generation, trainer_group=member.trainer_group,
-                    pid=member.pid, reason=member.end_reason, ready=member.ready)
+                    pid=member.pid, reason=member.end_reason or ("" if member.attached else NOT_REATTACHED),
+                    ready=member.ready)
             response.groups.extend(self._groups.views(now))
             response.trainer_groups_gone.extend(self._groups.gone(now))
             return response

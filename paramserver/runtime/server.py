@@ -18,7 +18,7 @@ import logging
 import signal
 import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import Dict, Optional
 
 from ..control import CoordinatorServer, CoordinatorSettings, TlsFiles, pb
 from ..control.membership import LEFT, Membership
@@ -101,9 +101,9 @@ def serve(options: ServerOptions, announce=print) -> int:
         host = options.coordinator.host
         adopted = _adopted_shards(coordinator, options)
         if adopted:
-            logger.info("took back %s, started by the ps-server before this one: they serve on and re-attach; "
-                        "this one starts no second set", ", ".join(adopted))
-        elif options.num_shards:  # none: a coordinator only, whose shards other hosts add (ps-server --join)
+            logger.info("took back %s, started by the ps-server before this one: they serve on and re-attach, "
+                        "and are restarted like this one's own if they exit", ", ".join(adopted))
+        if options.num_shards:  # none: a coordinator only, whose shards other hosts add (ps-server --join)
             supervisor = ShardSupervisor(
                 options.num_shards, format_address(host, coordinator.port), host,
                 on_exit=coordinator.membership.process_exited,
@@ -113,7 +113,7 @@ def serve(options: ServerOptions, announce=print) -> int:
                 # (a restart would silently serve freshly initialized tables).
                 restart=coordinator.checkpoints is not None, max_restarts=options.max_restarts,
                 prefix=options.shard_prefix,
-                metrics_port=options.metrics_port, grace=options.coordinator_grace).start()
+                metrics_port=options.metrics_port, grace=options.coordinator_grace).start(adopted)
         want = options.num_shards
         all_joined = coordinator.membership.wait_until(
             lambda m: len(m.serving_shards()) >= want or shutdown.event.is_set()
@@ -168,13 +168,14 @@ def _step_away(coordinator: CoordinatorServer, supervisor: Optional[ShardSupervi
     exit_now(0)  # not the interpreter's exit, which would wait for the shard processes
 
 
-def _adopted_shards(coordinator: CoordinatorServer, options: ServerOptions):
-    """This server's shards (``<prefix>0..``) that the journal of the server before it lists alive: their
-    processes outlive the server that started them, and are taken back instead of started again."""
+def _adopted_shards(coordinator: CoordinatorServer, options: ServerOptions) -> Dict[str, int]:
+    """This server's shards (``<prefix>0..``) that the journal of the server before it lists alive, name -> pid:
+    their processes outlive the server that started them, and are taken back instead of started again."""
     if not coordinator.resumed or not options.num_shards:
-        return []
+        return {}
     own = {f"{options.shard_prefix}{index}" for index in range(options.num_shards)}
-    return sorted(m.rpc_name for m in coordinator.membership.alive(pb.ROLE_SHARD) if m.rpc_name in own)
+    return {m.rpc_name: m.pid for m in sorted(coordinator.membership.alive(pb.ROLE_SHARD), key=lambda m: m.rpc_name)
+            if m.rpc_name in own}
 
 
 def workers_done(membership: Membership, workers: int) -> bool:
