@@ -299,7 +299,7 @@ class TrainerGroup:
                 try:
                     self._handouts.set(key, pickle.dumps(value))
                 except dist.DistNetworkError:  # the store went with its coordinator, and is back (or waited for)
-                    self._reconnect_store()
+                    self.reconnect_store()
                     self._handouts.set(key, pickle.dumps(value))
             return value
         deadline = time.monotonic() + within.total_seconds()
@@ -319,7 +319,7 @@ class TrainerGroup:
             try:
                 self._handouts.wait([key], datetime.timedelta(seconds=min(left, HAND_OUT_SLICE.total_seconds())))
             except dist.DistNetworkError:  # the store went with its coordinator: wait for it on a new connection
-                self._reconnect_store()
+                self.reconnect_store()
                 continue
             except dist.DistStoreError:  # this slice's wait timed out
                 continue
@@ -404,7 +404,13 @@ class TrainerGroup:
         getattr(self._source, "request_regroup", lambda generation: None)(self.generation)
         return self._source.wait_for_group_view(self.generation, self._timeout)
 
-    def _connect_store(self) -> dist.Store:
+    @property
+    def store(self) -> dist.Store:
+        """This group's connection to the coordinator's store (a new one after ``reconnect_store``)."""
+        return self._store
+
+    def connect_store(self) -> dist.Store:
+        """A new connection to the coordinator's store."""
         return dist.TCPStore(self._source.store_host, self._source.store_port, is_master=False,
                              timeout=self._timeout)
 
@@ -414,14 +420,14 @@ class TrainerGroup:
         try:
             self._store.check(["-"])
         except dist.DistNetworkError:
-            self._reconnect_store()
+            self.reconnect_store()
 
-    def _reconnect_store(self) -> None:
+    def reconnect_store(self) -> None:
         """Connect to the store again, waiting for it (bounded by the group's formation timeout; a member
         asked to stop meanwhile gives up with the connection's error)."""
         logger.warning("%s: the connection to the group's store broke (its coordinator was started again?); "
                        "connecting again", self._source.rpc_name)
-        self._store = self._connect_store()
+        self._store = self.connect_store()
         self.store_connections += 1
         if self._handouts is not None:
             self._handouts = dist.PrefixStore(self._handout_prefix, self._store)
@@ -456,7 +462,7 @@ class JobStore:
     def __init__(self, group: TrainerGroup, prefix: str, own_connection: bool = False):
         self._group = group
         self._prefix = prefix
-        self._own: Optional[dist.Store] = group._connect_store() if own_connection else None
+        self._own: Optional[dist.Store] = group.connect_store() if own_connection else None
         #: How many times this store's connection was made again.
         self.reconnections = 0
         self._on_reconnect: List[Callable[[], None]] = []
@@ -467,15 +473,15 @@ class JobStore:
         self._on_reconnect.append(callback)
 
     def _store(self) -> dist.Store:
-        return dist.PrefixStore(self._prefix, self._own if self._own is not None else self._group._store)
+        return dist.PrefixStore(self._prefix, self._own if self._own is not None else self._group.store)
 
     def _reconnect(self) -> None:
         if self._own is not None:
             logger.warning("the connection to the job's store broke (its coordinator was started again?); "
                            "connecting again")
-            self._own = self._group._connect_store()
+            self._own = self._group.connect_store()
         else:
-            self._group._reconnect_store()
+            self._group.reconnect_store()
         self.reconnections += 1
         for callback in self._on_reconnect:
             callback()
