@@ -250,7 +250,12 @@ def test_the_coordinator_is_one_pod_whose_port_the_service_names(objects):
     port = int(option(container["args"], "--port"))
     assert port in [p["port"] for p in _headless_service(objects)["spec"]["ports"]]
     assert port in [p["containerPort"] for p in container["ports"]]
-    assert int(option(container["args"], "--shards")) >= 1
+    # The shards live on the shard hosts, so a restart of the coordinator's pod touches none of them, and the
+    # journal on a volume of its own, kept across restarts.
+    assert int(option(container["args"], "--shards")) == 0
+    state_dir = option(container["args"], "--state-dir")
+    claims = [t["metadata"]["name"] for t in sts["spec"].get("volumeClaimTemplates", [])]
+    assert [m for m in container["volumeMounts"] if m["mountPath"] == state_dir and m["name"] in claims], state_dir
 
 
 def test_workers_connect_to_the_coordinator_pod_through_the_headless_service(objects):
@@ -282,8 +287,8 @@ def mounted_secret_files(objects, owner: str, spec: dict, container: dict) -> Di
     volumes = {v["name"]: v for v in spec.get("volumes", [])}
     files = {}
     for mount in container.get("volumeMounts", []):
-        volume = volumes[mount["name"]]  # every mount names a volume of the pod
-        if "secret" not in volume:
+        volume = volumes.get(mount["name"])  # a volume of the pod, or one of its StatefulSet's volume claims
+        if volume is None or "secret" not in volume:
             continue
         name = volume["secret"]["secretName"]
         assert name in secrets, f"{owner} mounts Secret {name!r}, which no manifest defines"

@@ -4,8 +4,8 @@
    group's collective with it, abandons that collective on the view without it and trains again within
    seconds, not the 60 s collective timeout;
 2. the hung worker resumes (SIGCONT): its first heartbeat is refused and it exits 1 at once, one line;
-3. the coordinator is SIGKILLed: the survivor exits 1 within the heartbeat timeout + 2 s, saying the
-   cluster was lost, with the figures it last reported.
+3. the coordinator is SIGKILLed and never comes back: the survivor exits 1 within its grace for the
+   coordinator (``--coordinator-grace``) + 2 s, saying the cluster was lost, with the figures it last reported.
 
 and on a second cluster, whose shards are restarted once (``--shard-restarts 1``):
 
@@ -38,8 +38,10 @@ HEARTBEAT_TIMEOUT_S = 3
 HUNG_MEMBER_CUT_OUT_S = HEARTBEAT_TIMEOUT_S + 10
 #: A refused worker exits within this of resuming.
 REFUSED_EXIT_S = 5
-#: Losing the coordinator ends a worker within the heartbeat timeout + 2 s (+1 s for a loaded machine's exit).
-CLUSTER_LOST_EXIT_S = HEARTBEAT_TIMEOUT_S + 2 + 1
+#: How long members wait for a coordinator that does not answer, here.
+COORDINATOR_GRACE_S = 3
+#: Losing the coordinator for good ends a worker within its grace + 2 s (+1 s for a loaded machine's exit).
+CLUSTER_LOST_EXIT_S = COORDINATOR_GRACE_S + 2 + 1
 #: A worker fails within this of a shard that is not restarted exiting (a heartbeat brings the news).
 SHARD_GONE_EXIT_S = 5
 #: ps-ctl checkpoint hears of a checkpoint that failed within this (its agreement, the writing, a heartbeat).
@@ -62,9 +64,11 @@ def _wait_for_exit(process, seconds):
 
 def test_a_hung_worker_is_cut_out_then_refused_and_a_lost_coordinator_ends_the_survivor(commands):
     server, address = start_server(commands, "--shards", "2", "--group-size", "2",
-                                   "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), "--job", JOB, "--job-config", job_config(steps=100_000, log_every=2,
-                                                                            eval_every=100_000))
-    started = [commands.start("ps-worker", "--connect", address) for _ in range(2)]
+                                   "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S),
+                                   "--coordinator-grace", str(COORDINATOR_GRACE_S), "--job", JOB,
+                                   "--job-config", job_config(steps=100_000, log_every=2, eval_every=100_000))
+    started = [commands.start("ps-worker", "--connect", address, "--coordinator-grace", str(COORDINATOR_GRACE_S))
+               for _ in range(2)]
     state = wait_for_status(commands, address, lambda s: len(s["workers"]) == 2 and all(
         w["step"] >= 10 for w in s["workers"]), 120)
     workers = {w["name"]: next(p for p in started if p.pid == w["pid"]) for w in state["workers"]}
@@ -102,8 +106,8 @@ def test_a_hung_worker_is_cut_out_then_refused_and_a_lost_coordinator_ends_the_s
         for process in (hung, survivor):
             if process.poll() is None:
                 process.send_signal(signal.SIGCONT)
-        for pid in shard_pids:  # orphaned by the SIGKILL: they leave on their own, after the heartbeat timeout
-            deadline = time.monotonic() + 2 * HEARTBEAT_TIMEOUT_S + 5
+        for pid in shard_pids:  # orphaned by the SIGKILL: they leave on their own, after their grace
+            deadline = time.monotonic() + 2 * COORDINATOR_GRACE_S + 5
             while pid_exists(pid) and time.monotonic() < deadline:
                 time.sleep(0.2)
             if pid_exists(pid):

@@ -1,5 +1,6 @@
 """The heartbeat loop's ends, against a fake coordinator: refused at the first refusal (once, whoever beat),
-lost at the heartbeat timeout of unreachability (not a beat later)."""
+lost at the end of its grace for an unreachable coordinator (not a beat later), and an outage shorter than the
+grace ridden out with retries, said once when it starts and once when it ends."""
 
 import datetime
 import threading
@@ -75,4 +76,28 @@ def test_an_unreachable_coordinator_is_given_up_at_the_timeout():
     # Declared at the timeout (from the last good beat), not at the first beat after it (up to 2.5 s here).
     assert at - unreachable_since < give_up_after.total_seconds() + interval.total_seconds() / 2, \
         at - unreachable_since
+    loop.stop()
+
+
+def test_an_outage_shorter_than_the_grace_is_ridden_out_said_once_when_it_starts_and_once_when_it_ends(caplog):
+    coordinator = FakeCoordinator()
+    loop, ends, ended = _loop(coordinator, datetime.timedelta(seconds=5), interval=datetime.timedelta(seconds=1))
+    with caplog.at_level("INFO", logger="paramserver.control.client"):
+        loop.start()
+        time.sleep(0.3)
+        coordinator.failure = CoordinatorUnavailable("coordinator 127.0.0.1:1 unreachable for Heartbeat",
+                                                     grpc.StatusCode.UNAVAILABLE)
+        calls = coordinator.calls
+        time.sleep(2.5)
+        retried = coordinator.calls - calls
+        assert loop.outage is not None
+        coordinator.failure = None
+        time.sleep(1.5)
+    assert not ended.is_set() and loop.outage is None
+    # The first failed beat within the 1 s interval, then retries 0.2, 0.4, 0.8 s later (backoff up to the
+    # interval): 3 to 5 in 2.5 s, where beats at the interval would be 2 or 3.
+    assert 3 <= retried <= 5, retried
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("going on without it for up to 5 s" in line for line in lines) == 1, lines
+    assert sum("the outage lasted" in line for line in lines) == 1, lines
     loop.stop()

@@ -201,3 +201,48 @@ def test_a_lost_members_part_its_reader_had_given_whole_is_read_on_by_its_own_gr
 
     read, rest = lost_member_replayed(tmp_path, group_of_one, claims_of)
     assert sorted(read + rest) == list(range(240))
+
+
+class _Coordinator:
+    """The store a coordinator hosts: ``restart`` brings it back empty."""
+
+    def __init__(self):
+        self.store, self.starts = dist.HashStore(), 1
+
+    def restart(self):
+        self.store, self.starts = dist.HashStore(), self.starts + 1
+
+
+class _Connection:
+    """One member's connection to it (``ddp.group.JobStore``): an operation that finds the store started again
+    connects again, calls back, and is tried again."""
+
+    def __init__(self, coordinator):
+        self._coordinator, self._starts, self._callbacks = coordinator, coordinator.starts, []
+
+    def on_reconnect(self, callback):
+        self._callbacks.append(callback)
+
+    def __getattr__(self, name):
+        def call(*args):
+            if self._starts != self._coordinator.starts:
+                self._starts = self._coordinator.starts
+                for callback in self._callbacks:
+                    callback()
+            return getattr(self._coordinator.store, name)(*args)
+        return call
+
+
+def test_claims_are_published_again_in_a_store_that_came_back_with_its_coordinator(monkeypatch):
+    from paramserver.train import claims
+    coordinator = _Coordinator()
+    zero, one = PartClaims(_Connection(coordinator), 0), PartClaims(_Connection(coordinator), 1)
+    assert zero.take("part-a") is True and zero.take("part-b") is True
+    zero.finish("part-a")
+    coordinator.restart()  # empty now
+    assert one.take("part-c") is None  # group 1 found it so first: it asks for nothing new for a while
+    zero.alive()  # group 0's next agreement: its claims are back
+    monkeypatch.setattr(claims, "REPUBLISH_WINDOW", datetime.timedelta(0))
+    assert one.take("part-a") is False  # read whole by group 0: never read again
+    assert one.take("part-b") is None  # under way at group 0
+    assert one.take("part-c") is True

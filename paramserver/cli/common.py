@@ -83,6 +83,23 @@ def add_metrics_port(parser: argparse.ArgumentParser, what: str) -> None:
                              "free port; default: no metrics)")
 
 
+def add_coordinator_grace(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--coordinator-grace", type=float, default=None, metavar="SECONDS",
+                        help=f"while the coordinator does not answer, {what} this long for it to come back (a "
+                             "coordinator started again with the same flags and --state-dir takes the cluster "
+                             "back); past it the cluster is lost (default 60, or $PARAMSERVER_COORDINATOR_GRACE: "
+                             "a Kubernetes pod restarted after an eviction or a node drain)")
+
+
+def coordinator_grace_from(args):
+    """``--coordinator-grace`` as a ``timedelta`` (``None`` when not given)."""
+    if args.coordinator_grace is None:
+        return None
+    if not (args.coordinator_grace > 0):
+        raise UsageError(f"--coordinator-grace must be positive, got {args.coordinator_grace}")
+    return datetime.timedelta(seconds=args.coordinator_grace)
+
+
 def metrics_port_from(args, ports_needed: int = 1):
     """``--metrics-port`` (``None`` when not given); ``ports_needed`` consecutive ports from it must exist."""
     port = args.metrics_port

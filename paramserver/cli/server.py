@@ -6,12 +6,18 @@
               [--checkpoint-dir D|URL [--checkpoint-every STEPS|SECONDSs] [--keep-checkpoints K]] [--restore D|URL]
               [--export-dir D|URL [--export-every STEPS] [--export-base-every N]] [--storage-options JSON]
               [--token-file F] [--shard-token-file S] [--admin-token-file A] [--tls-cert C --tls-key K]
-              [--heartbeat-timeout S] [--metrics-port P]
+              [--heartbeat-timeout S] [--coordinator-grace S] [--state-dir D] [--metrics-port P]
     ps-server --join HOST:PORT --shards 4 [--host H] [--shard-prefix P] [--token-file F --shard-token-file S]
-              [--tls-ca PEM] [--metrics-port P]
+              [--tls-ca PEM] [--coordinator-grace S] [--metrics-port P]
 
 Prints ``ps-server ready at HOST:PORT (...)`` once every shard has joined;
 SIGTERM/SIGINT (or ``ps-ctl shutdown``) stops members, shards and itself.
+With ``--state-dir`` it journals the cluster there, and a ps-server started
+again with the same flags and directory on the same address takes the
+running cluster back (its members, their groups, the shards it started);
+SIGTERM/SIGINT then end this process alone (a pod moved elsewhere), and
+``ps-ctl shutdown`` stops the cluster.  Members go on without an answering
+coordinator for ``--coordinator-grace`` (60 s by default).
 With ``--join`` it runs no coordinator: its shards join the cluster whose
 coordinator is at HOST:PORT, it prints ``ps-server joined ...`` once they
 serve, and ends when they are stopped (SIGTERM, or the cluster's shutdown).
@@ -49,7 +55,7 @@ from ..processes import start_fork_server
 from ..runtime.exit_codes import EXIT_FAILED, EXIT_REFUSED
 from ..runtime.job import DEFAULT_JOB, JobConfigError, JobError, pack_job
 from ..runtime.shard_policy import MAX_RESTARTS, SHARD_PRELOAD
-from .common import (UsageError, add_admin_token_file, add_log_level, add_metrics_port, add_storage_options, add_threads, add_token_file,
+from .common import (UsageError, add_admin_token_file, add_coordinator_grace, coordinator_grace_from, add_log_level, add_metrics_port, add_storage_options, add_threads, add_token_file,
                      admin_token_from, command_main, coordinator_address, location_from,
                      data_plane_host, job_config_from, metrics_port_from, own_host, secret_from, setup_logging,
                      threads_from, token_from)
@@ -59,7 +65,7 @@ from .common import (UsageError, add_admin_token_file, add_log_level, add_metric
 COORDINATOR_FLAGS = ("port", "job", "job_config", "group_size", "group_settle", "group_gone_after", "checkpoint_dir",
                      "checkpoint_every", "checkpoint_keep", "restore", "storage_options", "export_dir", "export_every",
                      "export_base_every", "tls_cert", "tls_key", "heartbeat_timeout", "stop_after_workers",
-                     "admin_token_file")
+                     "admin_token_file", "state_dir", "store_name")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -145,6 +151,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heartbeat-timeout", type=float, default=None, metavar="SECONDS",
                         help="declare a member dead after this long without a heartbeat "
                              "(default 5, or $PARAMSERVER_HEARTBEAT_TIMEOUT)")
+    add_coordinator_grace(parser, "this host's shards serve on")
+    parser.add_argument("--state-dir", metavar="DIR",
+                        help="keep the coordinator's journal in DIR (made if missing; on storage that outlives "
+                             "this process, a volume kept across restarts): members, their credentials, trainer "
+                             "groups, generations, the job's run, checkpoint requests. A ps-server started again "
+                             "with the same flags and DIR on the same address takes the running cluster back")
+    parser.add_argument("--store-name", metavar="NAME",
+                        help="the name members reach the rendezvous store by (default: --host): a stable DNS "
+                             "name that resolves to --host (on Kubernetes the pod's, ps-coordinator-0.paramserver), "
+                             "so that members find the store again when the coordinator comes back on another "
+                             "address")
     add_metrics_port(parser, "the coordinator on P, shard i on P+1+i")
     add_threads(parser, "each shard server (1 unless set: a shard gets its parallelism from its RPC threads)")
     add_log_level(parser)
@@ -189,7 +206,8 @@ def shard_host_options_from(args):
     return ShardHostOptions(coordinator=address, num_shards=args.shards, host=host, prefix=prefix,
                             token=token, shard_token=shard_token, max_restarts=shard_restarts_from(args),
                             tls=TlsFiles(ca=args.tls_ca) if args.tls_ca else None,
-                            log_level=args.log_level, metrics_port=metrics_port_from(args, 1 + args.shards))
+                            log_level=args.log_level, metrics_port=metrics_port_from(args, 1 + args.shards),
+                            coordinator_grace=coordinator_grace_from(args))
 
 
 def options_from(args):
@@ -244,10 +262,15 @@ def options_from(args):
     settings["group_settle"] = datetime.timedelta(seconds=args.group_settle)
     settings["group_gone_after"] = datetime.timedelta(seconds=args.group_gone_after)
     settings["hold_workers_until_ready"] = args.shards > 0
+    if args.state_dir:
+        settings["state_dir"] = args.state_dir
+    if args.store_name:
+        settings["store_name"] = data_plane_host("--store-name", args.store_name)
     return ServerOptions(num_shards=args.shards, coordinator=CoordinatorSettings(**settings),
                          log_level=args.log_level, shard_prefix=prefix, max_restarts=shard_restarts_from(args),
                          metrics_port=metrics_port_from(args, 1 + args.shards),
-                         stop_after_workers=args.stop_after_workers)
+                         stop_after_workers=args.stop_after_workers,
+                         coordinator_grace=coordinator_grace_from(args))
 
 
 def live_exports_from(args) -> Optional["pb.LiveExportSettings"]:

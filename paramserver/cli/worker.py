@@ -1,10 +1,13 @@
 """``ps-worker``: join a cluster and run its job.
 
-    ps-worker --connect HOST:PORT [--token-file F] [--tls-ca PEM] [--host H]
+    ps-worker --connect HOST:PORT [--token-file F] [--tls-ca PEM] [--host H] [--coordinator-grace S]
               [--comm-hook NAME [--comm-hook-option KEY=VALUE ...]] [--metrics-port P]
 
 Retries an unreachable coordinator with bounded backoff (``--retry-for``),
-then exits non-zero with a one-line reason.  Exit codes: 0 the job
+then exits non-zero with a one-line reason.  Once joined, the job trains on
+while the coordinator does not answer, for ``--coordinator-grace`` (60 s by
+default: a coordinator started again takes the worker back), then exits 1
+saying the cluster was lost.  Exit codes: 0 the job
 finished, 1 it or the cluster failed, 2 refused (wrong token, bad job,
 bad flags).  ``--comm-hook`` overrides the job's ``hook`` (the DDP comm
 hook of its trainer group: every member of a group must use the same).
@@ -18,7 +21,7 @@ import sys
 from ..logs import exit_now
 from ..runtime.exit_codes import EXIT_REFUSED
 from ..runtime.worker import WorkerOptions, run_worker
-from .common import (UsageError, add_connect, add_log_level, add_metrics_port, add_threads, client_tls,
+from .common import (UsageError, add_connect, add_coordinator_grace, coordinator_grace_from, add_log_level, add_metrics_port, add_threads, client_tls,
                      command_main, coordinator_address, metrics_port_from, own_host, setup_logging, threads_from,
                      token_from)
 
@@ -28,8 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=None,
                         help="this machine's address as the shards reach it; the data plane listens there "
                              "(default: the address of the interface facing the coordinator)")
-    parser.add_argument("--retry-for", type=float, default=30.0, metavar="SECONDS",
-                        help="keep trying an unreachable coordinator this long (default 30)")
+    parser.add_argument("--retry-for", type=float, default=None, metavar="SECONDS",
+                        help="keep trying to join an unreachable coordinator this long (default: the "
+                             "--coordinator-grace, so a worker started while the coordinator is being started "
+                             "again joins once it is back)")
+    add_coordinator_grace(parser, "the job trains on")
     parser.add_argument("--comm-hook", metavar="NAME",
                         help="DDP comm hook for the job's trainer group (allreduce, fp16, bf16, powersgd, "
                              "batched_powersgd, fp16_powersgd, bf16_powersgd, noop); default: the job's")
@@ -47,9 +53,11 @@ def run(args) -> int:
         address = coordinator_address(args.connect)
         options = WorkerOptions(address=address, host=own_host(args.host, address),
                                 token=token_from(args), tls=client_tls(args),
-                                retry_for=datetime.timedelta(seconds=args.retry_for),
+                                retry_for=(datetime.timedelta(seconds=args.retry_for)
+                                           if args.retry_for is not None else None),
                                 config_overrides=hook_overrides(args.comm_hook, args.comm_hook_option),
-                                metrics_port=metrics_port_from(args))
+                                metrics_port=metrics_port_from(args),
+                                coordinator_grace=coordinator_grace_from(args))
     except UsageError as error:
         print(f"ps-worker: {error}", file=sys.stderr)
         return EXIT_REFUSED

@@ -265,11 +265,34 @@ class CheckpointCoordinator:
         return location
 
     # -- the timer ----------------------------------------------------
-    def start(self) -> "CheckpointCoordinator":
+    def snapshot(self) -> Dict[str, Any]:
+        """For the coordinator's journal: the requests' numbering and the newest committed checkpoint."""
+        with self._changed:
+            return {"requests": self._requests, "newest": str(self._newest.path) if self._newest else ""}
+
+    def resume(self, snapshot: Mapping[str, Any]) -> None:
+        """Continue from the journal of the coordinator before this one: request numbers above its (workers
+        keep the highest they heard of), and its newest checkpoint as the one a restarting shard restores
+        from (unless it no longer opens)."""
+        with self._changed:
+            self._requests = self._settled = max(self._requests, int(snapshot.get("requests", 0)))
+        newest = snapshot.get("newest")
+        if newest and (self._newest is None or str(self._newest.path) != newest):
+            try:
+                checkpoint = open_checkpoint(locate(newest, self.store.root.storage_options))
+            except (OSError, CorruptCheckpoint, StorageUnavailable, ValueError) as error:
+                logger.warning("the journal's newest checkpoint %s does not open: %s", newest, error)
+                return
+            with self._changed:
+                self._newest = checkpoint
+
+    def start(self, remove_interrupted: bool = True) -> "CheckpointCoordinator":
         """The cluster starts: remove what checkpoints interrupted before it left under the root (nothing
         writes there yet; later ones are removed by their writer's failure report, or by the pruning of a
-        newer commit), and ask for checkpoints on the timer."""
-        interrupted = self.store.remove_interrupted()
+        newer commit), and ask for checkpoints on the timer.  A coordinator taking a running cluster back
+        removes nothing (``remove_interrupted`` false): a trainer may be writing a checkpoint there now, to
+        commit it once the coordinator answers."""
+        interrupted = self.store.remove_interrupted() if remove_interrupted else []
         if interrupted:
             names = ", ".join(d.name for d in interrupted[:_NAMED])
             logger.info("removed %d interrupted checkpoint director%s (no %s) under %s: %s%s", len(interrupted),

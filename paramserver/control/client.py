@@ -28,6 +28,10 @@ logger = logging.getLogger(__name__)
 CALL_TIMEOUT = datetime.timedelta(seconds=10)
 JOIN_RETRY_FOR = datetime.timedelta(seconds=30)
 JOIN_RETRY_FOR_ENV = "PARAMSERVER_JOIN_RETRY_FOR"
+#: The longest a channel waits before it tries to reach an unreachable coordinator again.
+MAX_RECONNECT_BACKOFF = datetime.timedelta(seconds=1)
+#: The first retry of a heartbeat the coordinator did not answer (then doubling, up to the interval).
+OUTAGE_RETRY_FIRST = datetime.timedelta(seconds=0.2)
 
 
 class CoordinatorError(RuntimeError):
@@ -86,8 +90,12 @@ class CoordinatorClient:
         self._shard_token = shard_token
         self._admin_token = admin_token
         self._metrics_left_out: Set[Tuple[str, ...]] = set()  # the names ``sendable`` warned about
+        # Reconnect within a second of a coordinator coming back (gRPC's own backoff grows to 2 minutes):
+        # members re-attach within the heartbeat timeout of its return.
         options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                   ("grpc.max_reconnect_backoff_ms", int(MAX_RECONNECT_BACKOFF.total_seconds() * 1000))]
         if tls is not None:
             channel = grpc.secure_channel(address, tls.channel_credentials(), options=options)
         else:
@@ -108,9 +116,11 @@ class CoordinatorClient:
         except grpc.RpcError as error:
             raise _error_from(self.address, method, error) from None
 
-    def call_retrying(self, method: str, request, retry_for: Optional[datetime.timedelta] = None, metadata=None):
+    def call_retrying(self, method: str, request, retry_for: Optional[datetime.timedelta] = None, metadata=None,
+                      quiet: bool = False):
         """``call``, retried with exponential backoff (0.1 s doubling to 2 s) while the coordinator is
-        unreachable (or asks to be called again), for ``retry_for`` (default ``$PARAMSERVER_JOIN_RETRY_FOR``)."""
+        unreachable (or asks to be called again), for ``retry_for`` (default ``$PARAMSERVER_JOIN_RETRY_FOR``);
+        ``quiet``: each retry is logged at DEBUG, not INFO (the heartbeats already said the outage began)."""
         deadline = time.monotonic() + (retry_for or _retry_for()).total_seconds()
         delay = 0.1
         attempts = 0
@@ -121,7 +131,7 @@ class CoordinatorClient:
             except CoordinatorUnavailable as error:
                 if time.monotonic() + delay > deadline:
                     raise CoordinatorUnavailable(f"{error} (gave up after {attempts} attempts)", error.code) from None
-                logger.info("%s; retrying in %.1f s", error, delay)
+                logger.log(logging.DEBUG if quiet else logging.INFO, "%s; retrying in %.1f s", error, delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
 
@@ -205,10 +215,18 @@ class HeartbeatLoop:
     ``progress()`` supplies ``(step, metrics)`` for each beat;
     ``on_response(response)`` sees every answer (live shards, the trainer
     group's view) before its commands are handled.  When the
-    coordinator is unreachable for ``give_up_after`` (declared then, not at
-    the next beat), or refuses the member (declared dead, unknown: at the
+    coordinator is unreachable for ``give_up_after`` (the member's grace for
+    a coordinator outage, ``--coordinator-grace``; declared then, not at the
+    next beat), or refuses the member (declared dead, unknown: at the
     first refusal, whether the loop's beat or ``beat()`` got it),
     ``on_lost(reason, refused)`` is called once and the loop ends.
+
+    Within the grace the member rides the outage out: beats are retried
+    with backoff (``OUTAGE_RETRY_FIRST`` doubling up to the interval), one
+    line is logged when the outage starts and one when it ends, with its
+    length (``outage``: when the current one started, or ``None``).
+    ``credential``: the member's own (its Assignment's), sent with every
+    beat: a coordinator started again takes the member back only with it.
     """
 
     def __init__(self, client: CoordinatorClient, member_id: str, interval: datetime.timedelta,
@@ -216,8 +234,12 @@ class HeartbeatLoop:
                  progress: Callable[[], tuple],
                  on_command: Callable[[pb.Command], None],
                  on_lost: Callable[[str, bool], None],
-                 on_response: Optional[Callable[[pb.HeartbeatResponse], None]] = None):
+                 on_response: Optional[Callable[[pb.HeartbeatResponse], None]] = None,
+                 credential: str = ""):
         self._client = client
+        self._credential = credential
+        #: When the coordinator stopped answering (``time.monotonic()``); ``None`` while it answers.
+        self.outage: Optional[float] = None
         self._member_id = member_id
         self._interval = interval
         self._give_up_after = give_up_after
@@ -256,7 +278,8 @@ class HeartbeatLoop:
                 response = self._client.call("Heartbeat", pb.HeartbeatRequest(
                     member_id=self._member_id, sequence=self._sequence, step=step,
                     metrics=sendable(metrics, self._metrics_left_out),
-                    ready=self.ready, regroup_generation=self.regroup_generation),
+                    ready=self.ready, regroup_generation=self.regroup_generation,
+                    credential=self._credential),
                     timeout=self._interval * 2)
             except CoordinatorUnavailable:
                 raise
@@ -278,21 +301,33 @@ class HeartbeatLoop:
 
     def _run(self) -> None:
         give_up_after = self._give_up_after.total_seconds()
+        interval = self._interval.total_seconds()
         last_ok = time.monotonic()
         wait = 0.0
+        retry = OUTAGE_RETRY_FIRST.total_seconds()
         while not self._stop.wait(wait) and not self._lost.is_set():
-            wait = self._interval.total_seconds()
+            wait = interval
             try:
                 self.beat()
                 last_ok = time.monotonic()
+                if self.outage is not None:
+                    logger.warning("the coordinator answers again: the outage lasted %.1f s", last_ok - self.outage)
+                    self.outage = None
+                    retry = OUTAGE_RETRY_FIRST.total_seconds()
             except CoordinatorUnavailable as error:
-                unreachable_for = time.monotonic() - last_ok
+                now = time.monotonic()
+                unreachable_for = now - last_ok
                 if unreachable_for >= give_up_after:
                     self._declare_lost(f"lost the coordinator: unreachable for {unreachable_for:.1f} s ({error})",
                                        refused=False)
                     return
-                logger.warning("heartbeat failed: %s", error)
-                wait = min(wait, give_up_after - unreachable_for)  # declared lost at the timeout, not a beat later
+                if self.outage is None:
+                    self.outage = last_ok
+                    logger.warning("%s; going on without it for up to %.0f s while it comes back", error,
+                                   give_up_after)
+                # Retried with backoff, and declared lost at the grace's end, not a beat later.
+                wait = min(retry, interval, give_up_after - unreachable_for)
+                retry *= 2
             except CoordinatorError:  # refused: declared lost by beat()
                 return
             except Exception as error:  # noqa: BLE001 - a failing command handler must not end heartbeats silently

@@ -24,7 +24,7 @@ groups themselves (``paramserver.ddp.group``).
 import datetime
 import logging
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from .protocol import pb
 
@@ -143,6 +143,27 @@ class TrainerGroups:
             return False
         full = self.group_size > 0 and len(state.live) >= self.group_size
         return full or now - state.changed_at >= self.settle.total_seconds()
+
+    def snapshot(self) -> Dict[str, Any]:
+        """The groups as plain JSON types, for the coordinator's journal: live workers and the newest view."""
+        return {str(group): {"live": dict(state.live),
+                             "view": None if state.view is None else
+                             {"generation": state.view.generation, "members": list(state.view.members),
+                              "backend": state.view.backend}}
+                for group, state in self._groups.items()}
+
+    def restore(self, snapshot: Dict[str, Any], now: float) -> None:
+        """Take back what ``snapshot`` wrote: the same views, so that re-attaching workers train on in the
+        generation they formed (one whose member does not re-attach re-forms as it would have)."""
+        for key, saved in snapshot.items():
+            state = _Group(live={name: int(gpus) for name, gpus in saved["live"].items()}, changed_at=now)
+            if saved["view"] is not None:
+                view = saved["view"]
+                state.view = pb.TrainerGroupView(group=int(key), generation=int(view["generation"]),
+                                                 members=view["members"], backend=view["backend"])
+            if not state.live:
+                state.emptied_at = now
+            self._groups[int(key)] = state
 
     def views(self, now: float) -> List[pb.TrainerGroupView]:
         """The newest view of every group, by group number."""

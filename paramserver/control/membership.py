@@ -13,13 +13,14 @@ which status code to answer with.
 """
 
 import datetime
-import itertools
+import hashlib
+import hmac
 import logging
 import secrets
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import grpc
 
@@ -31,6 +32,8 @@ from .validation import RequestError
 logger = logging.getLogger(__name__)
 
 ALIVE, LEFT, DEAD, EXITED = "alive", "left", "dead", "exited"
+#: What status says of a live member taken from the journal that has not re-attached yet.
+NOT_REATTACHED = "not re-attached yet"
 #: Members no longer alive that status keeps showing (oldest are dropped first).
 MAX_FORMER_MEMBERS = 256
 
@@ -67,6 +70,12 @@ class Member:
     metrics: Dict[str, float] = field(default_factory=dict)
     commands: List[pb.Command] = field(default_factory=list)
     end_reason: str = ""
+    #: The secret its Join was answered with (kept in memory for the answer; never journaled).
+    credential: str = field(default="", repr=False)
+    #: sha256 of ``credential``, hex: what a re-attach is checked against (journaled).
+    credential_digest: str = ""
+    #: False for a member taken from the journal of the coordinator before this one, until it re-attaches.
+    attached: bool = True
 
     @property
     def role_name(self) -> str:
@@ -102,7 +111,7 @@ class Membership:
         self._changed = threading.Condition()
         self._members: Dict[str, Member] = {}
         self._generation = 0
-        self._ranks = itertools.count(1)  # rank 0 is the store's host, the coordinator
+        self._next_rank = 1  # rank 0 is the store's host, the coordinator
         self._role_joins = {role: 0 for role in ROLE_NAMES}
         self._ends: Dict[Tuple[int, str], int] = {}  # (role, LEFT/DEAD/EXITED) -> how many ended that way
         self._stopping = False
@@ -178,12 +187,15 @@ class Membership:
             if new_run:
                 self._job_runs += 1  # the job starts, or starts again from its checkpoint
                 self._groups.new_run()
+            credential = secrets.token_urlsafe(24)
             member = Member(
                 member_id=secrets.token_hex(8), role=request.role, name=request.name, host=request.host,
-                rpc_name=rpc_name, rpc_rank=next(self._ranks), index=index, pid=request.capabilities.pid,
+                rpc_name=rpc_name, rpc_rank=self._next_rank, index=index, pid=request.capabilities.pid,
                 joined_generation=self._generation,
                 trainer_group=self._groups.assign() if is_worker else 0,
-                last_heartbeat=self._clock(), job_run=self._job_runs if is_worker else 0)
+                last_heartbeat=self._clock(), job_run=self._job_runs if is_worker else 0,
+                credential=credential, credential_digest=_digest(credential))
+            self._next_rank += 1
             if is_worker:
                 self._groups.add(member.trainer_group, rpc_name, request.capabilities.gpus, self._clock())
             self._members[member.member_id] = member
@@ -231,6 +243,8 @@ class Membership:
         and, for a worker, its trainer group's newest view."""
         with self._changed:
             member = self._known(request.member_id)
+            if not member.attached:
+                self._reattach(member, request)
             if request.sequence <= member.sequence:
                 raise _precondition(f"heartbeat out of order from {member.rpc_name}: sequence "
                                     f"{request.sequence} after {member.sequence}")
@@ -247,6 +261,60 @@ class Membership:
             view = self._groups.view(member.trainer_group, member.last_heartbeat) \
                 if member.role == pb.ROLE_WORKER else None
             return self._generation, commands, self._live_shard_names(), view
+
+    def _reattach(self, member: Member, request: pb.HeartbeatRequest) -> None:
+        """A member the coordinator before this one knew heartbeats: take it back if it proves it is the one
+        that joined (its credential), else refuse it (``PERMISSION_DENIED``), changing nothing."""
+        if not member.credential_digest or not hmac.compare_digest(_digest(request.credential),
+                                                                   member.credential_digest):
+            raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
+                               f"re-attach as {member.rpc_name} refused: the heartbeat does not carry the "
+                               "credential this member joined with")
+        member.attached = True
+        member.last_heartbeat = self._clock()
+        self._changed.notify_all()
+        logger.info("re-attached: %s at step %d, trainer group %d", member.describe(), request.step,
+                    member.trainer_group)
+
+    def unattached(self) -> List[Member]:
+        """Live members taken from the journal that have not re-attached yet."""
+        with self._changed:
+            return [m for m in self._alive() if not m.attached]
+
+    # -- the journal ----------------------------------------------------
+    def snapshot(self) -> Dict[str, Any]:
+        """What a coordinator started again needs to take the cluster back (``restore``), as plain JSON types:
+        the counters (generation, ranks, indices, job runs), the live members with their credentials'
+        digests, the trainer groups and the shards gone.  Steps and figures are not in it: heartbeats bring
+        them again."""
+        with self._changed:
+            return {
+                "generation": self._generation, "next_rank": self._next_rank,
+                "role_joins": {str(role): count for role, count in self._role_joins.items()},
+                "job_runs": self._job_runs, "shards_gone": dict(self._shards_gone),
+                "members": [{key: getattr(m, key) for key in _JOURNALED} for m in self._alive()],
+                "groups": self._groups.snapshot(),
+            }
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Take back what ``snapshot`` wrote: its live members are alive here, unattached until they
+        re-attach (a heartbeat with their credential) and declared dead after the heartbeat timeout if they
+        do not; the generation continues above the journaled one."""
+        with self._changed:
+            now = self._clock()
+            self._generation = int(state["generation"]) + 1
+            self._next_rank = max(self._next_rank, int(state["next_rank"]))
+            for role, count in state["role_joins"].items():
+                self._role_joins[int(role)] = max(self._role_joins.get(int(role), 0), int(count))
+            self._job_runs = int(state["job_runs"])
+            self._shards_gone = dict(state.get("shards_gone", {}))
+            for fields in state["members"]:
+                member = Member(**{key: fields[key] for key in _JOURNALED}, last_heartbeat=now, attached=False)
+                self._members[member.member_id] = member
+            self._groups.restore(state.get("groups", {}), now)
+            self._changed.notify_all()
+        logger.info("took the journal back: generation %d, %d member%s to re-attach", self._generation,
+                    len(state["members"]), "" if len(state["members"]) == 1 else "s")
 
     def trainer_groups_gone(self) -> List[int]:
         """Trainer groups of this job run left with no live worker for their ``gone_after``, by number."""
@@ -372,10 +440,20 @@ class Membership:
                     host=member.host, alive=member.state == ALIVE, state=member.state, step=member.step,
                     metrics=member.metrics, seconds_since_heartbeat=round(now - member.last_heartbeat, 3),
                     joined_generation=member.joined_generation, trainer_group=member.trainer_group,
-                    pid=member.pid, reason=member.end_reason, ready=member.ready)
+                    pid=member.pid, reason=member.end_reason or ("" if member.attached else NOT_REATTACHED),
+                    ready=member.ready)
             response.groups.extend(self._groups.views(now))
             response.trainer_groups_gone.extend(self._groups.gone(now))
             return response
+
+
+#: A member's fields in the journal.
+_JOURNALED = ("member_id", "role", "name", "host", "rpc_name", "rpc_rank", "index", "pid", "joined_generation",
+              "trainer_group", "job_run", "ready", "credential_digest")
+
+
+def _digest(credential: str) -> str:
+    return hashlib.sha256(credential.encode()).hexdigest()
 
 
 def _natural_key(name: str):

@@ -22,6 +22,13 @@ DEFAULT_PORT = 50051
 HEARTBEAT_INTERVAL = datetime.timedelta(seconds=1)
 HEARTBEAT_TIMEOUT = datetime.timedelta(seconds=5)
 HEARTBEAT_TIMEOUT_ENV = "PARAMSERVER_HEARTBEAT_TIMEOUT"
+#: How long a member goes on without an answering coordinator before it gives the cluster up
+#: (``--coordinator-grace``): long enough for Kubernetes to start the coordinator's pod again after an
+#: eviction or a node drain (a pod scheduled on another node, its image pulled or cached, the interpreter and
+#: torch imported, the journal read), with room to spare, and short enough that a cluster whose coordinator
+#: is gone for good frees its machines within about a minute.
+COORDINATOR_GRACE = datetime.timedelta(seconds=60)
+COORDINATOR_GRACE_ENV = "PARAMSERVER_COORDINATOR_GRACE"
 #: How long a checkpoint asked for (``ps-ctl checkpoint``, ``ps-ctl export``) is waited for, unless said.
 CHECKPOINT_WAIT = datetime.timedelta(seconds=120)
 

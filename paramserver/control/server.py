@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from .checkpoints import CheckpointCoordinator, CheckpointOptions
+from .journal import Journal
 from .groups import GROUP_GONE_AFTER, GROUP_SETTLE, TrainerGroups
 from .membership import Member, Membership
 from .protocol import (DEFAULT_PORT, HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_ENV,
@@ -71,6 +72,12 @@ class CoordinatorSettings:
     #: Refuse workers' joins (UNAVAILABLE, so they retry) until ``mark_ready()``: for a server that starts its
     #: shards, whose workers must not place their tables before every shard serves.
     hold_workers_until_ready: bool = False
+    #: Where the coordinator's journal lives (``ps-server --state-dir``): a server started again with the same
+    #: directory takes the running cluster back.  ``None``: no journal (a restarted server starts a new cluster).
+    state_dir: Optional[str] = None
+    #: The name members reach the rendezvous store by (``None``: ``host``): a stable DNS name where the
+    #: coordinator may come back on another address (a Kubernetes pod's), so members find the store again.
+    store_name: Optional[str] = None
 
     def __post_init__(self):
         if self.shard_credential is not None and self.shard_credential.same_as(self.token):
@@ -98,7 +105,11 @@ class CoordinatorServer:
                                                                else None)
         #: Every refused call, whether the interceptor or the service refused it.
         self.refusals = RateLimitedLog(logger, "refused {count} call{s}")
-        self.store = RendezvousStore(settings.host)
+        self.journal = Journal(settings.state_dir) if settings.state_dir else None
+        journaled = self.journal.read() if self.journal is not None else None
+        #: This server took a running cluster back from the journal of the one before it.
+        self.resumed = journaled is not None
+        self.store = self._store(settings.host, journaled)
         groups = TrainerGroups(settings.job.group_size if settings.job is not None else 0, settings.group_settle,
                                settings.group_gone_after)
         self.membership = Membership(settings.heartbeat_timeout, on_gone=self._remove_from_rpc_group,
@@ -107,9 +118,14 @@ class CoordinatorServer:
         if settings.checkpoints is not None:
             self.checkpoints = CheckpointCoordinator.from_options(
                 settings.checkpoints, lambda command: self.membership.command(pb.ROLE_WORKER, command))
+        if journaled is not None:
+            self.membership.restore(journaled["membership"])
+            if self.checkpoints is not None:
+                self.checkpoints.resume(journaled.get("checkpoints") or {})
         self.service = CoordinatorService(
             self.membership,
-            ServiceSettings(store=pb.StoreAddress(host=self.store.host, port=self.store.port), job=settings.job,
+            ServiceSettings(store=pb.StoreAddress(host=settings.store_name or self.store.host, port=self.store.port),
+                            job=settings.job,
                             heartbeat_interval=settings.heartbeat_interval,
                             heartbeat_timeout=settings.heartbeat_timeout),
             request_shutdown, self.checkpoints, shard_credential=self.shard_credential, refusals=self.refusals,
@@ -146,11 +162,33 @@ class CoordinatorServer:
         self._stopped = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep, name="failure-detector", daemon=True)
 
+    @staticmethod
+    def _store(host: str, journaled) -> RendezvousStore:
+        """The rendezvous store, on the port of the one before this server when it took the cluster back
+        (members dial the port they were given), or a free one."""
+        port = int(journaled.get("store_port", 0)) if journaled is not None else 0
+        try:
+            return RendezvousStore(host, port)
+        except OSError as error:
+            if not port:
+                raise
+            logger.warning("the rendezvous store cannot listen on its port %d again (%s); members that need it "
+                           "to form a group will not reach it", port, error)
+            return RendezvousStore(host)
+
+    def journal_state(self) -> dict:
+        """What the journal holds: the membership, the checkpoints' numbering, the store's port."""
+        return {"membership": self.membership.snapshot(), "store_port": self.store.port,
+                "checkpoints": self.checkpoints.snapshot() if self.checkpoints is not None else {}}
+
     def start(self) -> "CoordinatorServer":
+        if self.journal is not None:
+            self.journal.write(self.journal_state())
+            self.journal.keep_writing(self.journal_state)
         self._server.start()
         self._sweeper.start()
         if self.checkpoints is not None:
-            self.checkpoints.start()
+            self.checkpoints.start(remove_interrupted=not self.resumed)
         logger.info("coordinator listening on %s (%s%s%s%s), store on %s:%d, heartbeat timeout %.1f s",
                     self.address, "TLS" if self.settings.tls else "plaintext",
                     ", token required" if self.settings.token else "", self._shard_admission(),
@@ -196,6 +234,8 @@ class CoordinatorServer:
 
     def stop(self, grace: datetime.timedelta = datetime.timedelta(seconds=1)) -> None:
         self._stopped.set()
+        if self.journal is not None:
+            self.journal.stop()
         if self.checkpoints is not None:
             self.checkpoints.stop()
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -136,7 +136,7 @@ class CoordinatorService:
         assignment = pb.Assignment(
             member_id=member.member_id, rpc_name=member.rpc_name, rpc_rank=member.rpc_rank, index=member.index,
             store=self.settings.store, generation=member.joined_generation,
-            trainer_group=member.trainer_group, job_run=member.job_run,
+            trainer_group=member.trainer_group, job_run=member.job_run, credential=member.credential,
             heartbeat_interval_ms=_ms(self.settings.heartbeat_interval),
             heartbeat_timeout_ms=_ms(self.settings.heartbeat_timeout),
             shards=self.membership.live_shard_names())

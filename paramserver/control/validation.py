@@ -39,6 +39,9 @@ class RequestError(Exception):
         self.message = message
 
 
+#: A member's credential (``Assignment.credential``) is far shorter; a longer one is no credential.
+MAX_CREDENTIAL_CHARS = 128
+
 def invalid(message: str) -> RequestError:
     return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
@@ -107,6 +110,8 @@ def validate_heartbeat(request: pb.HeartbeatRequest) -> None:
     if request.sequence == 0:
         raise invalid("sequence must start at 1 and increase with every heartbeat")
     check_metrics("metrics", request.metrics)
+    if len(request.credential) > MAX_CREDENTIAL_CHARS:
+        raise invalid(f"credential has {len(request.credential)} characters, at most {MAX_CREDENTIAL_CHARS} allowed")
 
 
 def validate_leave(request: pb.LeaveRequest) -> None:

@@ -40,7 +40,7 @@ import os
 import pickle
 import threading
 import time
-from typing import Any, Dict, List, NamedTuple, Optional, Protocol, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Tuple
 
 import torch
 import torch.distributed as dist
@@ -158,6 +158,8 @@ class TrainerGroup:
         #: The current generation's keys for ``hand_out``, and how many it handed out.
         self._handouts: Optional[dist.Store] = None
         self._handed_out = 0
+        #: How many times the store was connected to again (its coordinator was started again).
+        self.store_connections = 0
 
     @classmethod
     def join(cls, source, timeout: datetime.timedelta = FORM_TIMEOUT, *,
@@ -198,7 +200,9 @@ class TrainerGroup:
             self.view, self.rank, self.world_size = view, rank, len(view.members)
             self.aborted = None
             self._abandoned = []  # (an abort noted while the last generation was being dropped: moot now)
-        self._handouts = dist.PrefixStore(f"{prefix}handout", self._store)  # keys: .../handout/N
+        self._reach_store()  # the coordinator hosting it may have been started again since the last generation
+        self._handout_prefix = f"{prefix}handout"
+        self._handouts = dist.PrefixStore(self._handout_prefix, self._store)  # keys: .../handout/N
         self._handed_out = 0
         _collectives_on_data_plane_interface()
         self.device = device_for(view.backend, getattr(self._source, "gpu", None))
@@ -280,9 +284,7 @@ class TrainerGroup:
         there, ``paramserver.train.claims`` the parts of a followed input each group reads).
         ``own_connection``: through a connection of its own, for a thread that must not queue behind this
         group's waits in the store (``hand_out``'s)."""
-        store = self._store if not own_connection else dist.TCPStore(
-            self._source.store_host, self._source.store_port, is_master=False, timeout=self._timeout)
-        return dist.PrefixStore(f"{JOB_STORE_PREFIX}/{name}", store)
+        return JobStore(self, f"{JOB_STORE_PREFIX}/{name}", own_connection)
 
     def hand_out(self, value: Any, source: int, within: datetime.timedelta) -> Any:
         """Member ``source``'s ``value`` (pickled; the others' is ignored) to every member, through the group's
@@ -294,7 +296,11 @@ class TrainerGroup:
         self._handed_out += 1
         if self.rank == source:
             if self.world_size > 1:
-                self._handouts.set(key, pickle.dumps(value))
+                try:
+                    self._handouts.set(key, pickle.dumps(value))
+                except dist.DistNetworkError:  # the store went with its coordinator, and is back (or waited for)
+                    self.reconnect_store()
+                    self._handouts.set(key, pickle.dumps(value))
             return value
         deadline = time.monotonic() + within.total_seconds()
         while True:
@@ -312,6 +318,9 @@ class TrainerGroup:
                                    f"{within.total_seconds():g} s")
             try:
                 self._handouts.wait([key], datetime.timedelta(seconds=min(left, HAND_OUT_SLICE.total_seconds())))
+            except dist.DistNetworkError:  # the store went with its coordinator: wait for it on a new connection
+                self.reconnect_store()
+                continue
             except dist.DistStoreError:  # this slice's wait timed out
                 continue
             value = pickle.loads(self._handouts.get(key))
@@ -395,6 +404,34 @@ class TrainerGroup:
         getattr(self._source, "request_regroup", lambda generation: None)(self.generation)
         return self._source.wait_for_group_view(self.generation, self._timeout)
 
+    @property
+    def store(self) -> dist.Store:
+        """This group's connection to the coordinator's store (a new one after ``reconnect_store``)."""
+        return self._store
+
+    def connect_store(self) -> dist.Store:
+        """A new connection to the coordinator's store."""
+        return dist.TCPStore(self._source.store_host, self._source.store_port, is_master=False,
+                             timeout=self._timeout)
+
+    def _reach_store(self) -> None:
+        """A connection to the store that works: the one held, or a new one when the store went with the
+        coordinator that hosted it (a coordinator started again brings it back on the same port)."""
+        try:
+            self._store.check(["-"])
+        except dist.DistNetworkError:
+            self.reconnect_store()
+
+    def reconnect_store(self) -> None:
+        """Connect to the store again, waiting for it (bounded by the group's formation timeout; a member
+        asked to stop meanwhile gives up with the connection's error)."""
+        logger.warning("%s: the connection to the group's store broke (its coordinator was started again?); "
+                       "connecting again", self._source.rpc_name)
+        self._store = self.connect_store()
+        self.store_connections += 1
+        if self._handouts is not None:
+            self._handouts = dist.PrefixStore(self._handout_prefix, self._store)
+
     def close(self) -> None:
         self._closed.set()
         if self._watcher.is_alive():  # not left running into the interpreter's teardown (its view source may be C++)
@@ -414,3 +451,50 @@ def _pickled(value: Any, device: torch.device) -> torch.Tensor:
 
 def _unpickled(data: torch.Tensor) -> Any:
     return pickle.loads(data.cpu().numpy().tobytes())
+
+
+class JobStore:
+    """Keys under one prefix of the coordinator's store (``TrainerGroup.job_store``) that survive the
+    coordinator being started again: an operation that finds the connection broken connects again (the store
+    comes back with its coordinator, on the same port) and is tried once more.  The store's keys do not come
+    back: ``reconnections`` tells a caller that must publish its keys again."""
+
+    def __init__(self, group: TrainerGroup, prefix: str, own_connection: bool = False):
+        self._group = group
+        self._prefix = prefix
+        self._own: Optional[dist.Store] = group.connect_store() if own_connection else None
+        #: How many times this store's connection was made again.
+        self.reconnections = 0
+        self._on_reconnect: List[Callable[[], None]] = []
+
+    def on_reconnect(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` each time the connection is made again, before the operation that found it broken
+        is tried again: to publish again, in the store that came back empty, what this member had there."""
+        self._on_reconnect.append(callback)
+
+    def _store(self) -> dist.Store:
+        return dist.PrefixStore(self._prefix, self._own if self._own is not None else self._group.store)
+
+    def _reconnect(self) -> None:
+        if self._own is not None:
+            logger.warning("the connection to the job's store broke (its coordinator was started again?); "
+                           "connecting again")
+            self._own = self._group.connect_store()
+        else:
+            self._group.reconnect_store()
+        self.reconnections += 1
+        for callback in self._on_reconnect:
+            callback()
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+
+        def call(*args, **kwargs):
+            try:
+                return getattr(self._store(), name)(*args, **kwargs)
+            except dist.DistNetworkError:
+                self._reconnect()
+                return getattr(self._store(), name)(*args, **kwargs)
+        return call
+

@@ -10,23 +10,41 @@ run a job, drive) belongs to its caller.
 import datetime
 import json
 import logging
+import os
 import socket
 import threading
 from typing import Callable, Dict, FrozenSet, List, Optional, Tuple
 
 from ..control import CoordinatorClient, CoordinatorError, CoordinatorUnavailable, HeartbeatLoop, TlsFiles, pb
+from ..control.client import sendable
+from ..control.protocol import COORDINATOR_GRACE, COORDINATOR_GRACE_ENV
 from ..shards import peer
 
 logger = logging.getLogger(__name__)
 
 
+def coordinator_grace(given: Optional[datetime.timedelta] = None) -> datetime.timedelta:
+    """``given``, else ``$PARAMSERVER_COORDINATOR_GRACE`` (seconds), else ``COORDINATOR_GRACE``."""
+    if given is not None:
+        return given
+    value = os.environ.get(COORDINATOR_GRACE_ENV)
+    return datetime.timedelta(seconds=float(value)) if value else COORDINATOR_GRACE
+
+
 class MemberSession:
-    """``join()``, then ``start_heartbeats(...)``, then ``leave(...)``."""
+    """``join()``, then ``start_heartbeats(...)``, then ``leave(...)``.
+
+    ``grace``: how long the member goes on while the coordinator does not answer (``coordinator_grace``):
+    heartbeats are retried, a checkpoint's commit waits for it, and a coordinator started again on the same
+    state directory takes the member back; past it the member is lost (``on_lost``).
+    """
 
     def __init__(self, address: str, role: int, name: Optional[str] = None, host: str = "127.0.0.1",
                  token: Optional[str] = None, tls: Optional[TlsFiles] = None,
                  retry_for: Optional[datetime.timedelta] = None, shard_token: Optional[str] = None,
-                 gpus: Optional[int] = None, admin_token: Optional[str] = None):
+                 gpus: Optional[int] = None, admin_token: Optional[str] = None,
+                 grace: Optional[datetime.timedelta] = None):
+        self.grace = coordinator_grace(grace)
         self.client = CoordinatorClient(address, token=token, tls=tls, shard_token=shard_token,
                                         admin_token=admin_token)
         self.role = role
@@ -46,7 +64,8 @@ class MemberSession:
         self.refused = False
 
     def join(self) -> pb.Assignment:
-        self.assignment = self.client.join(self.role, self.name, self.host, retry_for=self._retry_for,
+        # An outage of the coordinator (started again, or still starting) is waited out within the grace.
+        self.assignment = self.client.join(self.role, self.name, self.host, retry_for=self._retry_for or self.grace,
                                            gpus=self._gpus)
         self._set_news(self.assignment.shards)
         logger.info("joined %s as %s (rank %d, generation %d)", self.client.address, self.assignment.rpc_name,
@@ -93,7 +112,6 @@ class MemberSession:
         ``on_checkpoint`` each checkpoint request's number (members without it ignore requests),
         ``on_lost(reason, refused)`` the end of this member's session, once."""
         interval = datetime.timedelta(milliseconds=self.assignment.heartbeat_interval_ms)
-        timeout = datetime.timedelta(milliseconds=self.assignment.heartbeat_timeout_ms)
 
         def on_command(command: pb.Command) -> None:
             if command.kind == pb.Command.KIND_STOP:
@@ -120,9 +138,9 @@ class MemberSession:
             logger.error("%s: %s", self.assignment.rpc_name, reason)
             on_lost(reason, refused)
 
-        self._heartbeats = HeartbeatLoop(self.client, self.assignment.member_id, interval, give_up_after=timeout,
+        self._heartbeats = HeartbeatLoop(self.client, self.assignment.member_id, interval, give_up_after=self.grace,
                                          progress=progress, on_command=on_command, on_lost=lost,
-                                         on_response=on_response).start()
+                                         on_response=on_response, credential=self.assignment.credential).start()
 
     def beat_now(self) -> None:
         """Send a heartbeat now (to hear of a change sooner than the next beat); nothing once lost."""
@@ -130,8 +148,9 @@ class MemberSession:
             return
         try:
             self._heartbeats.beat()
-        except CoordinatorUnavailable as error:  # the loop declares it lost once it lasts
-            logger.warning("heartbeat failed: %s", error)
+        except CoordinatorUnavailable as error:  # the loop says so once, and declares it lost past the grace
+            if self._heartbeats.outage is None:
+                logger.debug("heartbeat failed: %s", error)
         except CoordinatorError:  # refused: reported once, through on_lost
             pass
 
@@ -146,11 +165,16 @@ class MemberSession:
             member_id=self.assignment.member_id, request=commit.request, directory=commit.directory,
             step=commit.step, files=[pb.CheckpointFile(**record) for record in commit.files],
             info_json=json.dumps(commit.info))
-        return self.client.commit_checkpoint(request).checkpoint_id
+        return self._through_outage("CommitCheckpoint", request).checkpoint_id
+
+    def _through_outage(self, method: str, request):
+        """``method`` once the coordinator answers, waiting (retrying) for it through an outage within the
+        grace: a checkpoint written during one is committed once the coordinator is back, never half."""
+        return self.client.call_retrying(method, request, retry_for=self.grace, quiet=True)
 
     def fail_checkpoint(self, failure) -> None:
         """Tell the coordinator that a checkpoint (a ``checkpoint.records.CheckpointFailure``) could not be written."""
-        self.client.commit_checkpoint(pb.CommitCheckpointRequest(
+        self._through_outage("CommitCheckpoint", pb.CommitCheckpointRequest(
             member_id=self.assignment.member_id, request=failure.request, directory=failure.directory,
             step=failure.step, failure=failure.reason))
 
@@ -164,8 +188,10 @@ class MemberSession:
         if self._heartbeats is not None:
             self._heartbeats.stop()
         if self.assignment is not None and self.lost_reason is None:
-            try:
-                self.client.leave(self.assignment.member_id, reason, step, metrics)
+            try:  # a coordinator out for a while hears it once it is back (within the grace)
+                self._through_outage("Leave", pb.LeaveRequest(
+                    member_id=self.assignment.member_id, reason=reason[:512], step=step,
+                    metrics=sendable(metrics or {}, set())))
             except CoordinatorError as error:
                 logger.warning("leaving the coordinator: %s", error)
         self.client.close()

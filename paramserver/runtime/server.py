@@ -18,11 +18,12 @@ import logging
 import signal
 import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import Dict, Optional
 
 from ..control import CoordinatorServer, CoordinatorSettings, TlsFiles, pb
 from ..control.membership import LEFT, Membership
 from ..control.server import format_address
+from ..logs import exit_now
 from ..metrics.process import coordinator_metrics
 from .shard_policy import MAX_RESTARTS
 from .supervisor import ShardSupervisor
@@ -50,12 +51,16 @@ class ServerOptions:
     metrics_port: Optional[int] = None
     #: Shut down once this many workers have left and none is running (a batch job's end); 0: run until told.
     stop_after_workers: int = 0
+    #: How long its shards serve on while the coordinator does not answer (``None``: the default).
+    coordinator_grace: Optional[datetime.timedelta] = None
 
 
 class _Shutdown:
     def __init__(self):
         self.event = threading.Event()
         self.reason = ""
+        #: Only this process ends; the cluster rides the outage out (``step_away``).
+        self.members_stay = False
 
     def request(self, reason: str) -> None:
         if not self.event.is_set():
@@ -63,12 +68,25 @@ class _Shutdown:
             logger.info("shutting down: %s", reason)
             self.event.set()
 
+    def step_away(self, reason: str) -> None:
+        """End this coordinator alone: its journal is kept, and its members ride the outage out until one
+        started again takes them back (a pod moved by a node drain or an eviction gets SIGTERM)."""
+        if not self.event.is_set():
+            self.reason, self.members_stay = reason, True
+            logger.info("%s: this coordinator ends; the cluster trains on for its members' grace, for a "
+                        "ps-server started again with the same --state-dir to take it back (ps-ctl shutdown "
+                        "stops the cluster)", reason)
+            self.event.set()
+
 
 def serve(options: ServerOptions, announce=print) -> int:
     """Run until shut down; returns the exit code (0 on a clean shutdown)."""
     apply_threads("coordinator", "ps-server")
     shutdown = _Shutdown()
-    previous = {sig: signal.signal(sig, lambda signum, _frame: shutdown.request(signal.Signals(signum).name))
+    # With a journal, SIGTERM/SIGINT end this process alone (a pod moved elsewhere comes back to take the
+    # cluster again); without one, they shut the cluster down.
+    on_signal = shutdown.step_away if options.coordinator.state_dir else shutdown.request
+    previous = {sig: signal.signal(sig, lambda signum, _frame: on_signal(signal.Signals(signum).name))
                 for sig in (signal.SIGTERM, signal.SIGINT)}
     coordinator = CoordinatorServer(options.coordinator, request_shutdown=shutdown.request).start()
     supervisor = metrics = None
@@ -81,6 +99,10 @@ def serve(options: ServerOptions, announce=print) -> int:
         child_tls = TlsFiles(ca=tls.ca or tls.cert) if tls is not None else None
         # Shards listen on the server's host and dial the coordinator there.
         host = options.coordinator.host
+        adopted = _adopted_shards(coordinator, options)
+        if adopted:
+            logger.info("took back %s, started by the ps-server before this one: they serve on and re-attach, "
+                        "and are restarted like this one's own if they exit", ", ".join(adopted))
         if options.num_shards:  # none: a coordinator only, whose shards other hosts add (ps-server --join)
             supervisor = ShardSupervisor(
                 options.num_shards, format_address(host, coordinator.port), host,
@@ -91,17 +113,18 @@ def serve(options: ServerOptions, announce=print) -> int:
                 # (a restart would silently serve freshly initialized tables).
                 restart=coordinator.checkpoints is not None, max_restarts=options.max_restarts,
                 prefix=options.shard_prefix,
-                metrics_port=options.metrics_port).start()
+                metrics_port=options.metrics_port, grace=options.coordinator_grace).start(adopted)
         want = options.num_shards
         all_joined = coordinator.membership.wait_until(
             lambda m: len(m.serving_shards()) >= want or shutdown.event.is_set()
-            or not all(supervisor.alive().values()),
+            or (supervisor is not None and not all(supervisor.alive().values())),
             options.ready_timeout)
         joined = len(coordinator.membership.serving_shards())
         if shutdown.event.is_set():
             return 0
         if not all_joined or joined < want:
-            dead = [name for name, alive in supervisor.alive().items() if not alive]
+            dead = [name for name, alive in (supervisor.alive() if supervisor is not None else {}).items()
+                    if not alive]
             logger.error("only %d of %d shards joined%s", joined, want,
                          f"; exited: {', '.join(dead)}" if dead else
                          f" within {options.ready_timeout.total_seconds():.0f} s")
@@ -113,6 +136,8 @@ def serve(options: ServerOptions, announce=print) -> int:
             _stop_after_workers(coordinator.membership, options.stop_after_workers, shutdown)
         shutdown.event.wait()
     finally:
+        if shutdown.members_stay:
+            _step_away(coordinator, supervisor, metrics)
         # Workers and drivers first (they need the shards until they are done), shards last.
         if coordinator.membership.stop_members([pb.ROLE_WORKER, pb.ROLE_CLIENT]):
             left = coordinator.membership.wait_until(
@@ -130,6 +155,27 @@ def serve(options: ServerOptions, announce=print) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0
+
+
+def _step_away(coordinator: CoordinatorServer, supervisor: Optional[ShardSupervisor], metrics) -> None:
+    """End this process alone, its journal written last, leaving every member (its own shards too) running
+    for a coordinator started again to take back; never returns."""
+    coordinator.stop(datetime.timedelta(seconds=0.5))
+    if metrics is not None:
+        metrics.close()
+    if supervisor is not None:
+        logger.info("leaving %s serving for the next ps-server to take back", ", ".join(supervisor.processes))
+    exit_now(0)  # not the interpreter's exit, which would wait for the shard processes
+
+
+def _adopted_shards(coordinator: CoordinatorServer, options: ServerOptions) -> Dict[str, int]:
+    """This server's shards (``<prefix>0..``) that the journal of the server before it lists alive, name -> pid:
+    their processes outlive the server that started them, and are taken back instead of started again."""
+    if not coordinator.resumed or not options.num_shards:
+        return {}
+    own = {f"{options.shard_prefix}{index}" for index in range(options.num_shards)}
+    return {m.rpc_name: m.pid for m in sorted(coordinator.membership.alive(pb.ROLE_SHARD), key=lambda m: m.rpc_name)
+            if m.rpc_name in own}
 
 
 def workers_done(membership: Membership, workers: int) -> bool:

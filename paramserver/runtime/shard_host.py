@@ -30,6 +30,7 @@ from .server import READY_TIMEOUT, SHARDS_STOP_WITHIN
 from .exit_codes import EXIT_REFUSED
 from .shard_policy import MAX_RESTARTS
 from .supervisor import ShardSupervisor
+from .member import coordinator_grace
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,8 @@ class ShardHostOptions:
     metrics_port: Optional[int] = None
     #: How many times one lost shard process is restarted.
     max_restarts: int = MAX_RESTARTS
+    #: How long its shards serve on while the coordinator does not answer (``None``: the default).
+    coordinator_grace: Optional[datetime.timedelta] = None
 
 
 def serve_shard_host(options: ShardHostOptions, announce=print) -> int:
@@ -64,7 +67,8 @@ def serve_shard_host(options: ShardHostOptions, announce=print) -> int:
     supervisor = None
     try:
         # The coordinator may still be starting: retried while unreachable.
-        status = client.status(retry_for=options.retry_for or JOIN_RETRY_FOR)
+        status = client.status(retry_for=options.retry_for or max(JOIN_RETRY_FOR, coordinator_grace(
+            options.coordinator_grace)))
         keeps_checkpoints = bool(status.checkpoint.directory)
         supervisor = ShardSupervisor(
             options.num_shards, options.coordinator, options.host,
@@ -72,7 +76,7 @@ def serve_shard_host(options: ShardHostOptions, announce=print) -> int:
                                                                    not_restarted),
             token=options.token, shard_token=options.shard_token, tls=options.tls, log_level=options.log_level,
             restart=keeps_checkpoints, max_restarts=options.max_restarts, prefix=options.prefix,
-            metrics_port=options.metrics_port).start()
+            metrics_port=options.metrics_port, grace=options.coordinator_grace).start()
         names = list(supervisor.processes)
         if not _wait_until_serving(client, names, supervisor, stop, options.ready_timeout):
             if stop.is_set():

@@ -22,6 +22,7 @@ heartbeat timeout to hash) and is not ready meanwhile; a stop asked then
 ends it before it serves.
 """
 
+import datetime
 import faulthandler
 import logging
 import os
@@ -53,11 +54,13 @@ _REFUSED_FOR_GOOD = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION
 
 def run_shard_member(address: str, name: str, host: str, token: Optional[str] = None,
                      tls: Optional[TlsFiles] = None, log_level: Optional[str] = None, metrics_port=None,
-                     member_id=None, shard_token: Optional[str] = None) -> None:
+                     member_id=None, shard_token: Optional[str] = None,
+                     grace: Optional[datetime.timedelta] = None) -> None:
     """Process target: one shard server named ``name`` that joins the coordinator at ``address``.
 
     ``token``: the cluster token; ``shard_token``: the shard credential its Join carries (the coordinator's
-    own, or ``--shard-token-file``'s).
+    own, or ``--shard-token-file``'s).  ``grace``: how long it serves on while the coordinator does not
+    answer (``--coordinator-grace``).
 
     ``metrics_port``: ``None`` (no metrics), or a shared integer
     (``multiprocessing.Value``) holding the port to serve metrics on (0: a
@@ -83,7 +86,7 @@ def run_shard_member(address: str, name: str, host: str, token: Optional[str] = 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda _signum, _frame: stops.request())
     session = MemberSession(address, pb.ROLE_SHARD, name=name, host=host, token=token, tls=tls,
-                            shard_token=shard_token)
+                            shard_token=shard_token, grace=grace)
     try:
         assignment = session.join()
     except CoordinatorError as error:

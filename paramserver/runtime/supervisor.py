@@ -20,6 +20,7 @@ import multiprocessing
 import multiprocessing.sharedctypes
 import multiprocessing.connection
 import os
+import signal
 import threading
 import time
 from typing import Callable, Dict, Optional
@@ -53,7 +54,8 @@ class ShardSupervisor:
                  on_exit: Callable[[str, Optional[int], Optional[str]], None],
                  token: Optional[str] = None, tls: Optional[TlsFiles] = None, log_level: Optional[str] = None,
                  restart: bool = False, max_restarts: int = MAX_RESTARTS, prefix: str = "shard",
-                 metrics_port: Optional[int] = None, shard_token: Optional[str] = None):
+                 metrics_port: Optional[int] = None, shard_token: Optional[str] = None,
+                 grace: Optional[datetime.timedelta] = None):
         if num_shards < 1:
             raise ValueError(f"--shards must be at least 1, got {num_shards}")
         self._context = child_context(SHARD_PRELOAD)
@@ -64,7 +66,7 @@ class ShardSupervisor:
         self._max_restarts = max_restarts
         # Handed to each child through the fork server's pipe (never its command line or environment).
         self._kwargs = dict(address=coordinator_address, host=host, token=token, tls=tls, log_level=log_level,
-                            shard_token=shard_token)
+                            shard_token=shard_token, grace=grace)
         self.restarts: Dict[str, int] = {}
         # Per shard, shared with its process: the port to serve metrics on, and then the one it serves on.
         self._metrics_ports: Dict[str, multiprocessing.sharedctypes.Synchronized] = {} if metrics_port is None else {
@@ -87,16 +89,42 @@ class ShardSupervisor:
         """The member id of shard ``name``'s current (or just exited) process; "" before it joined."""
         return self._member_ids[name].value.decode()
 
-    def start(self) -> "ShardSupervisor":
+    def start(self, adopted: Optional[Dict[str, int]] = None) -> "ShardSupervisor":
+        """Start every shard process, but those in ``adopted`` (name -> pid): processes a ps-server before this
+        one started, which outlived it and serve on; they are watched by their pid (they are not this process's
+        children) and restarted like the others when they exit."""
+        self._adopted = dict(adopted or {})
         for name, process in self.processes.items():
+            if name in self._adopted:
+                logger.info("watching %s (pid %d), started by the ps-server before this one", name,
+                            self._adopted[name])
+                continue
             process.start()
             logger.info("started %s (pid %d)", name, process.pid)
         self._watcher.start()
         return self
 
     def _watch(self) -> None:
-        running = dict(self.processes)
-        while running and not self._stopping.is_set():
+        adopted = dict(getattr(self, "_adopted", {}))
+        running = {name: p for name, p in self.processes.items() if name not in adopted}
+        while (running or adopted) and not self._stopping.is_set():
+            for name, pid in list(adopted.items()):
+                if not _pid_alive(pid):
+                    del adopted[name]
+                    if self._stopping.is_set():
+                        break
+                    logger.error("shard process %s (pid %d, started by the ps-server before this one) exited",
+                                 name, pid)
+                    not_restarted = self._why_not_restarted(name, None)
+                    if not_restarted:
+                        logger.error("not restarting shard %s: %s", name, not_restarted)
+                    self._on_exit(name, None, not_restarted)
+                    replacement = self._replace(name) if not_restarted is None else None
+                    if replacement is not None:
+                        running[name] = replacement
+            if not running:
+                self._stopping.wait(0.2)
+                continue
             ready = multiprocessing.connection.wait([p.sentinel for p in running.values()], timeout=0.2)
             for name, process in list(running.items()):
                 if process.sentinel in ready:
@@ -149,17 +177,34 @@ class ShardSupervisor:
         return not self._watcher.is_alive()
 
     def alive(self) -> Dict[str, bool]:
-        return {name: process.is_alive() for name, process in self.processes.items()}
+        adopted = getattr(self, "_adopted", {})
+        return {name: _pid_alive(adopted[name]) if name in adopted and process.pid is None else process.is_alive()
+                for name, process in self.processes.items()}
 
     def stop(self, timeout: datetime.timedelta = datetime.timedelta(seconds=3)) -> Dict[str, Optional[int]]:
         """SIGTERM every shard, wait up to ``timeout``, SIGKILL the rest; returns exit codes."""
         with self._lock:  # no restart starts after this
             self._stopping.set()
-        for process in self.processes.values():
-            if process.is_alive():
+        adopted = {name: pid for name, pid in getattr(self, "_adopted", {}).items()
+                   if self.processes[name].pid is None}  # still the process of the ps-server before this one
+        for name, process in self.processes.items():
+            if name in adopted:
+                _signal(adopted[name], signal.SIGTERM)
+            elif process.is_alive():
                 process.terminate()
         deadline = time.monotonic() + timeout.total_seconds()
+        codes: Dict[str, Optional[int]] = {}
+        for name, pid in adopted.items():
+            while _pid_alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if _pid_alive(pid):
+                logger.warning("shard %s (pid %d) did not stop within %.0f s; killing it", name, pid,
+                               timeout.total_seconds())
+                _signal(pid, signal.SIGKILL)
+            codes[name] = None  # not this process's child: its exit code is its parent's to read
         for name, process in self.processes.items():
+            if name in adopted:
+                continue
             process.join(max(0.0, deadline - time.monotonic()))
             if process.is_alive():
                 logger.warning("shard %s (pid %d) did not stop within %.0f s; killing it", name, process.pid,
@@ -168,4 +213,26 @@ class ShardSupervisor:
                 process.join(5)
         if self._watcher.is_alive():
             self._watcher.join(1)
-        return {name: process.exitcode for name, process in self.processes.items()}
+        return {name: codes[name] if name in codes else process.exitcode for name, process in self.processes.items()}
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, exited but not reaped yet, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True

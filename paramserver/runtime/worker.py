@@ -63,6 +63,8 @@ class WorkerOptions:
     config_overrides: Dict[str, Any] = field(default_factory=dict)
     #: Serve Prometheus metrics on this port of ``host`` (0: a free one); ``None``: no metrics.
     metrics_port: Optional[int] = None
+    #: How long the job goes on while the coordinator does not answer (``None``: ``member.coordinator_grace()``).
+    coordinator_grace: Optional[datetime.timedelta] = None
 
 
 def run_worker(options: WorkerOptions, say=print) -> int:
@@ -85,7 +87,8 @@ def _run(options: WorkerOptions, say, metrics: Optional[ProcessMetrics]) -> int:
     threads = apply_threads("worker", "ps-worker")
     gpu = claim_gpu(name="ps-worker")  # held until the process ends
     session = MemberSession(options.address, pb.ROLE_WORKER, host=options.host, token=options.token,
-                            tls=options.tls, retry_for=options.retry_for, gpus=int(gpu.index is not None))
+                            tls=options.tls, retry_for=options.retry_for, gpus=int(gpu.index is not None),
+                            grace=options.coordinator_grace)
     try:
         assignment = session.join()
     except NotAuthenticated as error:

@@ -22,6 +22,11 @@ whose workers still heartbeat but no longer train (hung).  A group says it is al
 formation and at every agreement (``alive``: every ``agree_every`` steps, and every 2 s while it waits for
 data).
 
+The claims live in the coordinator's store, which a coordinator started again brings back empty: each
+member publishes again the claims it knew of (its group's parts, under way or done) as soon as its connection
+finds the store gone (``JobStore.on_reconnect``), and for ``REPUBLISH_WINDOW`` after that asks for no part
+it did not know of, so that the other groups' claims are back before it does.
+
 Claims belong to a run of the job (``JobContext.job_run``: one more each time a worker joins while none is
 alive).  A run starts from the newest checkpoint, whose positions say what was read; what an earlier run's
 groups claimed after that checkpoint must be free to be read again.  Group times are the hosts' wall
@@ -31,7 +36,7 @@ clocks: on several hosts they must agree to well within ``lost_after`` (NTP does
 import datetime
 import logging
 import time
-from typing import AbstractSet, Any, Callable, Optional
+from typing import AbstractSet, Any, Callable, Dict, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +45,10 @@ STORE_NAME = "followed_parts"
 #: How long a group may go without saying it is alive before its parts under way are taken over.
 GROUP_LOST_AFTER = datetime.timedelta(minutes=10)
 _DONE = "/done"
+#: After the store came back empty with a coordinator started again, how long a member asks for no part it did
+#: not know of (``take`` answers "ask again later"): every live group publishes its claims again at its next
+#: agreement, well within it.
+REPUBLISH_WINDOW = datetime.timedelta(seconds=10)
 
 
 class PartClaims:
@@ -61,6 +70,21 @@ class PartClaims:
         self.lost_after = lost_after
         self.clock = clock
         self.gone = gone
+        #: The parts this member took for its group, part -> the value it last knew there (the group, or done).
+        self._taken: Dict[str, str] = {}
+        #: When the store last came back empty (``time.monotonic()``), or ``None``.
+        self._came_back_at: Optional[float] = None
+        if hasattr(store, "on_reconnect"):  # a store that comes back (empty) with a coordinator started again
+            store.on_reconnect(self._publish_again)
+
+    def _publish_again(self) -> None:
+        """The store came back empty with a coordinator started again: put back what this member knew of its
+        group's parts (before the operation that found the store gone is tried again), and that it is alive."""
+        self._came_back_at = time.monotonic()
+        for key, value in self._taken.items():
+            self.store.compare_set(key, "", value)
+        logger.info("trainer group %s: %d part claim%s published again in the store started again", self.group,
+                    len(self._taken), "" if len(self._taken) == 1 else "s")
 
     def alive(self) -> None:
         """This group is alive now (at its formation and every agreement)."""
@@ -71,8 +95,14 @@ class PartClaims:
         member's position, a re-deal's or a checkpoint's, may still hold it under way; or taken over from a
         lost group), ``False`` (another group read it whole: never), ``None`` (another group has it under way:
         ask again later, that group may be lost by then)."""
+        if key not in self._taken:
+            self.store.check([key])  # (finds a store that came back, and publishes this member's claims again)
+            if self._came_back_at is not None and \
+                    time.monotonic() - self._came_back_at < REPUBLISH_WINDOW.total_seconds():
+                return None  # other groups may not have published theirs again yet: ask again later
         value = self.store.compare_set(key, "", self.group).decode()
         if value in (self.group, self.group + _DONE):  # this group's: its members' positions say where it stands
+            self._taken[key] = value
             return True
         if value.endswith(_DONE):
             return False
@@ -83,11 +113,13 @@ class PartClaims:
             return None  # another group took it over first, or its own group finished it meanwhile
         logger.warning("trainer group %s takes over %s from trainer group %s, %s: read again from its start",
                        self.group, key, value, why)
+        self._taken[key] = self.group
         return True
 
     def finish(self, key: str) -> None:
         """Part ``key``, this group's, is read whole (the last of its rows given to the group's training)."""
         self.store.compare_set(key, self.group, self.group + _DONE)
+        self._taken[key] = self.group + _DONE
 
     def _lost(self, group: str) -> Optional[str]:
         """Why ``group`` is lost, ``None`` when it is not: the coordinator says it is gone, or it has not said it

@@ -53,7 +53,7 @@ class PublishedPositions:
         self.run = run
         #: This member's positions at its recent agreements, oldest first: ``(step, position)``.
         self._agreed: Deque[Tuple[int, Dict[str, Any]]] = collections.deque()
-        self._listed = False
+        self._listed: Optional[int] = None  # the store connection it is listed in (JobStore.reconnections)
         #: Worker indices whose previous run's entry was logged as not used (once each).
         self._told_stale: Set[int] = set()
 
@@ -68,9 +68,10 @@ class PublishedPositions:
             return  # not one yet: the run's first agreements, within k steps of its start
         self.store.set(str(worker_index), pickle.dumps({"step": settled_step, "position": settled,
                                                         "member": rpc_name, "run": self.run}))
-        if not self._listed:
+        listed_in = getattr(self.store, "reconnections", 0)  # a store started again with its coordinator
+        if self._listed != listed_in:  # is empty: listed again there
             self.store.append(INDICES_KEY, f"{worker_index},")
-            self._listed = True
+            self._listed = listed_in
 
     def read(self, skip: Iterable[int], kept: Optional[Dict[Any, Any]] = None) -> Dict[int, Dict[str, Any]]:
         """The newest published position of every worker index that published one in this run and is not in

@@ -1,0 +1,248 @@
+"""A coordinator lost and started again takes its running cluster back (``ps-server --state-dir``), through the
+real commands on loopback, with a Trainer job (``tests/jobs/watch_next.py``):
+
+1. 2 shards (a shard host, ``ps-server --join``) and 3 workers in one trainer group; the coordinator is
+   SIGKILLed mid-training and started again 5 s later with the same flags: no worker or shard exits or
+   restarts, every member re-attaches within 5 s of the new coordinator listening, ``ps-ctl status`` lists
+   each with its step, a checkpoint asked after the return commits, and every worker finishes every step,
+   each counted once (sparse_steps + sparse_steps_lost + steps_skipped == steps, none lost, no --restore);
+2. a heartbeat under another member's id without its credential is refused with PERMISSION_DENIED;
+3. the coordinator never comes back: members exit 1 within their grace + 2 s, naming it.
+"""
+
+import os
+import re
+import signal
+import socket
+import time
+
+import grpc
+import pytest
+
+from commands import errors, job_config, output, pid_exists, status, wait_for_output, wait_for_status
+
+pytestmark = pytest.mark.timeout(300)
+
+HEARTBEAT_TIMEOUT_S = 3
+GRACE_S = 40
+OUTAGE_S = 5
+#: Every member re-attached within this of the new coordinator listening.
+REATTACH_WITHIN_S = 5
+JOB = f"{os.path.dirname(__file__)}/jobs/watch_next.py:main"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _figures(line: str) -> dict:
+    return {key: float(value) for key, value in re.findall(r"(\w+)=([-\d.e+]+)", line)}
+
+
+def _server(commands, port, state_dir, checkpoints, steps):
+    return commands.start("ps-server", "--shards", "0", "--port", str(port), "--state-dir", str(state_dir),
+                          "--checkpoint-dir", str(checkpoints), "--group-size", "3",
+                          "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), "--coordinator-grace", str(GRACE_S),
+                          "--job", JOB, "--job-config", job_config(steps=steps, log_every=5, eval_every=100_000))
+
+
+def test_a_restarted_coordinator_takes_the_running_cluster_back_with_no_step_lost(commands, tmp_path):
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    state_dir, checkpoints = tmp_path / "state", tmp_path / "checkpoints"
+    steps = 2000
+    server = _server(commands, port, state_dir, checkpoints, steps)
+    wait_for_output(server, r"ps-server ready at", 90)
+    shard_host = commands.start("ps-server", "--join", address, "--shards", "2", "--coordinator-grace", str(GRACE_S))
+    wait_for_output(shard_host, r"ps-server joined", 90)
+    workers = [commands.start("ps-worker", "--connect", address, "--coordinator-grace", str(GRACE_S))
+               for _ in range(3)]
+    before = wait_for_status(commands, address, lambda s: len(s["workers"]) == 3 and all(
+        w["step"] >= 20 for w in s["workers"]), 180)
+    assert before["workers"][0]["step"] < steps - 100, "the job ran too fast to lose its coordinator mid-way"
+    members = {m["name"]: m["pid"] for m in before["workers"] + before["shards"]}
+
+    os.kill(server.pid, signal.SIGKILL)
+    server.wait(10)
+    killed_at = time.monotonic()
+    time.sleep(OUTAGE_S)
+    assert all(w.poll() is None for w in workers) and shard_host.poll() is None
+    server = _server(commands, port, state_dir, checkpoints, steps)
+    wait_for_output(server, r"ps-server ready at", 60)
+    listening_at = time.monotonic()
+    back = wait_for_status(commands, address, lambda s: all(
+        m["alive"] and not m["reason"] and m["seconds_since_heartbeat"] < 1.5 for m in s["workers"] + s["shards"]) and all(
+        w["step"] > 0 for w in s["workers"]), 30)
+    reattached = time.monotonic() - listening_at
+    print(f"every member re-attached {reattached:.1f} s after the new coordinator listened "
+          f"({time.monotonic() - killed_at:.1f} s after the SIGKILL)")
+    assert reattached < REATTACH_WITHIN_S + 1.0  # +the status poll's period
+    assert {m["name"]: m["pid"] for m in back["workers"] + back["shards"]} == members, back
+    assert all(m["state"] == "alive" for m in back["workers"] + back["shards"]), back
+    log = errors(server)
+    assert log.count("re-attached:") == 5, log[-3000:]
+
+    written = commands.run("ps-ctl", "--connect", address, "checkpoint", "--timeout", "60")
+    assert written.returncode == 0, written.stderr
+    assert "ckpt-" in written.stdout
+
+    for worker in workers:
+        assert worker.wait(240) == 0, errors(worker)[-3000:]
+        line = output(worker).strip().splitlines()[-1]
+        figures = _figures(line)
+        assert figures["steps"] == steps and figures["sparse_steps_lost"] == 0, line
+        assert figures["sparse_steps"] + figures["sparse_steps_lost"] + figures["steps_skipped"] == \
+            figures["steps"] - figures.get("start_step", 0), line
+        assert "outage lasted" in errors(worker), errors(worker)[-2000:]
+    assert shard_host.poll() is None
+    assert all(pid_exists(pid) for name, pid in members.items() if name.startswith("shard"))
+    commands.run("ps-ctl", "--connect", address, "shutdown")
+    assert server.wait(30) == 0, errors(server)[-3000:]
+    assert shard_host.wait(30) == 0, errors(shard_host)[-3000:]
+
+
+def test_a_re_attach_without_the_members_credential_is_refused_and_with_it_taken_back(tmp_path, caplog):
+    from paramserver.control import CoordinatorClient, CoordinatorServer, CoordinatorSettings, NotPermitted, pb
+
+    def server(port):
+        return CoordinatorServer(CoordinatorSettings(host="127.0.0.1", port=port, state_dir=str(tmp_path)),
+                                 request_shutdown=lambda reason: None).start()
+
+    first = server(0)
+    client = CoordinatorClient(first.address)
+    try:
+        shard = client.join(pb.ROLE_SHARD, "shard0", "127.0.0.1")
+        worker = client.join(pb.ROLE_WORKER, "host", "127.0.0.1")
+        assert shard.credential and worker.credential and shard.credential != worker.credential
+        client.call("Heartbeat", pb.HeartbeatRequest(member_id=worker.member_id, sequence=1, step=7,
+                                                      credential=worker.credential))
+        generation = first.membership.generation
+        time.sleep(0.3)  # the journal is written within 0.1 s of a change
+        first.stop()  # lost (its journal stays)
+        second = server(first.port)
+        try:
+            assert second.membership.generation > generation
+            assert {m.rpc_name for m in second.membership.unattached()} == {"shard0", "worker0"}
+            forged = [pb.HeartbeatRequest(member_id=worker.member_id, sequence=2),  # no credential
+                      pb.HeartbeatRequest(member_id=worker.member_id, sequence=2, credential=shard.credential)]
+            for request in forged:
+                with pytest.raises(NotPermitted, match="PERMISSION_DENIED: re-attach as worker0 refused"):
+                    client.call("Heartbeat", request)
+            assert {m.rpc_name for m in second.membership.unattached()} == {"shard0", "worker0"}
+            answer = client.call("Heartbeat", pb.HeartbeatRequest(member_id=worker.member_id, sequence=2, step=8,
+                                                                   credential=worker.credential))
+            assert answer.generation == second.membership.generation
+            assert {m.rpc_name for m in second.membership.unattached()} == {"shard0"}
+            again = client.join(pb.ROLE_WORKER, "host", "127.0.0.1")
+            assert again.rpc_name == "worker1" and again.rpc_rank == 3  # numbering continues
+        finally:
+            second.stop()
+    finally:
+        client.close()
+
+
+def test_a_coordinator_that_never_comes_back_ends_its_members_within_their_grace(commands, tmp_path):
+    grace = 3
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    server = commands.start("ps-server", "--shards", "1", "--port", str(port), "--state-dir", str(tmp_path / "state"),
+                            "--coordinator-grace", str(grace), "--job", JOB,
+                            "--job-config", job_config(steps=100_000, log_every=5, eval_every=100_000))
+    wait_for_output(server, r"ps-server ready at", 90)
+    worker = commands.start("ps-worker", "--connect", address, "--coordinator-grace", str(grace))
+    state = wait_for_status(commands, address, lambda s: s["workers"] and s["workers"][0]["step"] >= 10, 120)
+    shard_pid = state["shards"][0]["pid"]
+    os.kill(server.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    code = worker.wait(grace + 2 + 1)  # +1 s for a loaded machine's exit
+    took = time.monotonic() - killed_at
+    print(f"the worker exited {code} {took:.1f} s after the coordinator was SIGKILLed (grace {grace} s)")
+    lines = output(worker).strip().splitlines()
+    assert code == 1 and len(lines) == 1, lines
+    assert "lost the cluster at step" in lines[0] and "lost the coordinator: unreachable for" in lines[0], lines
+    assert "going on without it for up to 3 s" in errors(worker)
+    deadline = killed_at + grace + 2 + 1
+    while pid_exists(shard_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not pid_exists(shard_pid), "the shard outlived its grace"
+
+
+def test_the_shards_a_lost_ps_server_started_outlive_it_and_are_taken_back_not_started_again(commands, tmp_path):
+    """SIGKILLed, then SIGTERMed (with a journal: the coordinator alone ends), ps-server is started again twice:
+    its shards serve on and are taken back each time, never started again."""
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    flags = ["--shards", "2", "--port", str(port), "--state-dir", str(tmp_path / "state"),
+             "--checkpoint-dir", str(tmp_path / "checkpoints"), "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S),
+             "--coordinator-grace", str(GRACE_S), "--job", JOB,
+             "--job-config", job_config(steps=100_000, log_every=5, eval_every=100_000)]
+    server = commands.start("ps-server", *flags)
+    wait_for_output(server, r"ps-server ready at", 90)
+    worker = commands.start("ps-worker", "--connect", address, "--coordinator-grace", str(GRACE_S))
+    before = wait_for_status(commands, address, lambda s: s["workers"] and s["workers"][0]["step"] >= 10, 120)
+    shards = {s["name"]: s["pid"] for s in before["shards"]}
+    os.kill(server.pid, signal.SIGKILL)
+    server.wait(10)
+    time.sleep(2)
+    assert all(pid_exists(pid) for pid in shards.values()) and worker.poll() is None
+    server = commands.start("ps-server", *flags)
+    wait_for_output(server, r"ps-server ready at", 60)
+    step = before["workers"][0]["step"]
+    back = wait_for_status(commands, address, lambda s: s["workers"][0]["alive"] and s["workers"][0]["step"] > step
+                           and all(m["alive"] and not m["reason"] and m["seconds_since_heartbeat"] < 1.5 for m in s["shards"]), 30)
+    assert {s["name"]: s["pid"] for s in back["shards"]} == shards, back["shards"]  # the same processes, no others
+    assert "took back shard0, shard1" in errors(server)
+
+    # SIGTERM (a pod moved by a node drain): with a journal, the coordinator alone ends; the cluster trains on.
+    server.send_signal(signal.SIGTERM)
+    assert server.wait(15) == 0, errors(server)[-3000:]
+    time.sleep(1)
+    assert all(pid_exists(pid) for pid in shards.values()) and worker.poll() is None
+    server = commands.start("ps-server", *flags)
+    wait_for_output(server, r"ps-server ready at", 60)
+    wait_for_status(commands, address, lambda s: s["workers"][0]["alive"] and all(
+        m["alive"] and not m["reason"] and m["seconds_since_heartbeat"] < 1.5 for m in s["shards"] + s["workers"]), 30)
+    assert "took back shard0, shard1" in errors(server)
+    commands.run("ps-ctl", "--connect", address, "shutdown")
+    assert worker.wait(30) == 0, errors(worker)[-3000:]
+    assert server.wait(30) == 0, errors(server)[-3000:]
+    deadline = time.monotonic() + 10
+    while any(pid_exists(pid) for pid in shards.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(pid_exists(pid) for pid in shards.values())
+
+
+def test_a_worker_killed_while_the_coordinator_is_out_is_declared_dead_on_its_return_and_its_group_re_forms(
+        commands, tmp_path):
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    flags = ["--shards", "1", "--port", str(port), "--state-dir", str(tmp_path / "state"), "--store-name", "localhost",
+             "--checkpoint-dir", str(tmp_path / "checkpoints"), "--group-size", "2", "--group-settle", "1",
+             "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), "--coordinator-grace", str(GRACE_S), "--job", JOB,
+             "--job-config", job_config(steps=100_000, log_every=5, eval_every=100_000)]
+    server = commands.start("ps-server", *flags)
+    wait_for_output(server, r"ps-server ready at", 90)
+    workers = [commands.start("ps-worker", "--connect", address, "--coordinator-grace", str(GRACE_S))
+               for _ in range(2)]
+    before = wait_for_status(commands, address, lambda s: len(s["workers"]) == 2 and all(
+        w["step"] >= 10 for w in s["workers"]), 120)
+    by_name = {w["name"]: next(p for p in workers if p.pid == w["pid"]) for w in before["workers"]}
+    os.kill(server.pid, signal.SIGKILL)
+    server.wait(10)
+    os.kill(by_name["worker1"].pid, signal.SIGKILL)  # lost while nobody watches
+    server = commands.start("ps-server", *flags)
+    wait_for_output(server, r"ps-server ready at", 60)
+    listening_at = time.monotonic()
+    dead = wait_for_status(commands, address, lambda s: [w for w in s["workers"] if w["name"] == "worker1"][0][
+        "state"] == "dead", HEARTBEAT_TIMEOUT_S + 3)
+    print(f"worker1 declared dead {time.monotonic() - listening_at:.1f} s after the coordinator came back")
+    step = [w for w in dead["workers"] if w["name"] == "worker0"][0]["step"]
+    after = wait_for_status(commands, address, lambda s: s["groups"] and int(s["groups"][0]["generation"]) >= 2 and
+                            [w for w in s["workers"] if w["name"] == "worker0"][0]["step"] >= step + 10, 60)
+    assert after["groups"][0]["members"] == ["worker0"], after["groups"]
+    assert by_name["worker0"].poll() is None
+    commands.run("ps-ctl", "--connect", address, "shutdown")
+    assert by_name["worker0"].wait(30) == 0, errors(by_name["worker0"])[-3000:]
+    assert server.wait(30) == 0, errors(server)[-3000:]
