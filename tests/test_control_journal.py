@@ -37,7 +37,7 @@ def _join(membership, role=pb.ROLE_WORKER, name="host"):
 def test_a_membership_taken_back_keeps_members_groups_and_numbering_and_lets_in_only_the_credentialed():
     clock = Clock()
     before = _membership(clock)
-    shard = _join(before, pb.ROLE_SHARD, "shard0")
+    _join(before, pb.ROLE_SHARD, "shard0")
     workers = [_join(before) for _ in range(2)]
     for sequence, worker in enumerate(workers, 1):
         before.heartbeat(pb.HeartbeatRequest(member_id=worker.member_id, sequence=sequence, step=40))

@@ -16,10 +16,9 @@ import signal
 import socket
 import time
 
-import grpc
 import pytest
 
-from commands import errors, job_config, output, pid_exists, status, wait_for_output, wait_for_status
+from commands import errors, job_config, output, pid_exists, wait_for_output, wait_for_status
 
 pytestmark = pytest.mark.timeout(300)
 
