@@ -51,7 +51,7 @@ def test_a_restarted_coordinator_takes_the_running_cluster_back_with_no_step_los
     port = _free_port()
     address = f"127.0.0.1:{port}"
     state_dir, checkpoints = tmp_path / "state", tmp_path / "checkpoints"
-    steps = 2000
+    steps = 800
     server = _server(commands, port, state_dir, checkpoints, steps)
     wait_for_output(server, r"ps-server ready at", 90)
     shard_host = commands.start("ps-server", "--join", address, "--shards", "2", "--coordinator-grace", str(GRACE_S))
