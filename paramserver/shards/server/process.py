@@ -13,7 +13,7 @@ frees it when the push is applied.  glibc serves buffers of a few MB from
 fresh ``mmap``s, whose pages fault in on every message; a shard keeps
 them on its heap instead (``keep_message_buffers``: glibc's
 ``M_MMAP_THRESHOLD`` at its largest, 32 MiB, and ``M_TRIM_THRESHOLD``
-above it): with glibc's ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` set so, a
+above it): with glibc's ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` set higher still, a
 push of 1,000 rows of 128 cost the shard about a third less CPU (``benchmarks/shard_throughput.py``).
 """
 
