@@ -218,34 +218,26 @@ class _ScriptedStepWithRowState(_ScriptedStepWithStateDict):
         """Apply ``gradients`` (one per parameter, ``None`` to skip one) as one step, in parts where it pays;
         ``measure`` as in ``step``."""
         check_gradient_shapes(self.names, self.params, gradients)
+        return self._apply_checked(gradients, measure)
+
+    @torch.jit.export
+    def step(self, context_id: int, measure: bool) -> Tuple[int, int]:
+        """Apply the context's gradients as ``apply`` applies its own."""
+        return self._apply_checked(checked_context_gradients(context_id, self.names, self.params), measure)
+
+    def _apply_checked(self, gradients: List[Optional[Tensor]], measure: bool) -> Tuple[int, int]:
         state = self.optim.state
         for i in range(len(gradients)):
             if gradients[i] is not None:
                 state.of(i)  # made now, not by the parts at once
                 state.count_rounding_step(i)
         pieces = split_rows(gradients, self.params, self.parts, row_slice_fused_min_elements())
-        if len(pieces) == 1:
-            self.optim.step(gradients)
-        else:
-            futures: List[torch.jit.Future[int]] = []
-            for part in range(1, len(pieces)):
-                futures.append(torch.jit.fork(self._step_part, pieces[part]))
-            self._step_part(pieces[0])
-            for future in futures:
-                torch.jit.wait(future)
-        if measure:
-            return gradient_stats(gradients)
-        return 0, 0
-
-    @torch.jit.export
-    def step(self, context_id: int, measure: bool) -> Tuple[int, int]:
-        """Apply the context's gradients (``apply``, in one part)."""
-        gradients = checked_context_gradients(context_id, self.names, self.params)
-        state = self.optim.state
-        for i in range(len(gradients)):
-            if gradients[i] is not None:
-                state.count_rounding_step(i)
-        self.optim.step(gradients)
+        futures: List[torch.jit.Future[int]] = []
+        for part in range(1, len(pieces)):
+            futures.append(torch.jit.fork(self._step_part, pieces[part]))
+        self._step_part(pieces[0])
+        for future in futures:
+            torch.jit.wait(future)
         if measure:
             return gradient_stats(gradients)
         return 0, 0
