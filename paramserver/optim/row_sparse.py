@@ -19,7 +19,7 @@ Layouts of a state tensor: ``"element"`` (shaped like its parameter), ``"row"`` 
 State lists are kind-major: ``state[k][j]`` is kind ``k`` of the ``j``-th parameter of a list, so that
 an optimizer's math is a handful of multi-tensor operations over each list.
 
-Half-precision parameters (float16 or bfloat16 rows, ``rounding.is_half``) are updated in float32: their
+Half-precision parameters (float16 or bfloat16 rows, ``tables.row_types.is_half``) are updated in float32: their
 state is float32, a step gathers their touched rows as float32 copies (a dense gradient of such a parameter
 touches every row), the optimizer's math runs on those, and ``scatter()`` writes them back rounded
 (``rounding.round_rows``): stochastically by default, from a generator seeded per parameter
