@@ -4,9 +4,11 @@ Owns putting the control plane on a port: the Coordinator service, the
 standard ``grpc.health.v1`` health service (NOT_SERVING until the cluster
 is ready, then SERVING), server reflection, the token interceptor, the shard
 credential (given, or made for this cluster when it has a token and none
-was given: kept in the journal, so a server started again keeps it), the admin credential (given, or none: then any holder of
-the cluster token may stop the cluster, and the start says so), TLS, the rendezvous store, one bounded-rate log of refused
-calls, and the thread that declares silent members dead.
+was given: kept in the journal, so a server started again keeps it), the
+admin credential (given, or none: then any holder of the cluster token may
+stop the cluster, and the start says so), TLS, the rendezvous store, one
+bounded-rate log of refused calls, and the thread that declares silent
+members dead.
 What the cluster runs (shard processes, the job) is the runtime's business.
 """
 

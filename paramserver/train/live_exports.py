@@ -6,13 +6,13 @@ steps, after every push up to it was applied, it has every shard write its part 
 ``service.write_export_part``: the rows changed since the last export, or all of them), writes the dense
 part and commits the manifest last.  The first export of a process is a base, so is every ``base_every``-th,
 and so is the one after an export failed (a shard that wrote its part of an uncommitted export gave its
-changes to it).  A failed export is logged in one line; training goes on.  With ``keep``
-(``Trainer(keep_exports=N)``, ``ps-server --keep-exports N``), each export committed is followed by
-pruning the root to the newest ``keep`` bases with their deltas (``live_export.prune``: a chain superseded
-less than ``grace`` ago stays for the readers loading it), and the folders of its own failed exports.  Whether one is due is told at
+changes to it).  A failed export is logged in one line; training goes on.  Whether one is due is told at
 the group's agreement (``due``), so a boundary without one costs nothing; where one is, the members drain
 their pushes and pass a barrier, rank 0 writes, and the others wait for its outcome in the group's store
-(``at_boundary``), not in a collective.
+(``at_boundary``), not in a collective.  With ``keep`` (``Trainer(keep_exports=N)``, ``ps-server
+--keep-exports N``), each export committed is followed by pruning the root to the newest ``keep`` bases
+with their deltas (``live_export.prune``: a chain superseded less than ``grace`` ago stays for the readers
+loading it), and the folders of its own failed exports.
 """
 
 import datetime
