@@ -6,7 +6,8 @@ What it measures
     ``--export-every``, ``--export-base-every`` and ``--keep-exports``, and ``--workers`` ``ps-worker``
     processes in one trainer group, for ``--minutes`` (30 by default).  Every ``--sample`` seconds it prints
     one row: the minutes since the group began, the resident memory (VmRSS) of every process of the cluster
-    (``ps-server``, its shard process, each worker; children found through /proc), and the export root's
+    (``ps-server``, its fork server and the shard process it started, each worker; found through /proc),
+    and the export root's
     folders, bases and size.  The grace a superseded chain keeps for its readers is ``--grace`` seconds
     (``PARAMSERVER_EXPORT_READ_GRACE``, handed to the workers).
 
@@ -73,12 +74,34 @@ def resident_mb(pid: int) -> Optional[float]:
     return None
 
 
+def kind_of(pid: int) -> str:
+    """What a child of a command is: multiprocessing's resource tracker, a fork server, or a process a fork
+    server started (ps-server's shard)."""
+    def command(of: int) -> str:
+        try:
+            with open(f"/proc/{of}/cmdline") as cmdline:
+                return cmdline.read()
+        except OSError:
+            return ""
+    if "resource_tracker" in command(pid):
+        return "resource tracker"
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        parent = 0
+    if "forkserver" in command(parent):
+        return f"child {pid}"
+    return "fork server" if "forkserver" in command(pid) else f"process {pid}"
+
+
 def cluster_memory(processes: LocalProcesses) -> Dict[str, float]:
-    """Resident MB of every process of the cluster, by a name: ``ps-server``, ``ps-server/<pid>`` for its
-    children (its fork server, the shard), ``ps-worker0``, ..."""
+    """Resident MB of every process of the cluster, by a name: ``ps-server``, ``ps-server fork server``,
+    ``ps-server child <pid>`` (its shard), ``ps-worker0``, ..."""
     memory = {}
     for name, process in processes.started.items():
-        for pid, label in [(process.pid, name)] + [(kid, f"{name}/{kid}") for kid in children_of(process.pid)]:
+        for pid, label in [(process.pid, name)] + [(kid, f"{name} {kind_of(kid)}")
+                                                    for kid in children_of(process.pid)]:
             rss = resident_mb(pid)
             if rss is not None:
                 memory[label] = rss
