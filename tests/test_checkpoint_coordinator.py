@@ -234,3 +234,26 @@ def test_a_relative_checkpoint_directory_is_handed_to_members_absolute(tmp_path,
     settings = coordinator.settings()
     assert settings.directory == str(tmp_path / "ckpt")
     assert settings.restore_from == str(tmp_path / "ckpt" / directory.name) and settings.restore_step == 20
+
+
+def test_a_coordinator_resumed_from_the_journal_continues_the_numbering_and_stamps_none_of_its_requests(tmp_path):
+    """``resume``: request numbers continue above the journaled ones, the requests of the coordinator before
+    count as settled (the first commit here answers only the requests made here), and the journaled newest
+    checkpoint is what members restore from."""
+    store, workers = CheckpointStore(tmp_path), Workers()
+    before = CheckpointCoordinator(store, workers)
+    directory, files = written(store, 20)
+    committed = before.commit("worker0", commit_request(directory, files, 20))
+    unanswered = [before.request("ps-ctl checkpoint") for _ in range(3)]  # asked, never written: it was lost
+    snapshot = json.loads(json.dumps(before.snapshot()))  # as the journal holds it
+
+    after = CheckpointCoordinator(store, workers)
+    after.resume(snapshot)
+    assert after.newest.path == committed.path and after.settings().restore_step == 20
+    number = after.request("ps-ctl checkpoint")
+    assert number == unanswered[-1] + 1 and workers.commands[-1].checkpoint_id == str(number)
+    directory, files = written(store, 40)
+    checkpoint = after.commit("worker0", commit_request(directory, files, 40, request=unanswered[0]))
+    assert after.wait(number, datetime.timedelta(seconds=1)) == checkpoint
+    assert sorted(after._answered) == [number]  # none of the journaled requests stamped with it
+    assert after.snapshot() == {"requests": number, "newest": str(checkpoint.path)}

@@ -56,7 +56,9 @@ def server_args(*argv):
     (["--group-size", "-1"], "--group-size must be 0"),
     (["--group-settle", "-1"], "--group-settle must not be negative"),
     (["--host", "0.0.0.0"], "not a wildcard"),
-    (["--export-every", "10"], "--export-every and --export-base-every need --export-dir"),
+    (["--export-every", "10"], "--export-every, --export-base-every and --keep-exports need --export-dir"),
+    (["--keep-exports", "2"], "--export-every, --export-base-every and --keep-exports need --export-dir"),
+    (["--export-dir", "live", "--keep-exports", "0"], "--keep-exports must be at least 1, got 0"),
     (["--export-dir", "live", "--export-every", "0"], "--export-every must be at least 1, got 0"),
     (["--export-dir", "oci://bucket/live"], "--export-dir: oci://bucket/live: the oci:// protocol needs a package"),
     (["--checkpoint-dir", "/proc/forbidden"], "--checkpoint-dir /proc/forbidden: cannot write there"),
@@ -209,10 +211,10 @@ def test_server_ships_live_export_settings_with_the_job_and_workers_read_them(tm
     from paramserver.checkpoint.records import LiveExportSettings
     monkeypatch.chdir(tmp_path)
     options = server.options_from(server_args("--export-dir", "live", "--export-every", "50",
-                                              "--storage-options", '{"anon": true}'))
+                                              "--storage-options", '{"anon": true}', "--keep-exports", "2"))
     exports = LiveExportSettings.from_message(options.coordinator.job.exports)
     assert exports == LiveExportSettings(directory=str(tmp_path / "live"), every_steps=50, base_every=24,
-                                         storage_options={"anon": True})
+                                         storage_options={"anon": True}, keep=2)
 
 
 @pytest.mark.parametrize("hook, options, expected", [

@@ -1,13 +1,17 @@
 """The coordinator's journal (``paramserver.control.journal``) and what goes in it: a membership taken back by a
 coordinator started again keeps its members, groups and numbering; members re-attach with their credential;
-one that does not is declared dead a heartbeat timeout after the start; a journal is written whole or not."""
+one that does not is declared dead a heartbeat timeout after the start; a journal is written whole or not,
+readable by its owner alone; a coordinator on a real gRPC port with a token and TLS, started again, keeps the
+shard token it made and takes its members back."""
 
 import datetime
 import json
+import stat
 
 import grpc
 import pytest
 
+from commands import self_signed_certificate
 from paramserver.control.groups import TrainerGroups
 from paramserver.control.journal import Journal, JournalError
 from paramserver.control.membership import DEAD, Membership
@@ -88,3 +92,56 @@ def test_the_journal_is_written_whole_and_read_back(tmp_path):
     (tmp_path / "state" / "coordinator.json").write_text("{not json")
     with pytest.raises(JournalError, match="is not JSON"):
         Journal(str(tmp_path / "state")).read()
+    assert stat.S_IMODE((tmp_path / "state" / "coordinator.json").stat().st_mode) == 0o600
+
+
+def test_a_coordinator_with_a_token_and_tls_started_again_keeps_its_shard_token_and_takes_its_members_back(
+        tmp_path):
+    """In this process, on real gRPC ports: a coordinator with a cluster token, TLS and a shard token it made
+    (no ``--shard-token-file``) journals that token; started again on the same port it hands the same one to
+    its shards, a shard and a worker re-attach through TLS with the token and their credentials, a shard
+    started again joins with the token it was given before, and a worker joining is told the same live
+    exports and a checkpoint request number above the journaled one."""
+    from paramserver.control import CoordinatorClient, CoordinatorServer, CoordinatorSettings, TlsFiles
+    from paramserver.control.checkpoints import CheckpointOptions
+    cert, key = self_signed_certificate(tmp_path)
+    tls = TlsFiles(cert=str(cert), key=str(key), ca=str(cert))
+    job = pb.JobSpec(name="job", exports=pb.LiveExportSettings(directory=str(tmp_path / "exports"), every_steps=50))
+    token = "cluster-token"
+
+    def server(port):
+        settings = CoordinatorSettings(host="127.0.0.1", port=port, token=token, tls=tls, job=job,
+                                       state_dir=str(tmp_path / "state"),
+                                       checkpoints=CheckpointOptions(directory=str(tmp_path / "checkpoints")))
+        return CoordinatorServer(settings, request_shutdown=lambda reason: None).start()
+
+    first = server(0)
+    made = first.shard_credential
+    assert made is not None and made.made_for_this_run
+    shards = CoordinatorClient(first.address, token=token, tls=TlsFiles(ca=tls.ca), shard_token=made.secret)
+    workers = CoordinatorClient(first.address, token=token, tls=TlsFiles(ca=tls.ca))
+    try:
+        shard = shards.join(pb.ROLE_SHARD, "shard0", "127.0.0.1")
+        worker = workers.join(pb.ROLE_WORKER, "host", "127.0.0.1")
+        asked = first.checkpoints.request("ps-ctl checkpoint")
+        first.stop()  # lost: the journal it wrote last stays
+        journal = tmp_path / "state" / "coordinator.json"
+        assert stat.S_IMODE(journal.stat().st_mode) == 0o600
+        assert json.loads(journal.read_text())["shard_secret"] == made.secret
+        second = server(first.port)
+        try:
+            assert second.shard_credential == made  # what the shards it started carry
+            for client, member in ((shards, shard), (workers, worker)):
+                client.call("Heartbeat", pb.HeartbeatRequest(member_id=member.member_id, sequence=2,
+                                                             credential=member.credential))
+            assert not second.membership.unattached()
+            again = shards.join(pb.ROLE_SHARD, "shard1", "127.0.0.1")  # e.g. a shard process restarted
+            assert again.rpc_name == "shard1"
+            newcomer = workers.join(pb.ROLE_WORKER, "host", "127.0.0.1")
+            assert newcomer.job.exports.directory == str(tmp_path / "exports")
+            assert second.checkpoints.request("ps-ctl checkpoint") == asked + 1
+        finally:
+            second.stop()
+    finally:
+        shards.close()
+        workers.close()

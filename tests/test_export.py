@@ -30,6 +30,7 @@ from paramserver.optim import QHM
 from paramserver.runtime.context import JobContext
 from paramserver.tables.id_hash import salted
 from paramserver.serving import NotServable
+from paramserver.train.live_exports import READ_GRACE_ENV
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent / "jobs"))
 from watch_next import evaluated_scores  # noqa: E402
@@ -91,16 +92,19 @@ def trained(tmp_path_factory):
         torch.manual_seed(5)
         dense = Scorer(list(TABLES), DIM, DENSE)
         evaluated = evaluated_scores(dense)
-        exporting = dataclasses.replace(committing(ctx, root, 10),
-                                        exports=LiveExportSettings(directory=str(live), every_steps=10, base_every=2))
+        # (ps-server --keep-exports 1: the chain the second base supersedes is removed at once, no grace)
+        exporting = dataclasses.replace(committing(ctx, root, 10), exports=LiveExportSettings(
+            directory=str(live), every_steps=10, base_every=2, keep=1))
         trainer = Trainer(exporting, tables=TABLES, dense=dense,
                           sparse_optimizer=(QHM, dict(lr=8.0, momentum=0.9, nu=0.7)),
                           dense_optimizer=lambda params: torch.optim.SGD(params, lr=0.5),
                           loss=nn.BCEWithLogitsLoss(), name="exported", seed=3,
                           push_dtype=torch.bfloat16)  # row gradients travel in bfloat16
         holdout = [batch(1000 + index, 256, unseen=True) for index in range(2)]
-        figures = trainer.fit((batch(index, 64) for index in range(10 ** 6)), steps=STEPS, eval_data=holdout,
-                              eval_every=10 ** 9, log_every=10 ** 9)
+        with pytest.MonkeyPatch.context() as environment:
+            environment.setenv(READ_GRACE_ENV, "0")
+            figures = trainer.fit((batch(index, 64) for index in range(10 ** 6)), steps=STEPS, eval_data=holdout,
+                                  eval_every=10 ** 9, log_every=10 ** 9)
         assert figures["steps"] == STEPS and figures["checkpoints"] == 3 and figures["live_exports"] == 3, figures
         yield types.SimpleNamespace(root=root, live=live, holdout=holdout,
                                     scores=torch.cat(evaluated[-len(holdout):]))
@@ -146,8 +150,9 @@ def test_the_newest_checkpoint_exported_scores_as_the_trainer_evaluated(trained,
 
 
 def test_live_exports_the_cluster_asked_for_serve_as_the_trainer_evaluated(trained):
-    """Fixed and dynamic tables through a base, a delta, a new base (every 2nd export) and its delta."""
-    assert sorted(path.name[:12] for path in trained.live.iterdir()) == [f"{step:012d}" for step in (10, 20, STEPS)]
+    """Fixed and dynamic tables through a base, a delta and a new base (every 2nd export), which kept alone
+    (``keep=1``) removed the chain before it."""
+    assert sorted(path.name[:12] for path in trained.live.iterdir()) == [f"{STEPS:012d}"]
     model = serving.load(str(trained.live))
     assert model.step == STEPS
     assert (scores(model, trained.holdout) - trained.scores).abs().max().item() <= 1e-6

@@ -1,11 +1,16 @@
 """Live exports (``Trainer(..., export_to=...)``) and serving that follows them: a base, then deltas of the
 rows changed, written while the job trains; ``serving.load`` of the root serves the newest, ``refresh()``
-applies newer ones in place and scores as a fresh load of the same exports, and as the Trainer did.
+applies newer ones in place and scores as a fresh load of the same exports, and as the Trainer did; with
+``keep_exports`` the older chains are removed (after a grace for their readers) and a follower of a chain
+removed moves onto the newest.
 
 The job runs in this process (``JobContext.local``: the process is its own shard).
 """
 
+import datetime
+import logging
 import shutil
+import time
 
 import pytest
 import torch
@@ -44,11 +49,12 @@ def test_a_job_exports_live_and_serving_follows_to_the_trainers_model(local_cont
     # dynamic tables whose rows expire after 5 steps untouched: deltas carry evictions as well as rows
     result = ctr.main(local_context, table_name="live", steps=60, batch_size=256, hook="allreduce",
                       holdout_size=HOLDOUT, eval_every=60, log_every=10 ** 9, dynamic_tables=True,
-                      table_options={"ttl_steps": 5}, export_to=str(root), export_every=10, export_base_every=3)
+                      table_options={"ttl_steps": 5}, export_to=str(root), export_every=10, export_base_every=3,
+                      keep_exports=2)
     exports = live_export.chain(locate(root))
     assert [(e.kind, e.step) for e in exports] == [("base", 40), ("delta", 50), ("delta", 60)]
     every = sorted(path.name for path in root.iterdir())
-    assert len(every) == 6, every  # 10 base, 20 and 30 deltas, 40 base, 50 and 60 deltas
+    assert len(every) == 6, every  # 10 base, 20 and 30 deltas, 40 base, 50 and 60 deltas: 2 bases, all kept
 
     # serving follows: loaded at step 20, refreshed with a delta, then across a new base
     following = tmp_path / "following"
@@ -65,6 +71,18 @@ def test_a_job_exports_live_and_serving_follows_to_the_trainers_model(local_cont
     assert model.refresh() and model.step == 60
     fresh = serving.load(str(root))
     assert torch.allclose(scores(model, holdout), scores(fresh, holdout), atol=1e-6)
+
+    # a follower of the first chain, which is then removed (keep 1): its refresh moves onto the newest base
+    pruned = tmp_path / "pruned"
+    pruned.mkdir()
+    copy_exports(root, pruned, every[:3])
+    behind = serving.load(str(pruned))
+    assert behind.step == 30
+    copy_exports(root, pruned, every[3:])
+    assert live_export.prune(locate(pruned), keep=1, grace=datetime.timedelta(0)) == every[:3]
+    assert sorted(path.name for path in pruned.iterdir()) == every[3:]
+    assert behind.refresh() and behind.step == 60
+    assert torch.allclose(scores(behind, holdout), scores(fresh, holdout), atol=1e-6)
 
     # and it is the Trainer's model: the held-out AUC it reported at step 60
     labels = torch.cat([batch.labels for batch in holdout])
@@ -206,3 +224,60 @@ def test_an_export_is_due_every_n_steps_and_counted_done_only_once_rank_0s_word_
     with pytest.raises(GenerationAborted):
         waiting.at_boundary()
     assert waiting.due()  # the re-formed group's next agreement asks for it again
+
+
+def test_keep_exports_keeps_the_newest_bases_with_their_deltas_as_the_job_writes(tmp_path, caplog):
+    """1,200 steps with an export every 50 and a base every 4th, ``keep=2`` and no grace: never more than the
+    two newest chains (8 folders) under the root, the newest chain always whole, one line per folder removed,
+    and the folder of an export that failed before its commit removed with the next pruning."""
+    from paramserver.train.live_exports import LiveExports
+    root = tmp_path / "root"
+    replica = _Replica(_Group(0))
+    exports = LiveExports(str(root), 50, 4, replica, [], {}, keep=2, grace=datetime.timedelta(0))
+    caplog.set_level(logging.INFO, logger="paramserver.checkpoint.live_export")
+    most = 0
+    for step in range(1, 1201):
+        replica.step = step
+        if step == 650:  # this export fails after writing its dense part (a model that is no JSON)
+            exports.model = {"unwritable": object()}
+        if exports.due():
+            exports.at_boundary()
+            exports.model = {}
+            most = max(most, len(list(root.iterdir())))
+    failed = live_export.export_name(650, exports.writer)
+    assert failed not in exports.written and len(exports.written) == 23
+    assert most <= 9  # two chains of 4, and a failed export's folder until the next pruning (at most 10 asked for)
+    links = live_export.chain(locate(str(root)))
+    assert [(e.kind, e.step) for e in links] == [("base", 1100), ("delta", 1150), ("delta", 1200)]
+    left = sorted(path.name for path in root.iterdir())
+    assert left == sorted(exports.written[-7:]), left  # the base of 900 with 3 deltas, 1100's with 2
+    removed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("removed live export")]
+    assert len(removed) == len(exports.written) - len(left) + 1  # every export removed, and the failed folder
+    assert sum("failed before the commit" in line for line in removed) == 1 and not (root / failed).exists()
+
+
+def test_a_chain_superseded_stays_for_its_readers_until_the_grace_has_passed_on_any_store(tmp_path):
+    """``prune`` keeps an older chain while the base after it is younger than the grace (a reader may be
+    loading it), on a local root and on a remote fsspec store alike (the manifest removed first)."""
+    for root in (locate(str(tmp_path)), locate("memory://keep-exports/root")):
+        def write(step, kind, base, previous=None):
+            name = live_export.export_name(step, "aaaa")
+            directory = root.join(name)
+            directory.fs.makedirs(directory.path, exist_ok=True)
+            record = live_export.write_tensors(directory.join(live_export.DENSE_FILE), {"step": step})
+            live_export.commit(directory, kind=kind, step=step, previous=previous, base=base or name, model={},
+                               files=[record])
+            return name
+
+        first = write(10, "base", None)
+        delta = write(20, "delta", first, first)
+        second = write(30, "base", None)
+        grace = datetime.timedelta(minutes=5)
+        assert live_export.prune(root, keep=1, grace=grace) == []  # superseded just now: a reader may be loading it
+        later = time.time() + grace.total_seconds() + 1
+        assert live_export.prune(root, keep=1, grace=grace, now=later) == [first, delta]
+        assert [e.name for e in live_export.chain(root)] == [second]
+        root.fs.invalidate_cache()
+        names = sorted(path.rstrip("/").rsplit("/", 1)[-1] for path in root.fs.ls(root.path, detail=False))
+        assert names == [second]
+        assert live_export.prune(root, keep=1, grace=grace, now=later) == []  # the newest chain is never removed

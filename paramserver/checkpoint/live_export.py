@@ -18,21 +18,29 @@ and serving reads the chain (``paramserver.serving``).  Under ``root``::
 A delta's size grows with the rows changed, not with the tables.  ``chain(root)`` is the newest base and
 the deltas that follow it link by link; ``TableRows`` applies parts to a table's rows as serving holds
 them.  A file that does not match its manifest is a ``CorruptCheckpoint`` naming it.
+
+``prune(root, keep, grace)`` keeps the newest ``keep`` bases with their deltas and removes older chains
+(``--keep-exports``), each one ``grace`` after the base that superseded it was committed at the earliest:
+serving reads only the newest chain, so a reader that began loading a chain before it was superseded has
+``grace`` to finish; the newest chain, which serving follows, is never removed.  An export's manifest is
+removed first, so a reader meanwhile finds it uncommitted, never committed with files missing.
 """
 
+import datetime
 import json
 import logging
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
 
 import torch
 
 from ..filesystems import Location, failures_named
 from ..tables import parse_part_name
 from ..tables.id_hash import shard_of
-from .storage import CorruptCheckpoint, FileRecord, atomic_write, load_tensors, parse_range_name, save_tensors
+from .storage import (CorruptCheckpoint, FileRecord, atomic_write, load_tensors, parse_range_name, remove_tree,
+                      save_tensors)
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +49,9 @@ MANIFEST = "export.json"
 DENSE_FILE = "dense.pt"
 PART_PREFIX = "part-"
 KINDS = ("base", "delta")
+#: How long a chain outside the newest ``keep`` stays after the base that superseded it was committed: a reader
+#: that began loading it before then has this long to finish (``prune``).
+READ_GRACE = datetime.timedelta(minutes=5)
 _EXPORT_NAME = re.compile(r"^\d{12}-[0-9a-z]+$")
 
 
@@ -160,6 +171,44 @@ def chain(root: Location, after: Optional[str] = None) -> List[LiveExport]:
         if after in names:
             return links[names.index(after) + 1:]
     return links
+
+
+def prune(root: Location, keep: int, grace: datetime.timedelta = READ_GRACE,
+          uncommitted: Iterable[str] = (), now: Optional[float] = None) -> List[str]:
+    """Keep the newest ``keep`` bases under ``root`` with their deltas (see the module's text); remove every
+    older export whose base is not kept (and ``uncommitted``: names of exports whose writer failed before the
+    commit), each logged in one line.  A chain is kept until ``grace`` after the base that superseded it
+    was committed (``now``: this time, by default ``time.time()``).  Returns the names removed."""
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1, got {keep}")
+    if not root.is_local:
+        root.fs.invalidate_cache()
+    now = time.time() if now is None else now
+    committed = _committed(root)
+    bases = [export for export in committed if export.kind == "base"]
+    kept = {export.name for export in bases[-keep:]}
+    # An older base stays while the base after it is younger than the grace (a reader may be loading it).
+    for older, newer in zip(bases, bases[1:]):
+        if now - float(newer.manifest.get("created_unix", now)) < grace.total_seconds():
+            kept.add(older.name)
+    if not bases or len(kept) == len(bases):
+        doomed = []
+    else:
+        oldest_kept = min(index for index, export in enumerate(committed) if export.name in kept)
+        # (only exports committed before the oldest chain kept: one committed later is of a chain being written)
+        doomed = [export for export in committed[:oldest_kept] if export.manifest.get("base") not in kept]
+    removed = []
+    for export in doomed:
+        remove_tree(export.directory, first=MANIFEST)
+        logger.info("removed live export %s (%s at step %d): its base is not among the newest %d", export.directory,
+                    export.kind, export.step, keep)
+        removed.append(export.name)
+    for name in uncommitted:
+        directory = root.join(name)
+        remove_tree(directory)
+        logger.info("removed live export %s: its writing failed before the commit", directory)
+        removed.append(name)
+    return removed
 
 
 class TableRows:

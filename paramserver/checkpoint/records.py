@@ -49,18 +49,21 @@ class CheckpointSettings:
 @dataclass(frozen=True)
 class LiveExportSettings:
     """Where trainer group 0 writes live exports (``directory`` empty: none; ``ps-server --export-dir``),
-    every ``every_steps`` steps, every ``base_every``-th a base; ``storage_options`` for its filesystem."""
+    every ``every_steps`` steps, every ``base_every``-th a base; ``storage_options`` for its filesystem;
+    ``keep``: the newest bases kept with their deltas (``--keep-exports``; 0: every export stays)."""
 
     directory: str = ""
     every_steps: int = 100
     base_every: int = 24
+    keep: int = 0
     storage_options: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_message(cls, settings) -> "LiveExportSettings":
         options = settings.storage_options_json
         return cls(directory=settings.directory, every_steps=int(settings.every_steps) or 100,
-                   base_every=int(settings.base_every) or 24, storage_options=json.loads(options) if options else {})
+                   base_every=int(settings.base_every) or 24, storage_options=json.loads(options) if options else {},
+                   keep=int(getattr(settings, "keep", 0)))
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ after checking its size and sha256 (a local file memory-mapped if asked; a
 remote one read into memory once, checked and loaded from there), the
 manifest (``MANIFEST.json``, written last: it is the commit, and a
 checkpoint directory without one is an interrupted checkpoint that never
-counts and is removed), keeping the newest ``keep`` checkpoints (never one
+counts and is removed), removing a directory (``remove_tree``: on an object
+store, the objects under its prefix), keeping the newest ``keep`` checkpoints (never one
 the store was told to protect: what a restore reads), and refusing a
 corrupt or truncated one with a message naming the file, in favour of the
 previous one. A remote filesystem's failure (unreachable, credentials
@@ -310,8 +311,13 @@ def _age(directory: Location, parsed: Union[Checkpoint, CorruptCheckpoint]) -> T
     return (_step_from_name(directory.name), 0.0, directory.name)
 
 
-def _remove_tree(directory: Location) -> None:
-    """Remove ``directory`` and all in it (a prefix's objects on an object store)."""
+def remove_tree(directory: Location, first: Optional[str] = None) -> None:
+    """Remove ``directory`` and all in it (a prefix's objects on an object store); ``first``: the name of a file
+    in it removed before the rest (a manifest: a reader meanwhile finds the directory uncommitted, never a
+    committed one with files missing)."""
+    if first is not None:
+        with failures_named(directory, "remove"), contextlib.suppress(FileNotFoundError):
+            directory.fs.rm_file(directory.join(first).path)
     if directory.is_local:
         shutil.rmtree(directory.path, ignore_errors=True)
         return
@@ -356,7 +362,7 @@ class CheckpointStore:
         directory = _fresh(locate(directory))
         with failures_named(directory, "remove a failed checkpoint"):
             if directory.fs.isdir(directory.path) and not directory.join(MANIFEST).exists():
-                _remove_tree(directory)
+                remove_tree(directory)
                 logger.info("removed %s: its checkpoint failed before it was committed", directory)
 
     def commit(self, directory: PathLike, files: Sequence[FileRecord], step: int, info: Dict) -> Checkpoint:
@@ -420,7 +426,7 @@ class CheckpointStore:
         before their commit); returns them.  Only while nothing writes under the root: a cluster starting."""
         interrupted = self._interrupted()
         for directory in interrupted:
-            _remove_tree(directory)
+            remove_tree(directory)
         return sorted(interrupted, key=lambda d: d.url)
 
     def prune(self) -> None:
@@ -436,7 +442,7 @@ class CheckpointStore:
         for directory in doomed:
             if directory in self._protected:
                 continue
-            _remove_tree(directory)
+            remove_tree(directory)
             logger.info("deleted old checkpoint directory %s", directory)
 
 

@@ -4,7 +4,8 @@
               [--group-size N [--group-settle S] [--group-gone-after S]]
               [--stop-after-workers N]
               [--checkpoint-dir D|URL [--checkpoint-every STEPS|SECONDSs] [--keep-checkpoints K]] [--restore D|URL]
-              [--export-dir D|URL [--export-every STEPS] [--export-base-every N]] [--storage-options JSON]
+              [--export-dir D|URL [--export-every STEPS] [--export-base-every N] [--keep-exports N]]
+              [--storage-options JSON]
               [--token-file F] [--shard-token-file S] [--admin-token-file A] [--tls-cert C --tls-key K]
               [--heartbeat-timeout S] [--coordinator-grace S] [--state-dir D] [--metrics-port P]
     ps-server --join HOST:PORT --shards 4 [--host H] [--shard-prefix P] [--token-file F --shard-token-file S]
@@ -64,8 +65,8 @@ from .common import (UsageError, add_admin_token_file, add_coordinator_grace, co
 #: Flags that configure the coordinator, refused with ``--join`` (which runs none) unless left at their defaults.
 COORDINATOR_FLAGS = ("port", "job", "job_config", "group_size", "group_settle", "group_gone_after", "checkpoint_dir",
                      "checkpoint_every", "checkpoint_keep", "restore", "storage_options", "export_dir", "export_every",
-                     "export_base_every", "tls_cert", "tls_key", "heartbeat_timeout", "stop_after_workers",
-                     "admin_token_file", "state_dir", "store_name")
+                     "export_base_every", "keep_exports", "tls_cert", "tls_key", "heartbeat_timeout",
+                     "stop_after_workers", "admin_token_file", "state_dir", "store_name")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -130,6 +131,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a live export every STEPS training steps (default 100), and one when the job stops")
     parser.add_argument("--export-base-every", type=int, default=None, metavar="N",
                         help="every N-th live export is a base, the others deltas (default 24)")
+    parser.add_argument("--keep-exports", type=int, default=None, metavar="N",
+                        help="keep the newest N live-export bases with their deltas; older chains are removed "
+                             "(one log line each), each at the earliest 5 minutes after the base that superseded "
+                             "it (PARAMSERVER_EXPORT_READ_GRACE seconds), so a reader loading it finishes; the "
+                             "newest chain is never removed (default: every export stays)")
     add_storage_options(parser, "--checkpoint-dir, --restore and --export-dir (handed to every member that "
                                 "writes there)")
     add_token_file(parser)
@@ -276,15 +282,16 @@ def options_from(args):
 def live_exports_from(args) -> Optional["pb.LiveExportSettings"]:
     """``--export-*``'s settings for the job, or ``None`` when there are no live exports."""
     if not args.export_dir:
-        if args.export_every is not None or args.export_base_every is not None:
-            raise UsageError("--export-every and --export-base-every need --export-dir")
+        if args.export_every is not None or args.export_base_every is not None or args.keep_exports is not None:
+            raise UsageError("--export-every, --export-base-every and --keep-exports need --export-dir")
         return None
-    for flag, value in (("--export-every", args.export_every), ("--export-base-every", args.export_base_every)):
+    for flag, value in (("--export-every", args.export_every), ("--export-base-every", args.export_base_every),
+                        ("--keep-exports", args.keep_exports)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be at least 1, got {value}")
     directory = location_from("--export-dir", args.export_dir, args)
     return pb.LiveExportSettings(directory=directory.url, every_steps=args.export_every or 100,
-                                 base_every=args.export_base_every or 24,
+                                 base_every=args.export_base_every or 24, keep=args.keep_exports or 0,
                                  storage_options_json=json.dumps(dict(directory.storage_options))
                                  if directory.storage_options else "")
 

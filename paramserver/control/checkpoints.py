@@ -272,10 +272,12 @@ class CheckpointCoordinator:
 
     def resume(self, snapshot: Mapping[str, Any]) -> None:
         """Continue from the journal of the coordinator before this one: request numbers above its (workers
-        keep the highest they heard of), and its newest checkpoint as the one a restarting shard restores
-        from (unless it no longer opens)."""
+        keep the highest they heard of), every one of its requests settled (whoever waited for them waited on
+        the coordinator before this one: the first commit here answers only requests made here), and its
+        newest checkpoint as the one a restarting shard restores from (unless it no longer opens)."""
         with self._changed:
-            self._requests = self._settled = max(self._requests, int(snapshot.get("requests", 0)))
+            self._requests = max(self._requests, int(snapshot.get("requests", 0)))
+            self._answered_through = max(self._answered_through, self._requests)
         newest = snapshot.get("newest")
         if newest and (self._newest is None or str(self._newest.path) != newest):
             try:

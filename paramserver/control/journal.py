@@ -4,9 +4,11 @@ Owns one small JSON file, ``coordinator.json`` under ``ps-server --state-dir``
 (a directory on storage that outlives the process: a volume kept across pod
 restarts), written whole on each change (to a temporary file, then renamed
 over the old one, so a reader finds either the old journal or the new one,
-never half of one) and read once at start.  What goes in it is its callers'
-business (``Membership.snapshot``, ``CheckpointCoordinator.snapshot``, the
-store's port); the rule of what is durable is in docs/fault-tolerance.md.
+never half of one, readable by its owner alone: mode 0600, as it may hold a
+secret) and read once at start.  What goes in it is its callers' business
+(``Membership.snapshot``, ``CheckpointCoordinator.snapshot``, the store's
+port, the shard credential the server made); the rule of what is durable is
+in docs/fault-tolerance.md.
 """
 
 import json
@@ -21,6 +23,8 @@ logger = logging.getLogger(__name__)
 JOURNAL_NAME = "coordinator.json"
 #: The journal's format; a journal of another is refused at start, naming it.
 JOURNAL_VERSION = 1
+#: The journal's file mode: its owner's alone.
+JOURNAL_MODE = 0o600
 #: How often the writer looks for a change to write.
 WRITE_EVERY_S = 0.1
 
@@ -67,7 +71,10 @@ class Journal:
         if text == self._written:
             return False
         temporary = self.path.with_name(f".{JOURNAL_NAME}.{os.getpid()}")
-        with open(temporary, "w") as file:
+        # Readable by its owner alone: it may hold the shard credential the server made.
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, JOURNAL_MODE)
+        os.fchmod(descriptor, JOURNAL_MODE)  # (a temporary file left by an earlier process keeps its mode)
+        with os.fdopen(descriptor, "w") as file:
             file.write(text)
             file.flush()
             os.fsync(file.fileno())

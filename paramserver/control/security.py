@@ -116,7 +116,8 @@ class ShardCredential:
     ``made_for_this_run``: the coordinator made it up at start (its cluster
     has a token but was given no ``--shard-token-file``) and hands it to its
     own shard processes only, so shards of other hosts cannot join; the
-    refusal says so.
+    refusal says so.  With ``--state-dir`` it is kept in the journal, so a
+    server started again admits the shards it started before.
     """
 
     secret: str = field(repr=False)

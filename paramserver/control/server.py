@@ -3,10 +3,12 @@
 Owns putting the control plane on a port: the Coordinator service, the
 standard ``grpc.health.v1`` health service (NOT_SERVING until the cluster
 is ready, then SERVING), server reflection, the token interceptor, the shard
-credential (given, or made for this run when the cluster has a token and
-none was given), the admin credential (given, or none: then any holder of
-the cluster token may stop the cluster, and the start says so), TLS, the rendezvous store, one bounded-rate log of refused
-calls, and the thread that declares silent members dead.
+credential (given, or made for this cluster when it has a token and none
+was given: kept in the journal, so a server started again keeps it), the
+admin credential (given, or none: then any holder of the cluster token may
+stop the cluster, and the start says so), TLS, the rendezvous store, one
+bounded-rate log of refused calls, and the thread that declares silent
+members dead.
 What the cluster runs (shard processes, the job) is the runtime's business.
 """
 
@@ -100,15 +102,15 @@ class CoordinatorServer:
 
     def __init__(self, settings: CoordinatorSettings, request_shutdown: Callable[[str], None]):
         self.settings = settings
-        #: What this server's own shard processes must carry when they join (``None``: nothing).
-        self.shard_credential = settings.shard_credential or (ShardCredential.for_this_run() if settings.token
-                                                               else None)
         #: Every refused call, whether the interceptor or the service refused it.
         self.refusals = RateLimitedLog(logger, "refused {count} call{s}")
         self.journal = Journal(settings.state_dir) if settings.state_dir else None
         journaled = self.journal.read() if self.journal is not None else None
         #: This server took a running cluster back from the journal of the one before it.
         self.resumed = journaled is not None
+        #: What this server's own shard processes must carry when they join (``None``: nothing).
+        self.shard_credential = settings.shard_credential or (self._made_shard_credential(journaled)
+                                                               if settings.token else None)
         self.store = self._store(settings.host, journaled)
         groups = TrainerGroups(settings.job.group_size if settings.job is not None else 0, settings.group_settle,
                                settings.group_gone_after)
@@ -176,10 +178,23 @@ class CoordinatorServer:
                            "to form a group will not reach it", port, error)
             return RendezvousStore(host)
 
+    @staticmethod
+    def _made_shard_credential(journaled) -> ShardCredential:
+        """The shard credential of a server given none: the one the server before it made, from its journal
+        (the shards it started, which outlive it, carry that one when they join again), else a new one."""
+        secret = (journaled or {}).get("shard_secret")
+        if secret:
+            return ShardCredential(str(secret), made_for_this_run=True)
+        return ShardCredential.for_this_run()
+
     def journal_state(self) -> dict:
-        """What the journal holds: the membership, the checkpoints' numbering, the store's port."""
-        return {"membership": self.membership.snapshot(), "store_port": self.store.port,
-                "checkpoints": self.checkpoints.snapshot() if self.checkpoints is not None else {}}
+        """What the journal holds: the membership, the checkpoints' numbering, the store's port, and the shard
+        credential this server made (none given: a server started again hands its shards the same one)."""
+        state = {"membership": self.membership.snapshot(), "store_port": self.store.port,
+                 "checkpoints": self.checkpoints.snapshot() if self.checkpoints is not None else {}}
+        if self.shard_credential is not None and self.shard_credential.made_for_this_run:
+            state["shard_secret"] = self.shard_credential.secret
+        return state
 
     def start(self) -> "CoordinatorServer":
         if self.journal is not None:

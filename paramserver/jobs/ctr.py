@@ -25,7 +25,8 @@ steps on a host short of cores, ``k`` on one with cores to spare;
 ``cache_steps`` sets it).
 
 ``export_to=URL`` writes live exports there every ``export_every`` steps (a base, then deltas of the rows
-changed; ``paramserver.serving.load(URL)`` serves the newest and ``refresh()`` follows).
+changed; ``paramserver.serving.load(URL)`` serves the newest and ``refresh()`` follows); ``keep_exports=N``
+keeps the newest N bases with their deltas.
 
 ``dynamic_tables=True`` trains the same model on dynamic tables
 (``Table(None, ...)``) over the ids as raw 64-bit hashes, as real
@@ -153,7 +154,7 @@ def main(ctx, steps: int = 1500, batch_size: int = 1024, hook: str = "powersgd",
          table_name: str = "ctr", dynamic_tables: bool = False, table_options: Optional[Dict] = None,
          data: Optional[Dict] = None, staleness: int = 0, cache_rows: Optional[int] = None,
          cache_steps: Optional[int] = None, cache_mib: Optional[float] = None, export_to: Optional[str] = None,
-         export_every: int = 100, export_base_every: int = 24,
+         export_every: int = 100, export_base_every: int = 24, keep_exports: int = 0,
          export_storage_options: Optional[Dict] = None, table_placement: str = "packed",
          row_dtype: RowDtypeName = "float32", row_rounding: RoundingName = "stochastic",
          push_dtype: PushDtypeName = "float32") -> dict:
@@ -179,7 +180,7 @@ def build(ctx, batch_size: int = 1024, hook: str = "powersgd", hook_options: Opt
           table_options: Optional[Dict] = None, data: Optional[Dict] = None, staleness: int = 0,
           cache_rows: Optional[int] = None, cache_steps: Optional[int] = None, cache_mib: Optional[float] = None,
           export_to: Optional[str] = None, export_every: int = 100, export_base_every: int = 24,
-          export_storage_options: Optional[Dict] = None, table_placement: str = "packed",
+          keep_exports: int = 0, export_storage_options: Optional[Dict] = None, table_placement: str = "packed",
           row_dtype: RowDtypeName = "float32", row_rounding: RoundingName = "stochastic",
           push_dtype: PushDtypeName = "float32") -> Tuple[Trainer, "PlantedSource | FileSource"]:
     """The job's Trainer and its data (``PlantedSource``, or ``FileSource`` with ``data``), not started."""
@@ -200,7 +201,8 @@ def build(ctx, batch_size: int = 1024, hook: str = "powersgd", hook_options: Opt
         name=table_name, seed=seed, row_wise_min_rows=row_wise_min_rows, staleness=staleness,
         cache_rows=cache_rows, cache_steps=cache_steps, cache_mib=cache_mib, export_to=export_to,
         export_every=export_every, export_base_every=export_base_every, export_storage_options=export_storage_options,
-        table_placement=table_placement, push_dtype=None if push_dtype == "float32" else getattr(torch, push_dtype))
+        table_placement=table_placement, push_dtype=None if push_dtype == "float32" else getattr(torch, push_dtype),
+        keep_exports=keep_exports)
     return trainer, source
 
 

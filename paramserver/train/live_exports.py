@@ -9,18 +9,22 @@ and so is the one after an export failed (a shard that wrote its part of an unco
 changes to it).  A failed export is logged in one line; training goes on.  Whether one is due is told at
 the group's agreement (``due``), so a boundary without one costs nothing; where one is, the members drain
 their pushes and pass a barrier, rank 0 writes, and the others wait for its outcome in the group's store
-(``at_boundary``), not in a collective.
+(``at_boundary``), not in a collective.  With ``keep`` (``Trainer(keep_exports=N)``, ``ps-server
+--keep-exports N``), each export committed is followed by pruning the root to the newest ``keep`` bases
+with their deltas (``live_export.prune``: a chain superseded less than ``grace`` ago stays for the readers
+loading it), and the folders of its own failed exports.
 """
 
 import datetime
 import logging
+import os
 import secrets
 import time
 from typing import Any, Dict, List, Mapping, Optional
 
 import torch.distributed.rpc as rpc
 
-from ..checkpoint.live_export import DENSE_FILE, commit, export_name, write_tensors
+from ..checkpoint.live_export import DENSE_FILE, READ_GRACE, commit, export_name, prune, write_tensors
 from ..checkpoint.storage import FileRecord
 from ..filesystems import locate
 from ..logs import one_line
@@ -33,16 +37,39 @@ logger = logging.getLogger(__name__)
 PART_TIMEOUT = datetime.timedelta(minutes=10)
 #: How long the group's other members wait for rank 0 to have written and committed one.
 WRITTEN_WITHIN = PART_TIMEOUT + datetime.timedelta(minutes=5)
+#: Seconds a chain superseded stays for its readers where exports are pruned (``live_export.READ_GRACE`` unless
+#: set).
+READ_GRACE_ENV = "PARAMSERVER_EXPORT_READ_GRACE"
+
+
+def read_grace() -> datetime.timedelta:
+    """The grace a superseded chain keeps for its readers: ``READ_GRACE_ENV`` seconds, else ``READ_GRACE``."""
+    value = os.environ.get(READ_GRACE_ENV)
+    if not value:
+        return READ_GRACE
+    seconds = float(value)
+    if seconds < 0:
+        raise ValueError(f"{READ_GRACE_ENV} must not be negative, got {value}")
+    return datetime.timedelta(seconds=seconds)
 
 
 class LiveExports:
     """Exports of ``replica``'s model into ``root`` every ``every`` steps (see the module's text); ``model`` is
-    the model's description (``checkpoint.model.describe_model``), ``shards`` the shard names."""
+    the model's description (``checkpoint.model.describe_model``), ``shards`` the shard names; ``keep``: the
+    bases kept with their deltas (0: every export stays), ``grace``: how long a superseded chain stays
+    (``None``: ``read_grace()``)."""
 
     def __init__(self, root: str, every: int, base_every: int, replica, shards: List[str], model: Dict[str, Any],
-                 storage_options: Optional[Mapping[str, Any]] = None):
+                 storage_options: Optional[Mapping[str, Any]] = None, keep: int = 0,
+                 grace: Optional[datetime.timedelta] = None):
         if every < 1 or base_every < 1:
             raise ValueError(f"export_every and export_base_every must be at least 1, got {every} and {base_every}")
+        if keep < 0:
+            raise ValueError(f"keep_exports must not be negative, got {keep}")
+        self.keep = keep
+        self.grace = read_grace() if grace is None else grace
+        #: Its exports that failed before their commit, removed at the next pruning.
+        self._failed: List[str] = []
         self.root = locate(root, storage_options)
         self.every, self.base_every = every, base_every
         self.replica, self.shards, self.model = replica, list(shards), model
@@ -98,6 +125,7 @@ class LiveExports:
             logger.error("live export at step %d to %s failed, not committed (the next one is a base): %s", step,
                          directory, one_line(error))
             self._previous = None
+            self._failed.append(name)
             return None
         if whole:
             self._base, self._since_base = name, 0
@@ -107,4 +135,15 @@ class LiveExports:
         self.written.append(name)
         logger.info("live export %s (%s) written at step %d in %.2f s: %.1f MB", directory, "base" if whole else
                     "delta", step, time.monotonic() - started, sum(record.bytes for record in files) / 1e6)
+        if self.keep:
+            self._prune()
         return name
+
+    def _prune(self) -> None:
+        try:
+            prune(self.root, self.keep, self.grace, uncommitted=self._failed)
+        except Exception as error:  # noqa: BLE001 - a failed removal must not end the training
+            logger.error("pruning the live exports under %s failed (tried again after the next export): %s",
+                         self.root, one_line(error))
+            return
+        self._failed = []

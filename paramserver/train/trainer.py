@@ -126,6 +126,9 @@ class Trainer:
     a base, then deltas holding the rows changed since the export before, a new base every
     ``export_base_every`` exports; ``paramserver.serving.load(root)`` serves the newest and ``refresh()``
     follows.  Without ``export_to``, the cluster's ``ps-server --export-dir`` (``ctx.exports``) applies.
+    ``keep_exports=N`` keeps the newest N bases with their deltas and removes older chains (a superseded
+    chain stays a grace period for its readers; see docs/serving.md); 0, the default, keeps every export.
+    With ``export_to`` it applies to those exports; without, ``ps-server --keep-exports`` does.
 
     ``push_dtype``: the type row gradients travel to the shards in: ``None`` (float32, the default) or
     ``torch.bfloat16`` (half a push's bytes; the shards apply them in float32).
@@ -139,7 +142,7 @@ class Trainer:
                  read_ahead: bool = True, cache_rows: Optional[int] = None, cache_steps: Optional[int] = None,
                  cache_mib: Optional[float] = None, export_to: Optional[str] = None, export_every: int = 100,
                  export_base_every: int = 24, export_storage_options: Optional[Dict[str, Any]] = None,
-                 table_placement: str = "packed", push_dtype: Optional[torch.dtype] = None):
+                 table_placement: str = "packed", push_dtype: Optional[torch.dtype] = None, keep_exports: int = 0):
         if not tables:
             raise ValueError("a Trainer needs at least one table")
         for table_name, table in tables.items():
@@ -196,6 +199,10 @@ class Trainer:
                              f"{export_every!r} and {export_base_every!r}")
         self.export_to, self.export_every, self.export_base_every = export_to, export_every, export_base_every
         self.export_storage_options = dict(export_storage_options or {})
+        if isinstance(keep_exports, bool) or not isinstance(keep_exports, int) or keep_exports < 0:
+            raise ValueError(f"keep_exports must be a whole number, 0 (every export stays) or more; got "
+                             f"{keep_exports!r}")
+        self.keep_exports = keep_exports
 
     def fit(self, data: Iterable[Batch], steps: int, eval_data: Optional[Iterable[Batch]] = None,
             eval_every: int = 500, log_every: int = 100, figures: Optional[Dict[str, float]] = None) -> Dict[str, Any]:
@@ -658,12 +665,14 @@ def _live_exports(trainer: Trainer, ctx, replica) -> Optional[LiveExports]:
         return None
     if trainer.export_to is not None:
         return LiveExports(trainer.export_to, trainer.export_every, trainer.export_base_every, replica,
-                           list(ctx.shards), trainer.model_description, trainer.export_storage_options)
+                           list(ctx.shards), trainer.model_description, trainer.export_storage_options,
+                           keep=trainer.keep_exports)
     settings = getattr(ctx, "exports", None)
     if settings is None or not settings.directory:
         return None
     return LiveExports(settings.directory, settings.every_steps, settings.base_every, replica, list(ctx.shards),
-                       trainer.model_description, settings.storage_options)
+                       trainer.model_description, settings.storage_options,
+                       keep=trainer.keep_exports or getattr(settings, "keep", 0))
 
 
 def _position(saved) -> Optional[Dict[str, Any]]:
