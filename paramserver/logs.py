@@ -5,8 +5,9 @@ shard server (``--log-level``, defaulting to ``PARAMSERVER_LOG_LEVEL``,
 else INFO), how an error or a reason is written on one line (``one_line``:
 a reason ends up in a status table and in a worker's last line),
 logging a repeated event at a bounded rate (``RateLimitedLog``: the first
-occurrence at once, then one line per interval with a count), and ending a
-process at once with its log written (``exit_now``).
+occurrence at once, then one line per interval with a count), ending a
+process at once with its log written (``exit_now``), and the level of
+PyTorch's C++ log lines in the commands' processes (``quiet_cpp_warnings``).
 """
 
 import collections
@@ -26,6 +27,27 @@ REPEAT_SUMMARY_EVERY = datetime.timedelta(seconds=10)
 MAX_EXAMPLE_CHARS = 300
 #: How long a one-line reason may be.
 MAX_REASON_CHARS = 300
+
+
+#: PyTorch's C++ log level (c10's logging: TensorPipe's and gloo's lines), read once when torch is imported.
+CPP_LOG_LEVEL_ENV = "TORCH_CPP_LOG_LEVEL"
+
+
+def quiet_cpp_warnings(environ=None) -> None:
+    """Leave PyTorch's C++ WARNING lines out of this process and the processes it starts (ERROR and FATAL ones
+    still print), unless ``TORCH_CPP_LOG_LEVEL`` says otherwise; call it before torch is imported.
+
+    TensorPipe logs a WARNING at a member for every pipe that a peer which left had opened to it (``RPC agent
+    for shard0 encountered error when reading incoming request from worker1: EOF``): the side that accepted a
+    pipe always has a read pending, and takes its end as expected only while it shuts down itself
+    (tensorpipe_agent.cpp, ``respond``).  So a worker that finishes its job while the shards serve on makes
+    each shard print one, whatever the order of leaving, and torch has no switch for one pipe or one peer: the
+    level is the only way.  What such a line would tell of a member that died, the commands say in their own
+    lines (the coordinator's ``declared dead`` or ``exited``, a worker's failed step).  Set
+    ``TORCH_CPP_LOG_LEVEL=WARNING`` (or ``INFO``) to see them.
+    """
+    environ = os.environ if environ is None else environ
+    environ.setdefault(CPP_LOG_LEVEL_ENV, "ERROR")
 
 
 def default_log_level() -> str:

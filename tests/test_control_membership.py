@@ -237,3 +237,21 @@ def test_a_shard_name_in_use_waits_for_a_restart_on_the_same_host_and_is_refused
     table.clock.now += 6
     table.sweep()  # the old one declared dead; its survivors (none here) told to forget it
     assert table.join(restarted).rpc_name == "shard_h2_0"
+
+
+def test_members_are_told_how_many_of_the_clusters_processes_share_their_machine():
+    table = Membership(datetime.timedelta(seconds=5), machine="box-a")
+
+    def on(machine, role=pb.ROLE_WORKER, name="host-a"):
+        return table.join(pb.JoinRequest(role=role, name=name, host="127.0.0.1",
+                                         capabilities=pb.Capabilities(pid=42, machine=machine)))
+    shard = on("box-a", pb.ROLE_SHARD, "shard0")
+    assert table.host_processes(shard.member_id) == 2  # the coordinator runs there too
+    first, elsewhere, second = on("box-a"), on("box-b"), on("box-a")
+    assert [table.host_processes(m.member_id) for m in (shard, first, elsewhere, second)] == [4, 4, 1, 4]
+    table.leave(pb.LeaveRequest(member_id=second.member_id, reason="done"))
+    assert table.host_processes(first.member_id) == 3  # members that left share nothing
+    assert table.host_processes(on("").member_id) == 0  # a member that says no machine: unknown
+    restored = Membership(datetime.timedelta(seconds=5), machine="box-c")
+    restored.restore(table.snapshot())
+    assert restored.host_processes(first.member_id) == 2  # the machines come back with the journal

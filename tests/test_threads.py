@@ -1,10 +1,11 @@
 """Threads sized to the host: cores from affinity and the cgroup quota, shared by the cluster's processes on the
-host, overrides from the environment (all with faked cores and cgroup files: single process)."""
+host (as the coordinator counts them, or Slurm's tasks on the node), followed as they change, overrides from
+the environment (all with faked cores and cgroup files: single process)."""
 
 import pytest
 
-from paramserver.runtime.threads import (HOST_PROCESSES_ENV, INTEROP_THREADS_ENV, THREADS_ENV, cgroup_cpu_limit,
-                                         choose_threads, host_cores)
+from paramserver.runtime.threads import (HOST_PROCESSES_ENV, INTEROP_THREADS_ENV, THREADS_ENV, HostThreads,
+                                         cgroup_cpu_limit, choose_threads, host_cores, slurm_tasks_on_node)
 
 SIXTEEN = (16, "CPU affinity")
 
@@ -63,3 +64,53 @@ def test_a_cgroup_quota_caps_the_cores(tmp_path):
     (v1 / "cpu" / "cpu.cfs_quota_us").write_text("400000\n")
     assert cgroup_cpu_limit(str(v1)) == 4.0
     assert cgroup_cpu_limit(str(tmp_path / "none")) is None
+
+
+def test_the_clusters_processes_on_the_host_size_the_threads_and_the_environment_overrides():
+    assert choose_threads("worker", {}, SIXTEEN, cluster_processes=5).intra_op == 3
+    assert choose_threads("shard", {}, SIXTEEN, cluster_processes=4).inter_op == 4
+    assert choose_threads("worker", {HOST_PROCESSES_ENV: "2"}, SIXTEEN, cluster_processes=5).intra_op == 8
+    assert choose_threads("worker", {}, SIXTEEN, cluster_processes=0).intra_op == 16  # unknown: alone
+
+
+@pytest.mark.parametrize("environ, tasks", [
+    ({}, None),
+    ({"SLURM_NTASKS_PER_NODE": "4"}, 4),
+    ({"SLURM_TASKS_PER_NODE": "2(x3),5", "SLURM_NODEID": "3"}, 5),
+    ({"SLURM_TASKS_PER_NODE": "2(x3),5", "SLURM_NODEID": "1"}, 2),
+    ({"SLURM_TASKS_PER_NODE": "2(x3),5"}, 5),  # no node id: the most any node runs
+    ({"SLURM_TASKS_PER_NODE": "garbled"}, None),
+    ({"SLURM_NTASKS_PER_NODE": "4", "SLURM_CPUS_ON_NODE": "16"}, 4),  # every task may use all 16 cores
+    ({"SLURM_NTASKS_PER_NODE": "4", "SLURM_CPUS_ON_NODE": "64"}, 1),  # each task bound to 16 of its own
+])
+def test_slurm_tasks_on_a_node_share_its_cores(environ, tasks):
+    assert slurm_tasks_on_node(environ, 16) == tasks
+    expected = tasks or 1
+    assert choose_threads("worker", environ, SIXTEEN).host_processes == expected
+    # The cluster's count is taken where it is higher than Slurm's; the environment's over both.
+    assert choose_threads("worker", environ, SIXTEEN, cluster_processes=6).host_processes == max(6, expected)
+    assert choose_threads("worker", {**environ, HOST_PROCESSES_ENV: "3"}, SIXTEEN).host_processes == 3
+
+
+def test_a_workers_intra_op_threads_follow_the_host_and_an_override_stays(monkeypatch):
+    import torch
+
+    set_to = []
+    monkeypatch.setattr(torch, "set_num_threads", set_to.append)
+    monkeypatch.setattr(torch, "set_num_interop_threads", lambda n: None)
+    threads = HostThreads("worker", "ps-worker", {}, SIXTEEN)
+    assert threads.apply(4).intra_op == 4 and set_to == [4]
+    threads.follow(5)
+    assert (threads.choice.intra_op, threads.choice.inter_op, set_to) == (3, 2, [4, 3])
+    threads.follow(0)  # unknown (a heartbeat without news): nothing changes
+    threads.follow(5)
+    threads.follow(6)  # 16 // 6: 2
+    assert set_to == [4, 3, 2]
+    fixed = HostThreads("worker", "ps-worker", {THREADS_ENV: "2"}, SIXTEEN)
+    fixed.apply(4)
+    fixed.follow(8)
+    assert fixed.choice.intra_op == 2 and set_to == [4, 3, 2, 2]
+    pinned = HostThreads("worker", "ps-worker", {HOST_PROCESSES_ENV: "2"}, SIXTEEN)
+    pinned.apply(4)
+    pinned.follow(8)
+    assert pinned.choice.intra_op == 8 and set_to == [4, 3, 2, 2, 8]

@@ -8,3 +8,8 @@ share.  Commands parse and report; the work happens in
 what its console script runs (``python -m paramserver COMMAND``:
 ``paramserver/__main__.py``).
 """
+
+from ..logs import quiet_cpp_warnings
+
+# Before any command imports torch: a normal end prints no C++ warnings (``logs.quiet_cpp_warnings`` says why).
+quiet_cpp_warnings()

@@ -94,9 +94,12 @@ class LocalProcesses:
         self.log_dir = log_dir
         self.started: Dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, module: str, *args: str, host_processes: int = 1) -> subprocess.Popen:
+    def start(self, name: str, module: str, *args: str, host_processes: Optional[int] = None) -> subprocess.Popen:
+        """``host_processes``: the cluster's processes on this machine, for each to size its threads by from its
+        start (``None``: the coordinator counts them as they join)."""
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        env.setdefault(HOST_PROCESSES_ENV, str(host_processes))  # threads sized to what shares this machine
+        if host_processes is not None:
+            env.setdefault(HOST_PROCESSES_ENV, str(host_processes))  # threads sized to what shares this machine
         with open(self.log_dir / f"{name}.out", "w") as out, open(self.log_dir / f"{name}.log", "w") as err:
             process = subprocess.Popen([sys.executable, "-m", module, *args], stdout=out, stderr=err, env=env,
                                        stdin=subprocess.DEVNULL, start_new_session=True)

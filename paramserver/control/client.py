@@ -18,6 +18,7 @@ from typing import Callable, Dict, Mapping, Optional, Set, Tuple
 
 import grpc
 
+from .machine import this_machine
 from .protocol import MAX_MESSAGE_BYTES, pb, pb_grpc
 from .security import (ADMIN_METHODS, ADMIN_TOKEN_METADATA_KEY, SHARD_TOKEN_METADATA_KEY, TlsFiles,
                        TokenClientInterceptor)
@@ -191,7 +192,7 @@ def local_capabilities(gpus: Optional[int] = None) -> pb.Capabilities:
             pass
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
     return pb.Capabilities(cpus=os.cpu_count() or 0, gpus=gpus, memory_bytes=memory, pid=os.getpid(),
-                           labels={"hostname": socket.gethostname()[:128]})
+                           labels={"hostname": socket.gethostname()[:128]}, machine=this_machine())
 
 
 def sendable(metrics: Mapping[str, float], told: Set[Tuple[str, ...]]) -> Dict[str, float]:

@@ -76,6 +76,8 @@ class Member:
     credential_digest: str = ""
     #: False for a member taken from the journal of the coordinator before this one, until it re-attaches.
     attached: bool = True
+    #: The machine it runs on, as it said (``control.machine``; empty: not said).
+    machine: str = ""
 
     @property
     def role_name(self) -> str:
@@ -102,7 +104,7 @@ class Membership:
     def __init__(self, heartbeat_timeout: datetime.timedelta,
                  on_gone: Optional[Callable[[Member], None]] = None,
                  clock: Callable[[], float] = time.monotonic,
-                 groups: Optional[TrainerGroups] = None):
+                 groups: Optional[TrainerGroups] = None, machine: str = ""):
         if heartbeat_timeout.total_seconds() <= 0:
             raise ValueError(f"heartbeat_timeout must be positive, got {heartbeat_timeout}")
         self.heartbeat_timeout = heartbeat_timeout
@@ -120,6 +122,8 @@ class Membership:
         self._job_runs = 0
         #: Shards whose process exited and is not restarted: RPC name -> why (a shard joining under it clears it).
         self._shards_gone: Dict[str, str] = {}
+        #: The coordinator's own machine (``control.machine``): one more of the cluster's processes there.
+        self._machine = machine
 
     # -- reading -------------------------------------------------------
     @property
@@ -145,6 +149,16 @@ class Membership:
 
     def _live_shard_names(self) -> List[str]:
         return sorted((m.rpc_name for m in self._serving_shards()), key=_natural_key)
+
+    def host_processes(self, member_id: str) -> int:
+        """How many of the cluster's processes run on the machine of live member ``member_id``: the live members
+        that said the same machine, and the coordinator if it runs there; 0 where the member said none."""
+        with self._changed:
+            member = self._members.get(member_id)
+            if member is None or not member.machine:
+                return 0
+            return (int(member.machine == self._machine)
+                    + sum(1 for m in self._alive() if m.machine == member.machine))
 
     def serving_shards(self) -> List[Member]:
         """Live shards whose heartbeats say their data plane is up."""
@@ -194,7 +208,7 @@ class Membership:
                 joined_generation=self._generation,
                 trainer_group=self._groups.assign() if is_worker else 0,
                 last_heartbeat=self._clock(), job_run=self._job_runs if is_worker else 0,
-                credential=credential, credential_digest=_digest(credential))
+                credential=credential, credential_digest=_digest(credential), machine=request.capabilities.machine)
             self._next_rank += 1
             if is_worker:
                 self._groups.add(member.trainer_group, rpc_name, request.capabilities.gpus, self._clock())
@@ -292,7 +306,7 @@ class Membership:
                 "generation": self._generation, "next_rank": self._next_rank,
                 "role_joins": {str(role): count for role, count in self._role_joins.items()},
                 "job_runs": self._job_runs, "shards_gone": dict(self._shards_gone),
-                "members": [{key: getattr(m, key) for key in _JOURNALED} for m in self._alive()],
+                "members": [{key: getattr(m, key) for key in (*_JOURNALED, "machine")} for m in self._alive()],
                 "groups": self._groups.snapshot(),
             }
 
@@ -309,7 +323,8 @@ class Membership:
             self._job_runs = int(state["job_runs"])
             self._shards_gone = dict(state.get("shards_gone", {}))
             for fields in state["members"]:
-                member = Member(**{key: fields[key] for key in _JOURNALED}, last_heartbeat=now, attached=False)
+                member = Member(**{key: fields[key] for key in _JOURNALED}, machine=fields.get("machine", ""),
+                                last_heartbeat=now, attached=False)
                 self._members[member.member_id] = member
             self._groups.restore(state.get("groups", {}), now)
             self._changed.notify_all()

@@ -28,6 +28,7 @@ from .checkpoints import CheckpointCoordinator, CheckpointOptions
 from .journal import Journal
 from .groups import GROUP_GONE_AFTER, GROUP_SETTLE, TrainerGroups
 from .membership import Member, Membership
+from .machine import this_machine
 from .protocol import (DEFAULT_PORT, HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_ENV,
                        MAX_MESSAGE_BYTES, SERVICE_NAME, pb)
 from ..logs import RateLimitedLog
@@ -115,7 +116,7 @@ class CoordinatorServer:
         groups = TrainerGroups(settings.job.group_size if settings.job is not None else 0, settings.group_settle,
                                settings.group_gone_after)
         self.membership = Membership(settings.heartbeat_timeout, on_gone=self._remove_from_rpc_group,
-                                     groups=groups)
+                                     groups=groups, machine=this_machine())
         self.checkpoints = None
         if settings.checkpoints is not None:
             self.checkpoints = CheckpointCoordinator.from_options(

@@ -139,7 +139,8 @@ class CoordinatorService:
             trainer_group=member.trainer_group, job_run=member.job_run, credential=member.credential,
             heartbeat_interval_ms=_ms(self.settings.heartbeat_interval),
             heartbeat_timeout_ms=_ms(self.settings.heartbeat_timeout),
-            shards=self.membership.live_shard_names())
+            shards=self.membership.live_shard_names(),
+            host_processes=self.membership.host_processes(member.member_id))
         if self.checkpoints is not None:
             assignment.checkpoint.CopyFrom(self.checkpoints.settings())
         if request.role == pb.ROLE_WORKER and self.settings.job is not None:
@@ -151,7 +152,8 @@ class CoordinatorService:
         generation, commands, shards, view = self.membership.heartbeat(request)
         return pb.HeartbeatResponse(generation=generation, commands=commands, shards=shards, group=view,
                                     shards_gone=self.membership.shards_gone(),
-                                    trainer_groups_gone=self.membership.trainer_groups_gone())
+                                    trainer_groups_gone=self.membership.trainer_groups_gone(),
+                                    host_processes=self.membership.host_processes(request.member_id))
 
     def leave(self, request: pb.LeaveRequest) -> pb.LeaveResponse:
         validate_leave(request)

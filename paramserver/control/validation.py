@@ -23,6 +23,7 @@ MAX_METRICS = 64
 MAX_METRIC_NAME_CHARS = 64
 MAX_LABELS = 16
 MAX_LABEL_CHARS = 128
+MAX_MACHINE_CHARS = 256
 MAX_MEMBER_ID_CHARS = 64
 
 _NAME = re.compile(r"^[A-Za-z0-9._-]+$")
@@ -103,6 +104,7 @@ def validate_join(request: pb.JoinRequest) -> None:
     for key, value in labels.items():
         check_name("capabilities.labels key", key)
         check_text(f"capabilities.labels[{key!r}]", value, MAX_LABEL_CHARS)
+    check_text("capabilities.machine", request.capabilities.machine, MAX_MACHINE_CHARS)
 
 
 def validate_heartbeat(request: pb.HeartbeatRequest) -> None:

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from ..metrics.training import TrainingMetrics
 
 from ..checkpoint.records import CheckpointCommit, CheckpointFailure, CheckpointSettings, LiveExportSettings
-from .threads import choose_threads
+from .threads import HostThreads, choose_threads
 
 #: How long a job waits for its trainer group to form before giving up.
 GROUP_WAIT = datetime.timedelta(seconds=120)
@@ -210,6 +210,9 @@ class JobContext:
     #: Tells the coordinator a checkpoint could not be written.
     _fail_checkpoint: Callable[[CheckpointFailure], None] = field(default=lambda failure: None, repr=False)
     _close: Callable[[], None] = field(default=lambda: None, repr=False)
+    #: Sets this worker's threads for the cluster's processes on its host now (``runtime.threads``), on the
+    #: job's thread; ``report`` calls it.
+    _follow_threads: Callable[[], None] = field(default=lambda: None, repr=False)
     _progress_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _step: int = field(default=0, repr=False)
     _figures: Dict[str, float] = field(default_factory=dict, repr=False)
@@ -217,10 +220,12 @@ class JobContext:
     # -- building ------------------------------------------------------
     @classmethod
     def from_assignment(cls, assignment, session, gpu: Optional[int] = None,
-                        recorders: Optional[Recorders] = None, cores_to_spare: bool = True) -> "JobContext":
+                        recorders: Optional[Recorders] = None,
+                        threads: Optional[HostThreads] = None) -> "JobContext":
         """A worker's context: the coordinator's ``Assignment``, the worker's ``MemberSession``, the GPU it
-        holds (``None``: none), the metric sets it serves (``None``: none) and whether its host has cores to
-        spare (its ``ThreadChoice``'s)."""
+        holds (``None``: none), the metric sets it serves (``None``: none) and its threads, applied (whether
+        its host has cores to spare is theirs; they follow the cluster's processes on the host from the job's
+        thread; ``None``: as PyTorch has them, and cores to spare)."""
         inbox = Inbox()
         group = GroupChannel(assignment.rpc_name, assignment.index, assignment.trainer_group,
                              assignment.store.host, assignment.store.port, inbox, refresh=session.beat_now,
@@ -231,7 +236,10 @@ class JobContext:
                    checkpoint=CheckpointSettings.from_message(assignment.checkpoint),
                    exports=LiveExportSettings.from_message(assignment.job.exports),
                    member_id=assignment.member_id, job_run=assignment.job_run, inbox=inbox,
-                   recorders=recorders or Recorders(), cores_to_spare=cores_to_spare,
+                   recorders=recorders or Recorders(),
+                   cores_to_spare=threads.choice.cores_to_spare if threads is not None else True,
+                   _follow_threads=(lambda: threads.follow(session.host_processes)) if threads is not None
+                   else (lambda: None),
                    _live_shards=lambda: session.shards,
                    _shards_gone=lambda: session.shards_gone,
                    _trainer_groups_gone=lambda: session.trainer_groups_gone,
@@ -325,7 +333,9 @@ class JobContext:
 
     # -- what a job reports --------------------------------------------
     def report(self, step: int, **figures: float) -> None:
-        """Record progress: the step reached and a few figures (loss, samples/s...)."""
+        """Record progress: the step reached and a few figures (loss, samples/s...).  Called from the job's
+        thread, it also sets that thread's intra-op threads for the cluster's processes on the host now."""
+        self._follow_threads()
         with self._progress_lock:
             self._step = int(step)
             self._figures = {key: float(value) for key, value in figures.items()}

@@ -56,6 +56,7 @@ class MemberSession:
         self._shards: List[str] = []
         self._shards_gone: Dict[str, str] = {}
         self._trainer_groups_gone: FrozenSet[int] = frozenset()
+        self._host_processes = 0
         self._news_lock = threading.Lock()
         self._heartbeats: Optional[HeartbeatLoop] = None
         #: Why this member is out of the cluster (the coordinator lost, or it refused us); None while in it.
@@ -67,7 +68,7 @@ class MemberSession:
         # An outage of the coordinator (started again, or still starting) is waited out within the grace.
         self.assignment = self.client.join(self.role, self.name, self.host, retry_for=self._retry_for or self.grace,
                                            gpus=self._gpus)
-        self._set_news(self.assignment.shards)
+        self._set_news(self.assignment.shards, host_processes=self.assignment.host_processes)
         logger.info("joined %s as %s (rank %d, generation %d)", self.client.address, self.assignment.rpc_name,
                     self.assignment.rpc_rank, self.assignment.generation)
         return self.assignment
@@ -96,12 +97,20 @@ class MemberSession:
         with self._news_lock:
             return self._trainer_groups_gone
 
-    def _set_news(self, shards, gone=None, groups_gone=()) -> None:
-        """What the coordinator said of the cluster: the live shards, those gone for good, the groups gone."""
+    @property
+    def host_processes(self) -> int:
+        """The cluster's processes on this member's machine, as of the last heartbeat (0: unknown)."""
+        with self._news_lock:
+            return self._host_processes
+
+    def _set_news(self, shards, gone=None, groups_gone=(), host_processes: int = 0) -> None:
+        """What the coordinator said of the cluster: the live shards, those gone for good, the groups gone, the
+        cluster's processes on this member's machine."""
         with self._news_lock:
             self._shards = list(shards)
             self._shards_gone = dict(gone or {})
             self._trainer_groups_gone = frozenset(groups_gone)
+            self._host_processes = host_processes
 
     def start_heartbeats(self, progress: Callable[[], Tuple[int, Dict[str, float]]] = lambda: (0, {}),
                          on_stop: Callable[[], None] = lambda: None,
@@ -129,7 +138,8 @@ class MemberSession:
                                pb.Command.Kind.Name(command.kind))
 
         def on_response(response: pb.HeartbeatResponse) -> None:
-            self._set_news(response.shards, response.shards_gone, response.trainer_groups_gone)
+            self._set_news(response.shards, response.shards_gone, response.trainer_groups_gone,
+                           response.host_processes)
             if response.HasField("group"):
                 on_group(response.group)
 

@@ -124,7 +124,9 @@ def run_shard_member(address: str, name: str, host: str, token: Optional[str] = 
         if not stops.asked:  # the coordinator hands this shard to workers once it says it is ready
             session.mark_ready()
     try:
-        apply_threads("shard", assignment.rpc_name)  # so the data plane leaves PyTorch's threads as they are
+        # Sized to the cluster's processes on this host as the coordinator counts them now (workers join later:
+        # a shard's intra-op count does not depend on it, and its inter-op pool cannot be resized).
+        apply_threads("shard", assignment.rpc_name, assignment.host_processes)  # so the data plane leaves PyTorch's threads as they are
         run_shard_server(assignment.rpc_name, assignment.rpc_rank, None, session.init_method,
                          ShardServerOptions(peer=PeerOptions(intra_op_threads=None)), bind_host=host,
                          on_serving=serving, restore_source=restore_source, state=state)

@@ -9,10 +9,14 @@ training slows down as workers are added.  Here:
 * the cores a process may use are its CPU affinity, capped by its
   cgroup's CPU quota (cgroup v2 ``cpu.max``, or v1 ``cpu.cfs_quota_us``
   over ``cpu.cfs_period_us``): a container limited to 4 CPUs counts 4;
-* they are shared by the cluster's processes on the host
-  (``PARAMSERVER_HOST_PROCESSES``, set by launchers that start several
-  on one host, such as ``ps-demo``; 1 otherwise: one process per host or
-  per container);
+* they are shared by the cluster's processes on the host: as many as the
+  coordinator counts there (``Assignment.host_processes``, then each
+  heartbeat's answer: every member says its machine when it joins,
+  ``control.machine``), however they were started, and at least the tasks
+  Slurm runs on this node (``SLURM_NTASKS_PER_NODE``, else this node's
+  entry of ``SLURM_TASKS_PER_NODE``; 1 where each task is bound to CPUs of
+  its own); ``PARAMSERVER_HOST_PROCESSES`` overrides (``ps-demo`` sets it);
+  1 where nothing says more;
 * a worker takes its share (``cores // processes``, at least 1) for its
   dense layers; a shard server and the coordinator take 1 intra-op
   thread: a shard gets its parallelism from concurrent RPC threads, from
@@ -27,14 +31,20 @@ Whether the host has cores to spare (more than the cluster's processes on
 it: ``ThreadChoice.cores_to_spare``) is read here too, by what trades CPU
 for latency.
 
-``apply_threads`` sets them once, before any parallel work (PyTorch fixes
-its inter-op pool at first use), and logs the choice in one line.
+``HostThreads`` sets them once, before any parallel work (PyTorch fixes
+its inter-op pool at first use), and logs the choice in one line; as
+members on the host join and leave, a worker's intra-op threads follow
+(``HostThreads.follow``, from the thread that runs the job: OpenMP keeps
+the count per thread) with a line each time they change.  The inter-op
+pool cannot be resized once started, and a shard's and the coordinator's
+intra-op count does not depend on the count.
 """
 
 import logging
 import os
+import re
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import List, Mapping, Optional, Tuple
 
 logger = logging.getLogger(__name__)
 
@@ -110,13 +120,46 @@ def _positive_env(name: str, environ) -> Optional[int]:
     return number
 
 
-def choose_threads(role: str, environ=None, cores: Optional[Tuple[int, str]] = None) -> ThreadChoice:
-    """The threads a process of ``role`` (``ROLES``) should use; see the module's docstring."""
+def slurm_tasks_on_node(environ: Mapping[str, str], cores: int) -> Optional[int]:
+    """The tasks of this Slurm job step that run on this node (``None``: not under Slurm, or it does not say);
+    1 where Slurm bound each task to CPUs of its own (its affinity, ``cores``, is fewer than the node's CPUs
+    allotted to the job, ``SLURM_CPUS_ON_NODE``): then they share nothing."""
+    per_node = environ.get("SLURM_NTASKS_PER_NODE", "")
+    tasks: Optional[int] = int(per_node) if per_node.isdigit() and int(per_node) > 0 else None
+    if tasks is None:
+        counts = _slurm_task_counts(environ.get("SLURM_TASKS_PER_NODE", ""))
+        node = environ.get("SLURM_NODEID", "")
+        if counts:
+            tasks = counts[int(node)] if node.isdigit() and int(node) < len(counts) else max(counts)
+    if tasks is None:
+        return None
+    allotted = environ.get("SLURM_CPUS_ON_NODE", "")
+    if tasks > 1 and allotted.isdigit() and cores < int(allotted):
+        return 1
+    return tasks
+
+
+def _slurm_task_counts(value: str) -> List[int]:
+    """``SLURM_TASKS_PER_NODE`` (``"2(x3),1"``) as one count per node (``[2, 2, 2, 1]``); [] if malformed."""
+    counts: List[int] = []
+    for part in value.split(",") if value else ():
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if match is None:
+            return []
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts
+
+
+def choose_threads(role: str, environ=None, cores: Optional[Tuple[int, str]] = None,
+                   cluster_processes: int = 0) -> ThreadChoice:
+    """The threads a process of ``role`` (``ROLES``) should use; ``cluster_processes``: the cluster's processes on
+    this host as the coordinator counts them (0: unknown).  See the module's docstring."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     environ = os.environ if environ is None else environ
     count, source = cores or host_cores()
-    processes = _positive_env(HOST_PROCESSES_ENV, environ) or 1
+    processes = _positive_env(HOST_PROCESSES_ENV, environ) or max(
+        1, cluster_processes, slurm_tasks_on_node(environ, count) or 1)
     share = max(1, count // processes)
     intra = share if role == "worker" else 1
     inter = share if role == "shard" else min(2, intra)
@@ -126,15 +169,49 @@ def choose_threads(role: str, environ=None, cores: Optional[Tuple[int, str]] = N
                         overridden=intra_override is not None or inter_override is not None)
 
 
-def apply_threads(role: str, name: str) -> ThreadChoice:
-    """Choose ``role``'s threads, give them to PyTorch, and log the choice once (``name``: this process)."""
-    import torch
+class HostThreads:
+    """A process's threads: chosen and given to PyTorch once (``apply``), then followed as the cluster's
+    processes on its host change (``follow``).  ``name``: this process, as its log lines say."""
 
-    choice = choose_threads(role)
-    torch.set_num_threads(choice.intra_op)
-    try:
-        torch.set_num_interop_threads(choice.inter_op)
-    except RuntimeError:  # its pool already started (an earlier parallel op): keep it
-        pass
-    logger.info("%s: %s", name, choice.describe(role))
-    return choice
+    def __init__(self, role: str, name: str, environ=None, cores: Optional[Tuple[int, str]] = None):
+        self.role, self.name = role, name
+        self._environ, self._cores = environ, cores
+        self.choice: Optional[ThreadChoice] = None
+
+    def apply(self, cluster_processes: int = 0) -> ThreadChoice:
+        """Choose the threads for ``cluster_processes`` (0: unknown), give them to PyTorch, log the choice."""
+        import torch
+
+        self.choice = choose_threads(self.role, self._environ, self._cores, cluster_processes)
+        torch.set_num_threads(self.choice.intra_op)
+        try:
+            torch.set_num_interop_threads(self.choice.inter_op)
+        except RuntimeError:  # its pool already started (an earlier parallel op): keep it
+            pass
+        logger.info("%s: %s", self.name, self.choice.describe(self.role))
+        return self.choice
+
+    def follow(self, cluster_processes: int) -> None:
+        """The host's count changed to ``cluster_processes`` (0: unknown, nothing changes): set the intra-op
+        threads it gives, on the calling thread (OpenMP keeps the count per thread: call it from the thread
+        that does the work), with a line when they change.  The inter-op pool keeps its size."""
+        if self.choice is None or not cluster_processes or cluster_processes == self.choice.host_processes:
+            return
+        choice = choose_threads(self.role, self._environ, self._cores or (self.choice.cores, self.choice.cores_from),
+                                cluster_processes)
+        if choice.host_processes == self.choice.host_processes:  # set by the environment or Slurm: not ours
+            return
+        changed = choice.intra_op != self.choice.intra_op
+        self.choice = ThreadChoice(intra_op=choice.intra_op, inter_op=self.choice.inter_op, cores=choice.cores,
+                                   cores_from=choice.cores_from, host_processes=choice.host_processes,
+                                   overridden=choice.overridden)
+        if changed:
+            import torch
+
+            torch.set_num_threads(self.choice.intra_op)
+            logger.info("%s: now %s", self.name, self.choice.describe(self.role))
+
+
+def apply_threads(role: str, name: str, cluster_processes: int = 0) -> ThreadChoice:
+    """Choose ``role``'s threads, give them to PyTorch, and log the choice once (``name``: this process)."""
+    return HostThreads(role, name).apply(cluster_processes)

@@ -38,7 +38,7 @@ from ..shards import peer
 from .context import JobContext, Recorders
 from .devices import claim_gpu
 from .exit_codes import EXIT_FAILED, EXIT_OK, EXIT_REFUSED
-from .threads import apply_threads
+from .threads import HostThreads
 from .job import JobError, check_config, unpack_job
 from .member import MemberSession
 
@@ -84,7 +84,6 @@ def run_worker(options: WorkerOptions, say=print) -> int:
 
 
 def _run(options: WorkerOptions, say, metrics: Optional[ProcessMetrics]) -> int:
-    threads = apply_threads("worker", "ps-worker")
     gpu = claim_gpu(name="ps-worker")  # held until the process ends
     session = MemberSession(options.address, pb.ROLE_WORKER, host=options.host, token=options.token,
                             tls=options.tls, retry_for=options.retry_for, gpus=int(gpu.index is not None),
@@ -101,10 +100,12 @@ def _run(options: WorkerOptions, say, metrics: Optional[ProcessMetrics]) -> int:
         say(f"ps-worker: could not join: {error}")
         # A join refused for what it said (a loopback --host from another host...) is this worker's to fix.
         return EXIT_REFUSED if error.code == grpc.StatusCode.INVALID_ARGUMENT else EXIT_FAILED
+    # Sized to the cluster's processes on this host, as the coordinator counts them; followed as they change.
+    threads = HostThreads("worker", "ps-worker")
+    threads.apply(assignment.host_processes)
     recorders = Recorders() if metrics is None else Recorders(data_plane=metrics.data_plane,
                                                               training=metrics.training)
-    context = JobContext.from_assignment(assignment, session, gpu.index, recorders,
-                                         cores_to_spare=threads.cores_to_spare)
+    context = JobContext.from_assignment(assignment, session, gpu.index, recorders, threads=threads)
     if metrics is not None:
         metrics.watch_job(context)
     watchdog = _StopWatchdog(context, options.stop_grace, say, assignment.rpc_name)

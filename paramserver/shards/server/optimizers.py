@@ -439,8 +439,11 @@ class OwnerOptimizer:
                             f"use QHM, SGD, Adagrad, RowWiseAdagrad, Adam, SparseAdam or FTRL)")
         param = self.params[first]
         scratch = torch.zeros((1,) + tuple(param.shape[1:]), dtype=param.dtype, device=param.device)
+        # A valid one-row gradient built here: no invariant check wanted (said explicitly, so torch does not warn
+        # that the checks are implicitly off).
         gradient = torch.sparse_coo_tensor(torch.zeros(1, 1, dtype=torch.int64),
-                                           torch.ones(scratch.shape, dtype=state_dtype(scratch)), scratch.shape)
+                                           torch.ones(scratch.shape, dtype=state_dtype(scratch)), scratch.shape,
+                                           check_invariants=False)
         try:
             self.functional_cls([scratch], *args, **kwargs).step([gradient])
         except (ValueError, RuntimeError) as error:
