@@ -15,7 +15,7 @@ from paramserver.processes import Child, run_children
 from paramserver.shards.server import optimizers as owner_optimizers
 from paramserver.shards.server.hosted import host_rows
 from paramserver.shards.server.optimizers import OwnerOptimizer, owner_optimizer_for, split_rows
-from paramserver.shards.server.state import ShardState
+from paramserver.shards.server.state import ShardFault, ShardState
 
 ROWS, DIM = 50, 4
 HYPER = dict(lr=0.1, momentum=0.9, nu=0.7)
@@ -191,3 +191,35 @@ def test_the_parts_of_a_push_get_disjoint_runs_of_its_rows_and_write_only_those(
     assert len(runs) == 3
     assert torch.equal(torch.cat(sorted(runs, key=lambda run: int(run[0]))), ids)  # consecutive runs, a row in one
     assert not torch.equal(table[ids], table_before[ids])
+
+
+def test_a_push_that_fails_inside_a_part_after_another_part_wrote_is_a_shard_fault_not_a_refusal(monkeypatch):
+    """Out of memory in the second part of a push, after the first wrote its rows: the shard is at fault, not
+    the request (a ``ShardFault``, never a ``ValueError``); its process is told once (a shard process ends, to
+    be restarted from its newest checkpoint), and until then it applies no push and gives no snapshot, so the
+    half-applied rows are never checkpointed or stepped on."""
+    monkeypatch.setattr(owner_optimizers, "torchscript_enabled", lambda: False)
+    table, optimizer, (ids, gradients) = restored_owner(QHM, HYPER, 3)
+    faults = []
+    optimizer._state.on_fault = faults.append
+    functional = optimizer._impl.optim
+    step_rows = functional.step_rows
+    parts = []
+
+    def second_part_runs_out_of_memory(pieces):
+        parts.append(pieces)
+        if len(parts) == 2:
+            raise torch.OutOfMemoryError("CPU out of memory (injected)")
+        return step_rows(pieces)
+
+    monkeypatch.setattr(functional, "step_rows", second_part_runs_out_of_memory)
+    before = table.detach().clone()
+    with pytest.raises(ShardFault, match="failed applying a push.*out of memory"):
+        optimizer.apply_rows([0], [ids], [gradients], "test", (1, 2))
+    assert not torch.equal(table.detach(), before)  # the first part wrote: half-applied
+    assert len(faults) == 1 and "QHM" in faults[0]
+    with pytest.raises(ShardFault):
+        optimizer.apply_rows([0], [ids], [gradients], "test", (1, 3))
+    with pytest.raises(ShardFault):
+        optimizer.snapshot()
+    assert len(faults) == 1 and len(parts) == 2

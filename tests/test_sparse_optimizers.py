@@ -22,6 +22,8 @@ from paramserver.shards.server import optimizers as owner_optimizers
 from paramserver.shards.server.dynamic import DynamicRows
 from paramserver.shards.server.hosted import host_rows
 from paramserver.shards.server.optimizers import OwnerOptimizer, owner_optimizer_for
+from paramserver.shards.server.state import ShardFault
+from paramserver._torch_compat import is_remote_refusal
 from paramserver.checkpoint.shard_part import select_part
 from paramserver.tables import DynamicOptions
 from paramserver.tables.id_hash import shard_of
@@ -310,16 +312,20 @@ class FailingKernel:
         raise RuntimeError("Could not run 'aten::lerp_.Scalar' with arguments from the 'SparseCPU' backend")
 
 
-def test_a_kernel_failure_in_a_push_is_a_refusal_naming_the_optimizer_not_a_lost_shard(monkeypatch):
+def test_a_kernel_failure_in_a_push_is_a_shard_fault_not_a_refusal_and_bad_input_is_refused_first(monkeypatch):
     state = ShardState()
+    faults = []
+    state.on_fault = faults.append
     table = host_rows(state, "job.t[0:10]", 10, DIM, torch.float32, 0, 0, shared=True)
-    optimizer = owner(state, [table], torch.optim.Adagrad, lr=0.1)
-    monkeypatch.setattr(optimizer, "_impl", FailingKernel())
-    with pytest.raises(ValueError, match=r"optimizer Adagrad could not apply a push to 'job.t\[0:10\]'.*lerp_"):
-        optimizer.apply_rows([0], [torch.tensor([1])], [torch.ones(1, DIM)], "test")
     with pytest.raises(ValueError, match="dtype"):  # bad input is refused before any kernel runs
         owner(state, [table], torch.optim.Adagrad, lr=0.2).apply_rows([0], [torch.tensor([1])],
                                                                       [torch.ones(1, DIM, dtype=torch.float64)], "test")
+    assert not faults
+    optimizer = owner(state, [table], torch.optim.Adagrad, lr=0.1)
+    monkeypatch.setattr(optimizer, "_impl", FailingKernel())
+    with pytest.raises(ShardFault, match=r"optimizer Adagrad failed applying a push to 'job.t\[0:10\]'.*lerp_"):
+        optimizer.apply_rows([0], [torch.tensor([1])], [torch.ones(1, DIM)], "test")
+    assert len(faults) == 1 and not is_remote_refusal(ShardFault(faults[0]))
 
 
 @pytest.mark.parametrize("optimizer_cls, options", [

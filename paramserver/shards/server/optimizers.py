@@ -15,8 +15,12 @@ targets that reach them):
   optimizer on the row-sparse driver, and refuses others when it is created).
 * Refusals: a checkpoint's state for a table kept by another optimizer class,
   and an optimizer that cannot apply a table's rows, when it is created; a
-  kernel failure in a push as a ``ValueError`` (the request's own fault, never
-  a lost shard).
+  push's bad shapes, rows, types or devices, checked whole before any row
+  changes.  Anything that fails after those checks (out of memory, an internal
+  error, perhaps after some parts of a push wrote their rows) is the shard's
+  fault, not the request's: ``ShardState.fault`` (the state serves no step or
+  snapshot again; a shard process ends, to be restarted from its newest
+  checkpoint) and a ``ShardFault``, never a refusal.
 * Serialization: every parameter has a lock; a step takes the locks of its
   parameters in one global order, so concurrent steps from several trainers
   are applied one after another per parameter and none is lost.  What a
@@ -60,6 +64,9 @@ StateDict = Dict[int, Dict[str, Tensor]]
 
 #: The types row gradients may be pushed in, whatever the rows' type: read in the type the update is computed in.
 PUSHED_TYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+#: What a step raises for a fault of the request's own (its checks, before any row changes): a refusal.
+REFUSALS = (ValueError, TypeError, IndexError, KeyError)
 
 #: The peer named in a step's figures when the RPC agent cannot name the trainer (gone, or no agent).
 UNKNOWN_PEER = "unknown"
@@ -549,6 +556,7 @@ class OwnerOptimizer:
         for ``peer()`` by an RPC of kind ``rpc``; with ``once`` (see ``apply_rows``) at most once per step."""
         metrics = self._state.recorder
         with self._locked():
+            self._state.refuse_if_faulted()
             if once is not None and self._last_push.get(once[0], -1) >= once[1]:
                 return False
             began = time.monotonic()
@@ -557,9 +565,13 @@ class OwnerOptimizer:
                     rows, gradient_bytes = run(metrics is not None)
                 except torch.jit.Error as error:
                     reraise_script_error(error)
-            except RuntimeError as error:  # a kernel's failure: the request's own (its values), never a lost shard
-                raise ValueError(f"optimizer {self.optimizer_cls.__qualname__} could not apply a {rpc} to "
-                                 f"{', '.join(self.names)}: {one_line(error)}") from error
+            except REFUSALS:  # the request's own: checked before any row changed
+                raise
+            except (RuntimeError, MemoryError) as error:  # after the checks: the shard's, perhaps half-applied
+                reason = (f"optimizer {self.optimizer_cls.__qualname__} failed applying a {rpc} to "
+                          f"{', '.join(self.names)}: {one_line(error)}")
+                logger.error("%s; this shard serves no step again", reason)
+                raise self._state.fault(reason) from error
             if once is not None:
                 self._last_push[once[0]] = once[1]
             ended = time.monotonic()
@@ -581,6 +593,7 @@ class OwnerOptimizer:
     def state_dict(self) -> StateDict:
         """``{local parameter index: {name: tensor}}`` (copies)."""
         with self._locked():
+            self._state.refuse_if_faulted()
             return self._state_locked()
 
     def _state_locked(self) -> StateDict:
@@ -594,6 +607,7 @@ class OwnerOptimizer:
         slab comes as its checkpoint entry instead (``DynamicRows.checkpoint_entry``: the rows held, by id,
         with their state), and its state is not in the state returned."""
         with self._locked():
+            self._state.refuse_if_faulted()  # a checkpoint never holds a half-applied push
             try:
                 state = self._state_locked()
             except NotImplementedError:  # a class without state methods: values only
