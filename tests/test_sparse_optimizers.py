@@ -4,6 +4,7 @@ gradients with duplicates, compiled and eager; the row state (initial values, gr
 refused, and where (hyperparameters, tables, checkpoints); and the eager path a shard takes with TorchScript
 off, bit-identical to the compiled one."""
 
+import copy
 import math
 import os
 import subprocess
@@ -21,6 +22,8 @@ from paramserver.shards.server import optimizers as owner_optimizers
 from paramserver.shards.server.dynamic import DynamicRows
 from paramserver.shards.server.hosted import host_rows
 from paramserver.shards.server.optimizers import OwnerOptimizer, owner_optimizer_for
+from paramserver.shards.server.state import ShardFault
+from paramserver._torch_compat import is_remote_refusal
 from paramserver.checkpoint.shard_part import select_part
 from paramserver.tables import DynamicOptions
 from paramserver.tables.id_hash import shard_of
@@ -309,16 +312,20 @@ class FailingKernel:
         raise RuntimeError("Could not run 'aten::lerp_.Scalar' with arguments from the 'SparseCPU' backend")
 
 
-def test_a_kernel_failure_in_a_push_is_a_refusal_naming_the_optimizer_not_a_lost_shard(monkeypatch):
+def test_a_kernel_failure_in_a_push_is_a_shard_fault_not_a_refusal_and_bad_input_is_refused_first(monkeypatch):
     state = ShardState()
+    faults = []
+    state.on_fault = faults.append
     table = host_rows(state, "job.t[0:10]", 10, DIM, torch.float32, 0, 0, shared=True)
-    optimizer = owner(state, [table], torch.optim.Adagrad, lr=0.1)
-    monkeypatch.setattr(optimizer, "_impl", FailingKernel())
-    with pytest.raises(ValueError, match=r"optimizer Adagrad could not apply a push to 'job.t\[0:10\]'.*lerp_"):
-        optimizer.apply_rows([0], [torch.tensor([1])], [torch.ones(1, DIM)], "test")
     with pytest.raises(ValueError, match="dtype"):  # bad input is refused before any kernel runs
         owner(state, [table], torch.optim.Adagrad, lr=0.2).apply_rows([0], [torch.tensor([1])],
                                                                       [torch.ones(1, DIM, dtype=torch.float64)], "test")
+    assert not faults
+    optimizer = owner(state, [table], torch.optim.Adagrad, lr=0.1)
+    monkeypatch.setattr(optimizer, "_impl", FailingKernel())
+    with pytest.raises(ShardFault, match=r"optimizer Adagrad failed applying a push to 'job.t\[0:10\]'.*lerp_"):
+        optimizer.apply_rows([0], [torch.tensor([1])], [torch.ones(1, DIM)], "test")
+    assert len(faults) == 1 and not is_remote_refusal(ShardFault(faults[0]))
 
 
 @pytest.mark.parametrize("optimizer_cls, options", [
@@ -408,3 +415,44 @@ def test_one_float_per_row_of_state_is_checkpointed_and_split_with_the_rows_onto
             assert torch.equal(part.slab[slot], row) and torch.equal(sums[slot], total)
         restored |= set(held.tolist())
     assert restored == set(expected)
+
+
+def test_a_local_float16_parameter_rounds_updates_below_half_its_gap_from_one_advancing_stream():
+    """200 steps whose updates are each below half float16's gap at 1.5 (2**-10): rounded to nearest, or with
+    the same bits every step, most values would never move; from one stream advancing with the steps, nearly
+    every value moves, by about what the updates add up to."""
+    param = torch.nn.Parameter(torch.full((256, 4), 1.5, dtype=torch.float16))
+    optimizer = RowWiseAdagrad([param], lr=2e-4)
+    reference = torch.full((256, 4), 1.5, dtype=torch.float32, requires_grad=True)
+    exact = RowWiseAdagrad([reference], lr=2e-4)  # the same updates on float32 values
+    for _ in range(200):
+        for tensor in (param, reference):
+            tensor.grad = -torch.ones(tensor.shape, dtype=tensor.dtype)
+        optimizer.step()
+        exact.step()
+    gap = 2.0 ** -10
+    total = (reference.detach() - 1.5).mean().item()
+    assert 2 * gap < total < 20 * gap  # what the updates add up to; each below half a gap
+    moved = param.detach().float() - 1.5
+    assert (moved > 0).float().mean().item() > 0.95
+    assert abs(moved.mean().item() - total) < 0.2 * total
+
+
+def test_a_local_optimizer_loaded_from_a_state_dict_steps_on_as_the_one_that_saved_it():
+    params = [torch.nn.Parameter(torch.randn(ROWS, DIM, dtype=torch.float64)) for _ in range(2)]
+    optimizer = FTRL([params[0]], lr=0.5, l1=0.01)
+    gradients = list(row_sparse_gradients(steps=10))
+    for step, gradient in enumerate(gradients):
+        if step == 5:
+            saved = copy.deepcopy(optimizer.state_dict())  # as a checkpoint holds it
+            params[1].data.copy_(params[0].detach())
+            again = FTRL([params[1]], lr=0.5, l1=0.01)
+            again.load_state_dict(saved)
+        params[0].grad = gradient
+        optimizer.step()
+        if step >= 5:
+            params[1].grad = gradient.clone()
+            again.step()
+    assert torch.equal(params[0].detach(), params[1].detach())
+    for name, value in optimizer.state_dict()["state"][0].items():
+        assert torch.equal(value, again.state_dict()["state"][0][name])

@@ -65,7 +65,7 @@ class FunctionalQHM:
         # Momentum buffers are stored multiplied by ``buffer_scale`` (k above).
         self.state = RowState("FunctionalQHM", params, ["momentum_buffer"], ["element"], [0.0])
         self.buffer_scale: float = 1.0
-        # Tensors written by the last in-place list kernel; see _apply.
+        # Tensors written by the last step's in-place list kernels; see step.
         self.last_updated: List[Tensor] = []
 
     def _target_scale(self) -> float:
@@ -86,8 +86,9 @@ class FunctionalQHM:
             self.buffer_scale = new
 
     def _apply(self, params: List[Tensor], grads: List[Tensor], buffers: List[Tensor], scale: float,
-               fused_min_elements: int) -> None:
-        """The dense QHM update of ``params`` (buffers already at ``scale``)."""
+               fused_min_elements: int) -> List[Tensor]:
+        """The dense QHM update of ``params`` (buffers already at ``scale``); returns every tensor written (see
+        ``step``)."""
         lr = self.lr
         beta = self.momentum
         nu = self.nu
@@ -113,11 +114,7 @@ class FunctionalQHM:
         else:
             written = momentum_step(params, grads, buffers, lr * (1.0 - nu), beta, 1.0 - scale * (1.0 - beta),
                                     grad_decay, True, False, False, fused_min_elements)
-        # TorchScript's dead-code elimination drops in-place list kernels
-        # (_fused_sgd_, _foreach_*_) whose lists were built inside the graph
-        # unless the lists stay live; storing them in an attribute (a side
-        # effect) keeps every update.  Tested in scripted mode.
-        self.last_updated = written
+        return written
 
     def step(self, gradients: List[Optional[Tensor]]) -> None:
         """Apply one step; ``gradients[i]`` belongs to ``params[i]`` (``None`` skips it).
@@ -127,19 +124,37 @@ class FunctionalQHM:
         """
         check_gradients("FunctionalQHM", self.params, gradients)
         with torch.no_grad():
-            self._step(gradients)
+            self.prepare_step(gradients)
+            # TorchScript's dead-code elimination drops in-place list kernels (_fused_sgd_, _foreach_*_) whose
+            # lists were built inside the graph unless the lists stay live; storing them in an attribute (a side
+            # effect) keeps every update.  Tested in scripted mode.
+            self.last_updated = self.step_rows(gradients)
 
-    def _step(self, gradients: List[Optional[Tensor]]) -> None:
+    def prepare_step(self, gradients: List[Optional[Tensor]]) -> None:
+        """What a step does once, before its rows (``step_rows``, which may run in parts at once): the buffers
+        brought to the scale the update takes (after a restore, from 1), the rows' state made, the step
+        counted."""
+        self._rescale_buffers(self._target_scale())
+        self.state.begin_step(gradients)
+
+    def step_rows(self, gradients: List[Optional[Tensor]]) -> List[Tensor]:
+        """The update of the rows of ``gradients`` (validated; ``prepare_step`` done), writing only those rows of
+        the parameters and their state and nothing of this object: runs of one step's rows may be stepped at
+        once.  Returns every tensor written (the caller keeps them live, see ``step``).
+
+        Row-sparse gradients: every parameter's touched rows stepped together, in one update of the lists of
+        their row slices (the same arithmetic per element as one parameter at a time), then written back."""
         scale = self._target_scale()
-        self._rescale_buffers(scale)
-        # Row-sparse gradients: every parameter's touched rows stepped together, in one update of the lists of
-        # their row slices (the same arithmetic per element as one parameter at a time), then written back.
-        batch = RowStep(self.state, gradients)
-        if batch.has_rows():
-            self._apply(batch.row_params, batch.row_grads, batch.row_state[0], scale, row_slice_fused_min_elements())
-            batch.scatter()
-        if batch.has_dense():
-            self._apply(batch.dense_params, batch.dense_grads, batch.dense_state[0], scale, 0)
+        written: List[Tensor] = []
+        with torch.no_grad():  # (in parts, on threads of their own)
+            batch = RowStep(self.state, gradients, True)
+            if batch.has_rows():
+                written = self._apply(batch.row_params, batch.row_grads, batch.row_state[0], scale,
+                                      row_slice_fused_min_elements())
+                batch.scatter()
+            if batch.has_dense():
+                written = written + self._apply(batch.dense_params, batch.dense_grads, batch.dense_state[0], scale, 0)
+        return written
 
     def state_dict(self) -> Dict[int, Dict[str, Tensor]]:
         """A snapshot of the state: ``{param index: {"momentum_buffer": b}}``.

@@ -55,17 +55,14 @@ class FunctionalSGD:
                 names.append("rows_initialized")
                 layouts.append("row_flag")
         self.state = RowState("FunctionalSGD", params, names, layouts, [0.0 for _ in names])
-        # Tensors written by the last in-place list kernel; see _fused.
+        # Tensors written by the last step's in-place list kernels; see step.
         self.last_updated: List[Tensor] = []
 
     def _fused(self, params: List[Tensor], grads: List[Tensor], buffers: List[Tensor], first: bool,
-               fused_min_elements: int) -> None:
-        written = momentum_step(params, grads, buffers, self.lr, self.momentum, self.dampening,
-                                self.weight_decay, self.nesterov, self.maximize, first, fused_min_elements)
-        # TorchScript's dead-code elimination drops in-place list kernels whose
-        # lists were built inside the graph unless the lists stay live; storing
-        # them in an attribute (a side effect) keeps every update.
-        self.last_updated = written
+               fused_min_elements: int) -> List[Tensor]:
+        """``momentum_step`` with this optimizer's settings; returns every tensor written (see ``step``)."""
+        return momentum_step(params, grads, buffers, self.lr, self.momentum, self.dampening, self.weight_decay,
+                             self.nesterov, self.maximize, first, fused_min_elements)
 
     def step(self, gradients: List[Optional[Tensor]]) -> None:
         """Apply one step; ``gradients[i]`` belongs to ``params[i]`` (``None`` skips it).
@@ -75,43 +72,62 @@ class FunctionalSGD:
         """
         check_gradients("FunctionalSGD", self.params, gradients)
         with torch.no_grad():
-            self._step(gradients)
+            self.prepare_step(gradients)
+            # TorchScript's dead-code elimination drops in-place list kernels whose lists were built inside the
+            # graph unless the lists stay live; storing them in an attribute (a side effect) keeps every update.
+            self.last_updated = self.step_rows(gradients)
 
-    def _step(self, gradients: List[Optional[Tensor]]) -> None:
-        batch = RowStep(self.state, gradients)
-        if batch.has_rows():
-            self._update(batch.row_params, batch.row_grads, batch.row_state, row_slice_fused_min_elements())
-            batch.scatter()
-        if batch.has_dense():
-            self._update(batch.dense_params, batch.dense_grads, batch.dense_state, 0)
+    def prepare_step(self, gradients: List[Optional[Tensor]]) -> None:
+        """What a step does once, before its rows (``step_rows``, which may run in parts at once)."""
+        self.state.begin_step(gradients)
+
+    def step_rows(self, gradients: List[Optional[Tensor]]) -> List[Tensor]:
+        """The update of the rows of ``gradients`` (validated; ``prepare_step`` done), writing only those rows of
+        the parameters and their state and nothing of this object; returns every tensor written."""
+        written: List[Tensor] = []
+        with torch.no_grad():  # (in parts, on threads of their own)
+            batch = RowStep(self.state, gradients, True)
+            if batch.has_rows():
+                written = self._update(batch.row_params, batch.row_grads, batch.row_state,
+                                       row_slice_fused_min_elements())
+                batch.scatter()
+            if batch.has_dense():
+                written = written + self._update(batch.dense_params, batch.dense_grads, batch.dense_state, 0)
+        return written
 
     def _update(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]],
-                fused_min_elements: int) -> None:
+                fused_min_elements: int) -> List[Tensor]:
         """SGD's update of ``params`` (whole tensors, or a step's row slices) and their state."""
         if self.momentum == 0.0:
-            self._fused(params, grads, [], False, fused_min_elements)
-        elif self.dampening == 0.0:
-            self._fused(params, grads, state[0], False, fused_min_elements)
-        else:
-            for j in range(len(params)):
-                seen = state[1][j]
-                if bool(seen.all()):
-                    self._fused([params[j]], [grads[j]], [state[0][j]], False, fused_min_elements)
-                elif not bool(seen.any()):
-                    self._fused([params[j]], [grads[j]], [state[0][j]], True, fused_min_elements)
-                else:
-                    self._subset_step(params[j], grads[j], state[0][j], seen.nonzero().view(-1), False)
-                    self._subset_step(params[j], grads[j], state[0][j], seen.logical_not().nonzero().view(-1), True)
-                seen.fill_(True)
+            return self._fused(params, grads, [], False, fused_min_elements)
+        if self.dampening == 0.0:
+            return self._fused(params, grads, state[0], False, fused_min_elements)
+        written: List[Tensor] = []
+        for j in range(len(params)):
+            seen = state[1][j]
+            if bool(seen.all()):
+                written = written + self._fused([params[j]], [grads[j]], [state[0][j]], False, fused_min_elements)
+            elif not bool(seen.any()):
+                written = written + self._fused([params[j]], [grads[j]], [state[0][j]], True, fused_min_elements)
+            else:
+                written = written + self._subset_step(params[j], grads[j], state[0][j], seen.nonzero().view(-1),
+                                                      False)
+                written = written + self._subset_step(params[j], grads[j], state[0][j],
+                                                      seen.logical_not().nonzero().view(-1), True)
+            seen.fill_(True)
+        return written
 
-    def _subset_step(self, param_rows: Tensor, values: Tensor, buf_rows: Tensor, subset: Tensor, first: bool) -> None:
+    def _subset_step(self, param_rows: Tensor, values: Tensor, buf_rows: Tensor, subset: Tensor,
+                     first: bool) -> List[Tensor]:
+        written: List[Tensor] = []
         if subset.numel() == 0:
-            return
+            return written
         p = param_rows.index_select(0, subset)
         b = buf_rows.index_select(0, subset)
-        self._fused([p], [values.index_select(0, subset)], [b], first, row_slice_fused_min_elements())
+        written = self._fused([p], [values.index_select(0, subset)], [b], first, row_slice_fused_min_elements())
         param_rows.index_copy_(0, subset, p)
         buf_rows.index_copy_(0, subset, b)
+        return written
 
     def state_dict(self) -> Dict[int, Dict[str, Tensor]]:
         """A snapshot: ``{param index: {"momentum_buffer": ..., ["rows_initialized": ...]}}`` (copies)."""

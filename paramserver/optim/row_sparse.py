@@ -11,6 +11,9 @@ functional optimizer of ``paramserver.optim`` plugs its math into:
 * ``RowStep``: one step's gradients made ready for the optimizer's math: dense gradients with their
   parameters and state whole; row-sparse ones (COO, one index per row, duplicates summed) as the
   touched rows of parameter, gradient and state, gathered once, and written back by ``scatter()``.
+  What a step changes once whatever its rows (the state made, the rounding step counted:
+  ``RowState.begin_step``) is done before, so that runs of one step's rows may be stepped at once, each
+  writing only its own rows.
 
 Layouts of a state tensor: ``"element"`` (shaped like its parameter), ``"row"`` (one value per row of a
 2-D parameter, as FBGEMM's row-wise optimizers keep; shaped like the parameter otherwise), ``"scalar"``
@@ -87,9 +90,6 @@ class RowState:
         self.rounding_seeds: List[int] = [0 for _ in params]
         self.rounds_nearest: List[bool] = [False for _ in params]
         self.rounding_steps: List[int] = [0 for _ in params]
-        #: Whether each write counts as a step of its own (``rounded``); a caller that applies one step in
-        #: several parts at once turns it off and counts the steps itself (``count_rounding_step``).
-        self.counts_rounding_steps = True
 
     def set_rounding(self, i: int, seed: int, nearest: bool) -> None:
         """Parameter ``i``'s rows (if half-precision) are written back to nearest (``nearest``) or stochastically
@@ -97,20 +97,23 @@ class RowState:
         self.rounding_seeds[i] = seed
         self.rounds_nearest[i] = nearest
 
-    def count_rounding_step(self, i: int) -> None:
-        """Parameter ``i`` starts a step (when ``counts_rounding_steps`` is off)."""
-        self.rounding_steps[i] += 1
+    def begin_step(self, gradients: List[Optional[Tensor]]) -> None:
+        """What a step changes once, whatever rows it has: each parameter with a gradient has its state made
+        (at its initial values, if it had none) and counts one more rounding step.  Done before a step's rows
+        (``RowStep``), which then only read the state's bookkeeping, so that runs of one step's rows may be
+        stepped at once."""
+        for i in range(len(self.params)):
+            if gradients[i] is not None:
+                self.of(i)
+                self.rounding_steps[i] += 1
 
     def rounded(self, i: int, values: Tensor, first_row: int) -> Tensor:
         """``values`` (rows of parameter ``i`` from row ``first_row`` on, computed in float32) in the parameter's
-        type, rounded as ``set_rounding`` said, with bits drawn for this step and first row."""
+        type, rounded as ``set_rounding`` said, with bits drawn for this step (``begin_step``) and first row."""
         dtype = self.params[i].dtype
         if not is_half(dtype):
             return values
-        step = self.rounding_steps[i]
-        if self.counts_rounding_steps:
-            self.rounding_steps[i] = step + 1
-        generator = rounding_generator(self.rounding_seeds[i], step * 1000003 + first_row)
+        generator = rounding_generator(self.rounding_seeds[i], self.rounding_steps[i] * 1000003 + first_row)
         return round_rows(values, dtype, self.rounds_nearest[i], generator)
 
     def _new(self, k: int, param: Tensor) -> Tensor:
@@ -206,7 +209,9 @@ class RowState:
 
 
 class RowStep:
-    """``gradients`` (one per parameter of ``state``, ``None`` to skip one) split for one step.
+    """``gradients`` (one per parameter of ``state``, ``None`` to skip one) split for one step; ``begun``: the
+    step's ``RowState.begin_step`` was done already (by an optimizer that steps a push's rows in parts: each
+    part's ``RowStep`` then reads the state and writes only its own rows), else it is done here.
 
     ``dense_*``: the parameters with dense gradients, those gradients and their whole state (kind-major);
     ``row_*``: for each parameter with a row-sparse gradient that touches rows, the touched rows
@@ -216,7 +221,9 @@ class RowStep:
     The optimizer updates the lists in place, then calls ``scatter()``, which writes the rows back.
     """
 
-    def __init__(self, state: RowState, gradients: List[Optional[Tensor]]):
+    def __init__(self, state: RowState, gradients: List[Optional[Tensor]], begun: bool = False):
+        if not begun:
+            state.begin_step(gradients)
         self.state = state
         kinds = len(state.names)
         self.dense_index: List[int] = []

@@ -40,10 +40,21 @@ class FunctionalRowWiseAdagrad:
         """Apply one step; ``gradients[i]`` belongs to ``params[i]`` (``None`` skips it), validated first."""
         check_gradients("FunctionalRowWiseAdagrad", self.params, gradients)
         with torch.no_grad():
-            batch = RowStep(self.state, gradients)
+            self.prepare_step(gradients)
+            self.step_rows(gradients)
+
+    def prepare_step(self, gradients: List[Optional[Tensor]]) -> None:
+        self.state.begin_step(gradients)  # (once a step; then ``step_rows``, maybe on runs of rows at once)
+
+    def step_rows(self, gradients: List[Optional[Tensor]]) -> List[Tensor]:
+        """Update the rows' parameters and their ``sum`` (``prepare_step`` done), and nothing else; returns the rows
+        written."""
+        with torch.no_grad():  # (in parts, on threads of their own)
+            batch = RowStep(self.state, gradients, True)
             self._update(batch.row_params, batch.row_grads, batch.row_state[0])
             batch.scatter()
             self._update(batch.dense_params, batch.dense_grads, batch.dense_state[0])
+        return batch.row_params + batch.dense_params
 
     def _update(self, params: List[Tensor], grads: List[Tensor], sums: List[Tensor]) -> None:
         for j in range(len(params)):

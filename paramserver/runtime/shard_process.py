@@ -19,7 +19,9 @@ newest one that verifies; when none does it says so, naming the files,
 and exits with ``EXIT_NO_CHECKPOINT`` (a restart would find the same files).
 It heartbeats while it verifies (a big checkpoint takes longer than the
 heartbeat timeout to hash) and is not ready meanwhile; a stop asked then
-ends it before it serves.
+ends it before it serves.  A step that fails inside its kernels (out of memory, an
+internal error: ``ShardState.fault``) ends it at once with exit code 1, to be
+restarted from the newest checkpoint.
 """
 
 import datetime
@@ -42,7 +44,7 @@ from ..metrics.process import shard_metrics
 from ..shards import PeerOptions, ShardServerOptions, run_shard_server
 from ..shards.server import ShardState
 from ..shards.server.figures import dynamic_figures, dynamic_parts
-from .exit_codes import EXIT_NO_CHECKPOINT, EXIT_REFUSED
+from .exit_codes import EXIT_FAILED, EXIT_NO_CHECKPOINT, EXIT_REFUSED
 from .member import MemberSession
 from .threads import apply_threads
 
@@ -71,6 +73,7 @@ def run_shard_member(address: str, name: str, host: str, token: Optional[str] = 
     """
     configure_logging(name, log_level)
     state = ShardState()  # what this process serves: its tables are asked for once it serves
+    state.on_fault = lambda reason: _end_for_a_fault(name)
     metrics = None  # serves until the process exits
     if metrics_port is not None:
         try:
@@ -137,6 +140,14 @@ def run_shard_member(address: str, name: str, host: str, token: Optional[str] = 
     # a long run torch's destructors took over 3 s of it (past ps-server's stop
     # deadline, so the shards were killed).
     exit_now(0)
+
+
+def _end_for_a_fault(name: str) -> None:
+    """A step failed inside its kernels (``ShardState.fault``): the rows may be half-applied, so the process ends
+    at once (exit 1), without a checkpoint; its supervisor restarts it from the newest checkpoint, and workers
+    take it as a lost shard."""
+    logger.error("shard %s exits to be restarted from its newest checkpoint", name)
+    exit_now(EXIT_FAILED)
 
 
 class _StopRequests:

@@ -15,8 +15,12 @@ targets that reach them):
   optimizer on the row-sparse driver, and refuses others when it is created).
 * Refusals: a checkpoint's state for a table kept by another optimizer class,
   and an optimizer that cannot apply a table's rows, when it is created; a
-  kernel failure in a push as a ``ValueError`` (the request's own fault, never
-  a lost shard).
+  push's bad shapes, rows, types or devices, checked whole before any row
+  changes.  Anything that fails after those checks (out of memory, an internal
+  error, perhaps after some parts of a push wrote their rows) is the shard's
+  fault, not the request's: ``ShardState.fault`` (the state serves no step or
+  snapshot again; a shard process ends, to be restarted from its newest
+  checkpoint) and a ``ShardFault``, never a refusal.
 * Serialization: every parameter has a lock; a step takes the locks of its
   parameters in one global order, so concurrent steps from several trainers
   are applied one after another per parameter and none is lost.  What a
@@ -50,7 +54,7 @@ from ..._torch_compat import torchscript_enabled
 from ..._torch_compat import autograd_context_creator, current_rpc_agent
 from ...logs import one_line
 from ...optim.registry import class_name, functional_optim_map
-from ...optim.kernels import row_slice_fused_min_elements
+from ...optim.kernels import check_gradients, row_slice_fused_min_elements
 from ...optim.row_sparse import RowState, state_dtype
 from ...optim.scripted import reraise_script_error
 from ...tables.row_types import is_half
@@ -60,6 +64,9 @@ StateDict = Dict[int, Dict[str, Tensor]]
 
 #: The types row gradients may be pushed in, whatever the rows' type: read in the type the update is computed in.
 PUSHED_TYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+#: What a step raises for a fault of the request's own (its checks, before any row changes): a refusal.
+REFUSALS = (ValueError, TypeError, IndexError, KeyError)
 
 #: The peer named in a step's figures when the RPC agent cannot name the trainer (gone, or no agent).
 UNKNOWN_PEER = "unknown"
@@ -196,18 +203,43 @@ class _ScriptedStepWithStateDict(_ScriptedStep):
 
 class _ScriptedStepWithRowState(_ScriptedStepWithStateDict):
     """For functional classes on the row-sparse driver (``state: RowState``: ours), whose per-row state follows
-    the rows, which tables need: dynamic ones as their slabs grow and their slots take new ids.
+    the rows, which tables need: dynamic ones as their slabs grow and their slots take new ids.  A push is
+    applied in one part (see ``_ScriptedStepInParts`` for those applied in several)."""
 
-    A push is applied in ``parts`` parts at once (``set_parts``: 1 by default) when the class updates each row
-    from its own row, gradient and state only (``ROW_INDEPENDENT``) and the push is large enough: its rows
-    split into consecutive runs, each stepped on a thread of the inter-op pool (``torch.jit.fork``), without
-    the GIL.  The rows and their state come out as one step gives them.  Half-precision rows are applied in
-    one part (``split_rows``)."""
+    @torch.jit.export
+    def resize_rows(self, index: int, rows: int) -> None:
+        self.optim.state.resize_rows(index, rows)
+
+    @torch.jit.export
+    def reset_rows(self, index: int, rows: Tensor) -> None:
+        self.optim.state.reset_rows(index, rows)
+
+    @torch.jit.export
+    def set_rounding(self, index: int, seed: int, nearest: bool) -> None:
+        self.optim.state.set_rounding(index, seed, nearest)
+
+
+class _ScriptedStepInParts(_ScriptedStepWithRowState):
+    """For functional classes on the row-sparse driver that step in two halves (``steps_in_parts``): what a step
+    does once (``prepare_step``: a rescaled momentum, the state made, the rounding step counted) and the update of
+    some rows (``step_rows``), which reads only those rows, their gradient and their state, and writes only
+    those rows.
+
+    A push is applied in ``parts`` parts at once (``set_parts``: 1 by default) when it is large enough: it is
+    checked whole, then the step's once-work is done, then its rows split into consecutive runs, each stepped
+    by ``step_rows`` on a thread of the inter-op pool (``torch.jit.fork``), without the GIL.  The parts share
+    nothing they write, so the rows and their state come out as one step gives them.  Half-precision rows are
+    applied in one part (``split_rows``)."""
+
+    #: Tensors the last step's parts wrote (kept live: TorchScript's dead-code elimination may otherwise drop an
+    #: in-place list kernel whose list was built in the graph; written after the parts are joined).
+    last_written: List[Tensor]
 
     def __init__(self, optim, params: List[Tensor], names: List[str]):
         super().__init__(optim, params, names)
         self.parts = 1
-        optim.state.counts_rounding_steps = False  # counted here, once per step however many parts apply it
+        self.optimizer_name: str = type(optim).__name__
+        self.last_written = []
 
     @torch.jit.export
     def set_parts(self, parts: int) -> None:
@@ -226,37 +258,31 @@ class _ScriptedStepWithRowState(_ScriptedStepWithStateDict):
         return self._apply_checked(checked_context_gradients(context_id, self.names, self.params), measure)
 
     def _apply_checked(self, gradients: List[Optional[Tensor]], measure: bool) -> Tuple[int, int]:
-        state = self.optim.state
-        for i in range(len(gradients)):
-            if gradients[i] is not None:
-                state.of(i)  # made now, not by the parts at once
-                state.count_rounding_step(i)
+        check_gradients(self.optimizer_name, self.params, gradients)  # every gradient, before any row changes
+        self.optim.prepare_step(gradients)
         pieces = split_rows(gradients, self.params, self.parts, row_slice_fused_min_elements())
-        futures: List[torch.jit.Future[int]] = []
+        futures: List[torch.jit.Future[List[Tensor]]] = []
         for part in range(1, len(pieces)):
             futures.append(torch.jit.fork(self._step_part, pieces[part]))
-        self._step_part(pieces[0])
+        written = self._step_part(pieces[0])
         for future in futures:
-            torch.jit.wait(future)
+            written = written + torch.jit.wait(future)
+        self.last_written = written
         if measure:
             return gradient_stats(gradients)
         return 0, 0
 
-    def _step_part(self, gradients: List[Optional[Tensor]]) -> int:
-        self.optim.step(gradients)
-        return 0
+    def _step_part(self, gradients: List[Optional[Tensor]]) -> List[Tensor]:
+        return self.optim.step_rows(gradients)
 
-    @torch.jit.export
-    def resize_rows(self, index: int, rows: int) -> None:
-        self.optim.state.resize_rows(index, rows)
 
-    @torch.jit.export
-    def reset_rows(self, index: int, rows: Tensor) -> None:
-        self.optim.state.reset_rows(index, rows)
-
-    @torch.jit.export
-    def set_rounding(self, index: int, seed: int, nearest: bool) -> None:
-        self.optim.state.set_rounding(index, seed, nearest)
+def steps_in_parts(functional_cls) -> bool:
+    """Whether ``functional_cls`` (on the row-sparse driver) splits its step into ``prepare_step(gradients)``, what
+    a step does once, and ``step_rows(gradients) -> List[Tensor]``, an update of some rows that reads only those
+    rows, their gradients and their state and writes nothing else (ours but Adagrad's and Adam's, which count
+    steps over the table): a push to it may be applied in parts at once."""
+    return callable(getattr(functional_cls, "prepare_step", None)) and \
+        callable(getattr(functional_cls, "step_rows", None))
 
 
 @torch.jit.script
@@ -299,11 +325,6 @@ def split_rows(gradients: List[Optional[Tensor]], params: List[Tensor], parts: i
     return pieces
 
 
-#: Functional classes whose update of a row reads only that row, its gradient and its state (no count or norm
-#: over the table): a push may be applied to runs of its rows at once.
-ROW_INDEPENDENT = ("FunctionalQHM", "FunctionalSGD", "FunctionalRowWiseAdagrad", "FunctionalFTRL")
-
-
 class _ScriptedStepWithStateAttribute(_ScriptedStep):
     """For PyTorch's functional classes, which keep ``state: Dict[param, Dict[str, Tensor]]``."""
 
@@ -337,7 +358,8 @@ def _compile_step(functional_cls, params: List[Tensor], names: List[str], args, 
     optim = functional_cls(params, *args, **kwargs)
     compile_module = torch.jit.script if torchscript_enabled() else (lambda module: module)
     if isinstance(getattr(optim, "state", None), RowState):
-        return compile_module(_ScriptedStepWithRowState(optim, params, names))
+        module = _ScriptedStepInParts if steps_in_parts(functional_cls) else _ScriptedStepWithRowState
+        return compile_module(module(optim, params, names))
     if hasattr(functional_cls, "state_dict") and hasattr(functional_cls, "load_state_dict"):
         return compile_module(_ScriptedStepWithStateDict(optim, params, names))
     try:
@@ -392,7 +414,7 @@ class OwnerOptimizer:
         #: Each parameter's rows changed since a live export (``ShardState.row_marks``: one object for its life).
         self._marks = [state.row_marks(p) for p in self.params]
         self._refuse_unless_rows_apply(state, args, kwargs)
-        if hasattr(self._impl, "set_parts") and functional_cls.__name__ in ROW_INDEPENDENT:
+        if hasattr(self._impl, "set_parts"):
             # a large push in as many parts as the shard's inter-op pool has threads (its cores' share)
             self._impl.set_parts(torch.get_num_interop_threads())
         for index, param in enumerate(self.params):
@@ -537,6 +559,7 @@ class OwnerOptimizer:
         for ``peer()`` by an RPC of kind ``rpc``; with ``once`` (see ``apply_rows``) at most once per step."""
         metrics = self._state.recorder
         with self._locked():
+            self._state.refuse_if_faulted()
             if once is not None and self._last_push.get(once[0], -1) >= once[1]:
                 return False
             began = time.monotonic()
@@ -545,9 +568,13 @@ class OwnerOptimizer:
                     rows, gradient_bytes = run(metrics is not None)
                 except torch.jit.Error as error:
                     reraise_script_error(error)
-            except RuntimeError as error:  # a kernel's failure: the request's own (its values), never a lost shard
-                raise ValueError(f"optimizer {self.optimizer_cls.__qualname__} could not apply a {rpc} to "
-                                 f"{', '.join(self.names)}: {one_line(error)}") from error
+            except REFUSALS:  # the request's own: checked before any row changed
+                raise
+            except (RuntimeError, MemoryError) as error:  # after the checks: the shard's, perhaps half-applied
+                reason = (f"optimizer {self.optimizer_cls.__qualname__} failed applying a {rpc} to "
+                          f"{', '.join(self.names)}: {one_line(error)}")
+                logger.error("%s; this shard serves no step again", reason)
+                raise self._state.fault(reason) from error
             if once is not None:
                 self._last_push[once[0]] = once[1]
             ended = time.monotonic()
@@ -569,6 +596,7 @@ class OwnerOptimizer:
     def state_dict(self) -> StateDict:
         """``{local parameter index: {name: tensor}}`` (copies)."""
         with self._locked():
+            self._state.refuse_if_faulted()
             return self._state_locked()
 
     def _state_locked(self) -> StateDict:
@@ -582,6 +610,7 @@ class OwnerOptimizer:
         slab comes as its checkpoint entry instead (``DynamicRows.checkpoint_entry``: the rows held, by id,
         with their state), and its state is not in the state returned."""
         with self._locked():
+            self._state.refuse_if_faulted()  # a checkpoint never holds a half-applied push
             try:
                 state = self._state_locked()
             except NotImplementedError:  # a class without state methods: values only

@@ -9,7 +9,8 @@ figures for metrics and heartbeats), the owner-side
 optimizers over them (by what they were asked for and by handle), a lock
 per parameter in one global order, the TorchScript compile lock, where
 restored values come from (``restore_source``), where its optimizer steps are
-counted (``recorder``), the stop request, and what its dynamic tables call
+counted (``recorder``), the stop request, whether it failed inside a step (``fault``: it then serves no step
+or snapshot again, and its process ends to be restarted), and what its dynamic tables call
 outside Python: the C kernel's builds (``kernels``, loaded when it hosts
 its first dynamic table, not before) and huge pages (``huge_pages``).
 
@@ -57,6 +58,12 @@ class OwnerStepRecorder(Protocol):
                    rpc: str = "step") -> None: ...
 
 
+class ShardFault(RuntimeError):
+    """A step failed inside its kernels (out of memory, an internal error) after its checks passed, so after it
+    may have written rows: what this process holds can no longer be vouched for.  Not the request's fault (never
+    a refusal): the shard is lost, and restarted from its newest checkpoint, where the push is applied again."""
+
+
 class ShardState:
     """One process's hosted tensors, their optimizers and locks, its restore source and stop request."""
 
@@ -96,6 +103,26 @@ class ShardState:
         #: A stop of the whole cluster: leave an open group with the other members that leave now
         #: (``peer.leave_together``) rather than alone.
         self.stop_together = False
+        #: Why a step failed inside its kernels here (``fault``), or ``None``.
+        self.faulted: Optional[str] = None
+        #: Called once, with the reason, when a step fails inside its kernels: a shard process ends itself there
+        #: (its supervisor restarts it from the newest checkpoint); elsewhere (tests) the fault is only raised.
+        self.on_fault: Callable[[str], None] = lambda reason: None
+
+    # -- faults ------------------------------------------------------------
+    def fault(self, reason: str) -> ShardFault:
+        """A step failed inside its kernels for ``reason``: from now on this state serves no step or snapshot
+        (``refuse_if_faulted``); ``on_fault`` is called the first time.  Returns the error to raise."""
+        first = self.faulted is None
+        if first:
+            self.faulted = reason
+            self.on_fault(reason)
+        return ShardFault(f"this shard failed inside a step and holds rows it cannot vouch for: {self.faulted}")
+
+    def refuse_if_faulted(self) -> None:
+        """``ShardFault`` when a step failed here (``fault``)."""
+        if self.faulted is not None:
+            raise self.fault(self.faulted)
 
     # -- hosted tensors ----------------------------------------------------
     def register(self, name: str, tensor: Tensor) -> Tensor:
