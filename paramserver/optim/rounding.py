@@ -1,15 +1,30 @@
 """Writing float32 values back into half-precision rows: stochastic rounding, or rounding to nearest.
 
 Owns the one kernel that turns an update computed in float32 into a float16 or bfloat16 row (the row types
-and the rounding modes, ``ROUNDINGS``, are ``paramserver.tables.row_types``).  Rounding to nearest
-loses every update smaller than half a unit in the last place (at float16's 10 bits of mantissa, a row
-near 0.01 ignores steps under about 5e-6), so tables round *stochastically* by default, as FBGEMM does:
-a value is rounded up with probability equal to its distance from the value below, in units of the
-gap between the two, so that rounding is unbiased on average and small updates accumulate.
+and the rounding modes, ``ROUNDINGS``, are ``paramserver.tables.row_types``), and the random bits it rounds
+with.  Rounding to nearest loses every update smaller than half a unit in the last place (at float16's 10
+bits of mantissa, a row near 0.01 ignores steps under about 5e-6), so tables round *stochastically* by
+default, as FBGEMM does: a value is rounded up with probability equal to its distance from the value below,
+in units of the gap between the two, so that rounding is unbiased on average and small updates accumulate.
 
-The random bits come from a ``torch.Generator`` seeded from a seed of the row owner's choosing (a shard
-seeds each table from its own name and the table's) and the number of the step (``rounding_generator``):
-the same pushes in the same order give the same rows.
+The random bits are counter-based: each value's 32 bits are a hash of (table, step, row, column), where the
+row is the row's id in its table (``rounding_bits``), not its place in a part or on a shard.  So a push gives
+the same rows whether it is applied in one part or in several at once, and a table's rows get the same bits
+however the table is cut over shards; the same pushes in the same order give the same rows, and no state
+but the step's number is kept.  The hash is MurmurHash3's 32-bit finalizer (``fmix32``: two multiplies and
+three xor-shifts, a bijection in which every input bit flips each output bit with probability close to
+1/2), chained over the words of the key (``stream_seed``: table, step; ``rounding_bits``: the row id's two
+halves, then the column's Weyl constant), as splitmix-style generators run a counter through a strong
+finalizer.  It was chosen over Philox-4x32 (ten rounds of 32x32->64-bit multiplies: dozens of tensor
+operations per value in torch) and over splitmix64's finalizer (the same quality, but int64 lanes hold half
+as many values and need masked shifts too): vectorised in int32 it costs a dozen elementwise operations per
+value, and in C it is a few lines of ``uint32_t`` arithmetic that a native kernel reproduces bit for bit.
+(Torch's int32 multiplies wrap modulo 2**32, as ``uint32_t`` ones do; right shifts are masked to be logical.)
+
+How a value is rounded with its bits (``round_stochastic``): the gap between the type's two values around
+it is a power of two read off the value's float32 gap; the value divided by it (exact) splits into its floor
+and a fraction, and the fraction is compared with 24 random bits.  Infinities and NaNs stay as they are; the
+result's sign is the value's (a zero's too).
 
 Everything compiles under TorchScript (the row-sparse driver calls it from scripted steps).
 """
@@ -19,44 +34,102 @@ from torch import Tensor
 
 from ..tables.row_types import is_half
 
-def rounding_generator(seed: int, step: int) -> torch.Generator:
-    """The generator of step ``step``'s rounding bits for rows seeded with ``seed`` (the low 31 bits of
-    ``seed`` and 32 of ``step`` count; the same in Python and TorchScript, whose ints are 64-bit)."""
-    generator = torch.Generator()
-    generator.manual_seed((seed % 2147483648) * 4294967296 + step % 4294967296)
-    return generator
+# (TorchScript reads no module-level numbers: the constants are written where they are used.  The words of the
+# hash are unsigned 32-bit integers, masked with 0xFFFFFFFF; the column's word is ``(column + 1) * 0x9E3779B9``,
+# the Weyl constant 2**32 / golden ratio; 0x85EBCA6B and 0xC2B2AE35 are MurmurHash3's finalizer's multipliers,
+# -2048144789 and -1028477387 as signed int32, how torch's int32 tensors hold them.)
 
 
-def round_stochastic(values: Tensor, dtype: torch.dtype, generator: torch.Generator) -> Tensor:
-    """``values`` (float32) rounded to ``dtype`` (float16 or bfloat16) stochastically: to the upper of the two
-    neighbouring values of ``dtype`` with the probability of its share of the gap between them, so unbiased.
+def _mul32(a: int, b: int) -> int:
+    """``a * b mod 2**32`` for words ``a``, ``b``, without products over 2**49 (TorchScript ints are int64)."""
+    return ((a & 0xFFFF) * b + ((((a >> 16) * b) & 0xFFFF) << 16)) & 0xFFFFFFFF
 
-    The gap at a value is a power of two read off its binary logarithm: ``2**(floor(log2|value|) - 10)`` for
-    float16 (10 bits of mantissa; a fixed ``2**-24`` below its normal range) and ``2**(floor(log2|value|) - 7)``
-    for bfloat16 (``2**-133`` at least); at most the gap at the type's largest value, so that an infinity
-    stays one.  Dividing by it is exact, so the magnitude splits exactly into whole gaps and a fraction, and
-    the fraction is compared with a uniform draw.  (For a value a few ulps below a power of two the logarithm
-    rounds up to it, and the gap is doubled there: both its ends are still values of the type, so the
-    rounding stays unbiased.)  Infinities and NaNs stay as they are; the result's sign is
-    the value's."""
+
+def fmix32(h: int) -> int:
+    """MurmurHash3's finalizer of word ``h`` (a bijection of 32-bit words), on Python ints."""
+    h = h & 0xFFFFFFFF
+    h ^= h >> 16
+    h = _mul32(h, 0x85EBCA6B)
+    h ^= h >> 13
+    h = _mul32(h, 0xC2B2AE35)
+    h ^= h >> 16
+    return h
+
+
+def fmix32_(h: Tensor) -> Tensor:
+    """``fmix32`` of every element of ``h`` (int32, the word's bits), in place; returns ``h``."""
+    h.bitwise_xor_((h >> 16) & 0xFFFF)
+    h.mul_(-2048144789)
+    h.bitwise_xor_((h >> 13) & 0x7FFFF)
+    h.mul_(-1028477387)
+    h.bitwise_xor_((h >> 16) & 0xFFFF)
+    return h
+
+
+def stream_seed(table: int, step: int) -> int:
+    """The word all of step ``step``'s bits of table ``table`` (a 32-bit key) derive from (the low 32 bits of
+    ``step`` count)."""
+    return fmix32(fmix32(table) ^ (step & 0xFFFFFFFF))
+
+
+def _signed32(word: int) -> int:
+    return word - 4294967296 if word >= 2147483648 else word
+
+
+def rounding_bits(seed: int, ids: Tensor, columns: int) -> Tensor:
+    """32 random bits (int32) for each of ``columns`` values of each row of ``ids`` (int64 row ids, any
+    values) in the stream ``seed`` (``stream_seed``): shape ``[len(ids), columns]``, value ``[r, c]`` being
+    ``fmix32(fmix32(seed ^ lo ^ hi * 0x9E3779B9) ^ (c + 1) * 0x9E3779B9)`` with ``lo``, ``hi`` the low and high
+    words of ``ids[r]``, all in ``uint32`` arithmetic (two ids share their bits only where their words collide
+    so, which ids under 2**32 never do)."""
+    words = (ids & 0xFFFFFFFF).to(torch.int32)  # the low word's bits
+    high = ids >> 32
+    if bool((high != 0).any()):
+        words.bitwise_xor_(((high & 0xFFFFFFFF) * 0x9E3779B9 & 0xFFFFFFFF).to(torch.int32))
+    rows = fmix32_(words.bitwise_xor_(_signed32(seed)))
+    weyl = ((torch.arange(1, columns + 1, dtype=torch.int64, device=ids.device) * 0x9E3779B9) & 0xFFFFFFFF).to(
+        torch.int32)
+    return fmix32_(rows.unsqueeze(1).bitwise_xor(weyl.unsqueeze(0)))
+
+
+def round_stochastic(values: Tensor, dtype: torch.dtype, bits: Tensor) -> Tensor:
+    """``values`` (float32) rounded to ``dtype`` (float16 or bfloat16) stochastically with random ``bits``
+    (int32, one word per value, shaped like ``values``): to the upper of the two neighbouring values of
+    ``dtype`` with the probability of its share of the gap between them, so unbiased (probabilities in steps
+    of ``2**-24``: the low 24 random bits are the draw).
+
+    The gap at a value is its float32 gap (``nextafter`` up, minus it) times ``2**13`` for float16 (13 fewer
+    bits of mantissa), at least ``2**-24`` (its subnormals' gap) and at most ``2**5`` (its largest values'),
+    or ``2**16`` for bfloat16 (its subnormals are float32's, cut the same way), at most ``2**120``: a power of
+    two, so dividing by it is exact and the quotient splits exactly into a floor and a fraction.  (A
+    magnitude is capped at the type's largest value before its gap is read, so an infinity stays one.)"""
     magnitude = values.abs()
     if dtype == torch.bfloat16:
-        gap_exponent = torch.clamp(torch.floor(torch.log2(magnitude)) - 7.0, min=-133.0, max=120.0)
+        magnitude = magnitude.clamp_(max=3.3895313892515355e38)
+        gap = torch.nextafter(magnitude, torch.full_like(magnitude, float("inf"))).sub_(magnitude).mul_(65536.0)
     else:
-        gap_exponent = torch.clamp(torch.floor(torch.log2(magnitude)) - 10.0, min=-24.0, max=5.0)
-    gap = torch.exp2(gap_exponent)
-    scaled = magnitude / gap
+        magnitude = magnitude.clamp_(max=65504.0)
+        gap = torch.nextafter(magnitude, torch.full_like(magnitude, float("inf"))).sub_(magnitude).mul_(
+            8192.0).clamp_(min=5.960464477539063e-08)
+    scaled = values / gap  # exact; the signed floor rounds negative values unbiased too
     lower = scaled.floor()
-    uniform = torch.rand(values.shape, generator=generator, dtype=torch.float32, device=values.device)
+    uniform = (bits & 0xFFFFFF).to(torch.float32).mul_(5.960464477539063e-08)
     # An infinity stays one (its fraction is NaN, never above the draw); a NaN stays NaN.
-    return torch.copysign((lower + (uniform < scaled - lower).to(torch.float32)) * gap, values).to(dtype)
+    up = uniform < scaled.sub_(lower)
+    return torch.copysign(lower.add_(up).mul_(gap), values).to(dtype)
 
 
-def round_rows(values: Tensor, dtype: torch.dtype, nearest: bool, generator: torch.Generator) -> Tensor:
-    """``values`` (float32) as ``dtype``: unchanged when ``dtype`` is not a half type, else rounded to nearest
-    (``nearest``) or stochastically."""
+def round_rows(values: Tensor, dtype: torch.dtype, nearest: bool, seed: int, ids: Tensor) -> Tensor:
+    """``values`` (float32 rows ``ids`` of a table, int64) as ``dtype``: unchanged when ``dtype`` is not a half
+    type, else rounded to nearest (``nearest``) or stochastically with the bits of stream ``seed``
+    (``stream_seed``) for those rows."""
     if not is_half(dtype) or values.dtype == dtype:
         return values
     if nearest:
         return values.to(dtype)
-    return round_stochastic(values, dtype, generator)
+    columns = 1
+    for size in values.shape[1:]:
+        columns *= size
+    flat = values.reshape(values.size(0), columns) if values.dim() != 2 else values
+    bits = rounding_bits(seed, ids, columns)
+    return round_stochastic(flat, dtype, bits).view(values.shape)

@@ -25,9 +25,12 @@ an optimizer's math is a handful of multi-tensor operations over each list.
 Half-precision parameters (float16 or bfloat16 rows, ``tables.row_types.is_half``) are updated in float32: their
 state is float32, a step gathers their touched rows as float32 copies (a dense gradient of such a parameter
 touches every row), the optimizer's math runs on those, and ``scatter()`` writes them back rounded
-(``rounding.round_rows``): stochastically by default, from a generator seeded per parameter
-(``RowState.set_rounding``), per step and by the first row written, or to nearest.  Gradients may come in float32 or in the
-parameter's own type; they are read as float32.
+(``rounding.round_rows``): stochastically by default, with bits hashed from the parameter's table key
+(``RowState.set_rounding``), the step's number and each value's row id and column, or to nearest.  A row's
+id is its place in its table: the parameter's row plus the first row of the table the parameter holds
+(a part of a table cut by rows), or read from a tensor of ids by row (a dynamic table's slots), so rows get
+the same bits whichever part of a step writes them.  Gradients may come in float32 or in the parameter's
+own type; they are read as float32.
 
 Everything compiles under TorchScript (where a script class uses it) and runs as plain Python too: with
 TorchScript off the same classes step eagerly, with the same operations, so the same rows.  It owns no
@@ -41,7 +44,7 @@ from torch import Tensor
 
 from .kernels import sparse_rows
 from ..tables.row_types import is_half
-from .rounding import round_rows, rounding_generator
+from .rounding import round_rows, stream_seed
 
 
 def check_layout(optimizer: str, name: str, layout: str) -> None:
@@ -86,16 +89,23 @@ class RowState:
         self.initial = initial
         self.tensors: List[Optional[List[Tensor]]] = [None for _ in params]
         #: Per parameter, how its half-precision rows are rounded (``set_rounding``) and how many steps wrote
-        #: them (each step draws its rounding bits from its own generator).
-        self.rounding_seeds: List[int] = [0 for _ in params]
+        #: them (each step rounds with bits of its own).
+        self.rounding_keys: List[int] = [0 for _ in params]
         self.rounds_nearest: List[bool] = [False for _ in params]
+        self.rounding_first_rows: List[int] = [0 for _ in params]
+        self.rounding_ids: List[Optional[Tensor]] = [None for _ in params]
         self.rounding_steps: List[int] = [0 for _ in params]
 
-    def set_rounding(self, i: int, seed: int, nearest: bool) -> None:
+    def set_rounding(self, i: int, key: int, nearest: bool, first_row: int = 0,
+                     ids: Optional[Tensor] = None) -> None:
         """Parameter ``i``'s rows (if half-precision) are written back to nearest (``nearest``) or stochastically
-        from bits drawn from ``seed`` and the step's number (the default seed is 0)."""
-        self.rounding_seeds[i] = seed
+        with bits hashed from ``key`` (its table's, a 32-bit word; 0 by default), the step's number and each
+        value's row id and column: row ``r``'s id is ``ids[r]`` (int64, one per row; a tensor that may grow in
+        place with the parameter) when given, else ``first_row + r``."""
+        self.rounding_keys[i] = key
         self.rounds_nearest[i] = nearest
+        self.rounding_first_rows[i] = first_row
+        self.rounding_ids[i] = ids
 
     def begin_step(self, gradients: List[Optional[Tensor]]) -> None:
         """What a step changes once, whatever rows it has: each parameter with a gradient has its state made
@@ -107,14 +117,16 @@ class RowState:
                 self.of(i)
                 self.rounding_steps[i] += 1
 
-    def rounded(self, i: int, values: Tensor, first_row: int) -> Tensor:
-        """``values`` (rows of parameter ``i`` from row ``first_row`` on, computed in float32) in the parameter's
-        type, rounded as ``set_rounding`` said, with bits drawn for this step (``begin_step``) and first row."""
+    def rounded(self, i: int, values: Tensor, rows: Tensor) -> Tensor:
+        """``values`` (rows ``rows`` of parameter ``i``, computed in float32) in the parameter's type, rounded as
+        ``set_rounding`` said, with this step's (``begin_step``) bits for those rows' ids."""
         dtype = self.params[i].dtype
         if not is_half(dtype):
             return values
-        generator = rounding_generator(self.rounding_seeds[i], self.rounding_steps[i] * 1000003 + first_row)
-        return round_rows(values, dtype, self.rounds_nearest[i], generator)
+        ids = self.rounding_ids[i]
+        row_ids = rows + self.rounding_first_rows[i] if ids is None else ids.index_select(0, rows)
+        return round_rows(values, dtype, self.rounds_nearest[i],
+                          stream_seed(self.rounding_keys[i], self.rounding_steps[i]), row_ids)
 
     def _new(self, k: int, param: Tensor) -> Tensor:
         shape = state_shape(self.layouts[k], param)
@@ -279,8 +291,7 @@ class RowStep:
         for j in range(len(self.row_params)):
             i = self.row_index[j]
             rows = self.rows[j]
-            first_row = int(rows[0]) if is_half(state.params[i].dtype) else 0
-            state.params[i].index_copy_(0, rows, state.rounded(i, self.row_params[j], first_row))
+            state.params[i].index_copy_(0, rows, state.rounded(i, self.row_params[j], rows))
             tensors = state.of(i)
             for k in range(len(state.names)):
                 if state.layouts[k] != "scalar":

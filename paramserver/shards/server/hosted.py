@@ -12,10 +12,14 @@ not kept here (see ``optimizers``).  Plain functions of a state: they know
 nothing of RPC (``service`` calls them and wraps what they return in RRefs).
 """
 
+import zlib
+from typing import Optional, Tuple
+
 import torch
 from torch import Tensor
 
-from ...tables import DynamicOptions, part_name
+from ...checkpoint.storage import parse_range_name
+from ...tables import DynamicOptions, parse_part_name, part_name
 from ...tables.row_types import ROUNDINGS, row_dtypes
 from .dynamic import DynamicRows
 from .state import ShardState
@@ -110,6 +114,29 @@ def host_dynamic(state: ShardState, table: str, embedding_dim: int, dtype: torch
                          f"{rows.options}, asked for {embedding_dim} {dtype} and {options}")
     state.set_rounding(rows.slab, rounding)
     return rows.slab
+
+
+def rounding_place(state: ShardState, tensor: Tensor) -> Tuple[int, int, Optional[Tensor]]:
+    """Where hosted ``tensor``'s rows sit in their table, for the bits its half-precision rows are rounded with
+    (``paramserver.optim.rounding``): ``(key, first_row, ids)``, the table's 32-bit key (a CRC-32 of its name,
+    the same on every shard), and each row's id in it: ``ids[row]`` for a dynamic table's part (its slots'
+    ids, ``DynamicRows.slot_ids``), else ``first_row + row`` (a fixed table's rows ``[first_row:...]``, hosted
+    as ``"table[start:stop]"``; 0 for a tensor hosted whole)."""
+    dynamic = state.dynamic_rows(tensor)
+    if dynamic is not None:
+        parsed = parse_part_name(dynamic.name)
+        return _table_key(parsed[0] if parsed is not None else dynamic.name), 0, dynamic.slot_ids
+    name = state.name_of(tensor)
+    if name is None:
+        return 0, 0, None
+    rows = parse_range_name(name)
+    if rows is None:
+        return _table_key(name), 0, None
+    return _table_key(rows[0]), rows[1], None
+
+
+def _table_key(table: str) -> int:
+    return zlib.crc32(table.encode())
 
 
 def read_dynamic(state: ShardState, slab: Tensor, ids: Tensor) -> Tensor:

@@ -42,7 +42,6 @@ This module never sends RPCs.
 
 import logging
 import time
-import zlib
 from contextlib import contextmanager
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -58,6 +57,7 @@ from ...optim.kernels import check_gradients, row_slice_fused_min_elements
 from ...optim.row_sparse import RowState, state_dtype
 from ...optim.scripted import reraise_script_error
 from ...tables.row_types import is_half
+from .hosted import rounding_place
 from .state import ShardState
 
 StateDict = Dict[int, Dict[str, Tensor]]
@@ -215,8 +215,8 @@ class _ScriptedStepWithRowState(_ScriptedStepWithStateDict):
         self.optim.state.reset_rows(index, rows)
 
     @torch.jit.export
-    def set_rounding(self, index: int, seed: int, nearest: bool) -> None:
-        self.optim.state.set_rounding(index, seed, nearest)
+    def set_rounding(self, index: int, key: int, nearest: bool, first_row: int, ids: Optional[Tensor]) -> None:
+        self.optim.state.set_rounding(index, key, nearest, first_row, ids)
 
 
 class _ScriptedStepInParts(_ScriptedStepWithRowState):
@@ -228,8 +228,8 @@ class _ScriptedStepInParts(_ScriptedStepWithRowState):
     A push is applied in ``parts`` parts at once (``set_parts``: 1 by default) when it is large enough: it is
     checked whole, then the step's once-work is done, then its rows split into consecutive runs, each stepped
     by ``step_rows`` on a thread of the inter-op pool (``torch.jit.fork``), without the GIL.  The parts share
-    nothing they write, so the rows and their state come out as one step gives them.  Half-precision rows are
-    applied in one part (``split_rows``)."""
+    nothing they write, so the rows and their state come out as one step gives them (half-precision rows too:
+    their rounding bits are hashed from each row's id, not drawn from one stream)."""
 
     #: Tensors the last step's parts wrote (kept live: TorchScript's dead-code elimination may otherwise drop an
     #: in-place list kernel whose list was built in the graph; written after the parts are joined).
@@ -291,14 +291,14 @@ def split_rows(gradients: List[Optional[Tensor]], params: List[Tensor], parts: i
     """``gradients`` (of ``params``) as up to ``parts`` lists of the same kind, each holding a run of
     consecutive rows of each gradient split, of at least ``least`` values (``kernels.row_slice_fused_min_elements``:
     so that a run takes the same kernel as the whole); ``[gradients]`` when none splits.  Only coalesced
-    row-sparse gradients of float32 (or wider) rows split: half-precision rows are rounded with the bits of one
-    stream per step, which a split would deal out differently; the others go whole into the first list."""
+    row-sparse gradients split (of any row type: half-precision rows are rounded with bits hashed from each
+    row's id, the same in any part); the others go whole into the first list."""
     counts: List[int] = []
     most = 1
     for i in range(len(gradients)):
         gradient = gradients[i]
         count = 1
-        if gradient is not None and gradient.is_sparse and gradient.is_coalesced() and not is_half(params[i].dtype):
+        if gradient is not None and gradient.is_sparse and gradient.is_coalesced():
             count = max(1, min(parts, gradient._values().numel() // least))
         counts.append(count)
         most = max(most, count)
@@ -418,9 +418,9 @@ class OwnerOptimizer:
             # a large push in as many parts as the shard's inter-op pool has threads (its cores' share)
             self._impl.set_parts(torch.get_num_interop_threads())
         for index, param in enumerate(self.params):
-            if is_half(param.dtype):  # seeded by the table part's name: the same pushes give the same rows
-                self._impl.set_rounding(index, zlib.crc32(self.names[index].encode()) & 0x7FFFFFFF,
-                                        state.rounds_to_nearest(param))
+            if is_half(param.dtype):  # keyed by the table and each row's id in it: the same bits however cut
+                key, first_row, ids = rounding_place(state, param)
+                self._impl.set_rounding(index, key, state.rounds_to_nearest(param), first_row, ids)
         for index, rows in enumerate(self._dynamic):
             if rows is not None:
                 rows.attach(self, index)

@@ -66,6 +66,9 @@ class DynamicRows:
         self.seed, self.init_std, self.options = seed, init_std, options
         #: The hosted parameter: row ``slot`` holds the id the index maps to ``slot`` (free slots: none).
         self.slab = torch.empty(0, embedding_dim, dtype=dtype)
+        #: The id each slot was last given (free slots keep their last id): how a half-precision row's update
+        #: is rounded (with bits of its id, ``paramserver.optim.rounding``).  Grows in place with the slab.
+        self.slot_ids = torch.empty(0, dtype=torch.int64)
         self._free = torch.empty(0, dtype=torch.int64)
         self._used = 0  # slots below this were used at least once
         self._huge_pages = huge_pages
@@ -146,6 +149,7 @@ class DynamicRows:
         self.slab.index_copy_(0, taken, initial_rows(new_ids, self.seed, self.embedding_dim, self.init_std,
                                                      self.dtype))
         self.index.insert(new_ids, taken, step)
+        self.slot_ids.index_copy_(0, taken, new_ids)
         self.marks.mark(taken)
         for optimizer, index in self._each_optimizer():
             optimizer.reset_rows(index, taken)
@@ -192,6 +196,7 @@ class DynamicRows:
             rows = max(needed, min(rows, self.options.capacity))
         # The slab changes its memory in place (set_): the optimizers and RRefs hold this very tensor.
         self.slab.set_(self._huge_pages.grown(self.slab, rows))
+        self.slot_ids.resize_(rows)
         for optimizer, index in self._each_optimizer():
             optimizer.resize_rows(index, rows)
 
@@ -204,7 +209,8 @@ class DynamicRows:
                     "not_admitted": self.not_admitted, "bytes": self._nbytes_locked()}
 
     def _nbytes_locked(self) -> int:
-        return self.slab.numel() * self.slab.element_size() + self.index.nbytes + self.admission.nbytes
+        return self.slab.numel() * self.slab.element_size() + self.slot_ids.numel() * 8 + self.index.nbytes + \
+            self.admission.nbytes
 
     # -- checkpoints -------------------------------------------------------------------
     def checkpoint_entry(self) -> Dict:
@@ -261,6 +267,7 @@ class DynamicRows:
                 slots = self._take_slots_locked(count)
                 self.slab[:count] = values.to(self.dtype)
                 self.index.insert(ids, slots, last_touch.to(torch.int32))
+                self.slot_ids.index_copy_(0, slots, ids)
             self.admission.merge_state(admission)
             self.clock = self._last_sweep = clock
             self._restored_state = (optimizer, state) if optimizer else None
