@@ -62,7 +62,7 @@ SPLITTING = [(QHM, HYPER), (torch.optim.SGD, dict(lr=0.1, momentum=0.9, dampenin
 SPLITTING_IDS = ["QHM", "SGD", "RowWiseAdagrad", "FTRL"]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("optimizer_cls, options", SPLITTING, ids=SPLITTING_IDS)
 def test_a_large_push_applied_in_parts_at_once_gives_the_rows_and_state_of_one_step(optimizer_cls, options, dtype):
     rows, dim, generator = 20_000, 16, torch.Generator().manual_seed(0)
@@ -78,8 +78,9 @@ def test_a_large_push_applied_in_parts_at_once_gives_the_rows_and_state_of_one_s
             optimizer.apply_rows([0], [ids], [gradients], "test", (1, step))
         results.append((table.detach().clone(), optimizer.state_dict()))
     gradient = torch.sparse_coo_tensor(pushes[0][0].unsqueeze(0), pushes[0][1], (rows, dim)).coalesce()
-    assert len(split_rows([gradient], [table], 3, row_slice_fused_min_elements())) == \
-        (3 if dtype == torch.float32 else 1)  # runs of 48,000 values each, on the fused kernel as the whole
+    # runs of 48,000 values each, on the fused kernel as the whole; half-precision rows too (their rounding bits
+    # are hashed from each row's id)
+    assert len(split_rows([gradient], [table], 3, row_slice_fused_min_elements())) == 3
     (one, one_state), (three, three_state) = results
     assert torch.equal(one, three)
     assert one_state.keys() == three_state.keys()
@@ -98,7 +99,7 @@ def test_an_optimizer_with_a_count_over_the_table_applies_a_push_in_one_part():
 RESTORED_ROWS, PUSHED_ROWS, RESTORED_DIM = 100_000, 20_000, 16
 
 
-def restored_owner(optimizer_cls, options, parts: int):
+def restored_owner(optimizer_cls, options, parts: int, dtype: torch.dtype = torch.float32):
     """A table and its optimizer after two pushes, restored into a fresh owner (a restarted shard: QHM's buffers
     loaded unscaled), which applies pushes in ``parts`` parts; and the push that follows."""
     generator = torch.Generator().manual_seed(1)
@@ -107,8 +108,7 @@ def restored_owner(optimizer_cls, options, parts: int):
 
     def owner_of_a_fresh_shard():
         state = ShardState()
-        table = host_rows(state, f"job.t[0:{RESTORED_ROWS}]", RESTORED_ROWS, RESTORED_DIM, torch.float32, 0, 0,
-                          shared=True)
+        table = host_rows(state, f"job.t[0:{RESTORED_ROWS}]", RESTORED_ROWS, RESTORED_DIM, dtype, 0, 0, shared=True)
         return table, owner_optimizer_for(state, optimizer_cls, [table], [0], (), dict(options))
 
     table, optimizer = owner_of_a_fresh_shard()
@@ -124,20 +124,22 @@ def restored_owner(optimizer_cls, options, parts: int):
 
 def pushes_after_a_restore_in_parts(interop_threads: int) -> None:
     """Child (its own inter-op pool of ``interop_threads``): for every optimizer that splits, a push after a
-    restore applied in one part and in ``interop_threads`` parts at once gives the same rows and state."""
+    restore applied in one part and in ``interop_threads`` parts at once gives the same rows and state, bit for
+    bit, float32 rows and half-precision ones (rounded stochastically in each part)."""
     torch.set_num_interop_threads(interop_threads)
-    for optimizer_cls, options in SPLITTING:
+    for optimizer_cls, options, dtype in [(cls, options, dtype) for cls, options in SPLITTING for dtype in
+                                          (torch.float32, torch.float16, torch.bfloat16)]:
         results = []
         for parts in (1, interop_threads):
-            table, optimizer, (ids, gradients) = restored_owner(optimizer_cls, options, parts)
+            table, optimizer, (ids, gradients) = restored_owner(optimizer_cls, options, parts, dtype)
             optimizer.apply_rows([0], [ids], [gradients], "test", (1, 2))
             results.append((table.detach().clone(), optimizer.state_dict()))
         gradient = torch.sparse_coo_tensor(ids.unsqueeze(0), gradients, table.shape).coalesce()
         assert len(split_rows([gradient], [table], interop_threads, row_slice_fused_min_elements())) == \
             interop_threads
         (one, one_state), (several, several_state) = results
-        assert torch.equal(one, several), f"{optimizer_cls.__name__}: the rows differ by up to " \
-            f"{(one - several).abs().max().item()}"
+        assert torch.equal(one, several), f"{optimizer_cls.__name__}, {dtype}: the rows differ by up to " \
+            f"{(one.float() - several.float()).abs().max().item()}"
         assert one_state.keys() == several_state.keys()
         for index, entry in one_state.items():
             for name, value in entry.items():
