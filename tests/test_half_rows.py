@@ -24,6 +24,7 @@ from paramserver.shards.server import ShardState
 from paramserver.shards.server.hosted import host_dynamic, host_rows
 from paramserver.shards.server.optimizers import owner_optimizer_for
 from paramserver.tables import DynamicOptions
+from paramserver.tables.id_hash import shard_of
 
 HALVES = [torch.float16, torch.bfloat16]
 DIM = 8
@@ -354,3 +355,62 @@ def test_half_rows_restore_onto_another_cut_of_the_table(tmp_path):
     state = ShardState(restore_source=CheckpointSource(store.commit(directory, parts, 10, {})))
     middle = host_rows(state, "job.t[2:6]", 4, DIM, torch.float16, 0, 2, shared=True)
     assert middle.dtype == torch.float16 and torch.equal(middle, rows[2:6])
+
+
+def cut_pushes(count: int):
+    generator = torch.Generator().manual_seed(3)
+    return [(torch.randperm(count, generator=generator)[:count * 3 // 5].sort().values,
+             torch.randn(count * 3 // 5, DIM, generator=generator) * 0.01) for _ in range(4)]
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+def test_a_row_split_tables_half_rows_are_the_same_on_one_shard_or_cut_over_two(dtype):
+    """The same pushes to a table hosted whole and cut by rows over two shards (each shard pushed its rows of
+    every push): the same rows, bit for bit, as each row is rounded with the bits of its id in the table."""
+    rows, pushes = 40, cut_pushes(40)
+    start_rows = torch.randn(rows, DIM, generator=torch.Generator().manual_seed(4)).to(dtype)
+
+    def trained(ranges):
+        tables = []
+        for start, stop in ranges:
+            state = ShardState()
+            table = host_rows(state, f"job.t[{start}:{stop}]", stop - start, DIM, dtype, 0, start, shared=True)
+            with torch.no_grad():
+                table.copy_(start_rows[start:stop])
+            optimizer = owner(state, [table], QHM, lr=0.3, momentum=0.9, nu=0.7)
+            for step, (ids, gradients) in enumerate(pushes):
+                mine = ((ids >= start) & (ids < stop)).nonzero().view(-1)
+                assert mine.numel() > 0  # every shard steps every push: the step numbers agree
+                optimizer.apply_rows([0], [ids[mine] - start], [gradients[mine]], "test", (1, step))
+            tables.append(table.detach().clone())
+        return torch.cat(tables)
+    whole = trained([(0, rows)])
+    assert not torch.equal(whole, start_rows)
+    assert torch.equal(whole, trained([(0, 25), (25, rows)]))
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+def test_a_dynamic_tables_half_rows_are_the_same_on_one_shard_or_two(dtype):
+    """A dynamic table's ids served by one shard or by two (their slots differing): the same rows, bit for bit,
+    as each row is rounded with the bits of its id."""
+    table_ids = torch.arange(30) * 1_000_003 + 2 ** 40
+    pushes = [(table_ids[ids], gradients) for ids, gradients in cut_pushes(30)]
+
+    def trained(count: int) -> torch.Tensor:
+        found = torch.zeros(table_ids.numel(), DIM, dtype=dtype)
+        for index in range(count):
+            state = ShardState()
+            rows = state.dynamic_rows(host_dynamic(state, "job.d", DIM, dtype, 0, 0.1, DynamicOptions(), index,
+                                                   count))
+            optimizer = owner(state, [rows.slab], RowWiseAdagrad, lr=0.1)
+            for step, (ids, gradients) in enumerate(pushes):
+                mine = (shard_of(ids, count) == index).nonzero().view(-1)
+                assert mine.numel() > 0  # every shard steps every push: the step numbers agree
+                mine = mine.flip(0)  # admitted in another order than on one shard: other slots
+                rows.lookup(ids[mine], step)
+                optimizer.apply_rows([0], [ids[mine]], [gradients[mine]], "test", (1, step))
+            held = shard_of(table_ids, count) == index
+            found[held] = rows.lookup(table_ids[held], -1)
+        return found
+    one = trained(1)
+    assert torch.equal(one, trained(2))
