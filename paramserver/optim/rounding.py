@@ -14,7 +14,7 @@ however the table is cut over shards; the same pushes in the same order give the
 but the step's number is kept.  The hash is MurmurHash3's 32-bit finalizer (``fmix32``: two multiplies and
 three xor-shifts, a bijection in which every input bit flips each output bit with probability close to
 1/2), chained over the words of the key (``stream_seed``: table, step; ``rounding_bits``: the row id's two
-halves, then the column's Weyl constant), as splitmix-style generators run a counter through a strong
+words, then the column's Weyl constant), as splitmix-style generators run a counter through a strong
 finalizer.  It was chosen over Philox-4x32 (ten rounds of 32x32->64-bit multiplies: dozens of tensor
 operations per value in torch) and over splitmix64's finalizer (the same quality, but int64 lanes hold half
 as many values and need masked shifts too): vectorised in int32 it costs a dozen elementwise operations per
@@ -22,9 +22,10 @@ value, and in C it is a few lines of ``uint32_t`` arithmetic that a native kerne
 (Torch's int32 multiplies wrap modulo 2**32, as ``uint32_t`` ones do; right shifts are masked to be logical.)
 
 How a value is rounded with its bits (``round_stochastic``): the gap between the type's two values around
-it is a power of two read off the value's float32 gap; the value divided by it (exact) splits into its floor
-and a fraction, and the fraction is compared with 24 random bits.  Infinities and NaNs stay as they are; the
-result's sign is the value's (a zero's too).
+it is a power of two read off the value's float32 gap (``nextafter``: TorchScript has no bit cast to read the
+exponent's bits with); the value divided by it (exact) splits into its floor
+and a fraction, and the fraction is compared with 24 random bits.  Infinities and NaNs stay as they are, and
+so does a zero's sign (a negative value rounded to zero gives +0).
 
 Everything compiles under TorchScript (the row-sparse driver calls it from scripted steps).
 """
@@ -58,11 +59,11 @@ def fmix32(h: int) -> int:
 
 def fmix32_(h: Tensor) -> Tensor:
     """``fmix32`` of every element of ``h`` (int32, the word's bits), in place; returns ``h``."""
-    h.bitwise_xor_((h >> 16) & 0xFFFF)
+    h.bitwise_xor_(torch.bitwise_right_shift(h, 16).bitwise_and_(0xFFFF))  # (a logical shift: masked)
     h.mul_(-2048144789)
-    h.bitwise_xor_((h >> 13) & 0x7FFFF)
+    h.bitwise_xor_(torch.bitwise_right_shift(h, 13).bitwise_and_(0x7FFFF))
     h.mul_(-1028477387)
-    h.bitwise_xor_((h >> 16) & 0xFFFF)
+    h.bitwise_xor_(torch.bitwise_right_shift(h, 16).bitwise_and_(0xFFFF))
     return h
 
 
@@ -103,20 +104,20 @@ def round_stochastic(values: Tensor, dtype: torch.dtype, bits: Tensor) -> Tensor
     or ``2**16`` for bfloat16 (its subnormals are float32's, cut the same way), at most ``2**120``: a power of
     two, so dividing by it is exact and the quotient splits exactly into a floor and a fraction.  (A
     magnitude is capped at the type's largest value before its gap is read, so an infinity stays one.)"""
-    magnitude = values.abs()
+    infinity = torch.full([1], float("inf"), dtype=torch.float32, device=values.device)
     if dtype == torch.bfloat16:
-        magnitude = magnitude.clamp_(max=3.3895313892515355e38)
-        gap = torch.nextafter(magnitude, torch.full_like(magnitude, float("inf"))).sub_(magnitude).mul_(65536.0)
+        magnitude = values.abs().clamp_(max=3.3895313892515355e38)
+        gap = torch.nextafter(magnitude, infinity).sub_(magnitude).mul_(65536.0)
     else:
-        magnitude = magnitude.clamp_(max=65504.0)
-        gap = torch.nextafter(magnitude, torch.full_like(magnitude, float("inf"))).sub_(magnitude).mul_(
-            8192.0).clamp_(min=5.960464477539063e-08)
+        magnitude = values.abs().clamp_(max=65504.0)
+        gap = torch.nextafter(magnitude, infinity).sub_(magnitude).mul_(8192.0).clamp_(min=5.960464477539063e-08)
     scaled = values / gap  # exact; the signed floor rounds negative values unbiased too
     lower = scaled.floor()
     uniform = (bits & 0xFFFFFF).to(torch.float32).mul_(5.960464477539063e-08)
-    # An infinity stays one (its fraction is NaN, never above the draw); a NaN stays NaN.
-    up = uniform < scaled.sub_(lower)
-    return torch.copysign(lower.add_(up).mul_(gap), values).to(dtype)
+    # floor(draw - fraction) is -1 when the draw is below the fraction (round up), else 0: lower - that.  An
+    # infinity stays one (its fraction is NaN: no step), a NaN stays NaN, and a zero keeps its sign (-0 - +0).
+    down = uniform.sub_(scaled.sub_(lower)).floor_().nan_to_num_(0.0)
+    return lower.sub_(down).mul_(gap).to(dtype)
 
 
 def round_rows(values: Tensor, dtype: torch.dtype, nearest: bool, seed: int, ids: Tensor) -> Tensor:
