@@ -73,23 +73,15 @@ def stream_seed(table: int, step: int) -> int:
     return fmix32(fmix32(table) ^ (step & 0xFFFFFFFF))
 
 
-def _signed32(word: int) -> int:
-    return word - 4294967296 if word >= 2147483648 else word
-
-
 def rounding_bits(seed: int, ids: Tensor, columns: int) -> Tensor:
     """32 random bits (int32) for each of ``columns`` values of each row of ``ids`` (int64 row ids, any
     values) in the stream ``seed`` (``stream_seed``): shape ``[len(ids), columns]``, value ``[r, c]`` being
     ``fmix32(fmix32(seed ^ lo ^ hi * 0x9E3779B9) ^ (c + 1) * 0x9E3779B9)`` with ``lo``, ``hi`` the low and high
     words of ``ids[r]``, all in ``uint32`` arithmetic (two ids share their bits only where their words collide
     so, which ids under 2**32 never do)."""
-    words = (ids & 0xFFFFFFFF).to(torch.int32)  # the low word's bits
-    high = ids >> 32
-    if bool((high != 0).any()):
-        words.bitwise_xor_(((high & 0xFFFFFFFF) * 0x9E3779B9 & 0xFFFFFFFF).to(torch.int32))
-    rows = fmix32_(words.bitwise_xor_(_signed32(seed)))
-    weyl = ((torch.arange(1, columns + 1, dtype=torch.int64, device=ids.device) * 0x9E3779B9) & 0xFFFFFFFF).to(
-        torch.int32)
+    # lo ^ hi * 0x9E3779B9 ^ seed in the low word of an int64, which the cast to int32 keeps (bits as they are)
+    rows = fmix32_(((ids >> 32) * 0x9E3779B9 ^ ids ^ seed).to(torch.int32))
+    weyl = torch.arange(1, columns + 1, dtype=torch.int32, device=ids.device) * -1640531527  # 0x9E3779B9, int32
     return fmix32_(rows.unsqueeze(1).bitwise_xor(weyl.unsqueeze(0)))
 
 
@@ -108,9 +100,9 @@ def round_stochastic(values: Tensor, dtype: torch.dtype, bits: Tensor) -> Tensor
     if dtype == torch.bfloat16:
         magnitude = values.abs().clamp_(max=3.3895313892515355e38)
         gap = torch.nextafter(magnitude, infinity).sub_(magnitude).mul_(65536.0)
-    else:
-        magnitude = values.abs().clamp_(max=65504.0)
-        gap = torch.nextafter(magnitude, infinity).sub_(magnitude).mul_(8192.0).clamp_(min=5.960464477539063e-08)
+    else:  # (from 2**-14 down, float16's gap is its subnormals' 2**-24: float32's at 2**-14, times 2**13)
+        magnitude = values.abs().clamp_(min=6.103515625e-05, max=65504.0)
+        gap = torch.nextafter(magnitude, infinity).sub_(magnitude).mul_(8192.0)
     scaled = values / gap  # exact; the signed floor rounds negative values unbiased too
     lower = scaled.floor()
     uniform = (bits & 0xFFFFFF).to(torch.float32).mul_(5.960464477539063e-08)
