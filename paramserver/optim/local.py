@@ -5,8 +5,8 @@ group, the functional class it names (``functional_cls``, built with the group's
 parameters' gradients, dense or row-sparse, with the state kept in ``self.state`` as ``torch.optim``
 optimizers keep theirs: a model trained in one process and the same model on shards give the same rows.
 Each group keeps one functional instance from step to step (made again only when the group's parameters or
-hyperparameters change, and then its rounding steps carry over), so half-precision parameters round from one
-advancing stream of bits, as on a shard.  It owns no math.
+hyperparameters change, and then its rounding steps carry over), so half-precision parameters round with a
+new step's bits at every step, as on a shard.  It owns no math.
 """
 
 from typing import Any, Dict, List, Tuple
