@@ -39,6 +39,7 @@ from torch import Tensor
 
 from ....tables import DynamicOptions
 from ....tables.id_hash import initial_rows
+from ....tables.row_types import is_half
 from ..changes import RowMarks
 from .admission import Admission
 from .huge_pages import HugePages
@@ -66,9 +67,10 @@ class DynamicRows:
         self.seed, self.init_std, self.options = seed, init_std, options
         #: The hosted parameter: row ``slot`` holds the id the index maps to ``slot`` (free slots: none).
         self.slab = torch.empty(0, embedding_dim, dtype=dtype)
-        #: The id each slot was last given (free slots keep their last id): how a half-precision row's update
-        #: is rounded (with bits of its id, ``paramserver.optim.rounding``).  Grows in place with the slab.
-        self.slot_ids = torch.empty(0, dtype=torch.int64)
+        #: Half-precision rows only (``None`` otherwise): the id each slot was last given (free slots keep their
+        #: last id), whose bits a row's update is rounded with (``paramserver.optim.rounding``).  Grows in place
+        #: with the slab.
+        self.slot_ids: Optional[Tensor] = torch.empty(0, dtype=torch.int64) if is_half(dtype) else None
         self._free = torch.empty(0, dtype=torch.int64)
         self._used = 0  # slots below this were used at least once
         self._huge_pages = huge_pages
@@ -149,7 +151,8 @@ class DynamicRows:
         self.slab.index_copy_(0, taken, initial_rows(new_ids, self.seed, self.embedding_dim, self.init_std,
                                                      self.dtype))
         self.index.insert(new_ids, taken, step)
-        self.slot_ids.index_copy_(0, taken, new_ids)
+        if self.slot_ids is not None:
+            self.slot_ids.index_copy_(0, taken, new_ids)
         self.marks.mark(taken)
         for optimizer, index in self._each_optimizer():
             optimizer.reset_rows(index, taken)
@@ -196,21 +199,23 @@ class DynamicRows:
             rows = max(needed, min(rows, self.options.capacity))
         # The slab changes its memory in place (set_): the optimizers and RRefs hold this very tensor.
         self.slab.set_(self._huge_pages.grown(self.slab, rows))
-        self.slot_ids.resize_(rows)
+        if self.slot_ids is not None:
+            self.slot_ids.resize_(rows)
         for optimizer, index in self._each_optimizer():
             optimizer.resize_rows(index, rows)
 
     # -- figures -------------------------------------------------------------------
     def stats(self) -> Dict[str, int]:
         """Rows held, admitted, evicted, not admitted (below the admission bar, or no room), and bytes of the
-        rows, the index (ids, slots, touches) and admission counts (optimizer state not included)."""
+        rows (and, for half-precision rows, of their slots' ids), the index (ids, slots, touches) and admission
+        counts (optimizer state not included)."""
         with self._lock:
             return {"rows": len(self.index), "admitted": self.admitted, "evicted": self.evicted,
                     "not_admitted": self.not_admitted, "bytes": self._nbytes_locked()}
 
     def _nbytes_locked(self) -> int:
-        return self.slab.numel() * self.slab.element_size() + self.slot_ids.numel() * 8 + self.index.nbytes + \
-            self.admission.nbytes
+        ids = self.slot_ids.numel() * self.slot_ids.element_size() if self.slot_ids is not None else 0
+        return self.slab.numel() * self.slab.element_size() + ids + self.index.nbytes + self.admission.nbytes
 
     # -- checkpoints -------------------------------------------------------------------
     def checkpoint_entry(self) -> Dict:
@@ -267,7 +272,8 @@ class DynamicRows:
                 slots = self._take_slots_locked(count)
                 self.slab[:count] = values.to(self.dtype)
                 self.index.insert(ids, slots, last_touch.to(torch.int32))
-                self.slot_ids.index_copy_(0, slots, ids)
+                if self.slot_ids is not None:
+                    self.slot_ids.index_copy_(0, slots, ids)
             self.admission.merge_state(admission)
             self.clock = self._last_sweep = clock
             self._restored_state = (optimizer, state) if optimizer else None
