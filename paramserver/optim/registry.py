@@ -23,7 +23,7 @@ from typing import Dict, Iterator, List, Optional
 import torch
 from torch import Tensor
 
-from .._torch_compat import torchscript_enabled
+from .._torch_compat import script_class, torchscript_enabled
 
 from .records import RowOptimizer, builtin_records
 from .row_sparse import RowState
@@ -152,7 +152,7 @@ def check_functional_contract(functional_cls) -> None:
     if not torchscript_enabled():
         return
     try:
-        torch.jit.script(functional_cls)
+        script_class(functional_cls)
     except Exception as error:
         raise TypeError(f"{name} does not compile under TorchScript: {_first_error_line(error)}") from error
     names = {"FunctionalClass": functional_cls, "List": List, "Optional": Optional, "Tensor": Tensor}
