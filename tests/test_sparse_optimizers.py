@@ -17,6 +17,7 @@ import torch
 from paramserver.optim import (FTRL, QHM, FunctionalAdagrad, FunctionalAdam, FunctionalFTRL, FunctionalRowWiseAdagrad,
                                RowState, RowWiseAdagrad, ScriptedOptimizer, functional_optim_map,
                                register_functional_optim)
+from paramserver.optim.records import builtin_records
 from paramserver.shards.server import ShardState
 from paramserver.shards.server import optimizers as owner_optimizers
 from paramserver.shards.server.dynamic import DynamicRows
@@ -30,6 +31,8 @@ from paramserver.tables.id_hash import shard_of
 from test_dynamic_tables import equal_to_a_fixed_table  # (this folder is on the tests' path)
 
 ROWS, DIM, STEPS, TOUCHED = 40, 6, 100, 24
+#: Every row-wise optimizer's record (``paramserver.optim.records``).
+RECORDS = builtin_records()
 
 
 def row_sparse_gradients(steps=STEPS, rows=ROWS, dim=DIM, dtype=torch.float64, seed=0):
@@ -328,12 +331,8 @@ def test_a_kernel_failure_in_a_push_is_a_shard_fault_not_a_refusal_and_bad_input
     assert len(faults) == 1 and not is_remote_refusal(ShardFault(faults[0]))
 
 
-@pytest.mark.parametrize("optimizer_cls, options", [
-    (torch.optim.Adagrad, dict(lr=0.1, initial_accumulator_value=0.1)), (RowWiseAdagrad, dict(lr=0.1)),
-    (torch.optim.SparseAdam, dict(lr=0.01)), (FTRL, dict(lr=0.1, l1=0.001)),
-    (QHM, dict(lr=0.5, momentum=0.9, nu=0.7)),
-    (torch.optim.SGD, dict(lr=0.1, momentum=0.9, dampening=0.2))],
-    ids=["Adagrad", "RowWiseAdagrad", "SparseAdam", "FTRL", "QHM", "SGD"])
+@pytest.mark.parametrize("optimizer_cls, options", [(record.local[-1], dict(record.example)) for record in RECORDS],
+                         ids=[record.name for record in RECORDS])
 def test_with_torchscript_off_a_shard_steps_the_same_classes_eagerly_to_the_same_rows(monkeypatch, optimizer_cls,
                                                                                      options):
     def train(scripted: bool):

@@ -12,7 +12,9 @@ user's class against the functional contract before adding it:
 * for tables (the default), its state is a ``RowState`` (``state`` attribute), so
   that per-row state follows a table's rows.
 
-It owns no optimizer math.
+With a class for tables, the map keeps its record (``records.RowOptimizer``: passed, or derived from the
+class), which the shard reads (``functional_optim_map.record_of``); ours come from their records.  It owns
+no optimizer math.
 """
 
 import inspect

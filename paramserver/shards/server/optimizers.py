@@ -13,6 +13,12 @@ targets that reach them):
   the GIL; with TorchScript off the same module runs eagerly.  Without one, a
   Python optimizer is stepped instead (dense parameters only: a table needs an
   optimizer on the row-sparse driver, and refuses others when it is created).
+* Dispatch by the optimizer's record (``paramserver.optim.records``, from
+  ``functional_optim_map.record_of``, or derived from a class on the row-sparse
+  driver): which step module it gets, whether a push is applied in parts (its
+  rows update independently), what a table refuses (no record; settings its
+  record refuses on rows; half-precision rows it does not take).  No decision
+  is made by class name.
 * Refusals: a checkpoint's state for a table kept by another optimizer class,
   and an optimizer that cannot apply a table's rows, when it is created; a
   push's bad shapes, rows, types or devices, checked whole before any row
