@@ -139,10 +139,11 @@ def test_a_trainer_job_survives_a_crash_mid_checkpoint_a_lost_worker_and_a_lost_
     assert "shard shard0 exits to be restarted from its newest checkpoint" in log, log[-3000:]
     assert re.search(r"shard process shard0 \(pid \d+\) exited with code 1\b", log), log[-3000:]
     lost_on_shard0 = [int(s) for s in re.findall(r"the sparse update of step (\d+) failed against the shards; the "
-                                                  r"dense one goes on: ShardRequestFailed: push failed on shard 'shard0'", text)]
+                                                  r"dense one goes on: ShardRequestFailed: push failed on shard "
+                                                  r"'shard0'", text)]
     # (a message carries up to 1 + STALENESS steps' pushes: the ones before the failing one are lost with it)
     assert lost_on_shard0 and max(lost_on_shard0) >= fault_at, (fault_at, text[-3000:])
-    restored = [int(step) for step in re.findall(r"shard0 restores its tables from \S*ckpt-\d{10} \(step (\d+)\)", log)]
+    restored = [int(s) for s in re.findall(r"shard0 restores its tables from \S*ckpt-\d{10} \(step (\d+)\)", log)]
     assert len(restored) == 1 and restored[0] <= min(lost_on_shard0), (restored, lost_on_shard0)
     assert "ShardRefused" not in text + output(workers["worker1"]) and "refused it" not in text, text[-3000:]
     # The half-written rows did not survive: the newest checkpoint, taken after the fault, holds no NaN.
