@@ -17,6 +17,7 @@ import torch
 from paramserver.optim import (FTRL, QHM, FunctionalAdagrad, FunctionalAdam, FunctionalFTRL, FunctionalRowWiseAdagrad,
                                RowState, RowWiseAdagrad, ScriptedOptimizer, functional_optim_map,
                                register_functional_optim)
+from paramserver.optim.local import ROUNDING_STEP
 from paramserver.optim.records import builtin_records
 from paramserver.shards.server import ShardState
 from paramserver.shards.server import optimizers as owner_optimizers
@@ -455,3 +456,39 @@ def test_a_local_optimizer_loaded_from_a_state_dict_steps_on_as_the_one_that_sav
     assert torch.equal(params[0].detach(), params[1].detach())
     for name, value in optimizer.state_dict()["state"][0].items():
         assert torch.equal(value, again.state_dict()["state"][0][name])
+
+
+@pytest.mark.parametrize("optimizer_cls, options", [(RowWiseAdagrad, dict(lr=0.05)), (FTRL, dict(lr=0.5, l1=0.01))])
+def test_a_local_optimizer_of_a_float16_parameter_loaded_from_a_state_dict_rounds_on_from_the_same_stream(
+        optimizer_cls, options):
+    """Saved after 5 steps (as a checkpoint holds it), loaded into a fresh optimizer over a copy of the parameter:
+    the next steps give the bits of the run that was not interrupted, its float32 state and its rounding steps
+    carried over (from step 1 again, the rounding bits would differ).  A state dict saved without rounding steps
+    still loads, and steps (its stream from step 1)."""
+    param = torch.nn.Parameter(torch.randn(ROWS, DIM).to(torch.float16))
+    optimizer = optimizer_cls([param], **options)
+    gradients = list(row_sparse_gradients(steps=10, dtype=torch.float16))
+    for step, gradient in enumerate(gradients):
+        if step == 5:
+            saved = copy.deepcopy(optimizer.state_dict())
+            copied = torch.nn.Parameter(param.detach().clone())
+            again = optimizer_cls([copied], **options)
+            again.load_state_dict(saved)
+        param.grad = gradient
+        optimizer.step()
+        if step >= 5:
+            copied.grad = gradient.clone()
+            again.step()
+    assert torch.equal(param.detach(), copied.detach())
+    state, loaded = optimizer.state_dict()["state"][0], again.state_dict()["state"][0]
+    assert state.keys() == loaded.keys() and state[ROUNDING_STEP] == loaded[ROUNDING_STEP] == 10, (state, loaded)
+    for name in (name for name in state if name != ROUNDING_STEP):
+        assert state[name].dtype == loaded[name].dtype == torch.float32 and torch.equal(state[name], loaded[name])
+
+    legacy = copy.deepcopy(saved)
+    legacy["state"][0].pop(ROUNDING_STEP)
+    older = optimizer_cls([torch.nn.Parameter(param.detach().clone())], **options)
+    older.load_state_dict(legacy)
+    older.param_groups[0]["params"][0].grad = gradients[0].clone()
+    older.step()
+    assert older.state_dict()["state"][0][ROUNDING_STEP] == 1
