@@ -201,6 +201,14 @@ def torchscript_enabled() -> bool:
     return bool(torch.jit._state._enabled)
 
 
+def script_class(cls):
+    """``torch.jit.script(cls)`` with ``cls``'s names resolved in its own methods' modules: scripting a class
+    otherwise resolves its globals in the caller's frame (``torch.jit.script``'s default for classes), so a
+    user's class calling helpers of its own module (``check_gradients``, ``RowStep``) would not compile when
+    checked from elsewhere."""
+    return torch.jit.script(cls, _rcb=torch._jit_internal.createResolutionCallbackForClassMethods(cls))
+
+
 #: Private operators called inside TorchScript code (optim/kernels.py, optim/qhm.py,
 #: optim/functional_qhm.py: the fused and multi-tensor kernels torch.optim itself uses;
 #: shards/server/optimizers.py: a push's row-sparse gradient built, and cut into runs of rows, without

@@ -86,9 +86,11 @@ def wait_for_output(process, pattern: str, timeout: float) -> re.Match:
     raise AssertionError(f"{process.args[0]} did not print {pattern!r} within {timeout} s:\n{errors(process)[-3000:]}")
 
 
-def start_server(commands: Commands, *args: str, timeout: float = 90, netns: Optional[str] = None):
-    """ps-server on a free port; returns (process, address) once it said it is ready."""
-    server = commands.start("ps-server", "--port", "0", *args, netns=netns)
+def start_server(commands: Commands, *args: str, timeout: float = 90, netns: Optional[str] = None,
+                 env: Optional[dict] = None):
+    """ps-server on a free port (``env`` over this process's environment); returns (process, address) once it
+    said it is ready."""
+    server = commands.start("ps-server", "--port", "0", *args, netns=netns, env=env)
     address = wait_for_output(server, r"ps-server ready at (\S+)", timeout).group(1)
     return server, address
 

@@ -14,8 +14,8 @@ from paramserver.checkpoint.model import ModelDescription, describe_model
 from paramserver.checkpoint.live_export import TableRows
 from paramserver.checkpoint.shard_part import CheckpointSource
 from paramserver.checkpoint.storage import CheckpointStore, save_tensors
-from paramserver.optim import (QHM, FunctionalAdagrad, FunctionalAdam, FunctionalFTRL, FunctionalQHM,
-                               FunctionalRowWiseAdagrad, FunctionalSGD, RowWiseAdagrad, ScriptedOptimizer)
+from paramserver.optim import QHM, FunctionalRowWiseAdagrad, FunctionalSGD, RowWiseAdagrad, ScriptedOptimizer
+from paramserver.optim.records import builtin_records
 from paramserver.optim.rounding import fmix32, fmix32_, round_rows, rounding_bits, stream_seed
 from paramserver.serving import DynamicTable, FixedTable
 from paramserver.shards.client.collection import check_push_dtype
@@ -29,9 +29,8 @@ from paramserver.tables.id_hash import shard_of
 HALVES = [torch.float16, torch.bfloat16]
 DIM = 8
 
-FUNCTIONAL = [(FunctionalQHM, dict(lr=0.1, momentum=0.9, nu=0.7)), (FunctionalSGD, dict(lr=0.1, momentum=0.9)),
-              (FunctionalAdagrad, dict(lr=0.1)), (FunctionalRowWiseAdagrad, dict(lr=0.1)),
-              (FunctionalAdam, dict(lr=0.01)), (FunctionalFTRL, dict(lr=0.1))]
+#: Every optimizer that takes half-precision rows (its record's ``half_rows``), with its record's example settings.
+FUNCTIONAL = [(record.functional, dict(record.example)) for record in builtin_records() if record.half_rows]
 
 
 def sparse(rows, values, shape):

@@ -8,8 +8,9 @@ import datetime
 import pytest
 import torch
 
-from paramserver.optim import FTRL, QHM, RowWiseAdagrad, functional_optim_map
+from paramserver.optim import QHM, RowWiseAdagrad, functional_optim_map
 from paramserver.optim.kernels import row_slice_fused_min_elements
+from paramserver.optim.records import builtin_records
 from paramserver.optim.row_sparse import RowState
 from paramserver.processes import Child, run_children
 from paramserver.shards.server import optimizers as owner_optimizers
@@ -56,10 +57,10 @@ def test_a_push_naming_a_row_the_parameter_does_not_have_is_refused_and_changes_
     assert not torch.equal(table, before)
 
 
-#: Every optimizer whose pushes are applied in parts (``steps_in_parts``), with settings that keep state.
-SPLITTING = [(QHM, HYPER), (torch.optim.SGD, dict(lr=0.1, momentum=0.9, dampening=0.1)),
-             (RowWiseAdagrad, dict(lr=0.1)), (FTRL, dict(lr=0.5, l1=0.001))]
-SPLITTING_IDS = ["QHM", "SGD", "RowWiseAdagrad", "FTRL"]
+#: Every optimizer whose pushes are applied in parts (its record's ``rows_independent``), with its record's
+#: example settings (which keep every kind of its state).
+SPLITTING = [(record.local[0], dict(record.example)) for record in builtin_records() if record.rows_independent]
+SPLITTING_IDS = [record.name for record in builtin_records() if record.rows_independent]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

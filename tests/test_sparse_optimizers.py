@@ -17,6 +17,8 @@ import torch
 from paramserver.optim import (FTRL, QHM, FunctionalAdagrad, FunctionalAdam, FunctionalFTRL, FunctionalRowWiseAdagrad,
                                RowState, RowWiseAdagrad, ScriptedOptimizer, functional_optim_map,
                                register_functional_optim)
+from paramserver.optim.local import ROUNDING_STEP
+from paramserver.optim.records import builtin_records
 from paramserver.shards.server import ShardState
 from paramserver.shards.server import optimizers as owner_optimizers
 from paramserver.shards.server.dynamic import DynamicRows
@@ -30,6 +32,8 @@ from paramserver.tables.id_hash import shard_of
 from test_dynamic_tables import equal_to_a_fixed_table  # (this folder is on the tests' path)
 
 ROWS, DIM, STEPS, TOUCHED = 40, 6, 100, 24
+#: Every row-wise optimizer's record (``paramserver.optim.records``).
+RECORDS = builtin_records()
 
 
 def row_sparse_gradients(steps=STEPS, rows=ROWS, dim=DIM, dtype=torch.float64, seed=0):
@@ -328,12 +332,8 @@ def test_a_kernel_failure_in_a_push_is_a_shard_fault_not_a_refusal_and_bad_input
     assert len(faults) == 1 and not is_remote_refusal(ShardFault(faults[0]))
 
 
-@pytest.mark.parametrize("optimizer_cls, options", [
-    (torch.optim.Adagrad, dict(lr=0.1, initial_accumulator_value=0.1)), (RowWiseAdagrad, dict(lr=0.1)),
-    (torch.optim.SparseAdam, dict(lr=0.01)), (FTRL, dict(lr=0.1, l1=0.001)),
-    (QHM, dict(lr=0.5, momentum=0.9, nu=0.7)),
-    (torch.optim.SGD, dict(lr=0.1, momentum=0.9, dampening=0.2))],
-    ids=["Adagrad", "RowWiseAdagrad", "SparseAdam", "FTRL", "QHM", "SGD"])
+@pytest.mark.parametrize("optimizer_cls, options", [(record.local[-1], dict(record.example)) for record in RECORDS],
+                         ids=[record.name for record in RECORDS])
 def test_with_torchscript_off_a_shard_steps_the_same_classes_eagerly_to_the_same_rows(monkeypatch, optimizer_cls,
                                                                                      options):
     def train(scripted: bool):
@@ -456,3 +456,39 @@ def test_a_local_optimizer_loaded_from_a_state_dict_steps_on_as_the_one_that_sav
     assert torch.equal(params[0].detach(), params[1].detach())
     for name, value in optimizer.state_dict()["state"][0].items():
         assert torch.equal(value, again.state_dict()["state"][0][name])
+
+
+@pytest.mark.parametrize("optimizer_cls, options", [(RowWiseAdagrad, dict(lr=0.05)), (FTRL, dict(lr=0.5, l1=0.01))])
+def test_a_local_optimizer_of_a_float16_parameter_loaded_from_a_state_dict_rounds_on_from_the_same_stream(
+        optimizer_cls, options):
+    """Saved after 5 steps (as a checkpoint holds it), loaded into a fresh optimizer over a copy of the parameter:
+    the next steps give the bits of the run that was not interrupted, its float32 state and its rounding steps
+    carried over (from step 1 again, the rounding bits would differ).  A state dict saved without rounding steps
+    still loads, and steps (its stream from step 1)."""
+    param = torch.nn.Parameter(torch.randn(ROWS, DIM).to(torch.float16))
+    optimizer = optimizer_cls([param], **options)
+    gradients = list(row_sparse_gradients(steps=10, dtype=torch.float16))
+    for step, gradient in enumerate(gradients):
+        if step == 5:
+            saved = copy.deepcopy(optimizer.state_dict())
+            copied = torch.nn.Parameter(param.detach().clone())
+            again = optimizer_cls([copied], **options)
+            again.load_state_dict(saved)
+        param.grad = gradient
+        optimizer.step()
+        if step >= 5:
+            copied.grad = gradient.clone()
+            again.step()
+    assert torch.equal(param.detach(), copied.detach())
+    state, loaded = optimizer.state_dict()["state"][0], again.state_dict()["state"][0]
+    assert state.keys() == loaded.keys() and state[ROUNDING_STEP] == loaded[ROUNDING_STEP] == 10, (state, loaded)
+    for name in (name for name in state if name != ROUNDING_STEP):
+        assert state[name].dtype == loaded[name].dtype == torch.float32 and torch.equal(state[name], loaded[name])
+
+    legacy = copy.deepcopy(saved)
+    legacy["state"][0].pop(ROUNDING_STEP)
+    older = optimizer_cls([torch.nn.Parameter(param.detach().clone())], **options)
+    older.load_state_dict(legacy)
+    older.param_groups[0]["params"][0].grad = gradients[0].clone()
+    older.step()
+    assert older.state_dict()["state"][0][ROUNDING_STEP] == 1

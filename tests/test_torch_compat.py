@@ -92,6 +92,21 @@ def test_torchscript_is_on_and_the_private_ops_exist():
     assert gradient._nnz() == 2 and gradient._values().shape == (2, 3)
 
 
+def _doubled(value: float) -> float:
+    return 2.0 * value
+
+
+class _UsesItsModulesHelper:
+    def __init__(self, value: float):
+        self.value = _doubled(value)
+
+
+def test_a_class_is_scripted_with_its_own_modules_names():
+    """``torch.jit.script(cls)`` resolves a class's globals in the caller's frame; ``script_class`` in the class's
+    own module (``_doubled`` is not a name of ``_torch_compat``)."""
+    assert compat.script_class(_UsesItsModulesHelper)(1.5).value == 3.0
+
+
 def _gloo_pair() -> list:
     store = dist.HashStore()
     members = [None, None]

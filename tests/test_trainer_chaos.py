@@ -8,7 +8,12 @@ its own), through the real commands, on one cluster of two shards and three work
    dense part is not; the checkpoint is never committed, and the other two re-form without it;
 2. worker2 is SIGKILLed mid-training: worker1 goes on alone;
 3. a shard process is SIGKILLed: ps-server restarts it from the newest committed checkpoint, worker1
-   waits for it, rebuilds its handles and finishes, with a clean exit (no C++ stack traces).
+   waits for it, rebuilds its handles and finishes, with a clean exit (no C++ stack traces);
+4. a push fails inside the other shard's optimizer after writing half of its rows (injected:
+   ``tests/push_fault/sitecustomize.py``, NaN rows then a ``RuntimeError``): a shard fault, not the request's
+   (never ``ShardRefused``): that shard's process exits 1, ps-server restarts it from the newest committed
+   checkpoint, and worker1 takes it as a lost shard (the push's steps counted in ``sparse_steps_lost``); no
+   NaN row is left in the model it ends with.
 
 Every step of the survivor is accounted for exactly once, and the model it ends with still learned.  The job
 runs with pushes applied in the background two steps behind (``staleness=2``) and the row cache (windows of 3
@@ -17,6 +22,7 @@ faults of exact steps (the default) are the other fault tests' (``test_fault_bou
 ``test_checkpoints``, ``test_cluster_commands``).
 """
 
+import math
 import os
 import pathlib
 import re
@@ -24,8 +30,9 @@ import signal
 import time
 
 import pytest
+import torch
 
-from commands import errors, job_config, start_server, status, wait_for_status
+from commands import errors, job_config, output, start_server, status, wait_for_status
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -37,18 +44,36 @@ MIN_AUC = 0.68
 
 
 STALENESS = 2
+#: The push fault (4) comes this many steps after the checkpoint committed when shard1 was killed (3).
+PUSH_FAULT_AFTER = 30
+PUSH_FAULT = pathlib.Path(__file__).parent / "push_fault"
+
+
+def _floating_tensors(value):
+    """Every floating-point tensor in a checkpoint part's nested dicts and lists."""
+    if isinstance(value, torch.Tensor):
+        return [value] if value.is_floating_point() else []
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [tensor for item in value for tensor in _floating_tensors(item)]
+    return []
 
 
 def test_a_trainer_job_survives_a_crash_mid_checkpoint_a_lost_worker_and_a_lost_shard(commands, tmp_path):
     root = tmp_path / "checkpoints"
     first_build_kill = tmp_path / "shard1.pid"  # read by worker1's job as it first builds its tables (0)
+    push_fault = tmp_path / "push-fault"  # read by the shards' injected fault (4)
+    injected = {"PYTHONPATH": os.pathsep.join(filter(None, [str(PUSH_FAULT), os.environ.get("PYTHONPATH")])),
+                "PARAMSERVER_TEST_PUSH_FAULT": str(push_fault)}
     # --group-size 3: the three workers form one group as the last joins (a loss re-forms it as before).
     server, address = start_server(commands, "--shards", "2", "--group-size", "3", "--heartbeat-timeout", "3",
                                    "--checkpoint-dir", str(root), "--checkpoint-every", "20", "--job", JOB,
                                    "--job-config", job_config(steps=STEPS, stateful=True, staleness=STALENESS,
                                                               cache_rows=10_000, cache_steps=STALENESS + 1,
                                                               crash_in_checkpoint_at=CRASH_AT,
-                                                              kill_at_first_build=str(first_build_kill)))
+                                                              kill_at_first_build=str(first_build_kill)),
+                                   env=injected)
     first_build_kill.write_text(str(next(s["pid"] for s in status(commands, address)["shards"]
                                          if s["name"] == "shard1")))
     started = [commands.start("ps-worker", "--connect", address) for _ in range(3)]
@@ -75,6 +100,10 @@ def test_a_trainer_job_survives_a_crash_mid_checkpoint_a_lost_worker_and_a_lost_
     # Committed when shard1 died, read from the disk: the coordinator may log that commit after it logs the
     # shard's exit.  One more may commit right after (its parts all written, its manifest not yet).
     newest_at_kill = max(int(m.parent.name[len("ckpt-"):]) for m in root.glob("ckpt-*/MANIFEST.json"))
+    # 4: once worker1 trains on after shard1's restart, shard0's first push for step fault_at or later fails.
+    fault_at = min(newest_at_kill + PUSH_FAULT_AFTER, STEPS - 20)
+    push_fault.with_suffix(".new").write_text(f"shard0 {fault_at}")
+    push_fault.with_suffix(".new").rename(push_fault)
 
     assert workers["worker1"].wait(240) == 0, errors(workers["worker1"])[-4000:]
     final = status(commands, address)
@@ -82,12 +111,13 @@ def test_a_trainer_job_survives_a_crash_mid_checkpoint_a_lost_worker_and_a_lost_
     # 0 and 3: the sparse part built again as the job started, and rebuilt after the shard was lost mid-training.
     assert not first_build_kill.exists() and "building the sparse part failed against the shards" in \
         errors(workers["worker1"]), errors(workers["worker1"])[-4000:]
-    assert figures["steps"] == STEPS and figures["recoveries"] >= 2 and figures["shard_rebuilds"] >= 2, figures
+    # 0, 3 and 4: rebuilt as the job started, after shard1 was killed and after shard0's push fault.
+    assert figures["steps"] == STEPS and figures["recoveries"] >= 2 and figures["shard_rebuilds"] >= 3, figures
     # Every step once: applied, its sparse update lost with the shard, or taken from the group.
     assert figures["sparse_steps"] + figures["sparse_steps_lost"] + figures["steps_skipped"] == STEPS, figures
-    # The pushes in flight to the lost shard: the step's own, and with staleness up to that many more.
-    assert figures["sparse_steps_lost"] <= 1 + STALENESS and figures["loss"] < figures["first_loss"], figures
-    assert figures["auc"] > MIN_AUC, figures
+    # The pushes in flight to each lost shard (3, 4): the step's own, and with staleness up to that many more.
+    assert figures["sparse_steps_lost"] <= 2 * (1 + STALENESS) and figures["loss"] < figures["first_loss"], figures
+    assert figures["auc"] > MIN_AUC and math.isfinite(figures["replica_checksum"]), figures
 
     log = errors(server)
     assert f"ckpt-{CRASH_AT:010d} committed" not in log
@@ -100,5 +130,27 @@ def test_a_trainer_job_survives_a_crash_mid_checkpoint_a_lost_worker_and_a_lost_
     text = errors(workers["worker1"])
     assert "re-formed" in text and "sparse part rebuilt" in text, text[-3000:]
     assert "deletingUserRRef" not in text, text[-3000:]  # a clean exit after a shard restart prints no C++ traces
+
+    # 4: the push fault was the shard's: it said so in one line, exited 1 and was restarted from a checkpoint
+    # older than the push; worker1 lost that push's update with the shard and was never told it was refused.
+    assert not push_fault.exists(), "no push to shard0 met the injected fault"
+    assert len(re.findall(r"optimizer QHM failed applying a push to .*injected fault.*this shard serves no step "
+                          r"again", log)) == 1, log[-3000:]
+    assert "shard shard0 exits to be restarted from its newest checkpoint" in log, log[-3000:]
+    assert re.search(r"shard process shard0 \(pid \d+\) exited with code 1\b", log), log[-3000:]
+    lost_on_shard0 = [int(s) for s in re.findall(r"the sparse update of step (\d+) failed against the shards; the "
+                                                  r"dense one goes on: ShardRequestFailed: push failed on shard "
+                                                  r"'shard0'", text)]
+    # (a message carries up to 1 + STALENESS steps' pushes: the ones before the failing one are lost with it)
+    assert lost_on_shard0 and max(lost_on_shard0) >= fault_at, (fault_at, text[-3000:])
+    restored = [int(s) for s in re.findall(r"shard0 restores its tables from \S*ckpt-\d{10} \(step (\d+)\)", log)]
+    assert len(restored) == 1 and restored[0] <= min(lost_on_shard0), (restored, lost_on_shard0)
+    assert "ShardRefused" not in text + output(workers["worker1"]) and "refused it" not in text, text[-3000:]
+    # The half-written rows did not survive: the newest checkpoint, taken after the fault, holds no NaN.
+    newest = max(root.glob("ckpt-*/MANIFEST.json")).parent
+    assert int(newest.name[len("ckpt-"):]) > min(lost_on_shard0), newest
+    for part in newest.glob("shard-*.pt"):
+        tensors = _floating_tensors(torch.load(part, weights_only=True))
+        assert tensors and all(bool(t.isfinite().all()) for t in tensors), part
     commands.run("ps-ctl", "--connect", address, "shutdown")
     assert server.wait(30) == 0, errors(server)[-3000:]

@@ -64,8 +64,7 @@ from torch import Tensor, nn
 
 from paramserver import Table, Trainer
 from paramserver.optim import QHM
-from paramserver.optim.ftrl import FTRL
-from paramserver.optim.rowwise_adagrad import RowWiseAdagrad
+from paramserver.optim.records import job_choices
 from paramserver.jobs.ctr_data import CTRSpec, PlantedCTR, PlantedStream, auc, feature_names, to_batch
 
 logger = logging.getLogger(__name__)
@@ -75,18 +74,10 @@ EVAL_BATCH = 4096
 
 #: The tables' optimizers by name (the job's ``sparse_optimizer``): the class the shards run and its keyword
 #: arguments, tuned on the planted data (``make demo``'s 1500 steps, fixed and dynamic tables: see
-#: docs/demo-job.md); the job's ``sparse_lr`` replaces the ``lr`` here, and for ``qhm`` the job's
-#: ``momentum`` and ``nu`` replace these.
+#: docs/demo-job.md), each read from its optimizer's record (``RowOptimizer.job``); the job's ``sparse_lr``
+#: replaces the ``lr`` here, and for ``qhm`` the job's ``momentum`` and ``nu`` replace these.
 SPARSE_OPTIMIZERS: Dict[str, Tuple[type, Dict[str, Any]]] = {
-    "qhm": (QHM, dict(lr=128.0, momentum=0.9, nu=0.7)),
-    "sgd": (torch.optim.SGD, dict(lr=512.0)),  # no momentum
-    "adagrad": (torch.optim.Adagrad, dict(lr=0.5)),
-    "rowwise_adagrad": (RowWiseAdagrad, dict(lr=0.5)),
-    "adam": (torch.optim.SparseAdam, dict(lr=0.03)),  # lazy Adam: only the rows a step touched move
-    # the accumulator starts at 0.1, far above a batch mean's squared gradients: a step is about lr / sqrt(0.1)
-    # times the gradient, as SGD's, hence the large rate
-    "ftrl": (FTRL, dict(lr=40.0)),
-}
+    name: (choice.local, dict(choice.options)) for name, choice in job_choices().items()}
 
 #: The names ``sparse_optimizer`` takes: a config naming another is refused before the job is shipped.
 SparseOptimizerName = Literal[tuple(SPARSE_OPTIMIZERS)]  # type: ignore[valid-type]

@@ -4,7 +4,9 @@ Owns the optimizer side of paramserver: the local optimizers of its own (``QHM``
 ``FTRL``), the functional optimizers that shard servers run over the rows they hold (``FunctionalQHM``,
 ``FunctionalSGD``, ``FunctionalAdagrad``, ``FunctionalAdam``, ``FunctionalRowWiseAdagrad``,
 ``FunctionalFTRL``: TorchScript classes, eager where TorchScript is off), the one row-sparse driver they
-all run on (``RowState``, ``RowStep``), the ``functional_optim_map`` registry, ``ScriptedOptimizer`` to run
+all run on (``RowState``, ``RowStep``), one record per row-wise optimizer (``records``: its state, checks,
+refusals on rows, capabilities, row update, read by the shard, the job, the docs and the tests), the
+``functional_optim_map`` registry, ``ScriptedOptimizer`` to run
 a functional optimizer compiled from Python, and ``DistributedOptimizer``, which runs them where the
 parameters live (its RPC side in ``distributed``; the shard's side is ``paramserver.shards.server.optimizers``).
 
@@ -20,6 +22,7 @@ from .functional_adam import FunctionalAdam
 from .functional_qhm import FunctionalQHM
 from .functional_sgd import FunctionalSGD
 from .qhm import QHM
+from .records import JobChoice, RowOptimizer, RowRefusal, StateKind
 from .registry import check_functional_contract, functional_optim_map, register_functional_optim
 from .row_sparse import RowState, RowStep
 from .rowwise_adagrad import FunctionalRowWiseAdagrad, RowWiseAdagrad
@@ -39,6 +42,10 @@ __all__ = [
     "FunctionalFTRL",
     "RowState",
     "RowStep",
+    "RowOptimizer",
+    "StateKind",
+    "RowRefusal",
+    "JobChoice",
     "ScriptedOptimizer",
     "functional_optim_map",
     "register_functional_optim",

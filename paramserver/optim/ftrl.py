@@ -24,6 +24,7 @@ from torch import Tensor
 from .hyperparameters import check_ftrl_hyperparameters
 from .kernels import check_gradients
 from .local import FunctionalBackedOptimizer
+from .records import JobChoice, RowOptimizer, StateKind
 from .row_sparse import RowState, RowStep
 
 
@@ -105,3 +106,17 @@ class FTRL(FunctionalBackedOptimizer):
                                    float(l2), float(beta))
         super().__init__(params, dict(lr=lr, lr_power=lr_power, initial_accumulator_value=initial_accumulator_value,
                                       l1=l1, l2=l2, beta=beta))
+
+
+#: FTRL's record.  The job's rate looks large because the accumulator starts at 0.1, far above a batch mean's
+#: squared gradients: a step is about lr / sqrt(0.1) times the gradient, as SGD's.
+ROW_OPTIMIZER = RowOptimizer(
+    name="FTRL", functional=FunctionalFTRL, local=(FTRL,),
+    state=(StateKind("accumulator", "element", "initial_accumulator_value"), StateKind("linear", "element")),
+    check=lambda h: check_ftrl_hyperparameters(h["lr"], h["lr_power"], h["initial_accumulator_value"], h["l1"],
+                                               h["l2"], h["beta"]),
+    refusals=(), rows_independent=True, half_rows=True,
+    example=dict(lr=0.5, l1=0.001),
+    job=JobChoice("ftrl", FTRL, dict(lr=40.0)),
+    rank=50, state_doc="accumulator and linear term, `2 * dim` floats (accumulator from 0.1)",
+    update_doc="FTRL-Proximal as TensorFlow/Keras")

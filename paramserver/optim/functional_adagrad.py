@@ -20,6 +20,7 @@ from torch import Tensor
 
 from .hyperparameters import check_adagrad_hyperparameters
 from .kernels import check_gradients
+from .records import JobChoice, RowOptimizer, RowRefusal, StateKind
 from .row_sparse import RowState, RowStep
 
 
@@ -87,3 +88,18 @@ class FunctionalAdagrad:
 
     def load_state_dict(self, state: Dict[int, Dict[str, Tensor]]) -> None:
         self.state.load_state_dict(state)
+
+
+#: Adagrad's record: its step count is the table's, so a push is applied in one part.
+ROW_OPTIMIZER = RowOptimizer(
+    name="Adagrad", functional=FunctionalAdagrad, local=(torch.optim.Adagrad,),
+    state=(StateKind("step", "scalar"), StateKind("sum", "element", "initial_accumulator_value")),
+    check=lambda h: check_adagrad_hyperparameters("Adagrad", h["lr"], h["lr_decay"], h["weight_decay"],
+                                                  h["initial_accumulator_value"], h["eps"]),
+    refusals=(RowRefusal(("weight_decay",), lambda h: h["weight_decay"] != 0.0,
+                         "not compatible with row-sparse gradients (torch.optim.Adagrad refuses it too)"),),
+    rows_independent=False, half_rows=True,
+    example=dict(lr=0.1, initial_accumulator_value=0.1),
+    job=JobChoice("adagrad", torch.optim.Adagrad, dict(lr=0.5)),
+    rank=20, state_doc="sum, `dim` floats (from `initial_accumulator_value`); a step count per table",
+    update_doc="`torch.optim.Adagrad`'s sparse update")

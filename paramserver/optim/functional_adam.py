@@ -25,6 +25,7 @@ from torch import Tensor
 
 from .hyperparameters import check_adam_hyperparameters
 from .kernels import check_gradients
+from .records import JobChoice, RowOptimizer, RowRefusal, StateKind
 from .row_sparse import RowState, RowStep
 
 
@@ -101,3 +102,19 @@ class FunctionalAdam:
 
     def load_state_dict(self, state: Dict[int, Dict[str, Tensor]]) -> None:
         self.state.load_state_dict(state)
+
+
+#: Adam's record (``Adam`` and ``SparseAdam``): its step count is the table's, so a push is applied in one part.
+ROW_OPTIMIZER = RowOptimizer(
+    name="Adam", functional=FunctionalAdam, local=(torch.optim.Adam, torch.optim.SparseAdam),
+    state=(StateKind("step", "scalar"), StateKind("exp_avg", "element"), StateKind("exp_avg_sq", "element"),
+           StateKind("max_exp_avg_sq", "element", kept=lambda h: bool(h["amsgrad"]), kept_doc="amsgrad")),
+    check=lambda h: check_adam_hyperparameters("Adam", h["lr"], h["betas"][0], h["betas"][1], h["eps"],
+                                               h["weight_decay"]),
+    refusals=(RowRefusal(("amsgrad", "weight_decay"), lambda h: bool(h["amsgrad"]) or h["weight_decay"] != 0.0,
+                         "no lazy form for row-sparse gradients (torch.optim.SparseAdam has neither)"),),
+    rows_independent=False, half_rows=True,
+    example=dict(lr=0.01),
+    job=JobChoice("adam", torch.optim.SparseAdam, dict(lr=0.03)),  # lazy Adam: only the rows a step touched move
+    rank=40, state_doc="two moments, `2 * dim` floats; a step count per table",
+    update_doc="lazy Adam: `torch.optim.SparseAdam`'s")

@@ -39,6 +39,8 @@ from torch import Tensor
 
 from .hyperparameters import check_qhm_hyperparameters
 from .kernels import check_gradients, momentum_step, row_slice_fused_min_elements
+from .qhm import QHM
+from .records import JobChoice, RowOptimizer, StateKind
 from .row_sparse import RowState, RowStep
 
 
@@ -173,3 +175,15 @@ class FunctionalQHM:
         for i in range(len(self.params)):
             if self.state.has(i):
                 self.state.of(i)[0].mul_(self.buffer_scale)
+
+
+#: QHM's record: the default of the CTR job (its ``momentum`` and ``nu`` are the job's own).
+ROW_OPTIMIZER = RowOptimizer(
+    name="QHM", functional=FunctionalQHM, local=(QHM,),
+    state=(StateKind("momentum_buffer", "element"),),
+    check=lambda h: check_qhm_hyperparameters(h["lr"], h["momentum"], h["nu"], h["weight_decay"],
+                                              h["weight_decay_type"]),
+    refusals=(), rows_independent=True, half_rows=True,
+    example=dict(lr=0.1, momentum=0.9, nu=0.7),
+    job=JobChoice("qhm", QHM, dict(lr=128.0, momentum=0.9, nu=0.7)),
+    rank=0, state_doc="momentum, `dim` floats", update_doc="quasi-hyperbolic momentum, lazy")

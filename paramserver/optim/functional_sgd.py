@@ -21,6 +21,7 @@ from torch import Tensor
 
 from .hyperparameters import check_sgd_hyperparameters
 from .kernels import check_gradients, momentum_step, row_slice_fused_min_elements
+from .records import JobChoice, RowOptimizer, StateKind
 from .row_sparse import RowState, RowStep
 
 
@@ -136,3 +137,17 @@ class FunctionalSGD:
     def load_state_dict(self, state: Dict[int, Dict[str, Tensor]]) -> None:
         """Restore a ``state_dict()``; validated whole before anything changes."""
         self.state.load_state_dict(state)
+
+
+#: SGD's record: a momentum buffer only with momentum, and with dampening a flag per row (its first step).
+ROW_OPTIMIZER = RowOptimizer(
+    name="SGD", functional=FunctionalSGD, local=(torch.optim.SGD,),
+    state=(StateKind("momentum_buffer", "element", kept=lambda h: h["momentum"] != 0.0, kept_doc="momentum"),
+           StateKind("rows_initialized", "row_flag", kept=lambda h: h["momentum"] != 0.0 and h["dampening"] != 0.0,
+                     kept_doc="momentum and dampening")),
+    check=lambda h: check_sgd_hyperparameters(h["lr"], h["momentum"], h["dampening"], h["weight_decay"],
+                                              h["nesterov"]),
+    refusals=(), rows_independent=True, half_rows=True,
+    example=dict(lr=0.1, momentum=0.9, dampening=0.1),
+    job=JobChoice("sgd", torch.optim.SGD, dict(lr=512.0)),  # no momentum
+    rank=10, state_doc="momentum (if any), `dim` floats", update_doc="`torch.optim.SGD`'s, lazy momentum")

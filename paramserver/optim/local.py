@@ -5,14 +5,24 @@ group, the functional class it names (``functional_cls``, built with the group's
 parameters' gradients, dense or row-sparse, with the state kept in ``self.state`` as ``torch.optim``
 optimizers keep theirs: a model trained in one process and the same model on shards give the same rows.
 Each group keeps one functional instance from step to step (made again only when the group's parameters or
-hyperparameters change, and then its rounding steps carry over), so half-precision parameters round with a
-new step's bits at every step, as on a shard.  It owns no math.
+hyperparameters change), and a half-precision parameter's state counts the steps that rounded it
+(``ROUNDING_STEP``, saved by ``state_dict``), so it rounds with a new step's bits at every step, as on a shard,
+across a new instance and across a reload.  It owns no math.
 """
 
+import itertools
 from typing import Any, Dict, List, Tuple
 
 import torch
 from torch.optim.optimizer import Optimizer
+
+from ..tables.row_types import is_half
+from .row_sparse import state_dtype
+
+#: The entry of a half-precision parameter's state counting the steps that rounded its values (an int): a state
+#: dict carries it, so an optimizer loaded from one draws its rounding bits on from the same stream (one without
+#: it loads too: its stream starts again at step 1, as before it was saved).
+ROUNDING_STEP = "rounding_step"
 
 
 class FunctionalBackedOptimizer(Optimizer):
@@ -33,8 +43,7 @@ class FunctionalBackedOptimizer(Optimizer):
 
     def _group_functional(self, index: int, group: Dict[str, Any]):
         """Group ``index``'s functional instance over all its parameters: the one kept, unless the group's
-        parameters or hyperparameters changed since (a new one then, counting on from the old one's rounding
-        steps where a parameter stayed)."""
+        parameters or hyperparameters changed since (a new one then: the rounding steps are the state's)."""
         functionals: Dict[int, Tuple[tuple, Any]] = self.__dict__.setdefault("_functionals", {})
         key = (tuple(id(param) for param in group["params"]),
                repr(sorted((name, value) for name, value in group.items() if name != "params")))
@@ -42,11 +51,22 @@ class FunctionalBackedOptimizer(Optimizer):
         if kept is not None and kept[0] == key:
             return kept[1]
         functional = self._functional(group, list(group["params"]))
-        if kept is not None:
-            before = {id(param): step for param, step in zip(kept[1].params, kept[1].state.rounding_steps)}
-            functional.state.rounding_steps = [before.get(id(param), 0) for param in functional.params]
         functionals[index] = (key, functional)
         return functional
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """``torch.optim.Optimizer.load_state_dict``, but a half-precision parameter's state keeps its type
+        (float32: ``row_sparse.state_dtype``), which torch would cast to the parameter's."""
+        super().load_state_dict(state_dict)
+        saved = itertools.chain.from_iterable(group["params"] for group in state_dict["param_groups"])
+        params = itertools.chain.from_iterable(group["params"] for group in self.param_groups)
+        for saved_index, param in zip(saved, params):
+            entry = state_dict["state"].get(saved_index)
+            if entry is None or not is_half(param.dtype):
+                continue
+            for name, value in entry.items():
+                if isinstance(value, torch.Tensor) and value.is_floating_point():
+                    self.state[param][name] = value.to(dtype=state_dtype(param), device=param.device, copy=True)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -64,9 +84,13 @@ class FunctionalBackedOptimizer(Optimizer):
             for i, param in enumerate(params):  # the state held here (loaded, perhaps) is the one stepped
                 held = self.state.get(param)
                 functional.state.tensors[i] = [held[name] for name in names] if held else None
+                if held and ROUNDING_STEP in held:
+                    functional.state.rounding_steps[i] = int(held[ROUNDING_STEP])
             functional.step([param.grad for param in params])
             for i, param in enumerate(params):
                 tensors = functional.state.tensors[i]
                 if tensors is not None:
                     self.state[param] = dict(zip(names, tensors))
+                    if is_half(param.dtype):
+                        self.state[param][ROUNDING_STEP] = functional.state.rounding_steps[i]
         return loss

@@ -12,7 +12,9 @@ user's class against the functional contract before adding it:
 * for tables (the default), its state is a ``RowState`` (``state`` attribute), so
   that per-row state follows a table's rows.
 
-It owns no optimizer math.
+With a class for tables, the map keeps its record (``records.RowOptimizer``: passed, or derived from the
+class), which the shard reads (``functional_optim_map.record_of``); ours come from their records.  It owns
+no optimizer math.
 """
 
 import inspect
@@ -23,36 +25,51 @@ from typing import Dict, Iterator, List, Optional
 import torch
 from torch import Tensor
 
-from .._torch_compat import torchscript_enabled
+from .._torch_compat import script_class, torchscript_enabled
 
-from .ftrl import FTRL, FunctionalFTRL
-from .functional_adagrad import FunctionalAdagrad
-from .functional_adam import FunctionalAdam
-from .functional_qhm import FunctionalQHM
-from .functional_sgd import FunctionalSGD
-from .qhm import QHM
+from .records import RowOptimizer, builtin_records
 from .row_sparse import RowState
-from .rowwise_adagrad import FunctionalRowWiseAdagrad, RowWiseAdagrad
 
 
 class FunctionalOptimMap(MutableMapping):
-    """local optimizer class -> TorchScript functional class: a mapping, filled with ours (``QHM``, and ``SGD``
-    replaced by ours: fused, row-sparse gradients, ``state_dict``) and with PyTorch's own functional optimizers
-    (Adam, Adagrad, ...).
+    """local optimizer class -> TorchScript functional class: a mapping, filled with ours (every built-in
+    optimizer's record, ``records.builtin_records``: ``QHM``, and ``SGD``, ``Adagrad``, ``Adam`` replaced by
+    ours: fused, row-sparse gradients, ``state_dict``) and with PyTorch's own functional optimizers (AdamW,
+    RMSprop, ...); beside it, each row-wise optimizer's record (``record_of``).
 
-    PyTorch's are read from ``torch.distributed.optim`` the first time a class that is not ours is looked up,
-    or the whole map is read: importing that package costs every process about a second (it loads DTensor),
-    and a shard running QHM or SGD never needs it.  A class set here (``register_functional_optim``) is kept
-    over PyTorch's for the same local class.
+    Ours are read the first time the map is read (their modules are this package's, imported by then); PyTorch's
+    from ``torch.distributed.optim`` the first time a class that is not ours is looked up, or the whole map is
+    read: importing that package costs every process about a second (it loads DTensor), and a shard running QHM
+    or SGD never needs it.  A class set here (``register_functional_optim``) is kept over ours and PyTorch's for
+    the same local class.
     """
 
-    def __init__(self, ours: Dict[type, type]):
-        self._entries: Dict[type, type] = dict(ours)
+    def __init__(self):
+        self._entries: Dict[type, type] = {}
+        #: local class -> its record (ours, and those registered); one counts only while the map still maps the
+        #: class to the record's functional class.
+        self._records: Dict[type, RowOptimizer] = {}
         self._lock = threading.Lock()
+        self._with_ours = False
         self._with_torchs = False
 
+    def _ours(self) -> Dict[type, type]:
+        """The entries, ours read in first if they were not yet."""
+        if not self._with_ours:
+            records = builtin_records()  # (imports this package's modules: not under the lock)
+            with self._lock:
+                if not self._with_ours:
+                    for record in records:
+                        for local_cls in record.local:
+                            if local_cls not in self._entries:
+                                self._entries[local_cls] = record.functional
+                                self._records[local_cls] = record
+                    self._with_ours = True
+        return self._entries
+
     def _all(self) -> Dict[type, type]:
-        """Every entry, PyTorch's read in first if they were not yet."""
+        """Every entry, ours and PyTorch's read in first if they were not yet."""
+        self._ours()
         with self._lock:
             if not self._with_torchs:
                 from torch.distributed.optim import utils as torch_functional  # about a second: see the class
@@ -62,10 +79,11 @@ class FunctionalOptimMap(MutableMapping):
         return self._entries
 
     def __getitem__(self, local_cls: type) -> type:
-        found = self._entries.get(local_cls)
+        found = self._ours().get(local_cls)
         return found if found is not None else self._all()[local_cls]
 
     def __setitem__(self, local_cls: type, functional_cls: type) -> None:
+        self._ours()
         self._entries[local_cls] = functional_cls
 
     def __delitem__(self, local_cls: type) -> None:
@@ -80,13 +98,37 @@ class FunctionalOptimMap(MutableMapping):
     def __repr__(self) -> str:
         return f"FunctionalOptimMap({self._all()!r})"
 
+    def register(self, local_cls: type, functional_cls: type, record: Optional[RowOptimizer]) -> None:
+        """Map ``local_cls`` to ``functional_cls`` with its ``record`` (``None``: dense parameters only)."""
+        self._ours()
+        self._entries[local_cls] = functional_cls
+        if record is None:
+            self._records.pop(local_cls, None)
+        else:
+            self._records[local_cls] = record
 
-#: local optimizer class -> TorchScript functional class (``FunctionalOptimMap``).  The tests step each of
-#: them in TorchScript against its local optimizer.
-functional_optim_map = FunctionalOptimMap({
-    QHM: FunctionalQHM, torch.optim.SGD: FunctionalSGD, torch.optim.Adagrad: FunctionalAdagrad,
-    torch.optim.Adam: FunctionalAdam, torch.optim.SparseAdam: FunctionalAdam,
-    RowWiseAdagrad: FunctionalRowWiseAdagrad, FTRL: FunctionalFTRL})
+    def record_of(self, local_cls: type) -> Optional[RowOptimizer]:
+        """The record of the row-wise optimizer ``local_cls`` maps to, or ``None`` (no record: a class PyTorch
+        ships, one registered for dense parameters only, or one set without ``register_functional_optim``)."""
+        record = self._records.get(local_cls)
+        if record is not None and self._ours().get(local_cls) is record.functional:
+            return record
+        return None
+
+    def records(self) -> List[RowOptimizer]:
+        """Every record the map holds now: ours (by rank), then those registered."""
+        self._ours()
+        found: List[RowOptimizer] = []
+        for local_cls in list(self._records):
+            record = self.record_of(local_cls)
+            if record is not None and record not in found:
+                found.append(record)
+        return found
+
+
+#: local optimizer class -> TorchScript functional class (``FunctionalOptimMap``), and the row-wise ones'
+#: records.  The tests step each of them in TorchScript against its local optimizer.
+functional_optim_map = FunctionalOptimMap()
 
 _PROBE_SOURCE = """
 def _step_contract(optimizer: FunctionalClass, gradients: List[Optional[Tensor]]) -> None:
@@ -112,7 +154,7 @@ def check_functional_contract(functional_cls) -> None:
     if not torchscript_enabled():
         return
     try:
-        torch.jit.script(functional_cls)
+        script_class(functional_cls)
     except Exception as error:
         raise TypeError(f"{name} does not compile under TorchScript: {_first_error_line(error)}") from error
     names = {"FunctionalClass": functional_cls, "List": List, "Optional": Optional, "Tensor": Tensor}
@@ -148,19 +190,33 @@ def check_row_state(functional_cls) -> None:
             f"parameters only ({_first_error_line(error)})") from error
 
 
-def register_functional_optim(local_cls, functional_cls, rows: bool = True) -> None:
-    """Map ``local_cls`` (a ``torch.optim.Optimizer`` subclass) to ``functional_cls``.
+def register_functional_optim(local_cls, functional_cls, rows: bool = True,
+                              record: Optional[RowOptimizer] = None) -> None:
+    """Map ``local_cls`` (a ``torch.optim.Optimizer`` subclass) to ``functional_cls``, with its record.
 
     Raises ``TypeError`` if either class does not qualify (``check_functional_contract``; with ``rows``,
     the default, also ``check_row_state``: tables need it); the map is left unchanged then.  With
     TorchScript off (``PYTORCH_JIT=0``) nothing compiles, so only the Python-level checks run.
+
+    With ``rows`` the class gets a record (``record``, whose ``functional`` must be ``functional_cls``, or
+    ``RowOptimizer.derived`` from it: its rows update independently, and a shard applies a push to it in
+    parts, when it has ``prepare_step`` and ``step_rows``); ``rows=False`` registers it for dense parameters
+    only, with none.
     """
     if not (inspect.isclass(local_cls) and issubclass(local_cls, torch.optim.Optimizer)):
         raise TypeError(f"local optimizer must be a torch.optim.Optimizer subclass, got {local_cls!r}")
     check_functional_contract(functional_cls)
     if rows and torchscript_enabled():
         check_row_state(functional_cls)
-    functional_optim_map[local_cls] = functional_cls
+    if record is not None and not rows:
+        raise TypeError(f"{local_cls.__qualname__} is registered for dense parameters only (rows=False): a "
+                        f"row-wise optimizer's record does not apply")
+    if record is not None and record.functional is not functional_cls:
+        raise TypeError(f"the record of {record.name} is for {record.functional.__qualname__}, not "
+                        f"{functional_cls.__qualname__}")
+    if rows and record is None:
+        record = RowOptimizer.derived(local_cls, functional_cls)
+    functional_optim_map.register(local_cls, functional_cls, record if rows else None)
 
 
 def class_name(cls) -> str:

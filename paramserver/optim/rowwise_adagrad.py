@@ -21,6 +21,7 @@ from torch import Tensor
 from .hyperparameters import check_rowwise_adagrad_hyperparameters
 from .kernels import check_gradients
 from .local import FunctionalBackedOptimizer
+from .records import JobChoice, RowOptimizer, StateKind
 from .row_sparse import RowState, RowStep
 
 
@@ -92,3 +93,14 @@ class RowWiseAdagrad(FunctionalBackedOptimizer):
     def __init__(self, params, lr: float, eps: float = 1e-8, weight_decay: float = 0.0):
         check_rowwise_adagrad_hyperparameters(float(lr), float(eps), float(weight_decay))
         super().__init__(params, dict(lr=lr, eps=eps, weight_decay=weight_decay))
+
+
+#: Row-wise Adagrad's record: one float of state per row.
+ROW_OPTIMIZER = RowOptimizer(
+    name="RowWiseAdagrad", functional=FunctionalRowWiseAdagrad, local=(RowWiseAdagrad,),
+    state=(StateKind("sum", "row"),),
+    check=lambda h: check_rowwise_adagrad_hyperparameters(h["lr"], h["eps"], h["weight_decay"]),
+    refusals=(), rows_independent=True, half_rows=True,
+    example=dict(lr=0.1),
+    job=JobChoice("rowwise_adagrad", RowWiseAdagrad, dict(lr=0.5)),
+    rank=30, state_doc="**one float**", update_doc="FBGEMM's `EXACT_ROWWISE_ADAGRAD`")

@@ -13,6 +13,12 @@ targets that reach them):
   the GIL; with TorchScript off the same module runs eagerly.  Without one, a
   Python optimizer is stepped instead (dense parameters only: a table needs an
   optimizer on the row-sparse driver, and refuses others when it is created).
+* Dispatch by the optimizer's record (``paramserver.optim.records``, from
+  ``functional_optim_map.record_of``, or derived from a class on the row-sparse
+  driver): which step module it gets, whether a push is applied in parts (its
+  rows update independently), what a table refuses (no record; settings its
+  record refuses on rows; half-precision rows it does not take).  No decision
+  is made by class name.
 * Refusals: a checkpoint's state for a table kept by another optimizer class,
   and an optimizer that cannot apply a table's rows, when it is created; a
   push's bad shapes, rows, types or devices, checked whole before any row
@@ -52,6 +58,7 @@ from torch import Tensor, nn
 from ..._torch_compat import torchscript_enabled
 from ..._torch_compat import autograd_context_creator, current_rpc_agent
 from ...logs import one_line
+from ...optim.records import RowOptimizer, local_names
 from ...optim.registry import class_name, functional_optim_map
 from ...optim.kernels import check_gradients, row_slice_fused_min_elements
 from ...optim.row_sparse import RowState, state_dtype
@@ -220,8 +227,8 @@ class _ScriptedStepWithRowState(_ScriptedStepWithStateDict):
 
 
 class _ScriptedStepInParts(_ScriptedStepWithRowState):
-    """For functional classes on the row-sparse driver that step in two halves (``steps_in_parts``): what a step
-    does once (``prepare_step``: a rescaled momentum, the state made, the rounding step counted) and the update of
+    """For functional classes on the row-sparse driver whose record says their rows update independently
+    (``RowOptimizer.rows_independent``), stepping in two halves: what a step does once (``prepare_step``: a rescaled momentum, the state made, the rounding step counted) and the update of
     some rows (``step_rows``), which reads only those rows, their gradient and their state, and writes only
     those rows.
 
@@ -274,15 +281,6 @@ class _ScriptedStepInParts(_ScriptedStepWithRowState):
 
     def _step_part(self, gradients: List[Optional[Tensor]]) -> List[Tensor]:
         return self.optim.step_rows(gradients)
-
-
-def steps_in_parts(functional_cls) -> bool:
-    """Whether ``functional_cls`` (on the row-sparse driver) splits its step into ``prepare_step(gradients)``, what
-    a step does once, and ``step_rows(gradients) -> List[Tensor]``, an update of some rows that reads only those
-    rows, their gradients and their state and writes nothing else (ours but Adagrad's and Adam's, which count
-    steps over the table): a push to it may be applied in parts at once."""
-    return callable(getattr(functional_cls, "prepare_step", None)) and \
-        callable(getattr(functional_cls, "step_rows", None))
 
 
 @torch.jit.script
@@ -352,20 +350,42 @@ class _ScriptedStepWithStateAttribute(_ScriptedStep):
         self.optim.state = restored
 
 
-def _compile_step(functional_cls, params: List[Tensor], names: List[str], args, kwargs):
+def _compile_step(optimizer_cls, functional_cls, record: Optional[RowOptimizer], params: List[Tensor],
+                  names: List[str], args, kwargs) -> Tuple[object, Optional[RowOptimizer]]:
     """The most capable step module ``functional_cls`` supports, compiled with TorchScript where it is on, else
-    the same module run eagerly (the same operations, so the same rows; the GIL held)."""
+    the same module run eagerly (the same operations, so the same rows; the GIL held); and the record of the
+    row-wise optimizer it is (``record``, or one derived from a class on the row-sparse driver set in the map
+    without one; ``None`` for a class that is not).  Its rows are applied in parts where the record says they
+    update independently; a record whose state is not the class's is a ``TypeError`` naming both."""
     optim = functional_cls(params, *args, **kwargs)
     compile_module = torch.jit.script if torchscript_enabled() else (lambda module: module)
-    if isinstance(getattr(optim, "state", None), RowState):
-        module = _ScriptedStepInParts if steps_in_parts(functional_cls) else _ScriptedStepWithRowState
-        return compile_module(module(optim, params, names))
+    row_state = getattr(optim, "state", None)
+    if isinstance(row_state, RowState):
+        if record is None:
+            record = RowOptimizer.derived(optimizer_cls, functional_cls)
+        _check_declared_state(record, row_state, args, kwargs)
+        module = _ScriptedStepInParts if record.rows_independent else _ScriptedStepWithRowState
+        return compile_module(module(optim, params, names)), record
+    if record is not None:
+        raise TypeError(f"optimizer {record.name}: its record declares row state, but {functional_cls.__qualname__} "
+                        f"keeps no RowState ('state' attribute)")
     if hasattr(functional_cls, "state_dict") and hasattr(functional_cls, "load_state_dict"):
-        return compile_module(_ScriptedStepWithStateDict(optim, params, names))
+        return compile_module(_ScriptedStepWithStateDict(optim, params, names)), None
     try:
-        return compile_module(_ScriptedStepWithStateAttribute(optim, params, names))
+        return compile_module(_ScriptedStepWithStateAttribute(optim, params, names)), None
     except RuntimeError:  # no ``state`` attribute of that type: steps only
-        return compile_module(_ScriptedStep(optim, params, names))
+        return compile_module(_ScriptedStep(optim, params, names)), None
+
+
+def _check_declared_state(record: RowOptimizer, row_state: RowState, args, kwargs) -> None:
+    """``TypeError`` unless the state ``record`` declares for these settings is the ``RowState`` its functional
+    class made (names, layouts, initial values); nothing to check where the record declares none."""
+    declared = record.state_for(record.bind(args, kwargs))
+    if declared is not None and declared != (list(row_state.names), list(row_state.layouts),
+                                             [float(value) for value in row_state.initial]):
+        raise TypeError(f"optimizer {record.name}: its record declares the row state {declared} (names, layouts, "
+                        f"initial values), but {record.functional.__qualname__} keeps "
+                        f"{(row_state.names, row_state.layouts, row_state.initial)}")
 
 
 class _PythonStep:
@@ -395,15 +415,24 @@ class OwnerOptimizer:
     """The optimizer over one DistributedOptimizer's parameters on this owner."""
 
     def __init__(self, optimizer_cls, functional_cls, params: Sequence[Tensor], names: Sequence[str],
-                 args: tuple, kwargs: dict, state: ShardState, handle: int = 0):
+                 args: tuple, kwargs: dict, state: ShardState, handle: int = 0,
+                 record: Optional[RowOptimizer] = None):
+        """``record``: the row-wise optimizer's (``functional_optim_map.record_of``; looked up when not given)."""
         self.handle = handle
         self.optimizer_cls = optimizer_cls
         self.functional_cls = functional_cls
         self.params = list(params)
         self.names = list(names)
+        #: The row-wise optimizer's record (``paramserver.optim.records``): ``None`` for one that cannot apply rows.
+        self.record: Optional[RowOptimizer] = None
         if functional_cls is not None:
+            if record is None:
+                record = functional_optim_map.record_of(optimizer_cls)
+            if record is not None:
+                record.check_hyperparameters(args, kwargs)  # refused before anything compiles
             with state.compile_lock:
-                self._impl = _compile_step(functional_cls, self.params, self.names, args, kwargs)
+                self._impl, self.record = _compile_step(optimizer_cls, functional_cls, record, self.params,
+                                                        self.names, args, kwargs)
         else:
             self._impl = _PythonStep(optimizer_cls, self.params, self.names, args, kwargs)
         self._state = state
@@ -414,7 +443,7 @@ class OwnerOptimizer:
         #: Each parameter's rows changed since a live export (``ShardState.row_marks``: one object for its life).
         self._marks = [state.row_marks(p) for p in self.params]
         self._refuse_unless_rows_apply(state, args, kwargs)
-        if hasattr(self._impl, "set_parts"):
+        if self.record is not None and self.record.rows_independent:
             # a large push in as many parts as the shard's inter-op pool has threads (its cores' share)
             self._impl.set_parts(torch.get_num_interop_threads())
         for index, param in enumerate(self.params):
@@ -438,9 +467,10 @@ class OwnerOptimizer:
 
     def _refuse_unless_rows_apply(self, state: ShardState, args: tuple, kwargs: dict) -> None:
         """Tables (fixed or dynamic) are updated by row-sparse pushes, and their per-row state must follow their
-        rows: ``TypeError`` naming the table and the optimizer when its class has no per-row state
-        (``RowState``), ``ValueError`` when its settings refuse row-sparse gradients (tried here on a scratch
-        row, so that the refusal comes now, not at every push)."""
+        rows: ``TypeError`` naming the table and the optimizer when it has no record (no per-row state,
+        ``RowState``) or its record takes no half-precision rows and the table has them, ``ValueError`` when its
+        record refuses its settings on rows (a record that declares no refusals: its class tried here on a
+        scratch row), so that the refusal comes now, not at every push."""
         tables = [index for index, param in enumerate(self.params)
                   if self._dynamic[index] is not None or state.is_shared_table(param) or is_half(param.dtype)]
         if not tables:
@@ -448,17 +478,25 @@ class OwnerOptimizer:
         first = tables[0]
         table = self._dynamic[first].name if self._dynamic[first] is not None else self.names[first]
         optimizer = self.optimizer_cls.__qualname__
-        if not hasattr(self._impl, "reset_rows"):
-            halves = [index for index in tables if is_half(self.params[index].dtype)]
-            if halves:
-                param = self.params[halves[0]]
-                raise TypeError(f"table {self.names[halves[0]]} has {param.dtype} rows: optimizer {optimizer} cannot "
-                                f"update them in float32 and round them back stochastically (it has no form on the "
-                                f"row-sparse driver; use QHM, SGD, Adagrad, RowWiseAdagrad, Adam, SparseAdam or FTRL, "
-                                f"or float32 rows)")
+        record = self.record
+        choices = ", ".join(local_names()[:-1]) + " or " + local_names()[-1]
+        halves = [index for index in tables if is_half(self.params[index].dtype)]
+        if halves and (record is None or not record.half_rows):
+            param = self.params[halves[0]]
+            raise TypeError(f"table {self.names[halves[0]]} has {param.dtype} rows: optimizer {optimizer} cannot "
+                            f"update them in float32 and round them back stochastically ("
+                            f"{'it has no form on the row-sparse driver' if record is None else 'its record says so'}"
+                            f"; use {choices}, or float32 rows)")
+        if record is None:
             raise TypeError(f"table {table}: optimizer {optimizer} cannot apply row-sparse gradients with per-row "
                             f"state that follows the table's rows (it has no form on the row-sparse driver; "
-                            f"use QHM, SGD, Adagrad, RowWiseAdagrad, Adam, SparseAdam or FTRL)")
+                            f"use {choices})")
+        if record.refusals is not None:
+            reason = record.refusal(record.bind(args, kwargs))
+            if reason is not None:
+                raise ValueError(f"table {table}: optimizer {optimizer} with {kwargs} cannot apply row-sparse "
+                                 f"gradients: {reason}")
+            return
         param = self.params[first]
         scratch = torch.zeros((1,) + tuple(param.shape[1:]), dtype=param.dtype, device=param.device)
         # A valid one-row gradient built here: no invariant check wanted (said explicitly, so torch does not warn
