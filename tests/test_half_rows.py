@@ -413,3 +413,31 @@ def test_a_dynamic_tables_half_rows_are_the_same_on_one_shard_or_two(dtype):
         return found
     one = trained(1)
     assert torch.equal(one, trained(2))
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+def test_a_shard_restored_from_a_state_dict_rounds_on_with_the_steps_it_had(dtype):
+    """The optimizer state of half-precision rows holds the steps that rounded them: an owner restored from the
+    rows and that state steps on bit for bit as the one that saved it (not with the bits of its first steps
+    again); a state dict without the count still loads."""
+    pushes = cut_pushes(40)
+
+    def fresh():
+        state = ShardState()
+        table = host_rows(state, "job.t[0:40]", 40, DIM, dtype, 0, 0, shared=True)
+        return table, owner(state, [table], RowWiseAdagrad, lr=0.1)
+    table, saver = fresh()
+    for step, (ids, gradients) in enumerate(pushes[:3]):
+        saver.apply_rows([0], [ids], [gradients], "test", (1, step))
+    saved = saver.state_dict()
+    assert saved[0]["rounding_step"].item() == 3
+    restored_table, restored = fresh()
+    with torch.no_grad():
+        restored_table.copy_(table)
+    restored.load_state_dict(saved)
+    for optimizer in (saver, restored):
+        optimizer.apply_rows([0], [pushes[3][0]], [pushes[3][1]], "test", (1, 3))
+    assert torch.equal(table, restored_table)
+    legacy_table, legacy = fresh()
+    legacy.load_state_dict({0: {key: value for key, value in saved[0].items() if key != "rounding_step"}})
+    assert legacy.state_dict()[0]["rounding_step"].item() == 0

@@ -174,7 +174,9 @@ class RowState:
                     made[k].index_fill_(0, rows, self.initial[k])
 
     def state_dict(self) -> Dict[int, Dict[str, Tensor]]:
-        """``{param index: {name: tensor}}`` (copies); parameters that never had a gradient have no entry."""
+        """``{param index: {name: tensor}}`` (copies); parameters that never had a gradient have no entry.  A
+        half-precision parameter's entry with state also holds ``"rounding_step"`` (a 0-d int64): the steps that
+        rounded it, so that one restored from it rounds on with new bits (``load_state_dict``)."""
         state: Dict[int, Dict[str, Tensor]] = {}
         for i in range(len(self.params)):
             made = self.tensors[i]
@@ -182,6 +184,8 @@ class RowState:
                 entry: Dict[str, Tensor] = {}
                 for k in range(len(made)):
                     entry[self.names[k]] = made[k].clone()
+                if len(made) > 0 and is_half(self.params[i].dtype):
+                    entry["rounding_step"] = torch.tensor(self.rounding_steps[i], dtype=torch.int64)
                 state[i] = entry
         return state
 
@@ -202,12 +206,19 @@ class RowState:
                     raise ValueError("{}.load_state_dict: {} {} has shape {} but parameter {} has shape {} (its "
                                      "'{}' state: {})".format(self.optimizer, name, i, list(entry[name].shape), i,
                                                               list(self.params[i].shape), self.layouts[k], expected))
+            if "rounding_step" in entry and entry["rounding_step"].numel() != 1:
+                raise ValueError("{}.load_state_dict: rounding_step {} has shape {}, not one number".format(
+                    self.optimizer, i, list(entry["rounding_step"].shape)))
 
     def load_state_dict(self, state: Dict[int, Dict[str, Tensor]]) -> None:
-        """Restore a ``state_dict()``; checked whole (``check_state_dict``) before anything changes."""
+        """Restore a ``state_dict()``; checked whole (``check_state_dict``) before anything changes.  A
+        half-precision parameter counts its rounding steps on from the entry's ``"rounding_step"`` (from 0
+        again without one, as a state dict written before it was kept)."""
         self.check_state_dict(state)
         tensors: List[Optional[List[Tensor]]] = [None for _ in self.params]
         for i, entry in state.items():
+            if "rounding_step" in entry and is_half(self.params[i].dtype):
+                self.rounding_steps[i] = int(entry["rounding_step"])
             restored: List[Tensor] = []
             for k in range(len(self.names)):
                 made = self._new(k, self.params[i])
