@@ -217,7 +217,8 @@ def test_a_coordinator_that_never_comes_back_ends_its_members_within_their_grace
 
 def test_the_shards_a_lost_ps_server_started_outlive_it_and_are_taken_back_not_started_again(commands, tmp_path):
     """SIGKILLed, then SIGTERMed (with a journal: the coordinator alone ends), ps-server is started again twice:
-    its shards serve on and are taken back each time, never started again."""
+    its shards serve on and are taken back each time, never started again; one taken back and then SIGKILLed
+    is started again by the new coordinator, and the worker trains on with it."""
     port = _free_port()
     address = f"127.0.0.1:{port}"
     flags = ["--shards", "2", "--port", str(port), "--state-dir", str(tmp_path / "state"),
@@ -240,6 +241,10 @@ def test_the_shards_a_lost_ps_server_started_outlive_it_and_are_taken_back_not_s
                            and all(m["alive"] and not m["reason"] and m["seconds_since_heartbeat"] < 1.5 for m in s["shards"]), 30)
     assert {s["name"]: s["pid"] for s in back["shards"]} == shards, back["shards"]  # the same processes, no others
     assert "took back shard0, shard1" in errors(server)
+    # A shard taken back and lost: the new coordinator starts it again, and it joins the data plane through the
+    # new store (its members and their addresses taken back from the journal), where the worker reaches it.
+    print(f"shard0, taken back, healed {_shard_lost_and_healed(commands, address, 0, 1):.1f} s after its SIGKILL")
+    shards = {s["name"]: s["pid"] for s in status(commands, address)["shards"] if s["alive"]}
 
     # SIGTERM (a pod moved by a node drain): with a journal, the coordinator alone ends; the cluster trains on.
     server.send_signal(signal.SIGTERM)
@@ -267,7 +272,7 @@ def test_a_worker_killed_while_the_coordinator_is_out_is_declared_dead_on_its_re
     flags = ["--shards", "1", "--port", str(port), "--state-dir", str(tmp_path / "state"), "--store-name", "localhost",
              "--checkpoint-dir", str(tmp_path / "checkpoints"), "--group-size", "2", "--group-settle", "1",
              "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), "--coordinator-grace", str(GRACE_S), "--job", JOB,
-             "--job-config", job_config(steps=100_000, log_every=5, eval_every=100_000)]
+             "--job-config", job_config(steps=100_000, log_every=5, eval_every=100_000, fail_at_start_worker=2)]
     server = commands.start("ps-server", *flags)
     wait_for_output(server, r"ps-server ready at", 90)
     workers = [commands.start("ps-worker", "--connect", address, "--coordinator-grace", str(GRACE_S))
@@ -289,6 +294,20 @@ def test_a_worker_killed_while_the_coordinator_is_out_is_declared_dead_on_its_re
                             [w for w in s["workers"] if w["name"] == "worker0"][0]["step"] >= step + 10, 60)
     assert after["groups"][0]["members"] == ["worker0"], after["groups"]
     assert by_name["worker0"].poll() is None
+
+    # A worker joining worker0's group whose job fails at start: worker0 stops waiting for it as soon as it left
+    # (not at the group rendezvous's timeout, 60 s), naming it, and trains on alone.
+    failing = commands.start("ps-worker", "--connect", address, "--coordinator-grace", str(GRACE_S))
+    assert failing.wait(60) == 1, errors(failing)[-3000:]
+    assert "fails at start" in output(failing), output(failing)
+    failed_at = time.monotonic()
+    step = [w for w in status(commands, address)["workers"] if w["name"] == "worker0"][0]["step"]
+    wait_for_status(commands, address, lambda s: [w for w in s["workers"] if w["name"] == "worker0"][0][
+        "step"] >= step + 10, HEARTBEAT_TIMEOUT_S + 20)
+    print(f"worker0 trained on {time.monotonic() - failed_at:.1f} s after worker2's job failed at start")
+    log = errors(by_name["worker0"])
+    if re.search(r"forming trainer group 0 generation \d+ as rank 0 of 2 \(gloo\): worker0, worker2", log):
+        assert "without worker2 while it formed" in log, log[-3000:]  # (else it left before worker0 came)
     commands.run("ps-ctl", "--connect", address, "shutdown")
     assert by_name["worker0"].wait(30) == 0, errors(by_name["worker0"])[-3000:]
     assert server.wait(30) == 0, errors(server)[-3000:]
