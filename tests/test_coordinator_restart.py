@@ -297,13 +297,16 @@ def test_a_worker_killed_while_the_coordinator_is_out_is_declared_dead_on_its_re
 
     # A worker joining worker0's group whose job fails at start: worker0 stops waiting for it as soon as it left
     # (not at the group rendezvous's timeout, 60 s), naming it, and trains on alone.
+    generation = int(after["groups"][0]["generation"])
     failing = commands.start("ps-worker", "--connect", address, "--coordinator-grace", str(GRACE_S))
     assert failing.wait(60) == 1, errors(failing)[-3000:]
     assert "fails at start" in output(failing), output(failing)
     failed_at = time.monotonic()
-    step = [w for w in status(commands, address)["workers"] if w["name"] == "worker0"][0]["step"]
+    alone = wait_for_status(commands, address, lambda s: int(s["groups"][0]["generation"]) >= generation + 2, 30)
+    assert alone["groups"][0]["members"] == ["worker0"], alone["groups"]  # with worker2, then without it
+    step = [w for w in alone["workers"] if w["name"] == "worker0"][0]["step"]
     wait_for_status(commands, address, lambda s: [w for w in s["workers"] if w["name"] == "worker0"][0][
-        "step"] >= step + 10, HEARTBEAT_TIMEOUT_S + 20)
+        "step"] >= step + 10, HEARTBEAT_TIMEOUT_S + 20)  # not the rendezvous's 60 s
     print(f"worker0 trained on {time.monotonic() - failed_at:.1f} s after worker2's job failed at start")
     log = errors(by_name["worker0"])
     if re.search(r"forming trainer group 0 generation \d+ as rank 0 of 2 \(gloo\): worker0, worker2", log):
