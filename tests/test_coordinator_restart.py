@@ -1,13 +1,18 @@
 """A coordinator lost and started again takes its running cluster back (``ps-server --state-dir``), through the
 real commands on loopback, with a Trainer job (``tests/jobs/watch_next.py``):
 
-1. 2 shards (a shard host, ``ps-server --join``) and 3 workers in one trainer group; the coordinator is
-   SIGKILLed mid-training and started again 5 s later with the same flags: no worker or shard exits or
-   restarts, every member re-attaches within 5 s of the new coordinator listening, ``ps-ctl status`` lists
-   each with its step, a checkpoint asked after the return commits, and every worker finishes every step,
-   each counted once (sparse_steps + sparse_steps_lost + steps_skipped == steps, none lost, no --restore);
+1. 2 shards (a shard host, ``ps-server --join``) and 2 workers; with no restart, a shard SIGKILLed heals and a
+   third worker joins; the coordinator is SIGKILLed mid-training and started again 5 s later with the same
+   flags: no worker or shard exits or restarts, every member re-attaches within 5 s of the new coordinator
+   listening, ``ps-ctl status`` lists each with its step, a checkpoint asked after the return commits; then a
+   shard SIGKILLed heals and a fourth worker joins, through the new store (the data plane's rendezvous rebuilt),
+   and every worker finishes every step (those there from the start: each counted once, no --restore); the time
+   each heal takes, with and without the restart, is printed;
 2. a heartbeat under another member's id without its credential is refused with PERMISSION_DENIED;
-3. the coordinator never comes back: members exit 1 within their grace + 2 s, naming it.
+3. the coordinator never comes back: members exit 1 within their grace + 2 s, naming it;
+4. ps-server's own shards outlive it and are taken back (SIGKILL, then SIGTERM); a worker killed during the outage
+   is declared dead on the return; a shard taken back and then lost is started again and reached; a worker
+   whose job fails at start is left behind by its group at once.
 """
 
 import os
@@ -215,61 +220,22 @@ def test_a_coordinator_that_never_comes_back_ends_its_members_within_their_grace
     assert not pid_exists(shard_pid), "the shard outlived its grace"
 
 
-def test_the_shards_a_lost_ps_server_started_outlive_it_and_are_taken_back_not_started_again(commands, tmp_path):
-    """SIGKILLed, then SIGTERMed (with a journal: the coordinator alone ends), ps-server is started again twice:
-    its shards serve on and are taken back each time, never started again; one taken back and then SIGKILLed
-    is started again by the new coordinator, and the worker trains on with it."""
-    port = _free_port()
-    address = f"127.0.0.1:{port}"
-    flags = ["--shards", "2", "--port", str(port), "--state-dir", str(tmp_path / "state"),
-             "--checkpoint-dir", str(tmp_path / "checkpoints"), "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S),
-             "--coordinator-grace", str(GRACE_S), "--job", JOB,
-             "--job-config", job_config(steps=100_000, log_every=5, eval_every=100_000)]
-    server = commands.start("ps-server", *flags)
-    wait_for_output(server, r"ps-server ready at", 90)
-    worker = commands.start("ps-worker", "--connect", address, "--coordinator-grace", str(GRACE_S))
-    before = wait_for_status(commands, address, lambda s: s["workers"] and s["workers"][0]["step"] >= 10, 120)
-    shards = {s["name"]: s["pid"] for s in before["shards"]}
-    os.kill(server.pid, signal.SIGKILL)
-    server.wait(10)
-    time.sleep(2)
-    assert all(pid_exists(pid) for pid in shards.values()) and worker.poll() is None
-    server = commands.start("ps-server", *flags)
-    wait_for_output(server, r"ps-server ready at", 60)
-    step = before["workers"][0]["step"]
-    back = wait_for_status(commands, address, lambda s: s["workers"][0]["alive"] and s["workers"][0]["step"] > step
-                           and all(m["alive"] and not m["reason"] and m["seconds_since_heartbeat"] < 1.5 for m in s["shards"]), 30)
-    assert {s["name"]: s["pid"] for s in back["shards"]} == shards, back["shards"]  # the same processes, no others
-    assert "took back shard0, shard1" in errors(server)
-    # A shard taken back and lost: the new coordinator starts it again, and it joins the data plane through the
-    # new store (its members and their addresses taken back from the journal), where the worker reaches it.
-    print(f"shard0, taken back, healed {_shard_lost_and_healed(commands, address, 0, 1):.1f} s after its SIGKILL")
-    shards = {s["name"]: s["pid"] for s in status(commands, address)["shards"] if s["alive"]}
-
-    # SIGTERM (a pod moved by a node drain): with a journal, the coordinator alone ends; the cluster trains on.
-    server.send_signal(signal.SIGTERM)
-    assert server.wait(15) == 0, errors(server)[-3000:]
-    time.sleep(1)
-    assert all(pid_exists(pid) for pid in shards.values()) and worker.poll() is None
-    server = commands.start("ps-server", *flags)
-    wait_for_output(server, r"ps-server ready at", 60)
-    wait_for_status(commands, address, lambda s: s["workers"][0]["alive"] and all(
-        m["alive"] and not m["reason"] and m["seconds_since_heartbeat"] < 1.5 for m in s["shards"] + s["workers"]), 30)
-    assert "took back shard0, shard1" in errors(server)
-    commands.run("ps-ctl", "--connect", address, "shutdown")
-    assert worker.wait(30) == 0, errors(worker)[-3000:]
-    assert server.wait(30) == 0, errors(server)[-3000:]
-    deadline = time.monotonic() + 10
-    while any(pid_exists(pid) for pid in shards.values()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(pid_exists(pid) for pid in shards.values())
-
-
-def test_a_worker_killed_while_the_coordinator_is_out_is_declared_dead_on_its_return_and_its_group_re_forms(
+def test_a_lost_ps_server_s_shards_are_taken_back_a_worker_lost_meanwhile_is_declared_dead_and_joins_heal(
         commands, tmp_path):
+    """ps-server with shards of its own is SIGKILLed, then SIGTERMed (with a journal: the coordinator alone ends),
+    and started again each time:
+
+    1. its shards serve on and are taken back each time, never started again;
+    2. a worker SIGKILLed while the coordinator is out is declared dead within the heartbeat timeout of its
+       return, and its group re-forms through the store that came back (reached by ``--store-name``);
+    3. a shard taken back and then SIGKILLed is started again by the new coordinator, joins the data plane
+       through the new store, and the worker trains on with it;
+    4. a worker joining whose job fails at start: the survivor stops waiting for it as soon as it left (not at
+       the group rendezvous's timeout, 60 s), naming it, and trains on alone.
+    """
     port = _free_port()
     address = f"127.0.0.1:{port}"
-    flags = ["--shards", "1", "--port", str(port), "--state-dir", str(tmp_path / "state"), "--store-name", "localhost",
+    flags = ["--shards", "2", "--port", str(port), "--state-dir", str(tmp_path / "state"), "--store-name", "localhost",
              "--checkpoint-dir", str(tmp_path / "checkpoints"), "--group-size", "2", "--group-settle", "1",
              "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), "--coordinator-grace", str(GRACE_S), "--job", JOB,
              "--job-config", job_config(steps=100_000, log_every=5, eval_every=100_000, fail_at_start_worker=2)]
@@ -280,9 +246,12 @@ def test_a_worker_killed_while_the_coordinator_is_out_is_declared_dead_on_its_re
     before = wait_for_status(commands, address, lambda s: len(s["workers"]) == 2 and all(
         w["step"] >= 10 for w in s["workers"]), 120)
     by_name = {w["name"]: next(p for p in workers if p.pid == w["pid"]) for w in before["workers"]}
+    shards = {s["name"]: s["pid"] for s in before["shards"]}
     os.kill(server.pid, signal.SIGKILL)
     server.wait(10)
     os.kill(by_name["worker1"].pid, signal.SIGKILL)  # lost while nobody watches
+    time.sleep(2)
+    assert all(pid_exists(pid) for pid in shards.values()) and by_name["worker0"].poll() is None
     server = commands.start("ps-server", *flags)
     wait_for_output(server, r"ps-server ready at", 60)
     listening_at = time.monotonic()
@@ -291,13 +260,16 @@ def test_a_worker_killed_while_the_coordinator_is_out_is_declared_dead_on_its_re
     print(f"worker1 declared dead {time.monotonic() - listening_at:.1f} s after the coordinator came back")
     step = [w for w in dead["workers"] if w["name"] == "worker0"][0]["step"]
     after = wait_for_status(commands, address, lambda s: s["groups"] and int(s["groups"][0]["generation"]) >= 2 and
-                            [w for w in s["workers"] if w["name"] == "worker0"][0]["step"] >= step + 10, 60)
+                            [w for w in s["workers"] if w["name"] == "worker0"][0]["step"] >= step + 10 and all(
+        m["alive"] and not m["reason"] and m["seconds_since_heartbeat"] < 1.5 for m in s["shards"]), 60)
     assert after["groups"][0]["members"] == ["worker0"], after["groups"]
-    assert by_name["worker0"].poll() is None
+    assert {s["name"]: s["pid"] for s in after["shards"]} == shards, after["shards"]  # the same processes, no others
+    assert "took back shard0, shard1" in errors(server)
 
-    # A worker joining worker0's group whose job fails at start: worker0 stops waiting for it as soon as it left
-    # (not at the group rendezvous's timeout, 60 s), naming it, and trains on alone.
-    generation = int(after["groups"][0]["generation"])
+    print(f"shard0, taken back, healed {_shard_lost_and_healed(commands, address, 0, 1):.1f} s after its SIGKILL")
+    shards = {s["name"]: s["pid"] for s in status(commands, address)["shards"] if s["alive"]}
+
+    generation = int(status(commands, address)["groups"][0]["generation"])
     failing = commands.start("ps-worker", "--connect", address, "--coordinator-grace", str(GRACE_S))
     assert failing.wait(60) == 1, errors(failing)[-3000:]
     assert "fails at start" in output(failing), output(failing)
@@ -311,6 +283,22 @@ def test_a_worker_killed_while_the_coordinator_is_out_is_declared_dead_on_its_re
     log = errors(by_name["worker0"])
     if re.search(r"forming trainer group 0 generation \d+ as rank 0 of 2 \(gloo\): worker0, worker2", log):
         assert "without worker2 while it formed" in log, log[-3000:]  # (else it left before worker0 came)
+
+    # SIGTERM (a pod moved by a node drain): with a journal, the coordinator alone ends; the cluster trains on.
+    server.send_signal(signal.SIGTERM)
+    assert server.wait(15) == 0, errors(server)[-3000:]
+    time.sleep(1)
+    assert all(pid_exists(pid) for pid in shards.values()) and by_name["worker0"].poll() is None
+    server = commands.start("ps-server", *flags)
+    wait_for_output(server, r"ps-server ready at", 60)
+    wait_for_status(commands, address, lambda s: all(m["alive"] and not m["reason"] and m["seconds_since_heartbeat"]
+                                                     < 1.5 for m in s["shards"] + [w for w in s["workers"] if
+                                                                                  w["name"] == "worker0"]), 30)
+    assert "took back shard0, shard1" in errors(server)
     commands.run("ps-ctl", "--connect", address, "shutdown")
     assert by_name["worker0"].wait(30) == 0, errors(by_name["worker0"])[-3000:]
     assert server.wait(30) == 0, errors(server)[-3000:]
+    deadline = time.monotonic() + 10
+    while any(pid_exists(pid) for pid in shards.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(pid_exists(pid) for pid in shards.values())
