@@ -155,7 +155,15 @@ def test_a_restarted_coordinator_takes_the_running_cluster_back_with_no_step_los
 
 
 def test_a_re_attach_without_the_members_credential_is_refused_and_with_it_taken_back(tmp_path, caplog):
-    from paramserver.control import CoordinatorClient, CoordinatorServer, CoordinatorSettings, NotPermitted, pb
+    """Also: the RPC group's live members and their addresses come back into the new store from the journal (a
+    member gone meanwhile left out); a journal without them refuses every Join at once, saying what to do."""
+    import json
+
+    import torch.distributed as dist
+
+    from paramserver import _torch_compat as compat
+    from paramserver.control import (CoordinatorClient, CoordinatorError, CoordinatorServer, CoordinatorSettings,
+                                     NotPermitted, pb)
 
     def server(port):
         return CoordinatorServer(CoordinatorSettings(host="127.0.0.1", port=port, state_dir=str(tmp_path)),
@@ -170,10 +178,15 @@ def test_a_re_attach_without_the_members_credential_is_refused_and_with_it_taken
         client.call("Heartbeat", pb.HeartbeatRequest(member_id=worker.member_id, sequence=1, step=7,
                                                       credential=worker.credential))
         generation = first.membership.generation
+        group = [("shard0", shard.rpc_rank, "uv://127.0.0.1:1001"), ("worker0", worker.rpc_rank, "uv://127.0.0.1:1002"),
+                 ("client0", 9, "uv://127.0.0.1:1003")]  # (an RPC member the coordinator does not know: left out)
+        for entry in group:  # as each member's agent writes itself when it joins the data plane
+            compat.publish_rpc_member(dist.PrefixStore(compat.RPC_STORE_PREFIX, first.store.store), *entry)
         time.sleep(0.3)  # the journal is written within 0.1 s of a change
         first.stop()  # lost (its journal stays)
         second = server(first.port)
         try:
+            assert second.store.rpc_group() == group[:2]
             assert second.membership.generation > generation
             assert {m.rpc_name for m in second.membership.unattached()} == {"shard0", "worker0"}
             forged = [pb.HeartbeatRequest(member_id=worker.member_id, sequence=2),  # no credential
@@ -190,6 +203,17 @@ def test_a_re_attach_without_the_members_credential_is_refused_and_with_it_taken
             assert again.rpc_name == "worker1" and again.rpc_rank == 3  # numbering continues
         finally:
             second.stop()
+        journal = tmp_path / "coordinator.json"
+        state = json.loads(journal.read_text())
+        del state["rpc_group"]  # as an older version wrote it
+        journal.write_text(json.dumps(state))
+        third = server(first.port)
+        try:
+            with pytest.raises(CoordinatorError, match=r"FAILED_PRECONDITION: host cannot join: the journal .* holds "
+                                                       r"no RPC group.*ps-ctl shutdown.*ps-server --restore"):
+                client.join(pb.ROLE_WORKER, "host", "127.0.0.1")
+        finally:
+            third.stop()
     finally:
         client.close()
 
