@@ -22,7 +22,7 @@ import datetime
 import logging
 import socket
 import time
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
@@ -56,8 +56,9 @@ class RendezvousStore:
         self._socket.detach()  # the store's server owns the descriptor now and closes it
         self._rpc_store = dist.PrefixStore(RPC_STORE_PREFIX, self.store)
         self._names = dist.PrefixStore(RPC_NAMES_PREFIX, self._rpc_store)
-        #: Members' addresses read once (an agent's address never changes).
-        self._addresses: Dict[str, str] = {}
+        #: Members' addresses by (name, rank), read once (an agent's address never changes; a process started
+        #: again under the same name joins under another rank).
+        self._addresses: Dict[Tuple[str, int], str] = {}
 
     def remove_rpc_peer(self, rpc_name: str, rank: int,
                         timeout: datetime.timedelta = datetime.timedelta(seconds=30),
@@ -77,7 +78,7 @@ class RendezvousStore:
                 return False
             entries.remove(entry)
             self._names.set(RPC_MEMBER_LIST_KEY, "".join(entries))
-            self._addresses.pop(rpc_name, None)
+            self._addresses.pop((rpc_name, rank), None)
             logger.info("RPC group: removed %s (rank %d) from the store's member list", rpc_name, rank)
             return True
         finally:
@@ -109,21 +110,28 @@ class RendezvousStore:
         self._rpc_store.set(RPC_TOKEN_KEY, "")
         self._rpc_store.set(rpc_token(rpc_name, purpose), RPC_TOKEN_DONE)
 
-    def rpc_group(self) -> List[Tuple[str, int, str]]:
+    def rpc_group(self) -> Optional[List[Tuple[str, int, str]]]:
         """The RPC group's members as the store lists them, with the address each published: ``(name, rank,
-        address)`` (a member whose address is not there yet, still joining, is left out).  For the journal:
-        read without waiting, each address once."""
-        group = []
-        for entry in rpc_member_entries(self._names):
-            name, rank = parse_rpc_member_entry(entry)
-            address = self._addresses.get(name)
-            if address is None:
-                address = rpc_member_address(self._rpc_store, name)
+        address)``; None when a member is joining or leaving right now (it holds the group's membership token:
+        a joining member is listed before its address is written).  For the journal: read without waiting,
+        under the token, each address once."""
+        reader = rpc_token("coordinator", "journal")
+        if self._rpc_store.compare_set(RPC_TOKEN_KEY, "", reader).decode() != reader:
+            return None
+        try:
+            group = []
+            for entry in rpc_member_entries(self._names):
+                name, rank = parse_rpc_member_entry(entry)
+                address = self._addresses.get((name, rank))
                 if address is None:
-                    continue
-                self._addresses[name] = address
-            group.append((name, rank, address))
-        return group
+                    address = rpc_member_address(self._rpc_store, name)
+                    if address is None:
+                        continue
+                    self._addresses[(name, rank)] = address
+                group.append((name, rank, address))
+            return group
+        finally:
+            self._release_token("coordinator", "journal")
 
     def restore_rpc_group(self, members: Sequence[Tuple[str, int, str]]) -> None:
         """Write ``members`` (``rpc_group()``'s, from the journal of the coordinator before this one) into this
@@ -135,7 +143,7 @@ class RendezvousStore:
         try:
             for name, rank, address in members:
                 publish_rpc_member(self._rpc_store, name, int(rank), address)
-                self._addresses[name] = address
+                self._addresses[(name, int(rank))] = address
         finally:
             self._release_token("coordinator", "restore")
         logger.info("RPC group: took back %d member%s from the journal: %s", len(members),

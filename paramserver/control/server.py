@@ -122,6 +122,8 @@ class CoordinatorServer:
         #: Why members joining the data plane from now on could not reach those there before (the RPC group's
         #: store was lost with the coordinator before this one and cannot be rebuilt), or None.
         self.data_plane_lost: Optional[str] = None
+        #: The RPC group's members and addresses as last read for the journal.
+        self._rpc_group: list = []
         if journaled is not None:
             self.membership.restore(journaled["membership"])
             if self.checkpoints is not None:
@@ -200,8 +202,11 @@ class CoordinatorServer:
     def journal_state(self) -> dict:
         """What the journal holds: the membership, the checkpoints' numbering, the store's port, the RPC group's
         members and their addresses."""
+        group = self.store.rpc_group()
+        if group is not None:  # else a member is joining or leaving: the group as read last
+            self._rpc_group = [list(entry) for entry in group]
         return {"membership": self.membership.snapshot(), "store_port": self.store.port,
-                "rpc_group": [list(entry) for entry in self.store.rpc_group()],
+                "rpc_group": self._rpc_group,
                 "checkpoints": self.checkpoints.snapshot() if self.checkpoints is not None else {}}
 
     def start(self) -> "CoordinatorServer":
