@@ -254,7 +254,7 @@ def test_a_lost_ps_server_s_shards_are_taken_back_a_worker_lost_meanwhile_is_dec
        return, and its group re-forms through the store that came back (reached by ``--store-name``);
     3. a shard taken back and then SIGKILLed is started again by the new coordinator, joins the data plane
        through the new store, and the worker trains on with it;
-    4. a worker joining whose job fails at start: the survivor stops waiting for it as soon as it left (not at
+    4. a worker joining whose job fails at start: the survivor gives up waiting for it as soon as it left (not at
        the group rendezvous's timeout, 60 s), naming it, and trains on alone.
     """
     port = _free_port()
