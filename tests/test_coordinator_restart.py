@@ -91,7 +91,7 @@ def test_a_restarted_coordinator_takes_the_running_cluster_back_with_no_step_los
     port = _free_port()
     address = f"127.0.0.1:{port}"
     state_dir, checkpoints = tmp_path / "state", tmp_path / "checkpoints"
-    steps = 1500
+    steps = 100_000  # more than it trains: the test ends it (ps-ctl shutdown) once every phase is done
     server = _server(commands, port, state_dir, checkpoints, steps)
     wait_for_output(server, r"ps-server ready at", 90)
     shard_host = commands.start("ps-server", "--join", address, "--shards", "2", "--coordinator-grace", str(GRACE_S))
@@ -106,7 +106,6 @@ def test_a_restarted_coordinator_takes_the_running_cluster_back_with_no_step_los
               "worker join, no restart": _worker_joined_and_training(commands, address, workers)}
 
     before = wait_for_status(commands, address, lambda s: _workers_past(s, 20, 3), 60)
-    assert before["workers"][0]["step"] < steps - 300, "the job ran too fast to lose its coordinator mid-way"
     members = {m["name"]: m["pid"] for m in before["workers"] + before["shards"]}
 
     os.kill(server.pid, signal.SIGKILL)
@@ -139,17 +138,16 @@ def test_a_restarted_coordinator_takes_the_running_cluster_back_with_no_step_los
     healed["worker join, after a restart"] = _worker_joined_and_training(commands, address, workers)
     print("healed in: " + ", ".join(f"{what} {seconds:.1f} s" for what, seconds in healed.items()))
 
+    commands.run("ps-ctl", "--connect", address, "shutdown")  # the whole group stops at one step, cleanly
     for number, worker in enumerate(workers):
-        assert worker.wait(240) == 0, errors(worker)[-3000:]
+        assert worker.wait(60) == 0, errors(worker)[-3000:]
         line = output(worker).strip().splitlines()[-1]
         figures = _figures(line)
-        assert figures["steps"] == steps and figures["sparse_steps"] > 0, line
+        assert figures["steps"] > 0 and figures["sparse_steps"] > 0, line
         if number < 2:  # there from the start: each step counted once (applied, lost with a shard, or skipped)
             assert figures["sparse_steps"] + figures["sparse_steps_lost"] + figures["steps_skipped"] == \
                 figures["steps"] - figures.get("start_step", 0), line
     assert all("outage lasted" in errors(worker) for worker in workers[:3])
-    assert shard_host.poll() is None
-    commands.run("ps-ctl", "--connect", address, "shutdown")
     assert server.wait(30) == 0, errors(server)[-3000:]
     assert shard_host.wait(30) == 0, errors(shard_host)[-3000:]
 
