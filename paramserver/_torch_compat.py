@@ -18,7 +18,7 @@ import builtins
 import datetime
 import logging
 import re
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,9 @@ RPC_NAMES_PREFIX = "names"
 RPC_TOKEN_KEY = "RpcGroupManagementToken"
 #: Under ``RPC_NAMES_PREFIX``: the member list.
 RPC_MEMBER_LIST_KEY = "_ALL_WORKER_INFOS"
+#: Under ``RPC_STORE_PREFIX``: the prefix of the agents' addresses (TensorPipe's ``nameToAddressStore_``): a
+#: joining agent reads each listed member's address there, and each member reads the newcomer's there.
+RPC_ADDRESSES_PREFIX = "addrs"
 #: What a token's own key is set to once its holder is finished.
 RPC_TOKEN_DONE = "Done"
 
@@ -55,6 +58,44 @@ def rpc_token(name: str, purpose: str) -> str:
 def rpc_member_entry(name: str, rank: int) -> str:
     """One member's entry in the member list."""
     return f"{name}-{rank},"
+
+
+def rpc_member_entries(names_store: dist.Store) -> List[str]:
+    """The entries (``rpc_member_entry``) of the member list under ``names_store`` (the ``RPC_NAMES_PREFIX``
+    store), in order; empty when there is none (read without waiting)."""
+    if not names_store.check([RPC_MEMBER_LIST_KEY]):
+        return []
+    return [entry + "," for entry in names_store.get(RPC_MEMBER_LIST_KEY).decode().split(",") if entry]
+
+
+def parse_rpc_member_entry(entry: str) -> Tuple[str, int]:
+    """``(name, rank)`` of a member list's entry."""
+    name, _, rank = entry.rstrip(",").rpartition("-")
+    return name, int(rank)
+
+
+def publish_rpc_member(rpc_store: dist.Store, name: str, rank: int, address: str) -> bool:
+    """Write member ``name`` (``rank``, listening at ``address``) into an open group's store (the
+    ``RPC_STORE_PREFIX`` one) as torch's agent does when it joins: its rank's name, its address, its entry
+    at the member list's end unless listed.  Call it holding the group's membership token.  Returns
+    whether the list lacked it."""
+    dist.PrefixStore(RPC_ADDRESSES_PREFIX, rpc_store).set(name, address)
+    names = dist.PrefixStore(RPC_NAMES_PREFIX, rpc_store)
+    names.set(str(rank), name)
+    entries = rpc_member_entries(names)
+    entry = rpc_member_entry(name, rank)
+    if entry in entries:
+        return False
+    names.set(RPC_MEMBER_LIST_KEY, "".join(entries + [entry]))
+    return True
+
+
+def rpc_member_address(rpc_store: dist.Store, name: str) -> Optional[str]:
+    """The address member ``name`` published in an open group's store, or None (read without waiting)."""
+    addresses = dist.PrefixStore(RPC_ADDRESSES_PREFIX, rpc_store)
+    if not addresses.check([name]):
+        return None
+    return addresses.get(name).decode()
 
 
 def reset_rpc_init_counter() -> None:

@@ -22,7 +22,8 @@ import torch.distributed.rpc as rpc
 
 from paramserver import _torch_compat as compat
 from paramserver.control.rendezvous import RendezvousStore
-from paramserver.shards.peer import join, leave, leave_together
+from paramserver.shards.group_store import store_of
+from paramserver.shards.peer import join, leave, leave_together, republish
 
 SELF = "compat0"
 CHILD = "compat1"
@@ -283,7 +284,7 @@ def rrefs_of_a_dead_owner_dropped_without_telling_it(store, init_method):
 def leaving_together_marks_the_agent_leaving_before_it_closes(store, init_method):
     """``mark_leaving`` (``agent.join(shutdown=True)``, through ``peer.leave_together``): this member leaves the
     group's member list and the group's token is free again; the agent closes after, without a word of
-    TensorPipe's on stderr.  Runs last: it ends this process's membership."""
+    TensorPipe's on stderr.  Runs last but one: it ends this process's membership (the last joins again)."""
     logged = []
     with _native_stderr(logged):
         assert leave_together(datetime.timedelta(seconds=5))
@@ -294,13 +295,58 @@ def leaving_together_marks_the_agent_leaving_before_it_closes(store, init_method
     assert "pipe closed" not in logged[0] and "EOF" not in logged[0], logged[0][-2000:]
 
 
+def _call_peer(name: str) -> int:
+    return rpc.rpc_sync(name, os.getpid)
+
+
+def a_member_joins_after_the_store_was_made_anew(store, init_method):
+    """The coordinator's store lost and made anew on its port (a coordinator started again): the group's
+    members and addresses, read from the old store (``rpc_group``, for the journal) and written into the new
+    one (``restore_rpc_group``), or put back by a member itself (``republish``), are what a later join needs:
+    a member joining then reaches every member there before, and they reach it (their agents' store
+    connections connect again).  Pins the store keys torch's agent reads: the member list, the ``addrs``
+    prefix and the names by rank."""
+    before, after = "compat5", "compat6"
+    join(SELF, 1, None, init_method)  # the check before this one left
+    with _member_joining(init_method, before, 6) as (joined, leave_before, child_before):
+        assert joined.wait(30), f"{before} did not join"
+        group = store.rpc_group()
+        assert [(name, rank) for name, rank, _ in group] == [(SELF, 1), (before, 6)], group
+        assert all(address.startswith("uv://") for _, _, address in group), group
+        port = store.port
+        store.close()
+        anew = RendezvousStore("127.0.0.1", port)
+        try:
+            anew.restore_rpc_group([entry for entry in group if entry[0] != SELF])  # as if SELF was not journaled
+            assert compat.rpc_member_entry(SELF, 1) not in _member_list(anew)
+            assert republish() is True  # connects again, and puts SELF back
+            assert _member_list(anew) == compat.rpc_member_entry(before, 6) + compat.rpc_member_entry(SELF, 1)
+            assert republish() is False  # listed already: the list unchanged
+            with _member_joining(init_method, after, 7) as (joined_after, leave_after, child_after):
+                assert joined_after.wait(30), f"{after} did not join the store made anew"
+                assert rpc.rpc_sync(after, os.getpid) == child_after.pid
+                assert rpc.rpc_sync(before, _call_peer, args=(after,)) == child_after.pid
+                assert rpc.rpc_sync(after, _call_peer, args=(before,)) == child_before.pid
+                assert store_of(compat.current_rpc_agent()).reconnections == 2  # once per republish
+                leave_after.set()
+                child_after.join(30)
+                assert child_after.exitcode == 0, child_after.exitcode
+            leave_before.set()
+            child_before.join(30)
+            assert child_before.exitcode == 0, child_before.exitcode
+        finally:
+            leave(graceful=True)  # the last check: leaves the store made here, then closes it
+            anew.close()
+
+
 # rrefs_of_a_dead_owner_dropped_without_telling_it runs before the first leave: once a process left the group,
 # torch's RRef context stays torn down (a second join does not set it up again), and no drop is reported.
 CHECKS = (store_keys, agent_of_an_open_group, rrefs_of_a_dead_owner_dropped_without_telling_it,
           second_join_uses_the_first_prefix, a_member_joins_while_another_waits_to_leave,
           a_failed_graceful_leave_gives_the_token_back, a_graceful_leave_after_the_store_is_gone_still_leaves,
           autograd_context_layout, remote_errors_reduced_to_their_cause, dead_peer_forgotten_and_rrefs_released,
-          a_member_joins_while_another_lies_dead, leaving_together_marks_the_agent_leaving_before_it_closes)
+          a_member_joins_while_another_lies_dead, leaving_together_marks_the_agent_leaving_before_it_closes,
+          a_member_joins_after_the_store_was_made_anew)
 
 
 def run_checks(results) -> None:

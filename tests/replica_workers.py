@@ -91,7 +91,7 @@ def train(name: str, index: int, port: int, steps: int, hook: str, result_path: 
           publish=None, late_member_at: int = 0, late: bool = False, lost_at: int = 0,
           lost: bool = False, hangs: bool = False, short_by=None, uneven: bool = False,
           buffered: bool = False, retold_short=None, hangs_forming: bool = False, late_backward=None,
-          shares_after_abort: bool = False) -> None:
+          shares_after_abort: bool = False, fails_at_start: bool = False) -> None:
     """Train ``steps`` steps in the group; ``publish=(generation, members)`` announces a view first.
 
     ``late_member_at``: a member there from the start waits at that step
@@ -115,6 +115,10 @@ def train(name: str, index: int, port: int, steps: int, hook: str, result_path: 
     ``shares_after_abort``: in the first generation this member starts
     sharing state only once the group abandoned that generation (its
     collectives are launched after the abort).
+    ``fails_at_start``: this member never forms the group (its job failed
+    before training): once every other member of the first generation came
+    to form it, it publishes the view without itself, as the coordinator
+    does when such a member leaves, and returns.
     ``late_backward=(step, seconds)``: this member sleeps that long before
     that step's backward pass (its peers' all-reduce waits for it).
     ``slowest_step_s`` in the result is the longest step, its recovery
@@ -146,7 +150,17 @@ def train(name: str, index: int, port: int, steps: int, hook: str, result_path: 
                 time.sleep(0.05)
             return share(replica)
         DenseReplica._share_state = after_abort
+    if fails_at_start:
+        source._store.wait(["views/latest"], TIMEOUT)
+        others = [member for member in source.group_view().members if member != name]
+        arrived = [f"trainer_group/0/1/arrived/{rank}" for rank, member in enumerate(source.group_view().members)
+                   if member != name]
+        source._store.wait(arrived, TIMEOUT)
+        source.publish(2, others)
+        return
+    joining = time.monotonic()
     group = TrainerGroup.join(source, TIMEOUT)
+    joined_s = time.monotonic() - joining
     forming = time.monotonic()
     replica = DenseReplica(group, model(buffered), make_optimizer, hook=hook, uneven_steps=uneven)
     formed_s = time.monotonic() - forming
@@ -201,7 +215,8 @@ def train(name: str, index: int, port: int, steps: int, hook: str, result_path: 
                      "steps_skipped": replica.steps_skipped,
                      "state": {k: v.clone() for k, v in replica.module.state_dict().items()},
                      "bytes_per_step": replica.bytes_per_step, "allreduce_ms": replica.allreduce_ms(),
-                     "slowest_step_s": slowest_step_s, "formed_s": formed_s,
+                     "slowest_step_s": slowest_step_s, "formed_s": formed_s, "joined_s": joined_s,
+                     "generation": replica.group.generation,
                      "agreed_at": agreed_at}, file)
 
 

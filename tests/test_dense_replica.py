@@ -211,6 +211,24 @@ def test_a_member_that_hangs_as_the_group_first_forms_is_left_behind_and_the_oth
             assert torch.equal(got[name]["state"][key], got["worker0"]["state"][key])
 
 
+def test_a_member_whose_job_fails_before_the_group_forms_is_left_behind_at_once(tmp_path, store):
+    """A member of the first view never comes to form it (its job failed at start, and it left): the others
+    stop waiting for it as soon as the view without it is published (not at the rendezvous's timeout, the
+    collective timeout of 60 s), form that one and train as two from the start."""
+    names, steps = ["worker0", "worker1", "worker2"], 10
+    children = [Child(name, rw.train, (name, index, store.port, steps, "allreduce", str(tmp_path / f"{name}.pkl"),
+                                       (1, names) if index == 0 else None), dict(fails_at_start=name == "worker2"))
+                for index, name in enumerate(names)]
+    run_children(children, TIMEOUT)
+    got = results(tmp_path, names[:2])
+    expected = local_training(names[:2], steps)
+    for name in names[:2]:
+        assert (got[name]["step"], got[name]["generation"], got[name]["recoveries"]) == (steps, 2, 0)
+        assert got[name]["joined_s"] < ABANDONED_WITHIN_S, got[name]["joined_s"]  # not the rendezvous's timeout
+        for key, value in expected.items():
+            torch.testing.assert_close(got[name]["state"][key], value, atol=1e-6, rtol=1e-6)
+
+
 def test_a_value_handed_out_through_the_store_outwaits_the_collective_timeout_and_ends_with_the_generation(
         tmp_path, store):
     """What a checkpoint's members wait for while rank 0 writes it (``TrainerGroup.hand_out``): it arrives after

@@ -228,6 +228,8 @@ class HeartbeatLoop:
     length (``outage``: when the current one started, or ``None``).
     ``credential``: the member's own (its Assignment's), sent with every
     beat: a coordinator started again takes the member back only with it.
+    ``on_outage_end()`` runs (in the loop's thread: it must return at once)
+    when the coordinator answers again after an outage.
     """
 
     def __init__(self, client: CoordinatorClient, member_id: str, interval: datetime.timedelta,
@@ -236,7 +238,7 @@ class HeartbeatLoop:
                  on_command: Callable[[pb.Command], None],
                  on_lost: Callable[[str, bool], None],
                  on_response: Optional[Callable[[pb.HeartbeatResponse], None]] = None,
-                 credential: str = ""):
+                 credential: str = "", on_outage_end: Optional[Callable[[], None]] = None):
         self._client = client
         self._credential = credential
         #: When the coordinator stopped answering (``time.monotonic()``); ``None`` while it answers.
@@ -248,6 +250,7 @@ class HeartbeatLoop:
         self._on_command = on_command
         self._on_lost = on_lost
         self._on_response = on_response
+        self._on_outage_end = on_outage_end
         self._sequence = 0
         self._metrics_left_out: Set[Tuple[str, ...]] = set()  # the names ``sendable`` warned about
         #: Sent with every beat: this member's data plane is up.
@@ -315,6 +318,8 @@ class HeartbeatLoop:
                     logger.warning("the coordinator answers again: the outage lasted %.1f s", last_ok - self.outage)
                     self.outage = None
                     retry = OUTAGE_RETRY_FIRST.total_seconds()
+                    if self._on_outage_end is not None:
+                        self._on_outage_end()
             except CoordinatorUnavailable as error:
                 now = time.monotonic()
                 unreachable_for = now - last_ok

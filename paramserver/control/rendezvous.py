@@ -8,6 +8,11 @@ listed, so every later join would try to reach it and fail while holding
 the token, and the whole group would stall.  ``remove_rpc_peer`` takes the
 member off that list (taking the token the same way torch does, or
 freeing it when the dead member died holding it), so the group heals.
+A coordinator started again makes a new store, on the same port: the group's
+members and their addresses come from its journal (``rpc_group`` read for it,
+``restore_rpc_group`` written back), so a member joining later reaches them
+all (each member's agent connects again to the new store,
+``shards/group_store.py``).
 
 The key names are torch's; ``paramserver._torch_compat`` names them (the
 runtime makes every member join with the first ``init_rpc``'s prefix).
@@ -17,10 +22,12 @@ import datetime
 import logging
 import socket
 import time
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
 from .._torch_compat import (RPC_MEMBER_LIST_KEY, RPC_NAMES_PREFIX, RPC_STORE_PREFIX, RPC_TOKEN_DONE, RPC_TOKEN_KEY,
+                             parse_rpc_member_entry, publish_rpc_member, rpc_member_address, rpc_member_entries,
                              rpc_member_entry, rpc_token)
 
 logger = logging.getLogger(__name__)
@@ -49,6 +56,9 @@ class RendezvousStore:
         self._socket.detach()  # the store's server owns the descriptor now and closes it
         self._rpc_store = dist.PrefixStore(RPC_STORE_PREFIX, self.store)
         self._names = dist.PrefixStore(RPC_NAMES_PREFIX, self._rpc_store)
+        #: Members' addresses by (name, rank), read once (an agent's address never changes; a process started
+        #: again under the same name joins under another rank).
+        self._addresses: Dict[Tuple[str, int], str] = {}
 
     def remove_rpc_peer(self, rpc_name: str, rank: int,
                         timeout: datetime.timedelta = datetime.timedelta(seconds=30),
@@ -59,39 +69,85 @@ class RendezvousStore:
         it gets ``takeover_after`` to finish (a member declared dead may only
         be slow); then the token is taken from it.
         """
-        my_token = rpc_token(rpc_name, "removal")
+        if not self._take_token(rpc_name, "removal", timeout, takeover_after):
+            return False
+        try:
+            entries = rpc_member_entries(self._names)
+            entry = rpc_member_entry(rpc_name, rank)
+            if entry not in entries:
+                return False
+            entries.remove(entry)
+            self._names.set(RPC_MEMBER_LIST_KEY, "".join(entries))
+            self._addresses.pop((rpc_name, rank), None)
+            logger.info("RPC group: removed %s (rank %d) from the store's member list", rpc_name, rank)
+            return True
+        finally:
+            self._release_token(rpc_name, "removal")
+
+    def _take_token(self, rpc_name: str, purpose: str, timeout: datetime.timedelta,
+                    takeover_after: datetime.timedelta) -> bool:
+        my_token = rpc_token(rpc_name, purpose)
         began = time.monotonic()
         its_tokens = (rpc_token(rpc_name, "join"), rpc_token(rpc_name, "leave"))
         while True:
             holder = self._rpc_store.compare_set(RPC_TOKEN_KEY, "", my_token).decode()
             if holder == my_token:
-                break
+                return True
             waited = time.monotonic() - began
             if holder in its_tokens and waited > takeover_after.total_seconds():
                 logger.warning("RPC group: %s still holds the membership token after %.0f s; taking it over",
                                rpc_name, waited)
                 self._rpc_store.set(holder, RPC_TOKEN_DONE)
                 self._rpc_store.set(RPC_TOKEN_KEY, my_token)
-                break
+                return True
             if waited > timeout.total_seconds():
-                logger.error("RPC group: could not take the membership token from %s to remove %s", holder, rpc_name)
+                logger.error("RPC group: could not take the membership token from %s to %s %s", holder, purpose,
+                             rpc_name)
                 return False
             time.sleep(0.05)
+
+    def _release_token(self, rpc_name: str, purpose: str) -> None:
+        self._rpc_store.set(RPC_TOKEN_KEY, "")
+        self._rpc_store.set(rpc_token(rpc_name, purpose), RPC_TOKEN_DONE)
+
+    def rpc_group(self) -> Optional[List[Tuple[str, int, str]]]:
+        """The RPC group's members as the store lists them, with the address each published: ``(name, rank,
+        address)``; None when a member is joining or leaving right now (it holds the group's membership token:
+        a joining member is listed before its address is written).  For the journal: read without waiting,
+        under the token, each address once."""
+        reader = rpc_token("coordinator", "journal")
+        if self._rpc_store.compare_set(RPC_TOKEN_KEY, "", reader).decode() != reader:
+            return None
         try:
-            if not self._names.check([RPC_MEMBER_LIST_KEY]):
-                return False
-            listed = self._names.get(RPC_MEMBER_LIST_KEY).decode()
-            entry = rpc_member_entry(rpc_name, rank)
-            entries = [e + "," for e in listed.split(",") if e]
-            if entry not in entries:
-                return False
-            entries.remove(entry)
-            self._names.set(RPC_MEMBER_LIST_KEY, "".join(entries))
-            logger.info("RPC group: removed %s (rank %d) from the store's member list", rpc_name, rank)
-            return True
+            group = []
+            for entry in rpc_member_entries(self._names):
+                name, rank = parse_rpc_member_entry(entry)
+                address = self._addresses.get((name, rank))
+                if address is None:
+                    address = rpc_member_address(self._rpc_store, name)
+                    if address is None:
+                        continue
+                    self._addresses[(name, rank)] = address
+                group.append((name, rank, address))
+            return group
         finally:
-            self._rpc_store.set(RPC_TOKEN_KEY, "")
-            self._rpc_store.set(my_token, RPC_TOKEN_DONE)
+            self._release_token("coordinator", "journal")
+
+    def restore_rpc_group(self, members: Sequence[Tuple[str, int, str]]) -> None:
+        """Write ``members`` (``rpc_group()``'s, from the journal of the coordinator before this one) into this
+        new store as torch's agents wrote them when they joined, so that a member joining later finds them
+        and they find it."""
+        if not self._take_token("coordinator", "restore", datetime.timedelta(seconds=30),
+                                datetime.timedelta(seconds=0)):
+            raise RuntimeError("the RPC group's membership token stayed taken in a store just made")
+        try:
+            for name, rank, address in members:
+                publish_rpc_member(self._rpc_store, name, int(rank), address)
+                self._addresses[(name, int(rank))] = address
+        finally:
+            self._release_token("coordinator", "restore")
+        logger.info("RPC group: took back %d member%s from the journal: %s", len(members),
+                    "" if len(members) == 1 else "s", ", ".join(name for name, _, _ in members) or "none")
 
     def close(self) -> None:
         self.store = None

@@ -6,9 +6,9 @@ is ready, then SERVING), server reflection, the token interceptor, the shard
 credential (given, or made for this cluster when it has a token and none
 was given: kept in the journal, so a server started again keeps it), the
 admin credential (given, or none: then any holder of the cluster token may
-stop the cluster, and the start says so), TLS, the rendezvous store, one
-bounded-rate log of refused calls, and the thread that declares silent
-members dead.
+stop the cluster, and the start says so), TLS, the rendezvous store (taking a
+cluster back: its RPC group from the journal), one bounded-rate log of refused
+calls, and the thread that declares silent members dead.
 What the cluster runs (shard processes, the job) is the runtime's business.
 """
 
@@ -121,10 +121,16 @@ class CoordinatorServer:
         if settings.checkpoints is not None:
             self.checkpoints = CheckpointCoordinator.from_options(
                 settings.checkpoints, lambda command: self.membership.command(pb.ROLE_WORKER, command))
+        #: Why members joining the data plane from now on could not reach those there before (the RPC group's
+        #: store was lost with the coordinator before this one and cannot be rebuilt), or None.
+        self.data_plane_lost: Optional[str] = None
+        #: The RPC group's members and addresses as last read for the journal.
+        self._rpc_group: list = []
         if journaled is not None:
             self.membership.restore(journaled["membership"])
             if self.checkpoints is not None:
                 self.checkpoints.resume(journaled.get("checkpoints") or {})
+            self.data_plane_lost = self._restore_rpc_group(journaled)
         self.service = CoordinatorService(
             self.membership,
             ServiceSettings(store=pb.StoreAddress(host=settings.store_name or self.store.host, port=self.store.port),
@@ -132,7 +138,8 @@ class CoordinatorServer:
                             heartbeat_interval=settings.heartbeat_interval,
                             heartbeat_timeout=settings.heartbeat_timeout),
             request_shutdown, self.checkpoints, shard_credential=self.shard_credential, refusals=self.refusals,
-            admin_credential=AdminCredential(settings.admin_token) if settings.admin_token else None)
+            admin_credential=AdminCredential(settings.admin_token) if settings.admin_token else None,
+            data_plane_lost=self.data_plane_lost)
         if settings.hold_workers_until_ready:
             self.service.hold_workers("the cluster is starting: its shards do not all serve yet")
         interceptors = [TokenAuthInterceptor(settings.token, refusals=self.refusals)] if settings.token else []
@@ -188,10 +195,30 @@ class CoordinatorServer:
             return ShardCredential(str(secret), made_for_this_run=True)
         return ShardCredential.for_this_run()
 
+    def _restore_rpc_group(self, journaled) -> Optional[str]:
+        """Write the RPC group's live members, as journaled, into the new store; why it could not be, or None."""
+        journaled_port = int(journaled.get("store_port", 0))
+        if journaled_port and journaled_port != self.store.port:
+            return (f"the RPC group's store could not listen on its port {journaled_port} again, so the members "
+                    "there before cannot reach it")
+        alive = {member.rpc_name for member in self.membership.alive()}
+        group = journaled.get("rpc_group")
+        if group is None:
+            if alive:
+                return "the journal of the coordinator before this one holds no RPC group (an older version's)"
+            return None
+        self.store.restore_rpc_group([tuple(entry) for entry in group if entry[0] in alive])
+        return None
+
     def journal_state(self) -> dict:
-        """What the journal holds: the membership, the checkpoints' numbering, the store's port, and the shard
-        credential this server made (none given: a server started again hands its shards the same one)."""
+        """What the journal holds: the membership, the checkpoints' numbering, the store's port, the RPC group's
+        members and their addresses, and the shard credential this server made (none given: a server started
+        again hands its shards the same one)."""
+        group = self.store.rpc_group()
+        if group is not None:  # else a member is joining or leaving: the group as read last
+            self._rpc_group = [list(entry) for entry in group]
         state = {"membership": self.membership.snapshot(), "store_port": self.store.port,
+                 "rpc_group": self._rpc_group,
                  "checkpoints": self.checkpoints.snapshot() if self.checkpoints is not None else {}}
         if self.shard_credential is not None and self.shard_credential.made_for_this_run:
             state["shard_secret"] = self.shard_credential.secret

@@ -69,8 +69,10 @@ class CoordinatorService:
                  checkpoints: Optional["CheckpointCoordinator"] = None,
                  shard_credential: Optional[ShardCredential] = None,
                  refusals: Optional[RateLimitedLog] = None,
-                 admin_credential: Optional[AdminCredential] = None):
+                 admin_credential: Optional[AdminCredential] = None, data_plane_lost: Optional[str] = None):
         self.membership = membership
+        #: Why a member joining now could not reach the data plane's members (``CoordinatorServer``), or None.
+        self.data_plane_lost = data_plane_lost
         self.settings = settings
         self._request_shutdown = request_shutdown
         self.checkpoints = checkpoints
@@ -126,6 +128,11 @@ class CoordinatorService:
             refusal = self.shard_credential.refusal(metadata)
             if refusal is not None:
                 raise RequestError(grpc.StatusCode.PERMISSION_DENIED, f"shard {request.name}: {refusal}")
+        if self.data_plane_lost is not None:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"{request.name} cannot join: {self.data_plane_lost}; a member joining now would "
+                               "not reach the members there before.  Stop the cluster (ps-ctl shutdown) and start "
+                               "it again from its newest checkpoint (ps-server --restore)")
         held_because = self._workers_held_because
         if request.role == pb.ROLE_WORKER and held_because is not None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, f"{held_because}; join again shortly")

@@ -21,7 +21,10 @@ future fails at once with ``GenerationAborted``.  Gloo cannot cancel the
 operation itself, and destroying a process group waits for its pending
 operations, so an abandoned generation's process group is kept aside
 (``_retired``) until they end (the hung member resumed and left, or the
-collective timeout), and the next generation forms meanwhile.
+collective timeout), and the next generation forms meanwhile.  Forming a
+generation waits for its members in the same way: a member that never
+comes (its job failed at start) is dropped by a newer view, and the wait
+ends then, naming it, instead of at the rendezvous's timeout.
 
 It knows nothing of gRPC: the view source is a
 ``paramserver.runtime.context.GroupChannel`` (or any object with its
@@ -59,6 +62,8 @@ logger = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 #: How long forming a generation waits for all its members to arrive.
 FORM_TIMEOUT = datetime.timedelta(seconds=120)
+#: How often forming a generation looks whether every member came, and whether a newer view replaced it.
+ARRIVAL_POLL = datetime.timedelta(seconds=0.05)
 #: After a failed collective, how long to wait for the coordinator's next view
 #: (it comes once the lost member is declared dead) before asking for one with
 #: the same members (nobody was lost: a collective timed out).
@@ -171,7 +176,7 @@ class TrainerGroup:
         view = source.wait_for_group_view(0, timeout)
         if view is None:
             raise GroupStopped(f"{source.rpc_name} was asked to stop before its trainer group formed")
-        group._form(view)
+        group._form_newest(view)
         group._watcher.start()
         return group
 
@@ -208,10 +213,43 @@ class TrainerGroup:
         self.device = device_for(view.backend, getattr(self._source, "gpu", None))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        self._await_members(prefix, view)
         dist.init_process_group(view.backend, store=dist.PrefixStore(prefix, self._store), rank=rank,
                                 world_size=len(view.members), timeout=self._collective_timeout)
         if self.recorder is not None:
             self.recorder.group_formed(view.group, view.generation)
+
+    def _await_members(self, prefix: str, view) -> None:
+        """Wait until every member of ``view`` came to form it, polling the store (``ARRIVAL_POLL``), so that a
+        newer view (a member left or was lost meanwhile: its job failed at start) ends the wait at once with
+        ``GenerationAborted`` naming whom it dropped; ``init_process_group`` itself would wait for the missing
+        member until its timeout.  Past the collective timeout it returns, and ``init_process_group`` says
+        which member is missing."""
+        arrivals = dist.PrefixStore(f"{prefix}arrived", self._store)
+        arrivals.set(str(self.rank), "1")
+        everyone = [str(rank) for rank in range(len(view.members))]
+        deadline = time.monotonic() + self._collective_timeout.total_seconds()
+        while not arrivals.check(everyone) and time.monotonic() < deadline:
+            newest = self._source.group_view()
+            if newest is not None and newest.generation > view.generation:
+                dropped = sorted(set(view.members) - set(newest.members))
+                raise GenerationAborted(
+                    f"trainer group {view.group} generation {view.generation} was replaced by generation "
+                    f"{newest.generation}{' without ' + ', '.join(dropped) if dropped else ''} while it formed")
+            time.sleep(ARRIVAL_POLL.total_seconds())
+
+    def _form_newest(self, view) -> None:
+        """Form ``view``, or the newest view that includes this worker when a newer one replaced it while it
+        formed (``_await_members``)."""
+        while True:
+            try:
+                self._form(view)
+                return
+            except GenerationAborted as replaced:
+                logger.warning("%s: %s; forming the newer one", self._source.rpc_name, replaced)
+            view = self._source.wait_for_group_view(view.generation, self._timeout)
+            if view is None:
+                raise GroupStopped(f"{self._source.rpc_name} was asked to stop while its trainer group formed")
 
     def _drop_process_group(self) -> None:
         """Destroy the current generation's process group; an abandoned one is kept aside until its collectives
@@ -392,7 +430,7 @@ class TrainerGroup:
             view = self._source.wait_for_group_view(self.generation, self._timeout)
         if view is None:
             raise GroupStopped(f"{self._source.rpc_name} was asked to stop while its trainer group re-formed")
-        self._form(view)
+        self._form_newest(view)
 
     def _wait_for_view_after_failure(self):
         try:

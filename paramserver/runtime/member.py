@@ -3,7 +3,9 @@
 Owns the part every role shares: join the coordinator under a role, keep
 the assignment, send heartbeats with progress, act on commands (stop;
 forget a lost RPC peer, so that this process's view of the data plane
-stays whole), and leave.  What the member does in between (serve shards,
+stays whole; once the coordinator answers again after an outage, put this
+process back into the RPC group's store, which may have been made anew),
+and leave.  What the member does in between (serve shards,
 run a job, drive) belongs to its caller.
 """
 
@@ -148,9 +150,13 @@ class MemberSession:
             logger.error("%s: %s", self.assignment.rpc_name, reason)
             on_lost(reason, refused)
 
+        def back_in_the_data_plane() -> None:  # its own thread: it may wait for the RPC group's token
+            threading.Thread(target=peer.republish, name="rpc-republish", daemon=True).start()
+
         self._heartbeats = HeartbeatLoop(self.client, self.assignment.member_id, interval, give_up_after=self.grace,
                                          progress=progress, on_command=on_command, on_lost=lost,
-                                         on_response=on_response, credential=self.assignment.credential).start()
+                                         on_response=on_response, credential=self.assignment.credential,
+                                         on_outage_end=back_in_the_data_plane).start()
 
     def beat_now(self) -> None:
         """Send a heartbeat now (to hear of a change sooner than the next beat); nothing once lost."""

@@ -5,8 +5,10 @@ the TensorPipe backend options (worker threads, default RPC timeout), the
 intra-op thread count, the network interface it listens on, the orderly
 way out, and waiting for a fan-out of RPCs to settle.  Groups come in two kinds: static (a fixed world size, everyone
 joins at once: local clusters, tests) and open (no world size: members join
-and leave at any time, meeting in a store the coordinator hosts; a member
-that died is dropped with ``forget``).  It knows nothing of what peers host
+and leave at any time, meeting in a store the coordinator hosts, through a
+connection that connects again when the coordinator comes back; a member
+that died is dropped with ``forget``; one that re-attached to a coordinator
+started again puts itself back into the store with ``republish``).  It knows nothing of what peers host
 or compute.
 """
 
@@ -20,14 +22,16 @@ import struct
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed.rpc as rpc
 
 from .._torch_compat import (RPC_TOKEN_DONE, RPC_TOKEN_KEY, current_rpc_agent, forget_dead_peers_when_joining,
-                             forget_rpc_peer, is_open_rpc_group, mark_leaving, release_rrefs, reset_rpc_init_counter,
-                             rpc_token, tensorpipe_options)
+                             forget_rpc_peer, is_open_rpc_group, mark_leaving, publish_rpc_member, release_rrefs,
+                             reset_rpc_init_counter, rpc_member_address, rpc_token, tensorpipe_options)
 from ..logs import one_line
+from .group_store import open_group_url, store_of
 
 logger = logging.getLogger(__name__)
 
@@ -175,9 +179,46 @@ def join(name: str, rank: int, world_size: Optional[int], init_method: str,
         # the one the coordinator's store upkeep knows.
         reset_rpc_init_counter()
         forget_dead_peers_when_joining()  # a member that died a moment ago would hang torch's join
+        parsed = urlparse(init_method)
+        if parsed.scheme == "tcp":  # through a store connection that outlives a coordinator's restart
+            init_method = open_group_url(parsed.hostname, parsed.port)
     transports = options.transports or (OPEN_GROUP_TRANSPORTS if world_size is None else None)
     backend_options = tensorpipe_options(init_method, options.num_worker_threads, options.rpc_timeout, transports)
     rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=backend_options)
+    if world_size is None:
+        agent = current_rpc_agent()
+        store = store_of(agent)
+        if store is not None:  # kept for ``republish``: nothing else can tell it later
+            store.own_address = rpc_member_address(agent.store, name)
+
+
+def republish(within: datetime.timedelta = datetime.timedelta(seconds=10)) -> Optional[bool]:
+    """Put this member back into its open group's store, connected to again: for a member that re-attached to
+    a coordinator started again, whose new store may lack it (the journal it was rebuilt from missed a
+    member that had joined just before).  Under the group's membership token, as torch's join.  Returns
+    whether the member list lacked this member, or None when there was nothing to do (no open group, or
+    not joined through ``join``) or it could not be done (said in the log)."""
+    agent = current_rpc_agent()
+    store = store_of(agent) if agent is not None and is_open_rpc_group(agent) else None
+    if store is None or store.own_address is None:
+        return None
+    me = agent.get_worker_info()
+    try:
+        store.reconnect()
+    except torch.distributed.DistError as error:
+        logger.warning("%s could not connect again to the RPC group's store: %s", me.name, one_line(error))
+        return None
+    not_taken = _take_membership_token(agent, "join", within)
+    if not_taken is not None:
+        logger.warning("%s: %s could not put itself back into the RPC group's store", not_taken, me.name)
+        return None
+    try:
+        added = publish_rpc_member(agent.store, me.name, me.id, store.own_address)
+    finally:
+        _release_membership_token_if_held(agent, "join")
+    if added:
+        logger.info("%s put itself back into the RPC group's member list", me.name)
+    return added
 
 
 def is_open_group() -> bool:
@@ -228,7 +269,7 @@ def _take_membership_token(agent, purpose: str, within: datetime.timedelta) -> O
             if time.monotonic() > deadline:
                 return f"the RPC group's membership token stayed taken for {within.total_seconds():.1f} s"
             time.sleep(_TOKEN_POLL.total_seconds())
-    except torch.distributed.DistNetworkError as error:
+    except torch.distributed.DistError as error:  # its connection broke, and connecting again failed
         return f"the RPC group's store is gone ({one_line(error)})"
     return None
 

@@ -20,7 +20,8 @@ of the last held-out evaluation (the tower's outputs in eval mode) are saved the
 tensor, for comparing an export's (worker 0).  ``kill_at_first_build=PATH``:
 worker 1 SIGKILLs the process whose pid that file holds (a shard's) right
 before the Trainer first builds its tables on the shards, as if that
-shard's process died as the job started.
+shard's process died as the job started.  ``fail_at_start_worker=i``: the
+job of the worker of index ``i`` raises before it trains.
 """
 
 import os
@@ -147,7 +148,10 @@ def main(ctx, steps: int = 200, batch_size: int = 128, dim: int = 8, lr: float =
          crash_in_checkpoint_at: Optional[int] = None, log_every: int = 10, eval_every: int = 50,
          seed: int = 7, dynamic_video: bool = False, row_wise_min_rows: int = ROW_WISE_MIN_ROWS,
          eval_scores: Optional[str] = None, staleness: int = 0, cache_rows: Optional[int] = None,
-         cache_steps: Optional[int] = None, kill_at_first_build: Optional[str] = None) -> dict:
+         cache_steps: Optional[int] = None, kill_at_first_build: Optional[str] = None,
+         fail_at_start_worker: Optional[int] = None) -> dict:
+    if ctx.worker_index == fail_at_start_worker:
+        raise RuntimeError(f"worker {fail_at_start_worker}'s job fails at start (fail_at_start_worker)")
     planted = Planted(seed, hashed_videos=dynamic_video)
     data = (StatefulSessions if stateful else Sessions)(planted, ctx.worker_index, batch_size)
     tables = {"user": Table(USERS, dim, init_std=0.1), "history": Table(VIDEOS, dim, mode="mean", init_std=0.1),
