@@ -87,7 +87,7 @@ def rounding_bits(seed: int, ids: Tensor, columns: int) -> Tensor:
 
 def round_stochastic(values: Tensor, dtype: torch.dtype, bits: Tensor) -> Tensor:
     """``values`` (float32) rounded to ``dtype`` (float16 or bfloat16) stochastically with random ``bits``
-    (int32, one word per value, shaped like ``values``): to the upper of the two neighbouring values of
+    (int32, one word per value, shaped like ``values``; used up: overwritten): to the upper of the two neighbouring values of
     ``dtype`` with the probability of its share of the gap between them, so unbiased (probabilities in steps
     of ``2**-24``: the low 24 random bits are the draw).
 
@@ -105,7 +105,7 @@ def round_stochastic(values: Tensor, dtype: torch.dtype, bits: Tensor) -> Tensor
         gap = torch.nextafter(magnitude, infinity).sub_(magnitude).mul_(8192.0)
     scaled = values / gap  # exact; the signed floor rounds negative values unbiased too
     lower = scaled.floor()
-    uniform = (bits & 0xFFFFFF).to(torch.float32).mul_(5.960464477539063e-08)
+    uniform = bits.bitwise_and_(0xFFFFFF).to(torch.float32).mul_(5.960464477539063e-08)
     # floor(draw - fraction) is -1 when the draw is below the fraction (round up), else 0: lower - that.  An
     # infinity stays one (its fraction is NaN: no step), a NaN stays NaN, and a zero keeps its sign (-0 - +0).
     down = uniform.sub_(scaled.sub_(lower)).floor_().nan_to_num_(0.0)
