@@ -1,7 +1,8 @@
 """What a shard hosts: named parameter tensors, embedding row ranges and dynamic table parts.
 
 Owns creating the tensors a shard serves and finding them again, in a
-``ShardState`` it is handed: a hosted tensor lives as long as some RRef to
+``ShardState`` it is handed (and where a hosted tensor's rows sit in their
+table, ``rounding_place``): a hosted tensor lives as long as some RRef to
 it does.  A *shared* table (``host_rows(..., shared=True)``) is created by
 the first caller and found by name by the others, and lives as long as the
 shard: it is the model the shard serves, whichever worker asked for it
