@@ -10,7 +10,9 @@
    here in another order: within one unit in the last place of the torch path's.
 
    Loaded with ctypes by paramserver/optim/row_kernel.py (through paramserver/native.py), which checks every
-   argument: the kernel trusts them.  Compiled with -ffp-contract=off, so a product and a sum are fused
+   argument: the kernel trusts them (it checks only that rows are rows of the table).  Compiled with
+   -fno-trapping-math (its loops vectorise with their selects; no value changes) and -ffp-contract=off, so a
+   product and a sum are fused
    (fmaf) only where the torch path fuses them; the AVX2 build also takes FMA instructions (-mfma), which
    the processor must run too (paramserver_cpu_has_avx2). */
 
@@ -38,12 +40,13 @@ int paramserver_cpu_has_avx2(void) {
 
 enum { ROWS_FLOAT32 = 0, ROWS_FLOAT16 = 1, ROWS_BFLOAT16 = 2 };
 
-/* A table's rows as the kernel writes them: data[row * dim + column] of type; half rows rounded to nearest,
-   or stochastically in the stream seed (rounding.stream_seed), row r's id being ids[r] (ids not NULL) or
-   first_row + r. */
+/* A table's rows as the kernel writes them: data[row * dim + column] of type, count rows; half rows rounded to
+   nearest, or stochastically in the stream seed (rounding.stream_seed), row r's id being ids[r] (ids not NULL)
+   or first_row + r. */
 typedef struct {
     void *data;
     int64_t dim;
+    int64_t count;
     int32_t type;
     int32_t nearest;
     uint32_t seed;
@@ -64,14 +67,12 @@ static inline uint32_t fmix32(uint32_t h) {
     return h;
 }
 
+/* Exact, without branches (so that loops of it vectorise): FP16's fp16_ieee_to_fp32_value. */
 static inline float half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
-    if (exponent == 0) {  /* zero or subnormal: mantissa * 2**-24, exact */
-        float magnitude = (float)mantissa * 5.9604644775390625e-08f;
-        return bits_float(float_bits(magnitude) | sign);
-    }
-    if (exponent == 31) return bits_float(sign | 0x7F800000u | (mantissa << 13));
-    return bits_float(sign | ((exponent + 112) << 23) | (mantissa << 13));
+    uint32_t w = (uint32_t)h << 16, sign = w & 0x80000000u, two_w = w + w;
+    float normalized = bits_float((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+    float denormalized = bits_float((two_w >> 17) | (126u << 23)) - 0.5f;
+    return bits_float(sign | (two_w < (1u << 27) ? float_bits(denormalized) : float_bits(normalized)));
 }
 
 /* To nearest, ties to even; overflow to infinity; NaN to a quiet NaN (as c10::Half converts). */
@@ -88,35 +89,41 @@ static inline uint16_t float_to_half(float value) {
 static inline float bfloat16_to_float(uint16_t h) { return bits_float((uint32_t)h << 16); }
 
 static inline uint16_t float_to_bfloat16(float value) {  /* to nearest, ties to even (as c10::BFloat16) */
-    if (value != value) return 0x7FC0;
     uint32_t bits = float_bits(value);
-    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+    return value != value ? 0x7FC0 : (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
-/* The gap between the two values of the half type around value (rounding.round_stochastic's, read off the
-   exponent's bits instead of nextafter: the same powers of two). */
-static inline float half_gap(float value, int32_t type) {
-    uint32_t exponent = float_bits(fabsf(value)) >> 23;
-    if (type == ROWS_FLOAT16) {  /* |value| in [2**-14, 65504]: float32's gap times 2**13 */
-        if (exponent < 113) exponent = 113;
-        if (exponent > 142) exponent = 142;
-        return bits_float((exponent - 10) << 23);
-    }
-    if (exponent > 254) exponent = 254;  /* bfloat16: float32's gap times 2**16, subnormal below 2**-126 */
-    if (exponent >= 8) return bits_float((exponent - 7) << 23);
-    return bits_float(1u << ((exponent < 1 ? 1 : exponent) + 15));
+/* The gap between the two values of float16 around value (rounding.round_stochastic's, read off the exponent's
+   bits instead of nextafter: the same powers of two): |value| in [2**-14, 65504], float32's gap times 2**13. */
+static inline float float16_gap(float value) {
+    uint32_t exponent = float_bits(value) >> 23 & 0xFFu;
+    exponent = exponent < 113 ? 113 : exponent > 142 ? 142 : exponent;
+    return bits_float((exponent - 10) << 23);
 }
 
-/* value rounded to the half type stochastically with the low 24 of bits (rounding.round_stochastic). */
-static inline float round_stochastic(float value, int32_t type, uint32_t bits) {
-    if (value != value) return value;
-    float gap = half_gap(value, type);
+/* bfloat16's: float32's gap times 2**16, subnormal below 2**-126 (|value| at most bfloat16's largest). */
+static inline float bfloat16_gap(float value) {
+    uint32_t exponent = float_bits(value) >> 23 & 0xFFu;
+    exponent = exponent > 254 ? 254 : exponent < 1 ? 1 : exponent;
+    return exponent >= 8 ? bits_float((exponent - 7) << 23) : bits_float(1u << (exponent + 15));
+}
+
+/* value rounded stochastically with the low 24 of bits onto the grid of gap (rounding.round_stochastic: NaN
+   stays NaN, an infinity stays one).  Without branches, so that loops of it vectorise. */
+static inline float round_on(float value, float gap, uint32_t bits) {
     float scaled = value / gap;
     float lower = floorf(scaled);
-    float uniform = (float)(bits & 0xFFFFFFu) * 5.960464477539063e-08f;
+    float uniform = (float)(int32_t)(bits & 0xFFFFFFu) * 5.960464477539063e-08f;
     float down = floorf(uniform - (scaled - lower));
-    if (down != down) down = 0.0f;
+    down = down != down ? 0.0f : down;
     return (lower - down) * gap;
+}
+
+/* 0 where every one of rows[0..n) is a row of the table, else -2 (checked before anything is written). */
+static int check_rows(const rows_t *table, const int64_t *rows, int64_t n) {
+    int64_t outside = 0;
+    for (int64_t i = 0; i < n; i++) outside |= (rows[i] < 0) | (rows[i] >= table->count);
+    return outside ? -2 : 0;
 }
 
 /* Row row of the table as float32 into out. */
@@ -144,8 +151,12 @@ static inline void store_row(const rows_t *table, int64_t row, float *values) {
         int64_t id = table->ids ? table->ids[row] : table->first_row + row;
         uint32_t lo = (uint32_t)id, hi = (uint32_t)(id >> 32);
         uint32_t word = fmix32(lo ^ hi * 0x9E3779B9u ^ table->seed);
-        for (int64_t c = 0; c < dim; c++)
-            values[c] = round_stochastic(values[c], table->type, fmix32(word ^ (uint32_t)(c + 1) * 0x9E3779B9u));
+        if (table->type == ROWS_FLOAT16)
+            for (int64_t c = 0; c < dim; c++)
+                values[c] = round_on(values[c], float16_gap(values[c]), fmix32(word ^ (uint32_t)(c + 1) * 0x9E3779B9u));
+        else
+            for (int64_t c = 0; c < dim; c++)
+                values[c] = round_on(values[c], bfloat16_gap(values[c]), fmix32(word ^ (uint32_t)(c + 1) * 0x9E3779B9u));
     }
     uint16_t *out = (uint16_t *)table->data + row * dim;
     if (table->type == ROWS_FLOAT16)
@@ -156,10 +167,11 @@ static inline void store_row(const rows_t *table, int64_t row, float *values) {
 
 /* Row-wise Adagrad (rowwise_adagrad.py) of rows[0..n) with their gradients (n x dim, float32) and their sums:
    g = grad + weight_decay * row; sum += mean(g * g); row += (-lr * g) / (sqrt(sum) + eps).
-   0, or -1 where no scratch memory could be had (nothing written). */
+   0; -1 where no scratch memory could be had, -2 for a row outside the table (nothing written). */
 int paramserver_rowwise_adagrad(const rows_t *table, const int64_t *rows, int64_t n, const float *grads,
                                 float *sums, float lr, float eps, float weight_decay) {
     int64_t dim = table->dim;
+    if (check_rows(table, rows, n)) return -2;
     float *row = malloc((size_t)(2 * dim + 8) * sizeof(float));
     if (!row) return -1;
     float *g = row + dim;
@@ -196,11 +208,12 @@ int paramserver_rowwise_adagrad(const rows_t *table, const int64_t *rows, int64_
    row -= (nesterov ? g + buffer * momentum : buffer) * lr (without momentum: row -= g * lr),
    each product-and-sum fused (fmaf) and buffer * momentum rounded first, as torch's fused SGD kernel rounds
    (its multi-tensor path for small pushes too, except with Nesterov: there within one unit in the last place).
-   0, or -1 where no scratch memory could be had (nothing written). */
+   0; -1 where no scratch memory could be had, -2 for a row outside the table (nothing written). */
 int paramserver_sgd(const rows_t *table, const int64_t *rows, int64_t n, const float *grads, float *buffers,
                     uint8_t *flags, float lr, float momentum, float keep, float weight_decay, int32_t nesterov,
                     int32_t maximize) {
     int64_t dim = table->dim;
+    if (check_rows(table, rows, n)) return -2;
     float *row = malloc((size_t)(dim + 8) * sizeof(float));
     if (!row) return -1;
     float step = -lr;

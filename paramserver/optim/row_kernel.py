@@ -36,13 +36,14 @@ ROW_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 def kernel_source() -> KernelSource:
     """The kernel as ``paramserver.native`` builds it (``setup.py`` passes the same flags)."""
-    return KernelSource(SOURCE_PATH, __package__, INSTALLED_MODULES, "row-kernel", ("-O3", "-ffp-contract=off"),
+    return KernelSource(SOURCE_PATH, __package__, INSTALLED_MODULES, "row-kernel",
+                        ("-O3", "-ffp-contract=off", "-fno-trapping-math"),
                         {"avx2": ("-mfma",)}, label="the row-wise optimizers' C kernel",
                         fallback="tables' rows are updated by the torch path")
 
 
 class _Rows(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("dim", ctypes.c_int64), ("type", ctypes.c_int32),
+    _fields_ = [("data", ctypes.c_void_p), ("dim", ctypes.c_int64), ("count", ctypes.c_int64), ("type", ctypes.c_int32),
                 ("nearest", ctypes.c_int32), ("seed", ctypes.c_uint32), ("unused", ctypes.c_int32),
                 ("first_row", ctypes.c_int64), ("ids", ctypes.c_void_p)]
 
@@ -106,8 +107,6 @@ class RowKernel:
         if rows.dim() != 1 or list(grads.shape) != [rows.numel(), param.size(1)]:
             raise ValueError(f"{rows.numel()} rows with gradients of shape {list(grads.shape)} for rows of "
                              f"width {param.size(1)}")
-        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= param.size(0)):
-            raise ValueError(f"rows out of range for a table of {param.size(0)} rows")
         for tensor in state:
             if not (tensor.is_contiguous() and tensor.dtype in (torch.float32, torch.bool)
                     and tensor.size(0) == param.size(0) and tensor.numel() in (param.size(0), param.numel())):
@@ -116,9 +115,12 @@ class RowKernel:
         ids = rounding.ids
         if ids is not None and not (ids.dtype == torch.int64 and ids.is_contiguous() and ids.numel() >= param.size(0)):
             raise ValueError("the rows' ids must be a contiguous int64 tensor with an id per row")
-        table = _Rows(param.data_ptr(), param.size(1), ROW_TYPES[param.dtype], int(rounding.nearest),
+        table = _Rows(param.data_ptr(), param.size(1), param.size(0), ROW_TYPES[param.dtype], int(rounding.nearest),
                       rounding.seed & 0xFFFFFFFF, 0, rounding.first_row, ids.data_ptr() if ids is not None else None)
-        if self.updates[update](ctypes.byref(table), rows, grads, state, hyperparameters) != 0:
+        failed = self.updates[update](ctypes.byref(table), rows, grads, state, hyperparameters)
+        if failed == -2:  # (checked before any row is written)
+            raise ValueError(f"rows out of range for a table of {param.size(0)} rows")
+        if failed != 0:
             raise MemoryError("the row kernel found no scratch memory for a row")
 
     def _rowwise_adagrad(self, table, rows: Tensor, grads: Tensor, state: List[Tensor], h: Mapping) -> int:
