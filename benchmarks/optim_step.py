@@ -39,11 +39,12 @@ What it measures
     Adagrad (``SplitTableBatchedEmbeddingBagsCodegen``, ``EXACT_ROWWISE_ADAGRAD``)
     is timed on the same rows; otherwise one line says why not.
 
-    Case (f), the native row kernel (``paramserver/optim/row_kernel.c``) against the torch path: a shard's
-    push of 1,000 distinct random rows (``OwnerOptimizer.apply_rows``, in one part) to a table of 200,000 x
-    dim rows (``--native-table``), float32 and float16 rows, dims 16, 64 and 128, for RowWiseAdagrad, SGD
-    and SGD with momentum 0.9, once with ``PARAMSERVER_NATIVE=0``'s torch path and once with the kernel
-    (its best build here), against the memory floor: one ``index_select`` and one ``index_copy_`` of the
+    Case (f), the native row kernel (``paramserver/optim/row_kernel.c``) against the torch path: the row
+    step a shard's push ends in (a COO gradient of 1,000 distinct random rows, as ``OwnerOptimizer.apply_rows``
+    builds it, applied in one part by the step module, ``PARAMSERVER_NATIVE=0``'s torch path, or by the
+    kernel's ``NativeRows``, its best build here), to a table of 200,000 x dim rows (``--native-table``),
+    float32 and float16 rows, dims 16, 64 and 128, for RowWiseAdagrad, SGD and SGD with momentum 0.9,
+    against the memory floor: one ``index_select`` and one ``index_copy_`` of the
     push's rows and of each state tensor's rows (what a step must move, done by torch's fastest gather and
     scatter).  "native / torch" is the torch path's time over the kernel's, "x of floor" the floor's time
     over the kernel's (target >= 0.5x), and "float16 / float32" the kernel's float16 step over its float32
@@ -638,14 +639,11 @@ def native_case(rows: int, dim: int, dtype: torch.dtype, touched: int, rounds: i
         table = host_rows(state, f"bench.{choice}[0:{rows}]", rows, dim, dtype, 0, 0, shared=True, init_std=0.01)
         owner = owner_optimizer_for(state, optimizer_cls, [table], [0], (), options)
         owner._impl.set_parts(1)  # one thread
+        owner.apply_rows([0], [rotation.ids[0]], [rotation.values[0]], "bench")  # the state made; the kernel loaded
         owners[choice] = (owner, table)
-
-        def push(owner=owner) -> None:
-            k = rotation.take()
-            owner.apply_rows([0], [rotation.ids[k]], [rotation.values[k]], "bench")
-
-        contestants.append(Contestant(choice, push))
-    contestants[0].step()  # the state made, for the floor
+        # the row step a push ends in: the step module's (torch), or the kernel's, on the push's COO gradient
+        apply = owner._impl.apply if choice == "torch" else owner._native_rows().apply
+        contestants.append(Contestant(choice, lambda apply=apply: apply([rotation.grads[rotation.take()]], False)))
     reference, table = owners["torch"]
     moved = [table, *reference._impl.row_state(0)]
 
@@ -681,9 +679,8 @@ def print_native_case(results: List[NativeResult]) -> None:
             print("| {} | {} | {:.2f}x | <= {:g}x {} |".format(r.dim, r.optimizer, ratio, TARGET_HALF_VS_FLOAT,
                                                               "PASS" if ratio <= TARGET_HALF_VS_FLOAT else "ABOVE"))
     print()
-    print("(f): the kernel's build: {}; {:,} rows per push to a table of {:,} rows; floor = one index_select "
-          "and one index_copy_ of the push's rows and of each state tensor's.".format(
-              results[0].kernel if results else "-", ROW_TOUCHED, NATIVE_TABLE_ROWS))
+    print("(f): the kernel's build: {}; floor = one index_select and one index_copy_ of the push's rows and of "
+          "each state tensor's.".format(results[0].kernel if results else "-"))
 
 
 def progress(message: str) -> None:
