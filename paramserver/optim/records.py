@@ -219,12 +219,12 @@ def _refusals_cell(record: RowOptimizer) -> str:
 def docs_table() -> str:
     """The table of docs/optimizers.md ("Sparse optimizers for tables"), made from the records."""
     lines = ["| local class | functional form | state per row of a `[rows, dim]` table | update (touched rows only) "
-             "| refused on rows | pushes in parts | half-precision rows | CTR job name |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| refused on rows | pushes in parts | half-precision rows | native row kernel | CTR job name |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for record in builtin_records():
         local = ", ".join(f"`{cls.__module__.split('.')[0]}.optim.{cls.__name__}`" for cls in record.local)
         job = "-" if record.job is None else f"`{record.job.name}`" + (" (default)" if record.rank == 0 else "")
         lines.append(f"| {local} | `{record.functional.__name__}` | {_state_cell(record)} | {record.update_doc} | "
                      f"{_refusals_cell(record)} | {'yes' if record.rows_independent else 'no'} | "
-                     f"{'yes' if record.half_rows else 'no'} | {job} |")
+                     f"{'yes' if record.half_rows else 'no'} | {'yes' if record.native else 'no'} | {job} |")
     return "\n".join(lines) + "\n"
