@@ -126,6 +126,24 @@ static int check_rows(const rows_t *table, const int64_t *rows, int64_t n) {
     return outside ? -2 : 0;
 }
 
+/* How many rows ahead the kernel asks for the memory of the row it will update (the row and its state), so
+   that the processor overlaps the misses of consecutive rows (a push's rows are scattered over the table). */
+#define AHEAD 8
+
+/* Ask for row rows[i + AHEAD]'s bytes of the table and of one state tensor (state_bytes a row, or none). */
+static inline void prefetch_ahead(const rows_t *table, const int64_t *rows, int64_t i, int64_t n,
+                                  const void *state, int64_t state_bytes) {
+    if (i + AHEAD >= n) return;
+    int64_t r = rows[i + AHEAD];
+    int64_t row_bytes = table->dim * (table->type == ROWS_FLOAT32 ? 4 : 2);
+    const char *row = (const char *)table->data + r * row_bytes;
+    for (int64_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(row + offset, 1);
+    if (state) {
+        const char *at = (const char *)state + r * state_bytes;
+        for (int64_t offset = 0; offset < state_bytes; offset += 64) __builtin_prefetch(at + offset, 1);
+    }
+}
+
 /* Row row of the table as float32 into out. */
 static inline void load_row(const rows_t *table, int64_t row, float *out) {
     int64_t dim = table->dim;
@@ -178,6 +196,7 @@ int paramserver_rowwise_adagrad(const rows_t *table, const int64_t *rows, int64_
     float step = -lr;
     for (int64_t i = 0; i < n; i++) {
         int64_t r = rows[i];
+        prefetch_ahead(table, rows, i, n, sums, sizeof(float));
         load_row(table, r, row);
         const float *grad = grads + i * dim;
         if (weight_decay != 0.0f)
@@ -219,6 +238,7 @@ int paramserver_sgd(const rows_t *table, const int64_t *rows, int64_t n, const f
     float step = -lr;
     for (int64_t i = 0; i < n; i++) {
         int64_t r = rows[i];
+        prefetch_ahead(table, rows, i, n, buffers, dim * (int64_t)sizeof(float));
         load_row(table, r, row);
         const float *grad = grads + i * dim;
         if (!buffers) {

@@ -285,26 +285,29 @@ class _ScriptedStepInParts(_ScriptedStepWithRowState):
         return self.optim.step_rows(gradients)
 
     @torch.jit.export
-    def prepare(self, gradients: List[Optional[Tensor]]) -> None:
+    def prepare(self, gradients: List[Optional[Tensor]]) -> Tuple[List[List[Tensor]], List[Tuple[int, int, bool, int,
+                                                                                              Optional[Tensor]]]]:
         """``gradients`` checked whole, then the step's once-work done (``prepare_step``): what the native row
-        kernel's step (``NativeRows``) does before it updates the rows in place of ``step_rows``."""
+        kernel's step (``NativeRows``) does before it updates the rows in place of ``step_rows``.  Returns, per
+        parameter, its state tensors (``RowState.of``: the tensors themselves, updated in place; none for a
+        parameter without a gradient) and how its rows are rounded this step (``RowState.set_rounding``: its
+        table's key, the step's rounding count, to nearest or not, its first row's id, its rows' ids)."""
         check_gradient_shapes(self.names, self.params, gradients)
         check_gradients(self.optimizer_name, self.params, gradients)
         self.optim.prepare_step(gradients)
+        state = self.optim.state
+        tensors: List[List[Tensor]] = []
+        roundings: List[Tuple[int, int, bool, int, Optional[Tensor]]] = []
+        for index in range(len(self.params)):
+            tensors.append(state.of(index) if gradients[index] is not None else [])
+            roundings.append((state.rounding_keys[index], state.rounding_steps[index], state.rounds_nearest[index],
+                              state.rounding_first_rows[index], state.rounding_ids[index]))
+        return tensors, roundings
 
     @torch.jit.export
     def row_state(self, index: int) -> List[Tensor]:
-        """Parameter ``index``'s state tensors (``RowState.of``: the tensors themselves, updated in place)."""
+        """Parameter ``index``'s state tensors (``RowState.of``: the tensors themselves)."""
         return self.optim.state.of(index)
-
-    @torch.jit.export
-    def rounding_of(self, index: int) -> Tuple[int, int, bool, int, Optional[Tensor]]:
-        """How parameter ``index``'s rows are rounded this step (``RowState.set_rounding``, after
-        ``prepare``): its table's key, the step's rounding count, to nearest or not, its first row's id, its
-        rows' ids."""
-        state = self.optim.state
-        return (state.rounding_keys[index], state.rounding_steps[index], state.rounds_nearest[index],
-                state.rounding_first_rows[index], state.rounding_ids[index])
 
 
 class NativeRows:
@@ -328,14 +331,14 @@ class NativeRows:
                    for param, gradient in zip(self.params, gradients))
 
     def apply(self, gradients: List[Optional[Tensor]], measure: bool) -> Tuple[int, int]:
-        self.module.prepare(gradients)
+        tensors, roundings = self.module.prepare(gradients)
         for index, gradient in enumerate(gradients):
             if gradient is not None:
                 rows, values = sparse_rows(gradient)
-                key, step, nearest, first_row, ids = self.module.rounding_of(index)
+                key, step, nearest, first_row, ids = roundings[index]
                 rounding = Rounding(nearest, stream_seed(key, step), first_row, ids)
-                self.kernel.step(self.update, self.params[index], rows, values, self.module.row_state(index),
-                                 self.hyperparameters, rounding)
+                self.kernel.step(self.update, self.params[index], rows, values, tensors[index], self.hyperparameters,
+                                 rounding)
         return gradient_stats(gradients) if measure else (0, 0)
 
 
