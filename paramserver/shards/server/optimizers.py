@@ -62,7 +62,7 @@ from ...optim.records import RowOptimizer, local_names
 from ...optim.registry import class_name, functional_optim_map
 from ...optim.kernels import check_gradients, row_slice_fused_min_elements, sparse_rows
 from ...optim.rounding import stream_seed
-from ...optim.row_kernel import Rounding
+from ...optim.row_kernel import Rounding, RowKernels
 from ...optim.row_sparse import RowState, state_dtype
 from ...optim.scripted import reraise_script_error
 from ...tables.row_types import is_half
@@ -490,6 +490,8 @@ class OwnerOptimizer:
             if record is not None:
                 record.check_hyperparameters(args, kwargs)  # refused before anything compiles
             with state.compile_lock:
+                if state.row_kernels is None:  # the state's, made once (loaded at its first push)
+                    state.row_kernels = RowKernels()
                 self._impl, self.record = _compile_step(optimizer_cls, functional_cls, record, self.params,
                                                         self.names, args, kwargs)
         else:
