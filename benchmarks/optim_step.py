@@ -46,7 +46,7 @@ What it measures
     float32 and float16 rows, dims 16, 64 and 128, for RowWiseAdagrad, SGD and SGD with momentum 0.9,
     against the memory floor: one ``index_select`` and one ``index_copy_`` of the
     push's rows and of each state tensor's rows (what a step must move, done by torch's fastest gather and
-    scatter).  "native / torch" is the torch path's time over the kernel's, "x of floor" the floor's time
+    scatter).  "torch / native" is the torch path's time over the kernel's, "x of floor" the floor's time
     over the kernel's (target >= 0.5x), and "float16 / float32" the kernel's float16 step over its float32
     one (target <= 1.1x).  Run it with ``--threads 1`` for one thread.
 
@@ -661,7 +661,7 @@ def native_case(rows: int, dim: int, dtype: torch.dtype, touched: int, rounds: i
 
 
 def print_native_case(results: List[NativeResult]) -> None:
-    print("| (f) rows | dim | optimizer | torch us | native us | floor us | native / torch | x of floor | target |")
+    print("| (f) rows | dim | optimizer | torch us | native us | floor us | torch / native | x of floor | target |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         ratio = r.floor_s / r.native_s
