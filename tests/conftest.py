@@ -14,7 +14,7 @@ import torch
 
 from commands import Commands
 
-from paramserver.optim import ScriptedOptimizer
+from paramserver.optim import ScriptedOptimizer, functional_optim_map
 
 
 @pytest.fixture(autouse=True)
@@ -105,3 +105,12 @@ def s3(_s3_server, monkeypatch):
                                                    "endpoint_url": _s3_server.endpoint})
     _s3_server.bucket = _s3_server.new_bucket()
     return _s3_server
+
+
+@pytest.fixture
+def restore_map():
+    """The registry of functional optimizers as it was before the test, whatever the test registered."""
+    saved = dict(functional_optim_map)
+    yield
+    functional_optim_map.clear()
+    functional_optim_map.update(saved)

@@ -161,14 +161,6 @@ class SignRows(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, clip=clip))
 
 
-@pytest.fixture
-def restore_map():
-    saved = dict(functional_optim_map)
-    yield
-    functional_optim_map.clear()
-    functional_optim_map.update(saved)
-
-
 ROWS, DIM, PUSHED = 20_000, 16, 9_000
 
 

@@ -67,14 +67,6 @@ class SignSGD(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr))
 
 
-@pytest.fixture
-def restore_map():
-    saved = dict(functional_optim_map)
-    yield
-    functional_optim_map.clear()
-    functional_optim_map.update(saved)
-
-
 def test_register_a_valid_class(restore_map):
     register_functional_optim(SignSGD, FunctionalSignSGD, rows=False)
     assert functional_optim_map[SignSGD] is FunctionalSignSGD
