@@ -203,8 +203,9 @@ def test_a_push_that_fails_inside_a_part_after_another_part_wrote_is_a_shard_fau
     """Out of memory in the second part of a push, after the first wrote its rows: the shard is at fault, not
     the request (a ``ShardFault``, never a ``ValueError``); its process is told once (a shard process ends, to
     be restarted from its newest checkpoint), and until then it applies no push and gives no snapshot, so the
-    half-applied rows are never checkpointed or stepped on."""
+    half-applied rows are never checkpointed or stepped on.  (The torch path's parts: ``PARAMSERVER_NATIVE=0``.)"""
     monkeypatch.setattr(owner_optimizers, "torchscript_enabled", lambda: False)
+    monkeypatch.setenv(NATIVE_ENV, "0")
     table, optimizer, (ids, gradients) = restored_owner(QHM, HYPER, 3)
     faults = []
     optimizer._state.on_fault = faults.append

@@ -81,13 +81,18 @@ class RowKernel:
         #: The digest of the source it was built from (``paramserver.native.source_digest``).
         self.digest = library_digest(library)
         #: Each update the kernel has, by the name a record gives it (``RowOptimizer.native``).
-        self.updates: Dict[str, Callable[..., int]] = {"rowwise_adagrad": self._rowwise_adagrad, "sgd": self._sgd_rows}
+        self.updates: Dict[str, Callable[..., int]] = {"rowwise_adagrad": self._rowwise_adagrad, "sgd": self._sgd_rows,
+                                                       "qhm": self._qhm_rows}
 
     def __repr__(self) -> str:
         return f"RowKernel({self.variant!r}, {'installed' if self.installed else 'built on first use'}: {self.origin})"
 
     def cpu_has_avx2(self) -> bool:
         return self._has_avx2
+
+    def accepts(self, update: str, hyperparameters: Mapping) -> bool:
+        """Whether the kernel has update ``update`` with these settings (QHM's only in its fused form)."""
+        return update in self.updates and (update != "qhm" or qhm_as_sgd(hyperparameters) is not None)
 
     def takes(self, param: Tensor) -> bool:
         """Whether the kernel writes ``param``'s rows (a contiguous 2-D CPU tensor of a type it knows)."""
@@ -134,6 +139,28 @@ class RowKernel:
         return self._sgd(table, rows.data_ptr(), rows.numel(), grads.data_ptr(), buffers, flags, h["lr"],
                          h["momentum"], 1.0 - h["dampening"], h["weight_decay"], int(h["nesterov"]),
                          int(h["maximize"]))
+
+
+    def _qhm_rows(self, table, rows: Tensor, grads: Tensor, state: List[Tensor], h: Mapping) -> int:
+        settings = qhm_as_sgd(h)
+        if settings is None:
+            raise ValueError("the row kernel has no QHM update with momentum or nu 0, or direct weight decay")
+        return self._sgd_rows(table, rows, grads, state, settings)
+
+
+def qhm_as_sgd(h: Mapping) -> Optional[Dict]:
+    """QHM's settings ``h`` as the SGD settings of its fused form (``functional_qhm.py``: Nesterov momentum SGD on
+    the buffer rescaled by ``nu / ((1 - nu) * momentum)``, which its ``prepare_step`` keeps it at), computed as
+    ``FunctionalQHM`` computes them; ``None`` where it has none (``momentum`` or ``nu`` 0: the reference's
+    operations; ``direct`` weight decay)."""
+    beta, nu, decay = h["momentum"], h["nu"], h["weight_decay"]
+    if beta == 0.0 or nu == 0.0 or (decay != 0.0 and h["weight_decay_type"] == "direct"):
+        return None
+    if nu == 1.0:
+        return dict(lr=h["lr"], momentum=beta, dampening=beta, weight_decay=decay, nesterov=False, maximize=False)
+    scale = nu / ((1.0 - nu) * beta)
+    return dict(lr=h["lr"] * (1.0 - nu), momentum=beta, dampening=1.0 - scale * (1.0 - beta), weight_decay=decay,
+                nesterov=True, maximize=False)
 
 
 class RowKernels(NativeBuilds):

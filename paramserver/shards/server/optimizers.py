@@ -649,12 +649,14 @@ class OwnerOptimizer:
         return self._timed(run, lambda: peer, "push", once)
 
     def _native_rows(self) -> Optional[NativeRows]:
-        """The native row kernel's step, where the record names its update and a build is loaded (first call:
-        loaded now); ``None``: the step module's torch path."""
+        """The native row kernel's step, where the record names its update, a build is loaded (first call:
+        loaded now) and it has the update with these settings; ``None``: the step module's torch path."""
         if self._native is None:
             kernel = None
             if self.record is not None and self.record.native is not None and self.record.rows_independent:
                 kernel = self._state.row_kernels.chosen()
+                if kernel is not None and not kernel.accepts(self.record.native, self._hyperparameters):
+                    kernel = None  # (settings the kernel has no update for)
             self._native = False if kernel is None else NativeRows(self._impl, kernel, self.record.native,
                                                                    self._hyperparameters, self.params)
         return self._native or None
