@@ -43,7 +43,7 @@ What it measures
     step a shard's push ends in (a COO gradient of 1,000 distinct random rows, as ``OwnerOptimizer.apply_rows``
     builds it, applied in one part by the step module, ``PARAMSERVER_NATIVE=0``'s torch path, or by the
     kernel's ``NativeRows``, its best build here), to a table of 200,000 x dim rows (``--native-table``),
-    float32 and float16 rows, dims 16, 64 and 128, for RowWiseAdagrad, SGD and SGD with momentum 0.9,
+    float32 and float16 rows, dims 16, 64 and 128, for RowWiseAdagrad, SGD, SGD with momentum 0.9 and QHM,
     against the memory floor: one ``index_select`` and one ``index_copy_`` of the
     push's rows and of each state tensor's rows (what a step must move, done by torch's fastest gather and
     scatter).  "torch / native" is the torch path's time over the kernel's, "x of floor" the floor's time
@@ -154,7 +154,8 @@ NATIVE_TYPES = (torch.float32, torch.float16)
 #: (f)'s optimizers: name, local class, options.
 NATIVE_OPTIMIZERS = (("RowWiseAdagrad", RowWiseAdagrad, dict(lr=ADAGRAD_LR, eps=ADAGRAD_EPS)),
                      ("SGD", torch.optim.SGD, dict(lr=LR)),
-                     ("SGD momentum", torch.optim.SGD, dict(lr=LR, momentum=MOMENTUM)))
+                     ("SGD momentum", torch.optim.SGD, dict(lr=LR, momentum=MOMENTUM)),
+                     ("QHM", LocalQHM, dict(lr=LR, momentum=MOMENTUM, nu=NU)))
 TARGET_NATIVE_FLOOR = 0.5  # floor time / kernel step time
 TARGET_HALF_VS_FLOAT = 1.1  # kernel's float16 step time / its float32 step time, at most
 
