@@ -19,10 +19,10 @@ $(PY):
 	# torch first, pinned: the local CPU build; an unpinned torch would pull CUDA wheels.
 	$(PIP) install --quiet $(TORCH_PIN)
 
-# setup.py generates the gRPC stubs from protos/ and builds the dynamic tables'
-# C kernel at install time, so a changed .proto or kernel.c re-runs the install too.
+# setup.py generates the gRPC stubs from protos/ and builds the C kernels at
+# install time, so a changed .proto or kernel source re-runs the install too.
 PROTOS := $(shell find protos -name '*.proto')
-KERNEL := paramserver/shards/server/dynamic/kernel.c
+KERNEL := paramserver/shards/server/dynamic/kernel.c paramserver/optim/row_kernel.c
 
 $(STAMP): $(PY) setup.cfg setup.py pyproject.toml $(PROTOS) $(KERNEL)
 	$(PIP) install --quiet $(TORCH_PIN) -e '.[test,s3,gcs,torchx]'

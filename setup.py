@@ -1,4 +1,4 @@
-"""Build hooks: generate the control plane's gRPC stubs from ``protos/``; build the dynamic tables' C kernel.
+"""Build hooks: generate the control plane's gRPC stubs from ``protos/``; build the package's C kernels.
 
 The ``*_pb2.py``, ``*_pb2.pyi`` and ``*_pb2_grpc.py`` modules are never
 committed: they are made here, by grpcio-tools, every time the package is
@@ -7,13 +7,13 @@ protobuf runtime installed next to them.  ``protoc`` runs with ``-Iprotos``
 and the proto tree mirrors the package path, so the generated imports are
 absolute (``from paramserver.control.v1 import coordinator_pb2``).
 
-The dynamic tables' C kernel (``paramserver/shards/server/dynamic/kernel.c``)
-is compiled here too, where a C compiler is: a baseline build and, on
-x86-64, an AVX2 build, as the extension files ``_kernel_baseline`` and
-``_kernel_avx2`` beside it (in the source tree for an editable install),
-which ``native.py`` loads with ctypes.  They are optional: where the
+The C kernels (``KERNELS``: the dynamic tables' ``kernel.c``, the row-wise
+optimizers' ``row_kernel.c``) are compiled here too, where a C compiler is: a
+baseline build and, on x86-64, an AVX2 build of each, as extension files
+beside its source (in the source tree for an editable install), which
+``paramserver.native`` loads with ctypes.  They are optional: where the
 compiler is missing or fails, the install goes on without them, and
-``native.py`` builds the kernel on first use instead (or the tables use
+``paramserver.native`` builds them on first use instead (or their callers use
 their torch path).  Everything else about the package lives in setup.cfg.
 """
 
@@ -27,9 +27,17 @@ from setuptools.command.build_py import build_py
 
 ROOT = pathlib.Path(__file__).resolve().parent
 PROTO_ROOT = ROOT / "protos"
-#: The kernel's source, relative to this file (setuptools wants relative paths), and its package.
-KERNEL_SOURCE = "paramserver/shards/server/dynamic/kernel.c"
-KERNEL_PACKAGE = "paramserver.shards.server.dynamic"
+#: Each kernel's source, relative to this file (setuptools wants relative paths), the module names of its
+#: builds by variant, its compiler flags besides the variant's and its flags for some variants: as its
+#: ``KernelSource`` says (``paramserver/shards/server/dynamic/native.py``, ``paramserver/optim/row_kernel.py``).
+KERNELS = (
+    ("paramserver/shards/server/dynamic/kernel.c", {"baseline": "_kernel_baseline", "avx2": "_kernel_avx2"},
+     ["-O2"], {}),
+    ("paramserver/optim/row_kernel.c", {"baseline": "_row_kernel_baseline", "avx2": "_row_kernel_avx2"},
+     ["-O3", "-ffp-contract=off", "-fno-trapping-math"], {"avx2": ["-mfma"]}),
+)
+#: The variants' flags (``paramserver.native.BUILD_FLAGS``).
+BUILD_FLAGS = {"baseline": [], "avx2": ["-mavx2"]}
 
 
 def generate_stubs() -> None:
@@ -52,16 +60,18 @@ class BuildPyWithStubs(build_py):
 
 
 def kernel_extensions() -> list:
-    """The kernel's builds, named as ``native.INSTALLED_MODULES`` and flagged as ``native.BUILD_FLAGS`` say,
-    each carrying the digest of its source (``native.source_digest``), so that a build of an older kernel.c is
-    never loaded."""
-    digest = hashlib.sha256((ROOT / KERNEL_SOURCE).read_bytes()).hexdigest()[:16]
-    builds = {"_kernel_baseline": []}
-    if platform.machine().lower() in ("x86_64", "amd64"):
-        builds["_kernel_avx2"] = ["-mavx2"]
-    return [Extension(f"{KERNEL_PACKAGE}.{name}", [KERNEL_SOURCE], extra_compile_args=["-O2", *flags],
-                      define_macros=[("PARAMSERVER_KERNEL_DIGEST", f'"{digest}"')], optional=True)
-            for name, flags in builds.items()]
+    """Every kernel's builds, each carrying the digest of its source (``paramserver.native.source_digest``), so
+    that a build of an older source is never loaded."""
+    extensions = []
+    for source, modules, flags, variant_flags in KERNELS:
+        digest = hashlib.sha256((ROOT / source).read_bytes()).hexdigest()[:16]
+        package = source.rsplit("/", 1)[0].replace("/", ".")
+        variants = ["baseline"] + (["avx2"] if platform.machine().lower() in ("x86_64", "amd64") else [])
+        extensions += [Extension(f"{package}.{modules[variant]}", [source],
+                                 extra_compile_args=[*flags, *BUILD_FLAGS[variant], *variant_flags.get(variant, [])], libraries=["m"],
+                                 define_macros=[("PARAMSERVER_KERNEL_DIGEST", f'"{digest}"')], optional=True)
+                       for variant in variants]
+    return extensions
 
 
 class OptionalBuildExt(build_ext):
@@ -72,8 +82,8 @@ class OptionalBuildExt(build_ext):
         try:
             super().run()
         except Exception as error:  # no compiler, a compiler that fails: the package works without the kernel
-            self.warn(f"the dynamic tables' C kernel was not built at install time ({error}); "
-                      "it is built on first use where a C compiler is, else lookups use torch")
+            self.warn(f"the C kernels were not built at install time ({error}); "
+                      "they are built on first use where a C compiler is, else their callers use torch")
 
     def build_extension(self, extension):
         try:

@@ -39,6 +39,17 @@ What it measures
     Adagrad (``SplitTableBatchedEmbeddingBagsCodegen``, ``EXACT_ROWWISE_ADAGRAD``)
     is timed on the same rows; otherwise one line says why not.
 
+    Case (f), the native row kernel (``paramserver/optim/row_kernel.c``) against the torch path: the row
+    step a shard's push ends in (a COO gradient of 1,000 distinct random rows, as ``OwnerOptimizer.apply_rows``
+    builds it, applied in one part by the step module, ``PARAMSERVER_NATIVE=0``'s torch path, or by the
+    kernel's ``NativeRows``, its best build here), to a table of 200,000 x dim rows (``--native-table``),
+    float32 and float16 rows, dims 16, 64 and 128, for RowWiseAdagrad, SGD, SGD with momentum 0.9 and QHM,
+    against the memory floor: one ``index_select`` and one ``index_copy_`` of the
+    push's rows and of each state tensor's rows (what a step must move, done by torch's fastest gather and
+    scatter).  "torch / native" is the torch path's time over the kernel's, "x of floor" the floor's time
+    over the kernel's (target >= 0.5x), and "float16 / float32" the kernel's float16 step over its float32
+    one (target <= 1.1x).  Run it with ``--threads 1`` for one thread.
+
     Case (e), memory: the resident bytes a 20,000,000 x 16 float32 table
     (2,000,000 with ``--quick``) and its ``RowWiseAdagrad`` state take in
     this process once stepped, against the rows plus one float32 per row
@@ -49,7 +60,7 @@ How to run
     Options: ``--quick`` (a smoke run: fewer rounds, a 1M-row table for (c),
     a 200,000-row table for (d)), ``--cases LIST`` (comma-separated, any of
     ``dense`` = (a) and (b), ``table`` = (c), ``rows`` = (d), ``memory`` =
-    (e); default all),
+    (e), ``native`` = (f); default all),
     ``--rounds N`` (timed rounds for (a) and (b), 10 x N one-step samples for
     (d); the table case uses a third of them, at least 3), ``--row-table N``
     (rows of (d)'s table, default 2,000,000), ``--touched R`` (distinct rows
@@ -111,7 +122,11 @@ from paramserver.optim.functional_qhm import FunctionalQHM
 from paramserver.optim.qhm import QHM as LocalQHM
 from paramserver.optim.registry import functional_optim_map
 from paramserver.optim.rowwise_adagrad import RowWiseAdagrad
+from paramserver.optim.row_kernel import RowKernels
 from paramserver.optim.scripted import ScriptedOptimizer
+from paramserver.shards.server import ShardState
+from paramserver.shards.server.hosted import host_rows
+from paramserver.shards.server.optimizers import owner_optimizer_for
 
 # Small enough that parameters stay finite over hundreds of steps.
 LR, MOMENTUM, NU = 1e-3, 0.9, 0.7
@@ -123,7 +138,7 @@ TARGET_SPEEDUP_FEW_LARGE = 1.8
 TARGET_SPEEDUP_MANY_SMALL = 4.0
 TARGET_SPARSE_VS_DENSE = 100.0
 
-CASES = ("dense", "table", "rows", "memory")
+CASES = ("dense", "table", "rows", "memory", "native")
 ROW_DIMS = (16, 64, 128)
 ROW_TABLE_ROWS, ROW_TABLE_ROWS_QUICK = 2_000_000, 200_000
 ROW_TOUCHED = 1_000
@@ -134,6 +149,15 @@ FLOAT_BYTES = 4
 TARGET_ROW_FLOOR = 0.5  # floor time / step time, each optimizer
 TARGET_ROWWISE_VS_SGD = 1.2  # RowWiseAdagrad time / SGD time, at most
 ADAGRAD_LR, ADAGRAD_EPS = 0.01, 1e-8
+NATIVE_TABLE_ROWS = 200_000
+NATIVE_TYPES = (torch.float32, torch.float16)
+#: (f)'s optimizers: name, local class, options.
+NATIVE_OPTIMIZERS = (("RowWiseAdagrad", RowWiseAdagrad, dict(lr=ADAGRAD_LR, eps=ADAGRAD_EPS)),
+                     ("SGD", torch.optim.SGD, dict(lr=LR)),
+                     ("SGD momentum", torch.optim.SGD, dict(lr=LR, momentum=MOMENTUM)),
+                     ("QHM", LocalQHM, dict(lr=LR, momentum=MOMENTUM, nu=NU)))
+TARGET_NATIVE_FLOOR = 0.5  # floor time / kernel step time
+TARGET_HALF_VS_FLOAT = 1.1  # kernel's float16 step time / its float32 step time, at most
 
 
 # --------------------------------------------------------------------------
@@ -595,6 +619,71 @@ def memory_case(rows: int, dim: int, touched: int) -> str:
 # Main
 # --------------------------------------------------------------------------
 
+@dataclass
+class NativeResult:
+    dtype: torch.dtype
+    dim: int
+    optimizer: str
+    torch_s: float
+    native_s: float
+    floor_s: float
+    kernel: str
+
+
+def native_case(rows: int, dim: int, dtype: torch.dtype, touched: int, rounds: int, name: str, optimizer_cls,
+                options: dict) -> NativeResult:
+    """Case (f) for one optimizer, row type and dim: the torch path's push, the kernel's, and the floor."""
+    rotation = RowRotation(rows, dim, touched, min(ROW_ROTATION, rows // touched))
+    contestants, owners = [], {}
+    for choice in ("torch", "best"):
+        state = ShardState(row_kernels=RowKernels(choice))
+        table = host_rows(state, f"bench.{choice}[0:{rows}]", rows, dim, dtype, 0, 0, shared=True, init_std=0.01)
+        owner = owner_optimizer_for(state, optimizer_cls, [table], [0], (), options)
+        owner._impl.set_parts(1)  # one thread
+        owner.apply_rows([0], [rotation.ids[0]], [rotation.values[0]], "bench")  # the state made; the kernel loaded
+        owners[choice] = (owner, table)
+        # the row step a push ends in: the step module's (torch), or the kernel's, on the push's COO gradient
+        apply = owner._impl.apply if choice == "torch" else owner._native_rows().apply
+        contestants.append(Contestant(choice, lambda apply=apply: apply([rotation.grads[rotation.take()]], False)))
+    reference, table = owners["torch"]
+    moved = [table, *reference._impl.row_state(0)]
+
+    def floor() -> None:
+        ids = rotation.ids[rotation.take()]
+        with torch.no_grad():
+            for tensor in moved:
+                tensor.index_copy_(0, ids, tensor.index_select(0, ids))
+
+    contestants.append(Contestant("floor", floor))
+    samples = time_interleaved(contestants, rounds * ROW_SAMPLES_PER_ROUND, rotate=True)
+    native = owners["best"][0]._native_rows()
+    return NativeResult(dtype, dim, name, statistics.median(samples["torch"]), statistics.median(samples["best"]),
+                        statistics.median(samples["floor"]), native.kernel.variant if native else "none (torch)")
+
+
+def print_native_case(results: List[NativeResult]) -> None:
+    print("| (f) rows | dim | optimizer | torch us | native us | floor us | torch / native | x of floor | target |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        ratio = r.floor_s / r.native_s
+        print("| {} | {} | {} | {:.0f} | {:.0f} | {:.0f} | {:.2f}x | {:.2f}x | >= {:g}x {} |".format(
+            str(r.dtype).replace("torch.", ""), r.dim, r.optimizer, r.torch_s * 1e6, r.native_s * 1e6,
+            r.floor_s * 1e6, r.torch_s / r.native_s, ratio, TARGET_NATIVE_FLOOR, verdict(ratio, TARGET_NATIVE_FLOOR)))
+    print()
+    print("| (f) dim | optimizer | native float16 / float32 | target |")
+    print("|---|---|---|---|")
+    by_key = {(r.dtype, r.dim, r.optimizer): r for r in results}
+    for r in results:
+        half = by_key.get((torch.float16, r.dim, r.optimizer))
+        if r.dtype == torch.float32 and half is not None:
+            ratio = half.native_s / r.native_s
+            print("| {} | {} | {:.2f}x | <= {:g}x {} |".format(r.dim, r.optimizer, ratio, TARGET_HALF_VS_FLOAT,
+                                                              "PASS" if ratio <= TARGET_HALF_VS_FLOAT else "ABOVE"))
+    print()
+    print("(f): the kernel's build: {}; floor = one index_select and one index_copy_ of the push's rows and of "
+          "each state tensor's.".format(results[0].kernel if results else "-"))
+
+
 def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -625,6 +714,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                             ROW_TABLE_ROWS, ROW_TABLE_ROWS_QUICK))
     parser.add_argument("--touched", type=int, default=ROW_TOUCHED,
                         help="distinct rows a step of case (d) touches (default {:,})".format(ROW_TOUCHED))
+    parser.add_argument("--native-table", type=int, default=NATIVE_TABLE_ROWS,
+                        help="rows of case (f)'s tables (default {:,})".format(NATIVE_TABLE_ROWS))
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     args = parser.parse_args(argv)
     if args.row_table is None:
@@ -692,6 +783,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print()
     if rows_results:
         print_rows_case(rows_results, fbgemm_note)
+        print()
+    if "native" in args.cases:
+        native_results = []
+        for dtype in NATIVE_TYPES:
+            for dim in ROW_DIMS:
+                for name, optimizer_cls, options in NATIVE_OPTIMIZERS:
+                    progress("case (f) {} x {} {} rows, {}: {} samples ...".format(
+                        args.native_table, dim, dtype, name, rounds * ROW_SAMPLES_PER_ROUND))
+                    native_results.append(native_case(args.native_table, dim, dtype, args.touched, rounds, name,
+                                                      optimizer_cls, options))
+                    gc.collect()
+        print_native_case(native_results)
         print()
     if "memory" in args.cases:  # last: what the other cases allocated is freed by then
         progress("case (e) memory ...")

@@ -8,6 +8,7 @@ import datetime
 import pytest
 import torch
 
+from paramserver.native import NATIVE_ENV
 from paramserver.optim import QHM, RowWiseAdagrad, functional_optim_map
 from paramserver.optim.kernels import row_slice_fused_min_elements
 from paramserver.optim.records import builtin_records
@@ -168,8 +169,10 @@ def fields(value):
 def test_the_parts_of_a_push_get_disjoint_runs_of_its_rows_and_write_only_those(monkeypatch, optimizer_cls, options):
     """Run eagerly (the parts one after another), each part is watched: it is handed a run of the push's rows,
     and changes those rows of the table and its state and nothing else, no attribute of the optimizer included
-    (what a step does once, such as QHM's rescaled momentum after a restore, was done before the parts)."""
+    (what a step does once, such as QHM's rescaled momentum after a restore, was done before the parts).  The
+    torch path's parts (``PARAMSERVER_NATIVE=0``: no native row kernel)."""
     monkeypatch.setattr(owner_optimizers, "torchscript_enabled", lambda: False)
+    monkeypatch.setenv(NATIVE_ENV, "0")
     table, optimizer, (ids, gradients) = restored_owner(optimizer_cls, options, 3)
     functional = optimizer._impl.optim
     step_rows = functional.step_rows
@@ -200,8 +203,9 @@ def test_a_push_that_fails_inside_a_part_after_another_part_wrote_is_a_shard_fau
     """Out of memory in the second part of a push, after the first wrote its rows: the shard is at fault, not
     the request (a ``ShardFault``, never a ``ValueError``); its process is told once (a shard process ends, to
     be restarted from its newest checkpoint), and until then it applies no push and gives no snapshot, so the
-    half-applied rows are never checkpointed or stepped on."""
+    half-applied rows are never checkpointed or stepped on.  (The torch path's parts: ``PARAMSERVER_NATIVE=0``.)"""
     monkeypatch.setattr(owner_optimizers, "torchscript_enabled", lambda: False)
+    monkeypatch.setenv(NATIVE_ENV, "0")
     table, optimizer, (ids, gradients) = restored_owner(QHM, HYPER, 3)
     faults = []
     optimizer._state.on_fault = faults.append

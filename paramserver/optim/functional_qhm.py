@@ -183,7 +183,7 @@ ROW_OPTIMIZER = RowOptimizer(
     state=(StateKind("momentum_buffer", "element"),),
     check=lambda h: check_qhm_hyperparameters(h["lr"], h["momentum"], h["nu"], h["weight_decay"],
                                               h["weight_decay_type"]),
-    refusals=(), rows_independent=True, half_rows=True,
+    refusals=(), rows_independent=True, half_rows=True, native="qhm",
     example=dict(lr=0.1, momentum=0.9, nu=0.7),
     job=JobChoice("qhm", QHM, dict(lr=128.0, momentum=0.9, nu=0.7)),
     rank=0, state_doc="momentum, `dim` floats", update_doc="quasi-hyperbolic momentum, lazy")

@@ -147,7 +147,7 @@ ROW_OPTIMIZER = RowOptimizer(
                      kept_doc="momentum and dampening")),
     check=lambda h: check_sgd_hyperparameters(h["lr"], h["momentum"], h["dampening"], h["weight_decay"],
                                               h["nesterov"]),
-    refusals=(), rows_independent=True, half_rows=True,
+    refusals=(), rows_independent=True, half_rows=True, native="sgd",
     example=dict(lr=0.1, momentum=0.9, dampening=0.1),
     job=JobChoice("sgd", torch.optim.SGD, dict(lr=512.0)),  # no momentum
     rank=10, state_doc="momentum (if any), `dim` floats", update_doc="`torch.optim.SGD`'s, lazy momentum")

@@ -11,7 +11,9 @@ of its embedding optimizers once, ``codegen/genscript/optimizers.py``):
 * its hyperparameters (the functional class's keyword arguments and defaults) and their checks;
 * the options it refuses on rows (``RowRefusal``): a table refuses them when its optimizer is made;
 * its capabilities: ``rows_independent`` (a row's update reads only that row, its gradient and its state,
-  so a push may be applied in parts at once), ``half_rows`` (float16 / bfloat16 rows, updated in float32);
+  so a push may be applied in parts at once), ``half_rows`` (float16 / bfloat16 rows, updated in float32),
+  ``native`` (the name of its update in the native row kernel, ``row_kernel.py``, which then applies its
+  pushes' rows in one pass each where a build is loaded);
 * where the CTR job lists it (``JobChoice``: its ``sparse_optimizer`` name and tuned options) and what the
   docs' table says of it.
 
@@ -84,8 +86,10 @@ class RowOptimizer:
     instance's ``RowState``); ``refusals`` is ``None`` when its refusals are not declared (a shard then tries
     a scratch row when the optimizer is made on a table).  ``check(hyperparameters)`` raises ``ValueError``
     for values out of range (``None``: the functional constructor's own checks only).  ``example``: settings
-    that keep every kind of state, for tests and benchmarks.  ``rank``: where it is listed (the job's names,
-    the docs' table); ``state_doc`` / ``update_doc``: the docs' table's cells."""
+    that keep every kind of state, for tests and benchmarks.  ``native``: the name of its update in the native
+    row kernel (a key of ``row_kernel.RowKernel.updates``; only for rows that update independently), or
+    ``None``.  ``rank``: where it is listed (the job's names, the docs' table); ``state_doc`` / ``update_doc``:
+    the docs' table's cells."""
 
     name: str
     functional: type
@@ -95,6 +99,7 @@ class RowOptimizer:
     refusals: Optional[Tuple[RowRefusal, ...]] = ()
     rows_independent: bool = False
     half_rows: bool = True
+    native: Optional[str] = None
     example: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     job: Optional[JobChoice] = None
     rank: int = 1000
@@ -102,6 +107,9 @@ class RowOptimizer:
     update_doc: str = ""
 
     def __post_init__(self):
+        if self.native is not None and not self.rows_independent:
+            raise TypeError(f"optimizer {self.name}: its record names a native row update ({self.native}), which "
+                            f"updates rows independently, but says its rows do not")
         if self.rows_independent and not steps_in_parts(self.functional):
             raise TypeError(f"optimizer {self.name}: its record says its rows update independently, but "
                             f"{self.functional.__qualname__} has no prepare_step(gradients) and "
@@ -211,12 +219,12 @@ def _refusals_cell(record: RowOptimizer) -> str:
 def docs_table() -> str:
     """The table of docs/optimizers.md ("Sparse optimizers for tables"), made from the records."""
     lines = ["| local class | functional form | state per row of a `[rows, dim]` table | update (touched rows only) "
-             "| refused on rows | pushes in parts | half-precision rows | CTR job name |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| refused on rows | pushes in parts | half-precision rows | native row kernel | CTR job name |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for record in builtin_records():
         local = ", ".join(f"`{cls.__module__.split('.')[0]}.optim.{cls.__name__}`" for cls in record.local)
         job = "-" if record.job is None else f"`{record.job.name}`" + (" (default)" if record.rank == 0 else "")
         lines.append(f"| {local} | `{record.functional.__name__}` | {_state_cell(record)} | {record.update_doc} | "
                      f"{_refusals_cell(record)} | {'yes' if record.rows_independent else 'no'} | "
-                     f"{'yes' if record.half_rows else 'no'} | {job} |")
+                     f"{'yes' if record.half_rows else 'no'} | {'yes' if record.native else 'no'} | {job} |")
     return "\n".join(lines) + "\n"

@@ -100,7 +100,7 @@ ROW_OPTIMIZER = RowOptimizer(
     name="RowWiseAdagrad", functional=FunctionalRowWiseAdagrad, local=(RowWiseAdagrad,),
     state=(StateKind("sum", "row"),),
     check=lambda h: check_rowwise_adagrad_hyperparameters(h["lr"], h["eps"], h["weight_decay"]),
-    refusals=(), rows_independent=True, half_rows=True,
+    refusals=(), rows_independent=True, half_rows=True, native="rowwise_adagrad",
     example=dict(lr=0.1),
     job=JobChoice("rowwise_adagrad", RowWiseAdagrad, dict(lr=0.5)),
     rank=30, state_doc="**one float**", update_doc="FBGEMM's `EXACT_ROWWISE_ADAGRAD`")

@@ -77,6 +77,7 @@ def _patch(module) -> None:
     def apply_rows_failing_once(self, params, ids, gradients, peer, once=None):
         if once is not None and trigger.claim(once[1]):
             self._impl = _FailsHalfway(self._impl, self.params, self.names)
+            self._native = False  # the push goes to the step module (not the native row kernel), which fails
         return apply_rows(self, params, ids, gradients, peer, once)
 
     module.OwnerOptimizer.apply_rows = apply_rows_failing_once

@@ -60,7 +60,9 @@ from ..._torch_compat import autograd_context_creator, current_rpc_agent
 from ...logs import one_line
 from ...optim.records import RowOptimizer, local_names
 from ...optim.registry import class_name, functional_optim_map
-from ...optim.kernels import check_gradients, row_slice_fused_min_elements
+from ...optim.kernels import check_gradients, row_slice_fused_min_elements, sparse_rows
+from ...optim.rounding import stream_seed
+from ...optim.row_kernel import Rounding, RowKernels
 from ...optim.row_sparse import RowState, state_dtype
 from ...optim.scripted import reraise_script_error
 from ...tables.row_types import is_half
@@ -282,6 +284,63 @@ class _ScriptedStepInParts(_ScriptedStepWithRowState):
     def _step_part(self, gradients: List[Optional[Tensor]]) -> List[Tensor]:
         return self.optim.step_rows(gradients)
 
+    @torch.jit.export
+    def prepare(self, gradients: List[Optional[Tensor]]) -> Tuple[List[List[Tensor]], List[Tuple[int, int, bool, int,
+                                                                                              Optional[Tensor]]]]:
+        """``gradients`` checked whole, then the step's once-work done (``prepare_step``): what the native row
+        kernel's step (``NativeRows``) does before it updates the rows in place of ``step_rows``.  Returns, per
+        parameter, its state tensors (``RowState.of``: the tensors themselves, updated in place; none for a
+        parameter without a gradient) and how its rows are rounded this step (``RowState.set_rounding``: its
+        table's key, the step's rounding count, to nearest or not, its first row's id, its rows' ids)."""
+        check_gradient_shapes(self.names, self.params, gradients)
+        check_gradients(self.optimizer_name, self.params, gradients)
+        self.optim.prepare_step(gradients)
+        state = self.optim.state
+        tensors: List[List[Tensor]] = []
+        roundings: List[Tuple[int, int, bool, int, Optional[Tensor]]] = []
+        for index in range(len(self.params)):
+            tensors.append(state.of(index) if gradients[index] is not None else [])
+            roundings.append((state.rounding_keys[index], state.rounding_steps[index], state.rounds_nearest[index],
+                              state.rounding_first_rows[index], state.rounding_ids[index]))
+        return tensors, roundings
+
+    @torch.jit.export
+    def row_state(self, index: int) -> List[Tensor]:
+        """Parameter ``index``'s state tensors (``RowState.of``: the tensors themselves)."""
+        return self.optim.state.of(index)
+
+
+class NativeRows:
+    """A push's rows applied by the native row kernel (``paramserver.optim.row_kernel``) in place of the step
+    module's ``step_rows``, for an optimizer whose record names its update there (``RowOptimizer.native``):
+    the same checks and once-work first (the module's ``prepare``), then each parameter's rows, gradient and
+    state (the module's own ``RowState`` tensors) in one call, which releases the GIL.  It takes a push only
+    where every gradient is row-sparse over a table the kernel writes (``takes``); the module steps the
+    others."""
+
+    def __init__(self, module, kernel, update: str, hyperparameters: Dict, params: List[Tensor]):
+        self.module = module
+        self.kernel = kernel
+        self.update = update
+        self.hyperparameters = hyperparameters
+        self.params = params
+
+    def takes(self, gradients: List[Optional[Tensor]]) -> bool:
+        return all(gradient is None or (gradient.is_sparse and gradient.dtype == torch.float32
+                                        and self.kernel.takes(param))
+                   for param, gradient in zip(self.params, gradients))
+
+    def apply(self, gradients: List[Optional[Tensor]], measure: bool) -> Tuple[int, int]:
+        tensors, roundings = self.module.prepare(gradients)
+        for index, gradient in enumerate(gradients):
+            if gradient is not None:
+                rows, values = sparse_rows(gradient)
+                key, step, nearest, first_row, ids = roundings[index]
+                rounding = Rounding(nearest, stream_seed(key, step), first_row, ids)
+                self.kernel.step(self.update, self.params[index], rows, values, tensors[index], self.hyperparameters,
+                                 rounding)
+        return gradient_stats(gradients) if measure else (0, 0)
+
 
 @torch.jit.script
 def split_rows(gradients: List[Optional[Tensor]], params: List[Tensor], parts: int,
@@ -431,6 +490,8 @@ class OwnerOptimizer:
             if record is not None:
                 record.check_hyperparameters(args, kwargs)  # refused before anything compiles
             with state.compile_lock:
+                if state.row_kernels is None:  # the state's, made once (loaded at its first push)
+                    state.row_kernels = RowKernels()
                 self._impl, self.record = _compile_step(optimizer_cls, functional_cls, record, self.params,
                                                         self.names, args, kwargs)
         else:
@@ -446,6 +507,9 @@ class OwnerOptimizer:
         if self.record is not None and self.record.rows_independent:
             # a large push in as many parts as the shard's inter-op pool has threads (its cores' share)
             self._impl.set_parts(torch.get_num_interop_threads())
+        #: The native row kernel's step of pushes (``NativeRows``), made at the first push; ``False``: none.
+        self._native: Union[None, bool, NativeRows] = None
+        self._hyperparameters = self.record.bind(args, kwargs) if self.record is not None else {}
         for index, param in enumerate(self.params):
             if is_half(param.dtype):  # keyed by the table and each row's id in it: the same bits however cut
                 key, first_row, ids = rounding_place(state, param)
@@ -578,8 +642,24 @@ class OwnerOptimizer:
             for index, gradient in enumerate(by_param):
                 if gradient is not None:
                     self._marks[index].mark(gradient._indices()[0])
+            native = self._native_rows()
+            if native is not None and native.takes(by_param):
+                return native.apply(by_param, measure)
             return self._impl.apply(by_param, measure)
         return self._timed(run, lambda: peer, "push", once)
+
+    def _native_rows(self) -> Optional[NativeRows]:
+        """The native row kernel's step, where the record names its update, a build is loaded (first call:
+        loaded now) and it has the update with these settings; ``None``: the step module's torch path."""
+        if self._native is None:
+            kernel = None
+            if self.record is not None and self.record.native is not None and self.record.rows_independent:
+                kernel = self._state.row_kernels.chosen()
+                if kernel is not None and not kernel.accepts(self.record.native, self._hyperparameters):
+                    kernel = None  # (settings the kernel has no update for)
+            self._native = False if kernel is None else NativeRows(self._impl, kernel, self.record.native,
+                                                                   self._hyperparameters, self.params)
+        return self._native or None
 
     def resize_rows(self, index: int, rows: int) -> None:
         """Parameter ``index`` (a dynamic table's slab) grew to ``rows`` rows: its state too.  The caller holds

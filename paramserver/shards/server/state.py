@@ -68,12 +68,16 @@ class ShardState:
     """One process's hosted tensors, their optimizers and locks, its restore source and stop request."""
 
     def __init__(self, restore_source: Optional[RestoreSource] = None, recorder: Optional["OwnerStepRecorder"] = None,
-                 kernels: Optional[NativeKernels] = None, huge_pages: Optional[HugePages] = None):
+                 kernels: Optional[NativeKernels] = None, huge_pages: Optional[HugePages] = None,
+                 row_kernels: Optional[object] = None):
         self.restore_source = restore_source
         #: Where the optimizer steps applied here are counted (the process's data-plane metrics), or ``None``.
         self.recorder = recorder
         #: The C kernel's builds its dynamic tables' lookups run in (``chosen()``), loaded on first use.
         self.kernels = kernels if kernels is not None else NativeKernels()
+        #: The row-wise optimizers' C kernel's builds its tables' pushes run in (``optim.row_kernel.RowKernels``,
+        #: made by its first optimizer when none is given: ``shards/server/optimizers.py``), loaded on first use.
+        self.row_kernels = row_kernels
         #: What makes its dynamic tables' large tensors (on huge pages where the system offers them).
         self.huge_pages = huge_pages if huge_pages is not None else HugePages()
         #: Names this process among every process that serves under the same RPC name (a restarted shard is

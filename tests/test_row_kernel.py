@@ -1,0 +1,205 @@
+"""The row-wise optimizers' native kernel (paramserver/optim/row_kernel.c) against the torch path.
+
+Every optimizer whose record names a native update, on float32, float16 and bfloat16 rows, each build of the
+kernel: a shard's pushes applied by the kernel give the rows and state the torch path (the functional
+class's ``step_rows``) gives, bit for bit where the order of arithmetic is the same, else within a few units
+in the last place (``SETTINGS``); a push split into parts gives the same; ``PARAMSERVER_NATIVE=0`` keeps the torch path.
+Single-process (``ShardState`` and ``OwnerOptimizer``, no RPC).
+"""
+
+import pytest
+import torch
+
+from paramserver.native import NATIVE_ENV
+from paramserver.optim import RowWiseAdagrad
+from paramserver.optim.records import RowOptimizer, builtin_records
+from paramserver.optim.row_kernel import Rounding, RowKernels, qhm_as_sgd
+from paramserver.shards.server import ShardState
+from paramserver.shards.server.hosted import host_dynamic, host_rows
+from paramserver.shards.server.optimizers import owner_optimizer_for
+from paramserver.tables import DynamicOptions
+
+ROWS = 3000
+DIM = 40  # five vectors of eight: and no tail
+NATIVE = [record for record in builtin_records() if record.native is not None]
+
+#: Per optimizer, settings that reach every branch of its update, and how close the kernel comes to the torch
+#: path: ``EXACT`` (bit for bit), ``ULP`` (a row's mean of squares summed in another order than torch's
+#: reduction: float32 rows and state within 4 units in the last place, measured 2-4 at dim 40; half rows within one),
+#: ``FUSED`` (bit for bit where the torch path runs torch's fused SGD kernel, on large pushes; on small ones its
+#: multi-tensor operations round between Nesterov's two terms, which the fused kernel and this one do not:
+#: there within that rounding, relative to the step's terms).
+EXACT, ULP, FUSED = "exact", "ulp", "fused"
+SETTINGS = {
+    "RowWiseAdagrad": [(dict(lr=0.1), ULP), (dict(lr=0.1, eps=1e-3, weight_decay=0.01), ULP)],
+    "SGD": [(dict(lr=0.1), EXACT), (dict(lr=0.1, momentum=0.9), EXACT),
+            (dict(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01), EXACT),
+            (dict(lr=0.1, momentum=0.9, weight_decay=0.01, maximize=True), EXACT),
+            (dict(lr=0.1, momentum=0.9, nesterov=True), FUSED)],
+    # QHM's fused form is Nesterov SGD (nu 1: plain momentum); momentum or nu 0 and direct weight decay have
+    # none: the torch path (the kernel declines them)
+    "QHM": [(dict(lr=0.1, momentum=0.9, nu=0.7), FUSED), (dict(lr=0.1, momentum=0.9, nu=1.0), EXACT),
+            (dict(lr=0.1, momentum=0.8, nu=0.5, weight_decay=0.01), FUSED),
+            (dict(lr=0.1, momentum=0.9, nu=0.0), EXACT),
+            (dict(lr=0.1, momentum=0.9, nu=0.7, weight_decay=0.01, weight_decay_type="direct"), EXACT)],
+}
+CASES = [pytest.param(record, options, exact, id=f"{record.name}-{'-'.join(f'{k}={v}' for k, v in options.items())}")
+         for record in NATIVE for options, exact in SETTINGS[record.name]]
+TYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(scope="module", params=["baseline", "avx2"])
+def build(request) -> str:
+    """The ``RowKernels`` choice that runs each build of the kernel that can be had here (skipped where none:
+    no compiler, or no AVX2)."""
+    kernels = RowKernels("baseline")
+    if kernels.build(request.param) is None:
+        pytest.skip(f"no {request.param} build of the row kernel here (no C compiler)")
+    if request.param == "avx2" and not kernels.build("baseline").cpu_has_avx2():
+        pytest.skip("this processor runs no AVX2 and FMA code")
+    return "best" if request.param == "avx2" else "baseline"
+
+
+def variant(choice: str) -> str:
+    return "avx2" if choice == "best" else choice
+
+
+def owner(choice: str, dtype: torch.dtype, record: RowOptimizer, options: dict):
+    state = ShardState(row_kernels=RowKernels(choice))
+    table = host_rows(state, f"job.t[0:{ROWS}]", ROWS, DIM, dtype, 0, 0, shared=True, init_std=0.1)
+    return table, owner_optimizer_for(state, record.local[0], [table], [0], (), options)
+
+
+def pushes(steps: int = 4):
+    """Distinct rows (the driver sums duplicates first) and their gradients: large pushes (torch's fused kernel
+    on the torch path) and small ones (its multi-tensor operations), overlapping."""
+    generator = torch.Generator().manual_seed(5)
+    for step in range(steps):
+        count = 1000 if step % 2 == 0 else 60
+        yield torch.randperm(ROWS, generator=generator)[:count], torch.randn(count, DIM, generator=generator)
+
+
+def gap(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One unit in the last place of ``dtype`` at each of ``values`` (float32)."""
+    magnitude = values.abs()
+    spacing = torch.nextafter(magnitude, torch.full_like(magnitude, float("inf"))) - magnitude
+    if dtype == torch.float16:
+        return (spacing * 8192).clamp(min=2.0 ** -24)
+    return spacing * 65536 if dtype == torch.bfloat16 else spacing
+
+
+def units_apart(before: torch.Tensor, want: torch.Tensor, have: torch.Tensor) -> float:
+    """How far ``have`` is from ``want`` in units in the last place of the largest of the value before the
+    step, its change and the value after (a difference of one rounding of a term, even where the step cancels
+    the value: 0 is bit for bit)."""
+    if want.dtype == torch.bool:
+        return float((want != have).sum())
+    larger = torch.maximum(torch.maximum(before.float().abs(), want.float().abs()), (want.float() - before.float()).abs())
+    return float(((have.float() - want.float()).abs() / gap(larger, want.dtype)).max())
+
+
+def state_tensors(optimizer):
+    return optimizer._impl.row_state(0)
+
+
+@pytest.mark.parametrize("dtype", TYPES, ids=str)
+@pytest.mark.parametrize("record, options, exact", CASES)
+def test_the_kernels_rows_and_state_are_the_torch_paths_to_the_last_bit_or_within_a_few_ulps(build, record, options,
+                                                                                          exact, dtype):
+    table, reference = owner("torch", dtype, record, options)
+    rows, native = owner(build, dtype, record, options)
+    for step, (ids, gradients) in enumerate(pushes()):
+        before = [tensor.detach().clone() for tensor in [table, *state_tensors(reference)]]
+        reference.apply_rows([0], [ids], [gradients], "test")
+        native.apply_rows([0], [ids], [gradients], "test")
+        assert reference._native is False
+        declined = record.name == "QHM" and qhm_as_sgd(record.bind((), options)) is None
+        assert native._native is False if declined else native._native.kernel.variant == variant(build)
+        expected, got = [table, *state_tensors(reference)], [rows, *state_tensors(native)]
+        names = ["rows", *record.state_for(record.bind((), options))[0]]
+        assert len(got) == len(names)
+        for what, old, want, have in zip(names, before, expected, got):
+            assert have.dtype == want.dtype and have.shape == want.shape
+            if exact == FUSED and len(ids) < 1000 and want.dtype == torch.float32:
+                torch.testing.assert_close(have, want, rtol=4e-7, atol=1e-7)  # its terms are under 1 here
+                continue
+            distance = units_apart(old, want.detach(), have.detach())
+            # (half rows: float32 values a few units apart may round to two neighbours, one unit apart)
+            bound = 0 if exact != ULP else 4 if want.dtype == torch.float32 else 1
+            assert distance <= bound, \
+                f"step {step}: {what} {distance} units in the last place apart"
+        for want, have in zip(expected, got):  # each step from the same rows and state: one step's difference
+            with torch.no_grad():
+                have.copy_(want)
+    untouched = torch.ones(ROWS, dtype=torch.bool)
+    for ids, _ in pushes():
+        untouched[ids] = False
+    assert torch.equal(rows[untouched], host_rows(ShardState(), "x", ROWS, DIM, dtype, 0, 0, init_std=0.1)[untouched])
+
+
+@pytest.mark.parametrize("dtype", TYPES, ids=str)
+def test_a_push_split_into_parts_on_the_torch_path_gives_the_kernels_rows(build, dtype):
+    sgd = next(record for record in NATIVE if record.name == "SGD")
+    options = dict(lr=0.1, momentum=0.9, dampening=0.1)
+    table, reference = owner("torch", dtype, sgd, options)
+    reference._impl.set_parts(3)
+    rows, native = owner(build, dtype, sgd, options)
+    generator = torch.Generator().manual_seed(6)
+    for _ in range(3):  # 2,400 rows of 40: three parts of 32,000 values, each through torch's fused kernel
+        ids, gradients = torch.randperm(ROWS, generator=generator)[:2400], torch.randn(2400, DIM, generator=generator)
+        reference.apply_rows([0], [ids], [gradients], "test")
+        native.apply_rows([0], [ids], [gradients], "test")
+        assert torch.equal(table, rows)
+        assert all(torch.equal(a, b) for a, b in zip(state_tensors(reference), state_tensors(native)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_a_dynamic_tables_half_rows_are_rounded_by_id_as_the_torch_path_rounds_them(build, dtype):
+    """Half rows of a dynamic table: each row's rounding bits come from its id (``ids`` by slot), so the kernel
+    gives the torch path's rows whatever slot the id has and however its rows are split."""
+    results = []
+    for choice in ("torch", build):
+        state = ShardState(row_kernels=RowKernels(choice))
+        slab = host_dynamic(state, "job.d", DIM, dtype, 0, 0.1, DynamicOptions(), 0, 1)
+        dynamic = state.dynamic_rows(slab)
+        optimizer = owner_optimizer_for(state, torch.optim.SGD, [dynamic.slab], [0], (), dict(lr=0.3))
+        ids = torch.arange(500) * 7919
+        dynamic.lookup(ids, 0)
+        for step in range(3):
+            gradients = torch.full((500, DIM), 0.001 * (step + 1))
+            optimizer.apply_rows([0], [ids[:250]], [gradients[:250]], "test", (1, 2 * step))
+            optimizer.apply_rows([0], [ids[250:]], [gradients[250:]], "test", (2, 2 * step))
+        results.append(dynamic.lookup(ids, 9).clone())
+    assert results[0].dtype == dtype and torch.equal(results[0], results[1])
+
+
+def test_native_0_keeps_the_torch_path_and_a_record_says_which_optimizers_have_a_native_update(monkeypatch):
+    monkeypatch.setenv(NATIVE_ENV, "0")
+    assert RowKernels().chosen() is None
+    state = ShardState()
+    table = host_rows(state, "job.t[0:10]", 10, DIM, torch.float32, 0, 0, shared=True)
+    optimizer = owner_optimizer_for(state, RowWiseAdagrad, [table], [0], (), dict(lr=0.1))
+    before = table.detach().clone()
+    optimizer.apply_rows([0], [torch.tensor([1, 4])], [torch.ones(2, DIM)], "test")
+    assert optimizer._native is False and not torch.equal(before, table)
+    assert {record.name for record in NATIVE} >= {"RowWiseAdagrad", "SGD"}
+    kernel = RowKernels().build("baseline")
+    if kernel is not None:
+        assert all(record.native in kernel.updates for record in NATIVE)
+    with pytest.raises(TypeError, match="native row update"):
+        RowOptimizer(name="X", functional=NATIVE[0].functional, local=(), state=None, native="sgd")
+
+
+def test_the_kernel_refuses_arguments_not_laid_out_as_it_reads_them(build):
+    kernel = RowKernels(build).build(variant(build))
+    param, sums = torch.zeros(10, DIM), torch.zeros(10)
+    hyperparameters = dict(lr=0.1, eps=1e-8, weight_decay=0.0)
+    for rows, gradients, state in [(torch.tensor([10]), torch.ones(1, DIM), [sums]),
+                                   (torch.tensor([1]), torch.ones(1, DIM + 1), [sums]),
+                                   (torch.tensor([1]), torch.ones(1, DIM), [torch.zeros(9)])]:
+        with pytest.raises(ValueError):
+            kernel.step("rowwise_adagrad", param, rows, gradients, state, hyperparameters, Rounding())
+    with pytest.raises(ValueError):
+        kernel.step("rowwise_adagrad", param.t(), torch.tensor([1]), torch.ones(1, 10), [sums], hyperparameters,
+                    Rounding())
+    assert torch.equal(param, torch.zeros(10, DIM)) and torch.equal(sums, torch.zeros(10))
