@@ -185,11 +185,14 @@ def steps_in_parts(functional_cls) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def builtin_records() -> Tuple[RowOptimizer, ...]:
-    """The records of the optimizers that ship, by ``rank``: every module of ``paramserver.optim`` that
-    declares a ``ROW_OPTIMIZER``."""
+    """The records of the optimizers that ship, by ``rank``: every public module of ``paramserver.optim`` that
+    declares a ``ROW_OPTIMIZER`` (a name starting with ``_`` is private: the row kernel's compiled builds are
+    among them, extension files that are loaded with ctypes, never imported)."""
     package = importlib.import_module(__package__)
     found = []
     for module in pkgutil.iter_modules(package.__path__):
+        if module.name.startswith("_"):
+            continue
         record = getattr(importlib.import_module(f"{__package__}.{module.name}"), RECORD_NAME, None)
         if isinstance(record, RowOptimizer):
             found.append(record)
