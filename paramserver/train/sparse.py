@@ -31,8 +31,8 @@ data plane, without telling their owners.  A build that fails (a shard
 process dying meanwhile may still have answered part of it) is retired
 whole, as its error: the parts it made, RRefs of that process among them,
 are reachable only from the error's traceback, and dropped with it they
-would be released at whatever moment that error is freed.  Which steps are redone is the
-training loop's decision (``paramserver.train.step``).  The ``recorder``
+would be released at whatever moment that error is freed.  Which steps
+are redone is the training loop's decision (``paramserver.train.step``).  The ``recorder``
 it is handed (the worker's data-plane metrics, or ``None``) goes to every
 collection and optimizer it builds, rebuilt ones included.
 """
@@ -239,7 +239,7 @@ class SparseTables:
                 if missing:
                     raise ShardLost(f"shards {', '.join(missing)} did not serve again within {waited}") from cause
                 raise ShardLost(f"every shard serves, but the sparse part could not be built again within {waited}: "
-                                f"{last_error or 'no build was tried'}") from cause
+                                f"{last_error}") from cause
             time.sleep(_POLL.total_seconds())
         raise RebuildStopped("asked to stop while waiting for a lost shard")
 
