@@ -258,13 +258,21 @@ def _native_stderr(into: list):
             into.append(captured.read().decode(errors="replace"))
 
 
+def _owned_by_the_callee(value):
+    return rpc.RRef(value)
+
+
 def rrefs_of_a_dead_owner_dropped_without_telling_it(store, init_method):
     """``forsake_rref_owners``: an RRef whose owner died, dropped after it, is not reported to the owner (one
-    dropped before is, and torch logs an error with a C++ stack trace); the RRef context stays torn down."""
+    dropped before is, and torch logs an error with a C++ stack trace), whether this process made it
+    (``rpc.remote``) or the owner did and returned it (as a shard returns a table's rows); the RRef context stays
+    torn down."""
     name, rank = "compat2", 3
     with _peer_that_dies(init_method, name, rank) as kill_it:
         told, kept = (rpc.remote(name, torch.add, args=(torch.ones(2), 0)) for _ in range(2))
         assert told.to_here().tolist() == kept.to_here().tolist() == [1.0, 1.0]
+        returned = rpc.rpc_sync(name, _owned_by_the_callee, args=(torch.ones(2),))
+        assert returned.owner().name == name and returned.to_here().tolist() == [1.0, 1.0]
         kill_it()
         agent = compat.current_rpc_agent()
         compat.forget_rpc_peer(agent, agent.get_worker_info(name))
@@ -275,7 +283,7 @@ def rrefs_of_a_dead_owner_dropped_without_telling_it(store, init_method):
         assert "could not find destination id" in logged[0], logged[0][-2000:]
         compat.forsake_rref_owners()
         with _native_stderr(logged):
-            del kept
+            del kept, returned
             gc.collect()
         assert "deletingUserRRef" not in logged[1], logged[1][-2000:]
         store.remove_rpc_peer(name, rank)

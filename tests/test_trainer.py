@@ -3,10 +3,12 @@ one), and its parts that need no cluster: the job contract's checks and the data
 
 import dataclasses
 import datetime
+import gc
 import pathlib
 import sys
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -235,6 +237,36 @@ def test_a_first_build_that_keeps_failing_is_bounded_stops_when_asked_and_other_
     with pytest.raises(ValueError, match="^not a lost shard$"):
         make("refused")
     assert len(calls) == 1
+
+
+def test_a_failed_build_is_retired_whole_with_what_it_made_before_failing(local_context, monkeypatch):
+    """What a build made before it failed (RRefs of a shard process dying meanwhile among them) is reachable only
+    from its error: the error is retired, so that none of it is released before the worker leaves the data plane
+    (where torch would report it to an owner that is gone), as the first build and a rebuild both retry."""
+    built, made, retired = SparseTables._build, [], []
+
+    class Part:  # stands for a table built on the shards before the build failed
+        pass
+
+    def fails_first(sparse):
+        part = Part()
+        made.append(weakref.ref(part))
+        if len(made) in (1, 3):  # the first build, and the first rebuild
+            raise RuntimeError("EOF: end of file")
+        return built(sparse)
+
+    monkeypatch.setattr(SparseTables, "_build", fails_first)
+    sparse = SparseTables({"t": Table(10, 4)}, (QHM, dict(lr=0.1, momentum=0.9, nu=0.7)), local_context.shards,
+                          "failed-build", 0, 10**6, live_shards=lambda: list(local_context.shards),
+                          retire=retired.append)
+    sparse.rebuild(RuntimeError("lookup failed"))
+    gc.collect()
+    assert len(made) == 4 and [type(error) for error in retired[:2]] == [RuntimeError, RuntimeError], retired
+    assert made[0]() is not None and made[2]() is not None  # kept by the retired errors
+    sparse.close()
+    retired.clear()
+    gc.collect()
+    assert made[0]() is None and made[2]() is None
 
 
 def test_a_rebuild_gives_up_at_once_on_a_shard_that_will_not_serve_again(local_context):

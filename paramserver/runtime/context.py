@@ -300,8 +300,9 @@ class JobContext:
         return frozenset(self._trainer_groups_gone())
 
     def retire_handles(self, handles: Any) -> None:
-        """Keep ``handles`` (objects holding RRefs to objects of a shard process that died) until this
-        process leaves the data plane, where the runtime drops them without telling their owner.
+        """Keep ``handles`` (objects holding RRefs to objects of a shard process that died, or the error of a
+        build that failed, whose traceback holds what it built) until this process leaves the data plane, where
+        the runtime drops them without telling their owner.
 
         Dropped earlier, torch would tell the owner that no longer exists, and
         log an error with a C++ stack trace for each RRef.

@@ -19,6 +19,7 @@ bound), 2 refused (wrong token, bad job).  Every outcome is one line.
 """
 
 import datetime
+import gc
 import logging
 import os
 import signal
@@ -187,6 +188,9 @@ def _drop_retired_handles(context: JobContext) -> None:
         forsake_rref_owners()
         logger.info("dropped %d handles to objects of lost shard processes", len(retired))
         del retired
+        # Now, not at some later collection: what of them sits in reference cycles (a failed build's error and
+        # the frames of its traceback) is released while no owner is told.
+        gc.collect()
 
 
 def _leave_data_plane(graceful: bool) -> bool:

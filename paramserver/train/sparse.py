@@ -27,8 +27,12 @@ state) is never released in between.  An old handle holding an RRef of
 the dead process is not dropped but retired (``retire``): releasing it
 would message an owner that no longer exists, and torch logs a C++ stack
 trace for each one; the runtime drops retired handles as it leaves the
-data plane, without telling their owners.  Which steps are redone is the
-training loop's decision (``paramserver.train.step``).  The ``recorder``
+data plane, without telling their owners.  A build that fails (a shard
+process dying meanwhile may still have answered part of it) is retired
+whole, as its error: the parts it made, RRefs of that process among them,
+are reachable only from the error's traceback, and dropped with it they
+would be released at whatever moment that error is freed.  Which steps
+are redone is the training loop's decision (``paramserver.train.step``).  The ``recorder``
 it is handed (the worker's data-plane metrics, or ``None``) goes to every
 collection and optimizer it builds, rebuilt ones included.
 """
@@ -178,6 +182,7 @@ class SparseTables:
         try:
             return self._build()
         except RuntimeError as error:  # torch's type for a request to a shard that died or did not answer in time
+            self._retire(error)  # what it built before failing: see the module's docstring
             self._count_rebuild(error)
             logger.warning("building the sparse part failed against the shards (%s); building it again once %s "
                            "serve", one_line(error), ", ".join(self.shards))
@@ -210,7 +215,7 @@ class SparseTables:
         """The sparse part built anew once every shard serves (bounded by the timeout; see ``rebuild``)."""
         started = time.monotonic()
         deadline = started + self._timeout.total_seconds()
-        last_error: Optional[BaseException] = None
+        last_error = ""  # the last failed build's error, in one line
         while not self._should_stop():
             self._refresh()
             gone = {name: why for name, why in self._shards_gone().items() if name in self.shards}
@@ -222,7 +227,8 @@ class SparseTables:
                 try:
                     built = self._build()
                 except Exception as error:  # noqa: BLE001 - e.g. the restarted shard not reachable yet
-                    last_error = error
+                    self._retire(error)  # what it built before failing: see the module's docstring
+                    last_error = one_line(error)
                 else:
                     self.rebuilds += 1
                     logger.warning("sparse part rebuilt after %.1f s (rebuild %d)", time.monotonic() - started,
@@ -233,7 +239,7 @@ class SparseTables:
                 if missing:
                     raise ShardLost(f"shards {', '.join(missing)} did not serve again within {waited}") from cause
                 raise ShardLost(f"every shard serves, but the sparse part could not be built again within {waited}: "
-                                f"{one_line(last_error)}") from cause
+                                f"{last_error}") from cause
             time.sleep(_POLL.total_seconds())
         raise RebuildStopped("asked to stop while waiting for a lost shard")
 
