@@ -96,12 +96,19 @@ def test_a_trainer_job_survives_a_crash_mid_checkpoint_a_lost_worker_and_a_lost_
     while not [m for m in root.glob("ckpt-*/MANIFEST.json") if int(m.parent.name[len("ckpt-"):]) >= lost["step"] + 20]:
         assert time.monotonic() < deadline and workers["worker1"].poll() is None, errors(workers["worker1"])[-3000:]
         time.sleep(0.05)
+    rebuilt_before = errors(workers["worker1"]).count("sparse part rebuilt")
     os.kill(shard1["pid"], signal.SIGKILL)
     # Committed when shard1 died, read from the disk: the coordinator may log that commit after it logs the
     # shard's exit.  One more may commit right after (its parts all written, its manifest not yet).
     newest_at_kill = max(int(m.parent.name[len("ckpt-"):]) for m in root.glob("ckpt-*/MANIFEST.json"))
     # 4: once worker1 trains on after shard1's restart, shard0's first push for step fault_at or later fails.
     fault_at = min(newest_at_kill + PUSH_FAULT_AFTER, STEPS - 20)
+    # Armed once worker1 rebuilt after shard1's loss: on a slow machine fault_at may be close, and a fault
+    # landing while that rebuild is under way would be healed by the same rebuild, not by one of its own.
+    deadline = time.monotonic() + 120
+    while errors(workers["worker1"]).count("sparse part rebuilt") <= rebuilt_before:
+        assert time.monotonic() < deadline and workers["worker1"].poll() is None, errors(workers["worker1"])[-3000:]
+        time.sleep(0.05)
     push_fault.with_suffix(".new").write_text(f"shard0 {fault_at}")
     push_fault.with_suffix(".new").rename(push_fault)
 
