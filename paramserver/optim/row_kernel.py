@@ -91,8 +91,14 @@ class RowKernel:
         return self._has_avx2
 
     def accepts(self, update: str, hyperparameters: Mapping) -> bool:
-        """Whether the kernel has update ``update`` with these settings (QHM's only in its fused form)."""
-        return update in self.updates and (update != "qhm" or qhm_as_sgd(hyperparameters) is not None)
+        """Whether the kernel runs update ``update`` with these settings: only where it gives the torch path's
+        rows (a push's rows equal whichever path applied it, as a fused push's equal a plain step's).  Nesterov
+        momentum is declined (SGD's ``nesterov``, and so QHM with ``nu`` other than 1, whose fused form it is):
+        torch's multi-tensor operations round between its two terms on small pushes, the kernel does not."""
+        if update not in self.updates:
+            return False
+        settings = qhm_as_sgd(hyperparameters) if update == "qhm" else hyperparameters
+        return settings is not None and not settings.get("nesterov", False)
 
     def takes(self, param: Tensor) -> bool:
         """Whether the kernel writes ``param``'s rows (a contiguous 2-D CPU tensor of a type it knows)."""
