@@ -151,11 +151,12 @@ TARGET_ROWWISE_VS_SGD = 1.2  # RowWiseAdagrad time / SGD time, at most
 ADAGRAD_LR, ADAGRAD_EPS = 0.01, 1e-8
 NATIVE_TABLE_ROWS = 200_000
 NATIVE_TYPES = (torch.float32, torch.float16)
-#: (f)'s optimizers: name, local class, options.
+#: (f)'s optimizers: name, local class, options (QHM at nu 1, its form the kernel runs: at other nu its fused
+#: form is Nesterov momentum, which the kernel declines).
 NATIVE_OPTIMIZERS = (("RowWiseAdagrad", RowWiseAdagrad, dict(lr=ADAGRAD_LR, eps=ADAGRAD_EPS)),
                      ("SGD", torch.optim.SGD, dict(lr=LR)),
                      ("SGD momentum", torch.optim.SGD, dict(lr=LR, momentum=MOMENTUM)),
-                     ("QHM", LocalQHM, dict(lr=LR, momentum=MOMENTUM, nu=NU)))
+                     ("QHM nu=1", LocalQHM, dict(lr=LR, momentum=MOMENTUM, nu=1.0)))
 TARGET_NATIVE_FLOOR = 0.5  # floor time / kernel step time
 TARGET_HALF_VS_FLOAT = 1.1  # kernel's float16 step time / its float32 step time, at most
 
