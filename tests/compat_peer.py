@@ -8,9 +8,11 @@ puts ``(name, None or the traceback)`` on a queue, then ``DONE``."""
 
 import contextlib
 import datetime
+import faulthandler
 import gc
 import multiprocessing
 import os
+import signal
 import tempfile
 import threading
 import traceback
@@ -358,6 +360,7 @@ CHECKS = (store_keys, agent_of_an_open_group, rrefs_of_a_dead_owner_dropped_with
 
 
 def run_checks(results) -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks where it waits, if it waits too long
     store = RendezvousStore("127.0.0.1")
     init_method = f"tcp://127.0.0.1:{store.port}"
     try:

@@ -11,8 +11,11 @@ name."""
 import datetime
 import gc
 import multiprocessing
+import os
 import queue
+import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -43,7 +46,12 @@ def rpc_checks():
         child.join(30)
         assert child.exitcode == 0, f"the RPC checks' process exited {child.exitcode}"
     except queue.Empty:
-        pytest.fail(f"the RPC checks did not finish within {RPC_CHECKS_WITHIN}")
+        # Where it waits: the child writes every thread's stack to its stderr (captured with this test's output).
+        os.kill(child.pid, signal.SIGUSR1)
+        time.sleep(1)
+        done = ", ".join(sorted(outcomes)) or "none"
+        pytest.fail(f"the RPC checks did not finish within {RPC_CHECKS_WITHIN} (finished: {done}); the checks' "
+                    "process wrote its threads' stacks above")
     finally:
         if child.is_alive():
             child.kill()
