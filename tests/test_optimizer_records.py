@@ -188,7 +188,7 @@ def test_a_registered_optimizer_that_steps_in_parts_gets_a_record_and_its_pushes
     several, several_table, several_state = push_in_parts(3)
     assert one.record is record and hasattr(several._impl, "parts")
     gradient = torch.sparse_coo_tensor(torch.arange(PUSHED).unsqueeze(0), torch.ones(PUSHED, DIM), (ROWS, DIM))
-    assert len(split_rows([gradient.coalesce()], [several_table], 3, row_slice_fused_min_elements())) == 3
+    assert len(split_rows([gradient.coalesce()], 3, row_slice_fused_min_elements())) == 3
     assert torch.equal(one_table, several_table)
     assert torch.equal(one_state[0]["count"], several_state[0]["count"]) and one_state[0]["count"].max() >= 1
     # its refusal on rows, not declared, is tried on a scratch row when the optimizer is made on a table

@@ -82,7 +82,7 @@ def test_a_large_push_applied_in_parts_at_once_gives_the_rows_and_state_of_one_s
     gradient = torch.sparse_coo_tensor(pushes[0][0].unsqueeze(0), pushes[0][1], (rows, dim)).coalesce()
     # runs of 48,000 values each, on the fused kernel as the whole; half-precision rows too (their rounding bits
     # are hashed from each row's id)
-    assert len(split_rows([gradient], [table], 3, row_slice_fused_min_elements())) == 3
+    assert len(split_rows([gradient], 3, row_slice_fused_min_elements())) == 3
     (one, one_state), (three, three_state) = results
     assert torch.equal(one, three)
     assert one_state.keys() == three_state.keys()
@@ -137,7 +137,7 @@ def pushes_after_a_restore_in_parts(interop_threads: int) -> None:
             optimizer.apply_rows([0], [ids], [gradients], "test", (1, 2))
             results.append((table.detach().clone(), optimizer.state_dict()))
         gradient = torch.sparse_coo_tensor(ids.unsqueeze(0), gradients, table.shape).coalesce()
-        assert len(split_rows([gradient], [table], interop_threads, row_slice_fused_min_elements())) == \
+        assert len(split_rows([gradient], interop_threads, row_slice_fused_min_elements())) == \
             interop_threads
         (one, one_state), (several, several_state) = results
         assert torch.equal(one, several), f"{optimizer_cls.__name__}, {dtype}: the rows differ by up to " \

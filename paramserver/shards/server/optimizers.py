@@ -269,7 +269,7 @@ class _ScriptedStepInParts(_ScriptedStepWithRowState):
     def _apply_checked(self, gradients: List[Optional[Tensor]], measure: bool) -> Tuple[int, int]:
         check_gradients(self.optimizer_name, self.params, gradients)  # every gradient, before any row changes
         self.optim.prepare_step(gradients)
-        pieces = split_rows(gradients, self.params, self.parts, row_slice_fused_min_elements())
+        pieces = split_rows(gradients, self.parts, row_slice_fused_min_elements())
         futures: List[torch.jit.Future[List[Tensor]]] = []
         for part in range(1, len(pieces)):
             futures.append(torch.jit.fork(self._step_part, pieces[part]))
@@ -343,9 +343,8 @@ class NativeRows:
 
 
 @torch.jit.script
-def split_rows(gradients: List[Optional[Tensor]], params: List[Tensor], parts: int,
-               least: int) -> List[List[Optional[Tensor]]]:
-    """``gradients`` (of ``params``) as up to ``parts`` lists of the same kind, each holding a run of
+def split_rows(gradients: List[Optional[Tensor]], parts: int, least: int) -> List[List[Optional[Tensor]]]:
+    """``gradients`` as up to ``parts`` lists of the same kind, each holding a run of
     consecutive rows of each gradient split, of at least ``least`` values (``kernels.row_slice_fused_min_elements``:
     so that a run takes the same kernel as the whole); ``[gradients]`` when none splits.  Only coalesced
     row-sparse gradients split (of any row type: half-precision rows are rounded with bits hashed from each
