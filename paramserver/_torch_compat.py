@@ -26,6 +26,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 
 from .logs import one_line
+from .torchscript import compiling
 
 logger = logging.getLogger(__name__)
 
@@ -247,7 +248,8 @@ def script_class(cls):
     otherwise resolves its globals in the caller's frame (``torch.jit.script``'s default for classes), so a
     user's class calling helpers of its own module (``check_gradients``, ``RowStep``) would not compile when
     checked from elsewhere."""
-    return torch.jit.script(cls, _rcb=torch._jit_internal.createResolutionCallbackForClassMethods(cls))
+    with compiling():
+        return torch.jit.script(cls, _rcb=torch._jit_internal.createResolutionCallbackForClassMethods(cls))
 
 
 #: Private operators called inside TorchScript code (optim/kernels.py, optim/qhm.py,

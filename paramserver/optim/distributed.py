@@ -26,6 +26,7 @@ from torch.distributed.rpc import RRef
 from .._torch_compat import check_autograd_context, remote_error_cause
 from ..shards.peer import creation_timeout, settle
 from ..shards.server import service
+from ..torchscript import script
 from .registry import class_name
 
 
@@ -119,7 +120,7 @@ class DistributedOptimizer:
         # What ``_send_steps`` takes, made once: owner names and their handles, in the same order.
         self._owner_names: List[str] = list(self._handles)
         self._owner_handles: List[int] = [self._handles[name] for name in self._owner_names]
-        self._step_sender = torch.jit.script(_send_steps)
+        self._step_sender = script(_send_steps)
         python_owners = [name for name in self._by_owner if not created[name][2]]
         # torch's DistributedOptimizer's name (kept for drop-in use): every owner runs the optimizer scripted.
         self.is_functional_optim = not python_owners

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from .._torch_compat import script_class, torchscript_enabled
+from ..torchscript import compiling
 
 from .records import RowOptimizer, builtin_records
 from .row_sparse import RowState
@@ -159,7 +160,8 @@ def check_functional_contract(functional_cls) -> None:
         raise TypeError(f"{name} does not compile under TorchScript: {_first_error_line(error)}") from error
     names = {"FunctionalClass": functional_cls, "List": List, "Optional": Optional, "Tensor": Tensor}
     try:
-        torch.jit.CompilationUnit().define(_PROBE_SOURCE, rcb=names.get)
+        with compiling():
+            torch.jit.CompilationUnit().define(_PROBE_SOURCE, rcb=names.get)
     except Exception as error:
         raise TypeError(
             f"{name}.step must accept a List[Optional[Tensor]] (one gradient per parameter): "
@@ -181,7 +183,8 @@ def check_row_state(functional_cls) -> None:
     name = getattr(functional_cls, "__qualname__", repr(functional_cls))
     names = {"FunctionalClass": functional_cls, "RowState": RowState, "Tensor": Tensor}
     try:
-        torch.jit.CompilationUnit().define(_ROW_STATE_PROBE, rcb=names.get)
+        with compiling():
+            torch.jit.CompilationUnit().define(_ROW_STATE_PROBE, rcb=names.get)
     except Exception as error:
         raise TypeError(
             f"{name} keeps no per-row state that can follow a table's rows: it needs a 'state' attribute of type "

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .._torch_compat import builtin_error_in_script_error
+from ..torchscript import script
 
 def reraise_script_error(error: Exception) -> None:
     """Re-raise a TorchScript error as the builtin exception it wraps, if any."""
@@ -37,7 +38,7 @@ class ScriptedOptimizer:
         self.functional_cls = functional_cls
         self.params = list(params)
         instance = functional_cls(self.params, *args, **kwargs)
-        self.script_object = torch.jit.script(instance)
+        self.script_object = script(instance)
 
     def step(self, gradients: List[Optional[Tensor]]) -> None:
         try:

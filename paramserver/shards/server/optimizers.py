@@ -66,6 +66,7 @@ from ...optim.row_kernel import Rounding, RowKernels
 from ...optim.row_sparse import RowState, state_dtype
 from ...optim.scripted import reraise_script_error
 from ...tables.row_types import is_half
+from ...torchscript import compiling, script
 from .hosted import rounding_place
 from .state import ShardState
 
@@ -83,7 +84,7 @@ UNKNOWN_PEER = "unknown"
 logger = logging.getLogger(__name__)
 
 
-@torch.jit.script
+@script
 def context_gradients(context_id: int, params: List[Tensor]) -> List[Optional[Tensor]]:
     """The gradients ``dist_autograd`` context ``context_id`` holds for ``params`` (``None`` if none)."""
     all_gradients = dist_autograd.get_gradients(context_id)
@@ -96,14 +97,14 @@ def context_gradients(context_id: int, params: List[Tensor]) -> List[Optional[Te
     return gradients
 
 
-@torch.jit.script
+@script
 def _refuse_gradient_shape(name: str, gradient: Tensor, param: Tensor) -> None:
     raise ValueError(
         "gradient for parameter {} has shape {} but the parameter has shape {}; "
         "no parameter on this owner was changed".format(name, list(gradient.shape), list(param.shape)))
 
 
-@torch.jit.script
+@script
 def check_gradient_shapes(names: List[str], params: List[Tensor], gradients: List[Optional[Tensor]]) -> None:
     """Raise ``ValueError`` naming the first parameter whose gradient has another shape."""
     for i in range(len(params)):
@@ -113,7 +114,7 @@ def check_gradient_shapes(names: List[str], params: List[Tensor], gradients: Lis
                 _refuse_gradient_shape(names[i], gradient, params[i])
 
 
-@torch.jit.script
+@script
 def checked_context_gradients(context_id: int, names: List[str], params: List[Tensor]) -> List[Optional[Tensor]]:
     """``context_gradients`` and ``check_gradient_shapes`` in one pass over the parameters (a step's way in)."""
     all_gradients = dist_autograd.get_gradients(context_id)
@@ -130,7 +131,7 @@ def checked_context_gradients(context_id: int, names: List[str], params: List[Te
     return gradients
 
 
-@torch.jit.script
+@script
 def check_state_shapes(names: List[str], params: List[Tensor], state: Dict[int, Dict[str, Tensor]]) -> None:
     """Raise ``ValueError`` unless every entry of a per-element optimizer state fits its parameter
     (scalars such as a step count are free)."""
@@ -144,7 +145,7 @@ def check_state_shapes(names: List[str], params: List[Tensor], state: Dict[int, 
                                  .format(key, names[i], list(value.shape), list(params[i].shape)))
 
 
-@torch.jit.script
+@script
 def gradient_stats(gradients: List[Optional[Tensor]]) -> Tuple[int, int]:
     """(rows of the row-sparse gradients, bytes of the gradients' values): what a step applies.
 
@@ -342,7 +343,7 @@ class NativeRows:
         return gradient_stats(gradients) if measure else (0, 0)
 
 
-@torch.jit.script
+@script
 def split_rows(gradients: List[Optional[Tensor]], parts: int, least: int) -> List[List[Optional[Tensor]]]:
     """``gradients`` as up to ``parts`` lists of the same kind, each holding a run of
     consecutive rows of each gradient split, of at least ``least`` values (``kernels.row_slice_fused_min_elements``:
@@ -416,7 +417,7 @@ def _compile_step(optimizer_cls, functional_cls, record: Optional[RowOptimizer],
     without one; ``None`` for a class that is not).  Its rows are applied in parts where the record says they
     update independently; a record whose state is not the class's is a ``TypeError`` naming both."""
     optim = functional_cls(params, *args, **kwargs)
-    compile_module = torch.jit.script if torchscript_enabled() else (lambda module: module)
+    compile_module = script if torchscript_enabled() else (lambda module: module)
     row_state = getattr(optim, "state", None)
     if isinstance(row_state, RowState):
         if record is None:
@@ -488,7 +489,7 @@ class OwnerOptimizer:
                 record = functional_optim_map.record_of(optimizer_cls)
             if record is not None:
                 record.check_hyperparameters(args, kwargs)  # refused before anything compiles
-            with state.compile_lock:
+            with compiling():
                 if state.row_kernels is None:  # the state's, made once (loaded at its first push)
                     state.row_kernels = RowKernels()
                 self._impl, self.record = _compile_step(optimizer_cls, functional_cls, record, self.params,
@@ -865,7 +866,7 @@ def row_gradient(rows: Tensor, values: Tensor, shape: List[int], name: str) -> T
         reraise_script_error(error)  # always raises
 
 
-@torch.jit.script
+@script
 def _row_gradient(rows: Tensor, values: Tensor, shape: List[int], name: str) -> Tensor:
     """The row-sparse gradient of ``values`` at ``rows``, built coalesced when the rows are distinct (as pushes
     send them: sorted for a fixed table, in slot order for a dynamic one), so that the optimizer's step does

@@ -42,6 +42,7 @@ from torch.distributed.rpc import RRef
 
 from ...filesystems import locate
 from ...tables import DynamicOptions
+from ...torchscript import script
 from .. import wire
 from . import checkpoint_part, export_part, figures, hosted, optimizers, rows
 from .state import ShardState
@@ -108,13 +109,13 @@ def read_dynamic(slab: RRef, ids: Tensor) -> Tensor:
     return hosted.read_dynamic(_state(), slab.local_value(), ids)
 
 
-@torch.jit.script
+@script
 def lookup_rows(table: RRef[Tensor], rows: Tensor) -> Tensor:
     """RPC target: rows ``rows`` (local indices) of a hosted table; backward yields a row-sparse gradient."""
     return torch.embedding(table.local_value(), rows, -1, False, True)
 
 
-@torch.jit.script
+@script
 def gather(params: List[RRef[Tensor]]) -> List[Tensor]:
     """RPC target: the hosted parameters themselves (differentiable inside a dist_autograd context)."""
     return [param.local_value() for param in params]
@@ -176,7 +177,7 @@ _ops.impl("push_lookup", _push_lookup_kernel, "CompositeExplicitAutograd")
 _ops.impl("owner_step", _owner_step_kernel, "CompositeExplicitAutograd")
 
 
-@torch.jit.script
+@script
 def lookup(incarnation: int, tables: List[int], ids: Tensor, counts: List[int], step: int = -1) -> Tensor:
     """RPC target: the rows of table handle ``tables[i]`` for its ``counts[i]`` ids of ``ids`` (local indices;
     ids of a dynamic table), packed (``rows.lookup``, ``paramserver.shards.wire``).  ``step``: the trainer's
@@ -184,7 +185,7 @@ def lookup(incarnation: int, tables: List[int], ids: Tensor, counts: List[int], 
     return torch.ops.paramserver.lookup(incarnation, tables, ids, counts, step)
 
 
-@torch.jit.script
+@script
 def push(incarnation: int, optimizer: int, params: List[int], ids: Tensor, counts: List[int], gradients: Tensor,
          peer: str, pusher: int = 0, step: int = -1) -> int:
     """RPC target: apply a step's row gradients (packed) with optimizer handle ``optimizer``, at most once per
@@ -192,7 +193,7 @@ def push(incarnation: int, optimizer: int, params: List[int], ids: Tensor, count
     return torch.ops.paramserver.push(incarnation, optimizer, params, ids, counts, gradients, peer, pusher, step)
 
 
-@torch.jit.script
+@script
 def push_lookup(incarnation: int, optimizer: int, params: List[int], param_counts: List[int], ids: Tensor,
                 counts: List[int], gradients: Tensor, peer: str, pusher: int, steps: List[int], tables: List[int],
                 lookup_ids: Tensor, lookup_counts: List[int], lookup_step: int) -> Tensor:
@@ -215,7 +216,7 @@ def new_owner_optimizer(optimizer_cls, param_rrefs: List[RRef], indices: List[in
     return RRef(owner_optimizer), owner_optimizer.handle, owner_optimizer.is_scripted
 
 
-@torch.jit.script
+@script
 def optimizer_step(handle: int, context_id: int) -> int:
     """RPC target: one step of an OwnerOptimizer with the gradients of ``dist_autograd`` context ``context_id``
     (the scripted step runs without the GIL)."""

@@ -97,8 +97,6 @@ class ShardState:
         self._optimizers_by_request: "weakref.WeakValueDictionary[tuple, object]" = weakref.WeakValueDictionary()
         self._optimizers_by_handle: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
         self._handles = itertools.count(1)
-        #: TorchScript compilation is not thread-safe: one compile at a time in this process.
-        self.compile_lock = threading.Lock()
         self._param_locks_guard = threading.Lock()
         self._param_locks: Dict[int, Tuple[int, threading.Lock]] = {}
         self._lock_order = itertools.count()
