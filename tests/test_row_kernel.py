@@ -7,6 +7,8 @@ in the last place (``SETTINGS``); a push split into parts gives the same; ``PARA
 Single-process (``ShardState`` and ``OwnerOptimizer``, no RPC).
 """
 
+import threading
+
 import pytest
 import torch
 
@@ -148,6 +150,36 @@ def test_a_push_split_into_parts_on_the_torch_path_gives_the_kernels_rows(build,
         native.apply_rows([0], [ids], [gradients], "test")
         assert torch.equal(table, rows)
         assert all(torch.equal(a, b) for a, b in zip(state_tensors(reference), state_tensors(native)))
+
+
+@pytest.mark.parametrize("dtype", TYPES, ids=str)
+def test_a_push_the_kernel_applies_in_parts_on_several_threads_gives_the_rows_of_one_part(build, dtype):
+    """The kernel's parts run on the shard's part threads at once, each writing only its rows and their state:
+    the rows and state equal one call's, bit for bit (half rows rounded by id), and the parts did run apart."""
+    adagrad = next(record for record in NATIVE if record.name == "RowWiseAdagrad")
+    options = dict(lr=0.1)
+    table, whole = owner(build, dtype, adagrad, options)
+    rows, split = owner(build, dtype, adagrad, options)
+    generator = torch.Generator().manual_seed(8)
+    ids, gradients = torch.randperm(ROWS, generator=generator)[:2400], torch.randn(2400, DIM, generator=generator)
+    whole.apply_rows([0], [ids], [gradients], "test")
+    split.apply_rows([0], [ids], [gradients], "test")  # made: its native step, with one part a push
+    native = split._native_rows()
+    native.parts = 3  # 2,400 rows of 40: three parts of 32,000 values
+    threads = set()
+    step = native.kernel.step
+
+    def recording_step(*args):
+        threads.add(threading.get_ident())
+        step(*args)
+    native.kernel = type("Recording", (), {"step": staticmethod(recording_step), "takes": native.kernel.takes})()
+    for _ in range(3):
+        ids, gradients = torch.randperm(ROWS, generator=generator)[:2400], torch.randn(2400, DIM, generator=generator)
+        whole.apply_rows([0], [ids], [gradients], "test")
+        split.apply_rows([0], [ids], [gradients], "test")
+        assert torch.equal(table, rows)
+        assert all(torch.equal(a, b) for a, b in zip(state_tensors(whole), state_tensors(split)))
+    assert len(threads) >= 2  # the calling thread ran one part, the part threads the others
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)

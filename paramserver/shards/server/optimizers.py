@@ -46,6 +46,7 @@ targets that reach them):
 This module never sends RPCs.
 """
 
+import functools
 import logging
 import time
 from contextlib import contextmanager
@@ -68,6 +69,7 @@ from ...optim.scripted import reraise_script_error
 from ...tables.row_types import is_half
 from ...torchscript import compiling, script
 from .hosted import rounding_place
+from .part_threads import PartThreads
 from .state import ShardState
 
 StateDict = Dict[int, Dict[str, Tensor]]
@@ -315,16 +317,22 @@ class NativeRows:
     """A push's rows applied by the native row kernel (``paramserver.optim.row_kernel``) in place of the step
     module's ``step_rows``, for an optimizer whose record names its update there (``RowOptimizer.native``):
     the same checks and once-work first (the module's ``prepare``), then each parameter's rows, gradient and
-    state (the module's own ``RowState`` tensors) in one call, which releases the GIL.  It takes a push only
-    where every gradient is row-sparse over a table the kernel writes (``takes``); the module steps the
-    others."""
+    state (the module's own ``RowState`` tensors) in calls that release the GIL: a large push's rows in up to
+    ``parts`` runs of consecutive rows at once (``part_threads``; each run at least ``least`` values, as the
+    step module splits them), which write disjoint rows and state, and round each row by its id, so any split
+    gives the same bits.  It takes a push only where every gradient is row-sparse over a table the kernel
+    writes (``takes``); the module steps the others."""
 
-    def __init__(self, module, kernel, update: str, hyperparameters: Dict, params: List[Tensor]):
+    def __init__(self, module, kernel, update: str, hyperparameters: Dict, params: List[Tensor],
+                 part_threads: PartThreads, parts: int):
         self.module = module
         self.kernel = kernel
         self.update = update
         self.hyperparameters = hyperparameters
         self.params = params
+        self.part_threads = part_threads
+        self.parts = parts
+        self.least = row_slice_fused_min_elements()
 
     def takes(self, gradients: List[Optional[Tensor]]) -> bool:
         return all(gradient is None or (gradient.is_sparse and gradient.dtype == torch.float32
@@ -338,8 +346,12 @@ class NativeRows:
                 rows, values = sparse_rows(gradient)
                 key, step, nearest, first_row, ids = roundings[index]
                 rounding = Rounding(nearest, stream_seed(key, step), first_row, ids)
-                self.kernel.step(self.update, self.params[index], rows, values, tensors[index], self.hyperparameters,
-                                 rounding)
+                count = max(1, min(self.parts, values.numel() // self.least))
+                bounds = [rows.numel() * part // count for part in range(count + 1)]
+                self.part_threads.run([
+                    functools.partial(self.kernel.step, self.update, self.params[index], rows[start:stop],
+                                      values[start:stop], tensors[index], self.hyperparameters, rounding)
+                    for start, stop in zip(bounds, bounds[1:])])
         return gradient_stats(gradients) if measure else (0, 0)
 
 
@@ -657,8 +669,9 @@ class OwnerOptimizer:
                 kernel = self._state.row_kernels.chosen()
                 if kernel is not None and not kernel.accepts(self.record.native, self._hyperparameters):
                     kernel = None  # (settings the kernel has no update for)
-            self._native = False if kernel is None else NativeRows(self._impl, kernel, self.record.native,
-                                                                   self._hyperparameters, self.params)
+            self._native = False if kernel is None else NativeRows(
+                self._impl, kernel, self.record.native, self._hyperparameters, self.params, self._state.part_threads,
+                torch.get_num_interop_threads())
         return self._native or None
 
     def resize_rows(self, index: int, rows: int) -> None:

@@ -33,6 +33,7 @@ from torch import Tensor
 from .changes import RowMarks
 from .dynamic.huge_pages import HugePages
 from .dynamic.native import NativeKernels
+from .part_threads import PartThreads
 
 
 class RestoreSource(Protocol):
@@ -78,6 +79,8 @@ class ShardState:
         #: The row-wise optimizers' C kernel's builds its tables' pushes run in (``optim.row_kernel.RowKernels``,
         #: made by its first optimizer when none is given: ``shards/server/optimizers.py``), loaded on first use.
         self.row_kernels = row_kernels
+        #: The threads that apply a large push's parts beside the thread that received it (made on first use).
+        self.part_threads = PartThreads()
         #: What makes its dynamic tables' large tensors (on huge pages where the system offers them).
         self.huge_pages = huge_pages if huge_pages is not None else HugePages()
         #: Names this process among every process that serves under the same RPC name (a restarted shard is
