@@ -227,16 +227,22 @@ int paramserver_rowwise_adagrad(const rows_t *table, const int64_t *rows, int64_
    buffer = g on a row's first step, else buffer * momentum + g * (1 - dampening);
    row -= (nesterov ? g + buffer * momentum : buffer) * lr (without momentum: row -= g * lr),
    each product-and-sum fused (fmaf) and buffer * momentum rounded first, as torch's fused SGD kernel rounds
-   (its multi-tensor path for small pushes too, except with Nesterov: there within one unit in the last place).
+   (its multi-tensor path for small pushes too).  With Nesterov the two paths differ: the fused kernel adds
+   buffer * momentum to g before the step, the multi-tensor path steps by g and then by buffer with
+   nesterov_step (-lr * momentum, rounded from double as torch rounds a Scalar); the torch path takes the
+   multi-tensor one for a call's rows of fewer than least values in all (optim/kernels.py's momentum_step),
+   so the kernel does the same.  (Nesterov never comes with first-step flags: SGD's requires zero dampening,
+   where no flags are kept, and QHM keeps none; so the rows are never split by them.)
    0; -1 where no scratch memory could be had, -2 for a row outside the table (nothing written). */
 int paramserver_sgd(const rows_t *table, const int64_t *rows, int64_t n, const float *grads, float *buffers,
                     uint8_t *flags, float lr, float momentum, float keep, float weight_decay, int32_t nesterov,
-                    int32_t maximize) {
+                    int32_t maximize, float nesterov_step, int64_t least) {
     int64_t dim = table->dim;
     if (check_rows(table, rows, n)) return -2;
     float *scratch = malloc((size_t)(dim + 8) * sizeof(float));
     if (!scratch) return -1;
     float step = -lr;
+    int two_steps = nesterov && buffers && n * dim < least;  /* Nesterov in the multi-tensor form */
     for (int64_t i = 0; i < n; i++) {
         int64_t r = rows[i];
         prefetch_ahead(table, rows, i, n, buffers, dim * (int64_t)sizeof(float));
@@ -256,7 +262,10 @@ int paramserver_sgd(const rows_t *table, const int64_t *rows, int64_t n, const f
                 if (weight_decay != 0.0f) g = fmaf(row[c], weight_decay, g);
                 float b = first ? g : fmaf(g, keep, buffer[c] * momentum);
                 buffer[c] = b;
-                row[c] = fmaf(nesterov ? fmaf(b, momentum, g) : b, step, row[c]);
+                if (two_steps)
+                    row[c] = fmaf(b, nesterov_step, fmaf(g, step, row[c]));
+                else
+                    row[c] = fmaf(nesterov ? fmaf(b, momentum, g) : b, step, row[c]);
             }
             if (flags) flags[r] = 1;
         }

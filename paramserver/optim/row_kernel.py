@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ..native import KernelSource, NativeBuilds, library_digest, library_has_avx2
+from .kernels import row_slice_fused_min_elements
 
 #: The kernel's source, shipped as package data.
 SOURCE_PATH = pathlib.Path(__file__).with_name("row_kernel.c")
@@ -76,7 +77,7 @@ class RowKernel:
         self._sgd = library.paramserver_sgd
         self._sgd.restype = ctypes.c_int
         self._sgd.argtypes = [rows, pointer, count, pointer, pointer, pointer, real, real, real, real,
-                              ctypes.c_int32, ctypes.c_int32]
+                              ctypes.c_int32, ctypes.c_int32, real, count]
         self._has_avx2 = library_has_avx2(library)
         #: The digest of the source it was built from (``paramserver.native.source_digest``).
         self.digest = library_digest(library)
@@ -92,13 +93,11 @@ class RowKernel:
 
     def accepts(self, update: str, hyperparameters: Mapping) -> bool:
         """Whether the kernel runs update ``update`` with these settings: only where it gives the torch path's
-        rows (a push's rows equal whichever path applied it, as a fused push's equal a plain step's).  Nesterov
-        momentum is declined (SGD's ``nesterov``, and so QHM with ``nu`` other than 1, whose fused form it is):
-        torch's multi-tensor operations round between its two terms on small pushes, the kernel does not."""
+        rows (a push's rows equal whichever path applied it, as a fused push's equal a plain step's); QHM
+        only where it has a fused form (``qhm_as_sgd``)."""
         if update not in self.updates:
             return False
-        settings = qhm_as_sgd(hyperparameters) if update == "qhm" else hyperparameters
-        return settings is not None and not settings.get("nesterov", False)
+        return update != "qhm" or qhm_as_sgd(hyperparameters) is not None
 
     def takes(self, param: Tensor) -> bool:
         """Whether the kernel writes ``param``'s rows (a contiguous 2-D CPU tensor of a type it knows)."""
@@ -142,9 +141,11 @@ class RowKernel:
     def _sgd_rows(self, table, rows: Tensor, grads: Tensor, state: List[Tensor], h: Mapping) -> int:
         buffers = state[0].data_ptr() if len(state) > 0 else None
         flags = state[1].data_ptr() if len(state) > 1 else None
+        # Nesterov's second step on small pushes (torch's multi-tensor form), its alpha rounded from double as
+        # torch rounds a Scalar; and the size from which the torch path takes its fused form.
         return self._sgd(table, rows.data_ptr(), rows.numel(), grads.data_ptr(), buffers, flags, h["lr"],
                          h["momentum"], 1.0 - h["dampening"], h["weight_decay"], int(h["nesterov"]),
-                         int(h["maximize"]))
+                         int(h["maximize"]), -h["lr"] * h["momentum"], row_slice_fused_min_elements())
 
 
     def _qhm_rows(self, table, rows: Tensor, grads: Tensor, state: List[Tensor], h: Mapping) -> int:
