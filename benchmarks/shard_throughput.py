@@ -46,8 +46,11 @@ What it measures
 
     Beside them, in this process (1 intra-op thread, as a shard runs):
 
-    (1) the kernel's floor: the same fused row step called in-process on the
-        same kind of rows: ``ScriptedOptimizer`` over the functional class
+    (1) the kernel's floor: the step the shard runs, called in-process on
+        the same kind of rows: where the shard's optimizer runs on the native
+        row kernel (``optim/row_kernel.py``; a build loaded here), one kernel
+        call on prebuilt sorted distinct rows, their gradients and state;
+        else ``ScriptedOptimizer`` over the functional class
         ``functional_optim_map`` gives, stepped with a COO gradient of R
         sorted distinct rows marked coalesced, as the shard builds a push's
         (``optim_step.py`` case (d)); for lookups ``torch.index_select``;
@@ -116,6 +119,7 @@ import torch
 
 from paramserver.optim import QHM, RowWiseAdagrad
 from paramserver.optim.registry import functional_optim_map
+from paramserver.optim.row_kernel import Rounding
 from paramserver.optim.scripted import ScriptedOptimizer
 
 FLOAT_BYTES = 4
@@ -252,7 +256,17 @@ def in_process_case(table_rows: int, rows: int, dim: int, spec: OptimizerSpec, s
 
     impl = getattr(owner, "_impl", None)
     row_gradient = getattr(optimizers, "_row_gradient", None)
-    layers: List[Tuple[str, Callable[[], None]]] = [("step", lambda: fused.step([take_coalesced()]))]
+    step: Callable[[], None] = lambda: fused.step([take_coalesced()])  # noqa: E731
+    native = owner._native_rows() if hasattr(owner, "_native_rows") else None
+    if native is not None:  # the shard's step is the row kernel's: one call on prebuilt rows, gradients and state
+        native.apply([take_coalesced()], False)  # (its state made)
+        kernel_state = native.module.row_state(0)
+        plain = Rounding(False, 0, 0, None)  # (float32 rows: no rounding)
+
+        def step() -> None:
+            ids, values = rotation.take()
+            native.kernel.step(native.update, table, ids, values, kernel_state, native.hyperparameters, plain)
+    layers: List[Tuple[str, Callable[[], None]]] = [("step", step)]
     if impl is not None and hasattr(impl, "apply"):
         layers.append(("module", lambda: impl.apply([take_coalesced()], False)))
         if row_gradient is not None:
@@ -765,9 +779,10 @@ pushers idle meanwhile); live = each pusher keeps {in_flight} requests in flight
 cores). "per shard CPU s" = rows over the CPU time of every thread of the shard process in the window
 (/proc schedstat); "shard cores" = that CPU time / wall time. Memory floor = the copy bandwidth of the run
 over bytes/row (push: read row, gradient and state, write row and state; lookup: read the row, write it out).
-Layers: "fused step" = ScriptedOptimizer over the functional class with a prebuilt coalesced COO gradient
-(the kernel's floor); "+ step module" = the OwnerOptimizer's compiled module (gradient checks, then the same
-step); "+ gradient built" = that plus _row_gradient from ids and values; apply_rows = OwnerOptimizer.apply_rows
+Layers: "fused step" = the step the shard runs, alone (the kernel's floor): one native row kernel call on
+prebuilt rows, gradients and state where the optimizer runs there, else ScriptedOptimizer over the functional
+class with a prebuilt coalesced COO gradient; "+ step module" = the OwnerOptimizer's compiled module on the
+torch path (gradient checks, then its step); "+ gradient built" = that plus _row_gradient from ids and values; apply_rows = OwnerOptimizer.apply_rows
 (checks, row marks, locks, timing); rows.pushes = handles and unpacking too; push_lookup op = the
 TorchScript RPC target called in-process (the custom op's Python kernel); over RPC = the shard's CPU per
 request (receiving, deserializing, replying included). glue in-process = push_lookup op - fused step.
