@@ -725,8 +725,7 @@ def fbgemm_case(fbgemm: Dict[str, object], rows: int, dim: int, dtype: torch.dty
     ours()
     rotation.next = 0
     theirs()  # the same first step: set 0's rows and gradients
-    ours_rows, their_rows = table.detach().index_select(0, first), emb.split_embedding_weights()[0].index_select(0, first)
-    compared = [(ours_rows, their_rows)]
+    compared = [(table.detach().index_select(0, first), emb.split_embedding_weights()[0].index_select(0, first))]
     if name == "RowWiseAdagrad":
         (sums,) = owner._impl.row_state(0)
         compared.append((sums.index_select(0, first), emb.split_optimizer_states()[0][0].index_select(0, first)))
