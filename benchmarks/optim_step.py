@@ -33,11 +33,28 @@ What it measures
     of the touched rows) and FTRL, each looked up in ``functional_optim_map``
     as a shard does and run through ``ScriptedOptimizer``; against the memory
     floor of the bytes a row step must move (per touched row: read the row,
-    its state and the gradient row, write the row and its state).  Where
-    ``fbgemm_gpu`` is importable (the ``fbgemm-gpu-cpu`` wheel: not a
-    dependency, not installed by the project), FBGEMM's CPU fused row-wise
-    Adagrad (``SplitTableBatchedEmbeddingBagsCodegen``, ``EXACT_ROWWISE_ADAGRAD``)
-    is timed on the same rows; otherwise one line says why not.
+    its state and the gradient row, write the row and its state).
+
+    Case (d) against FBGEMM, where ``fbgemm_gpu`` is importable (the
+    ``fbgemm-gpu-cpu`` wheel, the ``bench`` extra: ``pip install -e
+    '.[bench]'``, which ``make bench`` runs; never ``make test``): a table's
+    sparse step, the lookup and the update of 1,000 distinct random rows of
+    a 1,000,000 x dim table (``--fbgemm-table``), one thread, dims 16, 64
+    and 128, float32 and float16 rows.  Ours: the shard's lookup
+    (``rows.lookup``) then its push (``OwnerOptimizer.apply_rows``, made by
+    ``owner_optimizer_for`` as in case (f): the native row kernel, float16
+    rows rounded stochastically); FBGEMM's: its CPU module
+    (``SplitTableBatchedEmbeddingBagsCodegen``, ``EmbeddingLocation.HOST``,
+    ``weights_precision`` FP32 or FP16 with its default stochastic rounding)
+    forward, then backward (its update is fused into backward), bags of one
+    row.  RowWiseAdagrad against ``EXACT_ROWWISE_ADAGRAD``, SGD against
+    ``EXACT_SGD``, the same lr (and eps).  Both first take the same step from
+    equal tables, and the touched rows (and row-wise Adagrad's sums) are
+    compared: equal but for rounding (float32 within 1e-6 of their size,
+    float16 within one unit in the last place), or the share that is not.
+    "ours / FBGEMM speed" is FBGEMM's step time over ours (target >= 1.5x).
+    Where ``fbgemm_gpu`` does not import, one line says why and how to
+    install it.
 
     Case (f), the native row kernel (``paramserver/optim/row_kernel.c``) against the torch path: the row
     step a shard's push ends in (a COO gradient of 1,000 distinct random rows, as ``OwnerOptimizer.apply_rows``
@@ -63,8 +80,9 @@ How to run
     (e), ``native`` = (f); default all),
     ``--rounds N`` (timed rounds for (a) and (b), 10 x N one-step samples for
     (d); the table case uses a third of them, at least 3), ``--row-table N``
-    (rows of (d)'s table, default 2,000,000), ``--touched R`` (distinct rows
-    per step in (d), default 1,000), ``--threads N``
+    (rows of (d)'s table, default 2,000,000), ``--fbgemm-table N`` (rows of
+    (d)'s tables against FBGEMM, default 1,000,000), ``--touched R``
+    (distinct rows per step in (d), default 1,000), ``--threads N``
     (``torch.set_num_threads``; the default leaves torch's choice).  Progress
     goes to stderr; the results go to stdout as markdown tables that can be
     pasted into docs/benchmarks.md.
@@ -99,9 +117,8 @@ How to read it
     see, so it is not used.  "x of floor" is floor time / step time (target
     >= 0.5x); "RowWiseAdagrad / SGD" is the ratio of their step times (target
     <= 1.2x: one float of state per row should cost little over plain SGD).
-    FBGEMM's update is fused into its backward: it is timed as forward +
-    backward minus a forward alone, and "RowWiseAdagrad / FBGEMM update" is
-    our step's time over that.  The legend under the tables spells out the bytes.
+    Against FBGEMM the two run in turn on one rotation of row sets, one step
+    per sample.  The legend under the tables spells out the bytes.
 """
 
 import argparse
@@ -127,6 +144,7 @@ from paramserver.optim.scripted import ScriptedOptimizer
 from paramserver.shards.server import ShardState
 from paramserver.shards.server.hosted import host_rows
 from paramserver.shards.server.optimizers import owner_optimizer_for
+from paramserver.shards.server.rows import lookup as shard_lookup, table_handles
 
 # Small enough that parameters stay finite over hundreds of steps.
 LR, MOMENTUM, NU = 1e-3, 0.9, 0.7
@@ -362,50 +380,6 @@ def rows_copy_contestant(touched: int, dim: int, sets: int) -> Contestant:
     return Contestant("copy rows", step)
 
 
-def load_fbgemm() -> Tuple[Optional[Dict[str, object]], str]:
-    """FBGEMM's CPU table-batched embedding training API, if ``fbgemm_gpu`` imports: (names, version) or
-    (None, why not).  An optional comparison: ``fbgemm_gpu`` is not a dependency of paramserver."""
-    try:
-        import fbgemm_gpu
-        from fbgemm_gpu.split_embedding_configs import EmbOptimType
-        from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
-        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-            ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen)
-    except (ImportError, OSError, RuntimeError) as error:  # absent, or built for another torch
-        reason = (str(error).strip().splitlines() or [""])[0]
-        return None, "{}: {}".format(type(error).__name__, reason[:200])
-    names = dict(EmbOptimType=EmbOptimType, EmbeddingLocation=EmbeddingLocation, PoolingMode=PoolingMode,
-                 ComputeDevice=ComputeDevice, Codegen=SplitTableBatchedEmbeddingBagsCodegen)
-    return names, str(getattr(fbgemm_gpu, "__version__", "version unknown"))
-
-
-def fbgemm_contestants(fbgemm: Dict[str, object], table: torch.Tensor, rotation: RowRotation
-                       ) -> List[Contestant]:
-    """FBGEMM's fused row-wise Adagrad on CPU over a copy of ``table``, stepped with ``rotation``'s rows as
-    bags of one row (pooling sum): the update runs inside backward.  Two contestants: forward + backward
-    (lookup and update) and forward alone (lookup), so that their difference is the update."""
-    location, device = fbgemm["EmbeddingLocation"], fbgemm["ComputeDevice"]
-    emb = fbgemm["Codegen"](
-        [(table.size(0), table.size(1), location.HOST, device.CPU)],
-        optimizer=fbgemm["EmbOptimType"].EXACT_ROWWISE_ADAGRAD, learning_rate=ADAGRAD_LR, eps=ADAGRAD_EPS,
-        pooling_mode=fbgemm["PoolingMode"].SUM)
-    with torch.no_grad():
-        emb.split_embedding_weights()[0].copy_(table)
-    offsets = torch.arange(rotation.ids.size(1) + 1, dtype=torch.int64)
-
-    def step() -> None:
-        k = rotation.take()
-        emb(rotation.ids[k], offsets).backward(rotation.values[k])
-
-    def lookup() -> None:
-        k = rotation.take()
-        with torch.no_grad():
-            emb(rotation.ids[k], offsets)
-
-    step()  # fails here, not in the timing, if this FBGEMM does not take these arguments
-    return [Contestant("fbgemm step", step), Contestant("fbgemm lookup", lookup)]
-
-
 @dataclass
 class RowsResult:
     rows: int
@@ -415,9 +389,6 @@ class RowsResult:
     step_s: Dict[str, float]  # optimizer name -> median seconds per row step
     stream_gbps: float
     rows_gbps: float
-    fbgemm_step_s: Optional[float] = None
-    fbgemm_lookup_s: Optional[float] = None
-    fbgemm_error: Optional[str] = None
 
     @property
     def floor_gbps(self) -> float:
@@ -427,7 +398,7 @@ class RowsResult:
         return self.touched * optimizer.bytes_per_row(self.dim) / (self.floor_gbps * 1e9)
 
 
-def rows_case(rows: int, dim: int, touched: int, rounds: int, fbgemm: Optional[Dict[str, object]]) -> RowsResult:
+def rows_case(rows: int, dim: int, touched: int, rounds: int) -> RowsResult:
     """Case (d): a row-sparse step of ``touched`` rows of a ``rows x dim`` table, per optimizer; one step per
     sample, ``ROW_SAMPLES_PER_ROUND x rounds`` samples each."""
     sets = max(1, min(ROW_ROTATION, rows // touched))
@@ -440,22 +411,12 @@ def rows_case(rows: int, dim: int, touched: int, rounds: int, fbgemm: Optional[D
             spec.name, lambda optimizer=optimizer: optimizer.step([rotation.grads[rotation.take()]])))
     contestants.append(copy_contestant(STREAM_COPY_NUMEL, "copy stream"))
     contestants.append(rows_copy_contestant(touched, dim, sets))
-    fbgemm_error = None
-    if fbgemm is not None:
-        try:
-            contestants.extend(fbgemm_contestants(fbgemm, table, rotation))
-        except Exception as error:  # an FBGEMM whose API differs: reported, the rest still timed
-            fbgemm_error = "{}: {}".format(type(error).__name__, (str(error).strip().splitlines() or [""])[0][:200])
     samples = time_interleaved(contestants, rounds * ROW_SAMPLES_PER_ROUND, rotate=True)
-    with_fbgemm = "fbgemm step" in samples
     return RowsResult(
         rows=rows, dim=dim, touched=touched, sets=sets,
         step_s={spec.name: statistics.median(samples[spec.name]) for spec in ROW_OPTIMIZERS},
         stream_gbps=copy_gbps(samples["copy stream"], STREAM_COPY_NUMEL),
-        rows_gbps=copy_gbps(samples["copy rows"], touched * dim),
-        fbgemm_step_s=statistics.median(samples["fbgemm step"]) if with_fbgemm else None,
-        fbgemm_lookup_s=statistics.median(samples["fbgemm lookup"]) if with_fbgemm else None,
-        fbgemm_error=fbgemm_error)
+        rows_gbps=copy_gbps(samples["copy rows"], touched * dim))
 
 
 # --------------------------------------------------------------------------
@@ -496,7 +457,7 @@ def print_table_case(r: TableResult) -> None:
               verdict(ratio, TARGET_SPARSE_VS_DENSE), r.sparse_s * 1e6, r.dense_s * 1e3))
 
 
-def print_rows_case(results: List[RowsResult], fbgemm_note: str) -> None:
+def print_rows_case(results: List[RowsResult]) -> None:
     print("| (d) dim | optimizer | state per row | bytes/row | us/step | ns/row | floor us | x of floor | target |")
     print("|---:|---|---|---:|---:|---:|---:|---:|---|")
     for r in results:
@@ -516,26 +477,6 @@ def print_rows_case(results: List[RowsResult], fbgemm_note: str) -> None:
               "| <= {:g}x {} |".format(
             r.dim, r.rows, r.dim, r.touched, r.sets, r.stream_gbps, r.rows_gbps, r.floor_gbps, ratio,
             TARGET_ROWWISE_VS_SGD, "PASS" if ratio <= TARGET_ROWWISE_VS_SGD else "BELOW"))
-    print()
-    timed = [r for r in results if r.fbgemm_step_s is not None]
-    if not timed:
-        errors = [r.fbgemm_error for r in results if r.fbgemm_error]
-        print("FBGEMM row-wise Adagrad: not timed, {}.".format(
-            "its module failed: " + errors[0] if errors else fbgemm_note))
-        return
-    print("| (d) dim | FBGEMM forward+backward us | FBGEMM forward us | FBGEMM update us | RowWiseAdagrad us "
-          "| RowWiseAdagrad / FBGEMM update | RowWiseAdagrad / FBGEMM forward+backward |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
-    for r in timed:
-        ours = r.step_s["RowWiseAdagrad"]
-        update = r.fbgemm_step_s - r.fbgemm_lookup_s
-        print("| {} | {:.1f} | {:.1f} | {} | {:.1f} | {} | {:.2f}x |".format(
-            r.dim, r.fbgemm_step_s * 1e6, r.fbgemm_lookup_s * 1e6,
-            "{:.1f}".format(update * 1e6) if update > 0 else "n/a (noise)", ours * 1e6,
-            "{:.2f}x".format(ours / update) if update > 0 else "n/a", ours / r.fbgemm_step_s))
-    print()
-    print("FBGEMM: {} (SplitTableBatchedEmbeddingBagsCodegen, CPU, EXACT_ROWWISE_ADAGRAD, lr={:g}, eps={:g}).".format(
-        fbgemm_note, ADAGRAD_LR, ADAGRAD_EPS))
 
 
 LEGEND = """\
@@ -574,11 +515,7 @@ each dst line before writing it (write-allocate), so a copy really moves ~12 byt
 full memory speed can show up to ~1.5x.
 x of floor = floor time / step time (1.00x = memory bound); target >= {target:g}x for each optimizer.
 RowWiseAdagrad / SGD = ratio of their median step times; target <= {rw:g}x (one float of state per row
-should cost little over plain SGD).
-FBGEMM (where fbgemm_gpu imports): its CPU module over a copy of the table, stepped with the same rows as bags
-of one row (pooling sum, the gradient rows as the output's gradient); its update runs inside backward, so
-"FBGEMM update" = median(forward + backward) - median(forward alone, no autograd), and "RowWiseAdagrad /
-FBGEMM update" compares our whole step (coalesce, gather, update, scatter) with that.""".format(
+should cost little over plain SGD).""".format(
     per=ROW_SAMPLES_PER_ROUND, alr=ADAGRAD_LR, aeps=ADAGRAD_EPS, target=TARGET_ROW_FLOOR, rw=TARGET_ROWWISE_VS_SGD)
 
 
@@ -685,6 +622,166 @@ def print_native_case(results: List[NativeResult]) -> None:
           "each state tensor's.".format(results[0].kernel if results else "-"))
 
 
+# --------------------------------------------------------------------------
+# Case (d) against FBGEMM's CPU table-batched embedding kernel
+# --------------------------------------------------------------------------
+
+FBGEMM_TABLE_ROWS = 1_000_000
+FBGEMM_TYPES = (torch.float32, torch.float16)
+#: Ours (name, local class, options) beside FBGEMM's optimizer of the same update (an ``OptimType`` name).
+FBGEMM_OPTIMIZERS = (("RowWiseAdagrad", RowWiseAdagrad, dict(lr=ADAGRAD_LR, eps=ADAGRAD_EPS), "EXACT_ROWWISE_ADAGRAD"),
+                     ("SGD", torch.optim.SGD, dict(lr=LR), "EXACT_SGD"))
+TARGET_VS_FBGEMM = 1.5  # FBGEMM's step time / ours, at least
+FBGEMM_INSTALL = ("install the bench extra, `pip install -e '.[bench]'` in a checkout (`make bench` does): the "
+                  "fbgemm-gpu-cpu wheel, on Linux; it leaves torch as it is")
+
+
+def load_fbgemm() -> Tuple[Optional[Dict[str, object]], str]:
+    """FBGEMM's CPU table-batched embedding training API, if ``fbgemm_gpu`` imports (and registers its operators
+    under this torch): (names, version), or (None, why not).  An optional comparison: ``fbgemm_gpu`` is the
+    ``bench`` extra's, never the package's or the tests'."""
+    try:
+        import fbgemm_gpu
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen)
+    except (ImportError, OSError, RuntimeError, AttributeError) as error:  # absent, or built for another torch
+        reason = (str(error).strip().splitlines() or [""])[0]
+        return None, "{}: {}".format(type(error).__name__, reason[:200])
+    names = dict(EmbOptimType=EmbOptimType, SparseType=SparseType, EmbeddingLocation=EmbeddingLocation,
+                 PoolingMode=PoolingMode, ComputeDevice=ComputeDevice, Codegen=SplitTableBatchedEmbeddingBagsCodegen)
+    return names, str(getattr(fbgemm_gpu, "__version__", "version unknown"))
+
+
+def fbgemm_module(fbgemm: Dict[str, object], table: torch.Tensor, optim_type: str, options: dict):
+    """FBGEMM's CPU module (``EmbeddingLocation.HOST``) over a copy of ``table`` (float32, or float16 as
+    ``SparseType.FP16`` with FBGEMM's default stochastic rounding), optimizer ``optim_type`` with ``options``'
+    lr (and eps), bags of one row pooled by sum: its forward is the lookup, its backward the update."""
+    precision = fbgemm["SparseType"].FP32 if table.dtype == torch.float32 else fbgemm["SparseType"].FP16
+    settings = dict(learning_rate=options["lr"])
+    if "eps" in options:
+        settings["eps"] = options["eps"]
+    emb = fbgemm["Codegen"](
+        [(table.size(0), table.size(1), fbgemm["EmbeddingLocation"].HOST, fbgemm["ComputeDevice"].CPU)],
+        optimizer=getattr(fbgemm["EmbOptimType"], optim_type), weights_precision=precision,
+        stochastic_rounding=True, pooling_mode=fbgemm["PoolingMode"].SUM, **settings)
+    weights = emb.split_embedding_weights()[0]
+    if weights.dtype != table.dtype:
+        raise TypeError(f"FBGEMM keeps {weights.dtype} rows for {precision}, not {table.dtype}")
+    with torch.no_grad():
+        weights.copy_(table)
+    return emb
+
+
+@dataclass
+class FbgemmResult:
+    dtype: torch.dtype
+    dim: int
+    optimizer: str
+    ours_s: float
+    fbgemm_s: float
+    difference: float  # largest |ours - FBGEMM| of a row or a state value after the same first step
+    beyond: float  # the share of those values that differ by more than rounding (``beyond_rounding``)
+    kernel: str
+
+
+def beyond_rounding(ours: torch.Tensor, theirs: torch.Tensor, dtype: torch.dtype) -> float:
+    """The share of ``ours`` that differ from ``theirs`` by more than rounding: float32 values by more than 1e-6
+    of their size (at least 1e-6: the order of a sum may differ), float16 by more than one unit in the last place
+    (each side may round stochastically, to either float16 value around the same float32 result)."""
+    ours, theirs = ours.float(), theirs.float()
+    if dtype == torch.float16:
+        unit = (theirs.abs() * 2.0 ** -10).clamp_min(2.0 ** -24)  # one unit in the last place, or a little over
+    else:
+        unit = theirs.abs().clamp_min(1.0) * 1e-6
+    return float(((ours - theirs).abs() > unit).float().mean()) if ours.numel() else 0.0
+
+
+def fbgemm_case(fbgemm: Dict[str, object], rows: int, dim: int, dtype: torch.dtype, touched: int, rounds: int,
+                name: str, optimizer_cls, options: dict, optim_type: str) -> FbgemmResult:
+    """One optimizer, row type and dim: ours (the shard's lookup, then its push: ``OwnerOptimizer.apply_rows``,
+    the native row kernel where it is built) and FBGEMM's (forward, then backward, which updates) on the same
+    rows: first one step each from equal tables, compared, then timed in turn on a rotation of row sets."""
+    rotation = RowRotation(rows, dim, touched, max(1, min(ROW_ROTATION, rows // touched)))
+    state = ShardState(row_kernels=RowKernels("best"))
+    table = host_rows(state, f"bench.fbgemm[0:{rows}]", rows, dim, dtype, 0, 0, shared=True, init_std=0.01)
+    incarnation, (handle,) = table_handles(state, [table])
+    owner = owner_optimizer_for(state, optimizer_cls, [table], [0], (), options)
+    owner._impl.set_parts(1)  # one thread
+    emb = fbgemm_module(fbgemm, table.detach(), optim_type, options)
+    offsets = torch.arange(touched + 1, dtype=torch.int64)
+
+    def ours() -> None:
+        k = rotation.take()
+        shard_lookup(state, incarnation, [handle], rotation.ids[k], [touched], -1)
+        owner.apply_rows([0], [rotation.ids[k]], [rotation.values[k]], "bench")
+
+    def theirs() -> None:
+        k = rotation.take()
+        emb(rotation.ids[k], offsets).backward(rotation.values[k])
+
+    first = rotation.ids[0]
+    ours()
+    rotation.next = 0
+    theirs()  # the same first step: set 0's rows and gradients
+    compared = [(table.detach().index_select(0, first), emb.split_embedding_weights()[0].index_select(0, first))]
+    if name == "RowWiseAdagrad":
+        (sums,) = owner._impl.row_state(0)
+        compared.append((sums.index_select(0, first), emb.split_optimizer_states()[0][0].index_select(0, first)))
+    difference = max(float((a.float() - b.float()).abs().max()) for a, b in compared)
+    beyond = max(beyond_rounding(a, b, dtype if a.dtype == dtype else torch.float32) for a, b in compared)
+    samples = time_interleaved([Contestant("ours", ours), Contestant("fbgemm", theirs)],
+                               rounds * ROW_SAMPLES_PER_ROUND, rotate=True)
+    native = owner._native_rows()
+    return FbgemmResult(dtype, dim, name, statistics.median(samples["ours"]), statistics.median(samples["fbgemm"]),
+                        difference, beyond, native.kernel.variant if native else "none (torch path)")
+
+
+def fbgemm_comparison(rows: int, touched: int, rounds: int, dims: Sequence[int] = ROW_DIMS,
+                      types: Sequence[torch.dtype] = FBGEMM_TYPES) -> List[FbgemmResult]:
+    """Case (d) against FBGEMM, one thread, each row type, dim and optimizer of ``FBGEMM_OPTIMIZERS``: its table
+    printed; where ``fbgemm_gpu`` does not import, one line saying why and how to install it (never a failure)."""
+    fbgemm, version = load_fbgemm()
+    if fbgemm is None:
+        print("(d) against FBGEMM: not run, fbgemm_gpu is not importable ({}); to compare: {}.".format(
+            version, FBGEMM_INSTALL))
+        return []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    results = []
+    try:
+        for dtype in types:
+            for dim in dims:
+                for name, optimizer_cls, options, optim_type in FBGEMM_OPTIMIZERS:
+                    progress("case (d) against FBGEMM: {:,} x {} {} rows, {}: {} samples ...".format(
+                        rows, dim, dtype, name, rounds * ROW_SAMPLES_PER_ROUND))
+                    results.append(fbgemm_case(fbgemm, rows, dim, dtype, touched, rounds, name, optimizer_cls,
+                                               options, optim_type))
+                    gc.collect()
+    finally:
+        torch.set_num_threads(threads)
+    print_fbgemm_comparison(results, rows, touched, version)
+    return results
+
+
+def print_fbgemm_comparison(results: List[FbgemmResult], rows: int, touched: int, version: str) -> None:
+    print("| (d) rows | dim | optimizer | ours us | FBGEMM us | ours / FBGEMM speed | target | same first step: "
+          "rows (and state) |")
+    print("|---|---:|---|---:|---:|---:|---|---|")
+    for r in results:
+        speed = r.fbgemm_s / r.ours_s
+        same = "yes" if r.beyond == 0.0 else "NO: {:.2%} of values beyond rounding,".format(r.beyond)
+        print("| {} | {} | {} | {:.0f} | {:.0f} | {:.2f}x | >= {:g}x {} | {} max {:.1e} |".format(
+            str(r.dtype).replace("torch.", ""), r.dim, r.optimizer, r.ours_s * 1e6, r.fbgemm_s * 1e6, speed,
+            TARGET_VS_FBGEMM, verdict(speed, TARGET_VS_FBGEMM), same, r.difference))
+    print()
+    print("(d) against FBGEMM: fbgemm_gpu {}, one thread, a {:,}-row table, {:,} distinct rows a step; ours: the "
+          "shard's lookup then its push (the row kernel's {} build); FBGEMM: SplitTableBatchedEmbeddingBagsCodegen "
+          "on CPU (EmbeddingLocation.HOST), forward then backward.".format(
+              version, rows, touched, results[0].kernel if results else "-"))
+
+
 def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -717,12 +814,18 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="distinct rows a step of case (d) touches (default {:,})".format(ROW_TOUCHED))
     parser.add_argument("--native-table", type=int, default=NATIVE_TABLE_ROWS,
                         help="rows of case (f)'s tables (default {:,})".format(NATIVE_TABLE_ROWS))
+    parser.add_argument("--fbgemm-table", type=int, default=None,
+                        help="rows of the tables case (d) compares with FBGEMM's on (default {:,}, {:,} with "
+                             "--quick)".format(FBGEMM_TABLE_ROWS, ROW_TABLE_ROWS_QUICK))
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     args = parser.parse_args(argv)
     if args.row_table is None:
         args.row_table = ROW_TABLE_ROWS_QUICK if args.quick else ROW_TABLE_ROWS
-    if args.touched < 1 or args.row_table < args.touched:
-        parser.error("--touched must be at least 1 and at most --row-table ({:,})".format(args.row_table))
+    if args.fbgemm_table is None:
+        args.fbgemm_table = ROW_TABLE_ROWS_QUICK if args.quick else FBGEMM_TABLE_ROWS
+    if args.touched < 1 or min(args.row_table, args.fbgemm_table) < args.touched:
+        parser.error("--touched must be at least 1 and at most --row-table ({:,}) and --fbgemm-table ({:,})".format(
+            args.row_table, args.fbgemm_table))
     if args.rounds is not None and args.rounds < 1:
         parser.error("--rounds must be at least 1")
     return args
@@ -764,16 +867,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         gc.collect()
 
     rows_results = []
-    fbgemm, fbgemm_note = None, ""
     if "rows" in args.cases:
-        fbgemm, fbgemm_note = load_fbgemm()
-        fbgemm_note = ("fbgemm_gpu " + fbgemm_note) if fbgemm is not None else \
-            "fbgemm_gpu is not importable ({})".format(fbgemm_note)
         for dim in ROW_DIMS:
-            progress("case (d) {:,} x {} float32 table, {:,} rows per step, {} optimizers{}: {} samples ...".format(
-                args.row_table, dim, args.touched, len(ROW_OPTIMIZERS),
-                " + FBGEMM" if fbgemm is not None else "", rounds * ROW_SAMPLES_PER_ROUND))
-            rows_results.append(rows_case(args.row_table, dim, args.touched, rounds, fbgemm))
+            progress("case (d) {:,} x {} float32 table, {:,} rows per step, {} optimizers: {} samples ...".format(
+                args.row_table, dim, args.touched, len(ROW_OPTIMIZERS), rounds * ROW_SAMPLES_PER_ROUND))
+            rows_results.append(rows_case(args.row_table, dim, args.touched, rounds))
             gc.collect()
 
     if dense_results:
@@ -783,7 +881,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print_table_case(table_result)
         print()
     if rows_results:
-        print_rows_case(rows_results, fbgemm_note)
+        print_rows_case(rows_results)
+        print()
+        fbgemm_comparison(args.fbgemm_table, args.touched, rounds)
         print()
     if "native" in args.cases:
         native_results = []
