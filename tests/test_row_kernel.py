@@ -74,11 +74,14 @@ def owner(choice: str, dtype: torch.dtype, record: RowOptimizer, options: dict):
 
 def pushes(steps: int = 4):
     """Distinct rows (the driver sums duplicates first) and their gradients: large pushes (torch's fused kernel
-    on the torch path) and small ones (its multi-tensor operations), overlapping."""
+    on the torch path) and small ones (its multi-tensor operations), overlapping; the first two sent sorted, as
+    trainers send a fixed table's rows (the kernel's step takes them as they come), the others in any order
+    (the step module's way sorts them first)."""
     generator = torch.Generator().manual_seed(5)
     for step in range(steps):
         count = 1000 if step % 2 == 0 else 60
-        yield torch.randperm(ROWS, generator=generator)[:count], torch.randn(count, DIM, generator=generator)
+        rows = torch.randperm(ROWS, generator=generator)[:count]
+        yield rows.sort().values if step % 4 < 2 else rows, torch.randn(count, DIM, generator=generator)
 
 
 def gap(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -172,7 +175,8 @@ def test_a_push_the_kernel_applies_in_parts_on_several_threads_gives_the_rows_of
     def recording_step(*args):
         threads.add(threading.get_ident())
         step(*args)
-    native.kernel = type("Recording", (), {"step": staticmethod(recording_step), "takes": native.kernel.takes})()
+    native.kernel = type("Recording", (), {"step": staticmethod(recording_step), "takes": native.kernel.takes,
+                                           "rows_increasing": native.kernel.rows_increasing})()
     for _ in range(3):
         ids, gradients = torch.randperm(ROWS, generator=generator)[:2400], torch.randn(2400, DIM, generator=generator)
         whole.apply_rows([0], [ids], [gradients], "test")
@@ -180,6 +184,36 @@ def test_a_push_the_kernel_applies_in_parts_on_several_threads_gives_the_rows_of
         assert torch.equal(table, rows)
         assert all(torch.equal(a, b) for a, b in zip(state_tensors(whole), state_tensors(split)))
     assert len(threads) >= 2  # the calling thread ran one part, the part threads the others
+
+
+@pytest.mark.parametrize("dtype", TYPES, ids=str)
+def test_a_push_sent_sorted_takes_the_kernels_own_way_and_gives_the_rows_of_the_same_push_sent_unsorted(build, dtype):
+    """A fixed table's push with increasing rows goes to the kernel as sent (its rows checked in one pass, no
+    sparse gradient made); the same push in another order goes the step module's way (sorted first): the same
+    rows and state, bit for bit; a row outside the table is refused either way, naming it, nothing changed."""
+    sgd = next(record for record in NATIVE if record.name == "SGD")
+    options = dict(lr=0.1, momentum=0.9, dampening=0.1)
+    table, sorted_way = owner(build, dtype, sgd, options)
+    rows, unsorted_way = owner(build, dtype, sgd, options)
+    generator = torch.Generator().manual_seed(9)
+    sorted_way.apply_rows([0], [torch.arange(4)], [torch.ones(4, DIM)], "test")  # (its native step made)
+    unsorted_way.apply_rows([0], [torch.arange(4)], [torch.ones(4, DIM)], "test")
+    taken = []
+    apply_pushed = sorted_way._native.apply_pushed
+    sorted_way._native.apply_pushed = lambda pushed, measure: taken.append(len(pushed)) or apply_pushed(pushed, measure)
+    for count in (1000, 60, 2400):
+        ids, gradients = torch.randperm(ROWS, generator=generator)[:count], torch.randn(count, DIM, generator=generator)
+        order = ids.argsort()
+        sorted_way.apply_rows([0], [ids[order]], [gradients[order]], "test")
+        unsorted_way.apply_rows([0], [ids], [gradients], "test")
+        assert torch.equal(table, rows)
+        assert all(torch.equal(a, b) for a, b in zip(state_tensors(sorted_way), state_tensors(unsorted_way)))
+    assert taken == [1, 1, 1]
+    before = table.clone()
+    for outside in (torch.tensor([3, ROWS]), torch.tensor([-1, 3])):
+        with pytest.raises(ValueError, match=f"row {outside[0] if outside[0] < 0 else outside[1]} of parameter"):
+            sorted_way.apply_rows([0], [outside], [torch.ones(2, DIM)], "test")
+    assert torch.equal(table, before) and taken == [1, 1, 1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)

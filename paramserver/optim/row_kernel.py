@@ -78,6 +78,9 @@ class RowKernel:
         self._sgd.restype = ctypes.c_int
         self._sgd.argtypes = [rows, pointer, count, pointer, pointer, pointer, real, real, real, real,
                               ctypes.c_int32, ctypes.c_int32, real, count]
+        self._increasing = library.paramserver_rows_increasing
+        self._increasing.restype = ctypes.c_int
+        self._increasing.argtypes = [pointer, count, count]
         self._has_avx2 = library_has_avx2(library)
         #: The digest of the source it was built from (``paramserver.native.source_digest``).
         self.digest = library_digest(library)
@@ -98,6 +101,11 @@ class RowKernel:
         if update not in self.updates:
             return False
         return update != "qhm" or qhm_as_sgd(hyperparameters) is not None
+
+    def rows_increasing(self, rows: Tensor, count: int) -> int:
+        """0 where ``rows`` (a contiguous int64 vector) increase strictly and are rows of a table of ``count``
+        rows; 1 where they do not increase; -2 where one is outside the table."""
+        return self._increasing(rows.data_ptr(), rows.numel(), count)
 
     def takes(self, param: Tensor) -> bool:
         """Whether the kernel writes ``param``'s rows (a contiguous 2-D CPU tensor of a type it knows)."""

@@ -297,6 +297,21 @@ class _ScriptedStepInParts(_ScriptedStepWithRowState):
         table's key, the step's rounding count, to nearest or not, its first row's id, its rows' ids)."""
         check_gradient_shapes(self.names, self.params, gradients)
         check_gradients(self.optimizer_name, self.params, gradients)
+        return self._prepared(gradients)
+
+    @torch.jit.export
+    def prepare_rows(self, present: List[bool]) -> Tuple[List[List[Tensor]], List[Tuple[int, int, bool, int,
+                                                                                       Optional[Tensor]]]]:
+        """``prepare`` for a push the caller checked whole (``OwnerOptimizer.apply_rows``' native way: distinct
+        rows of each parameter, float32 gradients of its width), given only which parameters it has rows of:
+        the once-work of every row-wise optimizer the kernel runs reads no more of a step's gradients."""
+        stand_ins: List[Optional[Tensor]] = []
+        for index in range(len(self.params)):
+            stand_ins.append(torch.empty(0) if present[index] else None)
+        return self._prepared(stand_ins)
+
+    def _prepared(self, gradients: List[Optional[Tensor]]) -> Tuple[List[List[Tensor]], List[Tuple[int, int, bool,
+                                                                                                  int, Optional[Tensor]]]]:
         self.optim.prepare_step(gradients)
         state = self.optim.state
         tensors: List[List[Tensor]] = []
@@ -344,15 +359,32 @@ class NativeRows:
         for index, gradient in enumerate(gradients):
             if gradient is not None:
                 rows, values = sparse_rows(gradient)
-                key, step, nearest, first_row, ids = roundings[index]
-                rounding = Rounding(nearest, stream_seed(key, step), first_row, ids)
-                count = max(1, min(self.parts, values.numel() // self.least))
-                bounds = [rows.numel() * part // count for part in range(count + 1)]
-                self.part_threads.run([
-                    functools.partial(self.kernel.step, self.update, self.params[index], rows[start:stop],
-                                      values[start:stop], tensors[index], self.hyperparameters, rounding)
-                    for start, stop in zip(bounds, bounds[1:])])
+                self._update(index, rows, values, tensors[index], roundings[index])
         return gradient_stats(gradients) if measure else (0, 0)
+
+    def apply_pushed(self, pushed: Sequence[Tuple[int, Tensor, Tensor]], measure: bool) -> Tuple[int, int]:
+        """``apply`` of a push given as ``(parameter, rows, gradients)``, checked whole by the caller (distinct
+        rows of the parameter, contiguous float32 gradients of its width), without a sparse gradient made."""
+        present = [False] * len(self.params)
+        for index, _, _ in pushed:
+            present[index] = True
+        tensors, roundings = self.module.prepare_rows(present)
+        for index, rows, values in pushed:
+            self._update(index, rows, values, tensors[index], roundings[index])
+        if not measure:
+            return 0, 0
+        return (sum(rows.numel() for _, rows, _ in pushed),
+                sum(values.numel() * values.element_size() for _, _, values in pushed))
+
+    def _update(self, index: int, rows: Tensor, values: Tensor, tensors: List[Tensor], rounding_of: Tuple) -> None:
+        key, step, nearest, first_row, ids = rounding_of
+        rounding = Rounding(nearest, stream_seed(key, step), first_row, ids)
+        count = max(1, min(self.parts, values.numel() // self.least))
+        bounds = [rows.numel() * part // count for part in range(count + 1)]
+        self.part_threads.run([
+            functools.partial(self.kernel.step, self.update, self.params[index], rows[start:stop],
+                              values[start:stop], tensors, self.hyperparameters, rounding)
+            for start, stop in zip(bounds, bounds[1:])])
 
 
 @script
@@ -631,6 +663,14 @@ class OwnerOptimizer:
                 raise ValueError(f"a push for {self.names[index]} (shape {list(param.shape)}) has "
                                  f"{list(rows.shape)} rows and gradients of shape {list(values.shape)}")
 
+        pushed = self._natively_pushed(params, ids, gradients)
+        if pushed is not None:
+            def run_native(measure: bool) -> Tuple[int, int]:  # under the locks
+                for index, rows, _ in pushed:
+                    self._marks[index].mark(rows)
+                return self._native.apply_pushed(pushed, measure)
+            return self._timed(run_native, lambda: peer, "push", once)
+
         # A fixed table's gradient is built (and its rows checked) before the locks are taken: a push being
         # applied does not wait for the next one's preparation.  A dynamic table's ids name rows only under them.
         by_param: List[Optional[Tensor]] = [None] * len(self.params)
@@ -659,6 +699,25 @@ class OwnerOptimizer:
                 return native.apply(by_param, measure)
             return self._impl.apply(by_param, measure)
         return self._timed(run, lambda: peer, "push", once)
+
+    def _natively_pushed(self, params: Sequence[int], ids: Sequence[Tensor],
+                         gradients: Sequence[Tensor]) -> Optional[List[Tuple[int, Tensor, Tensor]]]:
+        """A push (its shapes checked) as the native kernel's step takes it whole, ``(parameter, rows,
+        gradients)``: where the kernel runs this optimizer and every table pushed is a fixed one it writes, sent
+        its rows increasing (as trainers send them), float32 gradients; ``None`` for the step module's way
+        (which sorts, sums duplicates, and names a row outside its table)."""
+        native = self._native_rows()
+        if native is None:
+            return None
+        pushed = []
+        for index, rows, values in zip(params, ids, gradients):
+            param = self.params[index]
+            if self._dynamic[index] is not None or not native.kernel.takes(param) or rows.dtype != torch.int64 or \
+                    values.dtype != torch.float32 or not (rows.is_contiguous() and values.is_contiguous()) or \
+                    native.kernel.rows_increasing(rows, param.size(0)) != 0:
+                return None
+            pushed.append((index, rows, values))
+        return pushed
 
     def _native_rows(self) -> Optional[NativeRows]:
         """The native row kernel's step, where the record names its update, a build is loaded (first call:
