@@ -77,12 +77,19 @@ class RowKernel:
         self._sgd.restype = ctypes.c_int
         self._sgd.argtypes = [rows, pointer, count, pointer, pointer, pointer, real, real, real, real,
                               ctypes.c_int32, ctypes.c_int32]
+        self._elementwise_adagrad = library.paramserver_adagrad
+        self._elementwise_adagrad.restype = ctypes.c_int
+        self._elementwise_adagrad.argtypes = [rows, pointer, count, pointer, pointer, real, real, ctypes.c_int32]
+        self._ftrl = library.paramserver_ftrl
+        self._ftrl.restype = ctypes.c_int
+        self._ftrl.argtypes = [rows, pointer, count, pointer, pointer, pointer, real, ctypes.c_int32, real, real, real]
         self._has_avx2 = library_has_avx2(library)
         #: The digest of the source it was built from (``paramserver.native.source_digest``).
         self.digest = library_digest(library)
         #: Each update the kernel has, by the name a record gives it (``RowOptimizer.native``).
         self.updates: Dict[str, Callable[..., int]] = {"rowwise_adagrad": self._rowwise_adagrad, "sgd": self._sgd_rows,
-                                                       "qhm": self._qhm_rows}
+                                                       "qhm": self._qhm_rows, "adagrad": self._adagrad_rows,
+                                                       "ftrl": self._ftrl_rows}
 
     def __repr__(self) -> str:
         return f"RowKernel({self.variant!r}, {'installed' if self.installed else 'built on first use'}: {self.origin})"
@@ -94,9 +101,15 @@ class RowKernel:
         """Whether the kernel runs update ``update`` with these settings: only where it gives the torch path's
         rows (a push's rows equal whichever path applied it, as a fused push's equal a plain step's).  Nesterov
         momentum is declined (SGD's ``nesterov``, and so QHM with ``nu`` other than 1, whose fused form it is):
-        torch's multi-tensor operations round between its two terms on small pushes, the kernel does not."""
+        torch's multi-tensor operations round between its two terms on small pushes, the kernel does not.  So
+        are FTRL's powers of the accumulator other than ``FTRL_POWERS``, and Adagrad's weight decay (which a
+        table refuses anyway: torch's Adagrad has none for row-sparse gradients)."""
         if update not in self.updates:
             return False
+        if update == "ftrl":
+            return -hyperparameters["lr_power"] in FTRL_POWERS
+        if update == "adagrad":
+            return hyperparameters["weight_decay"] == 0.0
         settings = qhm_as_sgd(hyperparameters) if update == "qhm" else hyperparameters
         return settings is not None and not settings.get("nesterov", False)
 
@@ -119,6 +132,8 @@ class RowKernel:
             raise ValueError(f"{rows.numel()} rows with gradients of shape {list(grads.shape)} for rows of "
                              f"width {param.size(1)}")
         for tensor in state:
+            if tensor.dim() == 0 and tensor.dtype == torch.float32:
+                continue  # (a count of the table's steps)
             if not (tensor.is_contiguous() and tensor.dtype in (torch.float32, torch.bool)
                     and tensor.size(0) == param.size(0) and tensor.numel() in (param.size(0), param.numel())):
                 raise ValueError(f"state of shape {list(tensor.shape)} and type {tensor.dtype} for a table of shape "
@@ -152,6 +167,24 @@ class RowKernel:
         if settings is None:
             raise ValueError("the row kernel has no QHM update with momentum or nu 0, or direct weight decay")
         return self._sgd_rows(table, rows, grads, state, settings)
+
+    def _adagrad_rows(self, table, rows: Tensor, grads: Tensor, state: List[Tensor], h: Mapping) -> int:
+        steps, sums = state
+        step = float(steps.item())  # (counted by the step's prepare_step; the rate as FunctionalAdagrad has it)
+        rate = h["lr"] / (1 + (step - 1) * h["lr_decay"])
+        return self._elementwise_adagrad(table, rows.data_ptr(), rows.numel(), grads.data_ptr(), sums.data_ptr(),
+                                         -rate, h["eps"], int(h["maximize"]))
+
+    def _ftrl_rows(self, table, rows: Tensor, grads: Tensor, state: List[Tensor], h: Mapping) -> int:
+        accumulators, linears = state
+        return self._ftrl(table, rows.data_ptr(), rows.numel(), grads.data_ptr(), accumulators.data_ptr(),
+                          linears.data_ptr(), h["lr"], FTRL_POWERS[-h["lr_power"]], h["l1"], 2.0 * h["l2"], h["beta"])
+
+
+#: The powers of FTRL's accumulator (``-lr_power``) the kernel takes, as ``row_kernel.c``'s ``FTRL_POWER_*``: those
+#: torch's ``pow`` computes exactly (1, the square root, the value itself); others are declined (torch's general
+#: ``pow`` is within an ulp or so, and its rows' difference of two powers would magnify that).
+FTRL_POWERS = {0.0: 0, 0.5: 1, 1.0: 2}
 
 
 def qhm_as_sgd(h: Mapping) -> Optional[Dict]:
