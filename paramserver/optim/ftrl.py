@@ -80,7 +80,8 @@ class FunctionalFTRL:
             grad = grads[j]
             accumulator = state[0][j]
             linear = state[1][j]
-            new_accumulator = accumulator.addcmul(grad, grad)
+            # (g * g rounded, then added: addcmul fuses the two on some processors, not on others)
+            new_accumulator = accumulator.add(grad * grad)
             new_root = self._root(new_accumulator)
             sigma = new_root.sub(self._root(accumulator)).div_(self.lr)
             linear.add_(grad).sub_(sigma.mul_(param))

@@ -266,6 +266,9 @@ int paramserver_sgd(const rows_t *table, const int64_t *rows, int64_t n, const f
     return 0;
 }
 
+/* The updates below take a square root of each value, which vectorises only where sqrtf need not set errno:
+   the kernel is built with -fno-math-errno too (no value changes; no argument here is negative). */
+
 /* Ask for row rows[i + AHEAD]'s bytes of a second state tensor (state_bytes a row): prefetch_ahead asks for the
    row and the first. */
 static inline void prefetch_state_ahead(const int64_t *rows, int64_t i, int64_t n, const void *state,
@@ -316,10 +319,10 @@ static inline float ftrl_root(float value, int32_t power) {
 /* FTRL-Proximal (ftrl.py) of rows[0..n) with their gradients (n x dim, float32), accumulators and linear terms
    (n_rows x dim each), power being -lr_power (FTRL_POWER_*: torch's pow has exact forms for these) and
    l2x2 = 2 * l2:
-   n' = n + g * g (fused, as torch's addcmul); root' = n' ** power;
+   n' = n + g * g; root' = n' ** power;
    sigma = (root' - n ** power) / lr; z = (z + g) - sigma * w;
    w = |z| > l1 ? (sign(z) * l1 - z) / (((root' + beta) / lr) + l2x2) : 0; n = n',
-   each operation rounded as the torch path's (no other product-and-sum fused).
+   each operation rounded as the torch path's (no product-and-sum fused).
    0; -1 where no scratch memory could be had, -2 for a row outside the table (nothing written). */
 int paramserver_ftrl(const rows_t *table, const int64_t *rows, int64_t n, const float *grads, float *accumulators,
                      float *linears, float lr, int32_t power, float l1, float l2x2, float beta) {
@@ -337,7 +340,7 @@ int paramserver_ftrl(const rows_t *table, const int64_t *rows, int64_t n, const 
         float *accumulator = accumulators + r * dim, *linear = linears + r * dim;
         for (int64_t c = 0; c < dim; c++) {
             float g = grad[c], old = accumulator[c];
-            float updated = fmaf(g, g, old);
+            float updated = old + g * g;
             float root = ftrl_root(updated, power);
             float sigma = (root - ftrl_root(old, power)) / lr;
             float z = (linear[c] + g) - sigma * row[c];
