@@ -281,7 +281,9 @@ static inline void prefetch_state_ahead(const int64_t *rows, int64_t i, int64_t 
 /* Adagrad (functional_adagrad.py, torch.optim.Adagrad's sparse update) of rows[0..n) with their gradients (n x
    dim, float32) and their sums (n_rows x dim), step being -clr (the step's rate, from the table's step count):
    g = maximize ? -grad : grad; sum += g * g; row += step * (g / (sqrt(sum) + eps)), the last product-and-sum
-   fused (fmaf) as torch's add with alpha fuses it, g * g rounded before the sum (torch's pow, then add).
+   fused (fmaf) as torch's add with alpha fuses it, g * g rounded before the sum (torch's pow, then add).  The
+   square root is correctly rounded, torch's float32 one within one unit in the last place: the rows are within
+   a few units of the torch path's, the sums bit for bit.
    0; -1 where no scratch memory could be had, -2 for a row outside the table (nothing written). */
 int paramserver_adagrad(const rows_t *table, const int64_t *rows, int64_t n, const float *grads, float *sums,
                         float step, float eps, int32_t maximize) {
@@ -310,14 +312,14 @@ int paramserver_adagrad(const rows_t *table, const int64_t *rows, int64_t n, con
 
 enum { FTRL_POWER_ZERO = 0, FTRL_POWER_HALF = 1, FTRL_POWER_ONE = 2 };
 
-/* n ** power for the powers the FTRL update takes (power: FTRL_POWER_*), as torch's pow computes them: 1, the
-   square root, n. */
+/* n ** power for the powers the FTRL update takes (power: FTRL_POWER_*), as FunctionalFTRL computes them: 1, the
+   square root (correctly rounded), n. */
 static inline float ftrl_root(float value, int32_t power) {
     return power == FTRL_POWER_HALF ? sqrtf(value) : power == FTRL_POWER_ONE ? value : 1.0f;
 }
 
 /* FTRL-Proximal (ftrl.py) of rows[0..n) with their gradients (n x dim, float32), accumulators and linear terms
-   (n_rows x dim each), power being -lr_power (FTRL_POWER_*: torch's pow has exact forms for these) and
+   (n_rows x dim each), power being -lr_power (FTRL_POWER_*: the powers computed exactly) and
    l2x2 = 2 * l2:
    n' = n + g * g; root' = n' ** power;
    sigma = (root' - n ** power) / lr; z = (z + g) - sigma * w;

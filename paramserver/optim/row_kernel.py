@@ -10,7 +10,8 @@ back once, half-precision rows rounded in the same pass with ``rounding.py``'s b
 A record (``records.RowOptimizer.native``) names the kernel's update for its optimizer (``UPDATES``); the
 functional class stays the reference, the dense path, and the path where no kernel was built.  The
 kernel's rows and state equal the torch path's bit for bit, except where the order of a sum differs
-(row-wise Adagrad's mean of squares): there within one unit in the last place (``tests/test_row_kernel.py``).
+(row-wise Adagrad's mean of squares) or torch's float32 square root is not correctly rounded (Adagrad's, of
+each sum; the kernel's is): there within a few units in the last place (``tests/test_row_kernel.py``).
 It owns no state: the caller hands it the tensors (``RowState``'s) and the rounding of each table.
 """
 
@@ -182,8 +183,8 @@ class RowKernel:
 
 
 #: The powers of FTRL's accumulator (``-lr_power``) the kernel takes, as ``row_kernel.c``'s ``FTRL_POWER_*``: those
-#: torch's ``pow`` computes exactly (1, the square root, the value itself); others are declined (torch's general
-#: ``pow`` is within an ulp or so, and its rows' difference of two powers would magnify that).
+#: ``FunctionalFTRL`` computes exactly (1; the square root, correctly rounded; the value itself); others are
+#: declined (torch's general ``pow`` is within an ulp or so, which FTRL's difference of two powers magnifies).
 FTRL_POWERS = {0.0: 0, 0.5: 1, 1.0: 2}
 
 
