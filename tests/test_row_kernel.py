@@ -165,13 +165,14 @@ def test_a_push_split_into_parts_on_the_torch_path_gives_the_kernels_rows(build,
 
 
 @pytest.mark.parametrize("dtype", TYPES, ids=str)
-def test_a_push_the_kernel_applies_in_parts_on_several_threads_gives_the_rows_of_one_part(build, dtype):
+@pytest.mark.parametrize("name, options", [("RowWiseAdagrad", dict(lr=0.1)), ("Adagrad", dict(lr=0.1, lr_decay=0.1))])
+def test_a_push_the_kernel_applies_in_parts_on_several_threads_gives_the_rows_of_one_part(build, dtype, name, options):
     """The kernel's parts run on the shard's part threads at once, each writing only its rows and their state:
-    the rows and state equal one call's, bit for bit (half rows rounded by id), and the parts did run apart."""
-    adagrad = next(record for record in NATIVE if record.name == "RowWiseAdagrad")
-    options = dict(lr=0.1)
-    table, whole = owner(build, dtype, adagrad, options)
-    rows, split = owner(build, dtype, adagrad, options)
+    the rows and state equal one call's, bit for bit (half rows rounded by id; Adagrad's rate from the step
+    counted once, before the parts), and the parts did run apart."""
+    record = next(record for record in NATIVE if record.name == name)
+    table, whole = owner(build, dtype, record, options)
+    rows, split = owner(build, dtype, record, options)
     generator = torch.Generator().manual_seed(8)
     ids, gradients = torch.randperm(ROWS, generator=generator)[:2400], torch.randn(2400, DIM, generator=generator)
     whole.apply_rows([0], [ids], [gradients], "test")
@@ -229,6 +230,18 @@ def test_native_0_keeps_the_torch_path_and_a_record_says_which_optimizers_have_a
         assert all(record.native in kernel.updates for record in NATIVE)
     with pytest.raises(TypeError, match="native row update"):
         RowOptimizer(name="X", functional=NATIVE[0].functional, local=(), state=None, native="sgd")
+
+
+def test_the_kernel_declines_settings_whose_rows_it_cannot_give_as_the_torch_path_does():
+    kernel = RowKernels("baseline").build("baseline")
+    if kernel is None:
+        pytest.skip("no build of the row kernel here (no C compiler)")
+    ftrl = dict(lr=0.5, l1=0.0, l2=0.0, beta=0.0)
+    assert all(kernel.accepts("ftrl", dict(ftrl, lr_power=power)) for power in (-0.5, -1.0, 0.0, -0.0))
+    assert not kernel.accepts("ftrl", dict(ftrl, lr_power=-0.25))  # (torch's general pow)
+    adagrad = dict(lr=0.1, lr_decay=0.0, eps=1e-10, maximize=False)
+    assert kernel.accepts("adagrad", dict(adagrad, weight_decay=0.0))
+    assert not kernel.accepts("adagrad", dict(adagrad, weight_decay=0.01))  # (refused on rows anyway)
 
 
 def test_the_kernel_refuses_arguments_not_laid_out_as_it_reads_them(build):
