@@ -60,9 +60,9 @@ What it measures
     step a shard's push ends in (a COO gradient of 1,000 distinct random rows, as ``OwnerOptimizer.apply_rows``
     builds it, applied in one part by the step module, ``PARAMSERVER_NATIVE=0``'s torch path, or by the
     kernel's ``NativeRows``, its best build here), to a table of 200,000 x dim rows (``--native-table``),
-    float32 and float16 rows, dims 16, 64 and 128, for RowWiseAdagrad, SGD, SGD with momentum 0.9 and QHM,
-    against the memory floor: one ``index_select`` and one ``index_copy_`` of the
-    push's rows and of each state tensor's rows (what a step must move, done by torch's fastest gather and
+    float32 and float16 rows, dims 16, 64 and 128, for RowWiseAdagrad, SGD, SGD with momentum 0.9, QHM,
+    Adagrad and FTRL (``--native-optimizers`` picks some), against the memory floor: one ``index_select`` and
+    one ``index_copy_`` of the push's rows and of each state tensor's rows (what a step must move, done by torch's fastest gather and
     scatter).  "torch / native" is the torch path's time over the kernel's, "x of floor" the floor's time
     over the kernel's (target >= 0.5x), and "float16 / float32" the kernel's float16 step over its float32
     one (target <= 1.1x).  Run it with ``--threads 1`` for one thread.
@@ -174,7 +174,9 @@ NATIVE_TYPES = (torch.float32, torch.float16)
 NATIVE_OPTIMIZERS = (("RowWiseAdagrad", RowWiseAdagrad, dict(lr=ADAGRAD_LR, eps=ADAGRAD_EPS)),
                      ("SGD", torch.optim.SGD, dict(lr=LR)),
                      ("SGD momentum", torch.optim.SGD, dict(lr=LR, momentum=MOMENTUM)),
-                     ("QHM nu=1", LocalQHM, dict(lr=LR, momentum=MOMENTUM, nu=1.0)))
+                     ("QHM nu=1", LocalQHM, dict(lr=LR, momentum=MOMENTUM, nu=1.0)),
+                     ("Adagrad", torch.optim.Adagrad, dict(lr=ADAGRAD_LR, eps=ADAGRAD_EPS)),
+                     ("FTRL", FTRL, dict(lr=LR, l1=0.001)))
 TARGET_NATIVE_FLOOR = 0.5  # floor time / kernel step time
 TARGET_HALF_VS_FLOAT = 1.1  # kernel's float16 step time / its float32 step time, at most
 
@@ -584,7 +586,7 @@ def native_case(rows: int, dim: int, dtype: torch.dtype, touched: int, rounds: i
         apply = owner._impl.apply if choice == "torch" else owner._native_rows().apply
         contestants.append(Contestant(choice, lambda apply=apply: apply([rotation.grads[rotation.take()]], False)))
     reference, table = owners["torch"]
-    moved = [table, *reference._impl.row_state(0)]
+    moved = [table, *[state for state in reference._impl.row_state(0) if state.dim() > 0]]  # (not a step count)
 
     def floor() -> None:
         ids = rotation.ids[rotation.take()]
@@ -795,6 +797,15 @@ def parse_cases(text: str) -> List[str]:
     return cases
 
 
+def parse_native_optimizers(text: str) -> List[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    known = [name for name, _, _ in NATIVE_OPTIMIZERS]
+    unknown = [name for name in names if name not in known]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError("unknown case (f) optimizers {} (known: {})".format(unknown, ", ".join(known)))
+    return names
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Optimizer steps vs their references vs the memory floor (CPU): FunctionalQHM dense and "
@@ -817,6 +828,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--fbgemm-table", type=int, default=None,
                         help="rows of the tables case (d) compares with FBGEMM's on (default {:,}, {:,} with "
                              "--quick)".format(FBGEMM_TABLE_ROWS, ROW_TABLE_ROWS_QUICK))
+    parser.add_argument("--native-optimizers", type=parse_native_optimizers,
+                        default=[name for name, _, _ in NATIVE_OPTIMIZERS],
+                        help="comma-separated optimizers of case (f), of: {} (default: all)".format(
+                            ", ".join(name for name, _, _ in NATIVE_OPTIMIZERS)))
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     args = parser.parse_args(argv)
     if args.row_table is None:
@@ -890,6 +905,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for dtype in NATIVE_TYPES:
             for dim in ROW_DIMS:
                 for name, optimizer_cls, options in NATIVE_OPTIMIZERS:
+                    if name not in args.native_optimizers:
+                        continue
                     progress("case (f) {} x {} {} rows, {}: {} samples ...".format(
                         args.native_table, dim, dtype, name, rounds * ROW_SAMPLES_PER_ROUND))
                     native_results.append(native_case(args.native_table, dim, dtype, args.touched, rounds, name,

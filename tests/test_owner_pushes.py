@@ -93,7 +93,8 @@ def test_a_large_push_applied_in_parts_at_once_gives_the_rows_and_state_of_one_s
 def test_an_optimizer_with_a_count_over_the_table_applies_a_push_in_one_part():
     state = ShardState()
     table = host_rows(state, "job.t[0:100]", 100, DIM, torch.float32, 0, 0, shared=True)
-    assert not hasattr(owner_optimizer_for(state, torch.optim.Adagrad, [table], [0], (), dict(lr=0.1))._impl, "parts")
+    assert not hasattr(owner_optimizer_for(state, torch.optim.SparseAdam, [table], [0], (), dict(lr=0.1))._impl,
+                       "parts")
     assert owner_optimizer_for(state, RowWiseAdagrad, [table], [0], (), dict(lr=0.1))._impl.parts == \
         torch.get_num_interop_threads()
 

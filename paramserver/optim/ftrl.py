@@ -64,16 +64,26 @@ class FunctionalFTRL:
     def prepare_step(self, gradients: List[Optional[Tensor]]) -> None:
         self.state.begin_step(gradients)  # (once a step; then ``step_rows``, maybe on runs of rows at once)
 
+    def _root(self, accumulator: Tensor) -> Tensor:
+        """``accumulator ** -lr_power``; float32's square root (``lr_power`` -0.5, the default) correctly rounded,
+        as float64's rounded to float32 is (a float32's root is never within two units in float64's last place
+        of a midpoint of two float32s): torch's float32 ``sqrt`` is vectorised to within one unit in the last
+        place, which ``sigma``'s difference of two roots would magnify (and the native row kernel's rows would
+        then differ from these)."""
+        if self.lr_power == -0.5 and accumulator.dtype == torch.float32:
+            return accumulator.double().sqrt().float()
+        return accumulator.pow(-self.lr_power)
+
     def _update(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]]) -> None:
-        power = -self.lr_power
         for j in range(len(params)):
             param = params[j]
             grad = grads[j]
             accumulator = state[0][j]
             linear = state[1][j]
-            new_accumulator = accumulator.addcmul(grad, grad)
-            new_root = new_accumulator.pow(power)
-            sigma = new_root.sub(accumulator.pow(power)).div_(self.lr)
+            # (g * g rounded, then added: addcmul fuses the two on some processors, not on others)
+            new_accumulator = accumulator.add(grad * grad)
+            new_root = self._root(new_accumulator)
+            sigma = new_root.sub(self._root(accumulator)).div_(self.lr)
             linear.add_(grad).sub_(sigma.mul_(param))
             denominator = new_root.add_(self.beta).div_(self.lr).add_(2.0 * self.l2)
             shrunk = linear.sign().mul_(self.l1).sub_(linear).div_(denominator)
@@ -115,7 +125,7 @@ ROW_OPTIMIZER = RowOptimizer(
     state=(StateKind("accumulator", "element", "initial_accumulator_value"), StateKind("linear", "element")),
     check=lambda h: check_ftrl_hyperparameters(h["lr"], h["lr_power"], h["initial_accumulator_value"], h["l1"],
                                                h["l2"], h["beta"]),
-    refusals=(), rows_independent=True, half_rows=True,
+    refusals=(), rows_independent=True, half_rows=True, native="ftrl",
     example=dict(lr=0.5, l1=0.001),
     job=JobChoice("ftrl", FTRL, dict(lr=40.0)),
     rank=50, state_doc="accumulator and linear term, `2 * dim` floats (accumulator from 0.1)",

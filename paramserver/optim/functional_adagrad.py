@@ -55,10 +55,26 @@ class FunctionalAdagrad:
         """Apply one step; ``gradients[i]`` belongs to ``params[i]`` (``None`` skips it), validated first."""
         check_gradients("FunctionalAdagrad", self.params, gradients)
         with torch.no_grad():
-            batch = RowStep(self.state, gradients)
+            self.prepare_step(gradients)
+            self.step_rows(gradients)
+
+    def prepare_step(self, gradients: List[Optional[Tensor]]) -> None:
+        """What a step does once, before its rows (``step_rows``, which may run in parts at once): the state
+        made and each parameter with a gradient counts one more step (the table's, not a row's)."""
+        self.state.begin_step(gradients)
+        for i in range(len(self.params)):
+            if gradients[i] is not None:
+                self.state.of(i)[0].add_(1)
+
+    def step_rows(self, gradients: List[Optional[Tensor]]) -> List[Tensor]:
+        """Update the rows' parameters and their ``sum`` (``prepare_step`` done: the step counted), and nothing
+        else; returns the rows written."""
+        with torch.no_grad():  # (in parts, on threads of their own)
+            batch = RowStep(self.state, gradients, True)
             self._update(batch.row_params, batch.row_grads, batch.row_state, True)
             batch.scatter()
             self._update(batch.dense_params, batch.dense_grads, batch.dense_state, False)
+        return batch.row_params + batch.dense_params
 
     def _update(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]], rows: bool) -> None:
         if rows and self.weight_decay != 0.0 and len(params) > 0:
@@ -66,10 +82,8 @@ class FunctionalAdagrad:
                              "(torch.optim.Adagrad refuses it too)".format(self.weight_decay))
         for j in range(len(params)):
             param = params[j]
-            step_t = state[0][j]
             state_sum = state[1][j]
-            step_t.add_(1)
-            step = float(step_t.item())
+            step = float(state[0][j].item())
             grad = grads[j] if not self.maximize else -grads[j]
             clr = self.lr / (1 + (step - 1) * self.lr_decay)
             if rows:  # torch's sparse path: sum += g^2 on the rows; p += -clr * (g / std)
@@ -90,7 +104,8 @@ class FunctionalAdagrad:
         self.state.load_state_dict(state)
 
 
-#: Adagrad's record: its step count is the table's, so a push is applied in one part.
+#: Adagrad's record: its step count is the table's, counted once a step (``prepare_step``), so its rows update
+#: independently.
 ROW_OPTIMIZER = RowOptimizer(
     name="Adagrad", functional=FunctionalAdagrad, local=(torch.optim.Adagrad,),
     state=(StateKind("step", "scalar"), StateKind("sum", "element", "initial_accumulator_value")),
@@ -98,7 +113,7 @@ ROW_OPTIMIZER = RowOptimizer(
                                                   h["initial_accumulator_value"], h["eps"]),
     refusals=(RowRefusal(("weight_decay",), lambda h: h["weight_decay"] != 0.0,
                          "not compatible with row-sparse gradients (torch.optim.Adagrad refuses it too)"),),
-    rows_independent=False, half_rows=True,
+    rows_independent=True, half_rows=True, native="adagrad",
     example=dict(lr=0.1, initial_accumulator_value=0.1),
     job=JobChoice("adagrad", torch.optim.Adagrad, dict(lr=0.5)),
     rank=20, state_doc="sum, `dim` floats (from `initial_accumulator_value`); a step count per table",

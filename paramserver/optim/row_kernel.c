@@ -288,3 +288,94 @@ int paramserver_sgd(const rows_t *table, const int64_t *rows, int64_t n, const f
     free(scratch);
     return 0;
 }
+
+/* The updates below take a square root of each value, which vectorises only where sqrtf need not set errno:
+   the kernel is built with -fno-math-errno too (no value changes; no argument here is negative). */
+
+/* Ask for row rows[i + AHEAD]'s bytes of a second state tensor (state_bytes a row): prefetch_ahead asks for the
+   row and the first. */
+static inline void prefetch_state_ahead(const int64_t *rows, int64_t i, int64_t n, const void *state,
+                                        int64_t state_bytes) {
+    if (i + AHEAD >= n) return;
+    const char *at = (const char *)state + rows[i + AHEAD] * state_bytes;
+    for (int64_t offset = 0; offset < state_bytes; offset += 64) __builtin_prefetch(at + offset, 1);
+}
+
+/* Adagrad (functional_adagrad.py, torch.optim.Adagrad's sparse update) of rows[0..n) with their gradients (n x
+   dim, float32) and their sums (n_rows x dim), step being -clr (the step's rate, from the table's step count):
+   g = maximize ? -grad : grad; sum += g * g; row += step * (g / (sqrt(sum) + eps)), the last product-and-sum
+   fused (fmaf) as torch's add with alpha fuses it, g * g rounded before the sum (torch's pow, then add).  The
+   square root is correctly rounded, torch's float32 one within one unit in the last place: the rows are within
+   a few units of the torch path's, the sums bit for bit.
+   0; -1 where no scratch memory could be had, -2 for a row outside the table (nothing written). */
+int paramserver_adagrad(const rows_t *table, const int64_t *rows, int64_t n, const float *grads, float *sums,
+                        float step, float eps, int32_t maximize) {
+    int64_t dim = table->dim;
+    if (check_rows(table, rows, n)) return -2;
+    float *scratch = malloc((size_t)(dim + 8) * sizeof(float));
+    if (!scratch) return -1;
+    float sign = maximize ? -1.0f : 1.0f;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t r = rows[i];
+        prefetch_ahead(table, rows, i, n, sums, dim * (int64_t)sizeof(float));
+        float *row = load_row(table, r, scratch);
+        const float *grad = grads + i * dim;
+        float *sum = sums + r * dim;
+        for (int64_t c = 0; c < dim; c++) {
+            float g = sign * grad[c];
+            float s = sum[c] + g * g;
+            sum[c] = s;
+            row[c] = fmaf(g / (sqrtf(s) + eps), step, row[c]);
+        }
+        store_row(table, r, row);
+    }
+    free(scratch);
+    return 0;
+}
+
+enum { FTRL_POWER_ZERO = 0, FTRL_POWER_HALF = 1, FTRL_POWER_ONE = 2 };
+
+/* n ** power for the powers the FTRL update takes (power: FTRL_POWER_*), as FunctionalFTRL computes them: 1, the
+   square root (correctly rounded), n. */
+static inline float ftrl_root(float value, int32_t power) {
+    return power == FTRL_POWER_HALF ? sqrtf(value) : power == FTRL_POWER_ONE ? value : 1.0f;
+}
+
+/* FTRL-Proximal (ftrl.py) of rows[0..n) with their gradients (n x dim, float32), accumulators and linear terms
+   (n_rows x dim each), power being -lr_power (FTRL_POWER_*: the powers computed exactly) and
+   l2x2 = 2 * l2:
+   n' = n + g * g; root' = n' ** power;
+   sigma = (root' - n ** power) / lr; z = (z + g) - sigma * w;
+   w = |z| > l1 ? (sign(z) * l1 - z) / (((root' + beta) / lr) + l2x2) : 0; n = n',
+   each operation rounded as the torch path's (no product-and-sum fused).
+   0; -1 where no scratch memory could be had, -2 for a row outside the table (nothing written). */
+int paramserver_ftrl(const rows_t *table, const int64_t *rows, int64_t n, const float *grads, float *accumulators,
+                     float *linears, float lr, int32_t power, float l1, float l2x2, float beta) {
+    int64_t dim = table->dim;
+    if (check_rows(table, rows, n)) return -2;
+    float *scratch = malloc((size_t)(dim + 8) * sizeof(float));
+    if (!scratch) return -1;
+    int64_t state_bytes = dim * (int64_t)sizeof(float);
+    for (int64_t i = 0; i < n; i++) {
+        int64_t r = rows[i];
+        prefetch_ahead(table, rows, i, n, accumulators, state_bytes);
+        prefetch_state_ahead(rows, i, n, linears, state_bytes);
+        float *row = load_row(table, r, scratch);
+        const float *grad = grads + i * dim;
+        float *accumulator = accumulators + r * dim, *linear = linears + r * dim;
+        for (int64_t c = 0; c < dim; c++) {
+            float g = grad[c], old = accumulator[c];
+            float updated = old + g * g;
+            float root = ftrl_root(updated, power);
+            float sigma = (root - ftrl_root(old, power)) / lr;
+            float z = (linear[c] + g) - sigma * row[c];
+            float shrunk = ((float)((0.0f < z) - (z < 0.0f)) * l1 - z) / (((root + beta) / lr) + l2x2);
+            linear[c] = z;
+            row[c] = fabsf(z) > l1 ? shrunk : 0.0f;
+            accumulator[c] = updated;
+        }
+        store_row(table, r, row);
+    }
+    free(scratch);
+    return 0;
+}

@@ -10,7 +10,8 @@ back once, half-precision rows rounded in the same pass with ``rounding.py``'s b
 A record (``records.RowOptimizer.native``) names the kernel's update for its optimizer (``UPDATES``); the
 functional class stays the reference, the dense path, and the path where no kernel was built.  The
 kernel's rows and state equal the torch path's bit for bit, except where the order of a sum differs
-(row-wise Adagrad's mean of squares): there within one unit in the last place (``tests/test_row_kernel.py``).
+(row-wise Adagrad's mean of squares) or torch's float32 square root is not correctly rounded (Adagrad's, of
+each sum; the kernel's is): there within a few units in the last place (``tests/test_row_kernel.py``).
 It owns no state: the caller hands it the tensors (``RowState``'s) and the rounding of each table.
 """
 
@@ -38,7 +39,7 @@ ROW_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 def kernel_source() -> KernelSource:
     """The kernel as ``paramserver.native`` builds it (``setup.py`` passes the same flags)."""
     return KernelSource(SOURCE_PATH, __package__, INSTALLED_MODULES, "row-kernel",
-                        ("-O3", "-ffp-contract=off", "-fno-trapping-math"),
+                        ("-O3", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno"),
                         {"avx2": ("-mfma",)}, label="the row-wise optimizers' C kernel",
                         fallback="tables' rows are updated by the torch path")
 
@@ -81,12 +82,19 @@ class RowKernel:
         self._increasing = library.paramserver_rows_increasing
         self._increasing.restype = ctypes.c_int
         self._increasing.argtypes = [pointer, count, count]
+        self._elementwise_adagrad = library.paramserver_adagrad
+        self._elementwise_adagrad.restype = ctypes.c_int
+        self._elementwise_adagrad.argtypes = [rows, pointer, count, pointer, pointer, real, real, ctypes.c_int32]
+        self._ftrl = library.paramserver_ftrl
+        self._ftrl.restype = ctypes.c_int
+        self._ftrl.argtypes = [rows, pointer, count, pointer, pointer, pointer, real, ctypes.c_int32, real, real, real]
         self._has_avx2 = library_has_avx2(library)
         #: The digest of the source it was built from (``paramserver.native.source_digest``).
         self.digest = library_digest(library)
         #: Each update the kernel has, by the name a record gives it (``RowOptimizer.native``).
         self.updates: Dict[str, Callable[..., int]] = {"rowwise_adagrad": self._rowwise_adagrad, "sgd": self._sgd_rows,
-                                                       "qhm": self._qhm_rows}
+                                                       "qhm": self._qhm_rows, "adagrad": self._adagrad_rows,
+                                                       "ftrl": self._ftrl_rows}
 
     def __repr__(self) -> str:
         return f"RowKernel({self.variant!r}, {'installed' if self.installed else 'built on first use'}: {self.origin})"
@@ -96,10 +104,16 @@ class RowKernel:
 
     def accepts(self, update: str, hyperparameters: Mapping) -> bool:
         """Whether the kernel runs update ``update`` with these settings: only where it gives the torch path's
-        rows (a push's rows equal whichever path applied it, as a fused push's equal a plain step's); QHM
-        only where it has a fused form (``qhm_as_sgd``)."""
+        rows (a push's rows equal whichever path applied it, as a fused push's equal a plain step's): QHM only
+        where it has a fused form (``qhm_as_sgd``); FTRL with powers of the accumulator in ``FTRL_POWERS``;
+        Adagrad without weight decay (which a table refuses anyway: torch's Adagrad has none for row-sparse
+        gradients)."""
         if update not in self.updates:
             return False
+        if update == "ftrl":
+            return -hyperparameters["lr_power"] in FTRL_POWERS
+        if update == "adagrad":
+            return hyperparameters["weight_decay"] == 0.0
         return update != "qhm" or qhm_as_sgd(hyperparameters) is not None
 
     def rows_increasing(self, rows: Tensor, count: int) -> int:
@@ -126,6 +140,8 @@ class RowKernel:
             raise ValueError(f"{rows.numel()} rows with gradients of shape {list(grads.shape)} for rows of "
                              f"width {param.size(1)}")
         for tensor in state:
+            if tensor.dim() == 0 and tensor.dtype == torch.float32:
+                continue  # (a count of the table's steps)
             if not (tensor.is_contiguous() and tensor.dtype in (torch.float32, torch.bool)
                     and tensor.size(0) == param.size(0) and tensor.numel() in (param.size(0), param.numel())):
                 raise ValueError(f"state of shape {list(tensor.shape)} and type {tensor.dtype} for a table of shape "
@@ -161,6 +177,24 @@ class RowKernel:
         if settings is None:
             raise ValueError("the row kernel has no QHM update with momentum or nu 0, or direct weight decay")
         return self._sgd_rows(table, rows, grads, state, settings)
+
+    def _adagrad_rows(self, table, rows: Tensor, grads: Tensor, state: List[Tensor], h: Mapping) -> int:
+        steps, sums = state
+        step = float(steps.item())  # (counted by the step's prepare_step; the rate as FunctionalAdagrad has it)
+        rate = h["lr"] / (1 + (step - 1) * h["lr_decay"])
+        return self._elementwise_adagrad(table, rows.data_ptr(), rows.numel(), grads.data_ptr(), sums.data_ptr(),
+                                         -rate, h["eps"], int(h["maximize"]))
+
+    def _ftrl_rows(self, table, rows: Tensor, grads: Tensor, state: List[Tensor], h: Mapping) -> int:
+        accumulators, linears = state
+        return self._ftrl(table, rows.data_ptr(), rows.numel(), grads.data_ptr(), accumulators.data_ptr(),
+                          linears.data_ptr(), h["lr"], FTRL_POWERS[-h["lr_power"]], h["l1"], 2.0 * h["l2"], h["beta"])
+
+
+#: The powers of FTRL's accumulator (``-lr_power``) the kernel takes, as ``row_kernel.c``'s ``FTRL_POWER_*``: those
+#: ``FunctionalFTRL`` computes exactly (1; the square root, correctly rounded; the value itself); others are
+#: declined (torch's general ``pow`` is within an ulp or so, which FTRL's difference of two powers magnifies).
+FTRL_POWERS = {0.0: 0, 0.5: 1, 1.0: 2}
 
 
 def qhm_as_sgd(h: Mapping) -> Optional[Dict]:
