@@ -57,6 +57,10 @@ SETTINGS = {
              (dict(lr=0.3, lr_power=-1.0, initial_accumulator_value=0.0, l1=0.01, l2=0.1, beta=1.0), EXACT),
              (dict(lr=0.05, lr_power=0.0, l2=0.01, beta=0.5), EXACT),
              (dict(lr=0.5, lr_power=-0.25, l1=0.001), DECLINED)],
+    # torch's float32 sqrt (of each second moment) as Adagrad's: ULP (the moments bit for bit).  Row-sparse Adam
+    # has no amsgrad or weight decay: a table refuses them, as torch.optim.SparseAdam has neither.
+    "Adam": [(dict(lr=0.01), ULP), (dict(lr=0.05, betas=(0.8, 0.99), eps=1e-3), ULP),
+             (dict(lr=0.02, betas=(0.0, 0.5), eps=1e-6, maximize=True), ULP)],
 }
 CASES = [pytest.param(record, options, exact, id=f"{record.name}-{'-'.join(f'{k}={v}' for k, v in options.items())}")
          for record in NATIVE for options, exact in SETTINGS[record.name]]
@@ -277,6 +281,10 @@ def test_the_kernel_declines_settings_whose_rows_it_cannot_give_as_the_torch_pat
     adagrad = dict(lr=0.1, lr_decay=0.0, eps=1e-10, maximize=False)
     assert kernel.accepts("adagrad", dict(adagrad, weight_decay=0.0))
     assert not kernel.accepts("adagrad", dict(adagrad, weight_decay=0.01))  # (refused on rows anyway)
+    adam = dict(lr=0.01, betas=(0.9, 0.999), eps=1e-8, maximize=False)
+    assert kernel.accepts("adam", dict(adam, weight_decay=0.0, amsgrad=False))
+    assert not kernel.accepts("adam", dict(adam, weight_decay=0.01, amsgrad=False))  # (both refused on rows anyway)
+    assert not kernel.accepts("adam", dict(adam, weight_decay=0.0, amsgrad=True))
 
 
 def test_the_kernel_refuses_arguments_not_laid_out_as_it_reads_them(build):

@@ -67,27 +67,45 @@ class FunctionalAdam:
         """Apply one step; ``gradients[i]`` belongs to ``params[i]`` (``None`` skips it), validated first."""
         check_gradients("FunctionalAdam", self.params, gradients)
         with torch.no_grad():
-            batch = RowStep(self.state, gradients)
+            self.prepare_step(gradients)
+            self.step_rows(gradients)
+
+    def prepare_step(self, gradients: List[Optional[Tensor]]) -> None:
+        """What a step does once, before its rows (``step_rows``, which may run in parts at once): the state
+        made and each parameter with a gradient counts one more step (the table's, not a row's: as
+        ``torch.optim.SparseAdam`` counts it, a gradient without rows too)."""
+        self.state.begin_step(gradients)
+        for i in range(len(self.params)):
+            if gradients[i] is not None:
+                self.state.of(i)[0].add_(1)
+
+    def step_rows(self, gradients: List[Optional[Tensor]]) -> List[Tensor]:
+        """Update the rows' parameters and their moments (``prepare_step`` done: the step counted), and nothing
+        else; returns the rows written."""
+        with torch.no_grad():  # (in parts, on threads of their own)
+            batch = RowStep(self.state, gradients, True)
             self._lazy(batch.row_params, batch.row_grads, batch.row_state)
             batch.scatter()
             if batch.has_dense():
                 state = batch.dense_state
+                for step_t in state[0]:  # (torch's adam counts the step itself: the count made above undone)
+                    step_t.sub_(1)
                 F.adam(batch.dense_params, batch.dense_grads, state[1], state[2], state[3] if self.amsgrad else [],
                        state[0], amsgrad=self.amsgrad, has_complex=False, maximize=self.maximize, beta1=self.beta1,
                        beta2=self.beta2, lr=self.lr, weight_decay=self.weight_decay, eps=self.eps, foreach=False,
                        fused=False, grad_scale=None, found_inf=None)
+        return batch.row_params + batch.dense_params
 
     def _lazy(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]]) -> None:
-        """``torch.optim.SparseAdam``'s update of the touched rows (``sparse_adam``'s operations)."""
+        """``torch.optim.SparseAdam``'s update of the touched rows (``sparse_adam``'s operations), the step
+        counted already."""
         if len(params) > 0 and (self.amsgrad or self.weight_decay != 0.0):
             raise ValueError("FunctionalAdam: amsgrad={} and weight_decay={} have no lazy form for row-sparse "
                              "gradients (torch.optim.SparseAdam has neither)".format(self.amsgrad, self.weight_decay))
         for j in range(len(params)):
-            step_t = state[0][j]
             exp_avg = state[1][j]
             exp_avg_sq = state[2][j]
-            step_t.add_(1)
-            step = float(step_t.item())
+            step = float(state[0][j].item())
             grad = grads[j] if not self.maximize else -grads[j]
             exp_avg.add_(grad.sub(exp_avg).mul_(1 - self.beta1))
             exp_avg_sq.add_(grad.pow(2).sub_(exp_avg_sq).mul_(1 - self.beta2))
@@ -104,7 +122,8 @@ class FunctionalAdam:
         self.state.load_state_dict(state)
 
 
-#: Adam's record (``Adam`` and ``SparseAdam``): its step count is the table's, so a push is applied in one part.
+#: Adam's record (``Adam`` and ``SparseAdam``): its step count is the table's, counted once a step
+#: (``prepare_step``), so its rows update independently.
 ROW_OPTIMIZER = RowOptimizer(
     name="Adam", functional=FunctionalAdam, local=(torch.optim.Adam, torch.optim.SparseAdam),
     state=(StateKind("step", "scalar"), StateKind("exp_avg", "element"), StateKind("exp_avg_sq", "element"),
@@ -113,7 +132,7 @@ ROW_OPTIMIZER = RowOptimizer(
                                                h["weight_decay"]),
     refusals=(RowRefusal(("amsgrad", "weight_decay"), lambda h: bool(h["amsgrad"]) or h["weight_decay"] != 0.0,
                          "no lazy form for row-sparse gradients (torch.optim.SparseAdam has neither)"),),
-    rows_independent=False, half_rows=True,
+    rows_independent=True, half_rows=True, native="adam",
     example=dict(lr=0.01),
     job=JobChoice("adam", torch.optim.SparseAdam, dict(lr=0.03)),  # lazy Adam: only the rows a step touched move
     rank=40, state_doc="two moments, `2 * dim` floats; a step count per table",

@@ -379,3 +379,41 @@ int paramserver_ftrl(const rows_t *table, const int64_t *rows, int64_t n, const 
     free(scratch);
     return 0;
 }
+
+/* Lazy Adam (functional_adam.py, torch.optim.SparseAdam's update) of rows[0..n) with their gradients (n x dim,
+   float32), first and second moments (n_rows x dim each), mix1 = 1 - beta1 and mix2 = 1 - beta2 (rounded from
+   double, as torch rounds a Scalar), step = -lr * sqrt(1 - beta2^t) / (1 - beta1^t) (in double from the table's
+   step count t, then rounded):
+   g = maximize ? -grad : grad; m += (g - m) * mix1; v += (g * g - v) * mix2; row += (m / (sqrt(v) + eps)) * step,
+   each operation rounded as the torch path's (no product-and-sum fused).  The square root is correctly
+   rounded, torch's float32 one within one unit in the last place: the moments are bit for bit, the rows within
+   a few units of the torch path's where the two roots differ.
+   0; -1 where no scratch memory could be had, -2 for a row outside the table (nothing written). */
+int paramserver_adam(const rows_t *table, const int64_t *rows, int64_t n, const float *grads, float *exp_avgs,
+                     float *exp_avg_sqs, float mix1, float mix2, float eps, float step, int32_t maximize) {
+    int64_t dim = table->dim;
+    if (check_rows(table, rows, n)) return -2;
+    float *scratch = malloc((size_t)(dim + 8) * sizeof(float));
+    if (!scratch) return -1;
+    int64_t state_bytes = dim * (int64_t)sizeof(float);
+    float sign = maximize ? -1.0f : 1.0f;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t r = rows[i];
+        prefetch_ahead(table, rows, i, n, exp_avgs, state_bytes);
+        prefetch_state_ahead(rows, i, n, exp_avg_sqs, state_bytes);
+        float *row = load_row(table, r, scratch);
+        const float *grad = grads + i * dim;
+        float *exp_avg = exp_avgs + r * dim, *exp_avg_sq = exp_avg_sqs + r * dim;
+        for (int64_t c = 0; c < dim; c++) {
+            float g = sign * grad[c];
+            float m = exp_avg[c] + (g - exp_avg[c]) * mix1;
+            float v = exp_avg_sq[c] + (g * g - exp_avg_sq[c]) * mix2;
+            exp_avg[c] = m;
+            exp_avg_sq[c] = v;
+            row[c] = row[c] + (m / (sqrtf(v) + eps)) * step;
+        }
+        store_row(table, r, row);
+    }
+    free(scratch);
+    return 0;
+}

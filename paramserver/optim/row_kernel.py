@@ -17,6 +17,7 @@ It owns no state: the caller hands it the tensors (``RowState``'s) and the round
 
 import ctypes
 import dataclasses
+import math
 import pathlib
 from typing import Callable, Dict, List, Mapping, Optional
 
@@ -88,13 +89,16 @@ class RowKernel:
         self._ftrl = library.paramserver_ftrl
         self._ftrl.restype = ctypes.c_int
         self._ftrl.argtypes = [rows, pointer, count, pointer, pointer, pointer, real, ctypes.c_int32, real, real, real]
+        self._adam = library.paramserver_adam
+        self._adam.restype = ctypes.c_int
+        self._adam.argtypes = [rows, pointer, count, pointer, pointer, pointer, real, real, real, real, ctypes.c_int32]
         self._has_avx2 = library_has_avx2(library)
         #: The digest of the source it was built from (``paramserver.native.source_digest``).
         self.digest = library_digest(library)
         #: Each update the kernel has, by the name a record gives it (``RowOptimizer.native``).
         self.updates: Dict[str, Callable[..., int]] = {"rowwise_adagrad": self._rowwise_adagrad, "sgd": self._sgd_rows,
                                                        "qhm": self._qhm_rows, "adagrad": self._adagrad_rows,
-                                                       "ftrl": self._ftrl_rows}
+                                                       "ftrl": self._ftrl_rows, "adam": self._adam_rows}
 
     def __repr__(self) -> str:
         return f"RowKernel({self.variant!r}, {'installed' if self.installed else 'built on first use'}: {self.origin})"
@@ -106,14 +110,16 @@ class RowKernel:
         """Whether the kernel runs update ``update`` with these settings: only where it gives the torch path's
         rows (a push's rows equal whichever path applied it, as a fused push's equal a plain step's): QHM only
         where it has a fused form (``qhm_as_sgd``); FTRL with powers of the accumulator in ``FTRL_POWERS``;
-        Adagrad without weight decay (which a table refuses anyway: torch's Adagrad has none for row-sparse
-        gradients)."""
+        Adagrad without weight decay and Adam without weight decay or ``amsgrad`` (which a table refuses anyway:
+        torch's Adagrad and SparseAdam have none for row-sparse gradients)."""
         if update not in self.updates:
             return False
         if update == "ftrl":
             return -hyperparameters["lr_power"] in FTRL_POWERS
         if update == "adagrad":
             return hyperparameters["weight_decay"] == 0.0
+        if update == "adam":
+            return hyperparameters["weight_decay"] == 0.0 and not hyperparameters["amsgrad"]
         return update != "qhm" or qhm_as_sgd(hyperparameters) is not None
 
     def rows_increasing(self, rows: Tensor, count: int) -> int:
@@ -189,6 +195,14 @@ class RowKernel:
         accumulators, linears = state
         return self._ftrl(table, rows.data_ptr(), rows.numel(), grads.data_ptr(), accumulators.data_ptr(),
                           linears.data_ptr(), h["lr"], FTRL_POWERS[-h["lr_power"]], h["l1"], 2.0 * h["l2"], h["beta"])
+
+    def _adam_rows(self, table, rows: Tensor, grads: Tensor, state: List[Tensor], h: Mapping) -> int:
+        steps, exp_avgs, exp_avg_sqs = state
+        step = float(steps.item())  # (counted by the step's prepare_step; the step size as FunctionalAdam has it)
+        beta1, beta2 = h["betas"]
+        step_size = h["lr"] * math.sqrt(1 - beta2 ** step) / (1 - beta1 ** step)
+        return self._adam(table, rows.data_ptr(), rows.numel(), grads.data_ptr(), exp_avgs.data_ptr(),
+                          exp_avg_sqs.data_ptr(), 1 - beta1, 1 - beta2, h["eps"], -step_size, int(h["maximize"]))
 
 
 #: The powers of FTRL's accumulator (``-lr_power``) the kernel takes, as ``row_kernel.c``'s ``FTRL_POWER_*``: those
