@@ -3,13 +3,14 @@ a dense step of the sub-table made of them would step them, whatever order they 
 row its parameter does not have is refused, naming both, with nothing changed.  A large push applied in parts
 at once gives the rows and state of one step, after a restore too: the parts share nothing they write."""
 
+import dataclasses
 import datetime
 
 import pytest
 import torch
 
 from paramserver.native import NATIVE_ENV
-from paramserver.optim import QHM, RowWiseAdagrad, functional_optim_map
+from paramserver.optim import QHM, FunctionalAdam, RowWiseAdagrad, functional_optim_map, register_functional_optim
 from paramserver.optim.kernels import row_slice_fused_min_elements
 from paramserver.optim.records import builtin_records
 from paramserver.optim.row_sparse import RowState
@@ -90,13 +91,20 @@ def test_a_large_push_applied_in_parts_at_once_gives_the_rows_and_state_of_one_s
         assert all(torch.equal(value, three_state[index][name]) for name, value in entry.items())
 
 
-def test_an_optimizer_with_a_count_over_the_table_applies_a_push_in_one_part():
+class WholeAdam(torch.optim.SparseAdam):
+    """A user's class on Adam's functional class, whose record says its rows do not update independently."""
+
+
+def test_an_optimizer_whose_rows_are_not_independent_applies_a_push_in_one_part(restore_map):
+    adam = next(record for record in builtin_records() if record.name == "Adam")
+    register_functional_optim(WholeAdam, FunctionalAdam, record=dataclasses.replace(
+        adam, name="WholeAdam", local=(WholeAdam,), rows_independent=False, native=None, job=None))
     state = ShardState()
     table = host_rows(state, "job.t[0:100]", 100, DIM, torch.float32, 0, 0, shared=True)
-    assert not hasattr(owner_optimizer_for(state, torch.optim.SparseAdam, [table], [0], (), dict(lr=0.1))._impl,
-                       "parts")
-    assert owner_optimizer_for(state, RowWiseAdagrad, [table], [0], (), dict(lr=0.1))._impl.parts == \
-        torch.get_num_interop_threads()
+    assert not hasattr(owner_optimizer_for(state, WholeAdam, [table], [0], (), dict(lr=0.1))._impl, "parts")
+    for optimizer_cls in (torch.optim.SparseAdam, RowWiseAdagrad):  # (Adam's own record: its step counted once)
+        assert owner_optimizer_for(state, optimizer_cls, [table], [0], (), dict(lr=0.1))._impl.parts == \
+            torch.get_num_interop_threads()
 
 
 RESTORED_ROWS, PUSHED_ROWS, RESTORED_DIM = 100_000, 20_000, 16

@@ -325,9 +325,10 @@ def test_a_kernel_failure_in_a_push_is_a_shard_fault_not_a_refusal_and_bad_input
         owner(state, [table], torch.optim.Adagrad, lr=0.2).apply_rows([0], [torch.tensor([1])],
                                                                       [torch.ones(1, DIM, dtype=torch.float64)], "test")
     assert not faults
-    optimizer = owner(state, [table], torch.optim.SparseAdam, lr=0.1)  # (no native update: its step module runs)
+    # (QHM with nu 0 has no fused form, so the native row kernel declines it: its step module runs)
+    optimizer = owner(state, [table], QHM, lr=0.1, momentum=0.9, nu=0.0)
     monkeypatch.setattr(optimizer, "_impl", FailingKernel())
-    with pytest.raises(ShardFault, match=r"optimizer SparseAdam failed applying a push to 'job.t\[0:10\]'.*lerp_"):
+    with pytest.raises(ShardFault, match=r"optimizer QHM failed applying a push to 'job.t\[0:10\]'.*lerp_"):
         optimizer.apply_rows([0], [torch.tensor([1])], [torch.ones(1, DIM)], "test")
     assert len(faults) == 1 and not is_remote_refusal(ShardFault(faults[0]))
 
