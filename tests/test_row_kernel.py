@@ -173,11 +173,12 @@ def test_a_push_split_into_parts_on_the_torch_path_gives_the_kernels_rows(build,
 
 
 @pytest.mark.parametrize("dtype", TYPES, ids=str)
-@pytest.mark.parametrize("name, options", [("RowWiseAdagrad", dict(lr=0.1)), ("Adagrad", dict(lr=0.1, lr_decay=0.1))])
+@pytest.mark.parametrize("name, options", [("RowWiseAdagrad", dict(lr=0.1)), ("Adagrad", dict(lr=0.1, lr_decay=0.1)),
+                                           ("Adam", dict(lr=0.01, betas=(0.8, 0.99)))])
 def test_a_push_the_kernel_applies_in_parts_on_several_threads_gives_the_rows_of_one_part(build, dtype, name, options):
     """The kernel's parts run on the shard's part threads at once, each writing only its rows and their state:
-    the rows and state equal one call's, bit for bit (half rows rounded by id; Adagrad's rate from the step
-    counted once, before the parts), and the parts did run apart."""
+    the rows and state equal one call's, bit for bit (half rows rounded by id; Adagrad's rate and Adam's step
+    size from the step counted once, before the parts), and the parts did run apart."""
     record = next(record for record in NATIVE if record.name == name)
     table, whole = owner(build, dtype, record, options)
     rows, split = owner(build, dtype, record, options)
