@@ -61,9 +61,9 @@ What it measures
     builds it, applied in one part by the step module, ``PARAMSERVER_NATIVE=0``'s torch path, or by the
     kernel's ``NativeRows``, its best build here), to a table of 200,000 x dim rows (``--native-table``),
     float32 and float16 rows, dims 16, 64 and 128, for RowWiseAdagrad, SGD, SGD with momentum 0.9, QHM,
-    Adagrad and FTRL (``--native-optimizers`` picks some), against the memory floor: one ``index_select`` and
-    one ``index_copy_`` of the push's rows and of each state tensor's rows (what a step must move, done by torch's fastest gather and
-    scatter).  "torch / native" is the torch path's time over the kernel's, "x of floor" the floor's time
+    Adagrad, FTRL and Adam (``SparseAdam``'s lazy update; ``--native-optimizers`` picks some), against the
+    memory floor: one ``index_select`` and one ``index_copy_`` of the push's rows and of each state tensor's
+    rows (what a step must move, done by torch's fastest gather and scatter).  "torch / native" is the torch path's time over the kernel's, "x of floor" the floor's time
     over the kernel's (target >= 0.5x), and "float16 / float32" the kernel's float16 step over its float32
     one (target <= 1.1x).  Run it with ``--threads 1`` for one thread.
 
@@ -176,7 +176,8 @@ NATIVE_OPTIMIZERS = (("RowWiseAdagrad", RowWiseAdagrad, dict(lr=ADAGRAD_LR, eps=
                      ("SGD momentum", torch.optim.SGD, dict(lr=LR, momentum=MOMENTUM)),
                      ("QHM nu=1", LocalQHM, dict(lr=LR, momentum=MOMENTUM, nu=1.0)),
                      ("Adagrad", torch.optim.Adagrad, dict(lr=ADAGRAD_LR, eps=ADAGRAD_EPS)),
-                     ("FTRL", FTRL, dict(lr=LR, l1=0.001)))
+                     ("FTRL", FTRL, dict(lr=LR, l1=0.001)),
+                     ("Adam", torch.optim.SparseAdam, dict(lr=1e-3)))
 TARGET_NATIVE_FLOOR = 0.5  # floor time / kernel step time
 TARGET_HALF_VS_FLOAT = 1.1  # kernel's float16 step time / its float32 step time, at most
 
