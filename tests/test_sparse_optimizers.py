@@ -176,6 +176,25 @@ def test_adam_on_rows_is_lazy_adam_and_dense_steps_are_torchs_adam():
     torch.testing.assert_close(dense[0], dense_reference.detach(), rtol=0, atol=0)
 
 
+def test_adam_counts_a_step_of_a_gradient_without_rows_as_sparse_adam_does():
+    """The table's step count is counted once a step, before its rows (``prepare_step``): a row-sparse gradient
+    without rows counts one too, as ``torch.optim.SparseAdam`` counts it, so the next bias correction is
+    torch's."""
+    weights = torch.randn(ROWS, DIM, dtype=torch.float64)
+    reference = torch.nn.Parameter(weights.clone())
+    sparse_adam = torch.optim.SparseAdam([reference], lr=0.1)
+    params = [weights.clone()]
+    optimizer = ScriptedOptimizer(functional_optim_map[torch.optim.Adam], params, lr=0.1)
+    for rows in ([1, 3], [], [3, 5]):
+        gradient = torch.sparse_coo_tensor(torch.tensor(rows, dtype=torch.int64).reshape(1, -1),
+                                           torch.ones(len(rows), DIM, dtype=torch.float64), (ROWS, DIM))
+        reference.grad = gradient.clone()
+        sparse_adam.step()
+        optimizer.step([gradient])
+    assert torch.equal(params[0], reference.detach())
+    assert float(optimizer.state_dict()[0]["step"]) == float(sparse_adam.state[reference]["step"]) == 3
+
+
 @pytest.mark.parametrize("local_cls, options", [(RowWiseAdagrad, dict(lr=0.3)), (FTRL, dict(lr=0.5, l1=0.01))])
 def test_the_local_classes_take_dense_and_sparse_gradients_with_the_functional_update(local_cls, options):
     embedding = torch.nn.Embedding(ROWS, DIM, sparse=True).double()
