@@ -130,8 +130,10 @@ static int check_rows(const rows_t *table, const int64_t *rows, int64_t n) {
    that the processor overlaps the misses of consecutive rows (a push's rows are scattered over the table). */
 #define AHEAD 8
 
-/* Ask for row rows[i + AHEAD]'s bytes of the table and of one state tensor (state_bytes a row, or none). */
-static inline void prefetch_ahead(const rows_t *table, const int64_t *rows, int64_t i, int64_t n,
+/* Ask for row rows[i + AHEAD]'s bytes of the table and of one state tensor (state_bytes a row, or none).
+   Always inlined: a function that only prefetches has no effect GCC counts (its pure-const analysis), so a
+   call of it that is not inlined before that analysis is deleted, prefetches and all. */
+static inline __attribute__((always_inline)) void prefetch_ahead(const rows_t *table, const int64_t *rows, int64_t i, int64_t n,
                                   const void *state, int64_t state_bytes) {
     if (i + AHEAD >= n) return;
     int64_t r = rows[i + AHEAD];
