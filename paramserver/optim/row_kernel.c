@@ -201,6 +201,28 @@ static inline __m256 round_bfloat16_x8(__m256 value, __m256i bits) {
     return round_on_x8(scaled, gap, bits);
 }
 
+/* 1 where each of eight values is in a binade whose gap is type's 2**-fraction_bits of it (its exponent's bits
+   in [low, high]): there round_bits_x8 rounds them. */
+static inline int in_binades_x8(__m256 value, uint32_t low, uint32_t high) {
+    __m256i exponent = _mm256_and_si256(_mm256_castps_si256(value), _mm256_set1_epi32(0x7F800000));
+    __m256i outside = _mm256_or_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32((int32_t)(low << 23)), exponent),
+                                      _mm256_cmpgt_epi32(exponent, _mm256_set1_epi32((int32_t)(high << 23))));
+    return _mm256_testz_si256(outside, outside);
+}
+
+/* round_on of eight values of in_binades_x8, on their bits: the gap is the unit of their last fraction_bits
+   bits, which are the fraction (scaled - lower, in 2**-fraction_bits: exactly, and 1 less it for negative values),
+   so a value is rounded up in magnitude where the draw (the low 24 random bits, mirrored for negative values:
+   lower + 1 is then the smaller magnitude) is below the fraction's 24 bits. */
+static inline __m256 round_bits_x8(__m256 value, __m256i bits, int fraction_bits) {
+    __m256i word = _mm256_castps_si256(value), unit = _mm256_set1_epi32(1 << fraction_bits);
+    __m256i draw = _mm256_and_si256(_mm256_xor_si256(bits, _mm256_srai_epi32(word, 31)), _mm256_set1_epi32(0xFFFFFF));
+    __m256i fraction = _mm256_and_si256(_mm256_slli_epi32(word, 24 - fraction_bits), _mm256_set1_epi32(0xFFFFFF));
+    __m256i up = _mm256_and_si256(_mm256_cmpgt_epi32(fraction, draw), unit);
+    __m256i lower = _mm256_andnot_si256(_mm256_sub_epi32(unit, _mm256_set1_epi32(1)), word);
+    return _mm256_castsi256_ps(_mm256_add_epi32(lower, up));
+}
+
 /* Eight values written as float16 (float_to_half: F16C's conversion to nearest, NaN made its quiet NaN). */
 static inline void store_float16_x8(uint16_t *out, __m256 value) {
     __m128i half = _mm256_cvtps_ph(value, _MM_FROUND_TO_NEAREST_INT);
@@ -219,6 +241,20 @@ static inline void store_bfloat16_x8(uint16_t *out, __m256 value) {
     rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
     __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0xD8);
     _mm_storeu_si128((__m128i *)out, _mm256_castsi256_si128(packed));
+}
+
+/* Eight values rounded stochastically with bits and written as float16: float16's normal range (exponent bits
+   113 to 142: 13 bits of fraction, no NaN) on their bits, others through round_float16_x8. */
+static inline void store_rounded_float16_x8(uint16_t *out, __m256 value, __m256i bits) {
+    if (in_binades_x8(value, 113, 142))
+        _mm_storeu_si128((__m128i *)out, _mm256_cvtps_ph(round_bits_x8(value, bits, 13), _MM_FROUND_TO_NEAREST_INT));
+    else
+        store_float16_x8(out, round_float16_x8(value, bits));
+}
+
+/* bfloat16's: its normal range below infinity (exponent bits 8 to 254: 16 bits of fraction) on their bits. */
+static inline void store_rounded_bfloat16_x8(uint16_t *out, __m256 value, __m256i bits) {
+    store_bfloat16_x8(out, in_binades_x8(value, 8, 254) ? round_bits_x8(value, bits, 16) : round_bfloat16_x8(value, bits));
 }
 #endif
 
@@ -259,12 +295,12 @@ static inline int64_t store_blocks(const rows_t *table, uint16_t *out, const flo
         for (; c + 8 <= dim; c += 8) store_float16_x8(out + c, _mm256_loadu_ps(values + c));
     } else if (table->type == ROWS_FLOAT16) {
         for (; c + 8 <= dim; c += 8, weyl = _mm256_add_epi32(weyl, step))
-            store_float16_x8(out + c, round_float16_x8(_mm256_loadu_ps(values + c), fmix32_x8(_mm256_xor_si256(seed, weyl))));
+            store_rounded_float16_x8(out + c, _mm256_loadu_ps(values + c), fmix32_x8(_mm256_xor_si256(seed, weyl)));
     } else if (table->nearest) {
         for (; c + 8 <= dim; c += 8) store_bfloat16_x8(out + c, _mm256_loadu_ps(values + c));
     } else {
         for (; c + 8 <= dim; c += 8, weyl = _mm256_add_epi32(weyl, step))
-            store_bfloat16_x8(out + c, round_bfloat16_x8(_mm256_loadu_ps(values + c), fmix32_x8(_mm256_xor_si256(seed, weyl))));
+            store_rounded_bfloat16_x8(out + c, _mm256_loadu_ps(values + c), fmix32_x8(_mm256_xor_si256(seed, weyl)));
     }
     return c;
 }
