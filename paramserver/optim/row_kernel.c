@@ -201,26 +201,52 @@ static inline __m256 round_bfloat16_x8(__m256 value, __m256i bits) {
     return round_on_x8(scaled, gap, bits);
 }
 
-/* 1 where each of eight values is in a binade whose gap is type's 2**-fraction_bits of it (its exponent's bits
-   in [low, high]): there round_bits_x8 rounds them. */
-static inline int in_binades_x8(__m256 value, uint32_t low, uint32_t high) {
-    __m256i exponent = _mm256_and_si256(_mm256_castps_si256(value), _mm256_set1_epi32(0x7F800000));
-    __m256i outside = _mm256_or_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32((int32_t)(low << 23)), exponent),
-                                      _mm256_cmpgt_epi32(exponent, _mm256_set1_epi32((int32_t)(high << 23))));
-    return _mm256_testz_si256(outside, outside);
+/* Where a row's values lie, seen eight at a time (range_x8): the largest and (less one, so that a zero is the
+   largest of all) the smallest of their bits shifted past the sign (exponent bits on top, then the fraction's). */
+typedef struct {
+    __m256i largest, smallest;
+} range_t;
+
+static inline void range_x8(range_t *range, __m256i word) {
+    __m256i magnitude = _mm256_slli_epi32(word, 1);
+    range->largest = _mm256_max_epu32(range->largest, magnitude);
+    range->smallest = _mm256_min_epu32(range->smallest, _mm256_add_epi32(magnitude, _mm256_set1_epi32(-1)));
 }
 
-/* round_on of eight values of in_binades_x8, on their bits: the gap is the unit of their last fraction_bits
-   bits, which are the fraction (scaled - lower, in 2**-fraction_bits: exactly, and 1 less it for negative values),
-   so a value is rounded up in magnitude where the draw (the low 24 random bits, mirrored for negative values:
-   lower + 1 is then the smaller magnitude) is below the fraction's 24 bits. */
-static inline __m256 round_bits_x8(__m256 value, __m256i bits, int fraction_bits) {
-    __m256i word = _mm256_castps_si256(value), unit = _mm256_set1_epi32(1 << fraction_bits);
+/* 1 where every value seen is zero or of exponent bits low to high. */
+static inline int range_within(range_t range, uint32_t low, uint32_t high) {
+    __m256i top = _mm256_set1_epi32((int32_t)(((high + 1) << 24) - 1)), bottom = _mm256_set1_epi32((int32_t)((low << 24) - 1));
+    __m256i fits = _mm256_and_si256(_mm256_cmpeq_epi32(_mm256_max_epu32(range.largest, top), top),
+                                    _mm256_cmpeq_epi32(_mm256_min_epu32(range.smallest, bottom), bottom));
+    return _mm256_movemask_epi8(fits) == -1;
+}
+
+/* round_on of eight values, on their bits, where their gap is the unit of their bits below (a mask of their last
+   bits: the fraction, scaled - lower exactly) and fraction is those bits as 24 (the fraction in 2**-24): a
+   value goes up in magnitude where the draw (the low 24 random bits, mirrored for a negative value, whose
+   scaled - lower is 1 less the fraction) is below the fraction; a zero (no bits below) stays as it is. */
+static inline __m256 round_fraction_x8(__m256i word, __m256i bits, __m256i fraction, __m256i below) {
     __m256i draw = _mm256_and_si256(_mm256_xor_si256(bits, _mm256_srai_epi32(word, 31)), _mm256_set1_epi32(0xFFFFFF));
-    __m256i fraction = _mm256_and_si256(_mm256_slli_epi32(word, 24 - fraction_bits), _mm256_set1_epi32(0xFFFFFF));
-    __m256i up = _mm256_and_si256(_mm256_cmpgt_epi32(fraction, draw), unit);
-    __m256i lower = _mm256_andnot_si256(_mm256_sub_epi32(unit, _mm256_set1_epi32(1)), word);
-    return _mm256_castsi256_ps(_mm256_add_epi32(lower, up));
+    __m256i up = _mm256_and_si256(_mm256_cmpgt_epi32(fraction, draw), _mm256_sub_epi32(below, _mm256_set1_epi32(-1)));
+    return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_andnot_si256(below, word), up));
+}
+
+/* round_float16_x8 on the bits (round_fraction_x8) for zeros and values of exponent bits 103 to 142 (float16's
+   normal range from 113, 13 bits of fraction; below it the gap is 2**-24: 14 to 23 bits). */
+static inline __m256 round_float16_bits_x8(__m256 value, __m256i bits) {
+    __m256i word = _mm256_castps_si256(value);
+    __m256i exponent = _mm256_srli_epi32(_mm256_slli_epi32(word, 1), 24);
+    __m256i shift = _mm256_min_epi32(_mm256_sub_epi32(exponent, _mm256_set1_epi32(102)), _mm256_set1_epi32(11));
+    __m256i fraction = _mm256_and_si256(_mm256_sllv_epi32(word, shift), _mm256_set1_epi32(0xFFFFFF));
+    __m256i below = _mm256_srlv_epi32(_mm256_set1_epi32(-1), _mm256_add_epi32(shift, _mm256_set1_epi32(8)));
+    return round_fraction_x8(word, bits, fraction, below);
+}
+
+/* round_bfloat16_x8 on the bits for zeros and values of exponent bits 8 to 254 (16 bits of fraction). */
+static inline __m256 round_bfloat16_bits_x8(__m256 value, __m256i bits) {
+    __m256i word = _mm256_castps_si256(value);
+    __m256i fraction = _mm256_and_si256(_mm256_slli_epi32(word, 8), _mm256_set1_epi32(0xFFFFFF));
+    return round_fraction_x8(word, bits, fraction, _mm256_set1_epi32(0xFFFF));
 }
 
 /* Eight values written as float16 (float_to_half: F16C's conversion to nearest, NaN made its quiet NaN). */
@@ -232,30 +258,21 @@ static inline void store_float16_x8(uint16_t *out, __m256 value) {
     _mm_storeu_si128((__m128i *)out, _mm_blendv_epi8(half, quiet, nan16));
 }
 
+/* The high halves of eight words, in order. */
+static inline __m128i pack_high_halves_x8(__m256i words) {
+    __m256i high = _mm256_srli_epi32(words, 16);
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(high, high), 0xD8));
+}
+
 /* Eight values written as bfloat16 (float_to_bfloat16). */
 static inline void store_bfloat16_x8(uint16_t *out, __m256 value) {
     __m256i bits = _mm256_castps_si256(value);
     __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), odd), 16);
+    __m256i rounded = _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), odd);
     __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(value, value, _CMP_UNORD_Q));
-    rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
-    __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0xD8);
-    _mm_storeu_si128((__m128i *)out, _mm256_castsi256_si128(packed));
+    _mm_storeu_si128((__m128i *)out, pack_high_halves_x8(_mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC00000), nan)));
 }
 
-/* Eight values rounded stochastically with bits and written as float16: float16's normal range (exponent bits
-   113 to 142: 13 bits of fraction, no NaN) on their bits, others through round_float16_x8. */
-static inline void store_rounded_float16_x8(uint16_t *out, __m256 value, __m256i bits) {
-    if (in_binades_x8(value, 113, 142))
-        _mm_storeu_si128((__m128i *)out, _mm256_cvtps_ph(round_bits_x8(value, bits, 13), _MM_FROUND_TO_NEAREST_INT));
-    else
-        store_float16_x8(out, round_float16_x8(value, bits));
-}
-
-/* bfloat16's: its normal range below infinity (exponent bits 8 to 254: 16 bits of fraction) on their bits. */
-static inline void store_rounded_bfloat16_x8(uint16_t *out, __m256 value, __m256i bits) {
-    store_bfloat16_x8(out, in_binades_x8(value, 8, 254) ? round_bits_x8(value, bits, 16) : round_bfloat16_x8(value, bits));
-}
 #endif
 
 /* Row row of the table as float32 values to update: the row itself for float32 rows (updated in place, no
@@ -286,23 +303,40 @@ static inline uint32_t row_word(const rows_t *table, int64_t row) {
 }
 
 #ifdef HALF_BLOCKS
-/* store_row's whole blocks of eight columns; returns how many columns it wrote. */
+/* store_row's whole blocks of eight columns; returns how many columns it wrote.  Rounded stochastically, a row
+   is rounded on the bits, and again the plain way (rare: a NaN, an infinity, a value past float16's largest or
+   of float16's subnormals' tail) where one of its values was outside the binades that round so. */
 static inline int64_t store_blocks(const rows_t *table, uint16_t *out, const float *values, uint32_t word) {
-    int64_t dim = table->dim, c = 0;
-    __m256i weyl = _mm256_mullo_epi32(_mm256_setr_epi32(1, 2, 3, 4, 5, 6, 7, 8), _mm256_set1_epi32((int32_t)0x9E3779B9u));
-    __m256i step = _mm256_set1_epi32((int32_t)(8u * 0x9E3779B9u)), seed = _mm256_set1_epi32((int32_t)word);
+    int64_t dim = table->dim, whole = dim / 8 * 8;
+    __m256i first = _mm256_mullo_epi32(_mm256_setr_epi32(1, 2, 3, 4, 5, 6, 7, 8), _mm256_set1_epi32((int32_t)0x9E3779B9u));
+    __m256i step = _mm256_set1_epi32((int32_t)(8u * 0x9E3779B9u)), seed = _mm256_set1_epi32((int32_t)word), weyl = first;
+    range_t range = {_mm256_setzero_si256(), _mm256_set1_epi32(-1)};
     if (table->type == ROWS_FLOAT16 && table->nearest) {
-        for (; c + 8 <= dim; c += 8) store_float16_x8(out + c, _mm256_loadu_ps(values + c));
+        for (int64_t c = 0; c < whole; c += 8) store_float16_x8(out + c, _mm256_loadu_ps(values + c));
     } else if (table->type == ROWS_FLOAT16) {
-        for (; c + 8 <= dim; c += 8, weyl = _mm256_add_epi32(weyl, step))
-            store_rounded_float16_x8(out + c, _mm256_loadu_ps(values + c), fmix32_x8(_mm256_xor_si256(seed, weyl)));
+        for (int64_t c = 0; c < whole; c += 8, weyl = _mm256_add_epi32(weyl, step)) {
+            __m256 value = _mm256_loadu_ps(values + c);
+            range_x8(&range, _mm256_castps_si256(value));
+            __m256 rounded = round_float16_bits_x8(value, fmix32_x8(_mm256_xor_si256(seed, weyl)));
+            _mm_storeu_si128((__m128i *)(out + c), _mm256_cvtps_ph(rounded, _MM_FROUND_TO_NEAREST_INT));
+        }
+        if (!range_within(range, 103, 142))
+            for (int64_t c = 0; c < whole; c += 8, first = _mm256_add_epi32(first, step))
+                store_float16_x8(out + c, round_float16_x8(_mm256_loadu_ps(values + c), fmix32_x8(_mm256_xor_si256(seed, first))));
     } else if (table->nearest) {
-        for (; c + 8 <= dim; c += 8) store_bfloat16_x8(out + c, _mm256_loadu_ps(values + c));
+        for (int64_t c = 0; c < whole; c += 8) store_bfloat16_x8(out + c, _mm256_loadu_ps(values + c));
     } else {
-        for (; c + 8 <= dim; c += 8, weyl = _mm256_add_epi32(weyl, step))
-            store_rounded_bfloat16_x8(out + c, _mm256_loadu_ps(values + c), fmix32_x8(_mm256_xor_si256(seed, weyl)));
+        for (int64_t c = 0; c < whole; c += 8, weyl = _mm256_add_epi32(weyl, step)) {
+            __m256 value = _mm256_loadu_ps(values + c);
+            range_x8(&range, _mm256_castps_si256(value));
+            __m256 rounded = round_bfloat16_bits_x8(value, fmix32_x8(_mm256_xor_si256(seed, weyl)));
+            _mm_storeu_si128((__m128i *)(out + c), pack_high_halves_x8(_mm256_castps_si256(rounded)));
+        }
+        if (!range_within(range, 8, 254))
+            for (int64_t c = 0; c < whole; c += 8, first = _mm256_add_epi32(first, step))
+                store_bfloat16_x8(out + c, round_bfloat16_x8(_mm256_loadu_ps(values + c), fmix32_x8(_mm256_xor_si256(seed, first))));
     }
-    return c;
+    return whole;
 }
 #endif
 
