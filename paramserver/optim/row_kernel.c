@@ -223,23 +223,24 @@ static inline int range_within(range_t range, uint32_t low, uint32_t high) {
 
 /* round_on of eight values, on their bits, where their gap is the unit of their bits below (a mask of their last
    bits: the fraction, scaled - lower exactly) and fraction is those bits as 24 (the fraction in 2**-24): a
-   value goes up in magnitude where the draw (the low 24 random bits, mirrored for a negative value, whose
-   scaled - lower is 1 less the fraction) is below the fraction; a zero (no bits below) stays as it is. */
+   value goes up in magnitude (by the unit, ~below + 1) where the draw (the low 24 random bits, mirrored for a
+   negative value, whose scaled - lower is 1 less the fraction) is below the fraction; a zero (no bits below)
+   stays as it is. */
 static inline __m256 round_fraction_x8(__m256i word, __m256i bits, __m256i fraction, __m256i below) {
     __m256i draw = _mm256_and_si256(_mm256_xor_si256(bits, _mm256_srai_epi32(word, 31)), _mm256_set1_epi32(0xFFFFFF));
-    __m256i up = _mm256_and_si256(_mm256_cmpgt_epi32(fraction, draw), _mm256_sub_epi32(below, _mm256_set1_epi32(-1)));
-    return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_andnot_si256(below, word), up));
+    __m256i down = _mm256_andnot_si256(below, _mm256_cmpgt_epi32(fraction, draw));  /* -unit where it goes up */
+    return _mm256_castsi256_ps(_mm256_sub_epi32(_mm256_andnot_si256(below, word), down));
 }
 
 /* round_float16_x8 on the bits (round_fraction_x8) for zeros and values of exponent bits 103 to 142 (float16's
-   normal range from 113, 13 bits of fraction; below it the gap is 2**-24: 14 to 23 bits). */
+   normal range from 113, 13 bits of fraction; below it the gap is 2**-24: 14 to 23 bits; a zero's shift is
+   past 31, so that none of its bits is below). */
 static inline __m256 round_float16_bits_x8(__m256 value, __m256i bits) {
     __m256i word = _mm256_castps_si256(value);
     __m256i exponent = _mm256_srli_epi32(_mm256_slli_epi32(word, 1), 24);
-    __m256i shift = _mm256_min_epi32(_mm256_sub_epi32(exponent, _mm256_set1_epi32(102)), _mm256_set1_epi32(11));
-    __m256i fraction = _mm256_and_si256(_mm256_sllv_epi32(word, shift), _mm256_set1_epi32(0xFFFFFF));
-    __m256i below = _mm256_srlv_epi32(_mm256_set1_epi32(-1), _mm256_add_epi32(shift, _mm256_set1_epi32(8)));
-    return round_fraction_x8(word, bits, fraction, below);
+    __m256i shift = _mm256_min_epi32(_mm256_sub_epi32(exponent, _mm256_set1_epi32(94)), _mm256_set1_epi32(19));
+    __m256i fraction = _mm256_srli_epi32(_mm256_sllv_epi32(word, shift), 8);
+    return round_fraction_x8(word, bits, fraction, _mm256_srlv_epi32(_mm256_set1_epi32(-1), shift));
 }
 
 /* round_bfloat16_x8 on the bits for zeros and values of exponent bits 8 to 254 (16 bits of fraction). */
