@@ -13,8 +13,9 @@
    argument: the kernel trusts them (it checks only that rows are rows of the table).  Compiled with
    -fno-trapping-math (its loops vectorise with their selects; no value changes) and -ffp-contract=off, so a
    product and a sum are fused
-   (fmaf) only where the torch path fuses them; the AVX2 build also takes FMA instructions (-mfma), which
-   the processor must run too (paramserver_cpu_has_avx2). */
+   (fmaf) only where the torch path fuses them; the AVX2 build also takes FMA and F16C instructions (-mfma
+   -mf16c), which the processor must run too (paramserver_cpu_has_avx2), and converts and rounds half rows
+   eight columns at a time (HALF_BLOCKS). */
 
 #include <math.h>
 #include <stdint.h>
