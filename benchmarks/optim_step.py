@@ -107,6 +107,7 @@ How to read it
 import argparse
 import gc
 import os
+import random
 import statistics
 import sys
 import time
@@ -157,6 +158,7 @@ NATIVE_OPTIMIZERS = (("RowWiseAdagrad", RowWiseAdagrad, dict(lr=ADAGRAD_LR, eps=
                      ("SGD", torch.optim.SGD, dict(lr=LR)),
                      ("SGD momentum", torch.optim.SGD, dict(lr=LR, momentum=MOMENTUM)),
                      ("QHM nu=1", LocalQHM, dict(lr=LR, momentum=MOMENTUM, nu=1.0)))
+ROTATION_SEED = 0  # the contestants' order in each round of a rotated timing (time_interleaved)
 TARGET_NATIVE_FLOOR = 0.5  # floor time / kernel step time
 TARGET_HALF_VS_FLOAT = 1.1  # kernel's float16 step time / its float32 step time, at most
 
@@ -177,15 +179,19 @@ class Contestant:
 def time_interleaved(contestants: Sequence[Contestant], rounds: int, rotate: bool = False) -> Dict[str, List[float]]:
     """Seconds per call of each contestant, one sample per round, round-robin after a warm-up.
 
-    ``rotate``: each round starts one contestant further on, so that none always runs right after the same
-    one (say, a copy that flushed the caches)."""
+    ``rotate``: each round runs them in a new order (shuffled, seeded), so that none always runs right after
+    the same one (say, a copy that flushed the caches, or a heavier step that left them cold: starting each
+    round one further on keeps who follows whom)."""
     for contestant in contestants:
         for _ in range(WARMUP_STEPS):
             contestant.step()
     samples: Dict[str, List[float]] = {c.name: [] for c in contestants}
-    for round_index in range(rounds):
-        first = round_index % len(contestants) if rotate else 0
-        for contestant in list(contestants[first:]) + list(contestants[:first]):
+    orders = random.Random(ROTATION_SEED)
+    for _ in range(rounds):
+        order = list(contestants)
+        if rotate:
+            orders.shuffle(order)
+        for contestant in order:
             start = time.perf_counter_ns()
             for _ in range(contestant.calls):
                 contestant.step()
