@@ -368,35 +368,47 @@ static inline void store_row(const rows_t *table, int64_t row, float *values) {
 
 /* Row-wise Adagrad (rowwise_adagrad.py) of rows[0..n) with their gradients (n x dim, float32) and their sums:
    g = grad + weight_decay * row; sum += mean(g * g); row += (-lr * g) / (sqrt(sum) + eps).
+   A row's step waits on its sum (a chain of dependent additions, a square root): each row's sum is taken
+   before the previous row is updated and written, so that the processor works on both at once (rows are
+   distinct: the same arithmetic per row, in any order of rows).
    0; -1 where no scratch memory could be had, -2 for a row outside the table (nothing written). */
 int paramserver_rowwise_adagrad(const rows_t *table, const int64_t *rows, int64_t n, const float *grads,
                                 float *sums, float lr, float eps, float weight_decay) {
     int64_t dim = table->dim;
     if (check_rows(table, rows, n)) return -2;
-    float *scratch = malloc((size_t)(2 * dim + 8) * sizeof(float));
+    float *scratch = malloc((size_t)(4 * dim + 8) * sizeof(float));  /* two rows and their decayed gradients */
     if (!scratch) return -1;
-    float *g = scratch + dim;
     float step = -lr;
-    for (int64_t i = 0; i < n; i++) {
-        int64_t r = rows[i];
-        prefetch_ahead(table, rows, i, n, sums, sizeof(float));
-        float *row = load_row(table, r, scratch);
-        const float *grad = grads + i * dim;
-        if (weight_decay != 0.0f)
-            for (int64_t c = 0; c < dim; c++) g[c] = fmaf(row[c], weight_decay, grad[c]);
-        else
-            memcpy(g, grad, (size_t)dim * sizeof(float));
-        float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        int64_t c = 0;
-        for (; c + 8 <= dim; c += 8)
-            for (int lane = 0; lane < 8; lane++) lanes[lane] += g[c + lane] * g[c + lane];
-        float total = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-        for (; c < dim; c++) total += g[c] * g[c];
-        float sum = sums[r] + total / (float)dim;
-        sums[r] = sum;
-        float std = sqrtf(sum) + eps;
-        for (c = 0; c < dim; c++) row[c] = row[c] + step * g[c] / std;
-        store_row(table, r, row);
+    float *waiting = NULL, waiting_std = 0.0f;  /* the previous row, its gradient and its sum's root */
+    const float *waiting_g = NULL;
+    for (int64_t i = 0; i <= n; i++) {
+        float *row = NULL, std = 0.0f;
+        const float *g = NULL;
+        if (i < n) {
+            int64_t r = rows[i];
+            prefetch_ahead(table, rows, i, n, sums, sizeof(float));
+            row = load_row(table, r, scratch + (i & 1) * 2 * dim);
+            g = grads + i * dim;  /* the gradient, with its weight decay where there is one */
+            if (weight_decay != 0.0f) {
+                float *decayed = scratch + (i & 1) * 2 * dim + dim;
+                for (int64_t c = 0; c < dim; c++) decayed[c] = fmaf(row[c], weight_decay, g[c]);
+                g = decayed;
+            }
+            float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            int64_t c = 0;
+            for (; c + 8 <= dim; c += 8)
+                for (int lane = 0; lane < 8; lane++) lanes[lane] += g[c + lane] * g[c + lane];
+            float total = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+            for (; c < dim; c++) total += g[c] * g[c];
+            float sum = sums[r] + total / (float)dim;
+            sums[r] = sum;
+            std = sqrtf(sum) + eps;
+        }
+        if (waiting) {
+            for (int64_t c = 0; c < dim; c++) waiting[c] = waiting[c] + step * waiting_g[c] / waiting_std;
+            store_row(table, rows[i - 1], waiting);
+        }
+        waiting = row, waiting_g = g, waiting_std = std;
     }
     free(scratch);
     return 0;
