@@ -34,7 +34,7 @@ KERNELS = (
     ("paramserver/shards/server/dynamic/kernel.c", {"baseline": "_kernel_baseline", "avx2": "_kernel_avx2"},
      ["-O2"], {}),
     ("paramserver/optim/row_kernel.c", {"baseline": "_row_kernel_baseline", "avx2": "_row_kernel_avx2"},
-     ["-O3", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno"], {"avx2": ["-mfma"]}),
+     ["-O3", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno"], {"avx2": ["-mfma", "-mf16c"]}),
 )
 #: The variants' flags (``paramserver.native.BUILD_FLAGS``).
 BUILD_FLAGS = {"baseline": [], "avx2": ["-mavx2"]}

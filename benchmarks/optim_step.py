@@ -60,10 +60,12 @@ What it measures
     step a shard's push ends in (a COO gradient of 1,000 distinct random rows, as ``OwnerOptimizer.apply_rows``
     builds it, applied in one part by the step module, ``PARAMSERVER_NATIVE=0``'s torch path, or by the
     kernel's ``NativeRows``, its best build here), to a table of 200,000 x dim rows (``--native-table``),
-    float32 and float16 rows, dims 16, 64 and 128, for RowWiseAdagrad, SGD, SGD with momentum 0.9, QHM,
-    Adagrad, FTRL and Adam (``SparseAdam``'s lazy update; ``--native-optimizers`` picks some), against the
-    memory floor: one ``index_select`` and one ``index_copy_`` of the push's rows and of each state tensor's
-    rows (what a step must move, done by torch's fastest gather and scatter).  "torch / native" is the torch path's time over the kernel's, "x of floor" the floor's time
+    float32 and float16 rows, dims 16, 64 and 128, for RowWiseAdagrad, SGD, SGD with momentum 0.9, QHM (at
+    nu 0.7, the CTR job's, through its Nesterov form), Adagrad, FTRL and Adam (``SparseAdam``'s lazy update;
+    ``--native-optimizers`` picks some), against the memory floor: one ``index_select`` and one ``index_copy_``
+    of the push's rows and of each state tensor's rows (what a step must move, done by torch's fastest gather
+    and scatter); the float32 and float16 contestants of a dim and optimizer run round-robin together.
+    "torch / native" is the torch path's time over the kernel's, "x of floor" the floor's time
     over the kernel's (target >= 0.5x), and "float16 / float32" the kernel's float16 step over its float32
     one (target <= 1.1x).  Run it with ``--threads 1`` for one thread.
 
@@ -124,6 +126,7 @@ How to read it
 import argparse
 import gc
 import os
+import random
 import statistics
 import sys
 import time
@@ -174,10 +177,11 @@ NATIVE_TYPES = (torch.float32, torch.float16)
 NATIVE_OPTIMIZERS = (("RowWiseAdagrad", RowWiseAdagrad, dict(lr=ADAGRAD_LR, eps=ADAGRAD_EPS)),
                      ("SGD", torch.optim.SGD, dict(lr=LR)),
                      ("SGD momentum", torch.optim.SGD, dict(lr=LR, momentum=MOMENTUM)),
-                     ("QHM nu=1", LocalQHM, dict(lr=LR, momentum=MOMENTUM, nu=1.0)),
+                     ("QHM", LocalQHM, dict(lr=LR, momentum=MOMENTUM, nu=0.7)),
                      ("Adagrad", torch.optim.Adagrad, dict(lr=ADAGRAD_LR, eps=ADAGRAD_EPS)),
                      ("FTRL", FTRL, dict(lr=LR, l1=0.001)),
                      ("Adam", torch.optim.SparseAdam, dict(lr=1e-3)))
+ROTATION_SEED = 0  # the contestants' order in each round of a rotated timing (time_interleaved)
 TARGET_NATIVE_FLOOR = 0.5  # floor time / kernel step time
 TARGET_HALF_VS_FLOAT = 1.1  # kernel's float16 step time / its float32 step time, at most
 
@@ -198,15 +202,19 @@ class Contestant:
 def time_interleaved(contestants: Sequence[Contestant], rounds: int, rotate: bool = False) -> Dict[str, List[float]]:
     """Seconds per call of each contestant, one sample per round, round-robin after a warm-up.
 
-    ``rotate``: each round starts one contestant further on, so that none always runs right after the same
-    one (say, a copy that flushed the caches)."""
+    ``rotate``: each round runs them in a new order (shuffled, seeded), so that none always runs right after
+    the same one (say, a copy that flushed the caches, or a heavier step that left them cold: starting each
+    round one further on keeps who follows whom)."""
     for contestant in contestants:
         for _ in range(WARMUP_STEPS):
             contestant.step()
     samples: Dict[str, List[float]] = {c.name: [] for c in contestants}
-    for round_index in range(rounds):
-        first = round_index % len(contestants) if rotate else 0
-        for contestant in list(contestants[first:]) + list(contestants[:first]):
+    orders = random.Random(ROTATION_SEED)
+    for _ in range(rounds):
+        order = list(contestants)
+        if rotate:
+            orders.shuffle(order)
+        for contestant in order:
             start = time.perf_counter_ns()
             for _ in range(contestant.calls):
                 contestant.step()
@@ -571,35 +579,45 @@ class NativeResult:
     kernel: str
 
 
-def native_case(rows: int, dim: int, dtype: torch.dtype, touched: int, rounds: int, name: str, optimizer_cls,
-                options: dict) -> NativeResult:
-    """Case (f) for one optimizer, row type and dim: the torch path's push, the kernel's, and the floor."""
-    rotation = RowRotation(rows, dim, touched, min(ROW_ROTATION, rows // touched))
+def native_case(rows: int, dim: int, dtypes: Sequence[torch.dtype], touched: int, rounds: int, name: str,
+                optimizer_cls, options: dict) -> List[NativeResult]:
+    """Case (f) for one optimizer and dim: for each row type of ``dtypes``, the torch path's push, the kernel's,
+    and the floor, all round-robin in one run (so that the kernel's float16 / float32 ratio compares steps
+    timed under the same load)."""
     contestants, owners = [], {}
-    for choice in ("torch", "best"):
-        state = ShardState(row_kernels=RowKernels(choice))
-        table = host_rows(state, f"bench.{choice}[0:{rows}]", rows, dim, dtype, 0, 0, shared=True, init_std=0.01)
-        owner = owner_optimizer_for(state, optimizer_cls, [table], [0], (), options)
-        owner._impl.set_parts(1)  # one thread
-        owner.apply_rows([0], [rotation.ids[0]], [rotation.values[0]], "bench")  # the state made; the kernel loaded
-        owners[choice] = (owner, table)
-        # the row step a push ends in: the step module's (torch), or the kernel's, on the push's COO gradient
-        apply = owner._impl.apply if choice == "torch" else owner._native_rows().apply
-        contestants.append(Contestant(choice, lambda apply=apply: apply([rotation.grads[rotation.take()]], False)))
-    reference, table = owners["torch"]
-    moved = [table, *[state for state in reference._impl.row_state(0) if state.dim() > 0]]  # (not a step count)
+    for dtype in dtypes:
+        # a rotation for each row type: each of its three contestants takes every set in turn
+        rotation = RowRotation(rows, dim, touched, min(ROW_ROTATION, rows // touched))
+        for choice in ("torch", "best"):
+            state = ShardState(row_kernels=RowKernels(choice))
+            table = host_rows(state, f"bench.{choice}[0:{rows}]", rows, dim, dtype, 0, 0, shared=True, init_std=0.01)
+            owner = owner_optimizer_for(state, optimizer_cls, [table], [0], (), options)
+            owner._impl.set_parts(1)  # one thread
+            owner.apply_rows([0], [rotation.ids[0]], [rotation.values[0]], "bench")  # the state made; the kernel loaded
+            owners[dtype, choice] = (owner, table)
+            # the row step a push ends in: the step module's (torch), or the kernel's, on the push's COO gradient
+            apply = owner._impl.apply if choice == "torch" else owner._native_rows().apply
+            contestants.append(Contestant(f"{choice} {dtype}", lambda apply=apply, rotation=rotation:
+                                          apply([rotation.grads[rotation.take()]], False)))
+        reference, table = owners[dtype, "torch"]
+        moved = [table, *[state for state in reference._impl.row_state(0) if state.dim() > 0]]  # (no step count)
 
-    def floor() -> None:
-        ids = rotation.ids[rotation.take()]
-        with torch.no_grad():
-            for tensor in moved:
-                tensor.index_copy_(0, ids, tensor.index_select(0, ids))
+        def floor(moved=moved, rotation=rotation) -> None:
+            ids = rotation.ids[rotation.take()]
+            with torch.no_grad():
+                for tensor in moved:
+                    tensor.index_copy_(0, ids, tensor.index_select(0, ids))
 
-    contestants.append(Contestant("floor", floor))
+        contestants.append(Contestant(f"floor {dtype}", floor))
     samples = time_interleaved(contestants, rounds * ROW_SAMPLES_PER_ROUND, rotate=True)
-    native = owners["best"][0]._native_rows()
-    return NativeResult(dtype, dim, name, statistics.median(samples["torch"]), statistics.median(samples["best"]),
-                        statistics.median(samples["floor"]), native.kernel.variant if native else "none (torch)")
+    results = []
+    for dtype in dtypes:
+        native = owners[dtype, "best"][0]._native_rows()
+        results.append(NativeResult(dtype, dim, name, statistics.median(samples[f"torch {dtype}"]),
+                                    statistics.median(samples[f"best {dtype}"]),
+                                    statistics.median(samples[f"floor {dtype}"]),
+                                    native.kernel.variant if native else "none (torch)"))
+    return results
 
 
 def print_native_case(results: List[NativeResult]) -> None:
@@ -903,16 +921,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print()
     if "native" in args.cases:
         native_results = []
-        for dtype in NATIVE_TYPES:
-            for dim in ROW_DIMS:
-                for name, optimizer_cls, options in NATIVE_OPTIMIZERS:
-                    if name not in args.native_optimizers:
-                        continue
-                    progress("case (f) {} x {} {} rows, {}: {} samples ...".format(
-                        args.native_table, dim, dtype, name, rounds * ROW_SAMPLES_PER_ROUND))
-                    native_results.append(native_case(args.native_table, dim, dtype, args.touched, rounds, name,
-                                                      optimizer_cls, options))
-                    gc.collect()
+        for dim in ROW_DIMS:
+            for name, optimizer_cls, options in NATIVE_OPTIMIZERS:
+                if name not in args.native_optimizers:
+                    continue
+                progress("case (f) {} x {} rows of {}, {}: {} samples ...".format(
+                    args.native_table, dim, " and ".join(map(str, NATIVE_TYPES)), name, rounds * ROW_SAMPLES_PER_ROUND))
+                native_results.extend(native_case(args.native_table, dim, NATIVE_TYPES, args.touched, rounds, name,
+                                                  optimizer_cls, options))
+                gc.collect()
+        native_results.sort(key=lambda r: NATIVE_TYPES.index(r.dtype))  # (stable: by dim and optimizer within)
         print_native_case(native_results)
         print()
     if "memory" in args.cases:  # last: what the other cases allocated is freed by then

@@ -301,3 +301,46 @@ def test_the_kernel_refuses_arguments_not_laid_out_as_it_reads_them(build):
         kernel.step("rowwise_adagrad", param.t(), torch.tensor([1]), torch.ones(1, 10), [sums], hyperparameters,
                     Rounding())
     assert torch.equal(param, torch.zeros(10, DIM)) and torch.equal(sums, torch.zeros(10))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("nearest", [False, True], ids=["stochastic", "nearest"])
+def test_the_avx2_builds_half_rows_are_the_baseline_builds_whatever_their_width_and_values(dtype, nearest):
+    """The AVX2 build converts and rounds half rows eight columns at a time (on the values' bits where they
+    allow, the plain way for a row holding a NaN, an infinity, a value past float16's range or of float16's
+    subnormal tail) and the last columns of a row one by one: the same bits as the baseline build, which takes
+    every column one by one, at widths under, at and past a multiple of eight."""
+    kernels = RowKernels("baseline")
+    baseline, avx2 = kernels.build("baseline"), kernels.build("avx2")
+    if baseline is None or avx2 is None or not baseline.cpu_has_avx2():
+        pytest.skip("no AVX2 build of the row kernel here")
+    generator = torch.Generator().manual_seed(8)
+    specials = torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1e-30, -3e-8, 6e-5, 7e4, -1e5, 3e38])
+    for width in (5, 16, 43):
+        start = torch.randn(200, width, generator=generator) * 0.01
+        odd = torch.randperm(200 * width, generator=generator)[:60]  # a few rows with a value out of the ordinary
+        start.view(-1)[odd] = specials[torch.randint(len(specials), (60,), generator=generator)]
+        sums = torch.rand(200, generator=generator)
+        tables, states = [start.to(dtype) for _ in range(2)], [[sums.clone(), torch.zeros(200, width)] for _ in range(2)]
+        for step in range(3):
+            rows = torch.randperm(200, generator=generator)[:150]
+            gradients = torch.randn(150, width, generator=generator)
+            rounding = Rounding(nearest, 1000 + step, 7, None)
+            for kernel, table, (sums, buffers) in zip((baseline, avx2), tables, states):
+                kernel.step("rowwise_adagrad", table, rows, gradients, [sums], dict(lr=0.1, eps=1e-3, weight_decay=0.01),
+                            rounding)
+                kernel.step("sgd", table, rows, gradients, [buffers],
+                            dict(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False),
+                            rounding)
+        # zero rows at lr 1: the values rounded are the gradients negated, any float32 bits (NaN payloads, float32's
+        # subnormals, values below float16's subnormals: rows the AVX2 build rounds again the plain way)
+        rows = torch.arange(0, 200, 2)
+        for table in tables:
+            table[rows] = 0
+        for step in range(3):
+            gradients = torch.randint(-2 ** 31, 2 ** 31, (100, width), generator=generator, dtype=torch.int32)
+            for kernel, table in zip((baseline, avx2), tables):
+                kernel.step("sgd", table, rows, gradients.view(torch.float32), [], dict(lr=1.0, momentum=0.0, dampening=0.0,
+                            weight_decay=0.0, nesterov=False, maximize=False), Rounding(nearest, 2000 + step, 7, None))
+        assert torch.equal(tables[0].view(torch.int16), tables[1].view(torch.int16))
+        assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(states[0], states[1]))

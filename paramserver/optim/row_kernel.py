@@ -41,7 +41,7 @@ def kernel_source() -> KernelSource:
     """The kernel as ``paramserver.native`` builds it (``setup.py`` passes the same flags)."""
     return KernelSource(SOURCE_PATH, __package__, INSTALLED_MODULES, "row-kernel",
                         ("-O3", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno"),
-                        {"avx2": ("-mfma",)}, label="the row-wise optimizers' C kernel",
+                        {"avx2": ("-mfma", "-mf16c")}, label="the row-wise optimizers' C kernel",
                         fallback="tables' rows are updated by the torch path")
 
 
