@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from .hyperparameters import check_ftrl_hyperparameters
-from .kernels import check_gradients
+from .kernels import check_gradients, rounded_sqrt
 from .local import FunctionalBackedOptimizer
 from .records import JobChoice, RowOptimizer, StateKind
 from .row_sparse import RowState, RowStep
@@ -70,8 +70,8 @@ class FunctionalFTRL:
         of a midpoint of two float32s): torch's float32 ``sqrt`` is vectorised to within one unit in the last
         place, which ``sigma``'s difference of two roots would magnify (and the native row kernel's rows would
         then differ from these)."""
-        if self.lr_power == -0.5 and accumulator.dtype == torch.float32:
-            return accumulator.double().sqrt().float()
+        if self.lr_power == -0.5:
+            return rounded_sqrt(accumulator)
         return accumulator.pow(-self.lr_power)
 
     def _update(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]]) -> None:

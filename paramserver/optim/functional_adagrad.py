@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .hyperparameters import check_adagrad_hyperparameters
-from .kernels import check_gradients
+from .kernels import check_gradients, rounded_sqrt
 from .records import JobChoice, RowOptimizer, RowRefusal, StateKind
 from .row_sparse import RowState, RowStep
 
@@ -88,7 +88,7 @@ class FunctionalAdagrad:
             clr = self.lr / (1 + (step - 1) * self.lr_decay)
             if rows:  # torch's sparse path: sum += g^2 on the rows; p += -clr * (g / std)
                 state_sum.add_(grad.pow(2))
-                std = state_sum.sqrt().add_(self.eps)
+                std = rounded_sqrt(state_sum).add_(self.eps)  # (correctly rounded: the native kernel's)
                 param.add_(grad / std, alpha=-clr)
             else:
                 if self.weight_decay != 0.0:

@@ -24,7 +24,7 @@ import torch.optim._functional as F
 from torch import Tensor
 
 from .hyperparameters import check_adam_hyperparameters
-from .kernels import check_gradients
+from .kernels import check_gradients, rounded_sqrt
 from .records import JobChoice, RowOptimizer, RowRefusal, StateKind
 from .row_sparse import RowState, RowStep
 
@@ -109,7 +109,7 @@ class FunctionalAdam:
             grad = grads[j] if not self.maximize else -grads[j]
             exp_avg.add_(grad.sub(exp_avg).mul_(1 - self.beta1))
             exp_avg_sq.add_(grad.pow(2).sub_(exp_avg_sq).mul_(1 - self.beta2))
-            denom = exp_avg_sq.sqrt().add_(self.eps)
+            denom = rounded_sqrt(exp_avg_sq).add_(self.eps)  # (correctly rounded: the native kernel's)
             bias_correction1 = 1 - self.beta1 ** step
             bias_correction2 = 1 - self.beta2 ** step
             step_size = self.lr * math.sqrt(bias_correction2) / bias_correction1

@@ -59,6 +59,17 @@ def check_gradient(optimizer: str, index: int, param: Tensor, grad: Optional[Ten
 # slices pass ``fused_min_elements=ROW_SLICE_FUSED_MIN_ELEMENTS`` and those
 # slices take multi-tensor ops, which stay on one thread below PyTorch's grain.
 # (A function, not a global: TorchScript cannot read module-level ints.)
+def rounded_sqrt(values: Tensor) -> Tensor:
+    """The square root of float32 ``values`` correctly rounded, as float64's rounded to float32 is (a float32's
+    root never lies within two units of float64's last place of a midpoint of two float32s); other types as
+    ``sqrt`` gives them.  torch's float32 ``sqrt`` is vectorised to within one unit in the last place on some
+    processors: the row-wise optimizers take this one, as the native row kernel's ``sqrtf`` is, so that both
+    paths give the same rows."""
+    if values.dtype == torch.float32:
+        return values.double().sqrt().float()
+    return values.sqrt()
+
+
 def row_slice_fused_min_elements() -> int:
     return 32768
 

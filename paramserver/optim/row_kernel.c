@@ -6,8 +6,8 @@
    stochastically with the random bits of paramserver/optim/rounding.py (MurmurHash3's fmix32 chained over
    the stream's seed, the row id's two words and the column's Weyl word), so a row gets the same bits as
    the torch path gives it, however a push is split.  The arithmetic is the torch path's, in its order
-   (the functional classes in row_kernel.py's docstring), except a row's mean of squares (Adagrad), summed
-   here in another order: within one unit in the last place of the torch path's.
+   (the functional classes in row_kernel.py's docstring): a row's mean of squares (row-wise Adagrad) summed
+   in double and rounded once, square roots correctly rounded, on both.
 
    Loaded with ctypes by paramserver/optim/row_kernel.py (through paramserver/native.py), which checks every
    argument: the kernel trusts them (it checks only that rows are rows of the table).  Compiled with
@@ -381,7 +381,7 @@ static inline void store_row(const rows_t *table, int64_t row, float *values) {
 }
 
 /* Row-wise Adagrad (rowwise_adagrad.py) of rows[0..n) with their gradients (n x dim, float32) and their sums:
-   g = grad + weight_decay * row; sum += mean(g * g); row += (-lr * g) / (sqrt(sum) + eps).
+   g = grad + weight_decay * row; sum += mean(g * g) (in double, rounded once); row += (-lr * g) / (sqrt(sum) + eps).
    A row's step waits on its sum (a chain of dependent additions, a square root): each row's sum is taken
    before the previous row is updated and written, so that the processor works on both at once (rows are
    distinct: the same arithmetic per row, in any order of rows).
@@ -408,13 +408,15 @@ int paramserver_rowwise_adagrad(const rows_t *table, const int64_t *rows, int64_
                 for (int64_t c = 0; c < dim; c++) decayed[c] = fmaf(row[c], weight_decay, g[c]);
                 g = decayed;
             }
-            float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            /* the mean square in double (each square exact there) rounded once to float, as the torch path
+               takes it: the same float whatever the order of the additions */
+            double lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
             int64_t c = 0;
             for (; c + 8 <= dim; c += 8)
-                for (int lane = 0; lane < 8; lane++) lanes[lane] += g[c + lane] * g[c + lane];
-            float total = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-            for (; c < dim; c++) total += g[c] * g[c];
-            float sum = sums[r] + total / (float)dim;
+                for (int lane = 0; lane < 8; lane++) lanes[lane] += (double)g[c + lane] * (double)g[c + lane];
+            double total = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+            for (; c < dim; c++) total += (double)g[c] * (double)g[c];
+            float sum = sums[r] + (float)(total / (double)dim);
             sums[r] = sum;
             std = sqrtf(sum) + eps;
         }

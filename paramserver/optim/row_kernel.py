@@ -9,9 +9,9 @@ back once, half-precision rows rounded in the same pass with ``rounding.py``'s b
 
 A record (``records.RowOptimizer.native``) names the kernel's update for its optimizer (``UPDATES``); the
 functional class stays the reference, the dense path, and the path where no kernel was built.  The
-kernel's rows and state equal the torch path's bit for bit, except where the order of a sum differs
-(row-wise Adagrad's mean of squares) or torch's float32 square root is not correctly rounded (Adagrad's, of
-each sum, and Adam's, of each second moment; the kernel's is): there within a few units in the last place (``tests/test_row_kernel.py``).
+kernel's rows and state equal the torch path's bit for bit (``tests/test_row_kernel.py``): both take the same
+order of arithmetic, a row's mean square (row-wise Adagrad) summed in double and rounded once, and square
+roots correctly rounded (``kernels.rounded_sqrt`` on the torch path, ``sqrtf`` here).
 It owns no state: the caller hands it the tensors (``RowState``'s) and the rounding of each table.
 """
 

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .hyperparameters import check_rowwise_adagrad_hyperparameters
-from .kernels import check_gradients
+from .kernels import check_gradients, rounded_sqrt
 from .local import FunctionalBackedOptimizer
 from .records import JobChoice, RowOptimizer, StateKind
 from .row_sparse import RowState, RowStep
@@ -65,8 +65,10 @@ class FunctionalRowWiseAdagrad:
                 grad = grad.add(param, alpha=self.weight_decay)
             state_sum = sums[j]
             if param.dim() == 2:
-                state_sum.add_(grad.pow(2).mean(1))
-                std = state_sum.sqrt().add_(self.eps).unsqueeze(1)
+                # A row's mean square summed in double and rounded once, and its root correctly rounded: the
+                # same floats whatever order a reduction takes, so the native kernel's rows equal these.
+                state_sum.add_(grad.double().pow(2).mean(1).to(state_sum.dtype))
+                std = rounded_sqrt(state_sum).add_(self.eps).unsqueeze(1)
             else:
                 state_sum.addcmul_(grad, grad)
                 std = state_sum.sqrt().add_(self.eps)
