@@ -136,6 +136,7 @@ def a_graceful_leave_after_the_store_is_gone_still_leaves(store, init_method):
     leave(graceful=True)
     gone = RendezvousStore("127.0.0.1")
     join(SELF, 1, None, f"tcp://127.0.0.1:{gone.port}")
+    store_of(compat.current_rpc_agent()).reconnect_within = datetime.timedelta(seconds=0.5)  # gone for good
     gone.close()
     del gone
     gc.collect()  # the store's last reference: its server stops
