@@ -137,15 +137,7 @@ def run(args) -> Dict[str, Dict[str, float]]:
                 healed["worker join"][when] = worker_join(processes, address, workers)
                 progress(f"{when}: " + ", ".join(f"{what} {took[when]:.1f} s" for what, took in healed.items()))
         finally:
-            subprocess.run([sys.executable, "-m", "paramserver.cli.ctl", "--connect", address, "shutdown"],
-                           capture_output=True, timeout=60)
-            deadline = time.monotonic() + 60
-            for process in processes.started.values():
-                try:
-                    process.wait(max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
-            processes.reap()
+            processes.shut_down(address)
     return healed
 
 
