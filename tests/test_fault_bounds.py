@@ -65,7 +65,7 @@ def _wait_for_exit(process, seconds):
 
 
 def test_a_hung_worker_is_cut_out_then_refused_and_a_lost_coordinator_ends_the_survivor(commands):
-    server, address = start_server(commands, "--shards", "2", "--group-size", "2",
+    server, address = start_server(commands, "--shards", "2", "--group-size", "2", "--group-settle", "1",
                                    "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S),
                                    "--coordinator-grace", str(COORDINATOR_GRACE_S), "--job", JOB,
                                    "--job-config", job_config(steps=100_000, log_every=2, eval_every=100_000))
