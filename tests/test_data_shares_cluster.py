@@ -131,7 +131,7 @@ def test_workers_joining_and_killed_mid_stream_train_every_line_once(commands, t
         for _ in range(4):  # enough, most likely, for every member's batches up to the next agreement
             land(data, padding, padding * LINES_PER_FILE, 24)
             padding += 1
-        time.sleep(1.0)
+        time.sleep(0.5)
 
     assert commands.run("ps-ctl", "--connect", address, "shutdown").returncode == 0
     for process in (survivor, joiner):
