@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import pathlib
-import subprocess
 import sys
 import tempfile
 import time
@@ -177,14 +176,7 @@ def run(args) -> List[Dict]:
                         raise processes.failure(name, f"exited with {process.returncode}")
         finally:
             if address is not None:
-                subprocess.run([sys.executable, "-m", "paramserver.cli.ctl", "--connect", address, "shutdown"],
-                               capture_output=True, timeout=STOPS_WITHIN)
-                deadline = time.monotonic() + STOPS_WITHIN
-                for process in processes.started.values():
-                    try:
-                        process.wait(max(0.1, deadline - time.monotonic()))
-                    except subprocess.TimeoutExpired:
-                        pass
+                processes.shut_down(address, STOPS_WITHIN)
             processes.reap()
     return rows
 

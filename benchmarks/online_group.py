@@ -32,7 +32,6 @@ import json
 import pathlib
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -81,15 +80,7 @@ class Cluster:
                 raise self.processes.failure(name, f"exited with {process.returncode}")
 
     def stop(self) -> None:
-        subprocess.run([sys.executable, "-m", "paramserver.cli.ctl", "--connect", self.address, "shutdown"],
-                       capture_output=True, timeout=STOPS_WITHIN)
-        deadline = time.monotonic() + STOPS_WITHIN
-        for process in self.processes.started.values():
-            try:
-                process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        self.processes.reap()
+        self.processes.shut_down(self.address, STOPS_WITHIN)
 
 
 class Records:

@@ -10,7 +10,6 @@ import contextlib
 import datetime
 import faulthandler
 import gc
-import multiprocessing
 import os
 import signal
 import tempfile
@@ -24,6 +23,7 @@ import torch.distributed.rpc as rpc
 
 from paramserver import _torch_compat as compat
 from paramserver.control.rendezvous import RendezvousStore
+from paramserver.processes import PRELOAD, child_context, start_fork_server
 from paramserver.shards.group_store import store_of
 from paramserver.shards.peer import join, leave, leave_together, republish
 
@@ -74,7 +74,7 @@ def _child_joins_then_leaves(init_method, joined, leave_now, name: str, rank: in
 def _member_joining(init_method, name: str, rank: int):
     """A child process that joins the group as ``name`` and leaves when told: yields ``(joined, leave_now,
     child)``; killed on the way out if it still runs."""
-    context = multiprocessing.get_context("spawn")
+    context = child_context()  # forked by a fork server that imported torch once
     joined, leave_now = context.Event(), context.Event()
     child = context.Process(target=_child_joins_then_leaves, args=(init_method, joined, leave_now, name, rank),
                             name=name)
@@ -136,6 +136,7 @@ def a_graceful_leave_after_the_store_is_gone_still_leaves(store, init_method):
     leave(graceful=True)
     gone = RendezvousStore("127.0.0.1")
     join(SELF, 1, None, f"tcp://127.0.0.1:{gone.port}")
+    store_of(compat.current_rpc_agent()).reconnect_within = datetime.timedelta(seconds=0.5)  # gone for good
     gone.close()
     del gone
     gc.collect()  # the store's last reference: its server stops
@@ -190,7 +191,7 @@ def _child_peer(init_method: str, joined, die, name: str = CHILD, rank: int = 2)
 def _peer_that_dies(init_method: str, name: str, rank: int):
     """A child peer ``name`` that joined the group; the function yielded makes it die without leaving and waits
     for that.  Killed on the way out if it still runs."""
-    context = multiprocessing.get_context("spawn")
+    context = child_context()  # forked by a fork server that imported torch once
     joined, die = context.Event(), context.Event()
     child = context.Process(target=_child_peer, args=(init_method, joined, die, name, rank), name=name)
     child.start()
@@ -361,6 +362,7 @@ CHECKS = (store_keys, agent_of_an_open_group, rrefs_of_a_dead_owner_dropped_with
 
 def run_checks(results) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks where it waits, if it waits too long
+    start_fork_server(PRELOAD)  # its imports beside the first checks, which start no child
     store = RendezvousStore("127.0.0.1")
     init_method = f"tcp://127.0.0.1:{store.port}"
     try:

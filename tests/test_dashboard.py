@@ -63,7 +63,7 @@ def test_every_panel_returns_data_from_a_running_cluster(commands, tmp_path):
         missing = dict(queries())
         deadline = time.monotonic() + 180
         while missing and time.monotonic() < deadline:
-            time.sleep(2)
+            time.sleep(0.5)  # prometheus scrapes every 1 s
             for title, expr in list(missing.items()):
                 if _answers(web, expr):
                     del missing[title]

@@ -131,7 +131,7 @@ def test_workers_joining_and_killed_mid_stream_train_every_line_once(commands, t
         for _ in range(4):  # enough, most likely, for every member's batches up to the next agreement
             land(data, padding, padding * LINES_PER_FILE, 24)
             padding += 1
-        time.sleep(1.0)
+        time.sleep(0.5)
 
     assert commands.run("ps-ctl", "--connect", address, "shutdown").returncode == 0
     for process in (survivor, joiner):
@@ -193,41 +193,13 @@ def pad_until(data: pathlib.Path, processes, trained, wanted: set, padding: int,
     return padding
 
 
-def test_two_trainer_groups_following_one_input_train_every_line_once_between_them(commands, tmp_path):
-    """``--group-size 1``: two workers, two groups, each dealt alone; each part is trained by the group that
-    claims it first (``paramserver.train.claims``), and every line once over both."""
-    data, folder = tmp_path / "data", tmp_path / "records"
-    data.mkdir()
-    folder.mkdir()
-    server, address = start_server(commands, "--shards", "1", "--group-size", "1", "--job", JOB,
-                                   "--job-config", job_config(train=str(data), records=str(folder)))
-    workers = [commands.start("ps-worker", "--connect", address) for _ in range(2)]
-    files = land_until(data, workers, lambda files: len(records(folder)) == 2 and files >= 12,
-                       lambda: f"trained by {sorted(records(folder))} only")  # both groups trained some
-    total = files * LINES_PER_FILE
-    pad_until(data, workers, lambda: set(trained(records(folder), "", 0, {})[0]), set(range(total)), files)
-
-    assert commands.run("ps-ctl", "--connect", address, "shutdown").returncode == 0
-    for process in workers:
-        assert process.wait(60) == 0, errors(process)[-3000:]
-    assert server.wait(60) == 0, errors(server)[-3000:]
-    final = {name: json.loads((folder / f"{name}.json").read_text())["steps"] for name in records(folder)}
-    lines, _ = trained(records(folder), "", 0, final)
-    counted = [line for line in lines if line < total]
-    assert sorted(counted) == list(range(total)), (
-        f"twice: {sorted({line for line in counted if counted.count(line) > 1})[:20]}, "
-        f"never: {sorted(set(range(total)) - set(counted))[:20]}")
-    padded = [line for line in lines if line >= total]
-    assert len(padded) == len(set(padded))
-    assert any("is read by another reader" in errors(process) for process in workers)  # parts were left
-
-
 def test_a_job_restored_onto_fewer_groups_reads_what_a_lost_group_had_claimed_after_the_checkpoint(commands,
                                                                                                     tmp_path):
-    """Claims belong to one run of the job: two groups of one follow an input, a checkpoint is taken, more files
-    land and group 1 trains some of them; both workers are killed, and one worker starts the job again (one
-    group) from the checkpoint: it trains every line of the files that landed after the checkpoint, those
-    group 1 had claimed included."""
+    """Two groups of one (``--group-size 1``) follow an input, each dealt alone: each part is trained by the
+    group that claims it first (``paramserver.train.claims``), and every line once over both.  Claims belong to
+    one run of the job: a checkpoint is taken, more files land and group 1 trains some of them; both workers
+    are killed, and one worker starts the job again (one group) from the checkpoint: it trains every line of
+    the files that landed after the checkpoint, those group 1 had claimed included."""
     data, folder, checkpoints = tmp_path / "data", tmp_path / "records", tmp_path / "checkpoints"
     for path in (data, folder):
         path.mkdir()
@@ -235,8 +207,20 @@ def test_a_job_restored_onto_fewer_groups_reads_what_a_lost_group_had_claimed_af
                                    "--checkpoint-dir", str(checkpoints), "--job", JOB,
                                    "--job-config", job_config(train=str(data), records=str(folder)))
     first = [commands.start("ps-worker", "--connect", address) for _ in range(2)]
-    files = land_until(data, first, lambda files: len(records(folder)) == 2,
-                       lambda: f"trained by {sorted(records(folder))} only")
+    files = land_until(data, first, lambda files: len(records(folder)) == 2 and files >= 12,
+                       lambda: f"trained by {sorted(records(folder))} only")  # both groups trained some
+    total = files * LINES_PER_FILE
+    files = pad_until(data, first, lambda: set(trained(records(folder), "", 0, {})[0]), set(range(total)), files)
+    # Every line once over both groups (each trains what it claimed, up to the kill below: no step of theirs
+    # is done again), the padding too.
+    lines, _ = trained(records(folder), "", 0, {})
+    counted = [line for line in lines if line < total]
+    assert sorted(counted) == list(range(total)), (
+        f"twice: {sorted({line for line in counted if counted.count(line) > 1})[:20]}, "
+        f"never: {sorted(set(range(total)) - set(counted))[:20]}")
+    padded = [line for line in lines if line >= total]
+    assert len(padded) == len(set(padded))
+    assert any("is read by another reader" in errors(process) for process in first)  # parts were left
     assert commands.run("ps-ctl", "--connect", address, "checkpoint", timeout=90).returncode == 0
     after = files  # files from here on landed after the checkpoint
     names = {worker["pid"]: worker["name"] for worker in wait_for_status(

@@ -5,7 +5,9 @@
    seconds, not the 60 s collective timeout;
 2. the hung worker resumes (SIGCONT): its first heartbeat is refused and it exits 1 at once, one line;
 3. the coordinator is SIGKILLed and never comes back: the survivor exits 1 within its grace for the
-   coordinator (``--coordinator-grace``) + 2 s, saying the cluster was lost, with the figures it last reported.
+   coordinator (``--coordinator-grace``) + 2 s, saying the cluster was lost, with the figures it last reported
+   (having warned that it goes on without the coordinator for up to its grace); ps-server's shards, orphaned,
+   end within the same bound.
 
 and on a second cluster, whose shards are restarted once (``--shard-restarts 1``):
 
@@ -63,7 +65,7 @@ def _wait_for_exit(process, seconds):
 
 
 def test_a_hung_worker_is_cut_out_then_refused_and_a_lost_coordinator_ends_the_survivor(commands):
-    server, address = start_server(commands, "--shards", "2", "--group-size", "2",
+    server, address = start_server(commands, "--shards", "2", "--group-size", "2", "--group-settle", "1",
                                    "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S),
                                    "--coordinator-grace", str(COORDINATOR_GRACE_S), "--job", JOB,
                                    "--job-config", job_config(steps=100_000, log_every=2, eval_every=100_000))
@@ -96,12 +98,17 @@ def test_a_hung_worker_is_cut_out_then_refused_and_a_lost_coordinator_ends_the_s
         # 3: the coordinator lost.
         state = wait_for_status(commands, address, lambda s: _worker(s, "worker0")["step"] >= blocked_at + 20, 60)
         os.kill(server.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
         code, took = _wait_for_exit(survivor, CLUSTER_LOST_EXIT_S)
         print(f"the survivor exited {code} {took:.1f} s after the coordinator was SIGKILLed")
         lines = output(survivor).strip().splitlines()
         assert code == 1 and len(lines) == 1, lines
-        assert "lost the cluster at step" in lines[0] and "lost the coordinator" in lines[0], lines
+        assert "lost the cluster at step" in lines[0] and "lost the coordinator: unreachable for" in lines[0], lines
+        assert f"going on without it for up to {COORDINATOR_GRACE_S} s" in errors(survivor)
         assert "did not stop within" not in errors(survivor)
+        while any(pid_exists(pid) for pid in shard_pids) and time.monotonic() < killed_at + CLUSTER_LOST_EXIT_S:
+            time.sleep(0.1)
+        assert not any(pid_exists(pid) for pid in shard_pids), "a shard outlived its grace"
     finally:
         for process in (hung, survivor):
             if process.poll() is None:

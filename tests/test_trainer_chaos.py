@@ -67,7 +67,8 @@ def test_a_trainer_job_survives_a_crash_mid_checkpoint_a_lost_worker_and_a_lost_
     injected = {"PYTHONPATH": os.pathsep.join(filter(None, [str(PUSH_FAULT), os.environ.get("PYTHONPATH")])),
                 "PARAMSERVER_TEST_PUSH_FAULT": str(push_fault)}
     # --group-size 3: the three workers form one group as the last joins (a loss re-forms it as before).
-    server, address = start_server(commands, "--shards", "2", "--group-size", "3", "--heartbeat-timeout", "3",
+    server, address = start_server(commands, "--shards", "2", "--group-size", "3", "--group-settle", "1",
+                                   "--heartbeat-timeout", "3",
                                    "--checkpoint-dir", str(root), "--checkpoint-every", "20", "--job", JOB,
                                    "--job-config", job_config(steps=STEPS, stateful=True, staleness=STALENESS,
                                                               cache_rows=10_000, cache_steps=STALENESS + 1,

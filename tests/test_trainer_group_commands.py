@@ -110,7 +110,7 @@ def test_a_stopped_demo_stops_its_whole_cluster(commands, tmp_path):
 
 
 def test_a_worker_joining_later_is_taken_into_the_running_group(commands):
-    server, address = start_server(commands, "--shards", "2", "--job-config",
+    server, address = start_server(commands, "--shards", "2", "--group-settle", "1", "--job-config",
                                    job_config(**dict(SMALL, steps=1_000_000, eval_every=1_000_000)))
     first = commands.start("ps-worker", "--connect", address, "--comm-hook", "allreduce")
     wait_for_status(commands, address, lambda s: s["workers"] and s["workers"][0]["step"] >= 20, 120)

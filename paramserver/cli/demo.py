@@ -118,6 +118,19 @@ class LocalProcesses:
     def failure(self, name: str, what: str) -> DemoFailed:
         return DemoFailed(f"{name} {what}; its log ({self.log_dir / name}.log) ends:\n{self.tail(name)}")
 
+    def shut_down(self, address: str, within: float = 60.0) -> None:
+        """``ps-ctl shutdown`` the cluster at ``address``, give every child up to ``within`` seconds in all to
+        exit, then reap whatever is left."""
+        subprocess.run([sys.executable, "-m", "paramserver.cli.ctl", "--connect", address, "shutdown"],
+                       capture_output=True, timeout=within)
+        deadline = time.monotonic() + within
+        for process in self.started.values():
+            try:
+                process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        self.reap()
+
     def reap(self) -> None:
         for process in self.started.values():
             if process.poll() is None:

@@ -40,7 +40,7 @@ class ReconnectingStore(dist.Store):
 
     An operation that fails with ``DistNetworkError`` (the server closed
     the connection: it was restarted) connects again, waiting up to
-    ``RECONNECT_WITHIN`` for the server, and is retried once on the new
+    ``reconnect_within`` (``RECONNECT_WITHIN``) for the server, and is retried once on the new
     connection; if the server is not back, the error of connecting is
     raised.  An operation retried may have reached the old server before it
     died: the store's contents went with it, so nothing is applied twice.
@@ -51,7 +51,8 @@ class ReconnectingStore(dist.Store):
         super().__init__()
         self.host, self.port = host, port
         self._timeout = timeout
-        self._reconnect_within = reconnect_within
+        #: How long connecting again waits for the store's server.
+        self.reconnect_within = reconnect_within
         self._lock = threading.Lock()
         #: How many times this store connected again.
         self.reconnections = 0
@@ -64,7 +65,7 @@ class ReconnectingStore(dist.Store):
         with self._lock:
             if broken is not None and self._client is not broken:
                 return
-            client = dist.TCPStore(self.host, self.port, is_master=False, timeout=self._reconnect_within)
+            client = dist.TCPStore(self.host, self.port, is_master=False, timeout=self.reconnect_within)
             client.set_timeout(self._timeout)
             self._client = client
             self.reconnections += 1
