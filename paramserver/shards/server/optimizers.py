@@ -712,6 +712,8 @@ class OwnerOptimizer:
         pushed = []
         for index, rows, values in zip(params, ids, gradients):
             param = self.params[index]
+            if values.dtype != torch.float32 and values.dtype in PUSHED_TYPES:  # (``push_dtype``)
+                values = values.to(torch.float32)
             if self._dynamic[index] is not None or not native.kernel.takes(param) or rows.dtype != torch.int64 or \
                     values.dtype != torch.float32 or not (rows.is_contiguous() and values.is_contiguous()) or \
                     native.kernel.rows_increasing(rows, param.size(0)) != 0:

@@ -29,8 +29,7 @@ class PartThreads:
     def _pool_of(self, size: int) -> concurrent.futures.ThreadPoolExecutor:
         with self._lock:
             if self._pool is None or self._size < size:
-                if self._pool is not None:
-                    self._pool.shutdown(wait=False)
+                # (a smaller pool another push may still be handing parts to is left to end when it is dropped)
                 self._pool = concurrent.futures.ThreadPoolExecutor(size, thread_name_prefix="push-part")
                 self._size = size
             return self._pool
