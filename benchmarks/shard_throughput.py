@@ -258,9 +258,8 @@ def in_process_case(table_rows: int, rows: int, dim: int, spec: OptimizerSpec, s
     row_gradient = getattr(optimizers, "_row_gradient", None)
     step: Callable[[], None] = lambda: fused.step([take_coalesced()])  # noqa: E731
     native = owner._native_rows() if hasattr(owner, "_native_rows") else None
-    if native is not None:
-        native.parts = 1  # one thread, as the fused step (its parts would run on other threads, unmeasured)
     if native is not None:  # the shard's step is the row kernel's: one call on prebuilt rows, gradients and state
+        native.parts = 1  # one thread, as the fused step (its parts would run on other threads, unmeasured)
         native.apply([take_coalesced()], False)  # (its state made)
         kernel_state = native.module.row_state(0)
         plain = Rounding(False, 0, 0, None)  # (float32 rows: no rounding)

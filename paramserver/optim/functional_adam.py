@@ -75,9 +75,7 @@ class FunctionalAdam:
         made and each parameter with a gradient counts one more step (the table's, not a row's: as
         ``torch.optim.SparseAdam`` counts it, a gradient without rows too)."""
         self.state.begin_step(gradients)
-        for i in range(len(self.params)):
-            if gradients[i] is not None:
-                self.state.of(i)[0].add_(1)
+        self.state.count_table_step(gradients, 0)
 
     def step_rows(self, gradients: List[Optional[Tensor]]) -> List[Tensor]:
         """Update the rows' parameters and their moments (``prepare_step`` done: the step counted), and nothing

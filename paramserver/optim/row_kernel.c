@@ -501,8 +501,7 @@ static inline void prefetch_state_ahead(const int64_t *rows, int64_t i, int64_t 
    dim, float32) and their sums (n_rows x dim), step being -clr (the step's rate, from the table's step count):
    g = maximize ? -grad : grad; sum += g * g; row += step * (g / (sqrt(sum) + eps)), the last product-and-sum
    fused (fmaf) as torch's add with alpha fuses it, g * g rounded before the sum (torch's pow, then add).  The
-   square root is correctly rounded, torch's float32 one within one unit in the last place: the rows are within
-   a few units of the torch path's, the sums bit for bit.
+   square root is correctly rounded, as the torch path's (kernels.rounded_sqrt): rows and sums bit for bit.
    0; -1 where no scratch memory could be had, -2 for a row outside the table (nothing written). */
 int paramserver_adagrad(const rows_t *table, const int64_t *rows, int64_t n, const float *grads, float *sums,
                         float step, float eps, int32_t maximize) {
@@ -582,8 +581,7 @@ int paramserver_ftrl(const rows_t *table, const int64_t *rows, int64_t n, const 
    step count t, then rounded):
    g = maximize ? -grad : grad; m += (g - m) * mix1; v += (g * g - v) * mix2; row += (m / (sqrt(v) + eps)) * step,
    each operation rounded as the torch path's (no product-and-sum fused).  The square root is correctly
-   rounded, torch's float32 one within one unit in the last place: the moments are bit for bit, the rows within
-   a few units of the torch path's where the two roots differ.
+   rounded, as the torch path's (kernels.rounded_sqrt): rows and moments bit for bit.
    0; -1 where no scratch memory could be had, -2 for a row outside the table (nothing written). */
 int paramserver_adam(const rows_t *table, const int64_t *rows, int64_t n, const float *grads, float *exp_avgs,
                      float *exp_avg_sqs, float mix1, float mix2, float eps, float step, int32_t maximize) {

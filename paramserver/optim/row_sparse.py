@@ -117,6 +117,14 @@ class RowState:
                 self.of(i)
                 self.rounding_steps[i] += 1
 
+    def count_table_step(self, gradients: List[Optional[Tensor]], k: int) -> None:
+        """Each parameter with a gradient adds one to its state tensor ``k``, a step count of the whole table
+        (not a row's: a gradient without rows counts too, as torch's Adagrad and SparseAdam count it).  Part of
+        a step's once-work (``prepare_step``), before its rows."""
+        for i in range(len(self.params)):
+            if gradients[i] is not None:
+                self.of(i)[k].add_(1)
+
     def rounded(self, i: int, values: Tensor, rows: Tensor) -> Tensor:
         """``values`` (rows ``rows`` of parameter ``i``, computed in float32) in the parameter's type, rounded as
         ``set_rounding`` said, with this step's (``begin_step``) bits for those rows' ids."""
