@@ -3,7 +3,9 @@
 Owns the file a shard writes into a checkpoint (``shard-<name>.pt``, format
 ``FORMAT``: every shared table's row range, with the optimizer state of
 those rows; for a dynamic table's part, the rows it holds with their ids,
-last touches, optimizer state and admission counts; the shard service
+last touches, optimizer state and admission counts; and each optimizer's
+ledger, the last step applied per pusher, by the optimizer's push-log tag,
+so that a restored shard still knows which pushes it holds; the shard service
 writes it, ``paramserver.shards.server.checkpoint_part``), and
 ``CheckpointSource``: the restore source a shard started from a
 checkpoint is given (``ShardState.restore_source``), so that a table's
@@ -19,6 +21,7 @@ checkpoint's tables through ``CheckpointSource`` too (``export``).
 
 import logging
 import threading
+from pathlib import PurePosixPath
 from typing import Dict, List, Optional, Set, Tuple
 
 import torch
@@ -59,6 +62,7 @@ class CheckpointSource:
         # table -> [(start, stop, entry)]
         self._pieces: Optional[Dict[str, List[Tuple[int, int, Dict]]]] = None
         self._dynamic_pieces: Dict[str, List[Dict]] = {}  # dynamic table -> the entries of all its parts
+        self._ledgers: Dict[int, Dict[int, int]] = {}  # optimizer tag -> the last step applied per pusher
 
     @classmethod
     def newest_verified(cls, preferred: PathLike, step: int, shard: str,
@@ -93,6 +97,8 @@ class CheckpointSource:
                         self._failure = error
                         logger.error("cannot restore from checkpoint %s: %s", self.checkpoint.path, one_line(error))
                         raise
+                    for tag, ledger in part.get("ledgers", {}).items():
+                        self._ledgers.setdefault(int(tag), {}).update({int(p): int(s) for p, s in ledger.items()})
                     for name, entry in part["tables"].items():
                         parsed = parse_range_name(name)
                         dynamic = parse_part_name(name) if entry.get("dynamic") else None
@@ -145,6 +151,16 @@ class CheckpointSource:
         logger.info("%s read from checkpoint step %d: %d rows", dynamic_part_name(table, index, count),
                     self.checkpoint.step, part["ids"].numel())
         return part
+
+    @property
+    def key(self) -> str:
+        """The checkpoint's name as a shard's push log marks it (its directory's name)."""
+        return PurePosixPath(str(self.checkpoint.path).rstrip("/")).name
+
+    def ledger(self, tag: int) -> Dict[int, int]:
+        """The last step applied per pusher that the optimizer ``tag`` names (``push_log.tag_of``) kept, or ``{}``."""
+        self._tables()
+        return dict(self._ledgers.get(tag, {}))
 
     def optimizer_of(self, name: str) -> Optional[str]:
         """The optimizer class name whose state the checkpoint keeps for rows ``name``, or ``None``."""

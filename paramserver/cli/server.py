@@ -7,9 +7,10 @@
               [--export-dir D|URL [--export-every STEPS] [--export-base-every N] [--keep-exports N]]
               [--storage-options JSON]
               [--token-file F] [--shard-token-file S] [--admin-token-file A] [--tls-cert C --tls-key K]
-              [--heartbeat-timeout S] [--coordinator-grace S] [--state-dir D] [--metrics-port P]
+              [--heartbeat-timeout S] [--coordinator-grace S] [--state-dir D] [--push-log DIR|off]
+              [--metrics-port P]
     ps-server --join HOST:PORT --shards 4 [--host H] [--shard-prefix P] [--token-file F --shard-token-file S]
-              [--tls-ca PEM] [--coordinator-grace S] [--metrics-port P]
+              [--tls-ca PEM] [--coordinator-grace S] [--push-log DIR|off] [--metrics-port P]
 
 Prints ``ps-server ready at HOST:PORT (...)`` once every shard has joined;
 SIGTERM/SIGINT (or ``ps-ctl shutdown``) stops members, shards and itself.
@@ -42,6 +43,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import pathlib
 import re
 import sys
@@ -154,6 +156,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard-restarts", type=int, default=MAX_RESTARTS, metavar="N",
                         help=f"restart a lost shard process at most N times (default {MAX_RESTARTS}); past that, "
                              "workers are told at once that it is gone")
+    parser.add_argument("--push-log", metavar="DIR",
+                        help="where each shard logs the pushes it applied since its last checkpoint part, on this "
+                             "host's local disk (DIR/<shard name>), so that a shard process restarted after a crash "
+                             "comes back with every update: default <--state-dir>/push-log, or a temporary folder "
+                             "removed at the end; 'off' for none (a restarted shard then rolls back to its "
+                             "checkpoint). Only with checkpoints: the log is cut as each one commits")
     parser.add_argument("--heartbeat-timeout", type=float, default=None, metavar="SECONDS",
                         help="declare a member dead after this long without a heartbeat "
                              "(default 5, or $PARAMSERVER_HEARTBEAT_TIMEOUT)")
@@ -213,7 +221,7 @@ def shard_host_options_from(args):
                             token=token, shard_token=shard_token, max_restarts=shard_restarts_from(args),
                             tls=TlsFiles(ca=args.tls_ca) if args.tls_ca else None,
                             log_level=args.log_level, metrics_port=metrics_port_from(args, 1 + args.shards),
-                            coordinator_grace=coordinator_grace_from(args))
+                            coordinator_grace=coordinator_grace_from(args), push_log=args.push_log)
 
 
 def options_from(args):
@@ -276,7 +284,9 @@ def options_from(args):
                          log_level=args.log_level, shard_prefix=prefix, max_restarts=shard_restarts_from(args),
                          metrics_port=metrics_port_from(args, 1 + args.shards),
                          stop_after_workers=args.stop_after_workers,
-                         coordinator_grace=coordinator_grace_from(args))
+                         coordinator_grace=coordinator_grace_from(args),
+                         push_log=args.push_log if args.push_log is not None or not args.state_dir else
+                         os.path.join(args.state_dir, "push-log"))
 
 
 def live_exports_from(args) -> Optional["pb.LiveExportSettings"]:

@@ -53,6 +53,8 @@ class ServerOptions:
     stop_after_workers: int = 0
     #: How long its shards serve on while the coordinator does not answer (``None``: the default).
     coordinator_grace: Optional[datetime.timedelta] = None
+    #: Where its shards log their pushes (``ShardSupervisor``'s ``push_log``): ``None`` a temporary folder, "off".
+    push_log: Optional[str] = None
 
 
 class _Shutdown:
@@ -112,7 +114,7 @@ def serve(options: ServerOptions, announce=print) -> int:
                 # A lost shard comes back from the newest checkpoint; with none configured it stays lost
                 # (a restart would silently serve freshly initialized tables).
                 restart=coordinator.checkpoints is not None, max_restarts=options.max_restarts,
-                prefix=options.shard_prefix,
+                prefix=options.shard_prefix, push_log=options.push_log,
                 metrics_port=options.metrics_port, grace=options.coordinator_grace).start(adopted)
         want = options.num_shards
         all_joined = coordinator.membership.wait_until(

@@ -56,6 +56,8 @@ class ShardHostOptions:
     max_restarts: int = MAX_RESTARTS
     #: How long its shards serve on while the coordinator does not answer (``None``: the default).
     coordinator_grace: Optional[datetime.timedelta] = None
+    #: Where its shards log their pushes (``ShardSupervisor``'s ``push_log``): ``None`` a temporary folder, "off".
+    push_log: Optional[str] = None
 
 
 def serve_shard_host(options: ShardHostOptions, announce=print) -> int:
@@ -76,7 +78,7 @@ def serve_shard_host(options: ShardHostOptions, announce=print) -> int:
                                                                    not_restarted),
             token=options.token, shard_token=options.shard_token, tls=options.tls, log_level=options.log_level,
             restart=keeps_checkpoints, max_restarts=options.max_restarts, prefix=options.prefix,
-            metrics_port=options.metrics_port, grace=options.coordinator_grace).start()
+            push_log=options.push_log, metrics_port=options.metrics_port, grace=options.coordinator_grace).start()
         names = list(supervisor.processes)
         if not _wait_until_serving(client, names, supervisor, stop, options.ready_timeout):
             if stop.is_set():

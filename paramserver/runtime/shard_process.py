@@ -21,13 +21,16 @@ It heartbeats while it verifies (a big checkpoint takes longer than the
 heartbeat timeout to hash) and is not ready meanwhile; a stop asked then
 ends it before it serves.  A step that fails inside its kernels (out of memory, an
 internal error: ``ShardState.fault``) ends it at once with exit code 1, to be
-restarted from the newest checkpoint.
+restarted from the newest checkpoint.  With a push log (``ps-server
+--push-log``) a restarted process replays what the killed one applied since
+that checkpoint, so it loses nothing.
 """
 
 import datetime
 import faulthandler
 import logging
 import os
+import pathlib
 import signal
 import sys
 import threading
@@ -44,6 +47,7 @@ from ..metrics.process import shard_metrics
 from ..shards import PeerOptions, ShardServerOptions, run_shard_server
 from ..shards.server import ShardState
 from ..shards.server.figures import dynamic_figures, dynamic_parts
+from ..shards.server.push_log import PushLog
 from .exit_codes import EXIT_FAILED, EXIT_NO_CHECKPOINT, EXIT_REFUSED
 from .member import MemberSession
 from .threads import apply_threads
@@ -57,12 +61,13 @@ _REFUSED_FOR_GOOD = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION
 def run_shard_member(address: str, name: str, host: str, token: Optional[str] = None,
                      tls: Optional[TlsFiles] = None, log_level: Optional[str] = None, metrics_port=None,
                      member_id=None, shard_token: Optional[str] = None,
-                     grace: Optional[datetime.timedelta] = None) -> None:
+                     grace: Optional[datetime.timedelta] = None, push_log: Optional[str] = None) -> None:
     """Process target: one shard server named ``name`` that joins the coordinator at ``address``.
 
     ``token``: the cluster token; ``shard_token``: the shard credential its Join carries (the coordinator's
     own, or ``--shard-token-file``'s).  ``grace``: how long it serves on while the coordinator does not
-    answer (``--coordinator-grace``).
+    answer (``--coordinator-grace``).  ``push_log``: the folder of its push log (``None``: none), which a
+    restarted process replays on top of the checkpoint it restores.
 
     ``metrics_port``: ``None`` (no metrics), or a shared integer
     (``multiprocessing.Value``) holding the port to serve metrics on (0: a
@@ -118,6 +123,8 @@ def run_shard_member(address: str, name: str, host: str, token: Optional[str] = 
             exit_now(1 if isinstance(error, StorageUnavailable) else EXIT_NO_CHECKPOINT)
         logger.info("shard %s restores its tables from %s (step %d)", assignment.rpc_name,
                     restore_source.checkpoint.path, restore_source.checkpoint.step)
+    if push_log is not None:
+        _open_push_log(state, pathlib.Path(push_log), assignment.rpc_name, restore_source)
     if stops.asked:  # while it verified: it never served
         logger.info("shard %s stops before it serves", assignment.rpc_name)
         session.leave("stopped")
@@ -140,6 +147,21 @@ def run_shard_member(address: str, name: str, host: str, token: Optional[str] = 
     # a long run torch's destructors took over 3 s of it (past ps-server's stop
     # deadline, so the shards were killed).
     exit_now(0)
+
+
+def _open_push_log(state: ShardState, folder: pathlib.Path, name: str, restore_source) -> None:
+    """The shard's push log, read back (what a killed process of it applied since its checkpoint, replayed as
+    trainers ask for their optimizers again: ``paramserver.shards.server.replay``)."""
+    since = restore_source.key if restore_source is not None else ""
+    log = PushLog.open(folder, since)
+    state.push_log = log
+    where = f"checkpoint {since}" if since else "the initial values"
+    if log.fallback is not None:
+        logger.error("shard %s: its push log is damaged (%s): its tables stay at %s, and the pushes applied "
+                     "since are lost", name, log.fallback, where)
+    elif len(log.found) > 1:
+        logger.info("shard %s: push log %s holds %d records (%.1f MB) to replay on %s", name, folder,
+                    len(log.found), log.figures.size_bytes / 1e6, where)
 
 
 def _end_for_a_fault(name: str) -> None:

@@ -6,7 +6,8 @@ a restarted shard starts in a fraction of a second, not the two seconds an
 import of torch takes; no thread of the server is forked), notice at
 once when one exits (a thread waits on their sentinels) and report it,
 start a new process under the same name in its place (it joins the
-coordinator again and restores its tables from the newest checkpoint; a
+coordinator again and restores its tables from the newest checkpoint, then
+replays its push log, which a restart keeps and a first start clears; a
 bounded number of times per shard, on the same metrics port; never one
 whose Join was refused for good), and stop
 them all on shutdown:
@@ -20,7 +21,10 @@ import multiprocessing
 import multiprocessing.sharedctypes
 import multiprocessing.connection
 import os
+import pathlib
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from typing import Callable, Dict, Optional
@@ -55,9 +59,16 @@ class ShardSupervisor:
                  token: Optional[str] = None, tls: Optional[TlsFiles] = None, log_level: Optional[str] = None,
                  restart: bool = False, max_restarts: int = MAX_RESTARTS, prefix: str = "shard",
                  metrics_port: Optional[int] = None, shard_token: Optional[str] = None,
-                 grace: Optional[datetime.timedelta] = None):
+                 grace: Optional[datetime.timedelta] = None, push_log: Optional[str] = None):
         if num_shards < 1:
             raise ValueError(f"--shards must be at least 1, got {num_shards}")
+        #: Where shard ``name`` logs its pushes (``push_log/name``); ``None``: no push log (``"off"``, or no
+        #: restarts: a log is replayed only by a restarted process).  ``None`` given: a temporary folder.
+        self.push_log_root: Optional[pathlib.Path] = None
+        self._temporary_push_log = restart and push_log is None
+        if restart and push_log != "off":
+            self.push_log_root = pathlib.Path(tempfile.mkdtemp(prefix="paramserver-push-log-")
+                                              if push_log is None else push_log)
         self._context = child_context(SHARD_PRELOAD)
         self._on_exit = on_exit
         self._stopping = threading.Event()
@@ -81,7 +92,8 @@ class ShardSupervisor:
     def _new_process(self, name: str) -> multiprocessing.Process:
         self._member_ids[name].value = b""
         kwargs = dict(self._kwargs, name=name, metrics_port=self._metrics_ports.get(name),
-                      member_id=self._member_ids[name])
+                      member_id=self._member_ids[name],
+                      push_log=str(self.push_log_root / name) if self.push_log_root is not None else None)
         return self._context.Process(target=run_in_environment, name=name,
                                      args=(dict(os.environ), run_shard_member, (), kwargs))
 
@@ -99,6 +111,8 @@ class ShardSupervisor:
                 logger.info("watching %s (pid %d), started by the ps-server before this one", name,
                             self._adopted[name])
                 continue
+            if self.push_log_root is not None:  # a new process of a new cluster: what a log there holds is not its own
+                shutil.rmtree(self.push_log_root / name, ignore_errors=True)
             process.start()
             logger.info("started %s (pid %d)", name, process.pid)
         self._watcher.start()
@@ -213,6 +227,8 @@ class ShardSupervisor:
                 process.join(5)
         if self._watcher.is_alive():
             self._watcher.join(1)
+        if self._temporary_push_log and self.push_log_root is not None:
+            shutil.rmtree(self.push_log_root, ignore_errors=True)
         return {name: codes[name] if name in codes else process.exitcode for name, process in self.processes.items()}
 
 

@@ -11,7 +11,8 @@ state (a collective in the trainer group) and pauses there while rank 0
 has every shard write its part (one RPC to each,
 ``service.write_checkpoint_part``, allowed ``PART_TIMEOUT``), writes the
 dense part and commits the checkpoint at the coordinator, which writes the
-manifest; the others wait for the outcome in the group's store
+manifest, then tells every shard it committed (``service.checkpoint_committed``:
+their push logs keep only what came after it); the others wait for the outcome in the group's store
 (``TrainerGroup.hand_out``), not in a collective, whose timeout a large
 checkpoint would outlast, and leave that wait at once if the group is
 abandoned (rank 0 lost).  The root may be
@@ -52,6 +53,8 @@ logger = logging.getLogger(__name__)
 
 #: How long a shard may take to write its part of a checkpoint (its RPC's timeout, not the RPC default).
 PART_TIMEOUT = datetime.timedelta(minutes=30)
+#: How long rank 0 waits for a shard to cut its push log at a committed checkpoint (a few file deletions).
+CUT_WITHIN = datetime.timedelta(seconds=30)
 #: How long the other members of group 0 wait for rank 0 to have a checkpoint written and committed: not a
 #: collective, whose timeout (a minute) a large checkpoint on an object store would outlast.
 WRITTEN_WITHIN = PART_TIMEOUT + datetime.timedelta(minutes=5)
@@ -191,6 +194,7 @@ class TrainerCheckpoints:
             return None
         logger.info("%s: checkpoint %s written at step %d in %.2f s (%d shards)", self.ctx.rpc_name, checkpoint_id,
                     step, time.monotonic() - started, len(shards))
+        _cut_push_logs(shards, directory.url)
         return checkpoint_id
 
     def _report_failure(self, failure: CheckpointFailure) -> None:
@@ -199,6 +203,18 @@ class TrainerCheckpoints:
             self.ctx.fail_checkpoint(failure)
         except Exception as error:  # noqa: BLE001 - the coordinator's own problem; training goes on
             logger.warning("%s: could not report the failed checkpoint: %s", self.ctx.rpc_name, one_line(error))
+
+
+def _cut_push_logs(shards: List[str], directory: str) -> None:
+    """Tell the shards that the checkpoint at ``directory`` committed, so that their push logs keep only what came
+    after it.  Best effort, bounded: a shard that misses it keeps a longer log until the next one."""
+    futures = [rpc.rpc_async(shard, service.checkpoint_committed, args=(directory,),
+                             timeout=CUT_WITHIN.total_seconds()) for shard in shards]
+    for shard, future in zip(shards, futures):
+        try:
+            future.wait()
+        except RuntimeError as error:  # (a shard lost meanwhile: its restart reads the log as it is)
+            logger.warning("shard %s did not cut its push log at the checkpoint: %s", shard, one_line(error))
 
 
 def every_part(futures, shards: List[str], what: str = "shard parts") -> List[Dict]:

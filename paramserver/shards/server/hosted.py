@@ -23,6 +23,7 @@ from ...checkpoint.storage import parse_range_name
 from ...tables import DynamicOptions, parse_part_name, part_name
 from ...tables.row_types import ROUNDINGS, row_dtypes
 from .dynamic import DynamicRows
+from .push_log import tag_of
 from .state import ShardState
 
 
@@ -107,6 +108,10 @@ def host_dynamic(state: ShardState, table: str, embedding_dim: int, dtype: torch
         if restored is not None:
             state.restore_source.check_row_type(table, restored["values"].dtype, dtype)
             rows.restore(**restored)
+        log = state.push_log
+        if log is not None:  # its training lookups change it: they are logged with the pushes
+            rows.log_tag = tag_of(f"dynamic\0{name}")
+            rows.journal = lambda ids, step: log.append_lookup(rows.log_tag, ids, step)
         return rows
 
     rows = state.shared_dynamic(name, create)

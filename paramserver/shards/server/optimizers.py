@@ -70,6 +70,8 @@ from ...tables.row_types import is_half
 from ...torchscript import compiling, script
 from .hosted import rounding_place
 from .part_threads import PartThreads
+from .push_log import tag_of
+from .replay import replay
 from .state import ShardState
 
 StateDict = Dict[int, Dict[str, Tensor]]
@@ -563,6 +565,12 @@ class OwnerOptimizer:
                 rows.attach(self, index)
         #: Idempotent pushes: the last step applied per pusher (``apply_rows(once=...)``).
         self._last_push: Dict[int, int] = {}
+        #: Pushes of each pusher applied again from the shard's push log when this optimizer was made (``replay``).
+        self.replayed_pushes: Dict[int, int] = {}
+        #: Names this optimizer in the shard's push log, the same in the process that replays it (``push_log``).
+        self.tag = tag_of("\0".join([class_name(optimizer_cls), *self.names]))
+        #: While its push log is replayed: what it applies then is not logged again.
+        self.replaying = False
         self.steps = 0
         self.step_seconds_total = 0.0
         #: When the last step's work began and ended (its locks held), on ``time.monotonic()``: on Linux one
@@ -635,7 +643,27 @@ class OwnerOptimizer:
             for marks in self._marks:  # a live export carries them whole next time
                 marks.mark_whole()
             return self._impl.step(context_id, measure)
-        self._timed(run, lambda: context_peer(context_id), "step")
+        self._timed(run, lambda: context_peer(context_id), "step", journal=self.journal_gap)
+
+    def journal_gap(self) -> None:
+        """The parameters changed in a way the shard's push log does not hold (a ``dist_autograd`` step, a state
+        loaded): no replay crosses this point (the caller holds the locks, or no step runs meanwhile)."""
+        log = self._state.push_log
+        if log is not None and not self.replaying:
+            log.append_gap(self.tag)
+
+    def _journal_push(self, params: Sequence[int], ids: Sequence[Tensor], gradients: Sequence[Tensor],
+                      once: Optional[Tuple[int, int]]) -> Optional[Callable[[], None]]:
+        """What logs a push once applied (under the locks), or ``None`` without a push log."""
+        log = self._state.push_log
+        if log is None or self.replaying:
+            return None
+        pusher, step = once if once is not None else (-1, -1)
+        return lambda: log.append_push(self.tag, pusher, step, params, ids, gradients)
+
+    def dynamic_parts(self) -> List[Optional[object]]:
+        """Each parameter's ``DynamicRows`` (a dynamic table's part), or ``None`` for a fixed one."""
+        return list(self._dynamic)
 
     def row_width(self, index: int) -> int:
         """The width of parameter ``index``'s rows (``ValueError`` when there is no such 2-D parameter)."""
@@ -669,7 +697,7 @@ class OwnerOptimizer:
                 for index, rows, _ in pushed:
                     self._marks[index].mark(rows)
                 return self._native.apply_pushed(pushed, measure)
-            return self._timed(run_native, lambda: peer, "push", once)
+            return self._timed(run_native, lambda: peer, "push", once, self._journal_push(params, ids, gradients, once))
 
         # A fixed table's gradient is built (and its rows checked) before the locks are taken: a push being
         # applied does not wait for the next one's preparation.  A dynamic table's ids name rows only under them.
@@ -698,7 +726,7 @@ class OwnerOptimizer:
             if native is not None and native.takes(by_param):
                 return native.apply(by_param, measure)
             return self._impl.apply(by_param, measure)
-        return self._timed(run, lambda: peer, "push", once)
+        return self._timed(run, lambda: peer, "push", once, self._journal_push(params, ids, gradients, once))
 
     def _natively_pushed(self, params: Sequence[int], ids: Sequence[Tensor],
                          gradients: Sequence[Tensor]) -> Optional[List[Tuple[int, Tensor, Tensor]]]:
@@ -746,9 +774,11 @@ class OwnerOptimizer:
         self._impl.reset_rows(index, rows)
 
     def _timed(self, run: Callable[[bool], Tuple[int, int]], peer: Callable[[], str], rpc: str,
-               once: Optional[Tuple[int, int]] = None) -> bool:
+               once: Optional[Tuple[int, int]] = None, journal: Optional[Callable[[], None]] = None) -> bool:
         """``run(measure)`` under the parameters' locks, timed, and counted in the process's metrics as served
-        for ``peer()`` by an RPC of kind ``rpc``; with ``once`` (see ``apply_rows``) at most once per step."""
+        for ``peer()`` by an RPC of kind ``rpc``; with ``once`` (see ``apply_rows``) at most once per step;
+        ``journal()`` once it applied, still under the locks (the shard's push log takes it in the order
+        applied)."""
         metrics = self._state.recorder
         with self._locked():
             self._state.refuse_if_faulted()
@@ -769,6 +799,8 @@ class OwnerOptimizer:
                 raise self._state.fault(reason) from error
             if once is not None:
                 self._last_push[once[0]] = once[1]
+            if journal is not None:
+                journal()
             ended = time.monotonic()
             elapsed = ended - began
             self.steps += 1
@@ -797,12 +829,15 @@ class OwnerOptimizer:
             return {i: {k: _copy(v) for k, v in entry.items()} for i, entry in state.items()}
         return self._scripted_state_method("optimizer_state")()
 
-    def snapshot(self) -> Tuple[List[Union[Tensor, Dict]], StateDict]:
+    def snapshot(self, on_locked: Optional[Callable[[], None]] = None) -> Tuple[List[Union[Tensor, Dict]], StateDict]:
         """Copies of the parameters and of their state, taken together between two steps.  A dynamic table's
         slab comes as its checkpoint entry instead (``DynamicRows.checkpoint_entry``: the rows held, by id,
-        with their state), and its state is not in the state returned."""
+        with their state), and its state is not in the state returned.  ``on_locked()`` runs under the same
+        locks (a checkpoint's mark in the push log, and the ledger it keeps: ``ledger_locked``)."""
         with self._locked():
             self._state.refuse_if_faulted()  # a checkpoint never holds a half-applied push
+            if on_locked is not None:
+                on_locked()
             try:
                 state = self._state_locked()
             except NotImplementedError:  # a class without state methods: values only
@@ -816,6 +851,22 @@ class OwnerOptimizer:
     @property
     def class_name(self) -> str:
         return class_name(self.optimizer_cls)
+
+    def ledger_locked(self) -> Dict[int, int]:
+        """The last step applied per pusher (a copy; the caller holds the locks): what a checkpoint keeps so that
+        a restored shard still recognises the pushes it holds."""
+        return dict(self._last_push)
+
+    def ledger(self, pusher: int) -> Tuple[int, int]:
+        """The last step of ``pusher`` applied here (-1: none), and how many of its pushes this process applied
+        again from its push log."""
+        with self._locked():
+            return self._last_push.get(pusher, -1), self.replayed_pushes.get(pusher, 0)
+
+    def restore_ledger(self, ledger: Dict[int, int]) -> None:
+        """Start from a checkpoint's ledger (``ledger_locked``), before any push."""
+        with self._locked():
+            self._last_push.update(ledger)
 
     def load_state_dict(self, state: StateDict) -> None:
         with self._locked():
@@ -883,15 +934,16 @@ def owner_optimizer_for(state: ShardState, optimizer_cls, params: List[Tensor], 
 
     def create(handle: int) -> OwnerOptimizer:
         names = [_parameter_name(state, p, i) for p, i in zip(params, indices)]
-        return OwnerOptimizer(optimizer_cls, functional_cls, params, names, args, kwargs, state, handle)
+        made = OwnerOptimizer(optimizer_cls, functional_cls, params, names, args, kwargs, state, handle)
+        logger.info("optimizer %d: %s over %d parameters (%s)", made.handle, optimizer_cls.__qualname__,
+                    len(params), ("Python, under a lock" if functional_cls is None else
+                                  "TorchScript" if torchscript_enabled() else "eager: TorchScript is off"))
+        # Restored, and brought to where this shard's killed process left it, before any other caller sees it.
+        _restore_state(state, made)
+        replay(state, made)
+        return made
 
-    owner_optimizer, created = state.optimizer_for(key, create)
-    if created:
-        logger.info("optimizer %d: %s over %d parameters (%s)", owner_optimizer.handle,
-                    optimizer_cls.__qualname__, len(params),
-                    ("Python, under a lock" if functional_cls is None else
-                     "TorchScript" if torchscript_enabled() else "eager: TorchScript is off"))
-        _restore_state(state, owner_optimizer)
+    owner_optimizer, _ = state.optimizer_for(key, create)
     return owner_optimizer
 
 
@@ -930,6 +982,7 @@ def _restore_state(state: ShardState, owner_optimizer: OwnerOptimizer) -> None:
         owner_optimizer.load_state_dict(restored)
         logger.info("optimizer %d: state of %d of its %d parameters restored from the checkpoint",
                     owner_optimizer.handle, len(restored), len(owner_optimizer.params))
+    owner_optimizer.restore_ledger(source.ledger(owner_optimizer.tag))
 
 
 def row_gradient(rows: Tensor, values: Tensor, shape: List[int], name: str) -> Tensor:

@@ -20,7 +20,8 @@ asks of each shard, as plain functions of the shard's ``ShardState``
   ``optimizers.OwnerOptimizer``), under its parameters' locks, with the
   same scripted update that ``DistributedOptimizer.step`` runs on a
   ``dist_autograd`` context's row-sparse gradients: the rows come out
-  equal to the unfused path's.
+  equal to the unfused path's.  What a push applied (and a dynamic table's
+  training lookups) reaches the shard's push log before the answer leaves.
 """
 
 import logging
@@ -59,8 +60,12 @@ def lookup(state: ShardState, incarnation: int, tables: List[int], ids: Tensor, 
     touches and admits ids then); negative to read only."""
     check_incarnation(state, incarnation)
     with torch.no_grad():
-        pieces = [_rows(state, state.table(handle), rows, step)
-                  for handle, rows in zip(tables, wire.unpack_ids(ids, counts))]
+        try:
+            pieces = [_rows(state, state.table(handle), rows, step)
+                      for handle, rows in zip(tables, wire.unpack_ids(ids, counts))]
+        finally:
+            if step >= 0:  # a dynamic table's admissions are in the push log before the rows are answered
+                state.flush_log()
         if len({piece.dtype for piece in pieces}) > 1:  # tables of several types: one packed tensor, in float32
             pieces = [piece.to(torch.float32) for piece in pieces]
         return wire.pack_rows(pieces)
@@ -103,4 +108,6 @@ def pushes(state: ShardState, incarnation: int, optimizer: int, params: List[int
     except ValueError as error:
         logger.warning("optimizer %d refused a push from %s: %s", optimizer, peer, error)
         raise
+    finally:
+        state.flush_log()  # what it applied is in the push log before it answers
     return len(params)

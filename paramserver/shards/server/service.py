@@ -20,7 +20,8 @@ of what a shard answers:
 * optimizers: ``new_owner_optimizer``, ``optimizer_step`` (TorchScript over
   ``paramserver::owner_step``), ``optimizer_step_stats``,
   ``optimizer_state_dict``, ``optimizer_load_state_dict``;
-* checkpoints and live exports: ``write_checkpoint_part``, ``write_export_part``;
+* checkpoints and live exports: ``write_checkpoint_part``, ``checkpoint_committed`` (the push log is cut
+  there), ``write_export_part``;
 * figures: ``dynamic_table_parts``, ``dynamic_table_figures`` (``figures``);
 * the process: ``request_stop``.
 
@@ -152,12 +153,15 @@ def _push_lookup_kernel(incarnation: int, optimizer: int, params: List[int], par
 
 
 def _owner_step_kernel(handle: int, context_id: int) -> int:
-    owner_optimizer = _state().optimizer(handle)
+    state = _state()
+    owner_optimizer = state.optimizer(handle)
     try:
         owner_optimizer.step(context_id)
     except ValueError as error:
         logger.warning("optimizer %d refused a step: %s", handle, error)
         raise
+    finally:
+        state.flush_log()
     return len(owner_optimizer.params)
 
 
@@ -234,8 +238,12 @@ def optimizer_state_dict(handle: int) -> optimizers.StateDict:
 
 
 def optimizer_load_state_dict(handle: int, state: optimizers.StateDict) -> None:
-    """RPC target: restore the OwnerOptimizer's state."""
-    _state().optimizer(handle).load_state_dict(state)
+    """RPC target: restore the OwnerOptimizer's state (the push log cannot replay across it)."""
+    shard_state = _state()
+    owner_optimizer = shard_state.optimizer(handle)
+    owner_optimizer.load_state_dict(state)
+    owner_optimizer.journal_gap()
+    shard_state.flush_log()
 
 
 # -- checkpoints, figures and the process -----------------------------------------
@@ -243,6 +251,11 @@ def write_checkpoint_part(directory: str, storage_options: Optional[Dict] = None
     """RPC target: write this shard's part into checkpoint ``directory`` (a path or URL, on the filesystem
     ``storage_options`` configure); its ``FileRecord`` as JSON."""
     return checkpoint_part.write_part(_state(), locate(directory, storage_options), rpc.get_worker_info().name).to_json()
+
+
+def checkpoint_committed(directory: str) -> None:
+    """RPC target: checkpoint ``directory`` (a path or URL) committed: this shard's push log is cut there."""
+    checkpoint_part.committed(_state(), directory)
 
 
 def write_export_part(directory: str, storage_options: Optional[Dict], whole: bool) -> Dict:

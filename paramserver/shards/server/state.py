@@ -8,7 +8,8 @@ parts among them (``paramserver.shards.server.dynamic``, by their slab; ``dynami
 figures for metrics and heartbeats), the owner-side
 optimizers over them (by what they were asked for and by handle), a lock
 per parameter in one global order, the TorchScript compile lock, where
-restored values come from (``restore_source``), where its optimizer steps are
+restored values come from (``restore_source``), its push log (``push_log``: every push applied since
+its checkpoint, which a restarted process replays), where its optimizer steps are
 counted (``recorder``), the stop request, whether it failed inside a step (``fault``: it then serves no step
 or snapshot again, and its process ends to be restarted), and what its dynamic tables call
 outside Python: the C kernel's builds (``kernels``, loaded when it hosts
@@ -34,6 +35,7 @@ from .changes import RowMarks
 from .dynamic.huge_pages import HugePages
 from .dynamic.native import NativeKernels
 from .part_threads import PartThreads
+from .push_log import PushLog
 
 
 class RestoreSource(Protocol):
@@ -49,6 +51,11 @@ class RestoreSource(Protocol):
     def optimizer_of(self, name: str) -> Optional[str]: ...
 
     def optimizer_state(self, name: str, optimizer: str) -> Optional[Dict[str, Tensor]]: ...
+
+    def ledger(self, tag: int) -> Dict[int, int]: ...
+
+    @property
+    def key(self) -> str: ...
 
 
 class OwnerStepRecorder(Protocol):
@@ -81,6 +88,8 @@ class ShardState:
         self.row_kernels = row_kernels
         #: The threads that apply a large push's parts beside the thread that received it (made on first use).
         self.part_threads = PartThreads()
+        #: Where every push applied here is logged until a checkpoint holds it (``push_log.PushLog``), or ``None``.
+        self.push_log: Optional[PushLog] = None
         #: What makes its dynamic tables' large tensors (on huge pages where the system offers them).
         self.huge_pages = huge_pages if huge_pages is not None else HugePages()
         #: Names this process among every process that serves under the same RPC name (a restarted shard is
@@ -113,6 +122,16 @@ class ShardState:
         #: Called once, with the reason, when a step fails inside its kernels: a shard process ends itself there
         #: (its supervisor restarts it from the newest checkpoint); elsewhere (tests) the fault is only raised.
         self.on_fault: Callable[[str], None] = lambda reason: None
+
+    # -- the push log ------------------------------------------------------
+    def flush_log(self) -> None:
+        """Write what the push log took so far (before a request is answered)."""
+        if self.push_log is not None:
+            self.push_log.flush()
+
+    def restored_key(self) -> str:
+        """The checkpoint its tables came from as the push log names it (``""``: their initial values)."""
+        return self.restore_source.key if self.restore_source is not None else ""
 
     # -- faults ------------------------------------------------------------
     def fault(self, reason: str) -> ShardFault:

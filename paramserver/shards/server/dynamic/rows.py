@@ -84,6 +84,10 @@ class DynamicRows:
         self._lock = lock_for(self.slab)
         #: Slots changed and ids evicted since a live export took them (``changes``; under the lock).
         self.marks = RowMarks()
+        #: Names this part in the shard's push log (``push_log.tag_of``), and what a training lookup is logged
+        #: with, under the lock (``journal(ids, step)``; ``None``: not logged).
+        self.log_tag = 0
+        self.journal: Optional[Callable[[Tensor, int], None]] = None
 
     # -- the optimizers whose state follows the rows -----------------------------
     def attach(self, optimizer, index: int) -> None:
@@ -115,6 +119,8 @@ class DynamicRows:
                     created = self._create_locked(ids[admitted], step)
                     made = (created >= 0).nonzero().view(-1)
                     rows[admitted[made]] = self.slab.index_select(0, created[made])
+            if step >= 0 and self.journal is not None:  # what it admitted, touched and evicted happens again
+                self.journal(ids, step)
             return rows
 
     def slots_locked(self, ids: Tensor) -> Tensor:

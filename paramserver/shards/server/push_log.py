@@ -1,0 +1,401 @@
+"""The push log: every push a shard process applied since its checkpoint part, in the order applied, on disk.
+
+Owns one shard's log files (``PushLog``): their record format, appending
+records in batches, cutting the log when a checkpoint commits, and reading
+it back after a crash (``PushLog.open`` checks every record; ``plan`` says
+which records bring an optimizer's rows from a checkpoint to where the
+killed process left them).  What the records mean to an optimizer (applying
+them again) is ``replay``'s business; nothing here knows of optimizers,
+tables or RPC.
+
+A log is a folder of segment files, ``segment-<n>.log``, written in turn.
+Each record is a 16-byte header (``PSLG``, its kind, its payload's length
+and CRC-32) and its payload:
+
+* ``BASE``: where the log begins, the checkpoint the process started from
+  (``""``: its tables' initial values);
+* ``MARK``: optimizer ``tag``'s rows and state are those of checkpoint
+  ``name`` here (written under its locks while its part is copied);
+* ``PUSH``: one push applied by optimizer ``tag`` (pusher, step, and per
+  parameter its index, rows, width and the ids and gradients as they came);
+* ``LOOKUP``: ids looked up at a step in a dynamic table's part ``tag``
+  (its admissions, touches and evictions happen then);
+* ``GAP``: optimizer ``tag`` changed in a way the log does not hold (a
+  ``dist_autograd`` step, a state loaded): no replay crosses it.
+
+Appends are taken under the caller's locks (so the log's order is the order
+applied, per table) into a buffer, and written by ``flush`` in one
+``writev`` before the request that made them is answered: a process killed
+after answering has its records in the kernel's page cache, which survives
+it.  Nothing is synced to the device: a host that loses power or its disk
+loses the log's tail, and a restart rolls back to the checkpoint there (the
+trainers count those steps).  A record cut by the crash at the log's end is
+dropped (the request it belonged to was never answered); a damaged record
+before the end makes the whole log unusable (``fallback``), since replaying
+around a hole would make rows no process ever held.
+"""
+
+import hashlib
+import logging
+import os
+import struct
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+import torch
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"PSLG"
+HEADER = struct.Struct("<4sB3xII")  # magic, kind, payload length, payload CRC-32
+BASE, MARK, PUSH, LOOKUP, GAP = 1, 2, 3, 4, 5
+KINDS = {BASE: "base", MARK: "mark", PUSH: "push", LOOKUP: "lookup", GAP: "gap"}
+_PUSH = struct.Struct("<QqqI")  # optimizer tag, pusher, step, parameters
+_PARAM = struct.Struct("<IIIB3x")  # parameter index, rows, width, gradient type
+_LOOKUP = struct.Struct("<QqI")  # table tag, step, ids
+_TAG = struct.Struct("<Q")
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: ``writev`` takes at most this many buffers at once (Linux's IOV_MAX).
+_IOV_MAX = 1024
+_SEGMENT = "segment-{:08d}.log"
+
+
+def tag_of(text: str) -> int:
+    """A 64-bit name for ``text`` (an optimizer's or a table part's identity), the same in every process."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+def checkpoint_key(path: str) -> str:
+    """How the log names a checkpoint: the last part of its directory's path or URL."""
+    return PurePosixPath(str(path).rstrip("/")).name
+
+
+class CorruptLog(ValueError):
+    """A record before the log's end is damaged: the log cannot be replayed (its file and offset named)."""
+
+
+def _bytes(tensor: Tensor) -> memoryview:
+    """The bytes of ``tensor`` (made contiguous), without a copy."""
+    return memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+@dataclass(frozen=True)
+class Entry:
+    """Where one record of a log lies, and what an index needs of it without reading its payload."""
+
+    segment: int
+    offset: int
+    kind: int
+    length: int
+    tag: int = 0
+    name: str = ""  # a BASE's or MARK's checkpoint
+
+
+@dataclass
+class Push:
+    """A ``PUSH`` record read back: what ``OwnerOptimizer.apply_rows`` takes again."""
+
+    tag: int
+    pusher: int
+    step: int
+    params: List[int]
+    ids: List[Tensor]
+    gradients: List[Tensor]
+
+
+@dataclass
+class Lookup:
+    """A ``LOOKUP`` record read back."""
+
+    tag: int
+    step: int
+    ids: Tensor
+
+
+@dataclass
+class LogFigures:
+    """What a log has done, for metrics and status: records appended, their bytes, the log's size on disk."""
+
+    appends: int = 0
+    appended_bytes: int = 0
+    size_bytes: int = 0
+    flushes: int = 0
+    flush_seconds: float = 0.0
+    since: float = field(default_factory=time.monotonic)
+
+
+class PushLog:
+    """One shard's push log in ``directory`` (``open`` makes one, reading what a killed process left there)."""
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+        #: Why the log found there could not be used (a damaged record), or ``None``.
+        self.fallback: Optional[str] = None
+        #: The records found at ``open``, checked, in order (what ``plan`` reads).
+        self.found: List[Entry] = []
+        self.figures = LogFigures()
+        self._buffer_lock = threading.Lock()
+        self._write_lock = threading.Lock()
+        self._pending: List[Tuple[int, List[memoryview]]] = []
+        self._segments: List[int] = []
+        self._fd = -1
+        self._mark_segments: Dict[str, int] = {}  # checkpoint -> the first segment with a mark of it
+
+    # -- opening -------------------------------------------------------------
+    @classmethod
+    def open(cls, directory: Path, base: str) -> "PushLog":
+        """The log in ``directory`` (made if missing), its records checked and a cut last record dropped; a log
+        with a damaged record before its end is set aside (``fallback`` says why) and a new one begins, as does
+        a missing one, at ``base`` (the checkpoint the process restores, ``""`` for none)."""
+        log = cls(directory)
+        log.directory.mkdir(parents=True, exist_ok=True)
+        segments = sorted(int(path.stem.split("-")[1]) for path in log.directory.glob("segment-*.log"))
+        try:
+            log.found = log._scan(segments)
+        except CorruptLog as error:
+            log.fallback = str(error)
+            for number in segments:
+                os.replace(log._path(number), log.directory / f"damaged-{_SEGMENT.format(number)}")
+            segments, log.found = [], []
+        log._segments = segments
+        for entry in log.found:
+            if entry.kind == MARK:
+                log._mark_segments.setdefault(entry.name, entry.segment)
+        if segments:
+            log._open_segment(segments[-1])
+        else:
+            log._open_segment(0)
+            log._append(BASE, [memoryview(base.encode())])
+            log.flush()
+        log.figures.size_bytes = sum(log._path(number).stat().st_size for number in log._segments)
+        return log
+
+    def _path(self, number: int) -> Path:
+        return self.directory / _SEGMENT.format(number)
+
+    def _scan(self, segments: Sequence[int]) -> List[Entry]:
+        """Every whole record of ``segments``, checked; the last segment cut after its last whole record."""
+        entries: List[Entry] = []
+        for position, number in enumerate(segments):
+            path = self._path(number)
+            data = path.read_bytes()
+            offset = 0
+            while offset < len(data):
+                problem = None
+                if len(data) - offset < HEADER.size:
+                    problem = "a header cut short"
+                else:
+                    magic, kind, length, crc = HEADER.unpack_from(data, offset)
+                    start, stop = offset + HEADER.size, offset + HEADER.size + length
+                    if magic != MAGIC or kind not in KINDS:
+                        problem = "no record header"
+                    elif stop > len(data):
+                        problem = "a record cut short"
+                    elif zlib.crc32(memoryview(data)[start:stop]) != crc:
+                        problem = "a record whose checksum does not match"
+                if problem is not None:
+                    last = position == len(segments) - 1
+                    if last and (problem.endswith("cut short") or self._nothing_whole_after(data, offset)):
+                        logger.warning("push log %s: %s at its end (offset %d) dropped: the request it belonged "
+                                       "to was never answered", path, problem, offset)
+                        os.truncate(path, offset)
+                        break
+                    raise CorruptLog(f"{path} holds {problem} at offset {offset}, before its end")
+                entries.append(_entry(number, offset, kind, data, start, length))
+                offset = stop
+        return entries
+
+    @staticmethod
+    def _nothing_whole_after(data: bytes, offset: int) -> bool:
+        """Whether no whole record begins after the damaged one at ``offset`` (its tail was being written)."""
+        found = data.find(MAGIC, offset + 1)
+        while found >= 0:
+            if len(data) - found >= HEADER.size:
+                _, kind, length, crc = HEADER.unpack_from(data, found)
+                stop = found + HEADER.size + length
+                if kind in KINDS and stop <= len(data) and zlib.crc32(data[found + HEADER.size:stop]) == crc:
+                    return False
+            found = data.find(MAGIC, found + 1)
+        return True
+
+    def _open_segment(self, number: int) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+        self._fd = os.open(self._path(number), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        if number not in self._segments:
+            self._segments.append(number)
+
+    # -- appending (under the caller's locks), writing ---------------------------
+    def append_push(self, tag: int, pusher: int, step: int, params: Sequence[int], ids: Sequence[Tensor],
+                    gradients: Sequence[Tensor]) -> None:
+        """Optimizer ``tag`` applied a push (``OwnerOptimizer.apply_rows``'s arguments, as they came)."""
+        pieces = [memoryview(_PUSH.pack(tag, pusher, step, len(params)))]
+        for index, rows, values in zip(params, ids, gradients):
+            pieces.append(memoryview(_PARAM.pack(index, rows.numel(), values.size(1) if values.dim() == 2 else 0,
+                                                 _DTYPES.index(values.dtype))))
+        for rows, values in zip(ids, gradients):
+            pieces.append(_bytes(rows.to(torch.int64)))
+            pieces.append(_bytes(values))
+        self._append(PUSH, pieces)
+
+    def append_lookup(self, tag: int, ids: Tensor, step: int) -> None:
+        """Dynamic table part ``tag`` admitted and touched ``ids`` at ``step``."""
+        self._append(LOOKUP, [memoryview(_LOOKUP.pack(tag, step, ids.numel())), _bytes(ids.to(torch.int64))])
+
+    def append_mark(self, tag: int, checkpoint: str) -> None:
+        """Optimizer ``tag``'s rows and state are those copied into checkpoint ``checkpoint`` (under its locks)."""
+        self._append(MARK, [memoryview(_TAG.pack(tag)), memoryview(checkpoint.encode())])
+        with self._buffer_lock:
+            self._mark_segments.setdefault(checkpoint, self._segments[-1])
+
+    def append_gap(self, tag: int) -> None:
+        """Optimizer ``tag`` changed outside the log: no replay from before here reaches past it."""
+        self._append(GAP, [memoryview(_TAG.pack(tag))])
+
+    def _append(self, kind: int, pieces: List[memoryview]) -> None:
+        with self._buffer_lock:
+            self._pending.append((kind, pieces))
+
+    def flush(self) -> None:
+        """Write every record appended so far, in order, in as few ``writev`` calls as it takes (a request's
+        records reach the file before it is answered; several threads' records go in one write)."""
+        with self._write_lock:
+            with self._buffer_lock:
+                pending, self._pending = self._pending, []
+            if not pending:
+                return
+            started = time.perf_counter()
+            buffers: List[memoryview] = []
+            written = 0
+            for kind, pieces in pending:
+                crc, length = 0, 0
+                for piece in pieces:
+                    crc = zlib.crc32(piece, crc)
+                    length += piece.nbytes
+                buffers.append(memoryview(HEADER.pack(MAGIC, kind, length, crc)))
+                buffers.extend(pieces)
+                written += HEADER.size + length
+            for start in range(0, len(buffers), _IOV_MAX):
+                _write_all(self._fd, buffers[start:start + _IOV_MAX])
+            figures = self.figures
+            figures.appends += len(pending)
+            figures.appended_bytes += written
+            figures.size_bytes += written
+            figures.flushes += 1
+            figures.flush_seconds += time.perf_counter() - started
+
+    # -- cutting ----------------------------------------------------------------
+    def rotate(self) -> None:
+        """Begin a new segment (before a checkpoint's marks: the segments before it can go when it commits)."""
+        self.flush()
+        with self._write_lock:
+            self._open_segment(self._segments[-1] + 1)
+
+    def committed(self, checkpoint: str) -> int:
+        """Checkpoint ``checkpoint`` committed: the segments before the one holding its first mark are deleted
+        (the log then holds one checkpoint interval).  Returns how many were."""
+        with self._write_lock:
+            first = self._mark_segments.get(checkpoint)
+            if first is None:
+                return 0
+            gone = [number for number in self._segments if number < first]
+            for number in gone:
+                size = self._path(number).stat().st_size
+                self._path(number).unlink()
+                self.figures.size_bytes -= size
+            self._segments = [number for number in self._segments if number >= first]
+            self._mark_segments = {name: max(segment, first) for name, segment in self._mark_segments.items()}
+            self.found = [entry for entry in self.found if entry.segment >= first]
+        if gone:
+            logger.info("push log %s cut at checkpoint %s: %d segment%s deleted, %.1f MB kept", self.directory,
+                        checkpoint, len(gone), "s" if len(gone) != 1 else "", self.figures.size_bytes / 1e6)
+        return len(gone)
+
+    # -- reading back -------------------------------------------------------------
+    def plan(self, checkpoint: str, tags: Set[int]) -> Optional[List[Entry]]:
+        """The records found that bring everything ``tags`` name (an optimizer and its dynamic tables' parts) from
+        checkpoint ``checkpoint`` (``""``: the initial values) to where the log ends, in order; ``None`` when the
+        log holds no point where they were at that checkpoint (it was cut later, or began elsewhere), or a gap
+        follows the last such point."""
+        anchored = False
+        records: List[Entry] = []
+        for entry in self.found:
+            if entry.kind == BASE:
+                anchored, records = entry.name == checkpoint, []
+            elif entry.tag not in tags:
+                continue
+            elif entry.kind == MARK and entry.name == checkpoint:
+                anchored, records = True, []
+            elif entry.kind == GAP:
+                anchored, records = False, []
+            elif entry.kind in (PUSH, LOOKUP) and anchored:
+                records.append(entry)
+        return records if anchored else None
+
+    def read(self, entry: Entry) -> object:
+        """The ``Push`` or ``Lookup`` at ``entry``."""
+        with open(self._path(entry.segment), "rb") as file:
+            file.seek(entry.offset + HEADER.size)
+            payload = bytearray(file.read(entry.length))
+        if entry.kind == LOOKUP:
+            tag, step, count = _LOOKUP.unpack_from(payload, 0)
+            return Lookup(tag, step, torch.frombuffer(payload, dtype=torch.int64, count=count, offset=_LOOKUP.size))
+        tag, pusher, step, count = _PUSH.unpack_from(payload, 0)
+        offset = _PUSH.size
+        shapes = []
+        for _ in range(count):
+            shapes.append(_PARAM.unpack_from(payload, offset))
+            offset += _PARAM.size
+        params, ids, gradients = [], [], []
+        for index, rows, width, dtype in shapes:
+            dtype = _DTYPES[dtype]
+            params.append(index)
+            ids.append(torch.frombuffer(payload, dtype=torch.int64, count=rows, offset=offset) if rows else
+                       torch.empty(0, dtype=torch.int64))
+            offset += 8 * rows
+            values = rows * width
+            size = values * torch.empty(0, dtype=dtype).element_size()
+            gradients.append(torch.frombuffer(payload, dtype=dtype, count=values, offset=offset).view(rows, width)
+                             if values else torch.empty(rows, width, dtype=dtype))
+            offset += size
+        return Push(tag, pusher, step, params, ids, gradients)
+
+    def close(self) -> None:
+        self.flush()
+        with self._write_lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+
+def _entry(segment: int, offset: int, kind: int, data: bytes, start: int, length: int) -> Entry:
+    if kind == BASE:
+        return Entry(segment, offset, kind, length, name=data[start:start + length].decode())
+    if kind == MARK:
+        (tag,) = _TAG.unpack_from(data, start)
+        return Entry(segment, offset, kind, length, tag, data[start + _TAG.size:start + length].decode())
+    if kind == LOOKUP:
+        return Entry(segment, offset, kind, length, _LOOKUP.unpack_from(data, start)[0])
+    return Entry(segment, offset, kind, length, _TAG.unpack_from(data, start)[0])
+
+
+def _write_all(fd: int, buffers: List[memoryview]) -> None:
+    """``writev`` until every byte of ``buffers`` is written (a write may take fewer)."""
+    while buffers:
+        written = os.writev(fd, buffers)
+        while buffers and written >= buffers[0].nbytes:
+            written -= buffers[0].nbytes
+            buffers = buffers[1:]
+        if buffers and written:
+            buffers = [buffers[0][written:]] + buffers[1:]
+
+
+def read_records(log: PushLog, entries: Iterable[Entry]):
+    """The records at ``entries``, read in turn."""
+    for entry in entries:
+        yield log.read(entry)
