@@ -11,7 +11,7 @@ what records into them (a shard's ``ShardState``, a worker's
 one process.
 """
 
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Mapping, Optional
 
 from prometheus_client import CollectorRegistry
 
@@ -19,6 +19,7 @@ from . import data_plane, training
 from .cluster import ClusterCollector
 from .dynamic_tables import DynamicTablesCollector, PartStats
 from .exporter import MetricsExporter, new_registry
+from .push_log import PushLogCollector
 from .training import JobCollector, JobProgress
 
 
@@ -58,11 +59,12 @@ def coordinator_metrics(host: str, port: int, membership, checkpoints=None) -> P
 
 
 def shard_metrics(host: str, port: int, name: str,
-                  dynamic_tables: Callable[[], Iterable[PartStats]] = lambda: ()) -> ProcessMetrics:
+                  dynamic_tables: Callable[[], Iterable[PartStats]] = lambda: (),
+                  push_log: Callable[[], Optional[Mapping[str, float]]] = lambda: None) -> ProcessMetrics:
     """A shard server process: the optimizer steps it applies and who asked for them; the rows of the dynamic
-    table parts that ``dynamic_tables()`` lists at each scrape."""
+    table parts that ``dynamic_tables()`` lists at each scrape; its push log's figures (``push_log()``)."""
     return ProcessMetrics(host, port, name, serves_data_plane=True,
-                          collectors=[DynamicTablesCollector(dynamic_tables)])
+                          collectors=[DynamicTablesCollector(dynamic_tables), PushLogCollector(push_log)])
 
 
 def worker_metrics(host: str, port: int) -> ProcessMetrics:

@@ -46,7 +46,7 @@ from ..logs import configure_logging, exit_now, one_line
 from ..metrics.process import shard_metrics
 from ..shards import PeerOptions, ShardServerOptions, run_shard_server
 from ..shards.server import ShardState
-from ..shards.server.figures import dynamic_figures, dynamic_parts
+from ..shards.server.figures import LogRate, dynamic_figures, dynamic_parts
 from ..shards.server.push_log import PushLog
 from .exit_codes import EXIT_FAILED, EXIT_NO_CHECKPOINT, EXIT_REFUSED
 from .member import MemberSession
@@ -82,7 +82,8 @@ def run_shard_member(address: str, name: str, host: str, token: Optional[str] = 
     metrics = None  # serves until the process exits
     if metrics_port is not None:
         try:
-            metrics = shard_metrics(host, metrics_port.value, name, dynamic_tables=lambda: dynamic_parts(state))
+            metrics = shard_metrics(host, metrics_port.value, name, dynamic_tables=lambda: dynamic_parts(state),
+                                    push_log=lambda: state.push_log.figures.as_dict() if state.push_log else None)
             metrics_port.value = metrics.port
         except OSError as error:
             logger.error("shard %s: %s", name, error)
@@ -103,10 +104,13 @@ def run_shard_member(address: str, name: str, host: str, token: Optional[str] = 
     if member_id is not None:
         member_id.value = assignment.member_id.encode()
     # Heartbeats from now on: verifying a big checkpoint may take longer than the heartbeat timeout.
-    # Its dynamic tables' rows, admissions, evictions and bytes go with every beat (ps-ctl status shows them).
+    # Its dynamic tables' rows, admissions, evictions and bytes, and its push log's size and appends per second,
+    # go with every beat (ps-ctl status shows them).
     # A STOP (the coordinator's shutdown) stops every shard: they leave the data plane together.  A lost
     # coordinator leaves at once: the group's store it hosts is gone.
-    session.start_heartbeats(progress=lambda: (0, dynamic_figures(state)), on_stop=stops.request,
+    log_rate = LogRate()
+    session.start_heartbeats(progress=lambda: (0, {**dynamic_figures(state), **log_rate.figures(state)}),
+                             on_stop=stops.request,
                              on_lost=lambda reason, refused: stops.request(together=False))
     restore_source = None
     if assignment.checkpoint.restore_from:

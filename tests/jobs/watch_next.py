@@ -21,7 +21,12 @@ tensor, for comparing an export's (worker 0).  ``kill_at_first_build=PATH``:
 worker 1 SIGKILLs the process whose pid that file holds (a shard's) right
 before the Trainer first builds its tables on the shards, as if that
 shard's process died as the job started.  ``fail_at_start_worker=i``: the
-job of the worker of index ``i`` raises before it trains.
+job of the worker of index ``i`` raises before it trains.  ``row_dtype``:
+the tables' row type on the shards (``"float16"``; float32 by default);
+``video_capacity``: the dynamic video table's rows per shard (it evicts
+the least recently touched past it).  ``kill_shard=[PATH, n]``: worker 0
+SIGKILLs the process whose pid that file holds (a shard's) as its n-th
+training forward pass begins (between two steps' pushes).
 """
 
 import os
@@ -136,6 +141,20 @@ def kill_before_first_build(pid_file: pathlib.Path) -> None:
     sparse.build_tables = killing_first
 
 
+def kill_at_forward(module: nn.Module, pid_file: pathlib.Path, forward: int) -> None:
+    """SIGKILL the process whose pid ``pid_file`` holds as ``module``'s ``forward``-th training forward pass
+    begins (its step's rows were read; the step before's push was applied)."""
+    passes = [0]
+
+    def before_forward(*_args):
+        if module.training:
+            passes[0] += 1
+            if passes[0] == forward and pid_file.exists():
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+                pid_file.unlink()
+    module.register_forward_pre_hook(before_forward)
+
+
 def evaluated_scores(module: nn.Module) -> List[Tensor]:
     """Every output of ``module`` in eval mode (the Trainer's evaluations), in order."""
     scores: List[Tensor] = []
@@ -149,19 +168,24 @@ def main(ctx, steps: int = 200, batch_size: int = 128, dim: int = 8, lr: float =
          seed: int = 7, dynamic_video: bool = False, row_wise_min_rows: int = ROW_WISE_MIN_ROWS,
          eval_scores: Optional[str] = None, staleness: int = 0, cache_rows: Optional[int] = None,
          cache_steps: Optional[int] = None, kill_at_first_build: Optional[str] = None,
-         fail_at_start_worker: Optional[int] = None) -> dict:
+         fail_at_start_worker: Optional[int] = None, row_dtype: str = "float32",
+         video_capacity: Optional[int] = None, kill_shard: Optional[List] = None) -> dict:
     if ctx.worker_index == fail_at_start_worker:
         raise RuntimeError(f"worker {fail_at_start_worker}'s job fails at start (fail_at_start_worker)")
     planted = Planted(seed, hashed_videos=dynamic_video)
     data = (StatefulSessions if stateful else Sessions)(planted, ctx.worker_index, batch_size)
-    tables = {"user": Table(USERS, dim, init_std=0.1), "history": Table(VIDEOS, dim, mode="mean", init_std=0.1),
-              "video": Table(None if dynamic_video else VIDEOS, dim, init_std=0.1), "creator": Table(CREATORS, dim, init_std=0.1)}
+    rows = dict(init_std=0.1, dtype=getattr(torch, row_dtype))
+    tables = {"user": Table(USERS, dim, **rows), "history": Table(VIDEOS, dim, mode="mean", **rows),
+              "video": Table(None, dim, capacity=video_capacity, **rows) if dynamic_video else Table(VIDEOS, dim, **rows),
+              "creator": Table(CREATORS, dim, **rows)}
     torch.manual_seed(seed)
     tower = FactorizationMachine(list(tables), dim, DENSE)
     if crash_in_checkpoint_at is not None and ctx.worker_index == 0:
         crash_mid_checkpoint(tower, pathlib.Path(ctx.checkpoint.directory), crash_in_checkpoint_at)
     if kill_at_first_build is not None and ctx.worker_index == 1:
         kill_before_first_build(pathlib.Path(kill_at_first_build))
+    if kill_shard is not None and ctx.worker_index == 0:
+        kill_at_forward(tower, pathlib.Path(kill_shard[0]), int(kill_shard[1]))
     scores = evaluated_scores(tower) if eval_scores else []
     trainer = Trainer(ctx, tables=tables, dense=tower,
                       sparse_optimizer=(QHM, dict(lr=lr, momentum=0.9, nu=0.7)),

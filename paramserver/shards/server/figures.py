@@ -1,13 +1,18 @@
-"""What a shard process tells of its dynamic tables: per part for its metrics, summed for its heartbeats.
+"""What a shard process tells of its dynamic tables and its push log: per part for its metrics, summed for its
+heartbeats.
 
 Owns reading a shard server's state (``ShardState``, handed in by the
 shard process that made it) into the two shapes the shard process hands
 on: each dynamic table part's figures as ``(table, "index/count", stats)``
 for ``paramserver.metrics.dynamic_tables``, and the ``dynamic.*`` heartbeat
 figures that ``ps-ctl status`` shows, summed over the shard's dynamic
-tables (none on a shard that holds no dynamic table).  It reads figures the
-parts keep anyway (``DynamicRows.stats``) and changes nothing.
+tables (none on a shard that holds no dynamic table); and the push log's
+``push_log.*`` heartbeat figures (``LogRate``: its size, and appends per
+second since the last beat).  It reads figures the parts and the log keep
+anyway (``DynamicRows.stats``, ``LogFigures``) and changes nothing.
 """
+
+import time
 
 from typing import Dict, List, Mapping, Optional, Tuple
 
@@ -41,3 +46,21 @@ def dynamic_figures(state: Optional[ShardState]) -> Dict[str, float]:
     if not parts:
         return {}
     return {f"{FIGURE_PREFIX}{key}": float(sum(stats[key] for stats in parts)) for key in FIGURES}
+
+
+class LogRate:
+    """``figures(state)``: ``{"push_log.bytes": ..., "push_log.appends_per_s": ...}`` for a heartbeat, the rate
+    over the time since the last call (``{}`` when the shard keeps no push log)."""
+
+    def __init__(self):
+        self._last = (time.monotonic(), 0)
+
+    def figures(self, state: Optional[ShardState]) -> Dict[str, float]:
+        log = state.push_log if state is not None else None
+        if log is None:
+            return {}
+        now, appends = time.monotonic(), log.figures.appends
+        then, before = self._last
+        self._last = (now, appends)
+        return {"push_log.bytes": float(log.figures.size_bytes),
+                "push_log.appends_per_s": round((appends - before) / max(now - then, 1e-3), 1)}

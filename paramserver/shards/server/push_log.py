@@ -42,7 +42,7 @@ import struct
 import threading
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
@@ -119,14 +119,18 @@ class Lookup:
 
 @dataclass
 class LogFigures:
-    """What a log has done, for metrics and status: records appended, their bytes, the log's size on disk."""
+    """What a log has done, for metrics and status: records appended, their bytes, the log's size on disk, its
+    writes and their seconds, the records replayed from it."""
 
     appends: int = 0
     appended_bytes: int = 0
     size_bytes: int = 0
     flushes: int = 0
     flush_seconds: float = 0.0
-    since: float = field(default_factory=time.monotonic)
+    replayed: int = 0
+
+    def as_dict(self) -> Dict[str, float]:
+        return {key: float(value) for key, value in vars(self).items()}
 
 
 class PushLog:

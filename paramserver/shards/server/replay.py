@@ -70,6 +70,7 @@ def replay(state: ShardState, optimizer) -> int:
         optimizer.replaying = False
         for tag, rows in dynamic.items():
             rows.journal = journals[tag]
+    log.figures.replayed += pushes + lookups
     spans = ", ".join(f"steps {low}-{high}" for low, high in steps.values())
     logger.info("optimizer %d: replayed %d pushes%s from the push log since %s in %.2f s (%s)", optimizer.handle,
                 pushes, f" and {lookups} lookups" if lookups else "", since, time.monotonic() - started,
