@@ -1,6 +1,7 @@
 """``ps-demo``: the main job on a local cluster, start to finish, in one command.
 
     ps-demo [--shards 4] [--workers 2] [--hook powersgd] [--steps N] [--job-config JSON] [--log-dir D]
+            [--server-flags "--checkpoint-dir D --checkpoint-every 200 ..."]
 
 Starts ``ps-server --shards N`` (the coordinator and its shard servers) and
 ``--workers`` ``ps-worker --connect`` processes that form one trainer group
@@ -8,7 +9,9 @@ with the chosen comm hook and train the default CTR job; shows their
 progress from the coordinator's status, where each worker reports every
 step (tqdm: a bar on a terminal, plain lines otherwise); and ends by printing one line of JSON on stdout: steps,
 samples_per_s (all workers together), auc, log_loss and oracle_auc (held out),
-hook, bytes_per_step (what the hook all-reduced per step), loss, seconds.
+hook, bytes_per_step (what the hook all-reduced per step), loss, sparse_steps_lost and
+replayed_pushes (every worker's, summed), seconds.  ``--server-flags`` hands
+ps-server more flags (checkpoints, a push log: ``docs/fault-tolerance.md``).
 Every process it started is stopped and reaped however it ends (Ctrl-C,
 SIGTERM or SIGHUP included: exit code 128 + the signal's number); their
 logs stay in ``--log-dir`` (a temporary folder by default), with
@@ -20,6 +23,7 @@ import argparse
 import json
 import os
 import pathlib
+import shlex
 import signal
 import subprocess
 import sys
@@ -82,6 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--job", default=DEFAULT_JOB, help=f"the job (default {DEFAULT_JOB})")
     parser.add_argument("--job-config", default="{}", metavar="JSON", help="more keyword arguments for the job")
     parser.add_argument("--log-dir", help="where the processes' logs go (default: a new temporary folder)")
+    parser.add_argument("--server-flags", default="", metavar="FLAGS",
+                        help="more flags for ps-server, as one string (\"--checkpoint-dir D --checkpoint-every 200\")")
     parser.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS",
                         help="give up (and stop everything) after this long (default 900)")
 
@@ -171,6 +177,8 @@ def _figures(workers) -> Dict[str, float]:
             if key in worker.metrics:
                 figures[key] = worker.metrics[key]
     figures["samples_per_s"] = sum(w.metrics.get("samples_per_s", 0.0) for w in workers)
+    for key in ("sparse_steps_lost", "replayed_pushes"):  # every worker's own
+        figures[key] = sum(w.metrics.get(key, 0.0) for w in workers)
     for key in sorted({key for worker in workers for key in worker.metrics if _averaged(key)}):
         values = [worker.metrics[key] for worker in workers if key in worker.metrics]
         figures[key] = sum(values) / len(values)
@@ -195,7 +203,8 @@ def run_demo(args, config: dict, processes: LocalProcesses) -> dict:
     host_processes = 1 + args.shards + args.workers  # the coordinator, its shards, the workers: all on this host
     server = processes.start("ps-server", "paramserver.cli.server", "--shards", str(args.shards), "--port", "0",
                              "--group-size", str(args.workers), "--job", args.job,
-                             "--job-config", json.dumps(config), host_processes=host_processes)
+                             "--job-config", json.dumps(config), *shlex.split(args.server_flags),
+                             host_processes=host_processes)
     address = wait_for_ready(processes, server)
     print(f"ps-demo: cluster ready at {address} ({args.shards} shards); starting {args.workers} workers with the "
           f"{args.hook} hook; logs in {processes.log_dir}", file=sys.stderr, flush=True)
@@ -244,8 +253,8 @@ def run_demo(args, config: dict, processes: LocalProcesses) -> dict:
                "hook": args.hook, "bytes_per_step": int(figures.get("bytes_per_step", 0)),
                "loss": round(figures.get("loss", float("nan")), 4),
                "first_loss": round(figures.get("first_loss", float("nan")), 4), "workers": args.workers,
-               "shards": args.shards,
-               "seconds": round(time.monotonic() - began, 1)}
+               "shards": args.shards, "sparse_steps_lost": int(figures["sparse_steps_lost"]),
+               "replayed_pushes": int(figures["replayed_pushes"]), "seconds": round(time.monotonic() - began, 1)}
     summary.update({key: round(value, 2) for key, value in figures.items() if _averaged(key)})
     return summary
 

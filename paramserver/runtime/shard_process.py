@@ -146,6 +146,11 @@ def run_shard_member(address: str, name: str, host: str, token: Optional[str] = 
                          on_serving=serving, restore_source=restore_source, state=state)
     finally:
         session.leave("stopped")
+    if state.push_log is not None:
+        figures = state.push_log.figures
+        logger.info("shard %s: push log: %d records, %.1f MB appended in %d writes (%.2f s); %d replayed",
+                    assignment.rpc_name, figures.appends, figures.appended_bytes / 1e6, figures.flushes,
+                    figures.flush_seconds, figures.replayed)
     logger.info("shard %s (pid %d) exits", assignment.rpc_name, os.getpid())
     # Both planes are left: nothing of the interpreter's teardown is needed, and after
     # a long run torch's destructors took over 3 s of it (past ps-server's stop
