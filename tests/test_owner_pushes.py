@@ -239,3 +239,16 @@ def test_a_push_that_fails_inside_a_part_after_another_part_wrote_is_a_shard_fau
     with pytest.raises(ShardFault):
         optimizer.snapshot()
     assert len(faults) == 1 and len(parts) == 2
+
+
+def test_the_ledger_names_the_newest_step_applied_per_pusher_and_the_pushes_replayed():
+    """What a trainer asks a shard that came back (``OwnerOptimizer.ledger``): the newest step of the pusher
+    applied here (-1 for a pusher never seen; a step pushed again is skipped, never lowers it) and how many of
+    its pushes the process replayed from its push log."""
+    _, optimizer = owner()
+    assert optimizer.ledger(1) == (-1, 0)
+    for step in (0, 1, 1, 3):
+        optimizer.apply_rows([0], [torch.tensor([2, 9])], [torch.ones(2, DIM)], "test", (1, step))
+    assert not optimizer.apply_rows([0], [torch.tensor([2])], [torch.ones(1, DIM)], "test", (1, 2))
+    optimizer.replayed_pushes[1] = 4  # (filled by the replay of a push log)
+    assert optimizer.ledger(1) == (3, 4) and optimizer.ledger(2) == (-1, 0)

@@ -18,7 +18,7 @@ of what a shard answers:
   Python pickling; the ops' Python kernels hold the GIL to look handles up,
   and the row copies and the scripted update release it);
 * optimizers: ``new_owner_optimizer``, ``optimizer_step`` (TorchScript over
-  ``paramserver::owner_step``), ``optimizer_step_stats``,
+  ``paramserver::owner_step``), ``optimizer_step_stats``, ``push_ledger``,
   ``optimizer_state_dict``, ``optimizer_load_state_dict``;
 * checkpoints and live exports: ``write_checkpoint_part``, ``checkpoint_committed`` (the push log is cut
   there), ``write_export_part``;
@@ -230,6 +230,12 @@ def optimizer_step(handle: int, context_id: int) -> int:
 def optimizer_step_stats(handle: int) -> Dict[str, float]:
     """RPC target: the OwnerOptimizer's step counters."""
     return _state().optimizer(handle).step_stats()
+
+
+def push_ledger(handle: int, pusher: int) -> Tuple[int, int]:
+    """RPC target: the newest step of ``pusher`` that the OwnerOptimizer applied in this process (-1: none), and
+    how many of ``pusher``'s pushes this process replayed from its push log (``OwnerOptimizer.ledger``)."""
+    return _state().optimizer(handle).ledger(pusher)
 
 
 def optimizer_state_dict(handle: int) -> optimizers.StateDict:
