@@ -52,6 +52,17 @@ is refused in its turn, by the step it belongs to.  When the step is
 redone, the group re-forms, or the sparse part is rebuilt, the reads ahead
 are dropped (``drop_reads``).  Their steps look their rows up again.
 
+A push that fails against a lost shard is kept, restricted to the shards
+it failed against, and its step is counted neither applied nor lost yet:
+once the Trainer has rebuilt the sparse part (every shard serves again),
+``rebuilt`` sends the kept pushes again, in step order, through the new
+collection, and waits for them (a shard that replayed one from its push
+log skips it: pushes are idempotent per pusher and step).  It first asks
+every shard served by a new process for its ledger (``AckedSteps``): the
+steps that process lost of what the old one had acknowledged are counted
+lost.  A push refused by a shard is lost, and the Trainer raises the
+refusal.
+
 The cache's memory is bounded (``cache_rows``, ``cache_bytes``, and per
 table a ``Table``'s ``cache_rows``): the windows alive at once (those read
 ahead: a window goes when its last step takes its rows) hold at most that
@@ -67,13 +78,15 @@ import datetime
 import logging
 import math
 import time
-from typing import Callable, Deque, Dict, List, Mapping, Optional, Protocol, Tuple
+from typing import Callable, Deque, Dict, List, Mapping, Optional, Protocol, Sequence, Set, Tuple
 
 from torch import Tensor
 
 from ..logs import RateLimitedLog
-from ..shards.client.collection import CollectionLookup, EmbeddingCollection, PendingPush, PushOnGradients, StepPush
+from ..shards.client.collection import (CollectionLookup, EmbeddingCollection, PendingPush, PushOnGradients,
+                                        ShardRequestFailed, StepPush)
 from ..shards.client.row_cache import RowWindow
+from .acked import AckedSteps, describe_steps
 from .contract import Batch, Table
 
 logger = logging.getLogger(__name__)
@@ -129,7 +142,11 @@ class RowPipeline:
     ``cache_bytes`` the most bytes of rows (``None``: no bound);
     ``recorder``: where the cache's figures go (``None``: nowhere).
     ``applied``/``lost`` count the steps whose pushes were applied, and
-    those that failed against a shard.  The Trainer checks its arguments.
+    those lost: refused by a shard, still kept when the worker ended
+    (``abandon``), or rolled back on a shard that came back without them
+    (moved from ``applied``: each step is counted once, in one of the two).
+    ``replayed``: this worker's pushes that shard processes replayed from
+    their push logs.  The Trainer checks its arguments.
     """
 
     def __init__(self, staleness: int, upcoming: Callable[[int], Optional[Batch]], tables: Mapping[str, Table],
@@ -153,6 +170,14 @@ class RowPipeline:
         self._planned: Optional[RowWindow] = None  # the window the push being made carries (``push``/``pushed``)
         self._pushes: Deque[Tuple[int, PendingPush]] = collections.deque()
         self.applied = self.lost = 0
+        #: Pushes that failed against lost shards, each restricted to those shards, sent again after the
+        #: sparse part is rebuilt (``rebuilt``); their steps are counted neither applied nor lost meanwhile.
+        self._kept: List[StepPush] = []
+        self._doomed: Set[int] = set()  # kept steps rolled back on another shard: lost once settled
+        self._acked = AckedSteps()
+        self._incarnations: Optional[Dict[str, int]] = None  # the shard processes whose ledgers were read
+        #: Pushes of this worker that the shard processes it pushes to replayed from their push logs.
+        self.replayed = 0
         self.cache = RowCacheFigures()
         self._recorder = recorder
         self._slow = RateLimitedLog(logger, "waited for {count} slow push{s} of earlier steps", level=logging.WARNING)
@@ -207,7 +232,7 @@ class RowPipeline:
         the staleness, when no push is outstanding)."""
         window = self._reads.pop(step, None)
         if window is None or window.collection is not collection:
-            quiet = not self._pushes and not self._held
+            quiet = not self._pushes and not self._held and not self._kept
             last = min(step + self.staleness, self._horizon(step) - 1) if self.read_ahead and quiet else step
             window = self._window(collection, step, step, last, batch)
             window.read(collection.lookup_planned(window.plan))
@@ -247,11 +272,10 @@ class RowPipeline:
         planned, self._planned = self._planned, None
         try:
             pending = push.sent()
-        except Exception as error:  # noqa: BLE001 - sending it failed: those steps' updates are lost
+        except Exception as error:  # noqa: BLE001 - sending it failed: kept to send again, or lost
             steps = [held.step for held in self._held] + [step]
             self._held.clear()
-            self.lost += len(steps)
-            return [(lost, error) for lost in steps] + self.drain()
+            return self._failed(steps, push.unsent, error, sent=False) + self.drain()
         if push.holding:
             if push.held is not None:
                 self._held.append(push.held)
@@ -276,10 +300,130 @@ class RowPipeline:
             held, self._held = self._held, []
             try:
                 self._pushes.append((held[-1].step, held[0].collection.send(held)))
-            except Exception as error:  # noqa: BLE001 - sending them failed: those steps' updates are lost
-                self.lost += len(held)
-                failures.extend((push.step, error) for push in held)
+            except Exception as error:  # noqa: BLE001 - sending them failed: kept to send again, or lost
+                failures.extend(self._failed([push.step for push in held], held, error))
         return failures + self._settle(lambda _sent_after: True)
+
+    def kept(self, step: int) -> bool:
+        """Whether the push of ``step`` failed against lost shards and is kept to be sent again (``rebuilt``)."""
+        return any(push.step == step for push in self._kept)
+
+    def rebuilt(self, before: EmbeddingCollection, collection: EmbeddingCollection) -> List[Tuple[int, BaseException]]:
+        """The sparse part was rebuilt (``before`` -> ``collection``; every push in flight settled first).
+
+        Each shard served by another process now tells its ledger
+        (``EmbeddingCollection.push_ledgers``): the pushes it replayed
+        from its push log are counted (``replayed``), and the steps it had
+        acknowledged but holds no more (rolled back: no log, a corrupt log,
+        a lost disk) are counted lost, each step once however many shards
+        lost it, with one warning line per shard.  Then the kept pushes go
+        again, in step order, through ``collection``, to the shards they
+        failed against, and are waited for: a shard skips a step it
+        applied already (pushes are idempotent per pusher and step).
+        Returns the steps whose pushes failed again, with why (kept again,
+        or lost when refused).  A shard that does not tell its ledger
+        raises its ``ShardRequestFailed`` (the kept pushes stay kept).
+        """
+        if self._incarnations is None:
+            self._incarnations = before.incarnations()
+        now = collection.incarnations()
+        replaced = [shard for shard, incarnation in now.items() if self._incarnations.get(shard) != incarnation]
+        ledgers = collection.push_ledgers(replaced) if replaced else {}
+        self._incarnations = now
+        for shard in replaced:
+            self._reconcile(shard, *ledgers[shard])
+        if not self._kept:
+            return []
+        kept, self._kept = sorted(self._kept, key=lambda push: push.step), []
+        try:
+            self._pushes.append((kept[-1].step, collection.send(kept)))
+        except Exception as error:  # noqa: BLE001 - sending them failed: kept again, or lost
+            return self._failed([push.step for push in kept], kept, error)
+        return self._settle(lambda _sent_after: True)
+
+    def checkpointed(self, step: int) -> None:
+        """A checkpoint holding every push before ``step`` committed: a shard restored from it keeps them."""
+        self._acked.durable_before(step)
+
+    def abandon(self) -> None:
+        """The worker ends, or gives up on the shards: the kept pushes are lost."""
+        for push in self._kept:
+            self._count(push.step, applied=False)
+        self._kept.clear()
+
+    def _reconcile(self, shard: str, applied: int, replayed: int) -> None:
+        """``shard``'s new process holds this worker's pushes up to step ``applied`` and replayed ``replayed``
+        of them: the steps it had acknowledged after ``applied`` move from applied to lost."""
+        self.replayed += replayed
+        rolled = self._acked.rolled_back(shard, applied)
+        if not rolled:
+            return
+        self._acked.forget(rolled)  # counted lost once, whichever other shard loses them later
+        kept = {push.step for push in self._kept}
+        for step in rolled:
+            if step in kept:
+                self._doomed.add(step)
+            else:
+                self.applied -= 1
+                self.lost += 1
+        plural = "s" if len(rolled) > 1 else ""
+        logger.warning("shard %s came back without the pushes of %d step%s it had applied (step%s %s; it holds "
+                       "this worker's up to step %d): counted lost", shard, len(rolled), plural, plural,
+                       describe_steps(rolled), applied)
+
+    def _count(self, step: int, applied: bool) -> None:
+        """The push of ``step`` settled: applied (unless rolled back meanwhile on a shard) or lost."""
+        if step in self._doomed:
+            self._doomed.discard(step)
+            applied = False
+        if applied:
+            self.applied += 1
+        else:
+            self.lost += 1
+
+    def _acknowledged(self, push: StepPush, failed: Sequence[str] = ()) -> None:
+        for shard in push.by_shard:
+            if shard not in failed:
+                self._acked.add(shard, push.step)
+
+    def _failed(self, steps: Sequence[int], pushes: Sequence[StepPush], error: BaseException,
+                sent: bool = True) -> List[Tuple[int, BaseException]]:
+        """The message carrying the pushes of ``steps`` (``pushes``: those that have rows) failed with ``error``:
+        a step whose push failed against lost shards is kept, restricted to them; refused (``ShardRefused``
+        carried), or failed otherwise, it is lost; a step with nothing on those shards is applied, and so is
+        a step without a push in a message that left (its rows got no gradient; ``sent``: False when making or
+        sending the message failed, where such a step's push may never have been made: lost).  Returns the
+        steps kept or lost, with why."""
+        failed: Optional[Set[str]] = None  # None: which shards is not known (sending failed): every shard
+        keep = isinstance(error, (RuntimeError, TimeoutError))
+        if isinstance(error, ShardRequestFailed):
+            failed = {shard for shard, _ in error.failures}
+            keep = error.refusal() is None
+        if not keep:
+            for step in steps:
+                self._count(step, applied=False)
+            return [(step, error) for step in steps]
+        by_step = {push.step: push for push in pushes}
+        failures = []
+        for step in steps:
+            push = by_step.get(step)
+            if push is None:  # its rows got no gradient (or, not sent, its push was never made)
+                self._count(step, applied=sent)
+                if not sent:
+                    failures.append((step, error))
+                continue
+            on_failed = [shard for shard in push.by_shard if failed is None or shard in failed]
+            self._acknowledged(push, on_failed)
+            if not on_failed:
+                self._count(step, applied=True)
+            elif step < 0:  # not idempotent: never sent again
+                self._count(step, applied=False)
+                failures.append((step, error))
+            else:
+                self._kept.append(StepPush(push.collection, step, {shard: push.by_shard[shard]
+                                                                   for shard in on_failed}))
+                failures.append((step, error))
+        return failures
 
     def drop_reads(self) -> None:
         """Forget the rows read ahead: their steps look them up again."""
@@ -312,10 +456,13 @@ class RowPipeline:
             started = time.perf_counter()
             try:
                 pending.wait()
-                self.applied += len(pending.steps)
             except (RuntimeError, TimeoutError) as error:
-                self.lost += len(pending.steps)
-                failures.extend((step, error) for step in pending.steps)
+                failures.extend(self._failed(pending.steps, pending.pushes, error))
+            else:
+                for push in pending.pushes:
+                    self._acknowledged(push)
+                for step in pending.steps:
+                    self._count(step, applied=True)
             waited = time.perf_counter() - started
             if waited > SLOW_PUSH.total_seconds():
                 steps = ", ".join(map(str, pending.steps))

@@ -22,10 +22,13 @@ failure means, so that no update is applied twice:
    (and when the group takes another member's state and skips the step,
    this worker's push of it, if it left, counts once).
 3. The push fails against a shard after the all-reduce -> the dense step
-   goes on (the group took it together); this worker's sparse update of
-   the step is lost (some shards may have applied their part), never
-   applied twice.  Returned, not raised (with staleness, by the step
-   that waits for it).
+   goes on (the group took it together).  Returned, not raised (with
+   staleness, by the step that waits for it).  Failed against a lost
+   shard, the push is kept and sent again to that shard once the sparse
+   part is rebuilt (the shard skips it if it applied it already: a
+   restarted shard replays its push log); refused by a shard, or still
+   failing when the worker ends or gives up, the step's sparse update is
+   lost (some shards may have applied their part), never applied twice.
 """
 
 import time

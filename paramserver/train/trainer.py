@@ -226,8 +226,13 @@ class Trainer:
         (group_rank, group_size) and the faults survived: reformations,
         recoveries, shard_rebuilds, checkpoints, and every step accounted
         for once: sparse_steps (sparse update applied) + sparse_steps_lost
-        (failed against a lost shard after the all-reduce) + steps_skipped
-        (taken from another member) = steps - start_step.
+        (refused by a shard, failed against a shard that did not serve again
+        before the worker ended or gave up, or rolled back on a shard process
+        that came back without it) + steps_skipped (taken from another
+        member) + steps_sat_out = steps - start_step.  A push that failed
+        against a lost shard is sent again once it serves, and counts applied;
+        replayed_pushes: this worker's pushes that restarted shard processes
+        replayed from their push logs.
         """
         if steps < 0 or eval_every < 1 or log_every < 1:
             raise ValueError(f"steps must be >= 0 and eval_every, log_every >= 1; got {steps}, {eval_every}, "
@@ -323,6 +328,7 @@ class _Run:
                 self.exports.at_boundary(final=True)  # serving gets the model as training left it
             self._evaluate_at_the_end()
         finally:
+            self.pipeline.abandon()  # pushes still kept from a lost shard (the worker stopped or gave up): lost
             self.pipeline.close()
             self.batches.close()
             replica.close()
@@ -332,7 +338,8 @@ class _Run:
         return dict(self.figures, steps=replica.step, start_step=self.start_step, group_rank=replica.group.rank,
                     group_size=replica.group.world_size, reformations=replica.reformations,
                     recoveries=replica.recoveries, sparse_steps=self.pipeline.applied,
-                    sparse_steps_lost=self.pipeline.lost, steps_skipped=replica.steps_skipped,
+                    sparse_steps_lost=self.pipeline.lost, replayed_pushes=self.pipeline.replayed,
+                    steps_skipped=replica.steps_skipped,
                     steps_sat_out=self.steps_sat_out,
                     shard_rebuilds=self.sparse.rebuilds, checkpoints=len(self.checkpoints.written),
                     live_exports=len(self.exports.written) if self.exports is not None else 0,
@@ -399,27 +406,42 @@ class _Run:
 
     def _after_pushes_settled(self, failures: List[Tuple[int, BaseException]],
                  rebuild_for: Optional[BaseException] = None) -> bool:
-        """After pushes settled: when some failed against the shards (their sparse updates are lost, the
-        dense steps went on), or a step's lookups failed (``rebuild_for``), every push still in flight is
-        waited for, the reads ahead are dropped and the sparse part is rebuilt.  False when the worker was
-        asked to stop meanwhile."""
+        """After pushes settled: when some failed against the shards (the dense steps went on), or a step's
+        lookups failed (``rebuild_for``), every push still in flight is waited for, the reads ahead are dropped
+        and the sparse part is rebuilt; then the pushes kept from lost shards are sent again
+        (``RowPipeline.rebuilt``), and rebuilt again while they fail (within the rebuilds' bound).  False when
+        the worker was asked to stop meanwhile."""
         if failures or rebuild_for is not None:
             failures = failures + self.pipeline.drain()
-        for step, failure in failures:
-            logger.warning("the sparse update of step %d failed against the shards; the dense one goes on: %s",
-                           step, one_line(failure))
+        self._log_failed_pushes(failures)
         cause = rebuild_for if rebuild_for is not None else (failures[-1][1] if failures else None)
-        if cause is None:
-            return True
-        refusal = _refusal_in(cause)
-        if refusal is not None:  # the request's own fault (bad rows, an optimizer that cannot apply them): no rebuild
-            raise refusal from cause
-        self.pipeline.drop_reads()
-        try:
-            self.sparse.rebuild(cause)
-        except RebuildStopped:
-            return False
+        while cause is not None:
+            refusal = _refusal_in(cause)
+            if refusal is not None:  # the request's own fault (bad rows, an optimizer that cannot apply them)
+                raise refusal from cause
+            self.pipeline.drop_reads()
+            before = self.sparse.collection
+            try:
+                self.sparse.rebuild(cause)
+            except RebuildStopped:
+                return False
+            try:
+                failures = self.pipeline.rebuilt(before, self.sparse.collection)
+            except (RuntimeError, TimeoutError) as error:  # a shard lost again before it told its ledger
+                failures, cause = [], error
+            else:
+                self._log_failed_pushes(failures)
+                cause = failures[-1][1] if failures else None
         return True
+
+    def _log_failed_pushes(self, failures: List[Tuple[int, BaseException]]) -> None:
+        for step, failure in failures:
+            if self.pipeline.kept(step):
+                logger.warning("the sparse update of step %d failed against the shards; it is sent again once they "
+                               "serve, and the dense one goes on: %s", step, one_line(failure))
+            else:
+                logger.warning("the sparse update of step %d failed against the shards; the dense one goes on: %s",
+                               step, one_line(failure))
 
     def _boundary(self, final: bool = False) -> bool:
         """A step boundary: agree with the group (on some steps), then write a checkpoint if one is due and a
@@ -462,7 +484,10 @@ class _Run:
                     return False  # a checkpoint and an export hold every update up to their step
                 if agreeing and not final:
                     self.checkpoints.at_agreement()  # (another group than 0: its data position, for group 0's)
+                written = len(self.checkpoints.written)
                 self.checkpoints.at_boundary(replica.agreed_checkpoint)
+                if len(self.checkpoints.written) > written:  # it holds every push of the steps before this one
+                    self.pipeline.checkpointed(replica.step)
                 if exporting:
                     self.exports.at_boundary(final)  # every push of this member's up to here is applied
                 if final or not replica.agreement_due():  # (still due: the group agreed to wait for data)

@@ -153,6 +153,18 @@ class EmbeddingCollection:
         """Which process of ``shard`` the handles were made by (``paramserver.shards.server.rows``)."""
         return self._incarnations[shard]
 
+    def incarnations(self) -> Dict[str, int]:
+        """Every shard the collection's tables are on, with the process its handles were made by."""
+        return dict(self._incarnations)
+
+    def push_ledgers(self, shards: Sequence[str]) -> Dict[str, Tuple[int, int]]:
+        """Per shard of ``shards``: the newest step of this pusher (``token``) its optimizer applied in the
+        process serving it now (-1: none), and how many of this pusher's pushes that process replayed from its
+        push log (``service.push_ledger``).  ``ShardRequestFailed`` naming the shards that did not answer."""
+        return _wait_all({shard: rpc.rpc_async(shard, service.push_ledger,
+                                               args=(self.optimizer_handle(shard), self.token))
+                          for shard in shards}, "push ledger")
+
     def lookup(self, features: Mapping[str, Tensor], step: int = -1) -> "CollectionLookup":
         """Send every table's lookups of ``features[name]`` (``(bags, ids per bag)`` ids): one RPC per shard.
         ``step``: the training step they are for (dynamic tables admit and touch ids then); negative for a
@@ -214,7 +226,8 @@ class EmbeddingCollection:
             futures[shard] = future
             if read is not None:
                 read_futures[shard] = future
-        return PendingPush(futures, then.sent(read_futures) if reads else None, [push.step for push in pushes])
+        return PendingPush(futures, then.sent(read_futures) if reads else None, [push.step for push in pushes],
+                           pushes)
 
 
 #: The lookup part of a push that reads nothing: no tables, no ids, no counts, no step.
@@ -358,6 +371,8 @@ class PushOnGradients:
         self.pending: Optional[PendingPush] = None
         self.held: Optional[StepPush] = None
         self.failure: Optional[BaseException] = None
+        #: When sending the message failed (``failure``): the pushes it was to carry, in step order.
+        self.unsent: List[StepPush] = []
         self._lookup, self._collection, self._then, self._earlier = lookup, lookup.collection, then, list(earlier)
         self._step, self._hold = step, hold
         self._made = False
@@ -381,7 +396,9 @@ class PushOnGradients:
             if self._hold:
                 self.held = push
             else:
-                self.pending = self._collection.send(self._earlier + [push], self._then)
+                self.unsent = self._earlier + [push]
+                self.pending = self._collection.send(self.unsent, self._then)
+                self.unsent = []
         except Exception as error:  # noqa: BLE001 - raised by sent(), not into the backward pass
             self.failure = error
 
@@ -402,7 +419,7 @@ class PushOnGradients:
                 self.pending = self._collection.send(self._earlier, self._then) \
                     if self._earlier or self._then is not None else PendingPush({})
             except Exception as error:  # noqa: BLE001 - raised now and by every later call
-                self.failure = error
+                self.failure, self.unsent = error, list(self._earlier)
                 raise
             self.pending.steps.append(self._step)
         return self.pending if self.pending is not None else PendingPush({})
@@ -420,13 +437,15 @@ class PushOnGradients:
 class PendingPush:
     """Pushes in flight; ``wait()`` raises ``ShardRequestFailed`` naming the shards that failed.  ``then``:
     the later steps' lookup the message carries (``None``: none); ``steps``: the steps whose pushes it
-    carries, in order."""
+    carries, in order (a step whose rows got no gradient among them, with no push); ``pushes``: those pushes
+    (what a failed message would send again)."""
 
     def __init__(self, futures: Dict[str, torch.futures.Future], then: Optional[CollectionLookup] = None,
-                 steps: Sequence[int] = ()):
+                 steps: Sequence[int] = (), pushes: Sequence[StepPush] = ()):
         self._futures = futures
         self.then = then
         self.steps = list(steps)
+        self.pushes = list(pushes)
 
     def wait(self) -> None:
         _wait_all(self._futures, "push")
