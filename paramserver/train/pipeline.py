@@ -330,8 +330,7 @@ class RowPipeline:
         replaced = [shard for shard, incarnation in now.items() if self._incarnations.get(shard) != incarnation]
         ledgers = collection.push_ledgers(replaced) if replaced else {}
         self._incarnations = now
-        for shard in replaced:
-            self._reconcile(shard, *ledgers[shard])
+        self._reconcile({shard: ledgers[shard] for shard in replaced})
         if not self._kept:
             return []
         kept, self._kept = sorted(self._kept, key=lambda push: push.step), []
@@ -351,25 +350,28 @@ class RowPipeline:
             self._count(push.step, applied=False)
         self._kept.clear()
 
-    def _reconcile(self, shard: str, applied: int, replayed: int) -> None:
-        """``shard``'s new process holds this worker's pushes up to step ``applied`` and replayed ``replayed``
-        of them: the steps it had acknowledged after ``applied`` move from applied to lost."""
-        self.replayed += replayed
-        rolled = self._acked.rolled_back(shard, applied)
-        if not rolled:
-            return
-        self._acked.forget(rolled)  # counted lost once, whichever other shard loses them later
+    def _reconcile(self, ledgers: Mapping[str, Tuple[int, int]]) -> None:
+        """Shards served by new processes told their ledgers (shard -> the newest step of this worker's they
+        hold, pushes they replayed): the steps each had acknowledged after that one move from applied to lost,
+        each step once however many shards lost it."""
+        rolled_back: Set[int] = set()
+        for shard, (applied, replayed) in ledgers.items():
+            self.replayed += replayed
+            rolled = self._acked.rolled_back(shard, applied)
+            if rolled:
+                plural = "s" if len(rolled) > 1 else ""
+                logger.warning("shard %s came back without the pushes of %d step%s it had applied (step%s %s; it "
+                               "holds this worker's up to step %d): counted lost", shard, len(rolled), plural, plural,
+                               describe_steps(rolled), applied)
+                rolled_back.update(rolled)
+        self._acked.forget(sorted(rolled_back))  # counted lost now, whichever other shard loses them later
         kept = {push.step for push in self._kept}
-        for step in rolled:
+        for step in rolled_back:
             if step in kept:
                 self._doomed.add(step)
             else:
                 self.applied -= 1
                 self.lost += 1
-        plural = "s" if len(rolled) > 1 else ""
-        logger.warning("shard %s came back without the pushes of %d step%s it had applied (step%s %s; it holds "
-                       "this worker's up to step %d): counted lost", shard, len(rolled), plural, plural,
-                       describe_steps(rolled), applied)
 
     def _count(self, step: int, applied: bool) -> None:
         """The push of ``step`` settled: applied (unless rolled back meanwhile on a shard) or lost."""
