@@ -372,3 +372,48 @@ def test_steps_whose_rows_get_no_gradient_are_counted_once_each(local_context, o
                   name=f"empty-{bool(options)}", agree_every=5, **options)
     figures = job.fit(overlapping_batches(12), steps=12, log_every=4)
     assert figures["steps"] == 12 and figures["sparse_steps"] == 12 and figures["sparse_steps_lost"] == 0, figures
+
+
+class LostPushMessage:
+    """The message carrying step ``at``'s push fails once, as against a shard process that was lost: before it
+    arrives (nothing of it applied), or after it was applied (only its answer lost)."""
+
+    def __init__(self, monkeypatch, at: int, applied: bool):
+        from paramserver.shards.client.collection import EmbeddingCollection, PendingPush
+        send = EmbeddingCollection.send
+        self.failed = []
+
+        def lost_once(collection, pushes, then=None):
+            if self.failed or at not in [push.step for push in pushes]:
+                return send(collection, pushes, then)
+            self.failed.append([push.step for push in pushes])
+            if applied:
+                send(collection, pushes, then).wait()
+            futures = {}
+            for shard in dict.fromkeys(shard for push in pushes for shard in push.by_shard):
+                futures[shard] = torch.futures.Future()
+                futures[shard].set_exception(RuntimeError("shard lost (simulated)"))
+            return PendingPush(futures, None, [push.step for push in pushes], pushes)
+        monkeypatch.setattr(EmbeddingCollection, "send", lost_once)
+
+
+@pytest.mark.parametrize("applied, options", [(False, {}), (True, {}), (False, dict(staleness=2, cache_rows=1000))],
+                         ids=["exact-lost-before-it-arrived", "exact-applied-answer-lost", "stale-cache"])
+def test_a_push_lost_with_its_shard_is_sent_again_once_the_shard_serves_and_applied_once(local_context, monkeypatch,
+                                                                                        applied, options):
+    # The push of step 9 fails against the shard: the sparse part is rebuilt, and the push is sent again to
+    # it through the new collection.  Sent again, a push the shard had applied is skipped there (idempotent per
+    # pusher and step): exact, the run is bit-identical to one without the loss, every step applied once.
+    runs = {}
+    for how in ("undisturbed", "lost"):
+        lost = LostPushMessage(monkeypatch, at=9, applied=applied) if how == "lost" else None
+        loss = RecordedLoss()
+        figures = trainer(local_context, f"resent-{how}-{applied}-{bool(options)}", loss, dynamic=False,
+                          **options).fit(overlapping_batches(17, hashed_ids=False), steps=17, log_every=5)
+        assert figures["sparse_steps"] == 17 and figures["sparse_steps_lost"] == 0, figures
+        assert figures["shard_rebuilds"] == (how == "lost") and figures["replayed_pushes"] == 0, figures
+        runs[how] = (torch.stack(loss.values), figures["replica_checksum"])
+    assert lost.failed and 9 in lost.failed[0]
+    if not options:
+        assert torch.equal(runs["undisturbed"][0], runs["lost"][0])
+        assert runs["undisturbed"][1] == runs["lost"][1]
