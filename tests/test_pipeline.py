@@ -375,26 +375,29 @@ def test_steps_whose_rows_get_no_gradient_are_counted_once_each(local_context, o
 
 
 class LostPushMessage:
-    """The message carrying step ``at``'s push fails once, as against a shard process that was lost: before it
-    arrives (nothing of it applied), or after it was applied (only its answer lost)."""
+    """The messages carrying step ``at``'s push fail, the first as against a shard process that was lost: before
+    it arrives (nothing of it applied), or after it was applied (only its answer lost); then with each of
+    ``then`` (a ``ValueError``: refused by the shard)."""
 
-    def __init__(self, monkeypatch, at: int, applied: bool):
+    def __init__(self, monkeypatch, at: int, applied: bool, then=()):
         from paramserver.shards.client.collection import EmbeddingCollection, PendingPush
         send = EmbeddingCollection.send
         self.failed = []
+        errors = [RuntimeError("shard lost (simulated)"), *then]
 
-        def lost_once(collection, pushes, then=None):
-            if self.failed or at not in [push.step for push in pushes]:
+        def failing(collection, pushes, then=None):
+            if len(self.failed) == len(errors) or at not in [push.step for push in pushes]:
                 return send(collection, pushes, then)
+            error = errors[len(self.failed)]
             self.failed.append([push.step for push in pushes])
             if applied:
                 send(collection, pushes, then).wait()
             futures = {}
             for shard in dict.fromkeys(shard for push in pushes for shard in push.by_shard):
                 futures[shard] = torch.futures.Future()
-                futures[shard].set_exception(RuntimeError("shard lost (simulated)"))
+                futures[shard].set_exception(error)
             return PendingPush(futures, None, [push.step for push in pushes], pushes)
-        monkeypatch.setattr(EmbeddingCollection, "send", lost_once)
+        monkeypatch.setattr(EmbeddingCollection, "send", failing)
 
 
 @pytest.mark.parametrize("applied, options", [(False, {}), (True, {}), (False, dict(staleness=2, cache_rows=1000))],
@@ -417,3 +420,12 @@ def test_a_push_lost_with_its_shard_is_sent_again_once_the_shard_serves_and_appl
     if not options:
         assert torch.equal(runs["undisturbed"][0], runs["lost"][0])
         assert runs["undisturbed"][1] == runs["lost"][1]
+
+
+def test_a_push_refused_when_sent_again_ends_the_job_naming_the_refusal(local_context, monkeypatch):
+    from paramserver.shards.client.collection import ShardRefused
+    lost = LostPushMessage(monkeypatch, at=5, applied=False, then=[ValueError("rows out of range (simulated)")])
+    with pytest.raises(ShardRefused, match="rows out of range"):
+        trainer(local_context, "resent-refused", RecordedLoss(), dynamic=False).fit(
+            overlapping_batches(9, hashed_ids=False), steps=9, log_every=5)
+    assert lost.failed == [[5], [5]]  # sent, then sent again after the rebuild, and refused
