@@ -1,6 +1,8 @@
 """The Trainer's row pipeline in one process (``JobContext.local``): reads carried by pushes give the same
 results as the unpipelined step (across a lost shard and a lost member too), the staleness bound holds the
-worker back where it says, and the row cache reads shared rows once within its bounds."""
+worker back where it says, and the row cache reads shared rows once within its bounds.  A push lost with its
+shard is sent again once the shard serves, applied once; one refused when sent again ends the job; a shard tells
+its ledger of a pusher."""
 
 import threading
 import time
@@ -429,3 +431,22 @@ def test_a_push_refused_when_sent_again_ends_the_job_naming_the_refusal(local_co
         trainer(local_context, "resent-refused", RecordedLoss(), dynamic=False).fit(
             overlapping_batches(9, hashed_ids=False), steps=9, log_every=5)
     assert lost.failed == [[5], [5]]  # sent, then sent again after the rebuild, and refused
+
+
+def test_a_shard_tells_its_ledger_of_a_pusher(local_context):
+    """``EmbeddingCollection.push_ledgers`` (``service.push_ledger``): the newest step of the collection's pusher
+    that the shard's optimizer applied (a step pushed again is skipped), and the pushes its process replayed."""
+    from paramserver.train.sparse import SparseTables
+    sparse = SparseTables({"t": Table(40, 4)}, (QHM, dict(lr=0.5, momentum=0.9, nu=0.7)), local_context.shards,
+                          "ledger", 0, 1_000_000, local_context.live_shards)
+    try:
+        collection = sparse.collection
+        shards = list(collection.incarnations())
+        assert collection.push_ledgers(shards) == {shard: (-1, 0) for shard in shards}
+        for step in (3, 5, 4):
+            lookup = collection.lookup({"t": torch.tensor([[1, 2], [3, 4]])}, step)
+            lookup.pooled()["t"].sum().backward()
+            lookup.push(step).wait()
+        assert collection.push_ledgers(shards) == {shard: (5, 0) for shard in shards}
+    finally:
+        sparse.close()
