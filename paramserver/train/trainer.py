@@ -435,13 +435,11 @@ class _Run:
         return True
 
     def _log_failed_pushes(self, failures: List[Tuple[int, BaseException]]) -> None:
+        """One line per step whose push failed: kept to be sent again once the shards serve, or lost."""
         for step, failure in failures:
-            if self.pipeline.kept(step):
-                logger.warning("the sparse update of step %d failed against the shards; it is sent again once they "
-                               "serve, and the dense one goes on: %s", step, one_line(failure))
-            else:
-                logger.warning("the sparse update of step %d failed against the shards; the dense one goes on: %s",
-                               step, one_line(failure))
+            logger.warning("the sparse update of step %d failed against the shards; the dense one goes on: %s; %s",
+                           step, one_line(failure), "it is sent again once they serve" if self.pipeline.kept(step)
+                           else "it is lost")
 
     def _boundary(self, final: bool = False) -> bool:
         """A step boundary: agree with the group (on some steps), then write a checkpoint if one is due and a
