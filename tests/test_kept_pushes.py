@@ -150,11 +150,10 @@ def test_steps_a_shard_that_came_back_no_longer_holds_move_from_applied_to_lost_
     pipe = pipeline()
     for step in range(8):
         assert send(pipe, old, push(old, step, "a", "b") if step != 6 else push(old, step, "b")) == []
-    pipe.checkpointed(2)  # a checkpoint holds every push before step 2
     assert (pipe.applied, pipe.lost) == (8, 0)
-    # a's new process replayed its log up to step 4 (3 pushes since the checkpoint); b's lost everything
-    # after its checkpoint.  Steps 5 and 7 (a) and 2 to 7 (b): 2 to 7 lost, each once.
-    new = FakeCollection({"a": 2, "b": 2}, ledgers={"a": (4, 3), "b": (-1, 0)})
+    # a's new process replayed its log up to step 4 (3 pushes since its checkpoint); b's restored a checkpoint
+    # holding steps up to 1 and nothing more.  Steps 5 and 7 (a) and 2 to 7 (b): 2 to 7 lost, each once.
+    new = FakeCollection({"a": 2, "b": 2}, ledgers={"a": (4, 3), "b": (1, 0)})
     with caplog.at_level(logging.WARNING, logger="paramserver.train.pipeline"):
         assert pipe.rebuilt(old, new) == []
     assert (pipe.applied, pipe.lost, pipe.replayed) == (2, 6, 3)
@@ -162,9 +161,12 @@ def test_steps_a_shard_that_came_back_no_longer_holds_move_from_applied_to_lost_
     assert len(lines) == 2, lines
     assert "shard a came back without the pushes of 2 steps it had applied (steps 5, 7;" in lines[0], lines
     assert "shard b came back without the pushes of 6 steps it had applied (steps 2-7;" in lines[1], lines
-    # Nothing is counted twice when a shard comes back again.
-    newer = FakeCollection({"a": 3, "b": 2}, ledgers={"a": (-1, 0)})
+    # a comes back again holding steps up to 1: its steps 2 to 4 are lost, counted already with b's.
+    newer = FakeCollection({"a": 3, "b": 2}, ledgers={"a": (1, 0)})
     assert pipe.rebuilt(new, newer) == [] and (pipe.applied, pipe.lost) == (2, 6)
+    # and again holding nothing: steps 0 and 1 go too.
+    newest = FakeCollection({"a": 4, "b": 2}, ledgers={"a": (-1, 0)})
+    assert pipe.rebuilt(newer, newest) == [] and (pipe.applied, pipe.lost) == (0, 8)
 
 
 def test_a_kept_step_rolled_back_on_another_shard_is_lost_once_sent_again():

@@ -5,14 +5,13 @@ shard acknowledged, kept as runs of consecutive steps.  A shard process
 that is killed comes back with its checkpoint and the pushes of its push
 log; its ledger (``EmbeddingCollection.push_ledgers``) names the newest
 step of this worker it applied.  Steps it had acknowledged after that one
-were rolled back there (no log, a corrupt log, a lost disk):
-``rolled_back`` names them.  Steps older than a checkpoint this worker saw
-committed are forgotten (``durable_before``): the checkpoint holds them.
-The runs kept per shard are bounded (``MAX_RUNS``; the oldest go first),
-so a shard that a worker pushes to every other step for a long time
-without a checkpoint is followed over its newest steps only.  Nothing here
-sends a message: the pipeline (``paramserver.train.pipeline``) asks the
-shards and counts the steps.
+were rolled back there (no log, a damaged log, a lost disk, a fallback to
+an older checkpoint: a checkpoint part keeps the ledger it holds):
+``rolled_back`` names them.  The runs kept per shard are bounded
+(``MAX_RUNS``; the oldest go first), so a shard that a worker pushes to
+only every other step for a long time is followed over its newest steps
+only.  Nothing here sends a message: the pipeline
+(``paramserver.train.pipeline``) asks the shards and counts the steps.
 """
 
 import bisect
@@ -86,14 +85,6 @@ class AckedSteps:
                 first, last = runs[at]
                 runs[at:at + 1] = [[first, last] for first, last in ((first, step - 1), (step + 1, last))
                                    if first <= last]
-
-    def durable_before(self, step: int) -> None:
-        """A checkpoint holding every push of the steps before ``step`` committed: they are no longer followed."""
-        for runs in self._runs.values():
-            while runs and runs[0][1] < step:
-                runs.pop(0)
-            if runs and runs[0][0] < step:
-                runs[0][0] = step
 
 
 def describe_steps(steps: Sequence[int]) -> str:

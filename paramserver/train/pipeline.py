@@ -340,10 +340,6 @@ class RowPipeline:
             return self._failed([push.step for push in kept], kept, error)
         return self._settle(lambda _sent_after: True)
 
-    def checkpointed(self, step: int) -> None:
-        """A checkpoint holding every push before ``step`` committed: a shard restored from it keeps them."""
-        self._acked.durable_before(step)
-
     def abandon(self) -> None:
         """The worker ends, or gives up on the shards: the kept pushes are lost."""
         for push in self._kept:

@@ -482,10 +482,7 @@ class _Run:
                     return False  # a checkpoint and an export hold every update up to their step
                 if agreeing and not final:
                     self.checkpoints.at_agreement()  # (another group than 0: its data position, for group 0's)
-                written = len(self.checkpoints.written)
                 self.checkpoints.at_boundary(replica.agreed_checkpoint)
-                if len(self.checkpoints.written) > written:  # it holds every push of the steps before this one
-                    self.pipeline.checkpointed(replica.step)
                 if exporting:
                     self.exports.at_boundary(final)  # every push of this member's up to here is applied
                 if final or not replica.agreement_due():  # (still due: the group agreed to wait for data)
