@@ -134,9 +134,12 @@ class LogFigures:
 
 
 class PushLog:
-    """One shard's push log in ``directory`` (``open`` makes one, reading what a killed process left there)."""
+    """One shard's push log in ``directory``, read back from what a killed process left there and appended to."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, base: str):
+        """The log in ``directory`` (made if missing), its records checked and a cut last record dropped; a log
+        with a damaged record before its end is set aside (``fallback`` says why) and a new one begins, as does
+        a missing one, at ``base`` (the checkpoint the process restores, ``""`` for none)."""
         self.directory = Path(directory)
         #: Why the log found there could not be used (a damaged record), or ``None``.
         self.fallback: Optional[str] = None
@@ -149,35 +152,31 @@ class PushLog:
         self._segments: List[int] = []
         self._fd = -1
         self._mark_segments: Dict[str, int] = {}  # checkpoint -> the first segment with a mark of it
+        self.directory.mkdir(parents=True, exist_ok=True)
+        segments = sorted(int(path.stem.split("-")[1]) for path in self.directory.glob("segment-*.log"))
+        try:
+            self.found = self._scan(segments)
+        except CorruptLog as error:
+            self.fallback = str(error)
+            for number in segments:
+                os.replace(self._path(number), self.directory / f"damaged-{_SEGMENT.format(number)}")
+            segments, self.found = [], []
+        self._segments = segments
+        for entry in self.found:
+            if entry.kind == MARK:
+                self._mark_segments.setdefault(entry.name, entry.segment)
+        if segments:
+            self._open_segment(segments[-1])
+        else:
+            self._open_segment(0)
+            self._append(BASE, [memoryview(base.encode())])
+            self.flush()
+        self.figures.size_bytes = sum(self._path(number).stat().st_size for number in self._segments)
 
-    # -- opening -------------------------------------------------------------
     @classmethod
     def open(cls, directory: Path, base: str) -> "PushLog":
-        """The log in ``directory`` (made if missing), its records checked and a cut last record dropped; a log
-        with a damaged record before its end is set aside (``fallback`` says why) and a new one begins, as does
-        a missing one, at ``base`` (the checkpoint the process restores, ``""`` for none)."""
-        log = cls(directory)
-        log.directory.mkdir(parents=True, exist_ok=True)
-        segments = sorted(int(path.stem.split("-")[1]) for path in log.directory.glob("segment-*.log"))
-        try:
-            log.found = log._scan(segments)
-        except CorruptLog as error:
-            log.fallback = str(error)
-            for number in segments:
-                os.replace(log._path(number), log.directory / f"damaged-{_SEGMENT.format(number)}")
-            segments, log.found = [], []
-        log._segments = segments
-        for entry in log.found:
-            if entry.kind == MARK:
-                log._mark_segments.setdefault(entry.name, entry.segment)
-        if segments:
-            log._open_segment(segments[-1])
-        else:
-            log._open_segment(0)
-            log._append(BASE, [memoryview(base.encode())])
-            log.flush()
-        log.figures.size_bytes = sum(log._path(number).stat().st_size for number in log._segments)
-        return log
+        """``PushLog(directory, base)``: the log a (restarted) shard process keeps in ``directory``."""
+        return cls(directory, base)
 
     def _path(self, number: int) -> Path:
         return self.directory / _SEGMENT.format(number)
