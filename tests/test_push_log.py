@@ -2,15 +2,18 @@
 back, as a restarted shard process does, holds the same rows, optimizer state and ledger, bit for bit, for
 every row-wise optimizer, float32 and float16 rows, and a dynamic table that evicts; a log cut in its last
 record replays the rest; a damaged record before the end is refused and set aside; a checkpoint's mark
-anchors the replay, a gap stops it, and a commit cuts the segments before the mark."""
+anchors the replay, a gap stops it, and a commit cuts the segments before the mark; a shard restored from
+its checkpoint part replays the rest of its log to the killed process's rows, bit for bit."""
 
 import os
 
 import pytest
 import torch
 
+from paramserver.filesystems import locate
 from paramserver.optim import QHM
 from paramserver.optim.records import builtin_records
+from paramserver.shards.server import checkpoint_part
 from paramserver.shards.server import push_log as push_logs
 from paramserver.shards.server.hosted import host_dynamic, host_rows
 from paramserver.shards.server.optimizers import owner_optimizer_for
@@ -142,3 +145,76 @@ def test_marks_anchor_a_replay_a_gap_stops_it_and_a_commit_cuts_the_segments_bef
     assert read.committed("ckpt-1") == 1
     assert len(list(tmp_path.glob("segment-*.log"))) == 1
     assert PushLog.open(tmp_path, "").plan("ckpt-1", {5}) is not None
+
+
+class PartSource:
+    """A checkpoint part as a restarted shard's restore source reads it (``CheckpointSource``'s methods)."""
+
+    def __init__(self, part: dict, key: str):
+        self.part, self.key = part, key
+
+    def rows(self, name, num_rows, embedding_dim, dtype):
+        entry = self.part["tables"].get(name)
+        return None if entry is None else entry["value"].clone()
+
+    def dynamic_part(self, table, index, count):
+        entry = self.part["tables"].get(f"{table}@{index}/{count}")
+        return None if entry is None else dict(ids=entry["ids"], values=entry["value"], last_touch=entry["last_touch"],
+                                               optimizer=entry["optimizer"], state=entry["state"],
+                                               admission=entry["admission"], clock=entry["clock"])
+
+    def check_row_type(self, table, held, wanted):
+        pass
+
+    def optimizer_of(self, name):
+        entry = self.part["tables"].get(name)
+        return entry["optimizer"] if entry else None
+
+    def optimizer_state(self, name, optimizer):
+        entry = self.part["tables"].get(name)
+        return entry["state"] if entry else None
+
+    def ledger(self, tag):
+        return {int(pusher): step for pusher, step in self.part["ledgers"].get(str(tag), {}).items()}
+
+
+def test_a_shard_restored_from_its_checkpoint_part_and_log_holds_the_killed_processes_rows_bit_for_bit(tmp_path):
+    """QHM keeps its momentum scaled; a checkpoint rounds what it keeps to what a restore of it holds."""
+    def made(state):
+        user = host_rows(state, "job.user[0:300]", 300, DIM, torch.float32, 7, 0, shared=True, init_std=0.1)
+        videos = host_dynamic(state, "job.video", DIM, torch.float32, 9, 0.1, DynamicOptions(capacity=90), 0, 2)
+        return [user, videos], owner_optimizer_for(state, QHM, [user, videos], [0, 1], (),
+                                                    dict(lr=16.0, momentum=0.9, nu=0.7))
+
+    def train(state, params, optimizer, steps, generator):
+        for step in steps:
+            ids = torch.randint(-10**9, 10**9, (50,), generator=generator).unique()
+            state.dynamic_rows(params[1]).lookup(ids, step)
+            rows = torch.randperm(300, generator=generator)[:80].sort().values
+            optimizer.apply_rows([0, 1], [rows, ids], [torch.randn(80, DIM, generator=generator),
+                                                       torch.randn(ids.numel(), DIM, generator=generator)],
+                                 "w", (PUSHER, step))
+            state.flush_log()
+
+    state, generator = logged_state(tmp_path / "log"), torch.Generator().manual_seed(0)
+    params, optimizer = made(state)
+    train(state, params, optimizer, range(20), generator)
+    (tmp_path / "ckpt-20").mkdir()
+    checkpoint_part.write_part(state, locate(str(tmp_path / "ckpt-20")), "shard0")
+    checkpoint_part.committed(state, str(tmp_path / "ckpt-20"))
+    train(state, params, optimizer, range(20, 29), generator)  # then the process is killed
+
+    part = torch.load(tmp_path / "ckpt-20" / "shard-shard0.pt", weights_only=True)
+    again = ShardState(PartSource(part, "ckpt-20"))
+    again.push_log = PushLog(tmp_path / "log", "ckpt-20")
+    replayed, replayed_optimizer = made(again)
+    assert torch.equal(replayed[0], params[0])
+    momentum, momentum_again = optimizer.state_dict(), replayed_optimizer.state_dict()
+    assert torch.equal(momentum[0]["momentum_buffer"], momentum_again[0]["momentum_buffer"])
+    held, slots = state.dynamic_rows(params[1]).index.items()
+    held_again, slots_again = again.dynamic_rows(replayed[1]).index.items()
+    assert torch.equal(held.sort().values, held_again.sort().values)  # the same ids, in slots of their own
+    by_id, by_id_again = slots[held.argsort()], slots_again[held_again.argsort()]
+    assert torch.equal(params[1][by_id], replayed[1][by_id_again])
+    assert torch.equal(momentum[1]["momentum_buffer"][by_id], momentum_again[1]["momentum_buffer"][by_id_again])
+    assert replayed_optimizer.ledger(PUSHER) == (28, 9)

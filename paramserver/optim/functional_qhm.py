@@ -169,6 +169,16 @@ class FunctionalQHM:
             entry["momentum_buffer"].div_(self.buffer_scale)
         return state
 
+    def settle_buffers(self) -> None:
+        """Round the buffers kept to what a restore of ``state_dict()`` holds (b / k, rounded, then x k, rounded:
+        within one unit of the last place), so that a run restored from a checkpoint goes on bit for bit as the
+        one that wrote it (a shard calls it as it writes its checkpoint part)."""
+        if self.buffer_scale != 1.0:
+            for i in range(len(self.params)):
+                if self.state.has(i):
+                    buffer = self.state.of(i)[0]
+                    buffer.copy_(buffer.div(self.buffer_scale).mul_(self.buffer_scale))
+
     def load_state_dict(self, state: Dict[int, Dict[str, Tensor]]) -> None:
         """Restore a ``state_dict()``; validated whole before anything changes."""
         self.state.load_state_dict(state)

@@ -842,11 +842,20 @@ class OwnerOptimizer:
                 state = self._state_locked()
             except NotImplementedError:  # a class without state methods: values only
                 state = {}
+            self._settle_state_locked()
             values: List[Union[Tensor, Dict]] = []
             for index, (param, dynamic) in enumerate(zip(self.params, self._dynamic)):
                 values.append(param.detach().clone() if dynamic is None else
                               dynamic.checkpoint_entry_locked(self.class_name, state.pop(index, {})))
             return values, state
+
+    def _settle_state_locked(self) -> None:
+        """The state kept rounded to what a restore of the snapshot just taken holds, where the functional class
+        keeps it otherwise (``FunctionalQHM.settle_buffers``: scaled buffers): the checkpoint's state and this
+        one's go on bit for bit alike (a shard restored from it and its push log holds what this one held)."""
+        settle = getattr(getattr(self._impl, "optim", None), "settle_buffers", None)
+        if settle is not None:
+            settle()
 
     @property
     def class_name(self) -> str:

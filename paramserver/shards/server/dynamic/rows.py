@@ -16,8 +16,9 @@ rows: this object tells every optimizer attached to it when the slab
 grows and when a slot gets a new id (its state rows start from zero).
 
 Memory is bounded by ``capacity`` rows: a lookup that would pass it first
-evicts the least recently touched rows (by the step of their last touch;
-never a row touched in the lookup's step), at least ``capacity // 64``
+evicts the least recently touched rows (by the step of their last touch,
+then by a hash of their ids, so wherever they sit; never a row touched in
+the lookup's step), at least ``capacity // 64``
 at a time so that a full shard scans its rows once per that many new ids,
 not once per step; ids that still find no room read the default row and
 get no row.  ``ttl_steps``: rows untouched for more steps are evicted, in
@@ -52,6 +53,13 @@ from .native import Kernel
 GROWTH = 1.125
 MIN_SLOTS = 1024
 _NEVER = torch.iinfo(torch.int32).max
+#: Rows last touched at the same step are evicted in the order of ``_tie_break`` of their ids, below this.
+_TIE_SPAN = 1 << 31
+
+
+def _tie_break(ids: Tensor) -> Tensor:
+    """A 31-bit hash of each id (Fibonacci hashing: its bits mixed, so that no range of ids goes first)."""
+    return ((ids * -7046029254386353131) >> 33) & (_TIE_SPAN - 1)
 
 
 class DynamicRows:
@@ -174,7 +182,10 @@ class DynamicRows:
         count = min(max(needed, (self.options.capacity or 0) // 64), int(evictable.sum()))
         if count <= 0:
             return 0
-        victims = torch.topk(torch.where(evictable, touches, _NEVER), count, largest=False, sorted=False).indices
+        # The least recently touched, and among rows touched at the same step those whose ids' hashes are the
+        # least: the same victims wherever the rows sit (a restored part numbers its slots afresh).
+        order = torch.where(evictable, touches.to(torch.int64), _NEVER) * _TIE_SPAN + _tie_break(ids)
+        victims = torch.topk(order, count, largest=False, sorted=False).indices
         self._evict_locked(lanes[victims], slots[victims], ids[victims])
         return count
 
