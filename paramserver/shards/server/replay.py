@@ -71,7 +71,8 @@ def replay(state: ShardState, optimizer) -> int:
         for tag, rows in dynamic.items():
             rows.journal = journals[tag]
     log.figures.replayed += pushes + lookups
-    spans = ", ".join(f"steps {low}-{high}" for low, high in steps.values())
+    lows, highs = [low for low, _ in steps.values()], [high for _, high in steps.values()]
+    spans = f"steps {min(lows)}-{max(highs)} of {len(steps)} pusher{'s' if len(steps) != 1 else ''}" if steps else ""
     logger.info("optimizer %d: replayed %d pushes%s from the push log since %s in %.2f s (%s)", optimizer.handle,
                 pushes, f" and {lookups} lookups" if lookups else "", since, time.monotonic() - started,
                 spans or "no steps")
