@@ -7,15 +7,17 @@ its own), through the real commands, on one cluster of two shards and three work
 1. worker0 (rank 0 of the group) dies in the middle of a checkpoint: the shards' parts are written, the
    dense part is not; the checkpoint is never committed, and the other two re-form without it;
 2. worker2 is SIGKILLed mid-training: worker1 goes on alone;
-3. a shard process is SIGKILLed: ps-server restarts it from the newest committed checkpoint, worker1
-   waits for it, rebuilds its handles and finishes, with a clean exit (no C++ stack traces);
+3. a shard process is SIGKILLed: ps-server restarts it from the newest committed checkpoint and its push log
+   (every update it had applied), worker1 waits for it, rebuilds its handles, sends again the pushes it never
+   answered and finishes, with a clean exit (no C++ stack traces);
 4. a push fails inside the other shard's optimizer after writing half of its rows (injected:
    ``tests/push_fault/sitecustomize.py``, NaN rows then a ``RuntimeError``): a shard fault, not the request's
    (never ``ShardRefused``): that shard's process exits 1, ps-server restarts it from the newest committed
-   checkpoint, and worker1 takes it as a lost shard (the push's steps counted in ``sparse_steps_lost``); no
-   NaN row is left in the model it ends with.
+   checkpoint and its push log, which holds the pushes before the failed one and not it; worker1 takes it as
+   a lost shard and sends the failed push again, applied once; no NaN row is left in the model it ends with.
 
-Every step of the survivor is accounted for exactly once, and the model it ends with still learned.  The job
+Every step of the survivor is accounted for exactly once, no sparse update is lost, and the model it ends
+with still learned.  The job
 runs with pushes applied in the background two steps behind (``staleness=2``) and the row cache (windows of 3
 steps read at once, their pushes held and sent together, whatever the host's cores), the harder case: the
 faults of exact steps (the default) are the other fault tests' (``test_fault_bounds``, ``test_multihost``,
@@ -37,9 +39,10 @@ from commands import errors, job_config, output, start_server, status, wait_for_
 pytestmark = pytest.mark.timeout(400)
 
 JOB = f"{pathlib.Path(__file__).parent / 'jobs' / 'watch_next.py'}:main"
-STEPS = 240
+#: Long enough for the faults to land mid-job: the test sees the workers' steps a heartbeat late.
+STEPS = 600
 CRASH_AT = 40
-#: Held-out AUC of this job after 240 steps: about 0.74 undisturbed (one worker's view), measured.
+#: A bound below the held-out AUC of this job undisturbed (about 0.74 after 240 steps, one worker's view, measured).
 MIN_AUC = 0.68
 
 
@@ -123,8 +126,8 @@ def test_a_trainer_job_survives_a_crash_mid_checkpoint_a_lost_worker_and_a_lost_
     assert figures["steps"] == STEPS and figures["recoveries"] >= 2 and figures["shard_rebuilds"] >= 3, figures
     # Every step once: applied, its sparse update lost with the shard, or taken from the group.
     assert figures["sparse_steps"] + figures["sparse_steps_lost"] + figures["steps_skipped"] == STEPS, figures
-    # The pushes in flight to each lost shard (3, 4): the step's own, and with staleness up to that many more.
-    assert figures["sparse_steps_lost"] <= 2 * (1 + STALENESS) and figures["loss"] < figures["first_loss"], figures
+    # The pushes in flight to each lost shard (3, 4) were sent again once it served: none lost.
+    assert figures["sparse_steps_lost"] == 0 and figures["loss"] < figures["first_loss"], figures
     assert figures["auc"] > MIN_AUC and math.isfinite(figures["replica_checksum"]), figures
 
     log = errors(server)
@@ -140,7 +143,7 @@ def test_a_trainer_job_survives_a_crash_mid_checkpoint_a_lost_worker_and_a_lost_
     assert "deletingUserRRef" not in text, text[-3000:]  # a clean exit after a shard restart prints no C++ traces
 
     # 4: the push fault was the shard's: it said so in one line, exited 1 and was restarted from a checkpoint
-    # older than the push; worker1 lost that push's update with the shard and was never told it was refused.
+    # older than the push; worker1 sent that push again once it served and was never told it was refused.
     assert not push_fault.exists(), "no push to shard0 met the injected fault"
     assert len(re.findall(r"optimizer QHM failed applying a push to .*injected fault.*this shard serves no step "
                           r"again", log)) == 1, log[-3000:]
@@ -149,7 +152,7 @@ def test_a_trainer_job_survives_a_crash_mid_checkpoint_a_lost_worker_and_a_lost_
     lost_on_shard0 = [int(s) for s in re.findall(r"the sparse update of step (\d+) failed against the shards; the "
                                                   r"dense one goes on: ShardRequestFailed: push failed on shard "
                                                   r"'shard0'", text)]
-    # (a message carries up to 1 + STALENESS steps' pushes: the ones before the failing one are lost with it)
+    # (a message carries up to 1 + STALENESS steps' pushes: the ones before the failing one failed with it)
     assert lost_on_shard0 and max(lost_on_shard0) >= fault_at, (fault_at, text[-3000:])
     restored = [int(s) for s in re.findall(r"shard0 restores its tables from \S*ckpt-\d{10} \(step (\d+)\)", log)]
     assert len(restored) == 1 and restored[0] <= min(lost_on_shard0), (restored, lost_on_shard0)
