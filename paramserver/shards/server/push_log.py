@@ -44,7 +44,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor
@@ -396,9 +396,3 @@ def _write_all(fd: int, buffers: List[memoryview]) -> None:
             buffers = buffers[1:]
         if buffers and written:
             buffers = [buffers[0][written:]] + buffers[1:]
-
-
-def read_records(log: PushLog, entries: Iterable[Entry]):
-    """The records at ``entries``, read in turn."""
-    for entry in entries:
-        yield log.read(entry)
