@@ -70,7 +70,7 @@ from ...tables.row_types import is_half
 from ...torchscript import compiling, script
 from .hosted import rounding_place
 from .part_threads import PartThreads
-from .push_log import tag_of
+from .push_log import end_to_end, tag_of
 from .replay import replay
 from .state import ShardState
 
@@ -653,13 +653,24 @@ class OwnerOptimizer:
             log.append_gap(self.tag)
 
     def _journal_push(self, params: Sequence[int], ids: Sequence[Tensor], gradients: Sequence[Tensor],
-                      once: Optional[Tuple[int, int]]) -> Optional[Callable[[], None]]:
-        """What logs a push once applied (under the locks), or ``None`` without a push log."""
+                      once: Optional[Tuple[int, int]], packed: Optional[Tuple[Tensor, Tensor]]
+                      ) -> Optional[Callable[[], None]]:
+        """What logs a push once applied (under the locks), or ``None`` without a push log: its ids and
+        gradients as ``packed`` (``apply_rows``), or as the pieces given, end to end where they lie so."""
         log = self._state.push_log
         if log is None or self.replaying:
             return None
         pusher, step = once if once is not None else (-1, -1)
-        return lambda: log.append_push(self.tag, pusher, step, params, ids, gradients)
+        counts = [rows.numel() for rows in ids]
+        widths = [values.size(1) if values.dim() == 2 else 0 for values in gradients]
+        if packed is not None:
+            id_pieces, gradient_pieces = [packed[0].to(torch.int64)], [packed[1]]
+        else:
+            id_pieces = end_to_end([rows.to(torch.int64) for rows in ids])
+            kinds = {values.dtype for values in gradients}
+            gradient_pieces = end_to_end(gradients if len(kinds) < 2 else
+                                         [values.to(torch.float32) for values in gradients])
+        return lambda: log.append_push(self.tag, pusher, step, params, counts, widths, id_pieces, gradient_pieces)
 
     def dynamic_parts(self) -> List[Optional[object]]:
         """Each parameter's ``DynamicRows`` (a dynamic table's part), or ``None`` for a fixed one."""
@@ -673,11 +684,14 @@ class OwnerOptimizer:
         return self.params[index].size(1)
 
     def apply_rows(self, params: Sequence[int], ids: Sequence[Tensor], gradients: Sequence[Tensor],
-                   peer: str, once: Optional[Tuple[int, int]] = None) -> bool:
+                   peer: str, once: Optional[Tuple[int, int]] = None,
+                   packed: Optional[Tuple[Tensor, Tensor]] = None) -> bool:
         """One step with row gradients pushed by ``peer``: ``gradients[i]`` (rows x dim) for rows ``ids[i]``
         (local, distinct) of parameter ``params[i]``; the others are skipped.  The same update as ``step``
         with the row-sparse gradients a backward pass through those rows delivers.  ``once``: ``(pusher,
-        step)``: skipped (returns False) when a push of ``pusher`` for ``step`` or a later step was applied."""
+        step)``: skipped (returns False) when a push of ``pusher`` for ``step`` or a later step was applied.
+        ``packed``: the same ids and gradients, each end to end in one tensor as the message brought them
+        (what the shard's push log writes; made from the pieces when not given)."""
         named = set()
         for index, rows, values in zip(params, ids, gradients):
             if not 0 <= index < len(self.params):
@@ -697,7 +711,7 @@ class OwnerOptimizer:
                 for index, rows, _ in pushed:
                     self._marks[index].mark(rows)
                 return self._native.apply_pushed(pushed, measure)
-            return self._timed(run_native, lambda: peer, "push", once, self._journal_push(params, ids, gradients, once))
+            return self._timed(run_native, lambda: peer, "push", once, self._journal_push(params, ids, gradients, once, packed))
 
         # A fixed table's gradient is built (and its rows checked) before the locks are taken: a push being
         # applied does not wait for the next one's preparation.  A dynamic table's ids name rows only under them.
@@ -726,7 +740,7 @@ class OwnerOptimizer:
             if native is not None and native.takes(by_param):
                 return native.apply(by_param, measure)
             return self._impl.apply(by_param, measure)
-        return self._timed(run, lambda: peer, "push", once, self._journal_push(params, ids, gradients, once))
+        return self._timed(run, lambda: peer, "push", once, self._journal_push(params, ids, gradients, once, packed))
 
     def _natively_pushed(self, params: Sequence[int], ids: Sequence[Tensor],
                          gradients: Sequence[Tensor]) -> Optional[List[Tuple[int, Tensor, Tensor]]]:

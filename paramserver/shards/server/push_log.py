@@ -9,23 +9,25 @@ them again) is ``replay``'s business; nothing here knows of optimizers,
 tables or RPC.
 
 A log is a folder of segment files, ``segment-<n>.log``, written in turn.
-Each record is a 16-byte header (``PSLG``, its kind, its payload's length
-and CRC-32) and its payload:
+Each record is a 20-byte header (``PSLG``, its kind, its payload's length
+and its 64-bit XXH3 checksum) and its payload:
 
 * ``BASE``: where the log begins, the checkpoint the process started from
   (``""``: its tables' initial values);
 * ``MARK``: optimizer ``tag``'s rows and state are those of checkpoint
   ``name`` here (written under its locks while its part is copied);
 * ``PUSH``: one push applied by optimizer ``tag`` (pusher, step, and per
-  parameter its index, rows, width and the ids and gradients as they came);
+  parameter its index, rows, width and gradients' type; then every
+  parameter's ids and every parameter's gradients, as they came);
 * ``LOOKUP``: ids looked up at a step in a dynamic table's part ``tag``
   (its admissions, touches and evictions happen then);
 * ``GAP``: optimizer ``tag`` changed in a way the log does not hold (a
   ``dist_autograd`` step, a state loaded): no replay crosses it.
 
 Appends are taken under the caller's locks (so the log's order is the order
-applied, per table) into a buffer, and written by ``flush`` in one
-``writev`` before the request that made them is answered: a process killed
+applied, per table) into a buffer, holding the tensors as they came; ``flush``
+checksums their bytes and writes them in one ``writev``, no copy, outside
+those locks, before the request that made them is answered: a process killed
 after answering has its records in the kernel's page cache, which survives
 it.  Nothing is synced to the device: a host that loses power or its disk
 loses the log's tail, and a restart rolls back to the checkpoint there (the
@@ -41,22 +43,22 @@ import os
 import struct
 import threading
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
+import xxhash
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
 MAGIC = b"PSLG"
-HEADER = struct.Struct("<4sB3xII")  # magic, kind, payload length, payload CRC-32
+HEADER = struct.Struct("<4sB3xIQ")  # magic, kind, payload length, payload checksum (XXH3, 64 bits)
 BASE, MARK, PUSH, LOOKUP, GAP = 1, 2, 3, 4, 5
 KINDS = {BASE: "base", MARK: "mark", PUSH: "push", LOOKUP: "lookup", GAP: "gap"}
-_PUSH = struct.Struct("<QqqI")  # optimizer tag, pusher, step, parameters
-_PARAM = struct.Struct("<IIIB3x")  # parameter index, rows, width, gradient type
+_PUSH = struct.Struct("<QqqII")  # optimizer tag, pusher, step, parameters, gradients' type; then per parameter
+#: its index, then its rows, then its width (three arrays of 32-bit numbers), its ids, its gradients
 _LOOKUP = struct.Struct("<QqI")  # table tag, step, ids
 _TAG = struct.Struct("<Q")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -82,6 +84,19 @@ class CorruptLog(ValueError):
 def _bytes(tensor: Tensor) -> memoryview:
     """The bytes of ``tensor`` (made contiguous), without a copy."""
     return memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def end_to_end(tensors: Sequence[Tensor]) -> List[Tensor]:
+    """``tensors`` (contiguous, one type) as one tensor when they lie end to end in memory (the pieces a message
+    was unpacked into), else as they are: the same bytes either way, for ``append_push``."""
+    if len(tensors) < 2 or any(not tensor.is_contiguous() or tensor.dtype != tensors[0].dtype for tensor in tensors):
+        return list(tensors)
+    size = tensors[0].element_size()
+    for before, after in zip(tensors, tensors[1:]):
+        if after.data_ptr() != before.data_ptr() + before.numel() * size:
+            return list(tensors)
+    first = tensors[0]
+    return [first.reshape(-1).as_strided((sum(tensor.numel() for tensor in tensors),), (1,))]
 
 
 @dataclass(frozen=True)
@@ -148,7 +163,7 @@ class PushLog:
         self.figures = LogFigures()
         self._buffer_lock = threading.Lock()
         self._write_lock = threading.Lock()
-        self._pending: List[Tuple[int, List[memoryview]]] = []
+        self._pending: List[Tuple[int, List]] = []  # (kind, its payload: bytes or tensors, in order)
         self._segments: List[int] = []
         self._fd = -1
         self._mark_segments: Dict[str, int] = {}  # checkpoint -> the first segment with a mark of it
@@ -193,13 +208,13 @@ class PushLog:
                 if len(data) - offset < HEADER.size:
                     problem = "a header cut short"
                 else:
-                    magic, kind, length, crc = HEADER.unpack_from(data, offset)
+                    magic, kind, length, checksum = HEADER.unpack_from(data, offset)
                     start, stop = offset + HEADER.size, offset + HEADER.size + length
                     if magic != MAGIC or kind not in KINDS:
                         problem = "no record header"
                     elif stop > len(data):
                         problem = "a record cut short"
-                    elif zlib.crc32(memoryview(data)[start:stop]) != crc:
+                    elif xxhash.xxh3_64_intdigest(memoryview(data)[start:stop]) != checksum:
                         problem = "a record whose checksum does not match"
                 if problem is not None:
                     last = position == len(segments) - 1
@@ -219,9 +234,10 @@ class PushLog:
         found = data.find(MAGIC, offset + 1)
         while found >= 0:
             if len(data) - found >= HEADER.size:
-                _, kind, length, crc = HEADER.unpack_from(data, found)
+                _, kind, length, checksum = HEADER.unpack_from(data, found)
                 stop = found + HEADER.size + length
-                if kind in KINDS and stop <= len(data) and zlib.crc32(data[found + HEADER.size:stop]) == crc:
+                if kind in KINDS and stop <= len(data) and \
+                        xxhash.xxh3_64_intdigest(memoryview(data)[found + HEADER.size:stop]) == checksum:
                     return False
             found = data.find(MAGIC, found + 1)
         return True
@@ -234,21 +250,20 @@ class PushLog:
             self._segments.append(number)
 
     # -- appending (under the caller's locks), writing ---------------------------
-    def append_push(self, tag: int, pusher: int, step: int, params: Sequence[int], ids: Sequence[Tensor],
-                    gradients: Sequence[Tensor]) -> None:
-        """Optimizer ``tag`` applied a push (``OwnerOptimizer.apply_rows``'s arguments, as they came)."""
-        pieces = [memoryview(_PUSH.pack(tag, pusher, step, len(params)))]
-        for index, rows, values in zip(params, ids, gradients):
-            pieces.append(memoryview(_PARAM.pack(index, rows.numel(), values.size(1) if values.dim() == 2 else 0,
-                                                 _DTYPES.index(values.dtype))))
-        for rows, values in zip(ids, gradients):
-            pieces.append(_bytes(rows.to(torch.int64)))
-            pieces.append(_bytes(values))
-        self._append(PUSH, pieces)
+    def append_push(self, tag: int, pusher: int, step: int, params: Sequence[int], counts: Sequence[int],
+                    widths: Sequence[int], ids: Sequence[Tensor], gradients: Sequence[Tensor]) -> None:
+        """Optimizer ``tag`` applied a push (``OwnerOptimizer.apply_rows``'s): parameter ``params[i]``'s
+        ``counts[i]`` rows of width ``widths[i]``; ``ids`` and ``gradients`` are their ids (int64) and gradients
+        (one type) end to end, in one or more pieces (a message's own buffers, as they came: their bytes are
+        taken as the log is written, outside the caller's locks)."""
+        count = len(params)
+        head = _PUSH.pack(tag, pusher, step, count, _DTYPES.index(gradients[0].dtype) if gradients else 0) + \
+            struct.pack(f"<{3 * count}I", *params, *counts, *widths)
+        self._append(PUSH, [memoryview(head), *ids, *gradients])
 
     def append_lookup(self, tag: int, ids: Tensor, step: int) -> None:
         """Dynamic table part ``tag`` admitted and touched ``ids`` at ``step``."""
-        self._append(LOOKUP, [memoryview(_LOOKUP.pack(tag, step, ids.numel())), _bytes(ids.to(torch.int64))])
+        self._append(LOOKUP, [memoryview(_LOOKUP.pack(tag, step, ids.numel())), ids.to(torch.int64)])
 
     def append_mark(self, tag: int, checkpoint: str) -> None:
         """Optimizer ``tag``'s rows and state are those copied into checkpoint ``checkpoint`` (under its locks)."""
@@ -260,7 +275,7 @@ class PushLog:
         """Optimizer ``tag`` changed outside the log: no replay from before here reaches past it."""
         self._append(GAP, [memoryview(_TAG.pack(tag))])
 
-    def _append(self, kind: int, pieces: List[memoryview]) -> None:
+    def _append(self, kind: int, pieces: List) -> None:
         with self._buffer_lock:
             self._pending.append((kind, pieces))
 
@@ -276,15 +291,15 @@ class PushLog:
             buffers: List[memoryview] = []
             written = 0
             for kind, pieces in pending:
-                crc, length = 0, 0
-                for piece in pieces:
-                    crc = zlib.crc32(piece, crc)
-                    length += piece.nbytes
-                buffers.append(memoryview(HEADER.pack(MAGIC, kind, length, crc)))
-                buffers.extend(pieces)
+                views = [piece if isinstance(piece, memoryview) else _bytes(piece) for piece in pieces]
+                checksum, length = xxhash.xxh3_64(), 0
+                for view in views:
+                    checksum.update(view)
+                    length += view.nbytes
+                buffers.append(memoryview(HEADER.pack(MAGIC, kind, length, checksum.intdigest())))
+                buffers.extend(views)
                 written += HEADER.size + length
-            for start in range(0, len(buffers), _IOV_MAX):
-                _write_all(self._fd, buffers[start:start + _IOV_MAX])
+            _write_all(self._fd, buffers)
             figures = self.figures
             figures.appends += len(pending)
             figures.appended_bytes += written
@@ -348,24 +363,22 @@ class PushLog:
         if entry.kind == LOOKUP:
             tag, step, count = _LOOKUP.unpack_from(payload, 0)
             return Lookup(tag, step, torch.frombuffer(payload, dtype=torch.int64, count=count, offset=_LOOKUP.size))
-        tag, pusher, step, count = _PUSH.unpack_from(payload, 0)
-        offset = _PUSH.size
-        shapes = []
-        for _ in range(count):
-            shapes.append(_PARAM.unpack_from(payload, offset))
-            offset += _PARAM.size
-        params, ids, gradients = [], [], []
-        for index, rows, width, dtype in shapes:
-            dtype = _DTYPES[dtype]
-            params.append(index)
+        tag, pusher, step, count, dtype = _PUSH.unpack_from(payload, 0)
+        dtype, offset = _DTYPES[dtype], _PUSH.size
+        numbers = struct.unpack_from(f"<{3 * count}I", payload, offset)
+        params, counts, widths = list(numbers[:count]), numbers[count:2 * count], numbers[2 * count:]
+        offset += 12 * count
+        ids, gradients = [], []
+        for rows in counts:  # every parameter's ids, then every parameter's gradients
             ids.append(torch.frombuffer(payload, dtype=torch.int64, count=rows, offset=offset) if rows else
                        torch.empty(0, dtype=torch.int64))
             offset += 8 * rows
+        size = torch.empty(0, dtype=dtype).element_size()
+        for rows, width in zip(counts, widths):
             values = rows * width
-            size = values * torch.empty(0, dtype=dtype).element_size()
             gradients.append(torch.frombuffer(payload, dtype=dtype, count=values, offset=offset).view(rows, width)
                              if values else torch.empty(rows, width, dtype=dtype))
-            offset += size
+            offset += values * size
         return Push(tag, pusher, step, params, ids, gradients)
 
     def close(self) -> None:
@@ -389,10 +402,11 @@ def _entry(segment: int, offset: int, kind: int, data: bytes, start: int, length
 
 def _write_all(fd: int, buffers: List[memoryview]) -> None:
     """``writev`` until every byte of ``buffers`` is written (a write may take fewer)."""
-    while buffers:
-        written = os.writev(fd, buffers)
-        while buffers and written >= buffers[0].nbytes:
-            written -= buffers[0].nbytes
-            buffers = buffers[1:]
-        if buffers and written:
-            buffers = [buffers[0][written:]] + buffers[1:]
+    first = 0
+    while first < len(buffers):
+        written = os.writev(fd, buffers[first:first + _IOV_MAX])
+        while first < len(buffers) and written >= buffers[first].nbytes:
+            written -= buffers[first].nbytes
+            first += 1
+        if written:
+            buffers[first] = buffers[first][written:]

@@ -99,12 +99,15 @@ def pushes(state: ShardState, incarnation: int, optimizer: int, params: List[int
                              f"which do not add up to the {len(params)} named")
         widths = [owner_optimizer.row_width(index) for index in params]
         all_ids, all_gradients = wire.unpack_ids(ids, counts), wire.unpack_rows(gradients, counts, widths)
-        start = 0
+        start = id_start = value_start = 0
         for count, step in zip(param_counts, steps):
             stop = start + count
+            id_stop = id_start + sum(counts[start:stop])
+            value_stop = value_start + sum(rows * width for rows, width in zip(counts[start:stop], widths[start:stop]))
             owner_optimizer.apply_rows(params[start:stop], all_ids[start:stop], all_gradients[start:stop], peer,
-                                       (pusher, step) if step >= 0 else None)
-            start = stop
+                                       (pusher, step) if step >= 0 else None,
+                                       packed=(ids[id_start:id_stop], gradients[value_start:value_stop]))
+            start, id_start, value_start = stop, id_stop, value_stop
     except ValueError as error:
         logger.warning("optimizer %d refused a push from %s: %s", optimizer, peer, error)
         raise
