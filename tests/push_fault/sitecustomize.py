@@ -74,11 +74,11 @@ def _patch(module) -> None:
     trigger = _Trigger(os.environ[PUSH_FAULT_ENV])
     apply_rows = module.OwnerOptimizer.apply_rows
 
-    def apply_rows_failing_once(self, params, ids, gradients, peer, once=None):
+    def apply_rows_failing_once(self, params, ids, gradients, peer, once=None, **options):
         if once is not None and trigger.claim(once[1]):
             self._impl = _FailsHalfway(self._impl, self.params, self.names)
             self._native = False  # the push goes to the step module (not the native row kernel), which fails
-        return apply_rows(self, params, ids, gradients, peer, once)
+        return apply_rows(self, params, ids, gradients, peer, once, **options)
 
     module.OwnerOptimizer.apply_rows = apply_rows_failing_once
 
