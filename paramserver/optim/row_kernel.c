@@ -489,9 +489,9 @@ int paramserver_sgd(const rows_t *table, const int64_t *rows, int64_t n, const f
    the kernel is built with -fno-math-errno too (no value changes; no argument here is negative). */
 
 /* Ask for row rows[i + AHEAD]'s bytes of a second state tensor (state_bytes a row): prefetch_ahead asks for the
-   row and the first. */
-static inline void prefetch_state_ahead(const int64_t *rows, int64_t i, int64_t n, const void *state,
-                                        int64_t state_bytes) {
+   row and the first.  Always inlined, as prefetch_ahead is (else its calls are deleted). */
+static inline __attribute__((always_inline)) void prefetch_state_ahead(const int64_t *rows, int64_t i, int64_t n,
+                                                                       const void *state, int64_t state_bytes) {
     if (i + AHEAD >= n) return;
     const char *at = (const char *)state + rows[i + AHEAD] * state_bytes;
     for (int64_t offset = 0; offset < state_bytes; offset += 64) __builtin_prefetch(at + offset, 1);
@@ -507,13 +507,13 @@ int paramserver_adagrad(const rows_t *table, const int64_t *rows, int64_t n, con
                         float step, float eps, int32_t maximize) {
     int64_t dim = table->dim;
     if (check_rows(table, rows, n)) return -2;
-    float *scratch = malloc((size_t)(dim + 8) * sizeof(float));
+    float *scratch = malloc((size_t)(2 * dim + 16) * sizeof(float));  /* two rows, in turn */
     if (!scratch) return -1;
     float sign = maximize ? -1.0f : 1.0f;
     for (int64_t i = 0; i < n; i++) {
         int64_t r = rows[i];
         prefetch_ahead(table, rows, i, n, sums, dim * (int64_t)sizeof(float));
-        float *row = load_row(table, r, scratch);
+        float *row = load_row(table, r, scratch + (i & 1) * (dim + 8));
         const float *grad = grads + i * dim;
         float *sum = sums + r * dim;
         for (int64_t c = 0; c < dim; c++) {
@@ -548,14 +548,14 @@ int paramserver_ftrl(const rows_t *table, const int64_t *rows, int64_t n, const 
                      float *linears, float lr, int32_t power, float l1, float l2x2, float beta) {
     int64_t dim = table->dim;
     if (check_rows(table, rows, n)) return -2;
-    float *scratch = malloc((size_t)(dim + 8) * sizeof(float));
+    float *scratch = malloc((size_t)(2 * dim + 16) * sizeof(float));  /* two rows, in turn */
     if (!scratch) return -1;
     int64_t state_bytes = dim * (int64_t)sizeof(float);
     for (int64_t i = 0; i < n; i++) {
         int64_t r = rows[i];
         prefetch_ahead(table, rows, i, n, accumulators, state_bytes);
         prefetch_state_ahead(rows, i, n, linears, state_bytes);
-        float *row = load_row(table, r, scratch);
+        float *row = load_row(table, r, scratch + (i & 1) * (dim + 8));
         const float *grad = grads + i * dim;
         float *accumulator = accumulators + r * dim, *linear = linears + r * dim;
         for (int64_t c = 0; c < dim; c++) {
@@ -587,7 +587,7 @@ int paramserver_adam(const rows_t *table, const int64_t *rows, int64_t n, const 
                      float *exp_avg_sqs, float mix1, float mix2, float eps, float step, int32_t maximize) {
     int64_t dim = table->dim;
     if (check_rows(table, rows, n)) return -2;
-    float *scratch = malloc((size_t)(dim + 8) * sizeof(float));
+    float *scratch = malloc((size_t)(2 * dim + 16) * sizeof(float));  /* two rows, in turn */
     if (!scratch) return -1;
     int64_t state_bytes = dim * (int64_t)sizeof(float);
     float sign = maximize ? -1.0f : 1.0f;
@@ -595,7 +595,7 @@ int paramserver_adam(const rows_t *table, const int64_t *rows, int64_t n, const 
         int64_t r = rows[i];
         prefetch_ahead(table, rows, i, n, exp_avgs, state_bytes);
         prefetch_state_ahead(rows, i, n, exp_avg_sqs, state_bytes);
-        float *row = load_row(table, r, scratch);
+        float *row = load_row(table, r, scratch + (i & 1) * (dim + 8));
         const float *grad = grads + i * dim;
         float *exp_avg = exp_avgs + r * dim, *exp_avg_sq = exp_avg_sqs + r * dim;
         for (int64_t c = 0; c < dim; c++) {
