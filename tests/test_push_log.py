@@ -3,7 +3,8 @@ back, as a restarted shard process does, holds the same rows, optimizer state an
 every row-wise optimizer, float32 and float16 rows, and a dynamic table that evicts; a log cut in its last
 record replays the rest; a damaged record before the end is refused and set aside; a checkpoint's mark
 anchors the replay, a gap stops it, and a commit cuts the segments before the mark; a shard restored from
-its checkpoint part replays the rest of its log to the killed process's rows, bit for bit."""
+its checkpoint part replays the rest of its log to the killed process's rows, bit for bit; a replay that fails
+part way sets the log aside and faults the shard."""
 
 import os
 
@@ -16,9 +17,9 @@ from paramserver.optim.records import builtin_records
 from paramserver.shards.server import checkpoint_part
 from paramserver.shards.server import push_log as push_logs
 from paramserver.shards.server.hosted import host_dynamic, host_rows
-from paramserver.shards.server.optimizers import owner_optimizer_for
+from paramserver.shards.server.optimizers import OwnerOptimizer, owner_optimizer_for
 from paramserver.shards.server.push_log import PushLog
-from paramserver.shards.server.state import ShardState
+from paramserver.shards.server.state import ShardFault, ShardState
 from paramserver.tables import DynamicOptions
 
 ROWS, DIM, PUSHER = 400, 8, 77
@@ -218,3 +219,25 @@ def test_a_shard_restored_from_its_checkpoint_part_and_log_holds_the_killed_proc
     assert torch.equal(params[1][by_id], replayed[1][by_id_again])
     assert torch.equal(momentum[1]["momentum_buffer"][by_id], momentum_again[1]["momentum_buffer"][by_id_again])
     assert replayed_optimizer.ledger(PUSHER) == (28, 9)
+
+
+def test_a_replay_that_fails_part_way_sets_the_log_aside_and_faults_the_shard(tmp_path, monkeypatch):
+    state = logged_state(tmp_path)
+    _, optimizer = fixed_table(state, torch.float32, QHM, dict(lr=0.1, momentum=0.9, nu=0.7))
+    for step, (ids, gradients) in enumerate(pushes(3)):
+        optimizer.apply_rows([0], [ids], [gradients], "w", (PUSHER, step))
+        state.flush_log()
+    again = logged_state(tmp_path)
+    applied = []
+
+    def failing_on_the_second(self, *args, **options):
+        applied.append(args)
+        if len(applied) == 2:
+            raise RuntimeError("out of memory (injected)")
+        return original(self, *args, **options)
+    original = OwnerOptimizer.apply_rows
+    monkeypatch.setattr(OwnerOptimizer, "apply_rows", failing_on_the_second)
+    with pytest.raises(ShardFault, match="replaying the push log failed after 1 pushes"):
+        fixed_table(again, torch.float32, QHM, dict(lr=0.1, momentum=0.9, nu=0.7))
+    assert again.faulted and not list(tmp_path.glob("segment-*.log"))
+    assert len(list(tmp_path.glob("damaged-segment-*.log"))) == 1

@@ -381,6 +381,17 @@ class PushLog:
             offset += values * size
         return Push(tag, pusher, step, params, ids, gradients)
 
+    def set_aside(self) -> None:
+        """Rename every segment ``damaged-segment-*`` and write no more: a replay of it failed, so the process
+        that restarts next begins a new log at its checkpoint."""
+        with self._write_lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+            for number in self._segments:
+                os.replace(self._path(number), self.directory / f"damaged-{_SEGMENT.format(number)}")
+            self._segments = []
+
     def close(self) -> None:
         self.flush()
         with self._write_lock:

@@ -11,13 +11,17 @@ table's lookups admit, touch and evict again.  Nothing of it is logged a
 second time: the records are in the log already.  When the log holds no
 such point (it was cut at a later checkpoint, began at another, a gap
 follows, or it was damaged), the rows stay the checkpoint's and one line
-says so; a mark written then makes the log whole again from there.
+says so; a mark written then makes the log whole again from there.  A
+replay that fails part way (its rows then held by no process) sets the log
+aside and ends the process as a shard fault does: the one restarted next
+restores its checkpoint alone, and the trainers count what it rolled back.
 """
 
 import logging
 import time
 from typing import Dict
 
+from ...logs import one_line
 from .push_log import Lookup
 from .state import ShardState
 
@@ -66,6 +70,12 @@ def replay(state: ShardState, optimizer) -> int:
             span = steps.setdefault(record.pusher, [record.step, record.step])
             span[0], span[1] = min(span[0], record.step), max(span[1], record.step)
             pushes += 1
+    except Exception as error:  # noqa: BLE001 - part of the log applied: these rows are no process's
+        reason = (f"replaying the push log failed after {pushes} pushes and {lookups} lookups of optimizer "
+                  f"{optimizer.handle} ({', '.join(optimizer.names)}): {one_line(error)}")
+        logger.error("%s; the log is set aside", reason)
+        log.set_aside()  # the process that comes next restores its checkpoint alone
+        raise state.fault(reason) from error
     finally:
         optimizer.replaying = False
         for tag, rows in dynamic.items():
