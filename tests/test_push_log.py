@@ -241,3 +241,22 @@ def test_a_replay_that_fails_part_way_sets_the_log_aside_and_faults_the_shard(tm
         fixed_table(again, torch.float32, QHM, dict(lr=0.1, momentum=0.9, nu=0.7))
     assert again.faulted and not list(tmp_path.glob("segment-*.log"))
     assert len(list(tmp_path.glob("damaged-segment-*.log"))) == 1
+
+
+def test_a_write_that_fails_sets_the_log_aside_and_nothing_more_is_logged(tmp_path, monkeypatch, caplog):
+    state = logged_state(tmp_path)
+    _, optimizer = fixed_table(state, torch.float32, QHM, dict(lr=0.1, momentum=0.9, nu=0.7))
+    (ids, gradients), = pushes(1)
+    optimizer.apply_rows([0], [ids], [gradients], "w", (PUSHER, 0))
+
+    def full(*_args):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(push_logs.os, "writev", full)
+    state.flush_log()  # the push stays applied; the log goes
+    monkeypatch.undo()
+    assert "No space left on device" in state.push_log.broken and "set aside" in caplog.text
+    optimizer.apply_rows([0], [ids], [gradients], "w", (PUSHER, 1))
+    state.flush_log()
+    assert not list(tmp_path.glob("segment-*.log")) and list(tmp_path.glob("damaged-segment-*.log"))
+    _, restarted = fixed_table(logged_state(tmp_path), torch.float32, QHM, dict(lr=0.1, momentum=0.9, nu=0.7))
+    assert restarted.ledger(PUSHER) == (-1, 0)  # a new log, from the initial values: nothing replayed

@@ -3,7 +3,7 @@ log brings it back with every update.
 
 One cluster of two shards and two workers in one trainer group trains the fault tests' job
 (``tests/jobs/watch_next.py``) with float16 rows, its video table dynamic and evicting (a capacity below the ids
-it meets), pushes applied one step behind with the row cache, and a checkpoint every 150 steps.  shard1's process
+it meets), pushes applied one step behind with the row cache, and a checkpoint every 100 steps.  shard1's process
 is SIGKILLed three times, at points drawn at random (the seed is printed):
 
 1. as it serves: restarted, it restores the newest checkpoint and replays its log; the workers send again what
@@ -31,7 +31,7 @@ from paramserver.shards.server.push_log import HEADER, PUSH
 pytestmark = pytest.mark.timeout(300)
 
 JOB = f"{pathlib.Path(__file__).parent / 'jobs' / 'watch_next.py'}:main"
-STEPS = 900
+STEPS = 600
 #: Steps the workers train between two kills (past the restart), before a pause drawn at random.
 BETWEEN_KILLS = 60
 
@@ -79,7 +79,7 @@ def test_a_shard_killed_three_times_comes_back_with_every_update_unless_its_log_
     logs = tmp_path / "push-log"
     server, address = start_server(commands, "--shards", "2", "--group-size", "2", "--group-settle", "1",
                                    "--heartbeat-timeout", "3", "--checkpoint-dir", str(tmp_path / "checkpoints"),
-                                   "--checkpoint-every", "150", "--push-log", str(logs), "--job", JOB,
+                                   "--checkpoint-every", "100", "--push-log", str(logs), "--job", JOB,
                                    "--job-config", job_config(steps=STEPS, stateful=True, staleness=1,
                                                               cache_rows=10_000, cache_steps=2, dynamic_video=True,
                                                               video_capacity=120, row_dtype="float16",

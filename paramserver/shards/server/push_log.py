@@ -158,6 +158,8 @@ class PushLog:
         self.directory = Path(directory)
         #: Why the log found there could not be used (a damaged record), or ``None``.
         self.fallback: Optional[str] = None
+        #: Why this process stopped logging (a write failed, a replay failed), or ``None``.
+        self.broken: Optional[str] = None
         #: The records found at ``open``, checked, in order (what ``plan`` reads).
         self.found: List[Entry] = []
         self.figures = LogFigures()
@@ -269,15 +271,34 @@ class PushLog:
         """Optimizer ``tag``'s rows and state are those copied into checkpoint ``checkpoint`` (under its locks)."""
         self._append(MARK, [memoryview(_TAG.pack(tag)), memoryview(checkpoint.encode())])
         with self._buffer_lock:
-            self._mark_segments.setdefault(checkpoint, self._segments[-1])
+            if self._segments:
+                self._mark_segments.setdefault(checkpoint, self._segments[-1])
 
     def append_gap(self, tag: int) -> None:
         """Optimizer ``tag`` changed outside the log: no replay from before here reaches past it."""
         self._append(GAP, [memoryview(_TAG.pack(tag))])
 
     def _append(self, kind: int, pieces: List) -> None:
+        if self.broken is not None:
+            return
         with self._buffer_lock:
             self._pending.append((kind, pieces))
+
+    def _stop_locked(self, reason: str) -> None:
+        """The log cannot be written (``reason``): it is set aside and nothing more is logged, so a restart of this
+        shard restores its checkpoint alone, rather than replaying a log with a hole (the caller holds the write
+        lock)."""
+        self.broken = reason
+        logger.error("push log %s: %s; it is set aside and no more is logged: a restart of this shard rolls back to "
+                     "its checkpoint", self.directory, reason)
+        with self._buffer_lock:
+            self._pending = []
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        for number in self._segments:
+            os.replace(self._path(number), self.directory / f"damaged-{_SEGMENT.format(number)}")
+        self._segments = []
 
     def flush(self) -> None:
         """Write every record appended so far, in order, in as few ``writev`` calls as it takes (a request's
@@ -299,7 +320,11 @@ class PushLog:
                 buffers.append(memoryview(HEADER.pack(MAGIC, kind, length, checksum.intdigest())))
                 buffers.extend(views)
                 written += HEADER.size + length
-            _write_all(self._fd, buffers)
+            try:
+                _write_all(self._fd, buffers)
+            except OSError as error:  # a full disk, a lost device: what is logged from here would have holes
+                self._stop_locked(f"writing {self._path(self._segments[-1])} failed: {error}")
+                return
             figures = self.figures
             figures.appends += len(pending)
             figures.appended_bytes += written
@@ -312,7 +337,8 @@ class PushLog:
         """Begin a new segment (before a checkpoint's marks: the segments before it can go when it commits)."""
         self.flush()
         with self._write_lock:
-            self._open_segment(self._segments[-1] + 1)
+            if self.broken is None:
+                self._open_segment(self._segments[-1] + 1)
 
     def committed(self, checkpoint: str) -> int:
         """Checkpoint ``checkpoint`` committed: the segments before the one holding its first mark are deleted
@@ -381,16 +407,11 @@ class PushLog:
             offset += values * size
         return Push(tag, pusher, step, params, ids, gradients)
 
-    def set_aside(self) -> None:
-        """Rename every segment ``damaged-segment-*`` and write no more: a replay of it failed, so the process
-        that restarts next begins a new log at its checkpoint."""
+    def set_aside(self, reason: str) -> None:
+        """Rename every segment ``damaged-segment-*`` and log no more (``reason``: a replay of it failed), so the
+        process that restarts next begins a new log at its checkpoint."""
         with self._write_lock:
-            if self._fd >= 0:
-                os.close(self._fd)
-                self._fd = -1
-            for number in self._segments:
-                os.replace(self._path(number), self.directory / f"damaged-{_SEGMENT.format(number)}")
-            self._segments = []
+            self._stop_locked(reason)
 
     def close(self) -> None:
         self.flush()

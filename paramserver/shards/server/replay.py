@@ -73,8 +73,7 @@ def replay(state: ShardState, optimizer) -> int:
     except Exception as error:  # noqa: BLE001 - part of the log applied: these rows are no process's
         reason = (f"replaying the push log failed after {pushes} pushes and {lookups} lookups of optimizer "
                   f"{optimizer.handle} ({', '.join(optimizer.names)}): {one_line(error)}")
-        logger.error("%s; the log is set aside", reason)
-        log.set_aside()  # the process that comes next restores its checkpoint alone
+        log.set_aside(reason)  # the process that comes next restores its checkpoint alone
         raise state.fault(reason) from error
     finally:
         optimizer.replaying = False
