@@ -260,3 +260,22 @@ def test_a_write_that_fails_sets_the_log_aside_and_nothing_more_is_logged(tmp_pa
     assert not list(tmp_path.glob("segment-*.log")) and list(tmp_path.glob("damaged-segment-*.log"))
     _, restarted = fixed_table(logged_state(tmp_path), torch.float32, QHM, dict(lr=0.1, momentum=0.9, nu=0.7))
     assert restarted.ledger(PUSHER) == (-1, 0)  # a new log, from the initial values: nothing replayed
+
+
+def test_the_logs_figures_are_its_metrics(tmp_path):
+    from prometheus_client import CollectorRegistry, generate_latest
+    from paramserver.metrics.push_log import PushLogCollector
+    state = logged_state(tmp_path)
+    _, optimizer = fixed_table(state, torch.float32, QHM, dict(lr=0.1, momentum=0.9, nu=0.7))
+    (ids, gradients), = pushes(1)
+    optimizer.apply_rows([0], [ids], [gradients], "w", (PUSHER, 0))
+    state.flush_log()
+    registry = CollectorRegistry()
+    registry.register(PushLogCollector(lambda: state.push_log.figures.as_dict()))
+    text = generate_latest(registry).decode()
+    assert "paramserver_push_log_appends_total 2.0" in text  # the log's beginning and the push
+    size = sum(path.stat().st_size for path in tmp_path.glob("segment-*.log"))
+    assert f"paramserver_push_log_bytes {float(size)}" in text
+    empty = CollectorRegistry()
+    empty.register(PushLogCollector(lambda: None))
+    assert "push_log" not in generate_latest(empty).decode()

@@ -85,6 +85,9 @@ def test_a_shard_killed_three_times_comes_back_with_every_update_unless_its_log_
                                                               video_capacity=120, row_dtype="float16",
                                                               log_every=10, eval_every=1000))
     workers = [commands.start("ps-worker", "--connect", address) for _ in range(2)]
+    # ps-ctl status shows each shard's log (its size, its appends per second), from its heartbeats
+    logged = wait_for_status(commands, address, lambda s: shard1(s)["metrics"].get("push_log.bytes", 0) > 0, 30)
+    assert "push_log.appends_per_s" in shard1(logged)["metrics"], shard1(logged)
     trained = 0
     for number in (1, 2, 3):  # each once the workers trained on after the one before, then a pause at random
         trained = max(w["step"] for w in wait_past(commands, address, trained + BETWEEN_KILLS, workers)["workers"])

@@ -160,7 +160,7 @@ class PushLog:
         self.fallback: Optional[str] = None
         #: Why this process stopped logging (a write failed, a replay failed), or ``None``.
         self.broken: Optional[str] = None
-        #: The records found at ``open``, checked, in order (what ``plan`` reads).
+        #: The records found at ``open``, checked, in order (what ``plan`` reads; a new log's beginning).
         self.found: List[Entry] = []
         self.figures = LogFigures()
         self._buffer_lock = threading.Lock()
@@ -188,6 +188,7 @@ class PushLog:
             self._open_segment(0)
             self._append(BASE, [memoryview(base.encode())])
             self.flush()
+            self.found = [Entry(0, 0, BASE, len(base.encode()), name=base)]
         self.figures.size_bytes = sum(self._path(number).stat().st_size for number in self._segments)
 
     @classmethod
