@@ -31,9 +31,9 @@ from paramserver.shards.server.push_log import HEADER, PUSH
 pytestmark = pytest.mark.timeout(300)
 
 JOB = f"{pathlib.Path(__file__).parent / 'jobs' / 'watch_next.py'}:main"
-STEPS = 600
+STEPS = 450
 #: Steps the workers train between two kills (past the restart), before a pause drawn at random.
-BETWEEN_KILLS = 60
+BETWEEN_KILLS = 40
 
 
 def shard1(state: dict) -> dict:
