@@ -29,7 +29,7 @@ RECORD_IDS = [record.name for record in builtin_records()]
 
 def logged_state(folder, since: str = "") -> ShardState:
     state = ShardState()
-    state.push_log = PushLog.open(folder, since)
+    state.push_log = PushLog(folder, since)
     return state
 
 
@@ -119,7 +119,7 @@ def test_a_cut_last_record_is_dropped_and_a_damaged_one_before_the_end_sets_the_
     data = bytearray(segment.read_bytes())
     data[200] ^= 0xFF  # inside the first push's record: records follow it
     segment.write_bytes(bytes(data))
-    damaged = PushLog.open(tmp_path, "")
+    damaged = PushLog(tmp_path, "")
     assert damaged.fallback is not None and "before its end" in damaged.fallback
     assert list(tmp_path.glob("damaged-segment-*.log"))
     fresh_table, fresh = fixed_table(ShardState(), torch.float32, QHM, dict(lr=0.1, momentum=0.9, nu=0.7))
@@ -130,7 +130,7 @@ def test_a_cut_last_record_is_dropped_and_a_damaged_one_before_the_end_sets_the_
 
 
 def test_marks_anchor_a_replay_a_gap_stops_it_and_a_commit_cuts_the_segments_before_the_mark(tmp_path):
-    log = PushLog.open(tmp_path, "")
+    log = PushLog(tmp_path, "")
     ids, gradients = torch.tensor([1, 2]), torch.ones(2, DIM)
     log.append_push(5, PUSHER, 0, [0], [2], [DIM], [ids], [gradients])
     log.rotate()
@@ -139,13 +139,13 @@ def test_marks_anchor_a_replay_a_gap_stops_it_and_a_commit_cuts_the_segments_bef
     log.append_push(6, PUSHER, 1, [0], [2], [DIM], [ids], [gradients])
     log.append_gap(6)
     log.flush()
-    read = PushLog.open(tmp_path, "")
+    read = PushLog(tmp_path, "")
     assert [entry.kind for entry in read.plan("", {5})] == [push_logs.PUSH] * 2
     assert len(read.plan("ckpt-1", {5})) == 1 and read.read(read.plan("ckpt-1", {5})[0]).step == 1
     assert read.plan("", {6}) is None and read.plan("ckpt-2", {5}) is None
     assert read.committed("ckpt-1") == 1
     assert len(list(tmp_path.glob("segment-*.log"))) == 1
-    assert PushLog.open(tmp_path, "").plan("ckpt-1", {5}) is not None
+    assert PushLog(tmp_path, "").plan("ckpt-1", {5}) is not None
 
 
 class PartSource:

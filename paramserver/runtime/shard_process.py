@@ -162,7 +162,7 @@ def _open_push_log(state: ShardState, folder: pathlib.Path, name: str, restore_s
     """The shard's push log, read back (what a killed process of it applied since its checkpoint, replayed as
     trainers ask for their optimizers again: ``paramserver.shards.server.replay``)."""
     since = restore_source.key if restore_source is not None else ""
-    log = PushLog.open(folder, since)
+    log = PushLog(folder, since)
     state.push_log = log
     where = f"checkpoint {since}" if since else "the initial values"
     if log.fallback is not None:

@@ -2,7 +2,7 @@
 
 Owns one shard's log files (``PushLog``): their record format, appending
 records in batches, cutting the log when a checkpoint commits, and reading
-it back after a crash (``PushLog.open`` checks every record; ``plan`` says
+it back after a crash (``PushLog(folder, base)`` checks every record; ``plan`` says
 which records bring an optimizer's rows from a checkpoint to where the
 killed process left them).  What the records mean to an optimizer (applying
 them again) is ``replay``'s business; nothing here knows of optimizers,
@@ -45,7 +45,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 import xxhash
@@ -190,11 +190,6 @@ class PushLog:
             self.flush()
             self.found = [Entry(0, 0, BASE, len(base.encode()), name=base)]
         self.figures.size_bytes = sum(self._path(number).stat().st_size for number in self._segments)
-
-    @classmethod
-    def open(cls, directory: Path, base: str) -> "PushLog":
-        """``PushLog(directory, base)``: the log a (restarted) shard process keeps in ``directory``."""
-        return cls(directory, base)
 
     def _path(self, number: int) -> Path:
         return self.directory / _SEGMENT.format(number)
@@ -384,29 +379,23 @@ class PushLog:
 
     def read(self, entry: Entry) -> object:
         """The ``Push`` or ``Lookup`` at ``entry``."""
-        with open(self._path(entry.segment), "rb") as file:
-            file.seek(entry.offset + HEADER.size)
-            payload = bytearray(file.read(entry.length))
-        if entry.kind == LOOKUP:
-            tag, step, count = _LOOKUP.unpack_from(payload, 0)
-            return Lookup(tag, step, torch.frombuffer(payload, dtype=torch.int64, count=count, offset=_LOOKUP.size))
-        tag, pusher, step, count, dtype = _PUSH.unpack_from(payload, 0)
-        dtype, offset = _DTYPES[dtype], _PUSH.size
-        numbers = struct.unpack_from(f"<{3 * count}I", payload, offset)
-        params, counts, widths = list(numbers[:count]), numbers[count:2 * count], numbers[2 * count:]
-        offset += 12 * count
-        ids, gradients = [], []
-        for rows in counts:  # every parameter's ids, then every parameter's gradients
-            ids.append(torch.frombuffer(payload, dtype=torch.int64, count=rows, offset=offset) if rows else
-                       torch.empty(0, dtype=torch.int64))
-            offset += 8 * rows
-        size = torch.empty(0, dtype=dtype).element_size()
-        for rows, width in zip(counts, widths):
-            values = rows * width
-            gradients.append(torch.frombuffer(payload, dtype=dtype, count=values, offset=offset).view(rows, width)
-                             if values else torch.empty(rows, width, dtype=dtype))
-            offset += values * size
-        return Push(tag, pusher, step, params, ids, gradients)
+        return next(self.records([entry]))
+
+    def records(self, entries: Sequence[Entry]) -> Iterator[object]:
+        """The ``Push`` or ``Lookup`` at each of ``entries`` in turn, each segment opened once."""
+        file, segment = None, -1
+        try:
+            for entry in entries:
+                if entry.segment != segment:
+                    if file is not None:
+                        file.close()
+                    file, segment = open(self._path(entry.segment), "rb"), entry.segment
+                file.seek(entry.offset + HEADER.size)
+                yield _record(entry.kind, bytearray(file.read(entry.length)))
+        finally:
+            if file is not None:
+                file.close()
+
 
     def set_aside(self, reason: str) -> None:
         """Rename every segment ``damaged-segment-*`` and log no more (``reason``: a replay of it failed), so the
@@ -420,6 +409,30 @@ class PushLog:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+
+
+def _record(kind: int, payload: bytearray) -> object:
+    """The ``Push`` or ``Lookup`` a record of ``kind`` holds (its payload read back; its tensors are views of it)."""
+    if kind == LOOKUP:
+        tag, step, count = _LOOKUP.unpack_from(payload, 0)
+        return Lookup(tag, step, torch.frombuffer(payload, dtype=torch.int64, count=count, offset=_LOOKUP.size))
+    tag, pusher, step, count, dtype = _PUSH.unpack_from(payload, 0)
+    dtype, offset = _DTYPES[dtype], _PUSH.size
+    numbers = struct.unpack_from(f"<{3 * count}I", payload, offset)
+    params, counts, widths = list(numbers[:count]), numbers[count:2 * count], numbers[2 * count:]
+    offset += 12 * count
+    ids, gradients = [], []
+    for rows in counts:  # every parameter's ids, then every parameter's gradients
+        ids.append(torch.frombuffer(payload, dtype=torch.int64, count=rows, offset=offset) if rows else
+                   torch.empty(0, dtype=torch.int64))
+        offset += 8 * rows
+    size = torch.empty(0, dtype=dtype).element_size()
+    for rows, width in zip(counts, widths):
+        values = rows * width
+        gradients.append(torch.frombuffer(payload, dtype=dtype, count=values, offset=offset).view(rows, width)
+                         if values else torch.empty(rows, width, dtype=dtype))
+        offset += values * size
+    return Push(tag, pusher, step, params, ids, gradients)
 
 
 def _entry(segment: int, offset: int, kind: int, data: bytes, start: int, length: int) -> Entry:

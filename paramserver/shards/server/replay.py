@@ -58,8 +58,7 @@ def replay(state: ShardState, optimizer) -> int:
     try:
         for rows in dynamic.values():
             rows.journal = None
-        for entry in plan:
-            record = log.read(entry)
+        for record in log.records(plan):
             if isinstance(record, Lookup):
                 dynamic[record.tag].lookup(record.ids, record.step)
                 lookups += 1
