@@ -15,7 +15,10 @@ What it measures
     * pushes: ``service.push_lookup`` carrying one push and no read (what a
       trainer's push is), not idempotent (step -1: with several shard threads
       one pusher's pushes may be applied out of order);
-    * lookups: ``service.lookup`` of the same rows.
+    * lookups: ``service.lookup`` of the same rows;
+    * no-op pushes: the pushes' very arguments sent to ``rpc_floor.push_floor``,
+      a TorchScript target that does nothing with them: torch RPC's own cost
+      of a push, which bounds what a push over RPC can reach (the ceiling).
 
     Each request takes the next of a rotation of disjoint row sets, so its
     rows are cold.  Two ways of sending, each timed for ``--seconds``:
@@ -121,6 +124,7 @@ from paramserver.optim import QHM, RowWiseAdagrad
 from paramserver.optim.registry import functional_optim_map
 from paramserver.optim.row_kernel import Rounding
 from paramserver.optim.scripted import ScriptedOptimizer
+from rpc_floor import push_floor
 
 FLOAT_BYTES = 4
 ID_BYTES = 8
@@ -376,8 +380,9 @@ def prepare(spec: Dict, seed: int) -> int:
 
 
 def _send_one(kind: str) -> torch.futures.Future:
-    """Send the next prepared request of ``kind`` (``push`` or ``lookup``): the arguments of
-    ``EmbeddingCollection.send`` (a push with no read) or ``lookup_planned``."""
+    """Send the next prepared request of ``kind`` (``push``, ``floor`` or ``lookup``): the arguments of
+    ``EmbeddingCollection.send`` (a push with no read; for ``floor`` to ``rpc_floor.push_floor``, which does
+    nothing with them) or ``lookup_planned``."""
     import torch.distributed.rpc as rpc
 
     from paramserver.shards.server import service
@@ -389,7 +394,7 @@ def _send_one(kind: str) -> torch.futures.Future:
         return rpc.rpc_async(SHARD, service.lookup, args=(spec["incarnation"], [spec["table_handle"]], ids,
                                                            [spec["rows"]], k))
     gradients = _prepared["gradients"][k % len(_prepared["gradients"])]
-    return rpc.rpc_async(SHARD, service.push_lookup, args=(
+    return rpc.rpc_async(SHARD, push_floor if kind == "floor" else service.push_lookup, args=(
         spec["incarnation"], spec["optimizer_handle"], [spec["param_index"]], [1], ids, [spec["rows"]], gradients,
         spec["peer"], spec["token"], [-1], [], torch.empty(0, dtype=torch.long), [], -1))
 
@@ -500,6 +505,22 @@ class Driver:
         total["rows"] = total["requests"] * rows
         return total
 
+    def unheld(self, kind: str, count: int, seconds: float) -> Dict[str, float]:
+        """The pushers send ``count`` requests each at once, the shard's threads not held, until ``seconds`` were
+        timed (at least two rounds).  Only the shard's CPU per request is read from it, which holding its threads
+        does not change; its wall time includes the pushers' sending."""
+        total = {"requests": 0, "wall": 0.0, "cpu": 0.0, "cycles": 0}
+        while total["wall"] < seconds or total["cycles"] < 2:
+            start = time.monotonic() + 0.02
+            cpu_before = shard_cpu_seconds(self.shard_pid)
+            answers = self.on_pushers(send_backlog, lambda k: (kind, count, start))
+            total["cpu"] += shard_cpu_seconds(self.shard_pid) - cpu_before
+            total["wall"] += max(answer["last_done"] for answer in answers) - start
+            total["requests"] += sum(answer["count"] for answer in answers)
+            total["cycles"] += 1
+        total["rows"] = total["requests"] * self.config["spec"]["rows"]
+        return total
+
     def held_until_idle(self, deadline: float) -> float:
         """Sleep until ``deadline``, reading the shard's CPU time every 10 ms; the last moment it was still
         working (its RPC threads are held: receiving the backlog), so that a backlog still arriving at the
@@ -563,12 +584,13 @@ def driver(pushers: Sequence[str], rpc_threads: int, plan: Dict, out_path: str) 
                                           param_index=slot.param_index, table_rows=plan["table_rows"], rows=rows,
                                           dim=dim, peer=me, token=collection.token)
                     run.on_pushers(prepare, lambda k: (config["spec"], 100 + k))
-                    kinds = ["push"] + (["lookup"] if optimizer_index == 0 else [])
+                    kinds = ["push"] + (["floor", "lookup"] if optimizer_index == 0 else [])
                     for kind in kinds:
                         count = backlog_count(rows, dim)
+                        timed = run.unheld if kind == "floor" else run.backlog
                         entry = dict(rows=rows, dim=dim, optimizer=name, kind=kind, threads=label,
-                                     backlog=run.backlog(kind, count, plan["seconds"]))
-                        if plan["live"]:
+                                     backlog=timed(kind, count, plan["seconds"]))
+                        if plan["live"] and kind != "floor":
                             entry["live"] = run.live(kind, plan["seconds"])
                         figures.append(entry)
                         b = entry["backlog"]
@@ -644,6 +666,18 @@ def per_wall(figure: Dict) -> float:
     return figure["rows"] / figure["wall"]
 
 
+def request_cpu(figure: Optional[Dict]) -> Optional[float]:
+    """The shard's CPU seconds per request of a backlog figure (``None`` without one)."""
+    return figure["backlog"]["cpu"] / figure["backlog"]["requests"] if figure else None
+
+
+def ceiling(layers: Dict[str, float], floor_figure: Optional[Dict]) -> str:
+    """The most a push over RPC can reach, as x of the in-process fused step per shard CPU second: the step
+    alone against the step plus a no-op request's CPU (``rpc_floor``) with the same arguments."""
+    noop = request_cpu(floor_figure)
+    return f"{layers['step'] / (layers['step'] + noop):.2f}x" if noop else "n/a"
+
+
 def table_start(title: str, header: str, alignment: str) -> None:
     """A blank line, ``title``, a blank line and a markdown table's first two lines."""
     print()
@@ -663,8 +697,9 @@ def report(args, gbps: float, local: Dict, rpc_figures: Dict[str, List[Dict]]) -
               args.pushers, args.seconds, ", ".join(args.thread_configs), gbps, ", --quick" if args.quick else ""))
     table_start(f"Rows applied per second (pushes), shard threads {first}:",
                 "| R | dim | optimizer | bytes/row | memory floor rows/s | in-process fused step rows/s (x of floor) "
-                "| over RPC rows/s per shard CPU s | x of in-process | target | over RPC rows/s wall (shard cores) "
-                "| live rows/s wall (shard cores) |", "|---:|---:|---|---:|---:|---:|---:|---:|---|---:|---:|")
+                "| over RPC rows/s per shard CPU s | x of in-process | target | ceiling over RPC "
+                "| over RPC rows/s wall (shard cores) | live rows/s wall (shard cores) |",
+                "|---:|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|")
     for rows in args.rows:
         for dim in args.dims:
             for name in args.optimizers:
@@ -680,9 +715,10 @@ def report(args, gbps: float, local: Dict, rpc_figures: Dict[str, List[Dict]]) -
                 target = f">= {TARGET_VS_IN_PROCESS:g}x {verdict(ratio >= TARGET_VS_IN_PROCESS)}" \
                     if dim in TARGET_DIMS else "(no target)"
                 live = f.get("live")
-                print("| {:,} | {} | {} | {:,} | {} | {} ({:.2f}x) | {} | {:.2f}x | {} | {} ({:.2f}) | {} |".format(
+                print("| {:,} | {} | {} | {:,} | {} | {} ({:.2f}x) | {} | {:.2f}x | {} | {} | {} ({:.2f}) | {} |".format(
                     rows, dim, name, spec.bytes_per_row(dim), rate(floor), rate(fused), fused / floor, rate(per_cpu(b)),
-                    ratio, target, rate(per_wall(b)), b["cpu"] / b["wall"],
+                    ratio, target, ceiling(layers, by_key.get((first, rows, dim, args.optimizers[0], "floor"))),
+                    rate(per_wall(b)), b["cpu"] / b["wall"],
                     "{} ({:.2f})".format(rate(per_wall(live)), live["cpu"] / live["wall"]) if live else "n/a"))
     table_start(f"Rows served per second (lookups), shard threads {first}:",
                 "| R | dim | bytes/row | memory floor rows/s | in-process index_select rows/s (x of floor) "
@@ -735,8 +771,8 @@ def report(args, gbps: float, local: Dict, rpc_figures: Dict[str, List[Dict]]) -
           f"shard's CPU per request, backlog, shard threads {first}):")
     print()
     print("| R | dim | optimizer | fused step | + step module | + gradient built | apply_rows | rows.pushes "
-          "| push_lookup op | over RPC | glue in-process | over RPC / fused step |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| push_lookup op | over RPC | glue in-process | over RPC / fused step | no-op request over RPC |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
     def us(layers: Dict[str, float], key: str) -> str:
         return f"{layers[key] * 1e6:.1f}" if key in layers else "n/a"
@@ -747,11 +783,12 @@ def report(args, gbps: float, local: Dict, rpc_figures: Dict[str, List[Dict]]) -
                 layers = local[(rows, dim, name)]
                 f = by_key.get((first, rows, dim, name, "push"))
                 over = f["backlog"]["cpu"] / f["backlog"]["requests"] if f else None
-                print("| {:,} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.1f} | {} |".format(
+                noop = request_cpu(by_key.get((first, rows, dim, args.optimizers[0], "floor")))
+                print("| {:,} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.1f} | {} | {} |".format(
                     rows, dim, name, us(layers, "step"), us(layers, "module"), us(layers, "gradient"),
                     us(layers, "apply_rows"), us(layers, "pushes"), us(layers, "push_lookup"),
                     f"{over * 1e6:.1f}" if over else "n/a", (layers["push_lookup"] - layers["step"]) * 1e6,
-                    f"{over / layers['step']:.2f}x" if over else "n/a"))
+                    f"{over / layers['step']:.2f}x" if over else "n/a", f"{noop * 1e6:.1f}" if noop else "n/a"))
     name = args.optimizers[0]
     print()
     print("| R | dim | lookup: index_select | rows.lookup | lookup op | over RPC | over RPC / index_select |")
@@ -787,6 +824,9 @@ torch path (gradient checks, then its step); "+ gradient built" = that plus _row
 (checks, row marks, locks, timing); rows.pushes = handles and unpacking too; push_lookup op = the
 TorchScript RPC target called in-process (the custom op's Python kernel); over RPC = the shard's CPU per
 request (receiving, deserializing, replying included). glue in-process = push_lookup op - fused step.
+No-op request over RPC = the shard's CPU per request for rpc_floor.push_floor, sent the same arguments as the
+pushes (torch RPC's own cost of a push); ceiling over RPC = fused step / (fused step + that): what a push over
+RPC would reach if everything of the shard's own around the step cost nothing.
 Targets: rows applied per second over RPC, per shard CPU second, at least {target:g}x of the in-process fused
 step at dims {dims} (shard threads {first}); the best two-thread configuration at least {two:g}x of {first}
 in backlog rows per second of wall time. Other processes on the machine take cores too (the load average

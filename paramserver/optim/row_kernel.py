@@ -155,6 +155,14 @@ class RowKernel:
         ids = rounding.ids
         if ids is not None and not (ids.dtype == torch.int64 and ids.is_contiguous() and ids.numel() >= param.size(0)):
             raise ValueError("the rows' ids must be a contiguous int64 tensor with an id per row")
+        self.step_laid_out(update, param, rows, grads, state, hyperparameters, rounding)
+
+    def step_laid_out(self, update: str, param: Tensor, rows: Tensor, grads: Tensor, state: List[Tensor],
+                      hyperparameters: Mapping, rounding: Rounding) -> None:
+        """``step`` for arguments already laid out as the kernel reads them (a caller that checked them whole:
+        ``OwnerOptimizer.apply_rows``' native way, ``state`` its optimizer's own tensors): only the kernel's own
+        checks (rows in range) run."""
+        ids = rounding.ids
         table = _Rows(param.data_ptr(), param.size(1), param.size(0), ROW_TYPES[param.dtype], int(rounding.nearest),
                       rounding.seed & 0xFFFFFFFF, 0, rounding.first_row, ids.data_ptr() if ids is not None else None)
         failed = self.updates[update](ctypes.byref(table), rows, grads, state, hyperparameters)

@@ -49,7 +49,6 @@ This module never sends RPCs.
 import functools
 import logging
 import time
-from contextlib import contextmanager
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -330,6 +329,23 @@ class _ScriptedStepInParts(_ScriptedStepWithRowState):
         return self.optim.state.of(index)
 
 
+class LockSet:
+    """Locks held together, as a context manager: taken in the order given, released in reverse.  It keeps no
+    state of its own, so threads may enter it at once (each waits for the locks in turn)."""
+
+    def __init__(self, locks: List):
+        self.locks = locks
+        self._reversed = list(reversed(locks))
+
+    def __enter__(self) -> None:
+        for lock in self.locks:
+            lock.acquire()
+
+    def __exit__(self, *exc_info) -> None:
+        for lock in self._reversed:
+            lock.release()
+
+
 class NativeRows:
     """A push's rows applied by the native row kernel (``paramserver.optim.row_kernel``) in place of the step
     module's ``step_rows``, for an optimizer whose record names its update there (``RowOptimizer.native``):
@@ -372,19 +388,26 @@ class NativeRows:
             present[index] = True
         tensors, roundings = self.module.prepare_rows(present)
         for index, rows, values in pushed:
-            self._update(index, rows, values, tensors[index], roundings[index])
+            self._update(index, rows, values, tensors[index], roundings[index], self.kernel.step_laid_out)
         if not measure:
             return 0, 0
         return (sum(rows.numel() for _, rows, _ in pushed),
                 sum(values.numel() * values.element_size() for _, _, values in pushed))
 
-    def _update(self, index: int, rows: Tensor, values: Tensor, tensors: List[Tensor], rounding_of: Tuple) -> None:
-        key, step, nearest, first_row, ids = rounding_of
-        rounding = Rounding(nearest, stream_seed(key, step), first_row, ids)
+    def _update(self, index: int, rows: Tensor, values: Tensor, tensors: List[Tensor], rounding_of: Tuple,
+                step: Optional[Callable] = None) -> None:
+        """Parameter ``index``'s rows by ``step`` (the kernel's ``step``, which checks its arguments, unless
+        given another), in parts where the push is large enough."""
+        key, step_count, nearest, first_row, ids = rounding_of
+        rounding = Rounding(nearest, stream_seed(key, step_count), first_row, ids)
+        step = step or self.kernel.step
         count = max(1, min(self.parts, values.numel() // self.least))
+        if count == 1:  # (no part to hand to another thread)
+            step(self.update, self.params[index], rows, values, tensors, self.hyperparameters, rounding)
+            return
         bounds = [rows.numel() * part // count for part in range(count + 1)]
         self.part_threads.run([
-            functools.partial(self.kernel.step, self.update, self.params[index], rows[start:stop],
+            functools.partial(step, self.update, self.params[index], rows[start:stop],
                               values[start:stop], tensors, self.hyperparameters, rounding)
             for start, stop in zip(bounds, bounds[1:])])
 
@@ -543,7 +566,8 @@ class OwnerOptimizer:
         else:
             self._impl = _PythonStep(optimizer_cls, self.params, self.names, args, kwargs)
         self._state = state
-        self._locks = [lock for _, lock in sorted({state.lock_for(p) for p in self.params}, key=lambda e: e[0])]
+        self._locks = LockSet([lock for _, lock in sorted({state.lock_for(p) for p in self.params},
+                                                          key=lambda e: e[0])])
         #: Dynamic tables' slabs among the parameters (``paramserver.shards.server.dynamic``): pushes name their rows
         #: by id, and their per-row state follows the rows.
         self._dynamic = [state.dynamic_rows(p) for p in self.params]
@@ -626,16 +650,9 @@ class OwnerOptimizer:
             raise ValueError(f"table {table}: optimizer {optimizer} with {kwargs} cannot apply row-sparse "
                              f"gradients: {one_line(error)}") from None
 
-    @contextmanager
-    def _locked(self):
+    def _locked(self) -> "LockSet":
         """Hold every parameter's lock (in the global order)."""
-        for lock in self._locks:
-            lock.acquire()
-        try:
-            yield
-        finally:
-            for lock in reversed(self._locks):
-                lock.release()
+        return self._locks
 
     def step(self, context_id: int) -> None:
         """One step with the gradients ``dist_autograd`` context ``context_id`` holds here."""

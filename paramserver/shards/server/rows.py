@@ -99,6 +99,10 @@ def pushes(state: ShardState, incarnation: int, optimizer: int, params: List[int
                              f"which do not add up to the {len(params)} named")
         widths = [owner_optimizer.row_width(index) for index in params]
         all_ids, all_gradients = wire.unpack_ids(ids, counts), wire.unpack_rows(gradients, counts, widths)
+        if len(steps) == 1:  # (one step's push, the message whole: no slicing)
+            owner_optimizer.apply_rows(params, all_ids, all_gradients, peer, (pusher, steps[0]) if steps[0] >= 0
+                                       else None, packed=(ids, gradients))
+            return len(params)
         start = id_start = value_start = 0
         for count, step in zip(param_counts, steps):
             stop = start + count
