@@ -1,7 +1,7 @@
 """Shared pytest fixtures for paramserver's tests: deterministic seeds, the
 two ways a functional optimizer runs (eager Python, compiled TorchScript),
 and guards that no test leaves a child process, or a log handler on its
-captured stderr, behind."""
+captured stderr, behind; and the order the test files are handed out in."""
 
 import logging
 import multiprocessing
@@ -15,6 +15,21 @@ import torch
 from commands import Commands
 
 from paramserver.optim import ScriptedOptimizer, functional_optim_map
+
+
+#: The test files that take longest (each starts clusters of real commands, one after another), longest first:
+#: collected first, so that ``make test``'s test processes (pytest-xdist, ``--no-loadscope-reorder``: files
+#: handed out in this order) start them at once instead of ending the run on one of them.  It orders only; a
+#: file not named runs after these, in its usual order.
+LONGEST_FILES = ("test_checkpoints.py", "test_coordinator_restart.py", "test_trainer_group_commands.py",
+                 "test_data_shares_cluster.py", "test_object_store_checkpoints.py", "test_cluster_commands.py",
+                 "test_fault_bounds.py", "test_distributed_optimizer.py", "test_dense_replica.py", "test_trainer.py",
+                 "test_multihost.py", "test_pipeline.py", "test_trainer_chaos.py", "test_launch.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: k for k, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # (stable: a file's tests keep their order)
 
 
 @pytest.fixture(autouse=True)
