@@ -34,10 +34,9 @@ demo: $(STAMP)
 	$(VENV)/bin/ps-demo $(DEMO_ARGS)
 
 # Test files run in TEST_WORKERS processes at once (pytest-xdist), each file's tests in one of them, in
-# order (a file's shared fixtures start once); TEST_WORKERS=0 runs them all in this process.  Three on two
-# cores: the end-to-end files mostly wait, and two of them left the cores idle 40% of the run.  Files are
+# order (a file's shared fixtures start once); TEST_WORKERS=0 runs them all in this process.  Files are
 # handed out in the order tests/conftest.py collects them (longest first), not by their number of tests.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 
