@@ -19,6 +19,9 @@ What it measures
     * no-op pushes: the pushes' very arguments sent to ``rpc_floor.push_floor``,
       a TorchScript target that does nothing with them: torch RPC's own cost
       of a push, which bounds what a push over RPC can reach (the ceiling).
+      It and the pushes are also timed unheld (``Driver.unheld``): the shard
+      receives while its threads are held, so the backlog's CPU leaves the
+      receiving out; unheld, the shard's CPU per request counts it.
 
     Each request takes the next of a rotation of disjoint row sets, so its
     rows are cold.  Two ways of sending, each timed for ``--seconds``:
@@ -91,7 +94,9 @@ How to read it
 
     * rows applied per second over RPC at least 0.7x of the in-process fused
       step, at dims 16 and 64, judged per shard core: rows per second of the
-      shard's CPU time, backlog, the first thread configuration (one thread);
+      shard's CPU time, receiving counted (unheld), the first thread
+      configuration (one thread); printed beside the ceiling torch RPC's own
+      cost sets (the no-op requests);
     * 2 shard threads at least 1.7x of 1 on 2 cores: rows per second of wall
       time, backlog (the pushers idle while the shard works), the best
       two-thread configuration against the first.
@@ -587,13 +592,15 @@ def driver(pushers: Sequence[str], rpc_threads: int, plan: Dict, out_path: str) 
                     kinds = ["push"] + (["floor", "lookup"] if optimizer_index == 0 else [])
                     for kind in kinds:
                         count = backlog_count(rows, dim)
-                        timed = run.unheld if kind == "floor" else run.backlog
-                        entry = dict(rows=rows, dim=dim, optimizer=name, kind=kind, threads=label,
-                                     backlog=timed(kind, count, plan["seconds"]))
+                        entry = dict(rows=rows, dim=dim, optimizer=name, kind=kind, threads=label)
+                        if kind != "floor":
+                            entry["backlog"] = run.backlog(kind, count, plan["seconds"])
+                        if kind != "lookup":  # (receiving counted: a push's, and the no-op's it is set against)
+                            entry["unheld"] = run.unheld(kind, count, plan["seconds"])
                         if plan["live"] and kind != "floor":
                             entry["live"] = run.live(kind, plan["seconds"])
                         figures.append(entry)
-                        b = entry["backlog"]
+                        b = entry.get("backlog", entry.get("unheld"))
                         progress("  shard {}: R={:,} dim {} {} {}: backlog {:,.0f} rows/s wall, {:,.0f} per shard "
                                  "CPU s ({:.2f} cores){}".format(
                                      label, rows, dim, name if kind == "push" else "", kind, b["rows"] / b["wall"],
@@ -666,16 +673,21 @@ def per_wall(figure: Dict) -> float:
     return figure["rows"] / figure["wall"]
 
 
-def request_cpu(figure: Optional[Dict]) -> Optional[float]:
-    """The shard's CPU seconds per request of a backlog figure (``None`` without one)."""
-    return figure["backlog"]["cpu"] / figure["backlog"]["requests"] if figure else None
+def request_cpu(figure: Optional[Dict], key: str = "unheld") -> Optional[float]:
+    """The shard's CPU seconds per request of a case's ``key`` measurement (``None`` without one)."""
+    if figure is None or key not in figure:
+        return None
+    return figure[key]["cpu"] / figure[key]["requests"]
 
 
-def ceiling(layers: Dict[str, float], floor_figure: Optional[Dict]) -> str:
-    """The most a push over RPC can reach, as x of the in-process fused step per shard CPU second: the step
-    alone against the step plus a no-op request's CPU (``rpc_floor``) with the same arguments."""
-    noop = request_cpu(floor_figure)
-    return f"{layers['step'] / (layers['step'] + noop):.2f}x" if noop else "n/a"
+def received(layers: Dict[str, float], push_figure: Optional[Dict], floor_figure: Optional[Dict]) -> str:
+    """Pushes with the shard's receiving counted (``unheld``), as x of the in-process fused step per shard CPU
+    second, and the ceiling torch RPC sets there: the step alone against the step plus a no-op request's CPU
+    (``rpc_floor``, the same arguments, receiving counted alike)."""
+    push, noop = request_cpu(push_figure), request_cpu(floor_figure)
+    if push is None or noop is None:
+        return "n/a"
+    return f"{layers['step'] / push:.2f}x ({layers['step'] / (layers['step'] + noop):.2f}x)"
 
 
 def table_start(title: str, header: str, alignment: str) -> None:
@@ -697,9 +709,9 @@ def report(args, gbps: float, local: Dict, rpc_figures: Dict[str, List[Dict]]) -
               args.pushers, args.seconds, ", ".join(args.thread_configs), gbps, ", --quick" if args.quick else ""))
     table_start(f"Rows applied per second (pushes), shard threads {first}:",
                 "| R | dim | optimizer | bytes/row | memory floor rows/s | in-process fused step rows/s (x of floor) "
-                "| over RPC rows/s per shard CPU s | x of in-process | target | ceiling over RPC "
-                "| over RPC rows/s wall (shard cores) | live rows/s wall (shard cores) |",
-                "|---:|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|")
+                "| drained backlog: over RPC rows/s per shard CPU s | x of in-process | receiving counted: x of "
+                "in-process (ceiling) | target | over RPC rows/s wall (shard cores) | live rows/s wall (shard cores) |",
+                "|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|")
     for rows in args.rows:
         for dim in args.dims:
             for name in args.optimizers:
@@ -711,13 +723,15 @@ def report(args, gbps: float, local: Dict, rpc_figures: Dict[str, List[Dict]]) -
                 if f is None:
                     continue
                 b = f["backlog"]
-                ratio = per_cpu(b) / fused
+                whole = request_cpu(f)  # (receiving counted: the target's figure)
+                ratio = layers["step"] / whole if whole else per_cpu(b) / fused
                 target = f">= {TARGET_VS_IN_PROCESS:g}x {verdict(ratio >= TARGET_VS_IN_PROCESS)}" \
                     if dim in TARGET_DIMS else "(no target)"
                 live = f.get("live")
                 print("| {:,} | {} | {} | {:,} | {} | {} ({:.2f}x) | {} | {:.2f}x | {} | {} | {} ({:.2f}) | {} |".format(
                     rows, dim, name, spec.bytes_per_row(dim), rate(floor), rate(fused), fused / floor, rate(per_cpu(b)),
-                    ratio, target, ceiling(layers, by_key.get((first, rows, dim, args.optimizers[0], "floor"))),
+                    per_cpu(b) / fused, received(layers, f, by_key.get((first, rows, dim, args.optimizers[0], "floor"))),
+                    target,
                     rate(per_wall(b)), b["cpu"] / b["wall"],
                     "{} ({:.2f})".format(rate(per_wall(live)), live["cpu"] / live["wall"]) if live else "n/a"))
     table_start(f"Rows served per second (lookups), shard threads {first}:",
@@ -771,8 +785,9 @@ def report(args, gbps: float, local: Dict, rpc_figures: Dict[str, List[Dict]]) -
           f"shard's CPU per request, backlog, shard threads {first}):")
     print()
     print("| R | dim | optimizer | fused step | + step module | + gradient built | apply_rows | rows.pushes "
-          "| push_lookup op | over RPC | glue in-process | over RPC / fused step | no-op request over RPC |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| push_lookup op | over RPC | glue in-process | over RPC / fused step | over RPC, receiving counted "
+          "| no-op request, receiving counted |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
     def us(layers: Dict[str, float], key: str) -> str:
         return f"{layers[key] * 1e6:.1f}" if key in layers else "n/a"
@@ -784,11 +799,13 @@ def report(args, gbps: float, local: Dict, rpc_figures: Dict[str, List[Dict]]) -
                 f = by_key.get((first, rows, dim, name, "push"))
                 over = f["backlog"]["cpu"] / f["backlog"]["requests"] if f else None
                 noop = request_cpu(by_key.get((first, rows, dim, args.optimizers[0], "floor")))
-                print("| {:,} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.1f} | {} | {} |".format(
+                whole = request_cpu(f)
+                print("| {:,} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.1f} | {} | {} | {} |".format(
                     rows, dim, name, us(layers, "step"), us(layers, "module"), us(layers, "gradient"),
                     us(layers, "apply_rows"), us(layers, "pushes"), us(layers, "push_lookup"),
                     f"{over * 1e6:.1f}" if over else "n/a", (layers["push_lookup"] - layers["step"]) * 1e6,
-                    f"{over / layers['step']:.2f}x" if over else "n/a", f"{noop * 1e6:.1f}" if noop else "n/a"))
+                    f"{over / layers['step']:.2f}x" if over else "n/a", f"{whole * 1e6:.1f}" if whole else "n/a",
+                    f"{noop * 1e6:.1f}" if noop else "n/a"))
     name = args.optimizers[0]
     print()
     print("| R | dim | lookup: index_select | rows.lookup | lookup op | over RPC | over RPC / index_select |")
@@ -824,11 +841,13 @@ torch path (gradient checks, then its step); "+ gradient built" = that plus _row
 (checks, row marks, locks, timing); rows.pushes = handles and unpacking too; push_lookup op = the
 TorchScript RPC target called in-process (the custom op's Python kernel); over RPC = the shard's CPU per
 request (receiving, deserializing, replying included). glue in-process = push_lookup op - fused step.
-No-op request over RPC = the shard's CPU per request for rpc_floor.push_floor, sent the same arguments as the
-pushes (torch RPC's own cost of a push); ceiling over RPC = fused step / (fused step + that): what a push over
-RPC would reach if everything of the shard's own around the step cost nothing.
-Targets: rows applied per second over RPC, per shard CPU second, at least {target:g}x of the in-process fused
-step at dims {dims} (shard threads {first}); the best two-thread configuration at least {two:g}x of {first}
+The backlog's CPU leaves out what the shard spent receiving the requests while its threads were held.
+"Receiving counted": the pushers send without the shard's threads held, and the shard's CPU per request counts
+everything from the request's arrival; the no-op request is rpc_floor.push_floor sent the pushes' very
+arguments (torch RPC's own cost of a push); the ceiling = fused step / (fused step + that no-op's CPU): what a
+push over RPC would reach if everything of the shard's own around the step cost nothing.
+Targets: rows applied per second over RPC, per shard CPU second (receiving counted), at least {target:g}x of the
+in-process fused step at dims {dims} (shard threads {first}); the best two-thread configuration at least {two:g}x of {first}
 in backlog rows per second of wall time. Other processes on the machine take cores too (the load average
 above): compare runs, not digits."""
 
