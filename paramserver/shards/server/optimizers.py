@@ -397,19 +397,18 @@ class NativeRows:
     def _update(self, index: int, rows: Tensor, values: Tensor, tensors: List[Tensor], rounding_of: Tuple,
                 step: Optional[Callable] = None) -> None:
         """Parameter ``index``'s rows by ``step`` (the kernel's ``step``, which checks its arguments, unless
-        given another), in parts where the push is large enough."""
+        given another), in parts where the push is large enough (``PartThreads.run`` calls a single part here,
+        on the rows as given: slicing them would cost more than the kernel's call on a small push)."""
         key, step_count, nearest, first_row, ids = rounding_of
         rounding = Rounding(nearest, stream_seed(key, step_count), first_row, ids)
         step = step or self.kernel.step
         count = max(1, min(self.parts, values.numel() // self.least))
-        if count == 1:  # (no part to hand to another thread)
-            step(self.update, self.params[index], rows, values, tensors, self.hyperparameters, rounding)
-            return
         bounds = [rows.numel() * part // count for part in range(count + 1)]
-        self.part_threads.run([
-            functools.partial(step, self.update, self.params[index], rows[start:stop],
-                              values[start:stop], tensors, self.hyperparameters, rounding)
-            for start, stop in zip(bounds, bounds[1:])])
+        pieces = [(rows, values)] if count == 1 else \
+            [(rows[start:stop], values[start:stop]) for start, stop in zip(bounds, bounds[1:])]
+        self.part_threads.run([functools.partial(step, self.update, self.params[index], part_rows, part_values,
+                                                 tensors, self.hyperparameters, rounding)
+                               for part_rows, part_values in pieces])
 
 
 @script

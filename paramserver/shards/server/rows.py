@@ -76,6 +76,12 @@ def _rows(state: ShardState, table: Tensor, ids: Tensor, step: int) -> Tensor:
     return torch.index_select(table, 0, ids) if dynamic is None else dynamic.lookup(ids, step)
 
 
+def _span(packed: Tensor, start: int, stop: int) -> Tensor:
+    """``packed[start:stop]``: ``packed`` itself where that is all of it (a message of one step's push), as a
+    view costs more than a small push's update."""
+    return packed if start == 0 and stop == packed.numel() else packed[start:stop]
+
+
 def push(state: ShardState, incarnation: int, optimizer: int, params: List[int], ids: Tensor, counts: List[int],
          gradients: Tensor, peer: str, pusher: int, step: int) -> int:
     """Apply the row gradients of parameter ``params[i]`` of optimizer handle ``optimizer``: ``counts[i]``
@@ -99,10 +105,6 @@ def pushes(state: ShardState, incarnation: int, optimizer: int, params: List[int
                              f"which do not add up to the {len(params)} named")
         widths = [owner_optimizer.row_width(index) for index in params]
         all_ids, all_gradients = wire.unpack_ids(ids, counts), wire.unpack_rows(gradients, counts, widths)
-        if len(steps) == 1:  # (one step's push, the message whole: no slicing)
-            owner_optimizer.apply_rows(params, all_ids, all_gradients, peer, (pusher, steps[0]) if steps[0] >= 0
-                                       else None, packed=(ids, gradients))
-            return len(params)
         start = id_start = value_start = 0
         for count, step in zip(param_counts, steps):
             stop = start + count
@@ -110,7 +112,7 @@ def pushes(state: ShardState, incarnation: int, optimizer: int, params: List[int
             value_stop = value_start + sum(rows * width for rows, width in zip(counts[start:stop], widths[start:stop]))
             owner_optimizer.apply_rows(params[start:stop], all_ids[start:stop], all_gradients[start:stop], peer,
                                        (pusher, step) if step >= 0 else None,
-                                       packed=(ids[id_start:id_stop], gradients[value_start:value_stop]))
+                                       packed=(_span(ids, id_start, id_stop), _span(gradients, value_start, value_stop)))
             start, id_start, value_start = stop, id_stop, value_stop
     except ValueError as error:
         logger.warning("optimizer %d refused a push from %s: %s", optimizer, peer, error)
