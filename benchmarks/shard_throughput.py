@@ -797,7 +797,7 @@ def report(args, gbps: float, local: Dict, rpc_figures: Dict[str, List[Dict]]) -
             for name in args.optimizers:
                 layers = local[(rows, dim, name)]
                 f = by_key.get((first, rows, dim, name, "push"))
-                over = f["backlog"]["cpu"] / f["backlog"]["requests"] if f else None
+                over = request_cpu(f, "backlog")
                 noop = request_cpu(by_key.get((first, rows, dim, args.optimizers[0], "floor")))
                 whole = request_cpu(f)
                 print("| {:,} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.1f} | {} | {} | {} |".format(
@@ -816,7 +816,7 @@ def report(args, gbps: float, local: Dict, rpc_figures: Dict[str, List[Dict]]) -
             f = by_key.get((first, rows, dim, name, "lookup"))
             if "index_select" not in layers:
                 continue
-            over = f["backlog"]["cpu"] / f["backlog"]["requests"] if f else None
+            over = request_cpu(f, "backlog")
             print("| {:,} | {} | {} | {} | {} | {} | {} |".format(
                 rows, dim, us(layers, "index_select"), us(layers, "rows.lookup"), us(layers, "lookup"),
                 f"{over * 1e6:.1f}" if over else "n/a", f"{over / layers['index_select']:.2f}x" if over else "n/a"))
