@@ -231,6 +231,34 @@ class _ScriptedStepWithRowState(_ScriptedStepWithStateDict):
     def set_rounding(self, index: int, key: int, nearest: bool, first_row: int, ids: Optional[Tensor]) -> None:
         self.optim.state.set_rounding(index, key, nearest, first_row, ids)
 
+    @torch.jit.export
+    def state_rows(self, index: int, make: bool) -> Optional[List[Tensor]]:
+        """Parameter ``index``'s state tensors that have rows (every kind's but ``scalar`` ones), in its order:
+        the tensors themselves; ``None`` while it has no state, unless ``make`` (made at initial values)."""
+        state = self.optim.state
+        if not make and not state.has(index):
+            return None
+        tensors = state.of(index)
+        rows: List[Tensor] = []
+        for k in range(len(tensors)):
+            if state.layouts[k] != "scalar":
+                rows.append(tensors[k])
+        return rows
+
+    @torch.jit.export
+    def initial_state_rows(self, index: int, count: int) -> List[Tensor]:
+        """``count`` rows of each of ``state_rows``' tensors, at their initial values."""
+        state = self.optim.state
+        tensors = state.of(index)
+        rows: List[Tensor] = []
+        for k in range(len(tensors)):
+            if state.layouts[k] != "scalar":
+                shape = [count]
+                for size in tensors[k].shape[1:]:
+                    shape.append(size)
+                rows.append(torch.full(shape, state.initial[k], dtype=tensors[k].dtype))
+        return rows
+
 
 class _ScriptedStepInParts(_ScriptedStepWithRowState):
     """For functional classes on the row-sparse driver whose record says their rows update independently
@@ -802,6 +830,40 @@ class OwnerOptimizer:
         """Rows ``rows`` of parameter ``index`` were given new ids: their state starts afresh.  The caller
         holds the parameter's lock."""
         self._impl.reset_rows(index, rows)
+
+    def state_rows(self, index: int, make: bool) -> Optional[List[Tensor]]:
+        """Parameter ``index``'s state tensors that have rows, in its record's order (what a row store keeps of
+        a row: ``row_store.layout``); ``None`` while it has none (unless ``make``: made now at initial values),
+        and for an optimizer that keeps no state by row.  The caller holds the parameter's lock."""
+        state_rows = getattr(self._impl, "state_rows", None)
+        return None if state_rows is None else state_rows(index, make)
+
+    def state_scale(self) -> float:
+        """What the first kind of its state rows is kept multiplied by: QHM keeps its momentum so
+        (``FunctionalQHM.buffer_scale``); 1 for the others.  Its ``state_dict`` divides by it."""
+        optim = getattr(self._impl, "optim", None)
+        return float(getattr(optim, "buffer_scale", 1.0)) if optim is not None else 1.0
+
+    def initial_state_rows(self, index: int, count: int) -> List[Tensor]:
+        """``count`` rows of each of ``state_rows``' tensors at their initial values (the caller holds the lock)."""
+        return self._impl.initial_state_rows(index, count)
+
+    def load_state_rows(self, index: int, rows: Tensor, state: Optional[List[Tensor]],
+                        fresh: Optional[Tensor] = None) -> None:
+        """Rows ``rows`` of parameter ``index`` came back from a row store with ``state`` (``state_rows``'
+        tensors' rows, in order; ``None``: written before it had state, so they start afresh; ``fresh``: which
+        of them start afresh).  The caller holds the parameter's lock."""
+        if state is None:
+            self.reset_rows(index, rows)
+            return
+        tensors = self.state_rows(index, True)
+        if tensors is None or len(tensors) != len(state):
+            raise RuntimeError(f"{self.names[index]}: the row store holds {len(state)} state rows per row; "
+                               f"its optimizer keeps {0 if tensors is None else len(tensors)}")
+        for tensor, values in zip(tensors, state):
+            tensor.index_copy_(0, rows, values.to(tensor.dtype))
+        if fresh is not None and bool(fresh.any()):
+            self.reset_rows(index, rows[fresh])
 
     def _timed(self, run: Callable[[bool], Tuple[int, int]], peer: Callable[[], str], rpc: str,
                once: Optional[Tuple[int, int]] = None, journal: Optional[Callable[[], None]] = None) -> bool:

@@ -46,6 +46,7 @@ from .admission import Admission
 from .huge_pages import HugePages
 from .id_index import IdIndex
 from .native import Kernel
+from ..row_store.tier import StoreTier
 
 #: The slab grows by this factor (at least ``MIN_SLOTS`` rows) when it has no free slot: small, so that at
 #: most an eighth of it (and of the optimizer state shaped like it) is ever unused, at the price of more copies
@@ -53,6 +54,8 @@ from .native import Kernel
 GROWTH = 1.125
 MIN_SLOTS = 1024
 _NEVER = torch.iinfo(torch.int32).max
+#: Rows read from the store at a time for a checkpoint or an export.
+STORE_SCAN_ROWS = 1 << 16
 #: Rows last touched at the same step are evicted in the order of ``_tie_break`` of their ids, below this.
 _TIE_SPAN = 1 << 31
 
@@ -66,11 +69,13 @@ class DynamicRows:
     """The rows of ids ``shard_index`` of ``shard_count`` serves, of one dynamic table.
 
     ``kernel``: the C kernel build its lookups run in, or ``None`` for the torch path; ``huge_pages``: what
-    makes its large tensors.  Its owner's (``ShardState.kernels.chosen()``, ``ShardState.huge_pages``)."""
+    makes its large tensors.  Its owner's (``ShardState.kernels.chosen()``, ``ShardState.huge_pages``).
+    ``store``: where rows evicted for ``capacity`` are kept (``row_store.StoreTier``), or ``None`` to drop
+    them."""
 
     def __init__(self, name: str, embedding_dim: int, dtype: torch.dtype, seed: int, init_std: float,
                  options: DynamicOptions, lock_for: Callable[[Tensor], threading.Lock], *,
-                 kernel: Optional[Kernel], huge_pages: HugePages):
+                 kernel: Optional[Kernel], huge_pages: HugePages, store: Optional[StoreTier] = None):
         self.name, self.embedding_dim, self.dtype = name, embedding_dim, dtype
         self.seed, self.init_std, self.options = seed, init_std, options
         #: The hosted parameter: row ``slot`` holds the id the index maps to ``slot`` (free slots: none).
@@ -96,6 +101,11 @@ class DynamicRows:
         #: with, under the lock (``journal(ids, step)``; ``None``: not logged).
         self.log_tag = 0
         self.journal: Optional[Callable[[Tensor, int], None]] = None
+        #: The rows evicted for ``capacity``, with their optimizer state, on disk (``None``: dropped).  It holds
+        #: exactly the rows not in memory: a row read back is deleted there.
+        self.store = store
+        #: Training lookups' ids found in memory, and those read from the store (``stats``).
+        self.memory_hits = self.store_reads = 0
 
     # -- the optimizers whose state follows the rows -----------------------------
     def attach(self, optimizer, index: int) -> None:
@@ -113,14 +123,28 @@ class DynamicRows:
     # -- lookups and pushes ------------------------------------------------------
     def lookup(self, ids: Tensor, step: int) -> Tensor:
         """Rows of ``ids`` (distinct int64); an id without a row reads zeros.  With ``step`` >= 0 (training)
-        the ids are touched at ``step`` and new ones admitted, evicting what ``capacity`` requires."""
+        the ids are touched at ``step`` and new ones admitted, evicting what ``capacity`` requires; an id
+        whose row is in the store has it read back (and is not admitted again)."""
         with self._lock:
             if step >= 0:
                 self._advance_locked(step)  # before finding the ids: a TTL sweep frees the slots it evicts
             # the ids held are touched now, before any eviction: they must stay
             slots, rows, all_held = self.index.find_rows(ids, self.slab, step)
-            if step >= 0 and not all_held:
-                missing = (slots < 0).nonzero().view(-1)
+            missing = None if all_held else (slots < 0).nonzero().view(-1)
+            if step >= 0:
+                self.memory_hits += ids.numel() - (0 if missing is None else missing.numel())
+            if missing is not None and self.store is not None:
+                if step >= 0:
+                    loaded = self._load_locked(ids[missing], step, step)
+                    back = (loaded >= 0).nonzero().view(-1)
+                    rows[missing[back]] = self.slab.index_select(0, loaded[back])
+                    missing = missing[loaded < 0]
+                else:  # read only: the rows stay where they are
+                    read = self.store.read(ids[missing])
+                    if read is not None:
+                        live = self._unexpired(read.touches)
+                        rows[missing[read.found.nonzero().view(-1)[live]]] = read.values[live].to(rows.dtype)
+            if step >= 0 and missing is not None and missing.numel():
                 admitted = missing[self.admission.admit(ids[missing], step)]
                 self.not_admitted += missing.numel() - admitted.numel()
                 if admitted.numel():
@@ -132,8 +156,53 @@ class DynamicRows:
             return rows
 
     def slots_locked(self, ids: Tensor) -> Tensor:
-        """The slots of ``ids`` now, -1 for ids without a row (a push's gradients for those are dropped)."""
-        return self.index.find(ids)
+        """The slots of ``ids`` now, -1 for ids without a row (a push's gradients for those are dropped).  Rows
+        in the store come back for it, keeping their last touch, and evicting none of the push's rows."""
+        slots = self.index.find(ids)
+        if self.store is not None:
+            missing = (slots < 0).nonzero().view(-1)
+            if missing.numel():
+                slots[missing] = self._load_locked(ids[missing], -1, self.clock, protect=slots[slots >= 0])
+        return slots
+
+    def _unexpired(self, touches: Tensor) -> Tensor:
+        """Which rows last touched at ``touches`` the TTL sweeps so far have not expired (a row in the store is
+        swept when it is read: it expired if a sweep came more than ``ttl_steps`` after its touch)."""
+        ttl = self.options.ttl_steps
+        if ttl is None:
+            return torch.ones(touches.numel(), dtype=torch.bool)
+        return touches >= self._last_sweep - ttl
+
+    def _load_locked(self, ids: Tensor, touch: int, evict_before: int, protect: Optional[Tensor] = None) -> Tensor:
+        """Rows of ``ids`` (distinct, none in memory) read back from the store with their optimizer state, touched
+        at ``touch`` (negative: their last touch kept), evicting rows touched before ``evict_before`` (none of
+        ``protect``'s slots) to make room; their slots, -1 for ids the store does not hold (or holds expired:
+        those are dropped)."""
+        slots = torch.full((ids.numel(),), -1, dtype=torch.int64)
+        read = self.store.read(ids, self._state_scale_locked())
+        if read is None:
+            return slots
+        found = read.found.nonzero().view(-1)
+        self.store.drop(ids.index_select(0, found))  # the store holds the rows not in memory; expired ones go
+        live = self._unexpired(read.touches)
+        if not bool(live.all()):
+            found, read = found[live], read.select(live)
+        count = found.numel()
+        if count == 0:
+            return slots
+        loaded = ids.index_select(0, found)
+        self._room_locked(count, evict_before, protect)
+        taken = self._take_slots_locked(count)
+        self.slab.index_copy_(0, taken, read.values.to(self.dtype))
+        self.index.insert(loaded, taken, touch if touch >= 0 else read.touches.to(torch.int32))
+        if self.slot_ids is not None:
+            self.slot_ids.index_copy_(0, taken, loaded)
+        self.marks.mark(taken)
+        for optimizer, index in self._each_optimizer():
+            optimizer.load_state_rows(index, taken, read.state, read.fresh_state)
+        self.store_reads += count
+        slots[found] = taken
+        return slots
 
     def _advance_locked(self, step: int) -> None:
         if step <= self.clock:
@@ -149,15 +218,9 @@ class DynamicRows:
     def _create_locked(self, ids: Tensor, step: int) -> Tensor:
         """Rows for ``ids`` (distinct, none held), made room for; their slots, -1 for those left without."""
         slots = torch.full((ids.numel(),), -1, dtype=torch.int64)
-        count = ids.numel()
-        capacity = self.options.capacity
-        if capacity is not None:
-            room = capacity - len(self.index)
-            if count > room:
-                room += self._evict_least_recent_locked(count - room, step)
-            if count > room:
-                self.not_admitted += count - room
-                count = room
+        count = self._room_locked(ids.numel(), step)
+        if count < ids.numel():
+            self.not_admitted += ids.numel() - count
         if count <= 0:
             return slots
         new_ids = ids[:count]
@@ -174,11 +237,26 @@ class DynamicRows:
         slots[:count] = taken
         return slots
 
-    def _evict_least_recent_locked(self, needed: int, step: int) -> int:
+    def _room_locked(self, count: int, step: int, protect: Optional[Tensor] = None) -> int:
+        """How many of ``count`` new rows get a slot, evicting rows touched before ``step`` (none of
+        ``protect``'s slots) as ``capacity`` requires: all of them with a store (the slab passes ``capacity``
+        for as long as rows touched at ``step`` fill it), as many as there is room for without one."""
+        capacity = self.options.capacity
+        if capacity is None:
+            return count
+        room = capacity - len(self.index)
+        if count > room:
+            room += self._evict_least_recent_locked(count - room, step, protect)
+        return count if self.store is not None else max(0, min(count, room))
+
+    def _evict_least_recent_locked(self, needed: int, step: int, protect: Optional[Tensor] = None) -> int:
         """Evict at least ``needed`` rows (``capacity // 64`` if more) of those least recently touched before
-        ``step``; returns how many were evicted (fewer when too few rows were touched before ``step``)."""
+        ``step`` (none of ``protect``'s slots), into the store where there is one; returns how many were
+        evicted (fewer when too few rows were touched before ``step``)."""
         lanes, ids, slots, touches = self.index.held()
         evictable = touches < step
+        if protect is not None and protect.numel():
+            evictable &= ~torch.isin(slots, protect)
         count = min(max(needed, (self.options.capacity or 0) // 64), int(evictable.sum()))
         if count <= 0:
             return 0
@@ -186,17 +264,38 @@ class DynamicRows:
         # least: the same victims wherever the rows sit (a restored part numbers its slots afresh).
         order = torch.where(evictable, touches.to(torch.int64), _NEVER) * _TIE_SPAN + _tie_break(ids)
         victims = torch.topk(order, count, largest=False, sorted=False).indices
-        self._evict_locked(lanes[victims], slots[victims], ids[victims])
+        self._evict_locked(lanes[victims], slots[victims], ids[victims], touches[victims])
         return count
 
-    def _evict_locked(self, lanes: Tensor, slots: Tensor, ids: Tensor) -> None:
-        """Drop ``ids``, in index lanes ``lanes``; their ``slots`` become free."""
+    def _evict_locked(self, lanes: Tensor, slots: Tensor, ids: Tensor, kept: Optional[Tensor] = None) -> None:
+        """Drop ``ids``, in index lanes ``lanes``; their ``slots`` become free.  ``kept``: their last touches,
+        for rows the store keeps (those evicted for ``capacity``; ``None``: expired, dropped everywhere)."""
         if slots.numel() == 0:
             return
-        self.marks.evicted(ids)
+        if kept is not None and self.store is not None:
+            self.store.write(ids, kept, self.slab.index_select(0, slots), self._state_rows_locked(slots),
+                             self._state_scale_locked())
+        else:
+            self.marks.evicted(ids)
         self.index.remove_lanes(lanes)
         self._free = torch.cat((self._free, slots))
         self.evicted += slots.numel()
+
+    def _state_scale_locked(self) -> float:
+        """What its optimizer keeps the first kind of its state rows multiplied by (``state_scale``)."""
+        for optimizer, _ in self._each_optimizer():
+            return optimizer.state_scale()
+        return 1.0
+
+    def _state_rows_locked(self, slots: Tensor) -> List[Tensor]:
+        """The optimizer state of rows ``slots`` (its tensors with rows, in its order; none before it has state)."""
+        for optimizer, index in self._each_optimizer():
+            tensors = optimizer.state_rows(index, False)
+            if tensors is not None:
+                return [tensor.index_select(0, slots) for tensor in tensors]
+        if self._restored_state is not None:  # restored rows evicted before their optimizer came for the state
+            return [rows.index_select(0, slots) for rows in self._restored_state[1].values() if rows.dim() > 0]
+        return []
 
     def _take_slots_locked(self, count: int) -> Tensor:
         reused = min(count, self._free.numel())
@@ -247,11 +346,44 @@ class DynamicRows:
         _, ids, slots, touches = self.index.held()
         order = torch.argsort(slots)
         ids, slots, touches = ids[order], slots[order], touches[order]
-        return {"dynamic": True, "ids": ids, "value": self.slab.index_select(0, slots),
-                "last_touch": touches, "optimizer": optimizer,
-                "state": {key: value.index_select(0, slots) if value.dim() > 0 else value.clone()
-                          for key, value in state.items()},
-                "admission": self.admission.state_dict(), "clock": self.clock}
+        entry = {"dynamic": True, "ids": ids, "value": self.slab.index_select(0, slots),
+                 "last_touch": touches, "optimizer": optimizer,
+                 "state": {key: value.index_select(0, slots) if value.dim() > 0 else value.clone()
+                           for key, value in state.items()},
+                 "admission": self.admission.state_dict(), "clock": self.clock}
+        if self.store is not None:
+            self._add_stored_rows_locked(entry)
+        return entry
+
+    def _add_stored_rows_locked(self, entry: Dict) -> None:
+        """Add the rows in the store (not expired) to checkpoint ``entry``, with their state where the entry
+        has state (its keys with rows, in order, are the records' state; records written before the
+        optimizer had state get its initial values)."""
+        keys = [key for key, value in entry["state"].items() if value.dim() > 0]
+        pieces: Dict[str, List[Tensor]] = {"ids": [], "value": [], "last_touch": [], **{key: [] for key in keys}}
+        owner = next(iter(self._each_optimizer()), None)
+        scale = self._state_scale_locked()
+        for read in self.store.scan(STORE_SCAN_ROWS, scale):
+            live = self._unexpired(read.touches)
+            read = read.select(live)
+            pieces["ids"].append(read.ids)
+            pieces["value"].append(read.values)
+            pieces["last_touch"].append(read.touches.to(torch.int32))
+            if keys:
+                state = read.state if read.state is not None else \
+                    owner[0].initial_state_rows(owner[1], read.ids.numel())
+                if read.fresh_state is not None and bool(read.fresh_state.any()):
+                    fresh = owner[0].initial_state_rows(owner[1], read.ids.numel())
+                    state = [torch.where(read.fresh_state.view((-1,) + (1,) * (rows.dim() - 1)), initial, rows)
+                             for rows, initial in zip(state, fresh)]
+                if scale != 1.0:  # as the optimizer's state_dict gives its own
+                    state = [state[0].div(scale), *state[1:]]
+                for key, rows in zip(keys, state):
+                    pieces[key].append(rows)
+        for key in ("ids", "value", "last_touch"):
+            entry[key] = torch.cat([entry[key], *pieces[key]])
+        for key in keys:
+            entry["state"][key] = torch.cat([entry["state"][key], *pieces[key]])
 
     def export_entry_locked(self, changes) -> Dict:
         """A live export's entry (``changes.take()``'s ``Changes``; the caller holds the lock): every row held

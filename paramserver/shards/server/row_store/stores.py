@@ -1,0 +1,106 @@
+"""``RowStores``: a shard's row store, one folder on the host's disk, a tier in it per table part.
+
+Owns the shard's folder under ``--row-store DIR`` (``DIR/<shard>``: cleared when
+the shard starts, removed when it stops), the engine its tiers' records are
+kept in (``ENGINES``), opening a tier for each table part that asks
+(``tier``), and removing a part's files when its table goes.  What is durable
+is the checkpoint and the push log: a shard that starts again restores its
+checkpoint and replays its log, and its store is made again from them, so a
+store is never reopened.
+"""
+
+import importlib
+import itertools
+import os
+import pathlib
+import re
+import shutil
+import threading
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+from .engine import RowStoreEngine
+from .tier import StoreTier
+
+#: The engines, by the name ``--row-store-engine`` takes: (module, class).  ``DEFAULT_ENGINE`` is the one the
+#: engine benchmark chose (docs/row-store.md).
+ENGINES = {"log": ("paramserver.shards.server.row_store.row_log", "RowLog"),
+           "rocksdb": ("paramserver.shards.server.row_store.rocks", "RocksRows")}
+DEFAULT_ENGINE = "log"
+
+
+@dataclass(frozen=True)
+class RowStoreOptions:
+    """A shard's row store: its ``folder`` (``--row-store``: the host's, where each shard makes one of its own),
+    its ``engine`` (a name in ``ENGINES``) and the memory its tables' rows may take in all (``memory``
+    bytes, ``--row-memory``; ``None``: each table's own ``capacity`` alone bounds it)."""
+
+    folder: str
+    engine: str = DEFAULT_ENGINE
+    memory: Optional[int] = None
+
+    def __post_init__(self):
+        if self.engine not in ENGINES:
+            raise ValueError(f"--row-store-engine must be one of {sorted(ENGINES)}, got {self.engine!r}")
+        if self.memory is not None and self.memory <= 0:
+            raise ValueError(f"--row-memory must be a positive size, got {self.memory} bytes")
+
+
+def check_folder(folder: str) -> None:
+    """``ValueError`` naming ``--row-store`` unless ``folder`` is a directory this process may write."""
+    path = pathlib.Path(folder)
+    if not path.is_dir():
+        raise ValueError(f"--row-store {folder}: no such directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"--row-store {folder}: this process may not write there")
+
+
+def engine_class(name: str):
+    module, attribute = ENGINES[name]
+    return getattr(importlib.import_module(module), attribute)
+
+
+class RowStores:
+    """The row store of the shard named ``shard`` (a folder of its own under ``options.folder``)."""
+
+    def __init__(self, options: RowStoreOptions, shard: str):
+        check_folder(options.folder)
+        self.options = options
+        self.folder = pathlib.Path(options.folder) / re.sub(r"[^A-Za-z0-9_.-]", "_", shard)
+        shutil.rmtree(self.folder, ignore_errors=True)  # a store is never reopened: made again from the checkpoint
+        self.folder.mkdir(parents=True)
+        self._engine = engine_class(options.engine)
+        self._lock = threading.Lock()
+        self._tiers: Dict[str, StoreTier] = {}
+        self._numbers = itertools.count()
+
+    def tier(self, part: str) -> StoreTier:
+        """The tier of table part ``part`` (made on first ask; its engines in folders of their own)."""
+        with self._lock:
+            tier = self._tiers.get(part)
+            if tier is None:
+                stem = re.sub(r"[^A-Za-z0-9_.-]", "_", part)
+
+                def open_engine(record_bytes: int) -> RowStoreEngine:
+                    return self._engine(self.folder / f"{stem}-{next(self._numbers)}", record_bytes)
+                tier = self._tiers[part] = StoreTier(open_engine)
+            return tier
+
+    def drop(self, part: str) -> None:
+        """Table part ``part`` went: its files are removed."""
+        with self._lock:
+            tier = self._tiers.pop(part, None)
+        if tier is not None:
+            tier.close(remove=True)
+
+    def tiers(self) -> Dict[str, StoreTier]:
+        with self._lock:
+            return dict(self._tiers)
+
+    def close(self) -> None:
+        """The shard stops: every tier's files and the shard's folder are removed."""
+        with self._lock:
+            tiers, self._tiers = list(self._tiers.values()), {}
+        for tier in tiers:
+            tier.close(remove=True)
+        shutil.rmtree(self.folder, ignore_errors=True)

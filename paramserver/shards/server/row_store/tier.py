@@ -1,0 +1,175 @@
+"""``StoreTier``: one table part's rows on disk, with their last touch and optimizer state.
+
+Owns a part's records in its engine (``engine``): writing rows evicted from
+memory, reading back the rows of ids that return, dropping rows that expire,
+scanning them all for checkpoints and exports, and the figures of its reads.
+It never decides which rows are in memory: its table part (``DynamicRows``)
+does, under its lock, and calls it there.
+
+Records are laid out by ``layout.RowLayout``.  When the layout changes (an
+optimizer's state appears after rows were written without it), records go to
+a new engine (a generation) and the older ones are read where the newer lack
+an id: a record is never rewritten to change its layout.
+"""
+
+import time
+from dataclasses import dataclass
+from collections import deque
+from typing import Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .engine import RowStoreEngine
+from .layout import RowLayout
+
+#: The read latencies kept for the figures' quantiles (the most recent reads).
+LATENCY_SAMPLES = 1024
+
+
+@dataclass
+class StoreRead:
+    """What a read found: ``found`` (bool, one per id asked), and for the ids found, in their order, their
+    ``touches`` (int64), ``values`` and ``state`` rows (``None`` for records written without state);
+    ``fresh_state``: which of them had none (their ``state`` rows are zeros), where some had; ``ids``: the
+    ids found, in a scan."""
+
+    found: Tensor
+    touches: Tensor
+    values: Tensor
+    state: Optional[List[Tensor]]
+    fresh_state: Optional[Tensor] = None
+    ids: Optional[Tensor] = None
+
+    def select(self, chosen: Tensor) -> "StoreRead":
+        """The rows found that ``chosen`` (bool, one per row found) picks (``found`` left as it was)."""
+        return StoreRead(self.found, self.touches[chosen], self.values[chosen],
+                         None if self.state is None else [rows[chosen] for rows in self.state],
+                         None if self.fresh_state is None else self.fresh_state[chosen],
+                         None if self.ids is None else self.ids[chosen])
+
+
+def _rescaled(state: List[Tensor], written: float, wanted: float) -> List[Tensor]:
+    """``state`` rows written at scale ``written`` brought to ``wanted``, as the optimizer rescales its own
+    (``FunctionalQHM._rescale_buffers``: one multiplication by their ratio)."""
+    if written == wanted or not state:
+        return state
+    return [state[0].mul(wanted / written), *state[1:]]
+
+
+class StoreTier:
+    """The records of one table part, in engines that ``open_engine(record_bytes)`` opens (each in a folder of
+    its own)."""
+
+    def __init__(self, open_engine: Callable[[int], RowStoreEngine]):
+        self._open_engine = open_engine
+        #: (layout, engine), the newest first: where records are written, then where older ones are read.
+        self._generations: List[Tuple[RowLayout, RowStoreEngine]] = []
+        self.read_seconds: Deque[float] = deque(maxlen=LATENCY_SAMPLES)
+        self.read_calls = 0
+
+    # -- writes --------------------------------------------------------------
+    def write(self, ids: Tensor, touches: Tensor, values: Tensor, state: Sequence[Tensor], scale: float = 1.0) -> None:
+        """Keep rows ``ids`` (distinct): their last ``touches``, ``values`` and ``state`` rows (the optimizer's
+        state tensors that have rows, in its order; none before it has state; the first kept multiplied by
+        ``scale``)."""
+        if ids.numel() == 0:
+            return
+        layout = RowLayout.of(values, state, scale)
+        if not self._generations or self._generations[0][0] != layout:
+            self._generations.insert(0, (layout, self._open_engine(layout.record_bytes)))
+        newest_layout, engine = self._generations[0]
+        engine.put(ids.contiguous(), newest_layout.pack(touches, values, state))
+
+    def drop(self, ids: Tensor) -> None:
+        """``ids`` are held no more (those not held are ignored)."""
+        if ids.numel():
+            for _, engine in self._generations:
+                engine.delete(ids.contiguous())
+
+    # -- reads ---------------------------------------------------------------
+    def read(self, ids: Tensor, scale: float = 1.0) -> Optional[StoreRead]:
+        """The records of ``ids`` (distinct) held here, or ``None`` when none of them is; state rows at ``scale``
+        (``layout.RowLayout.scale``)."""
+        if not self._generations or ids.numel() == 0:
+            return None
+        began = time.perf_counter()
+        ids = ids.contiguous()
+        found = torch.zeros(ids.numel(), dtype=torch.bool)
+        pieces = []  # (positions among ids, touches, values, state)
+        remaining = torch.arange(ids.numel())
+        for layout, engine in self._generations:
+            out = torch.empty(remaining.numel(), layout.record_bytes, dtype=torch.uint8)
+            hit = engine.get(ids.index_select(0, remaining), out)
+            at = hit.nonzero().view(-1)
+            if at.numel():
+                touches, values, state = layout.unpack(out.index_select(0, at))
+                state = _rescaled(state, layout.scale, scale)
+                pieces.append((remaining.index_select(0, at), touches, values, state if layout.has_state else None))
+                remaining = remaining[~hit]
+            if remaining.numel() == 0:
+                break
+        self.read_seconds.append(time.perf_counter() - began)
+        self.read_calls += 1
+        if not pieces:
+            return None
+        if len(pieces) == 1:
+            positions, touches, values, state = pieces[0]
+            found[positions] = True
+            order = torch.argsort(positions)
+            return StoreRead(found, touches[order], values[order],
+                             None if state is None else [rows[order] for rows in state])
+        return self._merged(found, pieces)
+
+    @staticmethod
+    def _merged(found: Tensor, pieces) -> StoreRead:
+        """Records found in several generations, in the order of the ids asked: a generation without state
+        gives its rows the newest one's state layout at zeros, and says which they are in ``fresh_state``."""
+        positions = torch.cat([piece[0] for piece in pieces])
+        found[positions] = True
+        order = torch.argsort(positions)
+        touches = torch.cat([piece[1] for piece in pieces])[order]
+        values = torch.cat([piece[2] for piece in pieces])[order]
+        with_state = next((piece[3] for piece in pieces if piece[3] is not None), None)
+        if with_state is None:
+            return StoreRead(found, touches, values, None)
+        state, fresh = [], torch.cat([torch.full((piece[0].numel(),), piece[3] is None) for piece in pieces])[order]
+        for k, like in enumerate(with_state):
+            state.append(torch.cat([piece[3][k] if piece[3] is not None else
+                                    torch.zeros((piece[0].numel(),) + tuple(like.shape[1:]), dtype=like.dtype)
+                                    for piece in pieces])[order])
+        return StoreRead(found, touches, values, state, fresh)
+
+    def scan(self, batch: int, scale: float = 1.0) -> Iterator[StoreRead]:
+        """Every row held, in batches of at most ``batch`` (with their ``ids``), state rows at ``scale``."""
+        for generation, (layout, engine) in enumerate(self._generations):
+            for ids, records in engine.scan(batch):
+                if generation:  # an id a newer generation holds is read there
+                    newer = torch.zeros(ids.numel(), dtype=torch.bool)
+                    for _, other in self._generations[:generation]:
+                        newer |= other.get(ids, torch.empty(ids.numel(), other.record_bytes, dtype=torch.uint8))
+                    ids, records = ids[~newer], records[~newer]
+                if ids.numel():
+                    touches, values, state = layout.unpack(records)
+                    state = _rescaled(state, layout.scale, scale)
+                    yield StoreRead(torch.ones(ids.numel(), dtype=torch.bool), touches, values,
+                                    state if layout.has_state else None, ids=ids)
+
+    # -- figures and the end -----------------------------------------------------
+    def stats(self) -> Dict[str, int]:
+        """Its engines' counters, added up (``engine.ENGINE_STATS``)."""
+        total: Dict[str, int] = {}
+        for _, engine in self._generations:
+            for key, value in engine.stats().items():
+                total[key] = total.get(key, 0) + int(value)
+        return total
+
+    def flush(self) -> None:
+        for _, engine in self._generations:
+            engine.flush()
+
+    def close(self, remove: bool = True) -> None:
+        """Close its engines; ``remove``: delete their files (a table part that goes, a shard that stops)."""
+        generations, self._generations = self._generations, []
+        for _, engine in generations:
+            engine.close(remove=remove)
