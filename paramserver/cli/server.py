@@ -58,6 +58,7 @@ from ..processes import start_fork_server
 from ..runtime.exit_codes import EXIT_FAILED, EXIT_REFUSED
 from ..runtime.job import DEFAULT_JOB, JobConfigError, JobError, pack_job
 from ..runtime.shard_policy import MAX_RESTARTS, SHARD_PRELOAD
+from ..shards.server.row_store.stores import DEFAULT_ENGINE, ENGINES, RowStoreOptions, check_folder
 from .common import (UsageError, add_admin_token_file, add_coordinator_grace, coordinator_grace_from, add_log_level, add_metrics_port, add_storage_options, add_threads, add_token_file,
                      admin_token_from, command_main, coordinator_address, location_from,
                      data_plane_host, job_config_from, metrics_port_from, own_host, secret_from, setup_logging,
@@ -162,6 +163,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "comes back with every update: default <--state-dir>/push-log, or a temporary folder "
                              "removed at the end; 'off' for none (a restarted shard then rolls back to its "
                              "checkpoint). Only with checkpoints: the log is cut as each one commits")
+    parser.add_argument("--row-store", metavar="DIR",
+                        help="keep the rows of dynamic tables that their memory does not hold, with their optimizer "
+                             "state, in files under DIR on this host's local disk (DIR/<shard name>, removed when "
+                             "the shard stops): a row evicted for capacity is kept there and read back when its id "
+                             "returns. DIR must exist and be writable")
+    parser.add_argument("--row-memory", metavar="SIZE",
+                        help="with --row-store: the memory each shard's dynamic tables' rows may take in all "
+                             "(e.g. 512M, 4G), shared by the tables without a capacity of their own")
+    parser.add_argument("--row-store-engine", choices=sorted(ENGINES), default=DEFAULT_ENGINE,
+                        help=f"what keeps a row store's records (default {DEFAULT_ENGINE}; docs/row-store.md)")
     parser.add_argument("--heartbeat-timeout", type=float, default=None, metavar="SECONDS",
                         help="declare a member dead after this long without a heartbeat "
                              "(default 5, or $PARAMSERVER_HEARTBEAT_TIMEOUT)")
@@ -221,7 +232,8 @@ def shard_host_options_from(args):
                             token=token, shard_token=shard_token, max_restarts=shard_restarts_from(args),
                             tls=TlsFiles(ca=args.tls_ca) if args.tls_ca else None,
                             log_level=args.log_level, metrics_port=metrics_port_from(args, 1 + args.shards),
-                            coordinator_grace=coordinator_grace_from(args), push_log=args.push_log)
+                            coordinator_grace=coordinator_grace_from(args), push_log=args.push_log,
+                            row_store=row_store_from(args))
 
 
 def options_from(args):
@@ -286,7 +298,35 @@ def options_from(args):
                          stop_after_workers=args.stop_after_workers,
                          coordinator_grace=coordinator_grace_from(args),
                          push_log=args.push_log if args.push_log is not None or not args.state_dir else
-                         os.path.join(args.state_dir, "push-log"))
+                         os.path.join(args.state_dir, "push-log"),
+                         row_store=row_store_from(args))
+
+
+_SIZE_UNITS = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+
+
+def size_from(flag: str, text: str) -> int:
+    """Bytes of a size written as a number with an optional unit (K, M, G, T: powers of 1024; ``iB``/``B`` may
+    follow), ``UsageError`` naming ``flag`` otherwise."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if match is None:
+        raise UsageError(f"{flag} {text!r}: a size such as 512M or 4G")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
+
+
+def row_store_from(args) -> Optional[RowStoreOptions]:
+    """The shards' row store (``--row-store``, ``--row-memory``, ``--row-store-engine``), or ``None``; a
+    folder missing or not writable, or a size that is none, refused naming the flag."""
+    if args.row_store is None:
+        if args.row_memory is not None:
+            raise UsageError("--row-memory needs --row-store: the rows that do not fit go there")
+        return None
+    try:
+        check_folder(args.row_store)
+        return RowStoreOptions(os.path.abspath(args.row_store), args.row_store_engine,
+                               size_from("--row-memory", args.row_memory) if args.row_memory is not None else None)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
 
 
 def live_exports_from(args) -> Optional["pb.LiveExportSettings"]:

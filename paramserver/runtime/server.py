@@ -55,6 +55,8 @@ class ServerOptions:
     coordinator_grace: Optional[datetime.timedelta] = None
     #: Where its shards log their pushes (``ShardSupervisor``'s ``push_log``): ``None`` a temporary folder, "off".
     push_log: Optional[str] = None
+    #: Where its shards keep the rows their memory does not hold (``row_store.RowStoreOptions``), or ``None``.
+    row_store: Optional[object] = None
 
 
 class _Shutdown:
@@ -114,7 +116,7 @@ def serve(options: ServerOptions, announce=print) -> int:
                 # A lost shard comes back from the newest checkpoint; with none configured it stays lost
                 # (a restart would silently serve freshly initialized tables).
                 restart=coordinator.checkpoints is not None, max_restarts=options.max_restarts,
-                prefix=options.shard_prefix, push_log=options.push_log,
+                prefix=options.shard_prefix, push_log=options.push_log, row_store=options.row_store,
                 metrics_port=options.metrics_port, grace=options.coordinator_grace).start(adopted)
         want = options.num_shards
         all_joined = coordinator.membership.wait_until(

@@ -58,6 +58,8 @@ class ShardHostOptions:
     coordinator_grace: Optional[datetime.timedelta] = None
     #: Where its shards log their pushes (``ShardSupervisor``'s ``push_log``): ``None`` a temporary folder, "off".
     push_log: Optional[str] = None
+    #: Where its shards keep the rows their memory does not hold (``row_store.RowStoreOptions``), or ``None``.
+    row_store: Optional[object] = None
 
 
 def serve_shard_host(options: ShardHostOptions, announce=print) -> int:
@@ -78,7 +80,8 @@ def serve_shard_host(options: ShardHostOptions, announce=print) -> int:
                                                                    not_restarted),
             token=options.token, shard_token=options.shard_token, tls=options.tls, log_level=options.log_level,
             restart=keeps_checkpoints, max_restarts=options.max_restarts, prefix=options.prefix,
-            push_log=options.push_log, metrics_port=options.metrics_port, grace=options.coordinator_grace).start()
+            push_log=options.push_log, row_store=options.row_store, metrics_port=options.metrics_port,
+            grace=options.coordinator_grace).start()
         names = list(supervisor.processes)
         if not _wait_until_serving(client, names, supervisor, stop, options.ready_timeout):
             if stop.is_set():

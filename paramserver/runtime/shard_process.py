@@ -48,6 +48,7 @@ from ..shards import PeerOptions, ShardServerOptions, run_shard_server
 from ..shards.server import ShardState
 from ..shards.server.figures import LogRate, dynamic_figures, dynamic_parts
 from ..shards.server.push_log import PushLog
+from ..shards.server.row_store.stores import RowStoreOptions, RowStores
 from .exit_codes import EXIT_FAILED, EXIT_NO_CHECKPOINT, EXIT_REFUSED
 from .member import MemberSession
 from .threads import apply_threads
@@ -61,13 +62,15 @@ _REFUSED_FOR_GOOD = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION
 def run_shard_member(address: str, name: str, host: str, token: Optional[str] = None,
                      tls: Optional[TlsFiles] = None, log_level: Optional[str] = None, metrics_port=None,
                      member_id=None, shard_token: Optional[str] = None,
-                     grace: Optional[datetime.timedelta] = None, push_log: Optional[str] = None) -> None:
+                     grace: Optional[datetime.timedelta] = None, push_log: Optional[str] = None,
+                     row_store: Optional[RowStoreOptions] = None) -> None:
     """Process target: one shard server named ``name`` that joins the coordinator at ``address``.
 
     ``token``: the cluster token; ``shard_token``: the shard credential its Join carries (the coordinator's
     own, or ``--shard-token-file``'s).  ``grace``: how long it serves on while the coordinator does not
     answer (``--coordinator-grace``).  ``push_log``: the folder of its push log (``None``: none), which a
-    restarted process replays on top of the checkpoint it restores.
+    restarted process replays on top of the checkpoint it restores.  ``row_store``: where its dynamic
+    tables keep the rows their memory does not hold (``--row-store``; ``None``: they drop them).
 
     ``metrics_port``: ``None`` (no metrics), or a shared integer
     (``multiprocessing.Value``) holding the port to serve metrics on (0: a
@@ -127,6 +130,11 @@ def run_shard_member(address: str, name: str, host: str, token: Optional[str] = 
             exit_now(1 if isinstance(error, StorageUnavailable) else EXIT_NO_CHECKPOINT)
         logger.info("shard %s restores its tables from %s (step %d)", assignment.rpc_name,
                     restore_source.checkpoint.path, restore_source.checkpoint.step)
+    if row_store is not None:  # before the push log's replay, whose lookups may evict into it
+        state.row_stores = RowStores(row_store, assignment.rpc_name)
+        logger.info("shard %s keeps rows its memory does not hold in %s (%s engine%s)", assignment.rpc_name,
+                    state.row_stores.folder, row_store.engine,
+                    f", {row_store.memory / 2 ** 20:.0f} MiB of rows in memory" if row_store.memory else "")
     if push_log is not None:
         _open_push_log(state, pathlib.Path(push_log), assignment.rpc_name, restore_source)
     if stops.asked:  # while it verified: it never served
@@ -151,6 +159,8 @@ def run_shard_member(address: str, name: str, host: str, token: Optional[str] = 
         logger.info("shard %s: push log: %d records, %.1f MB appended in %d writes (%.2f s); %d replayed",
                     assignment.rpc_name, figures.appends, figures.appended_bytes / 1e6, figures.flushes,
                     figures.flush_seconds, figures.replayed)
+    if state.row_stores is not None:
+        state.row_stores.close()  # its files go with it: the checkpoint and the push log are what is durable
     logger.info("shard %s (pid %d) exits", assignment.rpc_name, os.getpid())
     # Both planes are left: nothing of the interpreter's teardown is needed, and after
     # a long run torch's destructors took over 3 s of it (past ps-server's stop

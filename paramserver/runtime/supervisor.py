@@ -59,7 +59,8 @@ class ShardSupervisor:
                  token: Optional[str] = None, tls: Optional[TlsFiles] = None, log_level: Optional[str] = None,
                  restart: bool = False, max_restarts: int = MAX_RESTARTS, prefix: str = "shard",
                  metrics_port: Optional[int] = None, shard_token: Optional[str] = None,
-                 grace: Optional[datetime.timedelta] = None, push_log: Optional[str] = None):
+                 grace: Optional[datetime.timedelta] = None, push_log: Optional[str] = None,
+                 row_store: Optional[object] = None):
         if num_shards < 1:
             raise ValueError(f"--shards must be at least 1, got {num_shards}")
         #: Where shard ``name`` logs its pushes (``push_log/name``); ``None``: no push log (``"off"``, or no
@@ -77,7 +78,7 @@ class ShardSupervisor:
         self._max_restarts = max_restarts
         # Handed to each child through the fork server's pipe (never its command line or environment).
         self._kwargs = dict(address=coordinator_address, host=host, token=token, tls=tls, log_level=log_level,
-                            shard_token=shard_token, grace=grace)
+                            shard_token=shard_token, grace=grace, row_store=row_store)
         self.restarts: Dict[str, int] = {}
         # Per shard, shared with its process: the port to serve metrics on, and then the one it serves on.
         self._metrics_ports: Dict[str, multiprocessing.sharedctypes.Synchronized] = {} if metrics_port is None else {

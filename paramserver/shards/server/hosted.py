@@ -102,8 +102,12 @@ def host_dynamic(state: ShardState, table: str, embedding_dim: int, dtype: torch
     name = part_name(table, index, count)
 
     def create() -> DynamicRows:
+        stores = state.row_stores
         rows = DynamicRows(name, embedding_dim, dtype, seed, init_std, options, lambda t: state.lock_for(t)[1],
-                           kernel=state.kernels.chosen(), huge_pages=state.huge_pages)
+                           kernel=state.kernels.chosen(), huge_pages=state.huge_pages,
+                           store=stores.tier(name) if stores is not None else None)
+        if stores is not None:
+            stores.share(rows)  # its part of --row-memory, where it has no capacity of its own
         restored = state.restore_source.dynamic_part(table, index, count) if state.restore_source else None
         if restored is not None:
             state.restore_source.check_row_type(table, restored["values"].dtype, dtype)

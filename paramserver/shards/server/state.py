@@ -90,6 +90,9 @@ class ShardState:
         self.part_threads = PartThreads()
         #: Where every push applied here is logged until a checkpoint holds it (``push_log.PushLog``), or ``None``.
         self.push_log: Optional[PushLog] = None
+        #: Where its dynamic tables keep the rows their memory does not hold (``row_store.RowStores``), or
+        #: ``None``: they drop them.
+        self.row_stores: Optional[object] = None
         #: What makes its dynamic tables' large tensors (on huge pages where the system offers them).
         self.huge_pages = huge_pages if huge_pages is not None else HugePages()
         #: Names this process among every process that serves under the same RPC name (a restarted shard is

@@ -78,6 +78,9 @@ class DynamicRows:
                  kernel: Optional[Kernel], huge_pages: HugePages, store: Optional[StoreTier] = None):
         self.name, self.embedding_dim, self.dtype = name, embedding_dim, dtype
         self.seed, self.init_std, self.options = seed, init_std, options
+        #: Rows it keeps in memory at most: ``options.capacity``, or what its shard's row store gives it of
+        #: ``--row-memory`` (``row_store.RowStores.share``; changed while it serves as tables come).
+        self.capacity: Optional[int] = options.capacity
         #: The hosted parameter: row ``slot`` holds the id the index maps to ``slot`` (free slots: none).
         self.slab = torch.empty(0, embedding_dim, dtype=dtype)
         #: Half-precision rows only (``None`` otherwise): the id each slot was last given (free slots keep their
@@ -241,7 +244,7 @@ class DynamicRows:
         """How many of ``count`` new rows get a slot, evicting rows touched before ``step`` (none of
         ``protect``'s slots) as ``capacity`` requires: all of them with a store (the slab passes ``capacity``
         for as long as rows touched at ``step`` fill it), as many as there is room for without one."""
-        capacity = self.options.capacity
+        capacity = self.capacity
         if capacity is None:
             return count
         room = capacity - len(self.index)
@@ -257,7 +260,7 @@ class DynamicRows:
         evictable = touches < step
         if protect is not None and protect.numel():
             evictable &= ~torch.isin(slots, protect)
-        count = min(max(needed, (self.options.capacity or 0) // 64), int(evictable.sum()))
+        count = min(max(needed, (self.capacity or 0) // 64), int(evictable.sum()))
         if count <= 0:
             return 0
         # The least recently touched, and among rows touched at the same step those whose ids' hashes are the
@@ -311,8 +314,8 @@ class DynamicRows:
 
     def _grow_locked(self, needed: int) -> None:
         rows = max(needed, int(self.slab.size(0) * GROWTH), MIN_SLOTS)
-        if self.options.capacity is not None:
-            rows = max(needed, min(rows, self.options.capacity))
+        if self.capacity is not None:
+            rows = max(needed, min(rows, self.capacity))
         # The slab changes its memory in place (set_): the optimizers and RRefs hold this very tensor.
         self.slab.set_(self._huge_pages.grown(self.slab, rows))
         if self.slot_ids is not None:

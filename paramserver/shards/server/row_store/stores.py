@@ -17,7 +17,9 @@ import re
 import shutil
 import threading
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, List, Optional
+
+import torch
 
 from .engine import RowStoreEngine
 from .tier import StoreTier
@@ -26,7 +28,7 @@ from .tier import StoreTier
 #: engine benchmark chose (docs/row-store.md).
 ENGINES = {"log": ("paramserver.shards.server.row_store.row_log", "RowLog"),
            "rocksdb": ("paramserver.shards.server.row_store.rocks", "RocksRows")}
-DEFAULT_ENGINE = "log"
+DEFAULT_ENGINE = "rocksdb"
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,20 @@ def engine_class(name: str):
     return getattr(importlib.import_module(module), attribute)
 
 
+#: Bytes a row in memory takes besides its values and its optimizer state: its place in the id index (a
+#: 16-byte lane at most 0.6 full), its slot's id (half-precision rows), the index's slot and touch.
+ROW_OVERHEAD_BYTES = 40
+#: Bytes of optimizer state per value a row's budget allows for: two float32 values per value (Adam's two
+#: moments, the most a built-in optimizer keeps).
+STATE_BYTES_PER_VALUE = 8
+
+
+def row_bytes(part) -> int:
+    """The memory one row of dynamic table part ``part`` takes at most, its optimizer state included."""
+    values = part.embedding_dim * torch.empty(0, dtype=part.dtype).element_size()
+    return values + part.embedding_dim * STATE_BYTES_PER_VALUE + ROW_OVERHEAD_BYTES
+
+
 class RowStores:
     """The row store of the shard named ``shard`` (a folder of its own under ``options.folder``)."""
 
@@ -73,6 +89,8 @@ class RowStores:
         self._lock = threading.Lock()
         self._tiers: Dict[str, StoreTier] = {}
         self._numbers = itertools.count()
+        self._shared: List = []  # dynamic table parts that share --row-memory
+        self._parts: List = []  # every dynamic table part with a tier here
 
     def tier(self, part: str) -> StoreTier:
         """The tier of table part ``part`` (made on first ask; its engines in folders of their own)."""
@@ -85,6 +103,30 @@ class RowStores:
                     return self._engine(self.folder / f"{stem}-{next(self._numbers)}", record_bytes)
                 tier = self._tiers[part] = StoreTier(open_engine)
             return tier
+
+    def share(self, rows) -> None:
+        """Give dynamic table part ``rows`` (a ``DynamicRows`` with a tier here) its part of ``memory``, where
+        it has no ``capacity`` of its own: the budget is shared equally by such parts, each holding as many
+        rows as its share pays for at ``row_bytes`` each; the others' shares shrink as one comes."""
+        with self._lock:
+            self._parts.append(rows)
+            if self.options.memory is None:
+                return
+            if rows.options.capacity is None:
+                self._shared.append(rows)
+            owned = sum(row_bytes(part) * part.options.capacity for part in self._others_locked())
+            parts = list(self._shared)
+        left = self.options.memory - owned
+        for part in parts:
+            capacity = left // len(parts) // row_bytes(part)
+            if capacity < 1:
+                raise ValueError(f"--row-memory {self.options.memory} bytes leaves table part {part.name!r} no "
+                                 f"row in memory (it needs at least {row_bytes(part)} bytes per row, besides the "
+                                 f"{owned} bytes the tables with a capacity of their own take)")
+            part.capacity = capacity
+
+    def _others_locked(self):
+        return [part for part in self._parts if part.options.capacity is not None]
 
     def drop(self, part: str) -> None:
         """Table part ``part`` went: its files are removed."""
