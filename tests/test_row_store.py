@@ -48,10 +48,12 @@ def zipf_steps(steps: int, per_step: int, seed: int = 0):
 
 
 def train(tmp_path: pathlib.Path, engine, capacity, *, optimizer=RowWiseAdagrad, options=None,
-          dtype=torch.float32, ttl_steps=None, steps=14, checkpoint_at=None):
+          dtype=torch.float32, ttl_steps=None, steps=14, checkpoint_at=None, prefetch=False, lookup_first=True):
     """A dynamic table part trained as a pipelined trainer drives it (step t+1's lookup before step t's push),
     with a row store of ``engine`` under ``tmp_path`` (``None``: none) and ``capacity`` rows in memory; returns
-    its checkpoint entry (every row and its state, memory's and the store's), sorted by id, and the part."""
+    its checkpoint entry (every row and its state, memory's and the store's), sorted by id, and the part.
+    ``prefetch``: the next step's rows read ahead before each push; ``lookup_first``: step t+1's lookup before
+    step t's push (a pipelined trainer at staleness 1), else after it (at staleness 0)."""
     options = options or dict(lr=0.1)
     state = ShardState()
     tmp_path.mkdir(exist_ok=True)
@@ -67,9 +69,14 @@ def train(tmp_path: pathlib.Path, engine, capacity, *, optimizer=RowWiseAdagrad,
     looked = [rows.lookup(ids[0], 0)]
     entries = []
     for step in range(steps):
-        looked.append(rows.lookup(ids[step + 1], step + 1))
+        if prefetch:
+            rows.prefetch(ids[step + 1])
         gradients = torch.randn(ids[step].numel(), DIM, generator=generator)
+        if lookup_first:
+            looked.append(rows.lookup(ids[step + 1], step + 1))
         owner.apply_rows([0], [ids[step]], [gradients], "test")
+        if not lookup_first:
+            looked.append(rows.lookup(ids[step + 1], step + 1))
         if checkpoint_at is not None and step == checkpoint_at:
             entries.append(owner.snapshot()[0][0])
     entries.append(owner.snapshot()[0][0])
@@ -163,3 +170,19 @@ def test_the_folder_is_checked_made_per_shard_and_removed(tmp_path, engine):
     assert tier.read(torch.tensor([7, 8])).found.tolist() == [True, False]
     stores.close()
     assert not stale.exists()
+
+
+
+def test_rows_read_ahead_are_the_rows_a_lookup_reads(tmp_path, engine):
+    """The next step's rows on disk read ahead while a push is applied (as a push-and-lookup message does): the
+    lookups take them from there, and the table trains as one held whole in memory.  Lookups before the push
+    (as staleness orders them) evict rows after the read ahead began: what they write is never read stale."""
+    for lookup_first in (False, True):
+        whole, looked_whole, _, _ = train(tmp_path / f"a{lookup_first}", None, None, lookup_first=lookup_first)
+        kept, looked_kept, rows, stores = train(tmp_path / f"b{lookup_first}", engine, 200, prefetch=True,
+                                                lookup_first=lookup_first)
+        assert rows.store.prefetched > 0
+        for a, b in zip(looked_kept, looked_whole):
+            assert a.equal(b)
+        assert_bitwise_equal(kept[0], whole[0])
+        stores.close()

@@ -71,6 +71,21 @@ def lookup(state: ShardState, incarnation: int, tables: List[int], ids: Tensor, 
         return wire.pack_rows(pieces)
 
 
+def prefetch(state: ShardState, tables: List[int], ids: Tensor, counts: List[int]) -> None:
+    """A lookup of ``ids`` in ``tables`` (as ``lookup`` takes them) comes next, after a push: dynamic tables with a
+    row store start reading the rows they hold on disk now, while the push is applied."""
+    if state.row_stores is None or len(tables) != len(counts):
+        return  # (the lookup itself refuses what is wrong with it, after the push)
+    for handle, rows in zip(tables, wire.unpack_ids(ids, counts)):
+        try:
+            table = state.table(handle)
+        except KeyError:
+            continue
+        dynamic = state.dynamic_rows(table)
+        if dynamic is not None:
+            dynamic.prefetch(rows)
+
+
 def _rows(state: ShardState, table: Tensor, ids: Tensor, step: int) -> Tensor:
     dynamic = state.dynamic_rows(table)
     return torch.index_select(table, 0, ids) if dynamic is None else dynamic.lookup(ids, step)

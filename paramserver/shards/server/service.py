@@ -146,6 +146,8 @@ def _push_lookup_kernel(incarnation: int, optimizer: int, params: List[int], par
                         counts: List[int], gradients: Tensor, peer: str, pusher: int, steps: List[int],
                         tables: List[int], lookup_ids: Tensor, lookup_counts: List[int], lookup_step: int) -> Tensor:
     state = _state()
+    if tables and lookup_step >= 0:  # rows on disk read while the pushes are applied
+        rows.prefetch(state, tables, lookup_ids, lookup_counts)
     rows.pushes(state, incarnation, optimizer, params, param_counts, ids, counts, gradients, peer, pusher, steps)
     if not tables:  # a push that reads nothing (its incarnation was checked)
         return wire.NO_ROWS

@@ -168,6 +168,16 @@ class DynamicRows:
                 slots[missing] = self._load_locked(ids[missing], -1, self.clock, protect=slots[slots >= 0])
         return slots
 
+    def prefetch(self, ids: Tensor) -> None:
+        """The next lookup will ask for ``ids`` (distinct): start reading those the store holds, in the
+        background, while the push before it is applied (``row_store.StoreTier.prefetch``)."""
+        if self.store is None:
+            return
+        with self._lock:
+            missing = ids[self.index.find(ids) < 0]
+            scale = self._state_scale_locked()
+        self.store.prefetch(missing, scale)
+
     def _unexpired(self, touches: Tensor) -> Tensor:
         """Which rows last touched at ``touches`` the TTL sweeps so far have not expired (a row in the store is
         swept when it is read: it expired if a sweep came more than ``ttl_steps`` after its touch)."""

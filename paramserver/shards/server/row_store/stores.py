@@ -16,6 +16,7 @@ import pathlib
 import re
 import shutil
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -62,6 +63,8 @@ def engine_class(name: str):
     return getattr(importlib.import_module(module), attribute)
 
 
+#: Threads reading ahead for a shard's tiers (one table part's read ahead at a time each).
+READ_AHEAD_THREADS = 2
 #: Bytes a row in memory takes besides its values and its optimizer state: its place in the id index (a
 #: 16-byte lane at most 0.6 full), its slot's id (half-precision rows), the index's slot and touch.
 ROW_OVERHEAD_BYTES = 40
@@ -89,6 +92,8 @@ class RowStores:
         self._lock = threading.Lock()
         self._tiers: Dict[str, StoreTier] = {}
         self._numbers = itertools.count()
+        #: Where its tiers' reads ahead run (``StoreTier.prefetch``): the engines read in parallel within one.
+        self._reader = ThreadPoolExecutor(max_workers=READ_AHEAD_THREADS, thread_name_prefix="row-store-read")
         self._shared: List = []  # dynamic table parts that share --row-memory
         self._parts: List = []  # every dynamic table part with a tier here
 
@@ -101,7 +106,7 @@ class RowStores:
 
                 def open_engine(record_bytes: int) -> RowStoreEngine:
                     return self._engine(self.folder / f"{stem}-{next(self._numbers)}", record_bytes)
-                tier = self._tiers[part] = StoreTier(open_engine)
+                tier = self._tiers[part] = StoreTier(open_engine, self._reader)
             return tier
 
     def share(self, rows) -> None:
@@ -143,6 +148,7 @@ class RowStores:
         """The shard stops: every tier's files and the shard's folder are removed."""
         with self._lock:
             tiers, self._tiers = list(self._tiers.values()), {}
+        self._reader.shutdown(wait=True, cancel_futures=True)
         for tier in tiers:
             tier.close(remove=True)
         shutil.rmtree(self.folder, ignore_errors=True)

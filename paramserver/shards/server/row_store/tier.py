@@ -12,7 +12,10 @@ a new engine (a generation) and the older ones are read where the newer lack
 an id: a record is never rewritten to change its layout.
 """
 
+import threading
 import time
+from concurrent.futures import Executor, Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from collections import deque
 from typing import Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -25,6 +28,8 @@ from .layout import RowLayout
 
 #: The read latencies kept for the figures' quantiles (the most recent reads).
 LATENCY_SAMPLES = 1024
+#: How long a read waits at most for a read ahead of the same rows still running (it reads them itself after).
+PREFETCH_WAIT_SECONDS = 30.0
 
 
 @dataclass
@@ -61,12 +66,22 @@ class StoreTier:
     """The records of one table part, in engines that ``open_engine(record_bytes)`` opens (each in a folder of
     its own)."""
 
-    def __init__(self, open_engine: Callable[[int], RowStoreEngine]):
+    def __init__(self, open_engine: Callable[[int], RowStoreEngine], reader: Optional[Executor] = None):
         self._open_engine = open_engine
         #: (layout, engine), the newest first: where records are written, then where older ones are read.
         self._generations: List[Tuple[RowLayout, RowStoreEngine]] = []
         self.read_seconds: Deque[float] = deque(maxlen=LATENCY_SAMPLES)
         self.read_calls = 0
+        #: Where reads ahead run (``prefetch``), or ``None``: no reads ahead.
+        self._reader = reader
+        #: Records read ahead: ``(ids, their read)``, good until the next write or drop (``_changes`` counts
+        #: them), and the read ahead still running.  Under ``_staging``.
+        self._staging = threading.Lock()
+        self._staged: Optional[Tuple[Tensor, StoreRead]] = None
+        self._changes = 0
+        self._ahead: Optional[Future] = None
+        #: Ids asked for that a read ahead had brought (``prefetched``), and reads that waited for one.
+        self.prefetched = self.waited_for_prefetch = 0
 
     # -- writes --------------------------------------------------------------
     def write(self, ids: Tensor, touches: Tensor, values: Tensor, state: Sequence[Tensor], scale: float = 1.0) -> None:
@@ -75,6 +90,7 @@ class StoreTier:
         ``scale``)."""
         if ids.numel() == 0:
             return
+        self._changed()
         layout = RowLayout.of(values, state, scale)
         if not self._generations or self._generations[0][0] != layout:
             self._generations.insert(0, (layout, self._open_engine(layout.record_bytes)))
@@ -84,15 +100,88 @@ class StoreTier:
     def drop(self, ids: Tensor) -> None:
         """``ids`` are held no more (those not held are ignored)."""
         if ids.numel():
+            self._changed()
             for _, engine in self._generations:
                 engine.delete(ids.contiguous())
+
+    def _changed(self) -> None:
+        with self._staging:
+            self._changes += 1
+            self._staged = None
+
+    # -- reads ahead -----------------------------------------------------------
+    def prefetch(self, ids: Tensor, scale: float = 1.0) -> None:
+        """Start reading the records of ``ids`` (distinct, none in memory) in the background, for a ``read`` of
+        them soon (the next step's lookup, which its message brought before its push is applied).  What was
+        read ahead is dropped at the next write or drop, so a read never sees an older record."""
+        if self._reader is None or not self._generations or ids.numel() == 0:
+            return
+        with self._staging:
+            changes = self._changes
+            self._ahead = self._reader.submit(self._read_ahead, ids.clone(), scale, changes)
+
+    def _read_ahead(self, ids: Tensor, scale: float, changes: int) -> None:
+        read = self._read_engines(ids, scale)
+        with self._staging:
+            if self._changes == changes:
+                self._staged = (ids, read, scale) if read is not None else None
+
+    def _take_staged(self, ids: Tensor, scale: float):
+        """``(which of ids were read ahead, their read)``, or ``None``; waits for a read ahead still running."""
+        with self._staging:
+            ahead = self._ahead
+        if ahead is not None:
+            if not ahead.done():
+                self.waited_for_prefetch += 1
+            try:
+                ahead.result(timeout=PREFETCH_WAIT_SECONDS)
+            except (FutureTimeout, OSError):  # read now instead (a failure shows there again)
+                pass
+        with self._staging:
+            staged, self._staged, self._ahead = self._staged, None, None
+        if staged is None:
+            return None
+        staged_ids, read, staged_scale = staged
+        if staged_scale != scale:
+            return None
+        order = torch.argsort(staged_ids)
+        sorted_ids = staged_ids[order]
+        at = torch.searchsorted(sorted_ids, ids).clamp_(max=max(sorted_ids.numel() - 1, 0))
+        hit = sorted_ids[at] == ids if sorted_ids.numel() else torch.zeros(ids.numel(), dtype=torch.bool)
+        return hit, order[at], read
 
     # -- reads ---------------------------------------------------------------
     def read(self, ids: Tensor, scale: float = 1.0) -> Optional[StoreRead]:
         """The records of ``ids`` (distinct) held here, or ``None`` when none of them is; state rows at ``scale``
-        (``layout.RowLayout.scale``)."""
+        (``layout.RowLayout.scale``).  Those read ahead (``prefetch``) come from there."""
         if not self._generations or ids.numel() == 0:
             return None
+        staged = self._take_staged(ids, scale) if self._ahead is not None else None
+        if staged is None:
+            return self._read_engines(ids, scale)
+        hit, positions, ahead = staged
+        rest = (~hit).nonzero().view(-1)
+        self.prefetched += int(hit.sum())
+        read_now = self._read_engines(ids.index_select(0, rest), scale) if rest.numel() else None
+        # one read of ``ids``: the staged rows where read ahead, the rest read now
+        pieces = []
+        mine = hit.nonzero().view(-1)
+        if mine.numel():
+            within = positions.index_select(0, mine)
+            found_ahead = ahead.found.index_select(0, within)
+            rank = torch.cumsum(ahead.found.to(torch.int64), 0) - 1  # a found id's place among those found
+            chosen = rank.index_select(0, within[found_ahead])
+            if chosen.numel():
+                pieces.append((mine[found_ahead], ahead.touches[chosen], ahead.values[chosen],
+                               None if ahead.state is None else [rows[chosen] for rows in ahead.state]))
+        if read_now is not None:
+            positions_now = rest[read_now.found]
+            pieces.append((positions_now, read_now.touches, read_now.values, read_now.state))
+        if not pieces:
+            return None
+        return self._merged(torch.zeros(ids.numel(), dtype=torch.bool), pieces)
+
+    def _read_engines(self, ids: Tensor, scale: float) -> Optional[StoreRead]:
         began = time.perf_counter()
         ids = ids.contiguous()
         found = torch.zeros(ids.numel(), dtype=torch.bool)
