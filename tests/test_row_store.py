@@ -186,3 +186,40 @@ def test_rows_read_ahead_are_the_rows_a_lookup_reads(tmp_path, engine):
             assert a.equal(b)
         assert_bitwise_equal(kept[0], whole[0])
         stores.close()
+
+
+class FullDisk:
+    """An engine whose disk is full: every write fails with ENOSPC."""
+
+    record_bytes = 0
+
+    def __init__(self, folder, record_bytes):
+        self.folder, self.record_bytes = folder, record_bytes
+
+    def put(self, ids, records):
+        raise OSError(28, "No space left on device", str(self.folder))
+
+    def close(self, remove=False):
+        pass
+
+
+def test_a_full_disk_faults_the_shard_once_and_keeps_every_row_it_held(tmp_path):
+    state = ShardState()
+    stores = RowStores(RowStoreOptions(str(tmp_path), available_engines()[0]), "shard")
+    stores._engine = FullDisk  # (every tier opened from now on writes to a full disk)
+    state.row_stores = stores
+    reasons = []
+    state.on_store_failure = reasons.append
+    from paramserver.shards.server.hosted import host_dynamic
+    slab = host_dynamic(state, "t", DIM, torch.float32, 3, 0.1, DynamicOptions(capacity=100), 0, 1)
+    rows = state.dynamic_rows(slab)
+    first = torch.arange(100, dtype=torch.int64)
+    before = rows.lookup(first, 0).clone()
+    from paramserver.shards.server.state import ShardFault
+    with pytest.raises(ShardFault, match="could not write"):
+        rows.lookup(torch.arange(100, 200, dtype=torch.int64), 1)
+    assert len(reasons) == 1 and "No space left on device" in reasons[0] and str(stores.folder) in reasons[0]
+    assert rows.lookup(first, -1).equal(before)  # every row it evicted for the write that failed is still held
+    with pytest.raises(ShardFault):
+        state.refuse_if_faulted()
+    stores.close()

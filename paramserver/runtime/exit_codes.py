@@ -13,9 +13,14 @@ Owns the numbers only; each command says which outcome it met in one line.
   that cannot run here.  Trying again the same way fails the same way.
 * ``EXIT_NO_CHECKPOINT`` (3): a shard process found no checkpoint to restore
   from that verifies (its supervisor does not restart it).
+* ``EXIT_DISK_FULL`` (4): a shard process could not write its row store (its
+  disk is full, or failing): it ends without dropping a row, and its
+  supervisor does not restart it (the disk would fill again); its tables are
+  as of the newest checkpoint.
 """
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_REFUSED = 2
 EXIT_NO_CHECKPOINT = 3
+EXIT_DISK_FULL = 4

@@ -49,7 +49,7 @@ from ..shards.server import ShardState
 from ..shards.server.figures import LogRate, dynamic_figures, dynamic_parts
 from ..shards.server.push_log import PushLog
 from ..shards.server.row_store.stores import RowStoreOptions, RowStores
-from .exit_codes import EXIT_FAILED, EXIT_NO_CHECKPOINT, EXIT_REFUSED
+from .exit_codes import EXIT_DISK_FULL, EXIT_FAILED, EXIT_NO_CHECKPOINT, EXIT_REFUSED
 from .member import MemberSession
 from .threads import apply_threads
 
@@ -82,6 +82,7 @@ def run_shard_member(address: str, name: str, host: str, token: Optional[str] = 
     configure_logging(name, log_level)
     state = ShardState()  # what this process serves: its tables are asked for once it serves
     state.on_fault = lambda reason: _end_for_a_fault(name)
+    state.on_store_failure = lambda reason: _end_for_a_full_disk(name, reason)
     metrics = None  # serves until the process exits
     if metrics_port is not None:
         try:
@@ -189,6 +190,13 @@ def _end_for_a_fault(name: str) -> None:
     take it as a lost shard."""
     logger.error("shard %s exits to be restarted from its newest checkpoint", name)
     exit_now(EXIT_FAILED)
+
+
+def _end_for_a_full_disk(name: str, reason: str) -> None:
+    """Its row store could not write (``ShardState.store_failed``): the process ends at once, every row it held
+    kept until then, and is not restarted (``EXIT_DISK_FULL``): the disk would fill again."""
+    logger.error("shard %s stops: %s", name, reason)
+    exit_now(EXIT_DISK_FULL)
 
 
 class _StopRequests:

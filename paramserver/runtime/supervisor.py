@@ -33,7 +33,7 @@ from ..control import TlsFiles
 from ..metrics.exporter import shard_metrics_port
 from ..processes import child_context, run_in_environment
 from .shard_policy import MAX_RESTARTS, SHARD_PRELOAD
-from .exit_codes import EXIT_NO_CHECKPOINT, EXIT_REFUSED
+from .exit_codes import EXIT_DISK_FULL, EXIT_NO_CHECKPOINT, EXIT_REFUSED
 from .shard_process import run_shard_member
 
 logger = logging.getLogger(__name__)
@@ -165,6 +165,8 @@ class ShardSupervisor:
             return "the coordinator refused its join (exit 2)"
         if exit_code == EXIT_NO_CHECKPOINT:
             return "no checkpoint to restore its tables from verifies (exit 3; its log names the files)"
+        if exit_code == EXIT_DISK_FULL:
+            return "its row store could not write to its disk (exit 4; its log names the folder)"
         if not self._restart:
             return "the cluster keeps no checkpoints to restart it from"
         count = self.restarts.get(name, 0)

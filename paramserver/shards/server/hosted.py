@@ -108,6 +108,7 @@ def host_dynamic(state: ShardState, table: str, embedding_dim: int, dtype: torch
                            store=stores.tier(name) if stores is not None else None)
         if stores is not None:
             stores.share(rows)  # its part of --row-memory, where it has no capacity of its own
+            rows.on_store_failure = state.store_failed
         restored = state.restore_source.dynamic_part(table, index, count) if state.restore_source else None
         if restored is not None:
             state.restore_source.check_row_type(table, restored["values"].dtype, dtype)

@@ -125,6 +125,9 @@ class ShardState:
         #: Called once, with the reason, when a step fails inside its kernels: a shard process ends itself there
         #: (its supervisor restarts it from the newest checkpoint); elsewhere (tests) the fault is only raised.
         self.on_fault: Callable[[str], None] = lambda reason: None
+        #: Called once, with the reason, when its row store could not write (``store_failed``), before
+        #: ``on_fault``: a shard process ends there, and is not restarted.
+        self.on_store_failure: Callable[[str], None] = lambda reason: None
 
     # -- the push log ------------------------------------------------------
     def flush_log(self) -> None:
@@ -145,6 +148,16 @@ class ShardState:
             self.faulted = reason
             self.on_fault(reason)
         return ShardFault(f"this shard failed inside a step and holds rows it cannot vouch for: {self.faulted}")
+
+    def store_failed(self, error: OSError) -> ShardFault:
+        """Its row store could not write (``error``: a full disk, most often): ``on_store_failure`` called once
+        with a reason naming the folder (a shard process ends there, not to be restarted), then ``fault``."""
+        folder = self.row_stores.folder if self.row_stores is not None else "?"
+        reason = (f"its row store in {folder} could not write ({error.strerror or error}): it keeps every row it "
+                  f"holds, serves no step again, and its tables are as of the newest checkpoint")
+        if self.faulted is None:
+            self.on_store_failure(reason)
+        return self.fault(reason)
 
     def refuse_if_faulted(self) -> None:
         """``ShardFault`` when a step failed here (``fault``)."""

@@ -107,6 +107,9 @@ class DynamicRows:
         #: The rows evicted for ``capacity``, with their optimizer state, on disk (``None``: dropped).  It holds
         #: exactly the rows not in memory: a row read back is deleted there.
         self.store = store
+        #: What a write to the store that failed (an ``OSError``: a full disk) becomes, raised in its place (its
+        #: shard's: ``ShardState.store_failed``, which ends the shard).
+        self.on_store_failure: Callable[[OSError], Exception] = lambda error: error
         #: Training lookups' ids found in memory, and those read from the store (``stats``).
         self.memory_hits = self.store_reads = 0
 
@@ -286,8 +289,11 @@ class DynamicRows:
         if slots.numel() == 0:
             return
         if kept is not None and self.store is not None:
-            self.store.write(ids, kept, self.slab.index_select(0, slots), self._state_rows_locked(slots),
-                             self._state_scale_locked())
+            try:
+                self.store.write(ids, kept, self.slab.index_select(0, slots), self._state_rows_locked(slots),
+                                 self._state_scale_locked())
+            except OSError as error:  # the rows stay where they are: nothing is dropped
+                raise self.on_store_failure(error) from error
         else:
             self.marks.evicted(ids)
         self.index.remove_lanes(lanes)
