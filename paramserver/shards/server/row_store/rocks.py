@@ -62,7 +62,7 @@ MAX_SIZE_AMPLIFICATION_PERCENT = 200
 #: Background flushes and compactions at once.
 BACKGROUND_JOBS = 2
 #: A ``get`` of fewer ids than this a thread stays in one multi-get.
-MIN_IDS_PER_READ_THREAD = 256
+MIN_IDS_PER_READ_THREAD = 32
 #: Read-ahead of ``scan``'s iterator (its reads are sequential; direct reads get none otherwise).
 SCAN_READAHEAD_BYTES = 2 << 20
 
