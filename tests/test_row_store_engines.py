@@ -205,3 +205,21 @@ def test_a_folder_that_cannot_be_made_is_an_os_error_naming_it(engine_class, tmp
     with pytest.raises(OSError) as raised:
         engine_class(blocker / "rows", RECORD_BYTES)
     assert str(blocker) in str(raised.value)
+
+
+def test_rocks_with_estimated_rows_keeps_the_same_records(tmp_path):
+    """``exact_rows=False`` changes only the row count: an estimate, right while no id is put twice."""
+    engine = RocksRows(tmp_path / "rows", RECORD_BYTES, exact_rows=False)
+    try:
+        ids = torch.arange(300, dtype=torch.int64)
+        engine.put(ids, records_of(ids, 1))
+        assert engine.stats()["rows"] == 300
+        engine.put(ids[:100], records_of(ids[:100], 2))
+        engine.delete(ids[200:])
+        found, out = read(engine, ids)
+        assert found.tolist() == [True] * 200 + [False] * 100
+        assert torch.equal(out[:100], records_of(ids[:100], 2))
+        assert torch.equal(out[100:200], records_of(ids[100:200], 1))
+        assert set(scanned(engine, 64)) == set(range(200))
+    finally:
+        engine.close(remove=True)
