@@ -175,9 +175,10 @@ def report(record_bytes: int, results: Dict[str, Dict]) -> None:
               f"| {f['disk_bytes'] / 2**20:,.1f} | {f['rss_growth_bytes'] / 2**20:,.1f} | {own} |")
     if len(results) > 1:
         ranked = sorted(results, key=lambda name: results[name]["step_ms_mean"])
-        ratio = results[ranked[1]]["step_ms_mean"] / results[ranked[0]]["step_ms_mean"]
-        print(f"\nFaster by a step's mean time: {ranked[0]}; {ranked[1]} takes {ratio:.2f}x "
-              f"({'within' if ratio <= 1.10 else 'beyond'} 10%).")
+        others = [f"{name} {results[name]['step_ms_mean'] / fastest_step:.2f}x "
+                  f"({'within' if results[name]['step_ms_mean'] <= 1.10 * fastest_step else 'beyond'} 10%)"
+                  for name in ranked[1:]]
+        print(f"\nFastest by a step's mean time: {ranked[0]}; {', '.join(others)}.")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
