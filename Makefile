@@ -22,7 +22,7 @@ $(PY):
 # setup.py generates the gRPC stubs from protos/ and builds the C kernels at
 # install time, so a changed .proto or kernel source re-runs the install too.
 PROTOS := $(shell find protos -name '*.proto')
-KERNEL := paramserver/shards/server/dynamic/kernel.c paramserver/optim/row_kernel.c
+KERNEL := paramserver/shards/server/dynamic/kernel.c paramserver/optim/row_kernel.c paramserver/shards/server/row_store/row_log.c
 
 $(STAMP): $(PY) setup.cfg setup.py pyproject.toml $(PROTOS) $(KERNEL)
 	$(PIP) install --quiet $(TORCH_PIN) -e '.[test,s3,gcs,torchx]'

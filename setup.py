@@ -8,8 +8,9 @@ and the proto tree mirrors the package path, so the generated imports are
 absolute (``from paramserver.control.v1 import coordinator_pb2``).
 
 The C kernels (``KERNELS``: the dynamic tables' ``kernel.c``, the row-wise
-optimizers' ``row_kernel.c``) are compiled here too, where a C compiler is: a
-baseline build and, on x86-64, an AVX2 build of each, as extension files
+optimizers' ``row_kernel.c``, the row store's ``row_log.c``) are compiled here
+too, where a C compiler is: a baseline build and, on x86-64, an AVX2 build of
+each that has one, as extension files
 beside its source (in the source tree for an editable install), which
 ``paramserver.native`` loads with ctypes.  They are optional: where the
 compiler is missing or fails, the install goes on without them, and
@@ -28,13 +29,17 @@ from setuptools.command.build_py import build_py
 ROOT = pathlib.Path(__file__).resolve().parent
 PROTO_ROOT = ROOT / "protos"
 #: Each kernel's source, relative to this file (setuptools wants relative paths), the module names of its
-#: builds by variant, its compiler flags besides the variant's and its flags for some variants: as its
-#: ``KernelSource`` says (``paramserver/shards/server/dynamic/native.py``, ``paramserver/optim/row_kernel.py``).
+#: builds by variant (the variants it has), its compiler flags besides the variant's, its flags for some
+#: variants and its linker flags: as its ``KernelSource`` says (``paramserver/shards/server/dynamic/native.py``,
+#: ``paramserver/optim/row_kernel.py``, ``paramserver/shards/server/row_store/row_log.py``, whose one build
+#: runs threads).
 KERNELS = (
     ("paramserver/shards/server/dynamic/kernel.c", {"baseline": "_kernel_baseline", "avx2": "_kernel_avx2"},
-     ["-O2"], {}),
+     ["-O2"], {}, []),
     ("paramserver/optim/row_kernel.c", {"baseline": "_row_kernel_baseline", "avx2": "_row_kernel_avx2"},
-     ["-O3", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno"], {"avx2": ["-mfma", "-mf16c"]}),
+     ["-O3", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno"], {"avx2": ["-mfma", "-mf16c"]}, []),
+    ("paramserver/shards/server/row_store/row_log.c", {"baseline": "_row_log"}, ["-O2", "-pthread"], {},
+     ["-pthread"]),
 )
 #: The variants' flags (``paramserver.native.BUILD_FLAGS``).
 BUILD_FLAGS = {"baseline": [], "avx2": ["-mavx2"]}
@@ -63,14 +68,15 @@ def kernel_extensions() -> list:
     """Every kernel's builds, each carrying the digest of its source (``paramserver.native.source_digest``), so
     that a build of an older source is never loaded."""
     extensions = []
-    for source, modules, flags, variant_flags in KERNELS:
+    for source, modules, flags, variant_flags, link_flags in KERNELS:
         digest = hashlib.sha256((ROOT / source).read_bytes()).hexdigest()[:16]
         package = source.rsplit("/", 1)[0].replace("/", ".")
         variants = ["baseline"] + (["avx2"] if platform.machine().lower() in ("x86_64", "amd64") else [])
         extensions += [Extension(f"{package}.{modules[variant]}", [source],
-                                 extra_compile_args=[*flags, *BUILD_FLAGS[variant], *variant_flags.get(variant, [])], libraries=["m"],
+                                 extra_compile_args=[*flags, *BUILD_FLAGS[variant], *variant_flags.get(variant, [])],
+                                 extra_link_args=link_flags, libraries=["m"],
                                  define_macros=[("PARAMSERVER_KERNEL_DIGEST", f'"{digest}"')], optional=True)
-                       for variant in variants]
+                       for variant in variants if variant in modules]
     return extensions
 
 
