@@ -12,10 +12,13 @@ reads always hit; a shard asks for ids it never evicted).  Puts and deletes
 go in one ``WriteBatch`` a call; ``get`` is RocksDB's batched multi-get,
 which rocksdict runs without the GIL, split over a pool of threads.
 
-``stats()["rows"]`` is exact: RocksDB only estimates its keys, so a put or a
-delete first asks which of its ids are held (the Bloom filters and memtables
-answer for ids never put; the others cost a read, often from the block
-cache), and opening a folder with records counts them once.
+``stats()["rows"]`` is exact by default: RocksDB only estimates its keys (a
+replaced or deleted record counts until compaction merges it), so a put or a
+delete first asks which of its ids are held: the Bloom filters and memtables
+answer for ids never put, every other id costs a read, which is as dear as a
+``get`` of it (a step's evictions are ids held: it about doubles a step's
+time); opening a folder with records counts them once.  ``exact_rows=False``
+skips that and gives RocksDB's estimate.
 
 Memory: at most ``MEMTABLE_BYTES`` x ``MEMTABLES`` of memtables (32 MiB) and a
 ``BLOCK_CACHE_BYTES`` block cache (8 MiB), bounded whatever the rows; beside
@@ -62,7 +65,7 @@ MAX_SIZE_AMPLIFICATION_PERCENT = 200
 #: Background flushes and compactions at once.
 BACKGROUND_JOBS = 2
 #: A ``get`` of fewer ids than this a thread stays in one multi-get.
-MIN_IDS_PER_READ_THREAD = 256
+MIN_IDS_PER_READ_THREAD = 32
 #: Read-ahead of ``scan``'s iterator (its reads are sequential; direct reads get none otherwise).
 SCAN_READAHEAD_BYTES = 2 << 20
 
@@ -72,9 +75,11 @@ _COMPACTIONS = re.compile(r"rocksdb\.compaction\.times\.micros .*?COUNT : (\d+)"
 
 class RocksRows:
     """Records of ``record_bytes`` bytes keyed by int64 ids, in a RocksDB database in ``folder``
-    (``engine.RowStoreEngine``).  An existing database in ``folder`` is opened with its records."""
+    (``engine.RowStoreEngine``).  An existing database in ``folder`` is opened with its records.
+    ``exact_rows=False``: ``stats()["rows"]`` is RocksDB's estimate, and puts and deletes read nothing."""
 
-    def __init__(self, folder, record_bytes: int, *, direct_io: bool = True, read_threads: int = 8):
+    def __init__(self, folder, record_bytes: int, *, direct_io: bool = True, read_threads: int = 8,
+                 exact_rows: bool = True):
         if isinstance(record_bytes, bool) or not isinstance(record_bytes, int) or record_bytes <= 0:
             raise ValueError(f"record_bytes must be a positive int, not {record_bytes!r}")
         if isinstance(read_threads, bool) or not isinstance(read_threads, int) or read_threads <= 0:
@@ -82,6 +87,7 @@ class RocksRows:
         self.folder = pathlib.Path(folder)
         self.record_bytes = record_bytes
         self.read_threads = read_threads
+        self.exact_rows = bool(exact_rows)
         self.folder.mkdir(parents=True, exist_ok=True)
         if not os.access(self.folder, os.W_OK | os.X_OK):
             raise PermissionError(errno.EACCES, "the row store's folder is not writable", str(self.folder))
@@ -112,7 +118,8 @@ class RocksRows:
         self._write_lock = threading.Lock()
         self._counts = dict.fromkeys(("rows", "reads", "read_bytes", "writes", "written_bytes"), 0)
         self._closed = False
-        self._counts["rows"] = sum(1 for _ in self._db.keys())  # records of an earlier opening
+        if self.exact_rows:
+            self._counts["rows"] = sum(1 for _ in self._db.keys())  # records of an earlier opening
 
     # The contract.
 
@@ -172,6 +179,8 @@ class RocksRows:
         db = self._open()
         with self._lock:
             figures = dict(self._counts)
+        if not self.exact_rows:
+            figures["rows"] = max(0, db.property_int_value("rocksdb.estimate-num-keys") or 0)
         figures["disk_bytes"] = _folder_bytes(self.folder)
         found = _COMPACTIONS.search(self._options.get_statistics() or "")
         figures["compactions"] = int(found.group(1)) if found else 0
@@ -238,7 +247,9 @@ class RocksRows:
     def _held(self, keys: List[bytes]) -> int:
         """How many of ``keys`` are held: RocksDB's count is only an estimate (a replaced or deleted record
         counts until compaction merges it), so each put and delete asks; the Bloom filters answer for ids
-        never put without a read."""
+        never put without a read.  None with ``exact_rows=False``."""
+        if not self.exact_rows:
+            return 0
         maybe = [key for key in keys if self._db.key_may_exist(key)]
         return sum(value is not None for value in self._multi_get(maybe)) if maybe else 0
 
