@@ -10,7 +10,7 @@ import torch
 
 from paramserver.optim import QHM
 from paramserver.optim.rowwise_adagrad import RowWiseAdagrad
-from paramserver.optim.registry import functional_optim_map
+from paramserver.optim.registry import class_name, functional_optim_map
 from paramserver.shards.server import ShardState
 from paramserver.shards.server.dynamic import DynamicRows
 from paramserver.shards.server.optimizers import OwnerOptimizer
@@ -48,7 +48,8 @@ def zipf_steps(steps: int, per_step: int, seed: int = 0):
 
 
 def train(tmp_path: pathlib.Path, engine, capacity, *, optimizer=RowWiseAdagrad, options=None,
-          dtype=torch.float32, ttl_steps=None, steps=14, checkpoint_at=None, prefetch=False, lookup_first=True):
+          dtype=torch.float32, ttl_steps=None, steps=14, checkpoint_at=None, prefetch=False, lookup_first=True,
+          restore=None):
     """A dynamic table part trained as a pipelined trainer drives it (step t+1's lookup before step t's push),
     with a row store of ``engine`` under ``tmp_path`` (``None``: none) and ``capacity`` rows in memory; returns
     its checkpoint entry (every row and its state, memory's and the store's), sorted by id, and the part.
@@ -63,20 +64,27 @@ def train(tmp_path: pathlib.Path, engine, capacity, *, optimizer=RowWiseAdagrad,
         name, DIM, dtype, 3, 0.1, DynamicOptions(capacity=capacity, ttl_steps=ttl_steps),
         lambda t: state.lock_for(t)[1], kernel=state.kernels.chosen(), huge_pages=state.huge_pages,
         store=stores.tier(name) if stores is not None else None))
+    first = 0
+    if restore is not None:  # a checkpoint entry (``sorted_entry``'s), and the steps trained on from it
+        entry, first = restore
+        rows.restore(entry["ids"], entry["value"], entry["last_touch"], class_name(optimizer), entry["state"], [],
+                     entry["clock"])
     owner = OwnerOptimizer(optimizer, functional_optim_map[optimizer], [rows.slab], ["t"], (), options, state)
-    generator = torch.Generator().manual_seed(1)
-    ids = zipf_steps(steps + 1, 300)
-    looked = [rows.lookup(ids[0], 0)]
+    if restore is not None:
+        owner.load_state_dict({0: rows.restored_optimizer_state(owner.class_name)})
+    generator = torch.Generator().manual_seed(1 + first)
+    ids = zipf_steps(first + steps + 1, 300)[first:]
+    looked = [rows.lookup(ids[0], first)]
     entries = []
     for step in range(steps):
         if prefetch:
             rows.prefetch(ids[step + 1])
         gradients = torch.randn(ids[step].numel(), DIM, generator=generator)
         if lookup_first:
-            looked.append(rows.lookup(ids[step + 1], step + 1))
+            looked.append(rows.lookup(ids[step + 1], first + step + 1))
         owner.apply_rows([0], [ids[step]], [gradients], "test")
         if not lookup_first:
-            looked.append(rows.lookup(ids[step + 1], step + 1))
+            looked.append(rows.lookup(ids[step + 1], first + step + 1))
         if checkpoint_at is not None and step == checkpoint_at:
             entries.append(owner.snapshot()[0][0])
     entries.append(owner.snapshot()[0][0])
@@ -131,6 +139,23 @@ def test_a_checkpoint_taken_mid_run_holds_what_memory_would(tmp_path, engine):
     kept, _, _, stores = train(tmp_path / "b", engine, 120, checkpoint_at=6)
     for a, b in zip(kept, whole):
         assert_bitwise_equal(a, b)
+    stores.close()
+
+
+@pytest.mark.parametrize("optimizer,options", [(RowWiseAdagrad, dict(lr=0.1)),
+                                               (QHM, dict(lr=0.1, momentum=0.9, nu=0.7))])
+def test_a_checkpoint_restored_into_less_memory_trains_on_as_one_held_whole(tmp_path, engine, optimizer, options):
+    """Rows restored past the capacity go to the store with their state, the least recently touched first; the
+    table trains on to the rows and state of a table restored whole into memory."""
+    whole, _, _, _ = train(tmp_path / "a", None, None, optimizer=optimizer, options=options)
+    kept, _, _, stores = train(tmp_path / "b", engine, 200, optimizer=optimizer, options=options)
+    stores.close()
+    on_whole, _, _, _ = train(tmp_path / "c", None, None, optimizer=optimizer, options=options, steps=6,
+                              restore=(whole[0], 14))
+    on_kept, _, rows, stores = train(tmp_path / "d", engine, 150, optimizer=optimizer, options=options, steps=6,
+                                     restore=(kept[0], 14))
+    assert rows.store_reads > 0
+    assert_bitwise_equal(on_kept[0], on_whole[0])
     stores.close()
 
 

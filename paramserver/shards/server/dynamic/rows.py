@@ -435,6 +435,8 @@ class DynamicRows:
         with self._lock:
             if len(self.index) or self._optimizers:
                 raise RuntimeError(f"dynamic table {self.name!r} is in use: it can only be restored before")
+            if self.store is not None and self.capacity is not None and ids.numel() > self.capacity:
+                ids, values, last_touch, state = self._restore_to_store_locked(ids, values, last_touch, state)
             count = ids.numel()
             if count:
                 slots = self._take_slots_locked(count)
@@ -445,6 +447,20 @@ class DynamicRows:
             self.admission.merge_state(admission)
             self.clock = self._last_sweep = clock
             self._restored_state = (optimizer, state) if optimizer else None
+
+    def _restore_to_store_locked(self, ids: Tensor, values: Tensor, last_touch: Tensor, state: Dict[str, Tensor]):
+        """Rows restored past ``capacity``: the least recently touched (as eviction orders them) go to the store
+        with their state (as the checkpoint holds it: at scale 1), the rest are returned to be held."""
+        order = torch.argsort(last_touch.to(torch.int64) * _TIE_SPAN + _tie_break(ids), descending=True)
+        held, stored = order[:self.capacity], order[self.capacity:]
+        with_rows = [rows.index_select(0, stored) for rows in state.values() if rows.dim() > 0]
+        try:
+            self.store.write(ids.index_select(0, stored), last_touch.index_select(0, stored),
+                             values.index_select(0, stored).to(self.dtype), with_rows, 1.0)
+        except OSError as error:
+            raise self.on_store_failure(error) from error
+        return (ids.index_select(0, held), values.index_select(0, held), last_touch.index_select(0, held),
+                {key: rows.index_select(0, held) if rows.dim() > 0 else rows for key, rows in state.items()})
 
     def restored_optimizer(self) -> Optional[str]:
         """The optimizer class name whose state the restore held for these rows, or ``None``."""
