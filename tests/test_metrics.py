@@ -38,6 +38,9 @@ from paramserver.shards.server.optimizers import UNKNOWN_PEER, context_peer, gra
 from paramserver.runtime.context import GroupChannel, Inbox, JobContext, Recorders
 from paramserver.shards.server.figures import dynamic_figures, dynamic_parts
 from paramserver.shards.server.dynamic import DynamicRows
+from paramserver.shards.server.hosted import host_dynamic
+from paramserver.shards.server.row_store.latency import READ_SECONDS_BUCKETS
+from paramserver.shards.server.row_store.stores import RowStoreOptions, RowStores
 from paramserver.tables import DynamicOptions, part_name
 from paramserver.shards.server import ShardState
 
@@ -345,6 +348,65 @@ def test_a_shard_serves_its_dynamic_tables_rows_and_heartbeats_their_sums():
     assert figures == {f"dynamic.{key}": sum(stats[key] for stats in expected.values())
                        for key in ("rows", "admitted", "evicted", "bytes")}
     validation.check_metrics("metrics", figures)  # what the coordinator checks every heartbeat's figures against
+
+
+def test_a_shard_with_a_row_store_serves_its_hits_reads_writes_and_disk_figures(tmp_path):
+    """A table part with a row store: the rows that spill past its capacity are counted written, the ids that
+    come back read, the others found in memory; the engine's records and bytes, and the reads' times as a
+    histogram, are its metrics; the heartbeat adds the rows and bytes on disk."""
+    state = ShardState()
+    state.row_stores = RowStores(RowStoreOptions(str(tmp_path), "rocksdb"), "shard0")
+    try:
+        slab = host_dynamic(state, "t", 4, torch.float32, 3, 0.1, DynamicOptions(capacity=64), 0, 1)
+        rows = state.dynamic_rows(slab)
+        for step in range(4):  # 4 x 48 new ids into room for 64: the older rows go to disk
+            rows.lookup(torch.arange(step * 48, (step + 1) * 48), step)
+        rows.lookup(torch.arange(0, 40), 4)  # the first 40: on disk, read back
+        rows.lookup(torch.arange(0, 40), 5)  # now in memory: hits
+        rows.lookup(torch.arange(0, 40), -1)  # read only: counted nowhere
+        stats = rows.stats()
+        record = 8 + 4 * 4  # the last touch and 4 float32 values: no optimizer state yet
+        assert stats["rows"] <= 64 and stats["rows"] + stats["rows_on_disk"] == 4 * 48
+        assert stats["memory_hits"] == 40 and stats["store_reads"] == 40
+        assert stats["store_writes"] == stats["evicted"] >= 4 * 48 - 64
+        assert stats["store_written_bytes"] == stats["store_writes"] * record
+        assert stats["store_read_bytes"] == 40 * record
+        assert stats["disk_bytes"] > 0
+        latency = stats["store_read_latency"]
+        reads = rows.store.read_calls
+        assert reads > 0 and latency.count == reads and latency.sum_seconds > 0
+        assert [bound for bound, _ in latency.buckets] == [*READ_SECONDS_BUCKETS, float("inf")]
+        assert [count for _, count in latency.buckets] == sorted(count for _, count in latency.buckets)
+
+        metrics = shard_metrics("127.0.0.1", 0, "shard0", dynamic_tables=lambda: dynamic_parts(state))
+        try:
+            samples = scrape(metrics.url)
+        finally:
+            metrics.close()
+        labels = dict(table="t", part="0/1")
+        for name, key in (("paramserver_row_store_memory_hits_total", "memory_hits"),
+                          ("paramserver_row_store_rows_read_total", "store_reads"),
+                          ("paramserver_row_store_rows_written_total", "store_writes"),
+                          ("paramserver_row_store_read_bytes_total", "store_read_bytes"),
+                          ("paramserver_row_store_written_bytes_total", "store_written_bytes"),
+                          ("paramserver_row_store_rows", "rows_on_disk")):
+            assert value(samples, name, **labels) == stats[key], name
+        assert value(samples, "paramserver_row_store_disk_bytes", **labels) > 0  # compactions may change it
+        assert value(samples, "paramserver_row_store_read_seconds_count", **labels) == reads
+        assert value(samples, "paramserver_row_store_read_seconds_sum", **labels) == pytest.approx(
+            latency.sum_seconds)
+        assert by_label(samples, "paramserver_row_store_read_seconds_bucket", "le", **labels) == {
+            prometheus_client.utils.floatToGoString(bound): count for bound, count in latency.buckets}
+
+        figures = dynamic_figures(state)
+        assert {key: figures[key] for key in ("dynamic.rows", "dynamic.rows_on_disk")} == {
+            "dynamic.rows": stats["rows"], "dynamic.rows_on_disk": stats["rows_on_disk"]}
+        assert figures["dynamic.disk_bytes"] > 0 and set(figures) == {
+            "dynamic.rows", "dynamic.admitted", "dynamic.evicted", "dynamic.bytes", "dynamic.rows_on_disk",
+            "dynamic.disk_bytes"}
+        validation.check_metrics("metrics", figures)
+    finally:
+        state.row_stores.close()
 
 
 # -- the flags ----------------------------------------------------------------

@@ -1,21 +1,29 @@
-"""Metrics of a shard's dynamic tables: rows held, admitted, evicted, ids not admitted, bytes.
+"""Metrics of a shard's dynamic tables: rows held, admitted, evicted, ids not admitted, bytes; and of their row
+store: lookups' ids found in memory, rows read back from disk and written there, their bytes, the reads' times,
+the rows and bytes on disk.
 
 Owns ``DynamicTablesCollector``, which reads, at scrape time, the figures
 each dynamic table part on the shard keeps anyway
 (``paramserver.shards.server.dynamic.DynamicRows.stats``, through the callable the
 runtime gives it), so lookups and pushes record nothing for metrics.  A part
 is labelled with its table and ``part``, ``"index/count"``: which of the
-table's shards this process serves.  It never touches a tensor and imports
-nothing of the data plane.
+table's shards this process serves.  The ``paramserver_row_store_*``
+metrics are there for the parts with a row store (``ps-server
+--row-store``).  It never touches a tensor and imports nothing of the data
+plane.
 """
 
 from typing import Callable, Iterable, Iterator, Mapping, Tuple
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
-#: One part's figures: ``(table, "index/count", {"rows", "admitted", "evicted", "not_admitted", "bytes"})``.
-PartStats = Tuple[str, str, Mapping[str, int]]
+#: One part's figures: ``(table, "index/count", {"rows", "admitted", "evicted", "not_admitted", "bytes"})``,
+#: with a row store's too (``rows_on_disk``, ``disk_bytes``, ``memory_hits``, ``store_reads``, ``store_writes``,
+#: ``store_read_bytes``, ``store_written_bytes``, and ``store_read_latency``: an object with ``buckets``,
+#: cumulative ``(upper bound, reads)`` pairs ending at +Inf, and ``sum_seconds``).
+PartStats = Tuple[str, str, Mapping[str, object]]
 
 _LABELS = ["table", "part"]
 
@@ -27,7 +35,7 @@ class DynamicTablesCollector(Collector):
         self._parts = parts
 
     def collect(self) -> Iterator[Metric]:
-        rows = GaugeMetricFamily("paramserver_dynamic_rows", "Rows this shard holds of a dynamic table",
+        rows = GaugeMetricFamily("paramserver_dynamic_rows", "Rows this shard holds of a dynamic table in memory",
                                  labels=_LABELS)
         admitted = CounterMetricFamily("paramserver_dynamic_rows_admitted",
                                        "Rows made for ids admitted to a dynamic table on this shard (an id "
@@ -43,7 +51,8 @@ class DynamicTablesCollector(Collector):
         memory = GaugeMetricFamily("paramserver_dynamic_bytes",
                                    "Bytes of a dynamic table's rows on this shard: rows, ids, touches, index and "
                                    "admission counts (optimizer state not included)", labels=_LABELS)
-        for table, part, stats in self._parts():
+        parts = list(self._parts())
+        for table, part, stats in parts:
             labels = [table, part]
             rows.add_metric(labels, stats["rows"])
             admitted.add_metric(labels, stats["admitted"])
@@ -55,3 +64,45 @@ class DynamicTablesCollector(Collector):
         yield evicted
         yield not_admitted
         yield memory
+        yield from _row_store_metrics(parts)
+
+
+#: The row store's counters and gauges: (metric, its kind, ``DynamicRows.stats`` key, help).
+_ROW_STORE_FIGURES = (
+    ("paramserver_row_store_memory_hits", CounterMetricFamily, "memory_hits",
+     "Ids of a dynamic table's training lookups found in memory on this shard (with its row store: its hit rate "
+     "is hits / (hits + rows read))"),
+    ("paramserver_row_store_rows_read", CounterMetricFamily, "store_reads",
+     "Rows of a dynamic table read back from this shard's row store into memory (ids that were on disk)"),
+    ("paramserver_row_store_rows_written", CounterMetricFamily, "store_writes",
+     "Rows of a dynamic table written to this shard's row store (evicted from memory for capacity)"),
+    ("paramserver_row_store_read_bytes", CounterMetricFamily, "store_read_bytes",
+     "Bytes of records a dynamic table's row store read on this shard (rows and optimizer state)"),
+    ("paramserver_row_store_written_bytes", CounterMetricFamily, "store_written_bytes",
+     "Bytes of records written to a dynamic table's row store on this shard"),
+    ("paramserver_row_store_rows", GaugeMetricFamily, "rows_on_disk",
+     "Rows of a dynamic table this shard's row store holds on disk"),
+    ("paramserver_row_store_disk_bytes", GaugeMetricFamily, "disk_bytes",
+     "Bytes of the files of a dynamic table's row store on this shard"),
+)
+
+
+def _row_store_metrics(parts: Iterable[PartStats]) -> Iterator[Metric]:
+    """The ``paramserver_row_store_*`` metrics of the parts with a row store (none without)."""
+    stored = [(table, part, stats) for table, part, stats in parts if "rows_on_disk" in stats]
+    if not stored:
+        return
+    families = [(kind(name, documentation, labels=_LABELS), key)
+                for name, kind, key, documentation in _ROW_STORE_FIGURES]
+    latency = HistogramMetricFamily("paramserver_row_store_read_seconds",
+                                    "Time of one read of a dynamic table's row store on this shard (the ids a "
+                                    "lookup or a push did not find in memory)", labels=_LABELS)
+    for table, part, stats in stored:
+        for family, key in families:
+            family.add_metric([table, part], stats[key])
+        reads = stats["store_read_latency"]
+        latency.add_metric([table, part], [(floatToGoString(bound), count) for bound, count in reads.buckets],
+                           reads.sum_seconds)
+    for family, _ in families:
+        yield family
+    yield latency

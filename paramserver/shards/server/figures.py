@@ -6,7 +6,8 @@ shard process that made it) into the two shapes the shard process hands
 on: each dynamic table part's figures as ``(table, "index/count", stats)``
 for ``paramserver.metrics.dynamic_tables``, and the ``dynamic.*`` heartbeat
 figures that ``ps-ctl status`` shows, summed over the shard's dynamic
-tables (none on a shard that holds no dynamic table); and the push log's
+tables (none on a shard that holds no dynamic table; the rows its row store
+holds on disk and their bytes where it has one); and the push log's
 ``push_log.*`` heartbeat figures (``LogRate``: its size, and appends per
 second since the last beat).  It reads figures the parts and the log keep
 anyway (``DynamicRows.stats``, ``LogFigures``) and changes nothing.
@@ -19,12 +20,15 @@ from typing import Dict, List, Mapping, Optional, Tuple
 from ...tables import parse_part_name
 from .state import ShardState
 
-#: One part's stats: ``(table, "index/count", {"rows", "admitted", "evicted", "not_admitted", "bytes"})``.
-PartStats = Tuple[str, str, Mapping[str, int]]
+#: One part's stats: ``(table, "index/count", {"rows", "admitted", "evicted", "not_admitted", "bytes"})``, and
+#: the row store's figures for a part with one (``DynamicRows.stats``).
+PartStats = Tuple[str, str, Mapping[str, object]]
 
-#: The heartbeat figures' names: ``dynamic.`` and these ``DynamicRows.stats`` keys.
+#: The heartbeat figures' names: ``dynamic.`` and these ``DynamicRows.stats`` keys; ``STORE_FIGURES`` too for
+#: a shard with a row store (the rows in memory are ``rows``; those on disk, ``rows_on_disk``).
 FIGURE_PREFIX = "dynamic."
 FIGURES = ("rows", "admitted", "evicted", "bytes")
+STORE_FIGURES = ("rows_on_disk", "disk_bytes")
 
 
 def dynamic_parts(state: Optional[ShardState]) -> List[PartStats]:
@@ -41,11 +45,13 @@ def dynamic_parts(state: Optional[ShardState]) -> List[PartStats]:
 
 def dynamic_figures(state: Optional[ShardState]) -> Dict[str, float]:
     """``{"dynamic.rows": ..., "dynamic.admitted": ..., "dynamic.evicted": ..., "dynamic.bytes": ...}`` summed over
-    the dynamic table parts ``state`` hosts; ``{}`` when it hosts none."""
+    the dynamic table parts ``state`` hosts, and ``dynamic.rows_on_disk`` and ``dynamic.disk_bytes`` over those
+    with a row store (where one has); ``{}`` when it hosts none."""
     parts = state.dynamic_stats().values() if state is not None else ()
     if not parts:
         return {}
-    return {f"{FIGURE_PREFIX}{key}": float(sum(stats[key] for stats in parts)) for key in FIGURES}
+    keys = FIGURES + STORE_FIGURES if any("rows_on_disk" in stats for stats in parts) else FIGURES
+    return {f"{FIGURE_PREFIX}{key}": float(sum(stats.get(key, 0) for stats in parts)) for key in keys}
 
 
 class LogRate:

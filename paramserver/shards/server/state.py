@@ -237,8 +237,9 @@ class ShardState:
         """The ``DynamicRows`` whose slab ``tensor`` is, or ``None`` (a fixed tensor)."""
         return self._dynamic.get(id(tensor))
 
-    def dynamic_stats(self) -> Dict[str, Dict[str, int]]:
-        """Each dynamic table part's ``stats()`` (rows, admitted, evicted, not_admitted, bytes), by part name
+    def dynamic_stats(self) -> Dict[str, Dict[str, object]]:
+        """Each dynamic table part's ``stats()`` (rows, admitted, evicted, not_admitted, bytes; its row store's
+        figures where it has one), by part name
         (``"t@0/2"``), in name order; each part's figures are read under its own lock, one part at a time."""
         with self._tensors_lock:
             parts = {name: self._dynamic[id(table)] for name, table in self._shared.items()

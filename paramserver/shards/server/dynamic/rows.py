@@ -340,13 +340,18 @@ class DynamicRows:
             optimizer.resize_rows(index, rows)
 
     # -- figures -------------------------------------------------------------------
-    def stats(self) -> Dict[str, int]:
+    def stats(self) -> Dict[str, object]:
         """Rows held, admitted, evicted, not admitted (below the admission bar, or no room), and bytes of the
         rows (and, for half-precision rows, of their slots' ids), the index (ids, slots, touches) and admission
-        counts (optimizer state not included)."""
+        counts (optimizer state not included); with a store, its figures too (``_store_stats``)."""
         with self._lock:
-            return {"rows": len(self.index), "admitted": self.admitted, "evicted": self.evicted,
-                    "not_admitted": self.not_admitted, "bytes": self._nbytes_locked()}
+            stats = {"rows": len(self.index), "admitted": self.admitted, "evicted": self.evicted,
+                     "not_admitted": self.not_admitted, "bytes": self._nbytes_locked()}
+            if self.store is not None:
+                stats.update(memory_hits=self.memory_hits, store_reads=self.store_reads)
+        if self.store is not None:  # the engines' counters are read after the lock: lookups wait for no disk
+            stats.update(self._store_stats())
+        return stats
 
     def _nbytes_locked(self) -> int:
         ids = self.slot_ids.numel() * self.slot_ids.element_size() if self.slot_ids is not None else 0
@@ -481,3 +486,16 @@ class DynamicRows:
                 value[:rows.size(0)] = rows
                 full[key] = value
             return full
+
+    # -- the store's figures -----------------------------------------------------------
+    def _store_stats(self) -> Dict[str, object]:
+        """The store's figures (its caller has ``memory_hits``, training lookups' ids found in memory, and
+        ``store_reads``, ids read back into memory): ``rows_on_disk``, ``disk_bytes`` (its files), and its
+        engines' counters: ``store_writes`` (records written: rows evicted into it) and
+        ``store_written_bytes``, ``store_read_bytes`` (records found by every read: lookups that only read
+        too); ``store_read_latency``, its reads' times (``row_store.latency.LatencySnapshot``)."""
+        engines = self.store.stats()
+        return {"rows_on_disk": engines.get("rows", 0), "disk_bytes": engines.get("disk_bytes", 0),
+                "store_writes": engines.get("writes", 0), "store_read_bytes": engines.get("read_bytes", 0),
+                "store_written_bytes": engines.get("written_bytes", 0),
+                "store_read_latency": self.store.read_latency.snapshot()}

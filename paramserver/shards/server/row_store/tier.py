@@ -2,7 +2,8 @@
 
 Owns a part's records in its engine (``engine``): writing rows evicted from
 memory, reading back the rows of ids that return, dropping rows that expire,
-scanning them all for checkpoints and exports, and the figures of its reads.
+scanning them all for checkpoints and exports, and the figures of its reads
+(its engines' counters, ``stats``; its reads' times, ``read_latency``).
 It never decides which rows are in memory: its table part (``DynamicRows``)
 does, under its lock, and calls it there.
 
@@ -24,6 +25,7 @@ import torch
 from torch import Tensor
 
 from .engine import RowStoreEngine
+from .latency import ReadLatency
 from .layout import RowLayout
 
 #: The read latencies kept for the figures' quantiles (the most recent reads).
@@ -82,6 +84,9 @@ class StoreTier:
         self._ahead: Optional[Future] = None
         #: Ids asked for that a read ahead had brought (``prefetched``), and reads that waited for one.
         self.prefetched = self.waited_for_prefetch = 0
+        #: Every read's time, in a histogram's buckets (what the shard's metrics export).
+        self.read_latency = ReadLatency()
+        self._closing = threading.Lock()  # figures read from another thread never meet a closed engine
 
     # -- writes --------------------------------------------------------------
     def write(self, ids: Tensor, touches: Tensor, values: Tensor, state: Sequence[Tensor], scale: float = 1.0) -> None:
@@ -198,8 +203,10 @@ class StoreTier:
                 remaining = remaining[~hit]
             if remaining.numel() == 0:
                 break
-        self.read_seconds.append(time.perf_counter() - began)
+        seconds = time.perf_counter() - began
+        self.read_seconds.append(seconds)
         self.read_calls += 1
+        self.read_latency.observe(seconds)
         if not pieces:
             return None
         if len(pieces) == 1:
@@ -246,11 +253,14 @@ class StoreTier:
 
     # -- figures and the end -----------------------------------------------------
     def stats(self) -> Dict[str, int]:
-        """Its engines' counters, added up (``engine.ENGINE_STATS``)."""
+        """Its engines' counters, added up (``engine.ENGINE_STATS``; none before its first write).  It may be
+        called without its table part's lock (a scrape, a heartbeat): the engines count under locks of their
+        own."""
         total: Dict[str, int] = {}
-        for _, engine in self._generations:
-            for key, value in engine.stats().items():
-                total[key] = total.get(key, 0) + int(value)
+        with self._closing:
+            for _, engine in list(self._generations):  # a write may add one meanwhile
+                for key, value in engine.stats().items():
+                    total[key] = total.get(key, 0) + int(value)
         return total
 
     def flush(self) -> None:
@@ -259,6 +269,7 @@ class StoreTier:
 
     def close(self, remove: bool = True) -> None:
         """Close its engines; ``remove``: delete their files (a table part that goes, a shard that stops)."""
-        generations, self._generations = self._generations, []
-        for _, engine in generations:
-            engine.close(remove=remove)
+        with self._closing:
+            generations, self._generations = self._generations, []
+            for _, engine in generations:
+                engine.close(remove=remove)
