@@ -1,6 +1,7 @@
 """The Grafana dashboard (deploy/grafana/paramserver.json) over the metrics the processes export: every
 panel's query names metrics that exist, and, where a real Prometheus is installed (Debian's ``prometheus``
-package), every query returns data from a running cluster scraped with deploy/prometheus/prometheus.yml.
+package), every query returns data from a running cluster (dynamic tables with a row store) scraped with
+deploy/prometheus/prometheus.yml.
 """
 
 import json
@@ -43,11 +44,13 @@ def test_every_panel_returns_data_from_a_running_cluster(commands, tmp_path):
         pytest.skip("no prometheus binary to check the dashboard against: Debian's prometheus package "
                     "(apt-get install prometheus; .ci/run installs it)")
     metrics = free_port()
+    (tmp_path / "rows").mkdir()  # a row store, its memory small enough that rows spill to disk and come back
     job = {"steps": 10 ** 6, "batch_size": 256, "dynamic_tables": True, "hook": "allreduce", "log_every": 5,
            "eval_every": 10 ** 9, "holdout_size": 1000}
     server, address = start_server(commands, "--shards", "2", "--metrics-port", str(metrics), "--job-config",
                                    json.dumps(job), "--checkpoint-dir", str(tmp_path / "ckpt"),
-                                   "--checkpoint-every", "20")
+                                   "--checkpoint-every", "20", "--row-store", str(tmp_path / "rows"),
+                                   "--row-memory", "1M")
     worker_metrics = free_port()
     worker = commands.start("ps-worker", "--connect", address, "--metrics-port", str(worker_metrics))
     targets = [f"127.0.0.1:{port}" for port in (metrics, metrics + 1, metrics + 2, worker_metrics)]
