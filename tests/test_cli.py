@@ -144,7 +144,8 @@ def sample_status():
                                  store=pb.StoreAddress(host="127.0.0.1", port=4000))
     response.shards.add(name="shard0", role=pb.ROLE_SHARD, alive=True, state="alive", pid=10,
                         metrics={"dynamic.rows": 100_000, "dynamic.admitted": 123_456, "dynamic.evicted": 23_456,
-                                 "dynamic.bytes": 12_582_912})
+                                 "dynamic.bytes": 12_582_912, "dynamic.rows_on_disk": 250_000,
+                                 "dynamic.disk_bytes": 6_000_000})
     response.workers.add(name="worker0", role=pb.ROLE_WORKER, alive=False, state="dead", step=2**40,
                          metrics={"loss": 0.25}, reason="no heartbeat for 5.1 s")
     response.workers.add(name="worker1", role=pb.ROLE_WORKER, alive=True, state="alive", trainer_group=1)
@@ -182,9 +183,10 @@ def test_status_table_lists_every_member():
     table = ctl.format_status(sample_status())
     assert "generation 12" in table and "shards (1 alive of 1)" in table and "workers (1 alive of 2)" in table
     assert "worker0    dead" in table and "loss=0.25  (no heartbeat for 5.1 s)" in table
-    # A shard's dynamic tables on its one line, whole numbers in full.
+    # A shard's dynamic tables on its one line, whole numbers in full: its rows in memory, then on disk.
     shard = next(line for line in table.splitlines() if "shard0" in line)
-    assert shard.endswith("dynamic.admitted=123456 dynamic.bytes=12582912 dynamic.evicted=23456 dynamic.rows=100000")
+    assert shard.endswith("dynamic.admitted=123456 dynamic.bytes=12582912 dynamic.disk_bytes=6000000 "
+                          "dynamic.evicted=23456 dynamic.rows=100000 dynamic.rows_on_disk=250000")
     # Each trainer group's newest view; a group with no live worker for the server's grace says it is gone.
     assert [line for line in table.splitlines() if line.startswith("trainer group")] == [
         "trainer group 0: generation 3, gloo, ranks worker0  (gone: no live worker; others take over its followed "

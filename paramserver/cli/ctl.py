@@ -86,7 +86,8 @@ def format_status(response: pb.StatusResponse) -> str:
 
 
 def _figure(value: float) -> str:
-    """A whole number in full (a shard's ``dynamic.rows``, ``dynamic.bytes``...), anything else to 4 digits."""
+    """A whole number in full (a shard's ``dynamic.rows`` in memory, ``dynamic.rows_on_disk`` in its row store,
+    ``dynamic.bytes``...), anything else to 4 digits."""
     return f"{value:.0f}" if value.is_integer() and abs(value) < 1e15 else f"{value:.4g}"
 
 
