@@ -77,7 +77,8 @@ _ROW_STORE_FIGURES = (
     ("paramserver_row_store_rows_written", CounterMetricFamily, "store_writes",
      "Rows of a dynamic table written to this shard's row store (evicted from memory for capacity)"),
     ("paramserver_row_store_read_bytes", CounterMetricFamily, "store_read_bytes",
-     "Bytes of records a dynamic table's row store read on this shard (rows and optimizer state)"),
+     "Bytes of records a dynamic table's row store read on this shard (rows and optimizer state; reads ahead "
+     "too)"),
     ("paramserver_row_store_written_bytes", CounterMetricFamily, "store_written_bytes",
      "Bytes of records written to a dynamic table's row store on this shard"),
     ("paramserver_row_store_rows", GaugeMetricFamily, "rows_on_disk",
@@ -96,7 +97,8 @@ def _row_store_metrics(parts: Iterable[PartStats]) -> Iterator[Metric]:
                 for name, kind, key, documentation in _ROW_STORE_FIGURES]
     latency = HistogramMetricFamily("paramserver_row_store_read_seconds",
                                     "Time of one read of a dynamic table's row store on this shard (the ids a "
-                                    "lookup or a push did not find in memory)", labels=_LABELS)
+                                    "lookup or a push did not find in memory, or a read ahead of the next "
+                                    "lookup's)", labels=_LABELS)
     for table, part, stats in stored:
         for family, key in families:
             family.add_metric([table, part], stats[key])
