@@ -18,8 +18,7 @@ import time
 from concurrent.futures import Executor, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from collections import deque
-from typing import Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -28,8 +27,6 @@ from .engine import RowStoreEngine
 from .latency import ReadLatency
 from .layout import RowLayout
 
-#: The read latencies kept for the figures' quantiles (the most recent reads).
-LATENCY_SAMPLES = 1024
 #: How long a read waits at most for a read ahead of the same rows still running (it reads them itself after).
 PREFETCH_WAIT_SECONDS = 30.0
 
@@ -72,8 +69,9 @@ class StoreTier:
         self._open_engine = open_engine
         #: (layout, engine), the newest first: where records are written, then where older ones are read.
         self._generations: List[Tuple[RowLayout, RowStoreEngine]] = []
-        self.read_seconds: Deque[float] = deque(maxlen=LATENCY_SAMPLES)
+        #: Reads of its engines, and their times in a histogram's buckets (what the shard's metrics export).
         self.read_calls = 0
+        self.read_latency = ReadLatency()
         #: Where reads ahead run (``prefetch``), or ``None``: no reads ahead.
         self._reader = reader
         #: Records read ahead: ``(ids, their read)``, good until the next write or drop (``_changes`` counts
@@ -84,8 +82,6 @@ class StoreTier:
         self._ahead: Optional[Future] = None
         #: Ids asked for that a read ahead had brought (``prefetched``), and reads that waited for one.
         self.prefetched = self.waited_for_prefetch = 0
-        #: Every read's time, in a histogram's buckets (what the shard's metrics export).
-        self.read_latency = ReadLatency()
         self._closing = threading.Lock()  # figures read from another thread never meet a closed engine
 
     # -- writes --------------------------------------------------------------
@@ -203,10 +199,8 @@ class StoreTier:
                 remaining = remaining[~hit]
             if remaining.numel() == 0:
                 break
-        seconds = time.perf_counter() - began
-        self.read_seconds.append(seconds)
         self.read_calls += 1
-        self.read_latency.observe(seconds)
+        self.read_latency.observe(time.perf_counter() - began)
         if not pieces:
             return None
         if len(pieces) == 1:
