@@ -123,6 +123,7 @@ def test_a_table_with_a_store_trains_to_the_rows_and_state_of_one_held_whole_in_
     for a, b in zip(looked_kept, looked_whole):
         assert a.view(torch.uint8).equal(b.view(torch.uint8))
     assert_bitwise_equal(kept[0], whole[0])
+    assert rows.stats()["rows_on_disk"] == kept[0]["ids"].numel() - len(rows.index)  # counted exactly
     stores.close()
     assert not stores.folder.exists()
 

@@ -30,6 +30,9 @@ from .tier import StoreTier
 ENGINES = {"log": ("paramserver.shards.server.row_store.row_log", "RowLog"),
            "rocksdb": ("paramserver.shards.server.row_store.rocks", "RocksRows")}
 DEFAULT_ENGINE = "rocksdb"
+#: Each engine's options in a row store: RocksDB's count of rows is not needed (``StoreTier.rows`` is exact),
+#: and making it exact costs a read per id put.
+ENGINE_OPTIONS = {"rocksdb": {"exact_rows": False}}
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,8 @@ class RowStores:
                 stem = re.sub(r"[^A-Za-z0-9_.-]", "_", part)
 
                 def open_engine(record_bytes: int) -> RowStoreEngine:
-                    return self._engine(self.folder / f"{stem}-{next(self._numbers)}", record_bytes)
+                    return self._engine(self.folder / f"{stem}-{next(self._numbers)}", record_bytes,
+                                        **ENGINE_OPTIONS.get(self.options.engine, {}))
                 tier = self._tiers[part] = StoreTier(open_engine, self._reader)
             return tier
 

@@ -70,6 +70,9 @@ class StoreTier:
         #: (layout, engine), the newest first: where records are written, then where older ones are read.
         self._generations: List[Tuple[RowLayout, RowStoreEngine]] = []
         #: Reads of its engines, and their times in a histogram's buckets (what the shard's metrics export).
+        #: Rows held: its table part writes only ids it does not hold and drops only ids it holds (a row read
+        #: back is dropped here), so counting them is exact.
+        self.rows = 0
         self.read_calls = 0
         self.read_latency = ReadLatency()
         #: Where reads ahead run (``prefetch``), or ``None``: no reads ahead.
@@ -86,12 +89,13 @@ class StoreTier:
 
     # -- writes --------------------------------------------------------------
     def write(self, ids: Tensor, touches: Tensor, values: Tensor, state: Sequence[Tensor], scale: float = 1.0) -> None:
-        """Keep rows ``ids`` (distinct): their last ``touches``, ``values`` and ``state`` rows (the optimizer's
+        """Keep rows ``ids`` (distinct, none held here): their last ``touches``, ``values`` and ``state`` rows (the optimizer's
         state tensors that have rows, in its order; none before it has state; the first kept multiplied by
         ``scale``)."""
         if ids.numel() == 0:
             return
         self._changed()
+        self.rows += ids.numel()
         layout = RowLayout.of(values, state, scale)
         if not self._generations or self._generations[0][0] != layout:
             self._generations.insert(0, (layout, self._open_engine(layout.record_bytes)))
@@ -99,9 +103,10 @@ class StoreTier:
         engine.put(ids.contiguous(), newest_layout.pack(touches, values, state))
 
     def drop(self, ids: Tensor) -> None:
-        """``ids`` are held no more (those not held are ignored)."""
+        """``ids`` (every one held) are held no more."""
         if ids.numel():
             self._changed()
+            self.rows -= ids.numel()
             for _, engine in self._generations:
                 engine.delete(ids.contiguous())
 
@@ -255,6 +260,7 @@ class StoreTier:
             for _, engine in list(self._generations):  # a write may add one meanwhile
                 for key, value in engine.stats().items():
                     total[key] = total.get(key, 0) + int(value)
+        total["rows"] = self.rows  # (counted here: an engine may only estimate its keys)
         return total
 
     def flush(self) -> None:
