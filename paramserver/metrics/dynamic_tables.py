@@ -81,6 +81,9 @@ _ROW_STORE_FIGURES = (
      "too)"),
     ("paramserver_row_store_written_bytes", CounterMetricFamily, "store_written_bytes",
      "Bytes of records written to a dynamic table's row store on this shard"),
+    ("paramserver_row_store_read_ahead_waits", CounterMetricFamily, "store_waits",
+     "Lookups of a dynamic table on this shard that waited for the read ahead of their rows on disk (the disk "
+     "did not keep up with the push before them)"),
     ("paramserver_row_store_rows", GaugeMetricFamily, "rows_on_disk",
      "Rows of a dynamic table this shard's row store holds on disk"),
     ("paramserver_row_store_disk_bytes", GaugeMetricFamily, "disk_bytes",
