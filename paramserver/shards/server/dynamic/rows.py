@@ -493,7 +493,8 @@ class DynamicRows:
         ``store_reads``, ids read back into memory): ``rows_on_disk``, ``disk_bytes`` (its files), and its
         engines' counters: ``store_writes`` (records written: rows evicted into it) and
         ``store_written_bytes``, ``store_read_bytes`` (records found by every read: reads ahead and lookups that
-        only read too); ``store_waits``, lookups that waited for a read ahead; ``store_read_latency``, its reads' times (``row_store.latency.LatencySnapshot``)."""
+        only read too); ``store_waits``, lookups that waited for a read ahead; ``store_read_latency``, its
+        reads' times (``row_store.latency.LatencySnapshot``)."""
         engines = self.store.stats()
         return {"rows_on_disk": engines.get("rows", 0), "disk_bytes": engines.get("disk_bytes", 0),
                 "store_writes": engines.get("writes", 0), "store_read_bytes": engines.get("read_bytes", 0),
