@@ -49,7 +49,7 @@ def zipf_steps(steps: int, per_step: int, seed: int = 0):
 
 def train(tmp_path: pathlib.Path, engine, capacity, *, optimizer=RowWiseAdagrad, options=None,
           dtype=torch.float32, ttl_steps=None, steps=14, checkpoint_at=None, prefetch=False, lookup_first=True,
-          restore=None):
+          restore=None, exports=None):
     """A dynamic table part trained as a pipelined trainer drives it (step t+1's lookup before step t's push),
     with a row store of ``engine`` under ``tmp_path`` (``None``: none) and ``capacity`` rows in memory; returns
     its checkpoint entry (every row and its state, memory's and the store's), sorted by id, and the part.
@@ -87,7 +87,13 @@ def train(tmp_path: pathlib.Path, engine, capacity, *, optimizer=RowWiseAdagrad,
             looked.append(rows.lookup(ids[step + 1], first + step + 1))
         if checkpoint_at is not None and step == checkpoint_at:
             entries.append(owner.snapshot()[0][0])
+        if exports is not None and step % 3 == 2:  # a live export every third step, the first one whole
+            with state.lock_for(rows.slab)[1]:
+                exports.append(rows.export_entry_locked(state.row_marks(rows.slab).take()))
     entries.append(owner.snapshot()[0][0])
+    if exports is not None:  # and one at the end
+        with state.lock_for(rows.slab)[1]:
+            exports.append(rows.export_entry_locked(state.row_marks(rows.slab).take()))
     return [sorted_entry(entry) for entry in entries], looked, rows, stores
 
 
@@ -157,6 +163,24 @@ def test_a_checkpoint_restored_into_less_memory_trains_on_as_one_held_whole(tmp_
                                      restore=(kept[0], 14))
     assert rows.store_reads > 0
     assert_bitwise_equal(on_kept[0], on_whole[0])
+    stores.close()
+
+
+def test_live_exports_carry_the_rows_on_disk_a_follower_needs(tmp_path, engine):
+    """A follower applying a whole export, then deltas (rows changed, ids dropped), holds every row of the
+    table, those on disk too: rows changed and then moved to disk are in the next delta."""
+    exports = []
+    kept, _, rows, stores = train(tmp_path, engine, 150, exports=exports)
+    assert exports[0]["whole"] and not any(entry["whole"] for entry in exports[1:])
+    follower = {}
+    for entry in exports:
+        for index, value in zip(entry["ids"].tolist(), entry["values"]):
+            follower[index] = value
+        for index in entry["evicted"].tolist():
+            follower.pop(index, None)
+    expected = kept[0]
+    assert sorted(follower) == expected["ids"].tolist()
+    assert torch.stack([follower[i] for i in expected["ids"].tolist()]).equal(expected["value"])
     stores.close()
 
 

@@ -20,11 +20,12 @@ from torch import Tensor
 @dataclass
 class Changes:
     """What changed of one tensor: ``whole`` (every row), or ``rows`` (sorted distinct row indices); for a
-    dynamic table, ``evicted`` ids."""
+    dynamic table, ``evicted`` ids, and ``spilled`` ids: rows changed, then moved to its row store."""
 
     whole: bool
     rows: Tensor
     evicted: Tensor
+    spilled: Tensor = torch.zeros(0, dtype=torch.int64)
 
 
 class RowMarks:
@@ -34,6 +35,7 @@ class RowMarks:
         self._marked = torch.zeros(0, dtype=torch.bool)
         self._whole = True
         self._evicted: List[Tensor] = []
+        self._spilled: List[Tensor] = []
 
     def mark(self, rows: Tensor) -> None:
         """Rows ``rows`` (indices) changed."""
@@ -52,18 +54,32 @@ class RowMarks:
             return
         self._whole = True
         self._marked = torch.zeros(0, dtype=torch.bool)
-        self._evicted = []
+        self._evicted, self._spilled = [], []
 
     def evicted(self, ids: Tensor) -> None:
         """A dynamic table dropped ``ids`` (an export taken whole lists the ids held instead)."""
         if not self._whole and ids.numel():
             self._evicted.append(ids.clone())
 
+    def spilled(self, ids: Tensor, rows: Tensor) -> None:
+        """A dynamic table moved ``ids`` from rows ``rows`` (their slots, free now) to its row store: those of
+        them marked are remembered as changed there, by id."""
+        if self._whole or ids.numel() == 0:
+            return
+        inside = rows < self._marked.numel()
+        marked = torch.zeros(ids.numel(), dtype=torch.bool)
+        marked[inside] = self._marked[rows[inside]]
+        if bool(marked.any()):
+            self._spilled.append(ids[marked])
+            self._marked[rows[marked]] = False
+
     def take(self) -> Changes:
         """What changed since the last ``take``; marks start afresh."""
+        nothing = torch.zeros(0, dtype=torch.int64)
         changes = Changes(self._whole, self._marked.nonzero().view(-1),
-                          torch.cat(self._evicted) if self._evicted else torch.zeros(0, dtype=torch.int64))
-        self._whole, self._marked, self._evicted = False, torch.zeros(0, dtype=torch.bool), []
+                          torch.cat(self._evicted) if self._evicted else nothing,
+                          torch.cat(self._spilled) if self._spilled else nothing)
+        self._whole, self._marked, self._evicted, self._spilled = False, torch.zeros(0, dtype=torch.bool), [], []
         return changes
 
     def give_back(self, changes: Changes) -> None:
@@ -73,3 +89,5 @@ class RowMarks:
             return
         self.mark(changes.rows)
         self.evicted(changes.evicted)
+        if changes.spilled.numel():
+            self._spilled.append(changes.spilled)

@@ -146,7 +146,7 @@ class DynamicRows:
                     rows[missing[back]] = self.slab.index_select(0, loaded[back])
                     missing = missing[loaded < 0]
                 else:  # read only: the rows stay where they are
-                    read = self.store.read(ids[missing])
+                    read = self.store.peek(ids[missing])
                     if read is not None:
                         live = self._unexpired(read.touches)
                         rows[missing[read.found.nonzero().view(-1)[live]]] = read.values[live].to(rows.dtype)
@@ -202,6 +202,7 @@ class DynamicRows:
         self.store.drop(ids.index_select(0, found))  # the store holds the rows not in memory; expired ones go
         live = self._unexpired(read.touches)
         if not bool(live.all()):
+            self.marks.evicted(ids.index_select(0, found[~live]))
             found, read = found[live], read.select(live)
         count = found.numel()
         if count == 0:
@@ -294,6 +295,7 @@ class DynamicRows:
                                  self._state_scale_locked())
             except OSError as error:  # the rows stay where they are: nothing is dropped
                 raise self.on_store_failure(error) from error
+            self.marks.spilled(ids, slots)
         else:
             self.marks.evicted(ids)
         self.index.remove_lanes(lanes)
@@ -430,8 +432,27 @@ class DynamicRows:
             if evicted.numel():
                 held_now = self.index.find(evicted) >= 0  # evicted, then admitted again to an unchanged slot?
                 evicted = evicted[~held_now]
-        return {"dynamic": True, "whole": changes.whole, "ids": ids.clone(), "values": self.slab.index_select(0, slots),
-                "evicted": evicted}
+        entry = {"dynamic": True, "whole": changes.whole, "ids": ids.clone(), "values": self.slab.index_select(0, slots),
+                 "evicted": evicted}
+        if self.store is not None:
+            self._add_stored_export_rows_locked(entry, changes)
+        return entry
+
+    def _add_stored_export_rows_locked(self, entry: Dict, changes) -> None:
+        """Add to a live export's ``entry`` the rows in the store it carries (not expired): all of them for a
+        whole export, else those changed before they moved there (``changes.spilled``) and still there."""
+        if changes.whole:
+            reads = [read for read in self.store.scan(STORE_SCAN_ROWS)]
+            pieces = [(read.ids, read.touches, read.values) for read in reads]
+        else:
+            spilled = changes.spilled.unique() if changes.spilled.numel() else changes.spilled
+            read = self.store.peek(spilled[self.index.find(spilled) < 0]) if spilled.numel() else None
+            pieces = [] if read is None else [(spilled[self.index.find(spilled) < 0][read.found], read.touches,
+                                               read.values)]
+        for ids, touches, values in pieces:
+            live = self._unexpired(touches)
+            entry["ids"] = torch.cat([entry["ids"], ids[live]])
+            entry["values"] = torch.cat([entry["values"], values[live].to(entry["values"].dtype)])
 
     def restore(self, ids: Tensor, values: Tensor, last_touch: Tensor, optimizer: str, state: Dict[str, Tensor],
                 admission: List[Dict[str, Tensor]], clock: int) -> None:

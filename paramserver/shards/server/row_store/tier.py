@@ -187,6 +187,13 @@ class StoreTier:
             return None
         return self._merged(torch.zeros(ids.numel(), dtype=torch.bool), pieces)
 
+    def peek(self, ids: Tensor, scale: float = 1.0) -> Optional[StoreRead]:
+        """``read``, leaving what was read ahead for the read it was for (a read that brings nothing back into
+        memory: a read-only lookup, an export)."""
+        if not self._generations or ids.numel() == 0:
+            return None
+        return self._read_engines(ids, scale)
+
     def _read_engines(self, ids: Tensor, scale: float) -> Optional[StoreRead]:
         began = time.perf_counter()
         ids = ids.contiguous()
