@@ -91,9 +91,14 @@ def test_records_are_read_before_they_reach_a_file(log, tmp_path):
     assert torch.equal(out[:3], records_of(ids[:3], version=2)) and torch.equal(out[3:], records_of(ids[3:]))
 
 
-@pytest.mark.parametrize("direct_io", [True, False])
-def test_many_records_over_many_segments(tmp_path, direct_io):
-    log = open_log(tmp_path / "log", direct_io=direct_io, read_threads=4)
+#: How a store may read: O_DIRECT files on the kernel's asynchronous I/O, or on threads; page-cached files.
+READS = {"aio": dict(direct_io=True, kernel_aio=True), "threads": dict(direct_io=True, kernel_aio=False),
+         "cached": dict(direct_io=False)}
+
+
+@pytest.mark.parametrize("reads", READS)
+def test_many_records_over_many_segments(tmp_path, reads):
+    log = open_log(tmp_path / "log", read_threads=4, **READS[reads])
     try:
         ids = torch.randperm(20_000, dtype=torch.int64)[:6000] * 1_000_000_007
         for batch in ids.split(1000):
@@ -101,8 +106,8 @@ def test_many_records_over_many_segments(tmp_path, direct_io):
         log.flush()
         assert len(list((tmp_path / "log").iterdir())) >= 6000 * REC // SEGMENT
         assert file_bytes(tmp_path / "log") == log.stats()["disk_bytes"]
-        if direct_io:
-            assert log.direct_io  # ext4 and most local filesystems take O_DIRECT (tmpfs does not)
+        assert log.direct_io == READS[reads]["direct_io"]  # local filesystems take O_DIRECT
+        assert log.kernel_aio == (reads == "aio")
         shuffled = ids[torch.randperm(ids.numel())]
         found, out = read(log, torch.cat([shuffled, torch.tensor([3, 4])]))
         assert found[:-2].all() and not found[-2:].any()
@@ -111,9 +116,9 @@ def test_many_records_over_many_segments(tmp_path, direct_io):
         log.close(remove=True)
 
 
-@pytest.mark.parametrize("direct_io", [True, False])
-def test_random_puts_and_deletes_match_a_dict_compacted_as_they_go(tmp_path, direct_io):
-    log = open_log(tmp_path / "log", direct_io=direct_io, read_threads=3)
+@pytest.mark.parametrize("reads", READS)
+def test_random_puts_and_deletes_match_a_dict_compacted_as_they_go(tmp_path, reads):
+    log = open_log(tmp_path / "log", read_threads=3, **READS[reads])
     chooser = random.Random(7)
     model = {}
     universe = torch.arange(1500, dtype=torch.int64) * 37 - 20_000
@@ -155,8 +160,9 @@ def test_random_puts_and_deletes_match_a_dict_compacted_as_they_go(tmp_path, dir
         log.close(remove=True)
 
 
-def test_gets_beside_puts_and_compaction_read_whole_current_records(tmp_path):
-    log = open_log(tmp_path / "log", read_threads=4)
+@pytest.mark.parametrize("reads", ["aio", "threads"])
+def test_gets_beside_puts_and_compaction_read_whole_current_records(tmp_path, reads):
+    log = open_log(tmp_path / "log", read_threads=4, **READS[reads])
     ids = torch.arange(800, dtype=torch.int64)
     log.put(ids, records_of(ids))
     failures = []
@@ -258,6 +264,7 @@ def test_bad_arguments_are_refused_naming_what_was_wrong(log, tmp_path):
         (lambda: RowLog(tmp_path / "c", 8, buffer_bytes=8192, segment_bytes=12288), "segment_bytes"),
         (lambda: RowLog(tmp_path / "d", 8, read_threads=0), "read_threads"),
         (lambda: RowLog(tmp_path / "e", 8, direct_io=1), "direct_io"),
+        (lambda: RowLog(tmp_path / "f", 8, kernel_aio=None), "kernel_aio"),
     ]
     for call, message in refusals:
         with pytest.raises(ValueError, match=message):
