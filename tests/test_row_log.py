@@ -75,6 +75,8 @@ def test_put_get_overwrite_delete(log):
     assert list(stats) == list(ENGINE_STATS)
     assert stats["rows"] == 3 and stats["writes"] == 6 and stats["written_bytes"] == 6 * RECORD
     assert stats["reads"] == 7 and stats["read_bytes"] == 7 * RECORD
+    memory = log.memory_bytes()
+    assert memory["index"] == 1024 * 16 and memory["buffers"] >= 3 * BUFFER
 
 
 def test_records_are_read_before_they_reach_a_file(log, tmp_path):

@@ -60,7 +60,8 @@ int paramserver_cpu_has_avx2(void) { return 0; }
 #define FOLDER_BYTES (PATH_BYTES - 64) /* room for a segment's name after it */
 /* paramserver_row_log_stats's counters, in row_log.py's order. */
 enum { STAT_ROWS, STAT_DISK_BYTES, STAT_READS, STAT_READ_BYTES, STAT_WRITES, STAT_WRITTEN_BYTES, STAT_COMPACTIONS,
-       STAT_LIVE_BYTES, STAT_SEGMENTS, STAT_DIRECT, STAT_ASYNCHRONOUS, STAT_COUNT };
+       STAT_LIVE_BYTES, STAT_SEGMENTS, STAT_DIRECT, STAT_ASYNCHRONOUS, STAT_INDEX_MEMORY, STAT_BUFFER_MEMORY,
+       STAT_COUNT };
 
 static inline uint64_t pack(int64_t segment, int64_t offset) {
     return ((uint64_t)segment << OFFSET_BITS) | (uint64_t)offset;
@@ -992,6 +993,10 @@ void paramserver_row_log_stats(void *handle, int64_t *out) {
     memcpy(out, s->stats, sizeof(s->stats));
     out[STAT_ROWS] = s->index.count;
     out[STAT_LIVE_BYTES] = s->live_total;
+    out[STAT_INDEX_MEMORY] = (int64_t)(s->index.mask + 1) * (int64_t)sizeof(slot_t);
+    /* the write buffers, compaction's chunk, the reads' buffers (a scan's chunk is its own, while it is open) */
+    out[STAT_BUFFER_MEMORY] = 3 * s->buffer_bytes + (s->pool.count + 1 + (s->pool.aio ? QUEUE_DEPTH : 0)) *
+                              (round_up(s->rec, ALIGN) + ALIGN);
     pthread_mutex_unlock(&s->mu);
 }
 

@@ -51,8 +51,10 @@ READ_THREADS = 8
 #: The segment files' names in the folder.
 SEGMENT_PATTERN = "segment-*.log"
 #: The library's counters, in its order: the contract's, then the live bytes, the segment files, whether the
-#: files are written with O_DIRECT and whether they are read on the kernel's asynchronous I/O.
-NATIVE_STATS = ENGINE_STATS + ("live_bytes", "segments", "direct_io", "kernel_aio")
+#: files are written with O_DIRECT, whether they are read on the kernel's asynchronous I/O, and the bytes of
+#: memory the index and the buffers take.
+NATIVE_STATS = ENGINE_STATS + ("live_bytes", "segments", "direct_io", "kernel_aio", "index_memory",
+                               "buffer_memory")
 
 _ERROR_BYTES = 4096
 
@@ -293,6 +295,11 @@ class RowLog:
         """The contract's counters (``ENGINE_STATS``), since the store was opened."""
         counters = self._native_stats()
         return {name: counters[name] for name in ENGINE_STATS}
+
+    def memory_bytes(self) -> Dict[str, int]:
+        """The memory the store holds: its index (16 bytes a slot, at most 5/8 of them full) and its buffers."""
+        counters = self._native_stats()
+        return {"index": counters["index_memory"], "buffers": counters["buffer_memory"]}
 
     def close(self, remove: bool = False) -> None:
         """Stops the store's threads and closes its files (records not flushed are dropped: the store is never
