@@ -15,7 +15,8 @@ import threading
 import pytest
 import torch
 
-from paramserver.native import source_digest
+from paramserver.native import CACHE_ENV, source_digest
+from paramserver.shards.server.row_store import row_log
 from paramserver.shards.server.row_store.engine import ENGINE_STATS
 from paramserver.shards.server.row_store.row_log import SOURCE_PATH, RowLog, RowLogBuilds
 
@@ -54,8 +55,24 @@ def log(tmp_path):
     log.close(remove=True)
 
 
-def test_the_library_is_built_from_the_source_beside_it():
+def test_the_library_is_built_from_the_source_beside_it(monkeypatch, tmp_path):
     assert RowLogBuilds().library().digest == source_digest(SOURCE_PATH.read_bytes())
+    # row_log.c edited since the install: built on first use, with its threads, and a store opens on it
+    edited = tmp_path / "row_log.c"
+    edited.write_bytes(SOURCE_PATH.read_bytes() + b"/* edited */\n")
+    monkeypatch.setattr(row_log, "SOURCE_PATH", edited)
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    builds = RowLogBuilds()
+    if builds.build("baseline") is None:
+        pytest.skip("no C compiler to build the edited source with")
+    library = builds.library()
+    assert not library.installed and library.origin.parent == tmp_path / "cache"
+    assert library.digest == source_digest(edited.read_bytes())
+    log = open_log(tmp_path / "log", builds=builds)
+    log.put(torch.tensor([4]), records_of(torch.tensor([4])))
+    log.flush()
+    assert torch.equal(read(log, torch.tensor([4]))[1], records_of(torch.tensor([4])))
+    log.close(remove=True)
 
 
 def test_put_get_overwrite_delete(log):
