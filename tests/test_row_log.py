@@ -8,6 +8,7 @@ the file.  Small segments and buffers, so that a few thousand records cross many
 """
 
 import errno
+import gc
 import os
 import random
 import threading
@@ -243,6 +244,12 @@ def test_closing_keeps_or_removes_the_folder_and_a_closed_log_refuses_calls(tmp_
     removed.flush()
     removed.close(remove=True)
     assert not (tmp_path / "removed").exists()
+    threads = len(os.listdir("/proc/self/task"))
+    dropped = open_log(tmp_path / "dropped", kernel_aio=False, read_threads=3)
+    assert len(os.listdir("/proc/self/task")) == threads + 4  # the writer, the compactor, two readers
+    del dropped  # never closed: its threads stop all the same
+    gc.collect()
+    assert len(os.listdir("/proc/self/task")) == threads and (tmp_path / "dropped").is_dir()
 
 
 def test_opening_clears_an_earlier_logs_segments_and_refuses_other_files(tmp_path):

@@ -1113,8 +1113,9 @@ int paramserver_row_log_close(void *handle, int remove, char *error, int64_t err
     for (int64_t i = 0; i < segments; i++) {
         snprintf(path, PATH_BYTES, "%s/segment-%08lld.log", folder, (long long)i);
         if (unlink(path) && errno != ENOENT) {
+            int rc = -errno;
             snprintf(error, (size_t)error_bytes, "%s", path);
-            return -errno;
+            return rc;
         }
     }
     if (rmdir(folder)) {

@@ -27,6 +27,7 @@ import errno
 import os
 import pathlib
 import threading
+import weakref
 from typing import Dict, Iterator, Optional, Set, Tuple
 
 import torch
@@ -180,6 +181,8 @@ class RowLog:
         self._handle: Optional[int] = handle.value
         self._scans: Set[int] = set()
         self._scans_lock = threading.Lock()
+        # a store dropped unclosed still stops its threads and closes its files (its folder stays)
+        self._finalizer = weakref.finalize(self, self._lib.close, handle.value, 0, None, 0)
 
     def __repr__(self) -> str:
         return f"RowLog({str(self.folder)!r}, record_bytes={self.record_bytes})"
@@ -312,6 +315,7 @@ class RowLog:
         for cursor in scans:
             self._lib.scan_close(handle, cursor)
         self._handle = None
+        self._finalizer.detach()
         error = ctypes.create_string_buffer(_ERROR_BYTES)
         rc = self._lib.close(handle, int(bool(remove)), error, _ERROR_BYTES)
         if rc:
