@@ -8,6 +8,7 @@ the file.  Small segments and buffers, so that a few thousand records cross many
 """
 
 import errno
+import gc
 import os
 import random
 import threading
@@ -15,7 +16,8 @@ import threading
 import pytest
 import torch
 
-from paramserver.native import source_digest
+from paramserver.native import CACHE_ENV, source_digest
+from paramserver.shards.server.row_store import row_log
 from paramserver.shards.server.row_store.engine import ENGINE_STATS
 from paramserver.shards.server.row_store.row_log import SOURCE_PATH, RowLog, RowLogBuilds
 
@@ -54,8 +56,24 @@ def log(tmp_path):
     log.close(remove=True)
 
 
-def test_the_library_is_built_from_the_source_beside_it():
+def test_the_library_is_built_from_the_source_beside_it(monkeypatch, tmp_path):
     assert RowLogBuilds().library().digest == source_digest(SOURCE_PATH.read_bytes())
+    # row_log.c edited since the install: built on first use, with its threads, and a store opens on it
+    edited = tmp_path / "row_log.c"
+    edited.write_bytes(SOURCE_PATH.read_bytes() + b"/* edited */\n")
+    monkeypatch.setattr(row_log, "SOURCE_PATH", edited)
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    builds = RowLogBuilds()
+    if builds.build("baseline") is None:
+        pytest.skip("no C compiler to build the edited source with")
+    library = builds.library()
+    assert not library.installed and library.origin.parent == tmp_path / "cache"
+    assert library.digest == source_digest(edited.read_bytes())
+    log = open_log(tmp_path / "log", builds=builds)
+    log.put(torch.tensor([4]), records_of(torch.tensor([4])))
+    log.flush()
+    assert torch.equal(read(log, torch.tensor([4]))[1], records_of(torch.tensor([4])))
+    log.close(remove=True)
 
 
 def test_put_get_overwrite_delete(log):
@@ -75,6 +93,8 @@ def test_put_get_overwrite_delete(log):
     assert list(stats) == list(ENGINE_STATS)
     assert stats["rows"] == 3 and stats["writes"] == 6 and stats["written_bytes"] == 6 * RECORD
     assert stats["reads"] == 7 and stats["read_bytes"] == 7 * RECORD
+    memory = log.memory_bytes()
+    assert memory["index"] == 1024 * 16 and memory["buffers"] >= 3 * BUFFER
 
 
 def test_records_are_read_before_they_reach_a_file(log, tmp_path):
@@ -91,9 +111,14 @@ def test_records_are_read_before_they_reach_a_file(log, tmp_path):
     assert torch.equal(out[:3], records_of(ids[:3], version=2)) and torch.equal(out[3:], records_of(ids[3:]))
 
 
-@pytest.mark.parametrize("direct_io", [True, False])
-def test_many_records_over_many_segments(tmp_path, direct_io):
-    log = open_log(tmp_path / "log", direct_io=direct_io, read_threads=4)
+#: How a store may read: O_DIRECT files on the kernel's asynchronous I/O, or on threads; page-cached files.
+READS = {"aio": dict(direct_io=True, kernel_aio=True), "threads": dict(direct_io=True, kernel_aio=False),
+         "cached": dict(direct_io=False)}
+
+
+@pytest.mark.parametrize("reads", READS)
+def test_many_records_over_many_segments(tmp_path, reads):
+    log = open_log(tmp_path / "log", read_threads=4, **READS[reads])
     try:
         ids = torch.randperm(20_000, dtype=torch.int64)[:6000] * 1_000_000_007
         for batch in ids.split(1000):
@@ -101,8 +126,8 @@ def test_many_records_over_many_segments(tmp_path, direct_io):
         log.flush()
         assert len(list((tmp_path / "log").iterdir())) >= 6000 * REC // SEGMENT
         assert file_bytes(tmp_path / "log") == log.stats()["disk_bytes"]
-        if direct_io:
-            assert log.direct_io  # ext4 and most local filesystems take O_DIRECT (tmpfs does not)
+        assert log.direct_io == READS[reads]["direct_io"]  # local filesystems take O_DIRECT
+        assert log.kernel_aio == (reads == "aio")
         shuffled = ids[torch.randperm(ids.numel())]
         found, out = read(log, torch.cat([shuffled, torch.tensor([3, 4])]))
         assert found[:-2].all() and not found[-2:].any()
@@ -111,9 +136,9 @@ def test_many_records_over_many_segments(tmp_path, direct_io):
         log.close(remove=True)
 
 
-@pytest.mark.parametrize("direct_io", [True, False])
-def test_random_puts_and_deletes_match_a_dict_compacted_as_they_go(tmp_path, direct_io):
-    log = open_log(tmp_path / "log", direct_io=direct_io, read_threads=3)
+@pytest.mark.parametrize("reads", READS)
+def test_random_puts_and_deletes_match_a_dict_compacted_as_they_go(tmp_path, reads):
+    log = open_log(tmp_path / "log", read_threads=3, **READS[reads])
     chooser = random.Random(7)
     model = {}
     universe = torch.arange(1500, dtype=torch.int64) * 37 - 20_000
@@ -155,8 +180,9 @@ def test_random_puts_and_deletes_match_a_dict_compacted_as_they_go(tmp_path, dir
         log.close(remove=True)
 
 
-def test_gets_beside_puts_and_compaction_read_whole_current_records(tmp_path):
-    log = open_log(tmp_path / "log", read_threads=4)
+@pytest.mark.parametrize("reads", ["aio", "threads"])
+def test_gets_beside_puts_and_compaction_read_whole_current_records(tmp_path, reads):
+    log = open_log(tmp_path / "log", read_threads=4, **READS[reads])
     ids = torch.arange(800, dtype=torch.int64)
     log.put(ids, records_of(ids))
     failures = []
@@ -218,6 +244,12 @@ def test_closing_keeps_or_removes_the_folder_and_a_closed_log_refuses_calls(tmp_
     removed.flush()
     removed.close(remove=True)
     assert not (tmp_path / "removed").exists()
+    threads = len(os.listdir("/proc/self/task"))
+    dropped = open_log(tmp_path / "dropped", kernel_aio=False, read_threads=3)
+    assert len(os.listdir("/proc/self/task")) == threads + 4  # the writer, the compactor, two readers
+    del dropped  # never closed: its threads stop all the same
+    gc.collect()
+    assert len(os.listdir("/proc/self/task")) == threads and (tmp_path / "dropped").is_dir()
 
 
 def test_opening_clears_an_earlier_logs_segments_and_refuses_other_files(tmp_path):
@@ -258,6 +290,7 @@ def test_bad_arguments_are_refused_naming_what_was_wrong(log, tmp_path):
         (lambda: RowLog(tmp_path / "c", 8, buffer_bytes=8192, segment_bytes=12288), "segment_bytes"),
         (lambda: RowLog(tmp_path / "d", 8, read_threads=0), "read_threads"),
         (lambda: RowLog(tmp_path / "e", 8, direct_io=1), "direct_io"),
+        (lambda: RowLog(tmp_path / "f", 8, kernel_aio=None), "kernel_aio"),
     ]
     for call, message in refusals:
         with pytest.raises(ValueError, match=message):
