@@ -2,11 +2,12 @@
 skewed ids, labels that follow the planted logit) and the AUC it is judged by."""
 
 import itertools
+import math
 
 import pytest
 import torch
 
-from paramserver.jobs.ctr_data import CTRSpec, PlantedCTR, auc
+from paramserver.jobs.ctr_data import HASHED_IDS_LIMIT, CTRSpec, HashedFeature, PlantedCTR, auc
 
 
 def brute_force_auc(scores, labels):
@@ -68,3 +69,40 @@ def test_bad_specs_are_refused():
         CTRSpec(vocab_sizes=(10, 10), bag_sizes=(1,))
     with pytest.raises(ValueError, match="at least 2 ids"):
         CTRSpec(vocab_sizes=(1, 10), bag_sizes=(1, 1))
+    with pytest.raises(ValueError, match=f"at most {HASHED_IDS_LIMIT} ids per feature"):
+        CTRSpec(vocab_sizes=(HASHED_IDS_LIMIT + 1, 10), bag_sizes=(1, 1))
+
+
+def test_a_hashed_feature_follows_the_same_law_as_a_tabulated_one():
+    """Past ``tabulated_up_to`` a feature keeps no per-id tensor: its ids follow the same Zipf law (the counts of
+    the most frequent ids and the number of distinct ids agree with the tabulated draw of the same uniforms), stay
+    in range, and its planted effects are a fixed function of the id that the labels follow."""
+    spec = dict(vocab_sizes=(300_000, 70_000, 50), bag_sizes=(1, 2, 1), zipf_exponent=1.05)
+    tabulated = PlantedCTR(CTRSpec(**spec), seed=2).batch(0, 0, 60_000)
+    hashed_data = PlantedCTR(CTRSpec(**spec, tabulated_up_to=60_000), seed=2)
+    hashed = hashed_data.batch(0, 0, 60_000)
+    assert not isinstance(hashed_data.effects[0], torch.Tensor) and isinstance(hashed_data.effects[2], torch.Tensor)
+    for feature, vocab in ((0, 300_000), (1, 70_000)):
+        ours, theirs = hashed.ids[feature].reshape(-1), tabulated.ids[feature].reshape(-1)
+        assert 0 <= ours.min() and ours.max() < vocab
+        top = ours.unique(return_counts=True)[1].sort(descending=True).values.double()
+        expected = theirs.unique(return_counts=True)[1].sort(descending=True).values.double()
+        assert top[:50].tolist() == pytest.approx(expected[:50].tolist(), rel=0.02)
+        assert top.numel() == pytest.approx(expected.numel(), rel=0.02)
+    again = PlantedCTR(CTRSpec(**spec, tabulated_up_to=60_000), seed=2).batch(0, 0, 60_000)
+    assert torch.equal(again.true_logits, hashed.true_logits)
+    probability = torch.sigmoid(hashed.true_logits)
+    assert hashed.labels.mean().item() == pytest.approx(probability.mean().item(), abs=0.01)
+    assert 0.7 < auc(hashed.true_logits, hashed.labels) < 0.95
+
+
+def test_a_billion_id_feature_costs_no_per_id_memory():
+    data = PlantedCTR(CTRSpec(vocab_sizes=(1_000_000_000, 20), bag_sizes=(1, 1), zipf_exponent=1.05), seed=0)
+    ids = data.batch(0, 0, 20_000).ids[0]
+    assert 0 <= ids.min() and ids.max() < 1_000_000_000
+    assert ids.unique().numel() > 5_000  # a long tail
+    for size in (1_000_000_000, 1 << 30, 2 * 3 * 5 * 7 * 11 * 13, 65_537):
+        feature = HashedFeature(size, 1.05, seed=1)
+        assert math.gcd(feature.step, size) == 1  # rank -> id is a permutation
+        ranks = torch.arange(min(size, 100_000))
+        assert ((ranks * feature.step + feature.offset) % size).unique().numel() == ranks.numel()

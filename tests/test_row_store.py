@@ -201,6 +201,11 @@ def test_a_record_holds_the_touch_the_row_and_each_state_row_in_order():
     touches, back, back_state = layout.unpack(layout.pack(torch.arange(5), values, state))
     assert touches.equal(torch.arange(5)) and back.equal(values)
     assert all(a.equal(b) for a, b in zip(back_state, state))
+    records = layout.pack(torch.arange(5), values, state)
+    for one in (records[3:4], records.index_select(0, torch.tensor([3]))):  # a read that found one row
+        touches, back, back_state = layout.unpack(one)  # its record is 61 bytes: no wider type divides its stride
+        assert touches.tolist() == [3] and back.equal(values[3:4])
+        assert all(a.equal(b[3:4]) for a, b in zip(back_state, state))
     with pytest.raises(ValueError, match="do not fit"):
         layout.pack(torch.arange(5), values.float(), state)
 

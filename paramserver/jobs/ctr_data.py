@@ -4,7 +4,11 @@ Owns the default job's data: categorical features whose ids follow a
 skewed (Zipf) frequency, dense features, and labels drawn from a known
 logistic model over both (a per-id effect for every categorical feature,
 a pairwise interaction between the first two, a linear and a nonlinear
-dense term).  Because the true click probability of every sample is
+dense term).  A feature of more ids than ``CTRSpec.tabulated_up_to`` keeps
+no per-id tensor (``HashedFeature``): its ranks follow the Zipf law's
+continuous inverse CDF, its ids are a fixed permutation of its ranks and
+its planted effects a hash of the id, so a billion-id vocabulary costs
+nothing to hold.  Because the true click probability of every sample is
 known, so is the best AUC any model can reach on held-out data (the
 *oracle* AUC): a trained model is judged against it.
 
@@ -22,10 +26,12 @@ import torch
 from torch import Tensor
 
 import paramserver
-from paramserver.tables.id_hash import salted
+from paramserver.tables.id_hash import initial_rows, salted
 from paramserver.train.evaluation import auc  # noqa: F401 - this module's AUC, kept where it was
 
 HOLDOUT_STREAM = 1_000_003  # a stream number no worker reads
+#: The most ids a hashed feature may have: its permutation's products stay within int64.
+HASHED_IDS_LIMIT = 1 << 32
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,8 @@ class CTRSpec:
     interaction_scale: float = 0.5
     dense_scale: float = 0.3
     base_logit: float = -1.0
+    #: Features of more ids than this are drawn without per-id tensors (``HashedFeature``).
+    tabulated_up_to: int = 1 << 26
 
     def __post_init__(self):
         if len(self.vocab_sizes) != len(self.bag_sizes):
@@ -52,6 +60,74 @@ class CTRSpec:
             raise ValueError("every feature needs at least 2 ids and bags of at least 1 id")
         if len(self.vocab_sizes) < 2:
             raise ValueError("the planted interaction needs at least 2 categorical features")
+        if max(self.vocab_sizes) > HASHED_IDS_LIMIT:
+            raise ValueError(f"vocab_sizes: at most {HASHED_IDS_LIMIT} ids per feature, got {max(self.vocab_sizes)}")
+
+
+class HashedFeature:
+    """A feature of ``size`` ids drawn without per-id tensors: a sample's Zipf rank (exponent ``exponent``) exact
+    among the ``HEAD_RANKS`` most frequent (a table of their weights), beyond them from the law's continuous
+    inverse CDF (the density ``x ** -exponent`` over ``[HEAD_RANKS + 0.5, size + 0.5)``, each rank the nearest
+    integer), its id ``(rank * step + offset) % size`` (a permutation of the ranks: ``step`` is prime to
+    ``size``), and an id's planted values ``initial_rows`` of the id under salts of ``seed``: a fixed function
+    of the id, as a table of draws would be."""
+
+    #: The most frequent ranks, drawn from a table of their weights (the continuous law is off there).
+    HEAD_RANKS = 1 << 16
+
+    def __init__(self, size: int, exponent: float, seed: int):
+        self.size, self.exponent, self.seed = size, exponent, seed
+        g = torch.Generator().manual_seed(seed)
+        self.offset = int(torch.randint(0, size, (1,), generator=g))
+        step = int(torch.randint(1 << 29, 1 << 30, (1,), generator=g))
+        while math.gcd(step, size) != 1:
+            step += 1
+        self.step = step
+        head = min(size, self.HEAD_RANKS)
+        self._low, self._high = head + 0.5, size + 0.5
+        weights = torch.arange(1, head + 1, dtype=torch.float64).pow(-exponent)
+        total = float(weights.sum()) + self._tail_integral(self._high)
+        self._head_cdf = torch.cumsum(weights, 0) / total
+
+    def _tail_integral(self, x: float) -> float:
+        """The integral of the density ``t ** -exponent`` from ``_low`` to ``x``."""
+        s, low = self.exponent, self._low
+        if abs(s - 1.0) < 1e-9:
+            return math.log(x / low)
+        return (x ** (1.0 - s) - low ** (1.0 - s)) / (1.0 - s)
+
+    def ids(self, uniform: Tensor) -> Tensor:
+        """The ids of samples whose uniform draws (float64 in [0, 1)) are ``uniform``."""
+        head_mass = float(self._head_cdf[-1])
+        ranks = torch.searchsorted(self._head_cdf, uniform)  # 0-based; ``head`` where the tail draws it
+        tail = uniform >= head_mass
+        if bool(tail.any()):
+            low, high, s = self._low, self._high, self.exponent
+            share = (uniform[tail] - head_mass) / (1.0 - head_mass)  # uniform over the tail
+            if abs(s - 1.0) < 1e-9:
+                x = low * torch.exp(share * math.log(high / low))
+            else:
+                a, b = low ** (1.0 - s), high ** (1.0 - s)
+                x = (a + share * (b - a)).pow(1.0 / (1.0 - s))
+            ranks[tail] = torch.floor(x + 0.5).to(torch.int64) - 1
+        ranks.clamp_(0, self.size - 1)
+        return (ranks * self.step + self.offset) % self.size
+
+    def values(self, ids: Tensor, salt: int, width: int, std: float) -> Tensor:
+        """``width`` N(0, std²) values for each of ``ids`` (any shape), fixed by ``(seed, salt, id)``."""
+        rows = initial_rows(ids.reshape(-1), self.seed * 1_000_003 + salt, width, std, torch.float32)
+        return rows.view(*ids.shape, width)
+
+
+class _HashedEffects:
+    """A hashed feature's effects, indexed as a tensor of per-id values is (``effects[ids]``)."""
+
+    def __init__(self, feature: HashedFeature, salt: int, width: int, std: float):
+        self.feature, self.salt, self.width, self.std = feature, salt, width, std
+
+    def __getitem__(self, ids: Tensor) -> Tensor:
+        values = self.feature.values(ids, self.salt, self.width, self.std)
+        return values.squeeze(-1) if self.width == 1 else values
 
 
 @dataclass
@@ -75,23 +151,34 @@ class PlantedCTR:
     def __post_init__(self):
         g = torch.Generator().manual_seed(self.seed)
         spec = self.spec
-        self.effects = [torch.randn(v, generator=g) * spec.id_effect for v in spec.vocab_sizes]
+        tabulated = [v if v <= spec.tabulated_up_to else 0 for v in spec.vocab_sizes]
+        self.effects = [torch.randn(v, generator=g) * spec.id_effect for v in tabulated]
         self.interaction = [torch.randn(v, spec.interaction_dim, generator=g) * math.sqrt(spec.interaction_scale)
-                            for v in spec.vocab_sizes[:2]]
+                            for v in tabulated[:2]]
         self.dense_weights = torch.randn(spec.num_dense, generator=g) * spec.dense_scale
         # Frequent ids are scattered over the id space, not bunched at the start of the table.
-        self._rank_to_id = [torch.randperm(v, generator=g) for v in spec.vocab_sizes]
+        self._rank_to_id = [torch.randperm(v, generator=g) for v in tabulated]
         self._cdfs = []
-        for v in spec.vocab_sizes:
+        for v in tabulated:
             weights = torch.arange(1, v + 1, dtype=torch.float64).pow(-spec.zipf_exponent)
             self._cdfs.append(torch.cumsum(weights / weights.sum(), 0))
+        self._hashed = {index: HashedFeature(v, spec.zipf_exponent, self.seed * 1_000_003 + index)
+                        for index, v in enumerate(spec.vocab_sizes) if v > spec.tabulated_up_to}
+        for index, feature in self._hashed.items():
+            self.effects[index] = _HashedEffects(feature, 0, 1, spec.id_effect)
+            if index < 2:
+                self.interaction[index] = _HashedEffects(feature, 1, spec.interaction_dim,
+                                                         math.sqrt(spec.interaction_scale))
 
     def batch(self, stream: int, index: int, size: int) -> Batch:
         """Batch ``index`` of ``stream`` (a worker's number; ``HOLDOUT_STREAM`` for held-out data)."""
         g = torch.Generator().manual_seed(hash((self.seed, stream, index)) % 2**62)
         ids = []
-        for cdf, rank_to_id, bag in zip(self._cdfs, self._rank_to_id, self.spec.bag_sizes):
+        for index, (cdf, rank_to_id, bag) in enumerate(zip(self._cdfs, self._rank_to_id, self.spec.bag_sizes)):
             uniform = torch.rand(size, bag, generator=g, dtype=torch.float64)
+            if index in self._hashed:
+                ids.append(self._hashed[index].ids(uniform))
+                continue
             ranks = torch.searchsorted(cdf, uniform).clamp_(max=cdf.numel() - 1)
             ids.append(rank_to_id[ranks])
         dense = torch.randn(size, self.spec.num_dense, generator=g)

@@ -19,6 +19,13 @@ from torch import Tensor
 _TOUCH_BYTES = 8
 
 
+def _own(columns: Tensor) -> Tensor:
+    """``columns`` (uint8 ``[n, k]``, some bytes of each record) copied into memory of their own, where a wider type
+    may view them.  ``contiguous()`` would not do: the bytes of one record are contiguous to torch already,
+    however long the record, so they stay a view whose stride and offset the wider type may not divide."""
+    return torch.empty(columns.shape, dtype=torch.uint8).copy_(columns)
+
+
 @dataclass(frozen=True)
 class RowPart:
     """One tensor's row in a record: its shape past the first dimension and its type."""
@@ -83,10 +90,10 @@ class RowLayout:
             raise ValueError(f"records of shape {list(records.shape)} {records.dtype}; this layout's are "
                              f"[n, {self.record_bytes}] uint8")
         count = records.size(0)
-        touches = records[:, :_TOUCH_BYTES].contiguous().view(torch.int64).view(count)
+        touches = _own(records[:, :_TOUCH_BYTES]).view(torch.int64).view(count)
         start, rows = _TOUCH_BYTES, []
         for part in (self.value, *self.state):
             stop = start + part.nbytes
-            rows.append(records[:, start:stop].contiguous().view(part.dtype).view(count, *part.shape))
+            rows.append(_own(records[:, start:stop]).view(part.dtype).view(count, *part.shape))
             start = stop
         return touches, rows[0], rows[1:]

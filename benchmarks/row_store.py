@@ -1,0 +1,484 @@
+"""What does keeping a dynamic table's rows on disk cost the CTR job?  Samples/s against the same job in memory.
+
+What it measures
+    The default CTR job (``paramserver.jobs.ctr``) on dynamic tables, through the real commands on this
+    machine: ``ps-server --shards 2`` (its shards' row store under a temporary folder on local disk,
+    ``--row-store``) and one ``ps-worker``, stopped with ``ps-ctl shutdown``.  Samples/s is the worker's steps
+    x batch over a window of the run (from this process's polls of the coordinator's status: the start-up, the
+    first quarter of the steps, the held-out evaluation and the exit left out).  Each run reads, at every poll
+    (``--poll``, 0.5 s), the shards' heartbeat figures (``dynamic.*``, summed over a shard's tables), their
+    resident memory (``VmRSS`` of each shard's process, by the pid the status gives) and the bytes of the row
+    store's files.  Cases:
+
+    1. **20% in memory** (``--case memory``): ids drawn from a Zipf law of exponent ``--zipf`` (1.05: far
+       heavier tail than the demo's 1.4) over vocabularies of ``--vocab`` (2M, 1M, 200k, ...), ``--steps``
+       (1500) steps of 1024 samples.  (a) every row in memory (no capacity), against (b) a ``capacity`` that
+       leaves ``--in-memory`` (20%) of the rows held in memory: the rows (a) held at its end, per table and
+       shard (the shards' Prometheus metrics, ``--metrics-port``), give the one capacity ``C`` (the job's
+       ``table_options`` apply to every table) with ``sum(min(rows, C))`` = 20% of them; the small tables
+       stay whole.  Runs alternate a, b, b, a, ... (``--rounds`` each, 2).  Target: (b) at least 0.8x (a).
+    2. **a billion-id table** (``--case billion``): the first feature's ids drawn over 1,000,000,000 ids
+       (``--big-vocab``; the planted data draws such a feature by hashing its Zipf ranks:
+       ``CTRSpec.tabulated_up_to``), 16-dim float16 rows with row-wise Adagrad, every table's rows sharing
+       ``--row-memory`` (256 MiB) per shard, trained for ``--seconds`` (120) after ``--warm-steps``; against
+       the same job with the feature's ids drawn over 20,000,000 (``--reference-vocab``) and every row in
+       memory, in the same run.  Target: at least 0.5x.
+
+    Figures the shards do not report yet (the row store's reads and writes, its rows, memory hits) print as
+    ``n/a``.  The hit rate is the training lookups' ids found in memory over all of them (found, read back from
+    the store, or new); rows and bytes read and written per step are the heartbeat counters' growth over the
+    window, over the steps in it.
+
+How to run
+    ``.venv/bin/python benchmarks/row_store.py [--case memory|billion|both] [--steps 1500] [--rounds 2]
+    [--seconds 120] [--row-memory 256MiB] [--zipf 1.05] [--engine rocksdb|log]``: about 10 minutes for
+    both on 2 cores.  ``--quick``: 300 steps, one round, 30 seconds (a smoke run).  Progress on stderr,
+    results on stdout as markdown; every run's command on stderr.
+
+How to read it
+    Figures are medians over a contestant's runs; ratios are ratios of medians.  A target line says met or
+    NOT met; the script exits 0 either way.  The machine is shared and noisy: compare runs, not digits.
+    After each run with a row store, the folder is checked: a shard removes its files when it stops, so
+    anything left is reported.
+"""
+
+import argparse
+import itertools
+import json
+import os
+import pathlib
+import shlex
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+from paramserver.cli.demo import LocalProcesses, wait_for_ready
+from paramserver.control import CoordinatorClient, CoordinatorError
+from paramserver.runtime.job import DEFAULT_JOB
+
+SHARDS = 2
+BATCH = 1024
+STOPS_WITHIN = 60.0
+RUN_WITHIN = 900.0
+TARGET_MEMORY = 0.8
+TARGET_BILLION = 0.5
+#: The shards' heartbeat figures read, by the names ``DynamicRows.stats`` gives them (``dynamic.`` + key).
+COUNTERS = ("memory_hits", "store_reads", "store_writes", "store_read_bytes", "store_written_bytes", "admitted",
+            "evicted")
+GAUGES = ("rows", "rows_on_disk", "bytes")
+DEFAULT_VOCAB = (2_000_000, 1_000_000, 200_000, 50_000, 10_000, 1_000, 100, 20)
+SMALL_VOCAB = (20_000, 10_000, 5_000, 1_000, 500, 100, 20)  # the billion case's other features (the demo's)
+
+
+def progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive ports free on loopback now."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        if base + count > 65535:
+            continue
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as taken:
+                    taken.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"no {count} consecutive free ports found")
+
+
+def vm_rss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def folder_bytes(folder: Optional[pathlib.Path]) -> int:
+    total = 0
+    if folder is None:
+        return 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_size
+            except OSError:  # removed meanwhile (a compaction)
+                pass
+    return total
+
+
+def part_rows(metrics_port: int) -> Dict[str, List[int]]:
+    """The rows each dynamic table part holds, by table: the shards' Prometheus metrics."""
+    rows: Dict[str, List[int]] = {}
+    for shard in range(SHARDS):
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port + 1 + shard}/metrics", timeout=10) as page:
+            for line in page.read().decode().splitlines():
+                if line.startswith("paramserver_dynamic_rows{"):
+                    labels, value = line[len("paramserver_dynamic_rows{"):].rsplit("} ", 1)
+                    table = dict(item.split("=", 1) for item in labels.split(","))["table"].strip('"')
+                    rows.setdefault(table, []).append(int(float(value)))
+    return rows
+
+
+def capacity_for(rows: Dict[str, List[int]], share: float) -> int:
+    """The capacity ``C`` (rows per table part) with ``sum(min(rows, C))`` closest to ``share`` of all rows."""
+    counts = [count for parts in rows.values() for count in parts]
+    wanted = share * sum(counts)
+    low, high = 1, max(counts)
+    while low < high:
+        middle = (low + high) // 2
+        if sum(min(count, middle) for count in counts) < wanted:
+            low = middle + 1
+        else:
+            high = middle
+    return low
+
+
+@dataclass
+class Poll:
+    at: float
+    step: int
+    figures: Dict[str, float]  # the shards' dynamic.* figures, summed over shards
+    rss: int  # the shards' resident memory, summed
+    disk: int  # bytes of the row store's files
+
+
+@dataclass
+class Run:
+    """One run's figures over its window."""
+
+    name: str
+    samples_per_s: float
+    steps: int
+    peak_rss: int
+    end_rss: int
+    peak_disk: int
+    end_disk: int
+    end: Dict[str, float]  # the figures at the window's end
+    growth: Dict[str, float]  # counters' growth over the window
+    rows: Dict[str, List[int]] = field(default_factory=dict)
+    files_left: List[str] = field(default_factory=list)
+
+    def per_step(self, key: str) -> Optional[float]:
+        return self.growth[key] / self.steps if key in self.growth else None
+
+    def hit_rate(self) -> Optional[float]:
+        if "memory_hits" not in self.growth or "store_reads" not in self.growth:
+            return None
+        looked_up = self.growth["memory_hits"] + self.growth["store_reads"] + self.growth.get("admitted", 0.0)
+        return self.growth["memory_hits"] / looked_up if looked_up else None
+
+
+class Cluster:
+    """``ps-server --shards 2`` (flags ``server_flags``) and one ``ps-worker`` training ``config``, started as
+    ps-demo starts them, logging under ``folder``; ``stop()`` shuts it down with ``ps-ctl shutdown``."""
+
+    def __init__(self, folder: pathlib.Path, config: Dict, server_flags: Sequence[str]):
+        self.processes = LocalProcesses(folder)
+        host_processes = 2 + SHARDS
+        args = ["--shards", str(SHARDS), "--port", "0", "--group-size", "1", "--job", DEFAULT_JOB,
+                "--job-config", json.dumps(config), *server_flags]
+        progress(f"  ps-server {shlex.join(args)}")
+        server = self.processes.start("ps-server", "paramserver.cli.server", *args, host_processes=host_processes)
+        self.address = wait_for_ready(self.processes, server)
+        self.worker = self.processes.start("ps-worker0", "paramserver.cli.worker", "--connect", self.address,
+                                           host_processes=host_processes)
+        self.client = CoordinatorClient(self.address)
+
+    def check(self) -> None:
+        for name, process in self.processes.started.items():
+            if process.poll() is not None and (name != "ps-worker0" or process.returncode != 0):
+                raise self.processes.failure(name, f"exited with {process.returncode}")
+
+    def poll(self, store: Optional[pathlib.Path]) -> Optional[Poll]:
+        try:
+            status = self.client.status()
+        except CoordinatorError:
+            return None
+        figures: Dict[str, float] = {}
+        rss = 0
+        for shard in status.shards:
+            for key, value in shard.metrics.items():
+                if key.startswith("dynamic."):
+                    figures[key[len("dynamic."):]] = figures.get(key[len("dynamic."):], 0.0) + value
+            rss += vm_rss(shard.pid) if shard.pid else 0
+        step = max((worker.step for worker in status.workers), default=0)
+        return Poll(time.monotonic(), step, figures, rss, folder_bytes(store))
+
+    def stop(self) -> None:
+        self.client.close()
+        self.processes.shut_down(self.address, STOPS_WITHIN)
+
+
+def window_run(name: str, polls: List[Poll], first: int, last: int) -> Run:
+    """``name``'s figures over the polls from the first at step ``first`` or later to the last at ``last`` or
+    earlier."""
+    inside = [poll for poll in polls if first <= poll.step <= last]
+    if len(inside) < 2 or inside[-1].step == inside[0].step:
+        raise RuntimeError(f"{name}: too few polls between steps {first} and {last} (steps seen: "
+                           f"{[poll.step for poll in polls][-10:]})")
+    start, end = inside[0], inside[-1]
+    steps = end.step - start.step
+    growth = {key: end.figures[key] - start.figures.get(key, 0.0) for key in COUNTERS if key in end.figures}
+    return Run(name, steps * BATCH / (end.at - start.at), steps, max(poll.rss for poll in polls), end.rss,
+               max(poll.disk for poll in polls), end.disk, dict(end.figures), growth)
+
+
+def run_job(name: str, scratch: pathlib.Path, config: Dict, server_flags: Sequence[str],
+            store: Optional[pathlib.Path], first: int, last: Optional[int], seconds: Optional[float],
+            poll_every: float, metrics_port: Optional[int] = None) -> Run:
+    """One cluster trains ``config``: to its end (``last`` is its last step measured) or, with ``seconds``, for
+    that long after step ``first``; its figures over the window."""
+    logs = pathlib.Path(tempfile.mkdtemp(prefix=f"{name.replace(' ', '_')}-", dir=scratch))
+    cluster = Cluster(logs, config, server_flags)
+    polls: List[Poll] = []
+    rows: Dict[str, List[int]] = {}
+    began = time.monotonic()
+    try:
+        measuring_since = None
+        while cluster.worker.poll() is None:
+            cluster.check()
+            if time.monotonic() - began > RUN_WITHIN:
+                raise RuntimeError(f"{name}: did not finish within {RUN_WITHIN:.0f} s")
+            poll = cluster.poll(store)
+            if poll is not None:
+                polls.append(poll)
+                if seconds is not None and poll.step >= first:
+                    measuring_since = measuring_since or poll.at
+                    if poll.at - measuring_since >= seconds:
+                        break
+            time.sleep(poll_every)
+        cluster.check()
+        if metrics_port is not None:
+            rows = part_rows(metrics_port)
+    finally:
+        cluster.stop()
+    result = window_run(name, polls, first, last if last is not None else polls[-1].step)
+    result.rows = rows
+    if store is not None:
+        result.files_left = [str(path) for path in store.rglob("*")]
+        shutil.rmtree(store, ignore_errors=True)
+        store.mkdir()
+    progress(f"  {name}: {result.samples_per_s:,.0f} samples/s over {result.steps} steps; shards' RSS peak "
+             f"{result.peak_rss / 2 ** 20:,.0f} MiB; row store's files peak {result.peak_disk / 2 ** 20:,.1f} MiB"
+             + (f"; FILES LEFT: {result.files_left[:5]}" if result.files_left else ""))
+    return result
+
+
+# --------------------------------------------------------------------------
+# The cases
+# --------------------------------------------------------------------------
+
+def job_config(args, steps: int, spec: Dict, **more) -> Dict:
+    return {"dynamic_tables": True, "steps": steps, "hook": "allreduce", "eval_every": 10 ** 9,
+            "log_every": 10 ** 9, "holdout_size": 4096, "spec": spec, **more}
+
+
+def memory_case(args, scratch: pathlib.Path) -> Dict:
+    spec = {"zipf_exponent": args.zipf, "vocab_sizes": list(args.vocab)}
+    store = scratch / "rows"
+    store.mkdir()
+    first, last = args.steps // 4, args.steps - 5
+    metrics_port = free_ports(1 + SHARDS)
+    progress(f"20% in memory: (a) every row in memory, to measure the rows held ...")
+    runs: Dict[str, List[Run]] = {"a": [], "b": []}
+    runs["a"].append(run_job("a: in memory", scratch, job_config(args, args.steps, spec),
+                             ["--metrics-port", str(metrics_port)], None, first, last, None, args.poll, metrics_port))
+    held = runs["a"][0].rows
+    capacity = capacity_for(held, args.in_memory)
+    in_memory = sum(min(count, capacity) for parts in held.values() for count in parts)
+    total = sum(count for parts in held.values() for count in parts)
+    progress(f"  rows held at the end of (a): {total:,} ({', '.join(f'{t}: {sum(p):,}' for t, p in held.items())}); "
+             f"capacity {capacity:,} per table part keeps {in_memory:,} ({in_memory / total:.1%}) in memory")
+    b_config = job_config(args, args.steps, spec, table_options={"capacity": capacity})
+    b_flags = ["--row-store", str(store), "--row-store-engine", args.engine]
+    left = {"a": args.rounds - 1, "b": args.rounds}
+    order = []  # after the first (a): b, b, a, a, b, b, ...: each follows either one alike
+    for name in itertools.cycle("bbaa"):
+        if not any(left.values()):
+            break
+        if left[name]:
+            order.append(name)
+            left[name] -= 1
+    for name in order:
+        if name == "a":
+            runs["a"].append(run_job("a: in memory", scratch, job_config(args, args.steps, spec), [], None, first,
+                                     last, None, args.poll))
+        else:
+            runs["b"].append(run_job("b: capacity + row store", scratch, b_config, b_flags, store, first, last, None,
+                                     args.poll))
+    return {"runs": runs, "capacity": capacity, "held": total, "in_memory": in_memory, "spec": spec,
+            "b_config": b_config, "b_flags": b_flags}
+
+
+def billion_case(args, scratch: pathlib.Path) -> Dict:
+    store = scratch / "rows"
+    store.mkdir(exist_ok=True)
+    runs: Dict[str, List[Run]] = {"reference": [], "billion": []}
+    configs = {}
+    for name, vocab in (("reference", args.reference_vocab), ("billion", args.big_vocab)):
+        spec = {"zipf_exponent": args.zipf, "vocab_sizes": [vocab, *SMALL_VOCAB], "bag_sizes": [1, 1, 1, 3, 1, 1, 1, 1],
+                "tabulated_up_to": 1 << 20}
+        configs[name] = job_config(args, 10 ** 9, spec, sparse_optimizer="rowwise_adagrad", row_dtype="float16")
+    flags = {"reference": [], "billion": ["--row-store", str(store), "--row-store-engine", args.engine,
+                                          "--row-memory", str(args.row_memory)]}
+    progress(f"a billion-id table: {args.seconds:.0f} s each after {args.warm_steps} steps, "
+             f"{args.billion_rounds} round(s) ...")
+    for round_index in range(args.billion_rounds):
+        for name in (("reference", "billion") if round_index % 2 == 0 else ("billion", "reference")):
+            runs[name].append(run_job(name, scratch, configs[name], flags[name], store if name == "billion" else None,
+                                      args.warm_steps, None, args.seconds, args.poll))
+    return {"runs": runs, "configs": configs, "flags": flags}
+
+
+# --------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------
+
+def median(runs: List[Run], value) -> Optional[float]:
+    values = [value(run) for run in runs]
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def shown(value: Optional[float], form: str = "{:,.0f}") -> str:
+    return "n/a" if value is None else form.format(value)
+
+
+def met(ratio: float, target: float) -> str:
+    return "met" if ratio >= target else "NOT met"
+
+
+def table(columns: Dict[str, List[Run]]) -> None:
+    names = list(columns)
+    print("| per run (median) | " + " | ".join(names) + " |")
+    print("|---|" + "---:|" * len(names))
+    lines = [
+        ("samples/s", lambda r: r.samples_per_s, "{:,.0f}"),
+        ("hit rate (training lookups' ids found in memory)", Run.hit_rate, "{:.1%}"),
+        ("rows in memory at the end (shards' `dynamic.rows`)", lambda r: r.end.get("rows"), "{:,.0f}"),
+        ("rows on disk at the end", lambda r: r.end.get("rows_on_disk"), "{:,.0f}"),
+        ("rows read from the store per step", lambda r: r.per_step("store_reads"), "{:,.1f}"),
+        ("rows written to the store per step", lambda r: r.per_step("store_writes"), "{:,.1f}"),
+        ("bytes read per step", lambda r: r.per_step("store_read_bytes"), "{:,.0f}"),
+        ("bytes written per step", lambda r: r.per_step("store_written_bytes"), "{:,.0f}"),
+        ("rows evicted per step", lambda r: r.per_step("evicted"), "{:,.1f}"),
+        ("new rows per step", lambda r: r.per_step("admitted"), "{:,.1f}"),
+        ("shards' resident memory, peak (MiB, both shards)", lambda r: r.peak_rss / 2 ** 20, "{:,.0f}"),
+        ("shards' resident memory at the window's end (MiB)", lambda r: r.end_rss / 2 ** 20, "{:,.0f}"),
+        ("row store's files, peak (MiB)", lambda r: r.peak_disk / 2 ** 20, "{:,.1f}"),
+        ("row store's files at the window's end (MiB)", lambda r: r.end_disk / 2 ** 20, "{:,.1f}"),
+        ("steps measured", lambda r: r.steps, "{:,.0f}"),
+    ]
+    for label, value, form in lines:
+        print(f"| {label} | " + " | ".join(shown(median(columns[name], value), form) for name in names) + " |")
+
+
+def report_memory(args, found: Dict) -> None:
+    runs = found["runs"]
+    a, b = (median(runs[name], lambda r: r.samples_per_s) for name in ("a", "b"))
+    print(f"## 20% in memory: {SHARDS} shards, 1 worker, {args.steps} steps of {BATCH}, Zipf {args.zipf} over "
+          f"vocabularies {', '.join(f'{v:,}' for v in args.vocab)}; {args.rounds} runs each, alternating")
+    print()
+    print(f"(a) every row in memory; (b) `table_options: {{capacity: {found['capacity']:,}}}` (per table part) and "
+          f"`--row-store` ({args.engine}): {found['in_memory']:,} of the {found['held']:,} rows (a) held at its end "
+          f"({found['in_memory'] / found['held']:.1%}) fit in memory. Window: steps {args.steps // 4} to "
+          f"{args.steps - 5}.")
+    print()
+    table({"(a) in memory": runs["a"], "(b) capacity + row store": runs["b"]})
+    print()
+    print("Runs, samples/s: " + "; ".join(f"{name}: " + ", ".join(f"{r.samples_per_s:,.0f}" for r in runs[name])
+                                          for name in ("a", "b")))
+    print(f"* (b) / (a) samples/s: {b / a:.2f}x, target at least {TARGET_MEMORY}x: {met(b / a, TARGET_MEMORY)}")
+    files_left(runs["b"])
+    print(f"* (b)'s command: `ps-demo --shards {SHARDS} --workers 1 --steps {args.steps} --hook allreduce "
+          f"--job-config '{json.dumps(found['b_config'])}' --server-flags \"{' '.join(found['b_flags'])}\"` "
+          "(this benchmark starts ps-server and ps-worker as ps-demo does)")
+
+
+def report_billion(args, found: Dict) -> None:
+    runs = found["runs"]
+    ref, big = (median(runs[name], lambda r: r.samples_per_s) for name in ("reference", "billion"))
+    print()
+    print(f"## A billion-id table: {SHARDS} shards, 1 worker, batches of {BATCH}, 16-dim float16 rows, row-wise "
+          f"Adagrad, Zipf {args.zipf}; {args.seconds:.0f} s measured after {args.warm_steps} steps, "
+          f"{args.billion_rounds} run(s) each")
+    print()
+    print(f"The first feature's ids drawn over {args.big_vocab:,} ids with `--row-memory {args.row_memory}` per "
+          f"shard and `--row-store` ({args.engine}), against the same job with them drawn over "
+          f"{args.reference_vocab:,} ids, every row in memory.")
+    print()
+    table({f"{args.reference_vocab:,} ids, in memory": runs["reference"],
+           f"{args.big_vocab:,} ids, row store": runs["billion"]})
+    print()
+    print(f"* billion / reference samples/s: {big / ref:.2f}x, target at least {TARGET_BILLION}x: "
+          f"{met(big / ref, TARGET_BILLION)}")
+    files_left(runs["billion"])
+    print(f"* the billion run's job config: `{json.dumps(found['configs']['billion'])}`, ps-server flags "
+          f"`{' '.join(found['flags']['billion'])}`")
+
+
+def files_left(runs: List[Run]) -> None:
+    left = [path for run in runs for path in run.files_left]
+    print(f"* row store files left after the shards stopped: {len(left)}" + (f" ({left[:5]})" if left else ""))
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--case", choices=("memory", "billion", "both"), default="both")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 300 steps, one round, 30 seconds")
+    parser.add_argument("--steps", type=int, default=None, help="steps of each 20%%-in-memory run (default 1500)")
+    parser.add_argument("--rounds", type=int, default=None, help="runs of (a) and of (b) each (default 2)")
+    parser.add_argument("--in-memory", type=float, default=0.2, help="share of (a)'s rows (b) holds (default 0.2)")
+    parser.add_argument("--vocab", type=int, nargs="+", default=list(DEFAULT_VOCAB),
+                        help="the 20%%-in-memory case's vocabulary sizes (bags: the job's default)")
+    parser.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent of the ids (default 1.05)")
+    parser.add_argument("--seconds", type=float, default=None, help="the billion case's time measured (default 120)")
+    parser.add_argument("--warm-steps", type=int, default=50, help="steps before the billion case measures")
+    parser.add_argument("--billion-rounds", type=int, default=1, help="runs of each billion-case contestant")
+    parser.add_argument("--big-vocab", type=int, default=1_000_000_000)
+    parser.add_argument("--reference-vocab", type=int, default=20_000_000)
+    parser.add_argument("--row-memory", default="256MiB", help="the billion case's --row-memory per shard")
+    parser.add_argument("--engine", default="rocksdb", help="--row-store-engine (default rocksdb)")
+    parser.add_argument("--poll", type=float, default=0.5, help="seconds between status polls (default 0.5)")
+    parser.add_argument("--scratch", default=None, help="folder for logs and the row store (default: a new one in "
+                                                        "the system's temporary folder, on local disk)")
+    args = parser.parse_args(argv)
+    args.steps = args.steps or (300 if args.quick else 1500)
+    args.rounds = args.rounds or (1 if args.quick else 2)
+    args.seconds = args.seconds or (30.0 if args.quick else 120.0)
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    began = time.monotonic()
+    print(f"# Row store: `ps-server --row-store`, {os.cpu_count()} cores, 1-min load average "
+          f"{os.getloadavg()[0]:.1f} before")
+    print()
+    with tempfile.TemporaryDirectory(prefix="row_store-", dir=args.scratch) as scratch:
+        if args.case in ("memory", "both"):
+            report_memory(args, memory_case(args, pathlib.Path(scratch)))
+        if args.case in ("billion", "both"):
+            report_billion(args, billion_case(args, pathlib.Path(scratch)))
+    print(f"\n1-min load average {os.getloadavg()[0]:.1f} after; {time.monotonic() - began:.0f} s in all")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
