@@ -10,7 +10,10 @@ given.  The tables pool exactly as the cluster's evaluation does (rows
 read without admitting any id, then ``F.embedding_bag`` with the table's
 mode): a fixed table's rows by id; a dynamic table's found by a binary
 search over its sorted ids, an id without a row reading zeros, which a
-``mean`` counts like any other id.  Needs no cluster: no RPC, no process
+``mean`` counts like any other id.  A local export's tables are
+memory-mapped, not read into memory: a table larger than memory is served
+from its file, its rows read as lookups need them (the page cache keeps
+the hot ones).  Needs no cluster: no RPC, no process
 group, no shard.
 
 A root of live exports (``paramserver.checkpoint.live_export``: a base and deltas that a training job writes
@@ -83,27 +86,32 @@ def pooled(ids: Tensor, rows: Tensor, mode: str) -> Tensor:
 
 
 class DynamicTable(nn.Module):
-    """A dynamic table's rows by id (``ids`` sorted, ``rows`` in their order); an id without a row reads zeros."""
+    """A dynamic table's rows by id (``ids`` sorted, ``rows`` in their order); an id without a row reads zeros.
+
+    A batch's distinct ids have their rows gathered into a tensor of their own, which its bags are pooled
+    over, as the cluster's evaluation pools the rows it reads: the table's tensors are only read, so they may
+    be memory-mapped files (``load``: a table larger than memory stays on disk)."""
 
     def __init__(self, name: str, ids: Tensor, rows: Tensor, mode: str):
         super().__init__()
         self.name, self.mode = name, mode
         self.register_buffer("ids", ids)
-        # one row of zeros after the rows held: where every id without a row points
-        self.register_buffer("rows", torch.cat((rows, rows.new_zeros(1, rows.size(1)))))
+        self.register_buffer("rows", rows)
 
     def replace(self, ids: Tensor, rows: Tensor) -> None:
         """Hold ``ids`` (sorted) with ``rows`` from now on."""
-        self.ids, self.rows = ids, torch.cat((rows, rows.new_zeros(1, rows.size(1))))
+        self.ids, self.rows = ids, rows
 
     def forward(self, ids: Tensor) -> Tensor:
         ids = _check_ids(self.name, ids)
+        distinct, bags = torch.unique(ids, return_inverse=True)
+        gathered = self.rows.new_zeros(distinct.numel(), self.rows.size(1))
         held = self.ids.numel()
-        slots = torch.full_like(ids, held)
-        if held:
-            found = torch.searchsorted(self.ids, ids).clamp_(max=held - 1)
-            slots = torch.where(self.ids[found] == ids, found, slots)
-        return pooled(slots, self.rows, self.mode)
+        if held and distinct.numel():
+            found = torch.searchsorted(self.ids, distinct).clamp_(max=held - 1)
+            hit = (self.ids[found] == distinct).nonzero().view(-1)
+            gathered[hit] = self.rows.index_select(0, found[hit])
+        return pooled(bags.view(ids.shape), gathered, self.mode)
 
 
 class ServedModel(nn.Module):
@@ -187,14 +195,14 @@ def load(directory: PathOrUrl, dense: Optional[nn.Module] = None,
         raise NotServable(f"{directory.join(EXPORT_MANIFEST)}: not a valid export manifest: "
                           f"{type(error).__name__}: {error}") from None
 
-    def read(name: str) -> Any:
+    def read(name: str, mmap: bool = False) -> Any:
         if name not in records:
             raise NotServable(f"{directory.join(EXPORT_MANIFEST)} names {name} without its size and sha256")
-        return load_tensors(directory.join(name), records[name])
+        return load_tensors(directory.join(name), records[name], mmap=mmap)
 
     modules = []
     for name, (kind, mode, file) in kinds.items():
-        content = read(file)
+        content = read(file, mmap=True)  # a local file's rows stay on disk, read as lookups need them
         modules.append(FixedTable(name, content["weight"], mode) if kind == "fixed"
                        else DynamicTable(name, content["ids"], content["rows"], mode))
     module = dense if dense is not None else _rebuild_dense(directory, described_dense)

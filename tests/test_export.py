@@ -147,6 +147,9 @@ def test_the_newest_checkpoint_exported_scores_as_the_trainer_evaluated(trained,
     served = scores(model, trained.holdout)
     assert served.shape == trained.scores.shape == (512,)
     assert (served - trained.scores).abs().max().item() <= 1e-6
+    # the tables are served from their files, mapped into memory, never read whole into it
+    mapped = pathlib.Path("/proc/self/maps").read_text()
+    assert all(str(out / manifest["tables"][name]["file"]) in mapped for name in manifest["tables"])
 
 
 def test_live_exports_the_cluster_asked_for_serve_as_the_trainer_evaluated(trained):
