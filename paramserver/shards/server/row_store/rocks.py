@@ -26,6 +26,11 @@ them the files' indexes and filters, about 1.3 bytes a row held plus 16 a
 4 KiB block (about 2 bytes a row of 36-byte records).  ``memory_bytes()``
 reads RocksDB's own figures for the three.
 
+RocksDB's I/O failures (a full disk, a folder not writable) are raised as an
+``OSError`` with its errno and the folder; after a failed write in the
+background (a flush, a compaction) every later write raises it again, and
+reads are still answered.  ``close(remove=True)`` removes the folder even so.
+
 Owns nothing of what a record means, nor which ids a shard keeps in memory.
 """
 
@@ -193,14 +198,14 @@ class RocksRows:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         try:
-            self._db.close()
-            if remove:
-                rocksdict.Rdict.destroy(str(self.folder), self._options)
+            self._db.close()  # (flushes the memtables first)
         except Exception as error:
-            raise _os_error(self.folder, "close", error) from error
-        finally:
-            if remove:
-                shutil.rmtree(self.folder, ignore_errors=True)
+            if not remove:
+                raise _os_error(self.folder, "close", error) from error
+            # Removing: the records unwritten (a full disk) are not wanted.
+            logger.warning("row store %s: closing before its removal failed (%s); removing it", self.folder, error)
+        if remove:
+            shutil.rmtree(self.folder)
 
     # Beyond the contract.
 
