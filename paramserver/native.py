@@ -1,12 +1,12 @@
 """Loading the package's C kernels with ctypes: built at install, else on first use, each build digest-checked.
 
 Owns how a C source shipped in the package (``KernelSource``: the dynamic tables' ``kernel.c``, the
-optimizers' ``row_kernel.c``) becomes a loaded library, for any such kernel; never what a kernel computes
-(its ``ctypes`` signatures belong to the module that calls it).
+optimizers' ``row_kernel.c``, the row store's ``row_log.c``) becomes a loaded library, for any such kernel;
+never what a kernel computes (its ``ctypes`` signatures belong to the module that calls it).
 
-There are two builds of each: ``baseline`` (SSE2 on x86-64, plain C elsewhere), which also says whether the
-processor runs AVX2 (``paramserver_cpu_has_avx2``), and ``avx2`` (x86-64), used where it does.  Each is
-found, in this order:
+There are two builds of each (``row_log.c``, with no vector code, has the first alone): ``baseline`` (SSE2 on
+x86-64, plain C elsewhere), which also says whether the processor runs AVX2 (``paramserver_cpu_has_avx2``),
+and ``avx2`` (x86-64), used where it does.  Each is found, in this order:
 
 1. built at install time: ``setup.py`` compiles the source into extension files (``KernelSource.modules``)
    beside it (``pip install``; ``pip install -e`` builds them in place in the source tree), found by their

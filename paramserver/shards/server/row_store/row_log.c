@@ -12,8 +12,10 @@
      file); a full buffer goes to the writer thread (one buffer in flight, double buffering), which writes it
      with O_DIRECT where the filesystem allows it; a segment is sealed when its last buffer is written, and the
      next one begins.  get sees records still in a buffer (copied from memory).
-   - get resolves every id under the lock, then reads the records from disk in parallel on a pool of threads,
-     sorted by location, each an O_DIRECT read of the aligned blocks that hold it, into per-thread buffers.
+   - get resolves every id under the lock, then reads the records from disk, sorted by location, each an
+     O_DIRECT read of the aligned blocks that hold it: on the kernel's asynchronous I/O (io_submit, QUEUE_DEPTH
+     reads in flight from the calling thread) where asked and the kernel allows it, else in parallel on a pool
+     of threads, into per-thread buffers.
    - Compaction, on its own thread (and synchronously in paramserver_row_log_compact): when the files hold more
      than twice the live bytes and more than two segments, the sealed segment with the fewest live bytes (at
      most half live) has its current records appended again through the write buffer, and its file is deleted.
@@ -32,7 +34,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/aio_abi.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 #ifndef PARAMSERVER_KERNEL_DIGEST
@@ -46,6 +51,8 @@ const char *paramserver_kernel_digest(void) { return PARAMSERVER_KERNEL_DIGEST; 
 int paramserver_cpu_has_avx2(void) { return 0; }
 
 #define ALIGN 4096
+/* Reads in flight at once on the kernel's asynchronous I/O (O_DIRECT files only). */
+#define QUEUE_DEPTH 128
 #define EMPTY UINT64_MAX
 #define OFFSET_BITS 40
 #define MAX_SEGMENTS (1LL << (64 - OFFSET_BITS - 1))
@@ -53,7 +60,8 @@ int paramserver_cpu_has_avx2(void) { return 0; }
 #define FOLDER_BYTES (PATH_BYTES - 64) /* room for a segment's name after it */
 /* paramserver_row_log_stats's counters, in row_log.py's order. */
 enum { STAT_ROWS, STAT_DISK_BYTES, STAT_READS, STAT_READ_BYTES, STAT_WRITES, STAT_WRITTEN_BYTES, STAT_COMPACTIONS,
-       STAT_LIVE_BYTES, STAT_SEGMENTS, STAT_DIRECT, STAT_COUNT };
+       STAT_LIVE_BYTES, STAT_SEGMENTS, STAT_DIRECT, STAT_ASYNCHRONOUS, STAT_INDEX_MEMORY, STAT_BUFFER_MEMORY,
+       STAT_COUNT };
 
 static inline uint64_t pack(int64_t segment, int64_t offset) {
     return ((uint64_t)segment << OFFSET_BITS) | (uint64_t)offset;
@@ -205,12 +213,16 @@ typedef struct {
     int error;
     int64_t error_segment;
     uint8_t **buffers; /* count + 1, aligned */
+    aio_context_t aio; /* 0: none (the threads read) */
+    uint8_t *queue_buffers; /* QUEUE_DEPTH of them, aligned, for the asynchronous reads */
+    int64_t queue_buffer_bytes;
 } pool_t;
 
 struct store {
     char folder[FOLDER_BYTES];
     int64_t record_bytes, rec, buffer_bytes, segment_bytes, per_buffer;
     int direct;
+    int asynchronous; /* asked to read O_DIRECT files on the kernel's asynchronous I/O */
     pthread_mutex_t mu;
     pthread_rwlock_t files; /* readers of segment files hold it; deleting one takes it for writing */
     pthread_cond_t writer_wake, writer_done, compact_wake, scans_done;
@@ -497,6 +509,17 @@ static int pool_start(pool_t *pool, store_t *s, int threads) {
     pthread_cond_init(&pool->start, NULL);
     pthread_cond_init(&pool->done, NULL);
     int64_t buffer_bytes = round_up(s->rec, ALIGN) + ALIGN;
+    if (s->direct && s->asynchronous) {
+        /* one thread keeps QUEUE_DEPTH reads in flight; where the kernel refuses it, the threads read */
+        aio_context_t context = 0;
+        pool->queue_buffer_bytes = buffer_bytes;
+        pool->queue_buffers = aligned(buffer_bytes * QUEUE_DEPTH);
+        if (!pool->queue_buffers) return -ENOMEM;
+        if (syscall(SYS_io_setup, QUEUE_DEPTH, &context) == 0) {
+            pool->aio = context;
+            pool->count = 0;
+        }
+    }
     pool->buffers = calloc((size_t)pool->count + 1, sizeof(uint8_t *));
     pool->threads = calloc((size_t)pool->count + 1, sizeof(pthread_t));
     if (!pool->buffers || !pool->threads) return -ENOMEM;
@@ -523,15 +546,100 @@ static void pool_stop(pool_t *pool) {
     pthread_cond_broadcast(&pool->start);
     pthread_mutex_unlock(&pool->mu);
     for (int i = 0; i < pool->started; i++) pthread_join(pool->threads[i], NULL);
+    if (pool->aio) syscall(SYS_io_destroy, pool->aio);
+    free(pool->queue_buffers);
     if (pool->buffers)
         for (int i = 0; i <= pool->count; i++) free(pool->buffers[i]);
     free(pool->buffers);
     free(pool->threads);
 }
 
-/* Reads items (sorted) on the pool and the calling thread; returns the first error (its segment in *segment). */
+/* Reads items on the kernel's asynchronous I/O, QUEUE_DEPTH in flight; returns the first error (its segment in
+   *segment).  Every read submitted is reaped before it returns, even after an error. */
+static int queue_read(pool_t *pool, read_item_t *items, int64_t n, int64_t *segment) {
+    store_t *s = pool->store;
+    struct iocb blocks[QUEUE_DEPTH];
+    struct iocb *ready[QUEUE_DEPTH];
+    struct io_event events[QUEUE_DEPTH];
+    int64_t item_of[QUEUE_DEPTH];
+    int free_slots[QUEUE_DEPTH];
+    int free_count = QUEUE_DEPTH, in_flight = 0, rc = 0;
+    for (int i = 0; i < QUEUE_DEPTH; i++) free_slots[i] = i;
+    int64_t next = 0;
+    while (in_flight > 0 || (next < n && !rc)) {
+        int prepared = 0;
+        while (!rc && next < n && free_count > 0) {
+            int slot = free_slots[--free_count];
+            const read_item_t *item = &items[next];
+            int64_t offset = loc_offset(item->loc);
+            int64_t start = offset & ~(int64_t)(ALIGN - 1);
+            struct iocb *block = &blocks[slot];
+            memset(block, 0, sizeof(*block));
+            block->aio_fildes = (uint32_t)item->fd;
+            block->aio_lio_opcode = IOCB_CMD_PREAD;
+            block->aio_buf = (uint64_t)(uintptr_t)(pool->queue_buffers + slot * pool->queue_buffer_bytes);
+            block->aio_nbytes = (uint64_t)(round_up(offset + s->rec, ALIGN) - start);
+            block->aio_offset = start;
+            block->aio_data = (uint64_t)slot;
+            item_of[slot] = next++;
+            ready[prepared++] = block;
+        }
+        int submitted = 0;
+        while (submitted < prepared) {
+            long done = syscall(SYS_io_submit, pool->aio, (long)(prepared - submitted), ready + submitted);
+            if (done < 0 && errno == EINTR) continue;
+            if (done <= 0) { /* the rest were never submitted: give their slots back */
+                if (!rc) {
+                    rc = done < 0 ? -errno : -EIO;
+                    *segment = items[item_of[ready[submitted]->aio_data]].segment;
+                }
+                for (int i = submitted; i < prepared; i++) free_slots[free_count++] = (int)ready[i]->aio_data;
+                break;
+            }
+            submitted += (int)done;
+            in_flight += (int)done;
+        }
+        if (in_flight == 0) continue;
+        long reaped = syscall(SYS_io_getevents, pool->aio, 1L, (long)QUEUE_DEPTH, events, NULL);
+        if (reaped < 0) {
+            if (errno == EINTR) continue;
+            abort(); /* EFAULT, EINVAL: a bug; returning would leave reads in flight writing into our buffers */
+        }
+        for (long e = 0; e < reaped; e++) {
+            int slot = (int)events[e].data;
+            const read_item_t *item = &items[item_of[slot]];
+            struct iocb *block = &blocks[slot];
+            in_flight--;
+            free_slots[free_count++] = slot;
+            if (rc) continue;
+            int64_t got = events[e].res;
+            int64_t offset = loc_offset(item->loc);
+            const uint8_t *data = (const uint8_t *)(uintptr_t)block->aio_buf + (offset - block->aio_offset);
+            int64_t id;
+            if (got < 0) {
+                rc = (int)got;
+            } else if (got < (int64_t)block->aio_nbytes) {
+                rc = -EIO;
+            } else {
+                memcpy(&id, data, sizeof(int64_t));
+                if (id != item->id) rc = -EIO; /* not the record the index points at: the file is damaged */
+                else memcpy(item->out, data + sizeof(int64_t), (size_t)s->record_bytes);
+            }
+            if (rc) *segment = item->segment;
+        }
+    }
+    return rc;
+}
+
+/* Reads items (sorted) on the kernel's asynchronous I/O, else on the pool and the calling thread; returns the
+   first error (its segment in *segment). */
 static int pool_read(pool_t *pool, read_item_t *items, int64_t n, int64_t *segment) {
     pthread_mutex_lock(&pool->call);
+    if (pool->aio) {
+        int rc = queue_read(pool, items, n, segment);
+        pthread_mutex_unlock(&pool->call);
+        return rc;
+    }
     pool->items = items;
     pool->n = n;
     pool->next = 0;
@@ -687,7 +795,8 @@ static void store_free(store_t *s) {
    at least one record; segment_bytes: a multiple of buffer_bytes.  Returns 0 and *out, or -errno with the path
    concerned in error (error_bytes long). */
 int paramserver_row_log_open(const char *folder, int64_t record_bytes, int64_t buffer_bytes, int64_t segment_bytes,
-                             int direct, int read_threads, void **out, char *error, int64_t error_bytes) {
+                             int direct, int read_threads, int asynchronous, void **out, char *error,
+                             int64_t error_bytes) {
     *out = NULL;
     if (record_bytes <= 0 || buffer_bytes <= 0 || buffer_bytes % ALIGN || buffer_bytes < record_bytes + 8 ||
         segment_bytes < buffer_bytes || segment_bytes % buffer_bytes ||
@@ -704,6 +813,7 @@ int paramserver_row_log_open(const char *folder, int64_t record_bytes, int64_t b
     s->segment_bytes = segment_bytes;
     s->per_buffer = buffer_bytes / s->rec;
     s->direct = direct ? 1 : 0;
+    s->asynchronous = asynchronous ? 1 : 0;
     pthread_mutex_init(&s->mu, NULL);
     pthread_mutex_init(&s->error_mu, NULL);
     pthread_mutex_init(&s->compact_mu, NULL);
@@ -719,14 +829,15 @@ int paramserver_row_log_open(const char *folder, int64_t record_bytes, int64_t b
     s->pend.data = aligned(buffer_bytes);
     s->compact_chunk = aligned(buffer_bytes);
     if (!rc && (!s->segments || !s->cur.data || !s->pend.data || !s->compact_chunk)) rc = -ENOMEM;
-    if (!rc) rc = pool_start(&s->pool, s, read_threads);
     if (rc) fail_path(s, rc, folder);
     int64_t first;
-    if (!rc) rc = segment_create_locked(s, &first);
+    if (!rc) rc = segment_create_locked(s, &first); /* says whether the filesystem takes O_DIRECT */
+    if (!rc && (rc = pool_start(&s->pool, s, read_threads))) fail_path(s, rc, folder);
     if (!rc) {
         s->cur.segment = first;
         s->segments[first]->end = buffer_bytes;
         s->stats[STAT_DIRECT] = s->direct;
+        s->stats[STAT_ASYNCHRONOUS] = s->pool.aio != 0;
         rc = -pthread_create(&s->writer, NULL, writer_main, s);
         s->writer_started = !rc;
         if (rc) fail_path(s, rc, folder);
@@ -882,6 +993,10 @@ void paramserver_row_log_stats(void *handle, int64_t *out) {
     memcpy(out, s->stats, sizeof(s->stats));
     out[STAT_ROWS] = s->index.count;
     out[STAT_LIVE_BYTES] = s->live_total;
+    out[STAT_INDEX_MEMORY] = (int64_t)(s->index.mask + 1) * (int64_t)sizeof(slot_t);
+    /* the write buffers, compaction's chunk, the reads' buffers (a scan's chunk is its own, while it is open) */
+    out[STAT_BUFFER_MEMORY] = 3 * s->buffer_bytes + (s->pool.count + 1 + (s->pool.aio ? QUEUE_DEPTH : 0)) *
+                              (round_up(s->rec, ALIGN) + ALIGN);
     pthread_mutex_unlock(&s->mu);
 }
 
@@ -998,8 +1113,9 @@ int paramserver_row_log_close(void *handle, int remove, char *error, int64_t err
     for (int64_t i = 0; i < segments; i++) {
         snprintf(path, PATH_BYTES, "%s/segment-%08lld.log", folder, (long long)i);
         if (unlink(path) && errno != ENOENT) {
+            int rc = -errno;
             snprintf(error, (size_t)error_bytes, "%s", path);
-            return -errno;
+            return rc;
         }
     }
     if (rmdir(folder)) {
