@@ -150,10 +150,7 @@ class RocksRows:
         found = np.fromiter((value is not None for value in values), dtype=np.bool_, count=len(values))
         held = [value for value in values if value is not None]
         if held:
-            data = b"".join(held)
-            if len(data) != len(held) * self.record_bytes:
-                raise OSError(errno.EIO, f"a record of another size than {self.record_bytes} bytes",
-                              str(self.folder))
+            data = self._joined(held)
             out.numpy()[found] = np.frombuffer(data, dtype=np.uint8).reshape(len(held), self.record_bytes)
             self._count(reads=len(held), read_bytes=len(data))
         return torch.from_numpy(found)
@@ -281,10 +278,15 @@ class RocksRows:
 
     def _batch(self, keys: List[bytes], values: List[bytes]) -> Tuple[Tensor, Tensor]:
         ids = torch.from_numpy(np.frombuffer(b"".join(keys), dtype=">i8").astype(np.int64))
-        data = bytearray(b"".join(values))
-        if len(data) != len(values) * self.record_bytes:
-            raise OSError(errno.EIO, f"a record of another size than {self.record_bytes} bytes", str(self.folder))
+        data = bytearray(self._joined(values))
         return ids, torch.frombuffer(data, dtype=torch.uint8).view(len(values), self.record_bytes)
+
+    def _joined(self, values: List[bytes]) -> bytes:
+        data = b"".join(values)
+        if len(data) != len(values) * self.record_bytes:
+            raise OSError(errno.EIO, f"a record in the row store is not of {self.record_bytes} bytes",
+                          str(self.folder))
+        return data
 
     def _count(self, **added: int) -> None:
         with self._lock:
