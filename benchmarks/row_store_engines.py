@@ -204,7 +204,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     print(f"# Row store engines: {args.rows:,} rows loaded in batches of {LOAD_BATCH:,}, then {args.steps} steps "
           f"of {args.batch:,} misses (Zipf {ZIPF_EXPONENT} over the coldest {1 - args.memory_fraction:.0%} of "
           f"the ids) and {args.batch:,} evictions; direct I/O (the page cache flatters neither); "
-          f"read_threads={args.read_threads}; {os.cpu_count()} cores")
+          f"read_threads={args.read_threads}; {os.cpu_count()} cores, 1-min load average "
+          f"{os.getloadavg()[0]:.1f} before (other work on these cores slows the engines)")
     for record_bytes in sizes:
         report(record_bytes, {name: measure(name, record_bytes, args) for name in names})
     print(f"\n1-min load average {os.getloadavg()[0]:.1f} after")

@@ -1,9 +1,11 @@
 """The row store's engines, in one process, each against the contract (``row_store/engine.py``): put, get,
 overwrite and delete, each seen by the next call; ``scan`` gives exactly the records held; a random sequence
 of calls, large batches among them, against a dict, bit for bit; the counters; ``close(remove=True)`` removes
-the folder; bad arguments refused naming what was wrong.  Then what only RocksRows does: reopening a folder,
+the folder; bad arguments refused naming what was wrong; a full disk (a 1 MiB tmpfs) raised as an
+``OSError`` naming where.  Then what only RocksRows does: reopening a folder,
 and an estimated row count.  The log engine's own cases are in ``test_row_log.py``."""
 
+import errno
 import random
 
 import pytest
@@ -232,3 +234,17 @@ def test_rocks_with_estimated_rows_keeps_the_same_records(tmp_path):
         assert set(scanned(engine, 64)) == set(range(200))
     finally:
         engine.close(remove=True)
+
+
+def test_a_full_disk_is_an_os_error_naming_the_folder(engine_class, tiny_disk):
+    folder = tiny_disk / "rows"
+    engine = engine_class(folder, RECORD_BYTES)
+    ids = torch.arange(16_384, dtype=torch.int64)
+    with pytest.raises(OSError) as raised:
+        for batch in range(64):  # 12 MB in all, on a disk of 1 MiB
+            engine.put(ids + batch * ids.numel(), records_of(ids, batch))
+            engine.flush()
+    assert raised.value.errno == errno.ENOSPC
+    assert raised.value.filename.startswith(str(folder))
+    engine.close(remove=True)
+    assert not folder.exists()

@@ -26,6 +26,11 @@ them the files' indexes and filters, about 1.3 bytes a row held plus 16 a
 4 KiB block (about 2 bytes a row of 36-byte records).  ``memory_bytes()``
 reads RocksDB's own figures for the three.
 
+RocksDB's I/O failures (a full disk, a folder not writable) are raised as an
+``OSError`` with its errno and the folder; after a failed write in the
+background (a flush, a compaction) every later write raises it again, and
+reads are still answered.  ``close(remove=True)`` removes the folder even so.
+
 Owns nothing of what a record means, nor which ids a shard keeps in memory.
 """
 
@@ -145,10 +150,7 @@ class RocksRows:
         found = np.fromiter((value is not None for value in values), dtype=np.bool_, count=len(values))
         held = [value for value in values if value is not None]
         if held:
-            data = b"".join(held)
-            if len(data) != len(held) * self.record_bytes:
-                raise OSError(errno.EIO, f"a record of another size than {self.record_bytes} bytes",
-                              str(self.folder))
+            data = self._joined(held)
             out.numpy()[found] = np.frombuffer(data, dtype=np.uint8).reshape(len(held), self.record_bytes)
             self._count(reads=len(held), read_bytes=len(data))
         return torch.from_numpy(found)
@@ -193,14 +195,14 @@ class RocksRows:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         try:
-            self._db.close()
-            if remove:
-                rocksdict.Rdict.destroy(str(self.folder), self._options)
+            self._db.close()  # (flushes the memtables first)
         except Exception as error:
-            raise _os_error(self.folder, "close", error) from error
-        finally:
-            if remove:
-                shutil.rmtree(self.folder, ignore_errors=True)
+            if not remove:
+                raise _os_error(self.folder, "close", error) from error
+            # Removing: the records unwritten (a full disk) are not wanted.
+            logger.warning("row store %s: closing before its removal failed (%s); removing it", self.folder, error)
+        if remove:
+            shutil.rmtree(self.folder)
 
     # Beyond the contract.
 
@@ -276,10 +278,15 @@ class RocksRows:
 
     def _batch(self, keys: List[bytes], values: List[bytes]) -> Tuple[Tensor, Tensor]:
         ids = torch.from_numpy(np.frombuffer(b"".join(keys), dtype=">i8").astype(np.int64))
-        data = bytearray(b"".join(values))
-        if len(data) != len(values) * self.record_bytes:
-            raise OSError(errno.EIO, f"a record of another size than {self.record_bytes} bytes", str(self.folder))
+        data = bytearray(self._joined(values))
         return ids, torch.frombuffer(data, dtype=torch.uint8).view(len(values), self.record_bytes)
+
+    def _joined(self, values: List[bytes]) -> bytes:
+        data = b"".join(values)
+        if len(data) != len(values) * self.record_bytes:
+            raise OSError(errno.EIO, f"a record in the row store is not of {self.record_bytes} bytes",
+                          str(self.folder))
+        return data
 
     def _count(self, **added: int) -> None:
         with self._lock:
