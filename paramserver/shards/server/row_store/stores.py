@@ -29,7 +29,7 @@ from .tier import StoreTier
 #: engine benchmark chose (docs/row-store.md).
 ENGINES = {"log": ("paramserver.shards.server.row_store.row_log", "RowLog"),
            "rocksdb": ("paramserver.shards.server.row_store.rocks", "RocksRows")}
-DEFAULT_ENGINE = "rocksdb"
+DEFAULT_ENGINE = "log"
 #: Each engine's options in a row store: RocksDB's count of rows is not needed (``StoreTier.rows`` is exact),
 #: and making it exact costs a read per id put.
 ENGINE_OPTIONS = {"rocksdb": {"exact_rows": False}}
