@@ -278,3 +278,19 @@ def test_a_full_disk_faults_the_shard_once_and_keeps_every_row_it_held(tmp_path)
     with pytest.raises(ShardFault):
         state.refuse_if_faulted()
     stores.close()
+
+
+def test_a_step_past_the_capacity_holds_all_its_rows_and_says_the_capacity_it_needs(tmp_path, engine, caplog):
+    state = ShardState()
+    stores = RowStores(RowStoreOptions(str(tmp_path), engine), "shard")
+    rows = state.shared_dynamic("t@0/1", lambda: DynamicRows(
+        "t@0/1", DIM, torch.float32, 3, 0.1, DynamicOptions(capacity=50), lambda t: state.lock_for(t)[1],
+        kernel=state.kernels.chosen(), huge_pages=state.huge_pages, store=stores.tier("t@0/1")))
+    with caplog.at_level("WARNING"):
+        rows.lookup(torch.arange(120, dtype=torch.int64), 0)
+    assert len(rows.index) == 120 and rows.stats()["not_admitted"] == 0  # none refused: memory passes the bound
+    assert "'t@0/1': step 0 holds 70 rows past its capacity of 50" in caplog.text
+    assert "at least 120 rows" in caplog.text
+    rows.lookup(torch.arange(120, 150, dtype=torch.int64), 1)  # the next step evicts back within it
+    assert len(rows.index) == 50 and rows.stats()["rows_on_disk"] == 120 + 30 - 50
+    stores.close()

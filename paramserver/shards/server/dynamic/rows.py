@@ -31,6 +31,7 @@ except those named ``*_locked``, whose caller holds it.  A lookup with a
 negative step reads only: nothing is admitted, touched or counted.
 """
 
+import logging
 import threading
 import weakref
 from typing import Callable, Dict, List, Optional, Tuple
@@ -38,6 +39,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ....logs import RateLimitedLog
 from ....tables import DynamicOptions
 from ....tables.id_hash import initial_rows
 from ....tables.row_types import is_half
@@ -47,6 +49,8 @@ from .huge_pages import HugePages
 from .id_index import IdIndex
 from .native import Kernel
 from ..row_store.tier import StoreTier
+
+logger = logging.getLogger(__name__)
 
 #: The slab grows by this factor (at least ``MIN_SLOTS`` rows) when it has no free slot: small, so that at
 #: most an eighth of it (and of the optimizer state shaped like it) is ever unused, at the price of more copies
@@ -110,6 +114,9 @@ class DynamicRows:
         #: What a write to the store that failed (an ``OSError``: a full disk) becomes, raised in its place (its
         #: shard's: ``ShardState.store_failed``, which ends the shard).
         self.on_store_failure: Callable[[OSError], Exception] = lambda error: error
+        #: Steps that held more rows than ``capacity`` (a store keeps them all), logged at a bounded rate.
+        self._past_capacity = RateLimitedLog(logger, "{count} step{s} of a dynamic table held rows past its capacity",
+                                             level=logging.WARNING)
         #: Training lookups' ids found in memory, and those read from the store (``stats``).
         self.memory_hits = self.store_reads = 0
 
@@ -264,7 +271,14 @@ class DynamicRows:
         room = capacity - len(self.index)
         if count > room:
             room += self._evict_least_recent_locked(count - room, step, protect)
-        return count if self.store is not None else max(0, min(count, room))
+        if self.store is None:
+            return max(0, min(count, room))
+        if count > room:
+            self._past_capacity.record("past capacity", (
+                f"dynamic table {self.name!r}: step {step} holds {count - room} rows past its capacity of {capacity} "
+                f"(rows touched in a step stay until the next): its memory passes the budget meanwhile; it needs "
+                f"a capacity of at least {len(self.index) + count} rows (Table capacity, or ps-server --row-memory)"))
+        return count
 
     def _evict_least_recent_locked(self, needed: int, step: int, protect: Optional[Tensor] = None) -> int:
         """Evict at least ``needed`` rows (``capacity // 64`` if more) of those least recently touched before
