@@ -460,9 +460,9 @@ class DynamicRows:
             pieces = [(read.ids, read.touches, read.values) for read in reads]
         else:
             spilled = changes.spilled.unique() if changes.spilled.numel() else changes.spilled
-            read = self.store.peek(spilled[self.index.find(spilled) < 0]) if spilled.numel() else None
-            pieces = [] if read is None else [(spilled[self.index.find(spilled) < 0][read.found], read.touches,
-                                               read.values)]
+            on_disk = spilled[self.index.find(spilled) < 0] if spilled.numel() else spilled  # (not read back)
+            read = self.store.peek(on_disk)
+            pieces = [] if read is None else [(on_disk[read.found], read.touches, read.values)]
         for ids, touches, values in pieces:
             live = self._unexpired(touches)
             entry["ids"] = torch.cat([entry["ids"], ids[live]])
