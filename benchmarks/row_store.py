@@ -455,11 +455,11 @@ def table(columns: Dict[str, List[Run]]) -> None:
     for label, value, form in lines:
         print(f"| {label} | " + " | ".join(shown(median(columns[name], value), form) for name in names) + " |")
     print()
-    print(f"{DERIVED} derived, where the shards report no row store counters: rows written = rows evicted (for "
-          "capacity, into the store), rows on disk = rows admitted - rows in memory, rows read back = written - the "
-          "growth of those on disk, hit rate = 1 - (read back + new) / the ids looked up (each step's distinct "
-          "ids per table, from the planted data); exact with no TTL and every id admitted, the shards' figures "
-          "read from their last heartbeat (at most a second old).")
+    print(f"Figures marked {DERIVED} are derived, where the shards report no row store counters: rows written = "
+          "rows evicted (for capacity, into the store), rows on disk = rows admitted - rows in memory, rows read "
+          "back = written - the growth of those on disk, hit rate = 1 - (read back + new) / the ids looked up (each "
+          "step's distinct ids per table, from the planted data); exact with no TTL and every id admitted, the "
+          "shards' figures read from their last heartbeat (at most a second old).")
 
 
 def report_memory(args, found: Dict) -> None:
