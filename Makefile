@@ -57,6 +57,7 @@ bench: $(BENCH_STAMP)
 	$(PY) benchmarks/dynamic_tables.py
 	$(PY) benchmarks/data_reader.py
 	$(PY) benchmarks/online_group.py
+	$(PY) benchmarks/row_store.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

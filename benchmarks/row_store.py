@@ -24,10 +24,12 @@ What it measures
        the same job with the feature's ids drawn over 20,000,000 (``--reference-vocab``) and every row in
        memory, in the same run.  Target: at least 0.5x.
 
-    Figures the shards do not report yet (the row store's reads and writes, its rows, memory hits) print as
-    ``n/a``.  The hit rate is the training lookups' ids found in memory over all of them (found, read back from
-    the store, or new); rows and bytes read and written per step are the heartbeat counters' growth over the
-    window, over the steps in it.
+    The hit rate is the training lookups' ids found in memory over all of them (found, read back from the
+    store, or new); rows and bytes read and written per step are the shards' counters' growth over the window,
+    over the steps in it.  Where the shards report no row store counters (``dynamic.memory_hits``,
+    ``store_reads``, ``store_writes``, ``store_read_bytes``, ``store_written_bytes``, ``rows_on_disk``), the
+    rows are derived from those they do report (marked ``*``: rows written = rows evicted, ...; exact with no
+    TTL and every id admitted, as here) and the bytes print as ``n/a``.
 
 How to run
     ``.venv/bin/python benchmarks/row_store.py [--case memory|billion|both] [--steps 1500] [--rounds 2]
@@ -56,10 +58,11 @@ import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from paramserver.cli.demo import LocalProcesses, wait_for_ready
 from paramserver.control import CoordinatorClient, CoordinatorError
+from paramserver.jobs.ctr_data import CTRSpec, PlantedCTR
 from paramserver.runtime.job import DEFAULT_JOB
 
 SHARDS = 2
@@ -68,10 +71,8 @@ STOPS_WITHIN = 60.0
 RUN_WITHIN = 900.0
 TARGET_MEMORY = 0.8
 TARGET_BILLION = 0.5
-#: The shards' heartbeat figures read, by the names ``DynamicRows.stats`` gives them (``dynamic.`` + key).
-COUNTERS = ("memory_hits", "store_reads", "store_writes", "store_read_bytes", "store_written_bytes", "admitted",
-            "evicted")
-GAUGES = ("rows", "rows_on_disk", "bytes")
+#: A figure derived from others (``Run.rows_read`` ...), not reported by the shards.
+DERIVED = "*"
 DEFAULT_VOCAB = (2_000_000, 1_000_000, 200_000, 50_000, 10_000, 1_000, 100, 20)
 SMALL_VOCAB = (20_000, 10_000, 5_000, 1_000, 500, 100, 20)  # the billion case's other features (the demo's)
 
@@ -160,28 +161,68 @@ class Poll:
 
 @dataclass
 class Run:
-    """One run's figures over its window."""
+    """One run's figures over its window (steps ``first_step`` to ``last_step``)."""
 
     name: str
     samples_per_s: float
-    steps: int
+    first_step: int
+    last_step: int
     peak_rss: int
     end_rss: int
     peak_disk: int
     end_disk: int
-    end: Dict[str, float]  # the figures at the window's end
-    growth: Dict[str, float]  # counters' growth over the window
+    start: Dict[str, float]  # the shards' figures at the window's start
+    end: Dict[str, float]  # and at its end
+    store: bool = False
     rows: Dict[str, List[int]] = field(default_factory=dict)
     files_left: List[str] = field(default_factory=list)
+    #: The ids the window's training lookups asked for (each step's distinct ids per table), from the data.
+    looked_up: Optional[int] = None
+
+    @property
+    def steps(self) -> int:
+        return self.last_step - self.first_step
+
+    def growth(self, key: str) -> Optional[float]:
+        return self.end[key] - self.start.get(key, 0.0) if key in self.end else None
 
     def per_step(self, key: str) -> Optional[float]:
-        return self.growth[key] / self.steps if key in self.growth else None
+        growth = self.growth(key)
+        return None if growth is None else growth / self.steps
 
-    def hit_rate(self) -> Optional[float]:
-        if "memory_hits" not in self.growth or "store_reads" not in self.growth:
-            return None
-        looked_up = self.growth["memory_hits"] + self.growth["store_reads"] + self.growth.get("admitted", 0.0)
-        return self.growth["memory_hits"] / looked_up if looked_up else None
+    # Where the shards report no row store counters, derived from the figures they do report (marked
+    # ``DERIVED``): with no TTL and every id admitted, a row evicted for capacity is written to the store, and
+    # every row ever admitted is in memory or on disk.
+    def rows_written(self) -> Tuple[Optional[float], bool]:
+        if "store_writes" in self.end:
+            return self.growth("store_writes"), False
+        return (self.growth("evicted") if self.store else 0.0), True
+
+    def rows_read(self) -> Tuple[Optional[float], bool]:
+        if "store_reads" in self.end:
+            return self.growth("store_reads"), False
+        if not self.store:
+            return 0.0, True
+        written, admitted, held = self.growth("evicted"), self.growth("admitted"), self.growth("rows")
+        return (None if None in (written, admitted, held) else written - (admitted - held)), True
+
+    def rows_on_disk(self) -> Tuple[Optional[float], bool]:
+        if "rows_on_disk" in self.end:
+            return self.end["rows_on_disk"], False
+        if not self.store:
+            return 0.0, True
+        return (self.end["admitted"] - self.end["rows"] if "admitted" in self.end else None), True
+
+    def hit_rate(self) -> Tuple[Optional[float], bool]:
+        new = self.growth("admitted") or 0.0
+        if "memory_hits" in self.end and "store_reads" in self.end:
+            hits = self.growth("memory_hits")
+            looked_up = hits + self.growth("store_reads") + new
+            return (hits / looked_up if looked_up else None), False
+        read, _ = self.rows_read()
+        if read is None or not self.looked_up:
+            return None, True
+        return (self.looked_up - read - new) / self.looked_up, True
 
 
 class Cluster:
@@ -233,10 +274,20 @@ def window_run(name: str, polls: List[Poll], first: int, last: int) -> Run:
         raise RuntimeError(f"{name}: too few polls between steps {first} and {last} (steps seen: "
                            f"{[poll.step for poll in polls][-10:]})")
     start, end = inside[0], inside[-1]
-    steps = end.step - start.step
-    growth = {key: end.figures[key] - start.figures.get(key, 0.0) for key in COUNTERS if key in end.figures}
-    return Run(name, steps * BATCH / (end.at - start.at), steps, max(poll.rss for poll in polls), end.rss,
-               max(poll.disk for poll in polls), end.disk, dict(end.figures), growth)
+    return Run(name, (end.step - start.step) * BATCH / (end.at - start.at), start.step, end.step,
+               max(poll.rss for poll in polls), end.rss, max(poll.disk for poll in polls), end.disk,
+               dict(start.figures), dict(end.figures))
+
+
+def distinct_ids_looked_up(spec: Dict, first: int, last: int, sampled: int = 200) -> int:
+    """The ids the training lookups of steps ``first`` to ``last`` asked for: each batch's distinct ids per
+    table (worker 0's stream of the job's planted data, seed 0; a shard's part of a table gets its share),
+    counted on ``sampled`` of the steps spread over them (a batch's count hardly varies) and scaled."""
+    data = PlantedCTR(CTRSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in spec.items()}), seed=0)
+    steps = range(first + 1, last + 1)
+    picked = steps[::max(1, len(steps) // sampled)]
+    counted = sum(ids.unique().numel() for index in picked for ids in data.batch(0, index, BATCH).ids)
+    return round(counted * len(steps) / len(picked))
 
 
 def run_job(name: str, scratch: pathlib.Path, config: Dict, server_flags: Sequence[str],
@@ -269,7 +320,8 @@ def run_job(name: str, scratch: pathlib.Path, config: Dict, server_flags: Sequen
     finally:
         cluster.stop()
     result = window_run(name, polls, first, last if last is not None else polls[-1].step)
-    result.rows = rows
+    result.rows, result.store = rows, store is not None
+    result.looked_up = distinct_ids_looked_up(config["spec"], result.first_step, result.last_step)
     if store is not None:
         result.files_left = [str(path) for path in store.rglob("*")]
         shutil.rmtree(store, ignore_errors=True)
@@ -350,18 +402,33 @@ def billion_case(args, scratch: pathlib.Path) -> Dict:
 # Report
 # --------------------------------------------------------------------------
 
-def median(runs: List[Run], value) -> Optional[float]:
-    values = [value(run) for run in runs]
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
+def median(runs: List[Run], value) -> Tuple[Optional[float], bool]:
+    """The median of ``value(run)`` (a number, or ``(number, derived)``) over ``runs``, and whether it is derived."""
+    values, derived = [], False
+    for run in runs:
+        found = value(run)
+        if isinstance(found, tuple):
+            found, derived = found[0], derived or found[1]
+        if found is not None:
+            values.append(found)
+    return (statistics.median(values) if values else None), derived
 
 
-def shown(value: Optional[float], form: str = "{:,.0f}") -> str:
-    return "n/a" if value is None else form.format(value)
+def shown(value: Tuple[Optional[float], bool], form: str = "{:,.0f}") -> str:
+    number, derived = value
+    return "n/a" if number is None else form.format(number) + (DERIVED if derived else "")
 
 
 def met(ratio: float, target: float) -> str:
     return "met" if ratio >= target else "NOT met"
+
+
+def per_step(figure):
+    """``figure(run)`` (``(number, derived)``) over the steps of the run's window."""
+    def value(run: Run) -> Tuple[Optional[float], bool]:
+        number, derived = figure(run)
+        return (None if number is None else number / run.steps), derived
+    return value
 
 
 def table(columns: Dict[str, List[Run]]) -> None:
@@ -371,14 +438,14 @@ def table(columns: Dict[str, List[Run]]) -> None:
     lines = [
         ("samples/s", lambda r: r.samples_per_s, "{:,.0f}"),
         ("hit rate (training lookups' ids found in memory)", Run.hit_rate, "{:.1%}"),
-        ("rows in memory at the end (shards' `dynamic.rows`)", lambda r: r.end.get("rows"), "{:,.0f}"),
-        ("rows on disk at the end", lambda r: r.end.get("rows_on_disk"), "{:,.0f}"),
-        ("rows read from the store per step", lambda r: r.per_step("store_reads"), "{:,.1f}"),
-        ("rows written to the store per step", lambda r: r.per_step("store_writes"), "{:,.1f}"),
-        ("bytes read per step", lambda r: r.per_step("store_read_bytes"), "{:,.0f}"),
-        ("bytes written per step", lambda r: r.per_step("store_written_bytes"), "{:,.0f}"),
-        ("rows evicted per step", lambda r: r.per_step("evicted"), "{:,.1f}"),
+        ("ids looked up per step (distinct per table)", lambda r: (r.looked_up or 0) / r.steps, "{:,.0f}"),
         ("new rows per step", lambda r: r.per_step("admitted"), "{:,.1f}"),
+        ("rows read back from the store per step", per_step(Run.rows_read), "{:,.1f}"),
+        ("rows written to the store per step", per_step(Run.rows_written), "{:,.1f}"),
+        ("bytes read from the store per step", lambda r: r.per_step("store_read_bytes"), "{:,.0f}"),
+        ("bytes written to the store per step", lambda r: r.per_step("store_written_bytes"), "{:,.0f}"),
+        ("rows in memory at the window's end (shards' `dynamic.rows`)", lambda r: r.end.get("rows"), "{:,.0f}"),
+        ("rows on disk at the window's end", Run.rows_on_disk, "{:,.0f}"),
         ("shards' resident memory, peak (MiB, both shards)", lambda r: r.peak_rss / 2 ** 20, "{:,.0f}"),
         ("shards' resident memory at the window's end (MiB)", lambda r: r.end_rss / 2 ** 20, "{:,.0f}"),
         ("row store's files, peak (MiB)", lambda r: r.peak_disk / 2 ** 20, "{:,.1f}"),
@@ -387,11 +454,17 @@ def table(columns: Dict[str, List[Run]]) -> None:
     ]
     for label, value, form in lines:
         print(f"| {label} | " + " | ".join(shown(median(columns[name], value), form) for name in names) + " |")
+    print()
+    print(f"Figures marked {DERIVED} are derived, where the shards report no row store counters: rows written = "
+          "rows evicted (for capacity, into the store), rows on disk = rows admitted - rows in memory, rows read "
+          "back = written - the growth of those on disk, hit rate = 1 - (read back + new) / the ids looked up (each "
+          "step's distinct ids per table, from the planted data); exact with no TTL and every id admitted, the "
+          "shards' figures read from their last heartbeat (at most a second old).")
 
 
 def report_memory(args, found: Dict) -> None:
     runs = found["runs"]
-    a, b = (median(runs[name], lambda r: r.samples_per_s) for name in ("a", "b"))
+    a, b = (median(runs[name], lambda r: r.samples_per_s)[0] for name in ("a", "b"))
     print(f"## 20% in memory: {SHARDS} shards, 1 worker, {args.steps} steps of {BATCH}, Zipf {args.zipf} over "
           f"vocabularies {', '.join(f'{v:,}' for v in args.vocab)}; {args.rounds} runs each, alternating")
     print()
@@ -413,7 +486,7 @@ def report_memory(args, found: Dict) -> None:
 
 def report_billion(args, found: Dict) -> None:
     runs = found["runs"]
-    ref, big = (median(runs[name], lambda r: r.samples_per_s) for name in ("reference", "billion"))
+    ref, big = (median(runs[name], lambda r: r.samples_per_s)[0] for name in ("reference", "billion"))
     print()
     print(f"## A billion-id table: {SHARDS} shards, 1 worker, batches of {BATCH}, 16-dim float16 rows, row-wise "
           f"Adagrad, Zipf {args.zipf}; {args.seconds:.0f} s measured after {args.warm_steps} steps, "
