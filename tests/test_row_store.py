@@ -294,3 +294,29 @@ def test_a_step_past_the_capacity_holds_all_its_rows_and_says_the_capacity_it_ne
     rows.lookup(torch.arange(120, 150, dtype=torch.int64), 1)  # the next step evicts back within it
     assert len(rows.index) == 50 and rows.stats()["rows_on_disk"] == 120 + 30 - 50
     stores.close()
+
+
+def test_row_memory_is_shared_by_what_the_tables_hold(tmp_path, engine):
+    """Tables without a capacity share --row-memory: a small one keeps what it uses, the large one the rest;
+    a table with a capacity of its own takes its rows' bytes first; a budget that pays for no row is refused."""
+    from paramserver.shards.server.hosted import host_dynamic
+    from paramserver.shards.server.row_store.stores import row_bytes
+    state = ShardState()
+    state.row_stores = RowStores(RowStoreOptions(str(tmp_path), engine, memory=4 << 20), "shard")
+    small, large, fixed = (state.dynamic_rows(host_dynamic(state, name, DIM, torch.float32, 3, 0.1, options, 0, 1))
+                           for name, options in (("small", DynamicOptions()), ("large", DynamicOptions()),
+                                                 ("own", DynamicOptions(capacity=1000))))
+    small.lookup(torch.arange(500, dtype=torch.int64), 0)
+    for step in range(1, 40):
+        large.lookup(torch.arange(step * 2000, step * 2000 + 2000, dtype=torch.int64), step)
+    per_row = row_bytes(large)
+    assert small.capacity < 2000 and len(small.index) == 500  # its ask: what it holds and a little more
+    left = (4 << 20) - 1000 * per_row - small.capacity * per_row
+    assert left - per_row < large.capacity * per_row <= left and len(large.index) <= large.capacity
+    assert large.stats()["rows_on_disk"] == 39 * 2000 - len(large.index)
+    state.row_stores.close()
+    other = ShardState()
+    other.row_stores = RowStores(RowStoreOptions(str(tmp_path), engine, memory=100), "shard")
+    with pytest.raises(ValueError, match="--row-memory 100 bytes leaves table part"):
+        host_dynamic(other, "t", DIM, torch.float32, 3, 0.1, DynamicOptions(), 0, 1)
+    other.row_stores.close()

@@ -114,6 +114,9 @@ class DynamicRows:
         #: What a write to the store that failed (an ``OSError``: a full disk) becomes, raised in its place (its
         #: shard's: ``ShardState.store_failed``, which ends the shard).
         self.on_store_failure: Callable[[OSError], Exception] = lambda error: error
+        #: Called when a lookup finds it full, before it evicts (``RowStores.rebalance``, where ``capacity`` is
+        #: its share of a shard's ``--row-memory``; ``None``: a capacity of its own).
+        self.on_full: Optional[Callable[[], None]] = None
         #: Steps that held more rows than ``capacity`` (a store keeps them all), logged at a bounded rate.
         self._past_capacity = RateLimitedLog(logger, "{count} step{s} of a dynamic table held rows past its capacity",
                                              level=logging.WARNING)
@@ -269,6 +272,10 @@ class DynamicRows:
         if capacity is None:
             return count
         room = capacity - len(self.index)
+        if count > room and self.on_full is not None:  # its share of a shard's budget may grow first
+            self.on_full()
+            capacity = self.capacity
+            room = capacity - len(self.index)
         if count > room:
             room += self._evict_least_recent_locked(count - room, step, protect)
         if self.store is None:

@@ -68,6 +68,8 @@ def engine_class(name: str):
 
 #: Threads reading ahead for a shard's tiers (one table part's read ahead at a time each).
 READ_AHEAD_THREADS = 2
+#: A table part's ask of ``--row-memory`` passes the rows it holds by an eighth of them, or by this many rows.
+SHARE_STEP_ROWS = 1024
 #: Bytes a row in memory takes besides its values and its optimizer state: its place in the id index (a
 #: 16-byte lane at most 0.6 full), its slot's id (half-precision rows), the index's slot and touch.
 ROW_OVERHEAD_BYTES = 40
@@ -115,24 +117,42 @@ class RowStores:
 
     def share(self, rows) -> None:
         """Give dynamic table part ``rows`` (a ``DynamicRows`` with a tier here) its part of ``memory``, where
-        it has no ``capacity`` of its own: the budget is shared equally by such parts, each holding as many
-        rows as its share pays for at ``row_bytes`` each; the others' shares shrink as one comes."""
+        it has no ``capacity`` of its own (``rebalance``, again whenever such a part is full).  ``ValueError``
+        when an equal share of what the tables with a capacity of their own leave pays for no row."""
         with self._lock:
             self._parts.append(rows)
             if self.options.memory is None:
                 return
             if rows.options.capacity is None:
                 self._shared.append(rows)
-            owned = sum(row_bytes(part) * part.options.capacity for part in self._others_locked())
-            parts = list(self._shared)
-        left = self.options.memory - owned
+                rows.on_full = self.rebalance
+            left, parts = self._left_locked(), list(self._shared)
         for part in parts:
-            capacity = left // len(parts) // row_bytes(part)
-            if capacity < 1:
+            if left // len(parts) < row_bytes(part):
                 raise ValueError(f"--row-memory {self.options.memory} bytes leaves table part {part.name!r} no "
                                  f"row in memory (it needs at least {row_bytes(part)} bytes per row, besides the "
-                                 f"{owned} bytes the tables with a capacity of their own take)")
-            part.capacity = capacity
+                                 f"{self.options.memory - left} bytes the tables with a capacity of their own take)")
+        self.rebalance()
+
+    def rebalance(self) -> None:
+        """Share ``memory`` (what the tables with a capacity of their own leave) among the parts without one by
+        what they hold: each asks for its rows held and an eighth more (at least ``SHARE_STEP_ROWS``), and the
+        budget is filled from the smallest ask up, each getting its ask or an equal part of what is left, so
+        small tables keep what they use and the large ones share the rest.  A part that fills its share calls
+        this again (``DynamicRows.on_full``), so shares follow the tables as they grow.  Reads the parts' row
+        counts without their locks (a count a step old does no harm: capacities only place rows)."""
+        with self._lock:
+            left, parts = self._left_locked(), list(self._shared)
+        asks = sorted(((len(part.index) + max(len(part.index) // 8, SHARE_STEP_ROWS)) * row_bytes(part), index)
+                      for index, part in enumerate(parts))
+        for place, (ask, index) in enumerate(asks):
+            part = parts[index]
+            given = min(ask, left // (len(parts) - place))
+            part.capacity = max(1, given // row_bytes(part))
+            left -= part.capacity * row_bytes(part)
+
+    def _left_locked(self) -> int:
+        return self.options.memory - sum(row_bytes(part) * part.options.capacity for part in self._others_locked())
 
     def _others_locked(self):
         return [part for part in self._parts if part.options.capacity is not None]
