@@ -14,8 +14,8 @@
      next one begins.  get sees records still in a buffer (copied from memory).
    - get resolves every id under the lock, then reads the records from disk, sorted by location, each an
      O_DIRECT read of the aligned blocks that hold it: on the kernel's asynchronous I/O (io_submit, QUEUE_DEPTH
-     reads in flight from the calling thread) where asked and the kernel allows it, else in parallel on a pool
-     of threads, into per-thread buffers.
+     reads in flight from the calling thread, QUEUES gets at once) where asked and the kernel allows it, else in
+     parallel on a pool of threads, into per-thread buffers.
    - Compaction, on its own thread (and synchronously in paramserver_row_log_compact): when the files hold more
      than twice the live bytes and more than two segments, the sealed segment with the fewest live bytes (at
      most half live) has its current records appended again through the write buffer, and its file is deleted.
@@ -25,7 +25,8 @@
    - Errors are returned as -errno with the path concerned (paramserver_row_log_error_path).  A failed write is
      sticky: every later put, delete, flush and compaction returns it; gets are still answered.
 
-   The store is never reopened: its index is in memory only (a shard's checkpoints are the durable copy). */
+   The store is never reopened: its index is in memory only (a shard's checkpoint and push log are the durable
+   copy, and its store is made again from them). */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
@@ -37,7 +38,6 @@
 #include <linux/aio_abi.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
-#include <time.h>
 #include <unistd.h>
 
 #ifndef PARAMSERVER_KERNEL_DIGEST
