@@ -14,8 +14,8 @@
      next one begins.  get sees records still in a buffer (copied from memory).
    - get resolves every id under the lock, then reads the records from disk, sorted by location, each an
      O_DIRECT read of the aligned blocks that hold it: on the kernel's asynchronous I/O (io_submit, QUEUE_DEPTH
-     reads in flight from the calling thread) where asked and the kernel allows it, else in parallel on a pool
-     of threads, into per-thread buffers.
+     reads in flight from the calling thread, QUEUES gets at once) where asked and the kernel allows it, else in
+     parallel on a pool of threads, into per-thread buffers.
    - Compaction, on its own thread (and synchronously in paramserver_row_log_compact): when the files hold more
      than twice the live bytes and more than two segments, the sealed segment with the fewest live bytes (at
      most half live) has its current records appended again through the write buffer, and its file is deleted.
@@ -25,7 +25,8 @@
    - Errors are returned as -errno with the path concerned (paramserver_row_log_error_path).  A failed write is
      sticky: every later put, delete, flush and compaction returns it; gets are still answered.
 
-   The store is never reopened: its index is in memory only (a shard's checkpoints are the durable copy). */
+   The store is never reopened: its index is in memory only (a shard's checkpoint and push log are the durable
+   copy, and its store is made again from them). */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
@@ -37,7 +38,6 @@
 #include <linux/aio_abi.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
-#include <time.h>
 #include <unistd.h>
 
 #ifndef PARAMSERVER_KERNEL_DIGEST
@@ -51,8 +51,10 @@ const char *paramserver_kernel_digest(void) { return PARAMSERVER_KERNEL_DIGEST; 
 int paramserver_cpu_has_avx2(void) { return 0; }
 
 #define ALIGN 4096
-/* Reads in flight at once on the kernel's asynchronous I/O (O_DIRECT files only). */
+/* Reads in flight at once on the kernel's asynchronous I/O (O_DIRECT files only), for each of QUEUES gets at
+   once (a step's reads beside the reads ahead of the next). */
 #define QUEUE_DEPTH 128
+#define QUEUES 2
 #define EMPTY UINT64_MAX
 #define OFFSET_BITS 40
 #define MAX_SEGMENTS (1LL << (64 - OFFSET_BITS - 1))
@@ -213,8 +215,11 @@ typedef struct {
     int error;
     int64_t error_segment;
     uint8_t **buffers; /* count + 1, aligned */
-    aio_context_t aio; /* 0: none (the threads read) */
-    uint8_t *queue_buffers; /* QUEUE_DEPTH of them, aligned, for the asynchronous reads */
+    int aio; /* whether gets read on the kernel's asynchronous I/O (else the threads read) */
+    aio_context_t queues[QUEUES];
+    int queue_busy[QUEUES];
+    pthread_cond_t queue_free;
+    uint8_t *queue_buffers; /* QUEUE_DEPTH of them a queue, aligned */
     int64_t queue_buffer_bytes;
 } pool_t;
 
@@ -362,30 +367,36 @@ static void wake_compactor_locked(store_t *s) {
 }
 
 /* Room for one more record in the current buffer: a full one goes to the writer (waiting while the previous is
-   still being written), the next begins after it, in a new segment where this one is full. */
+   still being written), the next begins after it, in a new segment where this one is full.  The wait releases
+   the lock, and another thread (a put, compaction) may hand the buffer over meanwhile: what to do is decided
+   again after each wait. */
 static int reserve_record_locked(store_t *s) {
-    if (s->error) return s->error;
-    if (s->cur.used + s->rec <= s->buffer_bytes) return 0;
-    int64_t segment = s->cur.segment, base = s->cur.base + s->buffer_bytes;
-    if (base + s->buffer_bytes > s->segment_bytes) {
-        int rc = segment_create_locked(s, &segment);
-        if (rc) return rc;
-        base = 0;
+    for (;;) {
+        if (s->error) return s->error;
+        if (s->cur.used + s->rec <= s->buffer_bytes) return 0;
+        if (s->stop) return -ECANCELED; /* closing: the writer is gone */
+        if (s->pend_full) {
+            pthread_cond_wait(&s->writer_done, &s->mu);
+            continue;
+        }
+        int64_t segment = s->cur.segment, base = s->cur.base + s->buffer_bytes;
+        if (base + s->buffer_bytes > s->segment_bytes) {
+            int rc = segment_create_locked(s, &segment);
+            if (rc) return rc;
+            base = 0;
+        }
+        uint8_t *free_data = s->pend.data;
+        s->pend = s->cur;
+        s->pend_full = 1;
+        pthread_cond_signal(&s->writer_wake);
+        s->cur.data = free_data;
+        memset(free_data, 0, (size_t)s->buffer_bytes);
+        s->cur.segment = segment;
+        s->cur.base = base;
+        s->cur.used = 0;
+        s->segments[segment]->end = base + s->buffer_bytes;
+        return 0;
     }
-    while (s->pend_full && !s->error && !s->stop) pthread_cond_wait(&s->writer_done, &s->mu);
-    if (s->error) return s->error;
-    if (s->stop) return -ECANCELED; /* closing: the writer is gone */
-    uint8_t *free_data = s->pend.data;
-    s->pend = s->cur;
-    s->pend_full = 1;
-    pthread_cond_signal(&s->writer_wake);
-    s->cur.data = free_data;
-    memset(free_data, 0, (size_t)s->buffer_bytes);
-    s->cur.segment = segment;
-    s->cur.base = base;
-    s->cur.used = 0;
-    s->segments[segment]->end = base + s->buffer_bytes;
-    return 0;
 }
 
 /* Appends one record (id then its bytes) to the current buffer and points the index at it. */
@@ -509,15 +520,19 @@ static int pool_start(pool_t *pool, store_t *s, int threads) {
     pthread_cond_init(&pool->start, NULL);
     pthread_cond_init(&pool->done, NULL);
     int64_t buffer_bytes = round_up(s->rec, ALIGN) + ALIGN;
+    pthread_cond_init(&pool->queue_free, NULL);
     if (s->direct && s->asynchronous) {
-        /* one thread keeps QUEUE_DEPTH reads in flight; where the kernel refuses it, the threads read */
-        aio_context_t context = 0;
+        /* a get's thread keeps QUEUE_DEPTH reads in flight; where the kernel refuses it, the threads read */
         pool->queue_buffer_bytes = buffer_bytes;
-        pool->queue_buffers = aligned(buffer_bytes * QUEUE_DEPTH);
+        pool->queue_buffers = aligned(buffer_bytes * QUEUE_DEPTH * QUEUES);
         if (!pool->queue_buffers) return -ENOMEM;
-        if (syscall(SYS_io_setup, QUEUE_DEPTH, &context) == 0) {
-            pool->aio = context;
+        int made = 0;
+        while (made < QUEUES && syscall(SYS_io_setup, QUEUE_DEPTH, &pool->queues[made]) == 0) made++;
+        if (made == QUEUES) {
+            pool->aio = 1;
             pool->count = 0;
+        } else {
+            while (made > 0) syscall(SYS_io_destroy, pool->queues[--made]);
         }
     }
     pool->buffers = calloc((size_t)pool->count + 1, sizeof(uint8_t *));
@@ -546,7 +561,7 @@ static void pool_stop(pool_t *pool) {
     pthread_cond_broadcast(&pool->start);
     pthread_mutex_unlock(&pool->mu);
     for (int i = 0; i < pool->started; i++) pthread_join(pool->threads[i], NULL);
-    if (pool->aio) syscall(SYS_io_destroy, pool->aio);
+    for (int i = 0; pool->aio && i < QUEUES; i++) syscall(SYS_io_destroy, pool->queues[i]);
     free(pool->queue_buffers);
     if (pool->buffers)
         for (int i = 0; i <= pool->count; i++) free(pool->buffers[i]);
@@ -556,8 +571,10 @@ static void pool_stop(pool_t *pool) {
 
 /* Reads items on the kernel's asynchronous I/O, QUEUE_DEPTH in flight; returns the first error (its segment in
    *segment).  Every read submitted is reaped before it returns, even after an error. */
-static int queue_read(pool_t *pool, read_item_t *items, int64_t n, int64_t *segment) {
+static int queue_read(pool_t *pool, int queue, read_item_t *items, int64_t n, int64_t *segment) {
     store_t *s = pool->store;
+    aio_context_t context = pool->queues[queue];
+    uint8_t *buffers = pool->queue_buffers + (int64_t)queue * QUEUE_DEPTH * pool->queue_buffer_bytes;
     struct iocb blocks[QUEUE_DEPTH];
     struct iocb *ready[QUEUE_DEPTH];
     struct io_event events[QUEUE_DEPTH];
@@ -577,7 +594,7 @@ static int queue_read(pool_t *pool, read_item_t *items, int64_t n, int64_t *segm
             memset(block, 0, sizeof(*block));
             block->aio_fildes = (uint32_t)item->fd;
             block->aio_lio_opcode = IOCB_CMD_PREAD;
-            block->aio_buf = (uint64_t)(uintptr_t)(pool->queue_buffers + slot * pool->queue_buffer_bytes);
+            block->aio_buf = (uint64_t)(uintptr_t)(buffers + slot * pool->queue_buffer_bytes);
             block->aio_nbytes = (uint64_t)(round_up(offset + s->rec, ALIGN) - start);
             block->aio_offset = start;
             block->aio_data = (uint64_t)slot;
@@ -586,7 +603,7 @@ static int queue_read(pool_t *pool, read_item_t *items, int64_t n, int64_t *segm
         }
         int submitted = 0;
         while (submitted < prepared) {
-            long done = syscall(SYS_io_submit, pool->aio, (long)(prepared - submitted), ready + submitted);
+            long done = syscall(SYS_io_submit, context, (long)(prepared - submitted), ready + submitted);
             if (done < 0 && errno == EINTR) continue;
             if (done <= 0) { /* the rest were never submitted: give their slots back */
                 if (!rc) {
@@ -600,7 +617,7 @@ static int queue_read(pool_t *pool, read_item_t *items, int64_t n, int64_t *segm
             in_flight += (int)done;
         }
         if (in_flight == 0) continue;
-        long reaped = syscall(SYS_io_getevents, pool->aio, 1L, (long)QUEUE_DEPTH, events, NULL);
+        long reaped = syscall(SYS_io_getevents, context, 1L, (long)QUEUE_DEPTH, events, NULL);
         if (reaped < 0) {
             if (errno == EINTR) continue;
             abort(); /* EFAULT, EINVAL: a bug; returning would leave reads in flight writing into our buffers */
@@ -634,12 +651,25 @@ static int queue_read(pool_t *pool, read_item_t *items, int64_t n, int64_t *segm
 /* Reads items (sorted) on the kernel's asynchronous I/O, else on the pool and the calling thread; returns the
    first error (its segment in *segment). */
 static int pool_read(pool_t *pool, read_item_t *items, int64_t n, int64_t *segment) {
-    pthread_mutex_lock(&pool->call);
     if (pool->aio) {
-        int rc = queue_read(pool, items, n, segment);
-        pthread_mutex_unlock(&pool->call);
+        pthread_mutex_lock(&pool->mu);
+        int queue = 0;
+        for (;;) {
+            while (queue < QUEUES && pool->queue_busy[queue]) queue++;
+            if (queue < QUEUES) break;
+            pthread_cond_wait(&pool->queue_free, &pool->mu);
+            queue = 0;
+        }
+        pool->queue_busy[queue] = 1;
+        pthread_mutex_unlock(&pool->mu);
+        int rc = queue_read(pool, queue, items, n, segment);
+        pthread_mutex_lock(&pool->mu);
+        pool->queue_busy[queue] = 0;
+        pthread_cond_signal(&pool->queue_free);
+        pthread_mutex_unlock(&pool->mu);
         return rc;
     }
+    pthread_mutex_lock(&pool->call);
     pool->items = items;
     pool->n = n;
     pool->next = 0;
@@ -995,7 +1025,7 @@ void paramserver_row_log_stats(void *handle, int64_t *out) {
     out[STAT_LIVE_BYTES] = s->live_total;
     out[STAT_INDEX_MEMORY] = (int64_t)(s->index.mask + 1) * (int64_t)sizeof(slot_t);
     /* the write buffers, compaction's chunk, the reads' buffers (a scan's chunk is its own, while it is open) */
-    out[STAT_BUFFER_MEMORY] = 3 * s->buffer_bytes + (s->pool.count + 1 + (s->pool.aio ? QUEUE_DEPTH : 0)) *
+    out[STAT_BUFFER_MEMORY] = 3 * s->buffer_bytes + (s->pool.count + 1 + (s->pool.aio ? QUEUE_DEPTH * QUEUES : 0)) *
                               (round_up(s->rec, ALIGN) + ALIGN);
     pthread_mutex_unlock(&s->mu);
 }
