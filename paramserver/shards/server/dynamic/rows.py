@@ -48,7 +48,7 @@ from .admission import Admission
 from .huge_pages import HugePages
 from .id_index import IdIndex
 from .native import Kernel
-from ..row_store.tier import StoreTier
+from ..row_store.tier import StoreRead, StoreTier
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,9 @@ logger = logging.getLogger(__name__)
 GROWTH = 1.125
 MIN_SLOTS = 1024
 _NEVER = torch.iinfo(torch.int32).max
+#: With a store, rows are evicted at least ``capacity`` / this at a time: each eviction scans every row held,
+#: and an evicted row costs only its write (and a read if it comes back), not its values.
+STORE_EVICTION_SHARE = 16
 #: Rows read from the store at a time for a checkpoint or an export.
 STORE_SCAN_ROWS = 1 << 16
 #: Rows last touched at the same step are evicted in the order of ``_tie_break`` of their ids, below this.
@@ -151,7 +154,10 @@ class DynamicRows:
                 self.memory_hits += ids.numel() - (0 if missing is None else missing.numel())
             if missing is not None and self.store is not None:
                 if step >= 0:
-                    loaded = self._load_locked(ids[missing], step, step)
+                    back_from_store = self._read_back_locked(ids[missing])
+                    # one eviction for the rows read back and the new ones admitted (an upper bound of them)
+                    self._room_locked(missing.numel(), step)
+                    loaded = self._place_locked(ids[missing], back_from_store, step)
                     back = (loaded >= 0).nonzero().view(-1)
                     rows[missing[back]] = self.slab.index_select(0, loaded[back])
                     missing = missing[loaded < 0]
@@ -204,21 +210,35 @@ class DynamicRows:
         at ``touch`` (negative: their last touch kept), evicting rows touched before ``evict_before`` (none of
         ``protect``'s slots) to make room; their slots, -1 for ids the store does not hold (or holds expired:
         those are dropped)."""
-        slots = torch.full((ids.numel(),), -1, dtype=torch.int64)
+        back = self._read_back_locked(ids)
+        if back is not None:
+            self._room_locked(back[0].numel(), evict_before, protect)
+        return self._place_locked(ids, back, touch)
+
+    def _read_back_locked(self, ids: Tensor) -> Optional[Tuple[Tensor, StoreRead]]:
+        """The rows of ``ids`` (distinct, none in memory) the store holds, not expired, taken out of it: their
+        positions among ``ids`` and their records; ``None`` for none (expired ones are dropped)."""
         read = self.store.read(ids, self._state_scale_locked())
         if read is None:
-            return slots
+            return None
         found = read.found.nonzero().view(-1)
         self.store.drop(ids.index_select(0, found))  # the store holds the rows not in memory; expired ones go
         live = self._unexpired(read.touches)
         if not bool(live.all()):
             self.marks.evicted(ids.index_select(0, found[~live]))
             found, read = found[live], read.select(live)
-        count = found.numel()
-        if count == 0:
+        return (found, read) if found.numel() else None
+
+    def _place_locked(self, ids: Tensor, back: Optional[Tuple[Tensor, StoreRead]], touch: int) -> Tensor:
+        """Rows read back (``_read_back_locked``'s, of ``ids``) placed in memory with their state, touched at
+        ``touch`` (negative: their last touch kept); the slots of ``ids``, -1 for those not read back.  Room was
+        made for them (or the slab passes ``capacity``)."""
+        slots = torch.full((ids.numel(),), -1, dtype=torch.int64)
+        if back is None:
             return slots
+        found, read = back
+        count = found.numel()
         loaded = ids.index_select(0, found)
-        self._room_locked(count, evict_before, protect)
         taken = self._take_slots_locked(count)
         self.slab.index_copy_(0, taken, read.values.to(self.dtype))
         self.index.insert(loaded, taken, touch if touch >= 0 else read.touches.to(torch.int32))
@@ -295,7 +315,8 @@ class DynamicRows:
         evictable = touches < step
         if protect is not None and protect.numel():
             evictable &= ~torch.isin(slots, protect)
-        count = min(max(needed, (self.capacity or 0) // 64), int(evictable.sum()))
+        batch = (self.capacity or 0) // (STORE_EVICTION_SHARE if self.store is not None else 64)
+        count = min(max(needed, batch), int(evictable.sum()))
         if count <= 0:
             return 0
         # The least recently touched, and among rows touched at the same step those whose ids' hashes are the
