@@ -606,6 +606,9 @@ class OwnerOptimizer:
             self._impl.set_parts(torch.get_num_interop_threads())
         #: The native row kernel's step of pushes (``NativeRows``), made at the first push; ``False``: none.
         self._native: Union[None, bool, NativeRows] = None
+        #: Whether its functional optimizer keeps its first state kind scaled (``state_scale``); ``None``: not
+        #: asked yet.
+        self._scaled: Optional[bool] = None
         self._hyperparameters = self.record.bind(args, kwargs) if self.record is not None else {}
         for index, param in enumerate(self.params):
             if is_half(param.dtype):  # keyed by the table and each row's id in it: the same bits however cut
@@ -841,8 +844,11 @@ class OwnerOptimizer:
     def state_scale(self) -> float:
         """What the first kind of its state rows is kept multiplied by: QHM keeps its momentum so
         (``FunctionalQHM.buffer_scale``); 1 for the others.  Its ``state_dict`` divides by it."""
-        optim = getattr(self._impl, "optim", None)
-        return float(getattr(optim, "buffer_scale", 1.0)) if optim is not None else 1.0
+        if self._scaled is None:  # (asked once: a scripted module's attribute costs microseconds)
+            optim = getattr(self._impl, "optim", None)
+            self._scaled = optim is not None and hasattr(optim, "buffer_scale")
+        # (read each time: the attribute is a copy of the scripted object as it is now)
+        return float(self._impl.optim.buffer_scale) if self._scaled else 1.0
 
     def initial_state_rows(self, index: int, count: int) -> List[Tensor]:
         """``count`` rows of each of ``state_rows``' tensors at their initial values (the caller holds the lock)."""

@@ -152,12 +152,14 @@ class DynamicRows:
             missing = None if all_held else (slots < 0).nonzero().view(-1)
             if step >= 0:
                 self.memory_hits += ids.numel() - (0 if missing is None else missing.numel())
+            inserts: Optional[List[Tuple[Tensor, Tensor, Tensor]]] = None  # (the index takes them in one insert)
             if missing is not None and self.store is not None:
                 if step >= 0:
                     back_from_store = self._read_back_locked(ids[missing])
                     # one eviction for the rows read back and the new ones admitted (an upper bound of them)
                     self._room_locked(missing.numel(), step)
-                    loaded = self._place_locked(ids[missing], back_from_store, step)
+                    inserts = []
+                    loaded = self._place_locked(ids[missing], back_from_store, step, inserts)
                     back = (loaded >= 0).nonzero().view(-1)
                     rows[missing[back]] = self.slab.index_select(0, loaded[back])
                     missing = missing[loaded < 0]
@@ -170,9 +172,11 @@ class DynamicRows:
                 admitted = missing[self.admission.admit(ids[missing], step)]
                 self.not_admitted += missing.numel() - admitted.numel()
                 if admitted.numel():
-                    created = self._create_locked(ids[admitted], step)
+                    created = self._create_locked(ids[admitted], step, inserts)
                     made = (created >= 0).nonzero().view(-1)
                     rows[admitted[made]] = self.slab.index_select(0, created[made])
+            if inserts:
+                self.index.insert(*(torch.cat(parts) if len(inserts) > 1 else parts[0] for parts in zip(*inserts)))
             if step >= 0 and self.journal is not None:  # what it admitted, touched and evicted happens again
                 self.journal(ids, step)
             return rows
@@ -229,10 +233,12 @@ class DynamicRows:
             found, read = found[live], read.select(live)
         return (found, read) if found.numel() else None
 
-    def _place_locked(self, ids: Tensor, back: Optional[Tuple[Tensor, StoreRead]], touch: int) -> Tensor:
+    def _place_locked(self, ids: Tensor, back: Optional[Tuple[Tensor, StoreRead]], touch: int,
+                      inserts: Optional[List[Tuple[Tensor, Tensor, Tensor]]] = None) -> Tensor:
         """Rows read back (``_read_back_locked``'s, of ``ids``) placed in memory with their state, touched at
         ``touch`` (negative: their last touch kept); the slots of ``ids``, -1 for those not read back.  Room was
-        made for them (or the slab passes ``capacity``)."""
+        made for them (or the slab passes ``capacity``).  ``inserts``: where their (ids, slots, touches) go for
+        the caller to put in the index, which they are not in yet."""
         slots = torch.full((ids.numel(),), -1, dtype=torch.int64)
         if back is None:
             return slots
@@ -241,7 +247,11 @@ class DynamicRows:
         loaded = ids.index_select(0, found)
         taken = self._take_slots_locked(count)
         self.slab.index_copy_(0, taken, read.values.to(self.dtype))
-        self.index.insert(loaded, taken, touch if touch >= 0 else read.touches.to(torch.int32))
+        touches = torch.full((count,), touch, dtype=torch.int32) if touch >= 0 else read.touches.to(torch.int32)
+        if inserts is None:
+            self.index.insert(loaded, taken, touches)
+        else:
+            inserts.append((loaded, taken, touches))
         if self.slot_ids is not None:
             self.slot_ids.index_copy_(0, taken, loaded)
         self.marks.mark(taken)
@@ -262,8 +272,10 @@ class DynamicRows:
             expired = (touches < step - ttl).nonzero().view(-1)
             self._evict_locked(lanes[expired], slots[expired], ids[expired])
 
-    def _create_locked(self, ids: Tensor, step: int) -> Tensor:
-        """Rows for ``ids`` (distinct, none held), made room for; their slots, -1 for those left without."""
+    def _create_locked(self, ids: Tensor, step: int,
+                       inserts: Optional[List[Tuple[Tensor, Tensor, Tensor]]] = None) -> Tensor:
+        """Rows for ``ids`` (distinct, none held), made room for; their slots, -1 for those left without.
+        ``inserts``: as ``_place_locked`` takes it."""
         slots = torch.full((ids.numel(),), -1, dtype=torch.int64)
         count = self._room_locked(ids.numel(), step)
         if count < ids.numel():
@@ -274,7 +286,10 @@ class DynamicRows:
         taken = self._take_slots_locked(count)
         self.slab.index_copy_(0, taken, initial_rows(new_ids, self.seed, self.embedding_dim, self.init_std,
                                                      self.dtype))
-        self.index.insert(new_ids, taken, step)
+        if inserts is None:
+            self.index.insert(new_ids, taken, step)
+        else:
+            inserts.append((new_ids, taken, torch.full((count,), step, dtype=torch.int32)))
         if self.slot_ids is not None:
             self.slot_ids.index_copy_(0, taken, new_ids)
         self.marks.mark(taken)
