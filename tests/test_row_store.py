@@ -320,3 +320,25 @@ def test_row_memory_is_shared_by_what_the_tables_hold(tmp_path, engine):
     with pytest.raises(ValueError, match="--row-memory 100 bytes leaves table part"):
         host_dynamic(other, "t", DIM, torch.float32, 3, 0.1, DynamicOptions(), 0, 1)
     other.row_stores.close()
+
+
+def test_reads_ahead_of_several_workers_stay_good_but_for_the_ids_written_or_dropped_since(tmp_path, engine):
+    """Two workers' next steps read ahead before either lookup: each lookup takes its own; an id evicted
+    (written) or read back (dropped) after its read ahead began is read again, never taken stale."""
+    from paramserver.shards.server.row_store.tier import StoreTier
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(2) as reader:
+        tier = StoreTier(lambda record_bytes: engine_class(engine)(tmp_path / "e", record_bytes), reader)
+        ids = torch.arange(100, dtype=torch.int64)
+        tier.write(ids, torch.zeros(100), torch.arange(100.0).view(100, 1), [])
+        tier.prefetch(ids[:50])
+        tier.prefetch(ids[50:])
+        tier.drop(ids[:10])  # read back by a push meanwhile...
+        tier.write(ids[:5], torch.ones(5), torch.full((5, 1), -1.0), [])  # ...and evicted again, changed
+        read = tier.read(ids[:50])
+        assert read.found.tolist() == [True] * 5 + [False] * 5 + [True] * 40
+        assert read.values.view(-1).tolist() == [-1.0] * 5 + list(range(10, 50))
+        assert tier.prefetched == 40  # the five written again and the five dropped were read now
+        read = tier.read(ids[50:])
+        assert read.values.view(-1).tolist() == list(range(50, 100)) and tier.prefetched == 90
+        tier.close()

@@ -27,6 +27,8 @@ from .engine import RowStoreEngine
 from .latency import ReadLatency
 from .layout import RowLayout
 
+#: Reads ahead kept at once (a shard's workers each send the next step's ids before their pushes).
+MAX_STAGED = 4
 #: How long a read waits at most for a read ahead of the same rows still running (it reads them itself after).
 PREFETCH_WAIT_SECONDS = 30.0
 
@@ -61,6 +63,19 @@ def _rescaled(state: List[Tensor], written: float, wanted: float) -> List[Tensor
     return [state[0].mul(wanted / written), *state[1:]]
 
 
+@dataclass
+class _Staged:
+    """One read ahead: ``ids`` (sorted), ``positions`` (each one's place among the ids it read), ``read`` (theirs,
+    ``None``: it found none), at ``scale``; ``valid``: which ids are still good (neither written nor dropped
+    since it began)."""
+
+    ids: Tensor
+    positions: Tensor
+    read: Optional[StoreRead]
+    scale: float
+    valid: Tensor
+
+
 class StoreTier:
     """The records of one table part, in engines that ``open_engine(record_bytes)`` opens (each in a folder of
     its own)."""
@@ -77,24 +92,23 @@ class StoreTier:
         self.read_latency = ReadLatency()
         #: Where reads ahead run (``prefetch``), or ``None``: no reads ahead.
         self._reader = reader
-        #: Records read ahead: ``(ids, their read)``, good until the next write or drop (``_changes`` counts
-        #: them), and the read ahead still running.  Under ``_staging``.
+        #: The latest reads ahead (``MAX_STAGED``), each id good until it is written or dropped, and those still
+        #: running, each with the ids changed meanwhile.  Under ``_staging``.
         self._staging = threading.Lock()
-        self._staged: Optional[Tuple[Tensor, StoreRead]] = None
-        self._changes = 0
-        self._ahead: Optional[Future] = None
+        self._staged: List[_Staged] = []
+        self._ahead: List[Tuple[Future, List[Tensor]]] = []
         #: Ids asked for that a read ahead had brought (``prefetched``), and reads that waited for one.
         self.prefetched = self.waited_for_prefetch = 0
         self._closing = threading.Lock()  # figures read from another thread never meet a closed engine
 
     # -- writes --------------------------------------------------------------
     def write(self, ids: Tensor, touches: Tensor, values: Tensor, state: Sequence[Tensor], scale: float = 1.0) -> None:
-        """Keep rows ``ids`` (distinct, none held here): their last ``touches``, ``values`` and ``state`` rows (the optimizer's
-        state tensors that have rows, in its order; none before it has state; the first kept multiplied by
-        ``scale``)."""
+        """Keep rows ``ids`` (distinct, none held here): their last ``touches``, ``values`` and ``state`` rows
+        (the optimizer's state tensors that have rows, in its order; none before it has state; the first kept
+        multiplied by ``scale``)."""
         if ids.numel() == 0:
             return
-        self._changed()
+        self._changed(ids)
         self.rows += ids.numel()
         layout = RowLayout.of(values, state, scale)
         if not self._generations or self._generations[0][0] != layout:
@@ -105,56 +119,70 @@ class StoreTier:
     def drop(self, ids: Tensor) -> None:
         """``ids`` (every one held) are held no more."""
         if ids.numel():
-            self._changed()
+            self._changed(ids)
             self.rows -= ids.numel()
             for _, engine in self._generations:
                 engine.delete(ids.contiguous())
 
-    def _changed(self) -> None:
-        with self._staging:
-            self._changes += 1
-            self._staged = None
-
     # -- reads ahead -----------------------------------------------------------
     def prefetch(self, ids: Tensor, scale: float = 1.0) -> None:
         """Start reading the records of ``ids`` (distinct, none in memory) in the background, for a ``read`` of
-        them soon (the next step's lookup, which its message brought before its push is applied).  What was
-        read ahead is dropped at the next write or drop, so a read never sees an older record."""
+        them soon (the next step's lookup, which its message brought before its push is applied).  An id
+        written or dropped after this is read again by that ``read``: it never sees an older record."""
         if self._reader is None or not self._generations or ids.numel() == 0:
             return
+        changed: List[Tensor] = []
         with self._staging:
-            changes = self._changes
-            self._ahead = self._reader.submit(self._read_ahead, ids.clone(), scale, changes)
+            self._ahead.append((self._reader.submit(self._read_ahead, ids.clone(), scale, changed), changed))
 
-    def _read_ahead(self, ids: Tensor, scale: float, changes: int) -> None:
-        read = self._read_engines(ids, scale)
-        with self._staging:
-            if self._changes == changes:
-                self._staged = (ids, read, scale) if read is not None else None
+    def _read_ahead(self, ids: Tensor, scale: float, changed: List[Tensor]) -> None:
+        try:
+            read = self._read_engines(ids, scale)
+        finally:
+            with self._staging:
+                self._ahead = [(future, ids_changed) for future, ids_changed in self._ahead
+                               if ids_changed is not changed]
+        sorted_ids, positions = torch.sort(ids)
+        with self._staging:  # (the ids changed while it read were recorded until now)
+            valid = ~torch.isin(sorted_ids, torch.cat(changed)) if changed else \
+                torch.ones(ids.numel(), dtype=torch.bool)
+            self._staged.append(_Staged(sorted_ids, positions, read, scale, valid))
+            del self._staged[:-MAX_STAGED]
 
-    def _take_staged(self, ids: Tensor, scale: float):
-        """``(which of ids were read ahead, their read)``, or ``None``; waits for a read ahead still running."""
+    def _changed(self, ids: Tensor) -> None:
+        """``ids`` were written or dropped: what was read ahead of them is read again."""
         with self._staging:
-            ahead = self._ahead
-        if ahead is not None:
-            if not ahead.done():
-                self.waited_for_prefetch += 1
+            for staged in self._staged:
+                staged.valid &= ~torch.isin(staged.ids, ids)
+            for _, changed in self._ahead:
+                changed.append(ids.clone())
+
+    def _staged_for(self, ids: Tensor, scale: float) -> Tuple[List[Tuple[Tensor, "_Staged", Tensor]], Tensor]:
+        """Where ``ids`` were read ahead: ``(pieces, rest)``, each piece ``(positions among ids, what read them,
+        positions among the ids it read)``, the newest read first; ``rest``, the positions of the others.
+        Waits (at most ``PREFETCH_WAIT_SECONDS``) for the reads ahead still running."""
+        with self._staging:
+            running = [future for future, _ in self._ahead]
+        if any(not future.done() for future in running):
+            self.waited_for_prefetch += 1
+        for future in running:
             try:
-                ahead.result(timeout=PREFETCH_WAIT_SECONDS)
+                future.result(timeout=PREFETCH_WAIT_SECONDS)
             except (FutureTimeout, OSError):  # read now instead (a failure shows there again)
                 pass
         with self._staging:
-            staged, self._staged, self._ahead = self._staged, None, None
-        if staged is None:
-            return None
-        staged_ids, read, staged_scale = staged
-        if staged_scale != scale:
-            return None
-        order = torch.argsort(staged_ids)
-        sorted_ids = staged_ids[order]
-        at = torch.searchsorted(sorted_ids, ids).clamp_(max=max(sorted_ids.numel() - 1, 0))
-        hit = sorted_ids[at] == ids if sorted_ids.numel() else torch.zeros(ids.numel(), dtype=torch.bool)
-        return hit, order[at], read
+            entries = list(self._staged)
+        pieces, rest = [], torch.arange(ids.numel())
+        for staged in reversed(entries):
+            if staged.scale != scale or staged.ids.numel() == 0 or rest.numel() == 0:
+                continue
+            wanted = ids.index_select(0, rest)
+            at = torch.searchsorted(staged.ids, wanted).clamp_(max=staged.ids.numel() - 1)
+            hit = (staged.ids.index_select(0, at) == wanted) & staged.valid.index_select(0, at)
+            if bool(hit.any()):
+                pieces.append((rest[hit], staged, staged.positions.index_select(0, at[hit])))
+                rest = rest[~hit]
+        return pieces, rest
 
     # -- reads ---------------------------------------------------------------
     def read(self, ids: Tensor, scale: float = 1.0) -> Optional[StoreRead]:
@@ -162,27 +190,25 @@ class StoreTier:
         (``layout.RowLayout.scale``).  Those read ahead (``prefetch``) come from there."""
         if not self._generations or ids.numel() == 0:
             return None
-        staged = self._take_staged(ids, scale) if self._ahead is not None else None
-        if staged is None:
+        if not self._ahead and not self._staged:
             return self._read_engines(ids, scale)
-        hit, positions, ahead = staged
-        rest = (~hit).nonzero().view(-1)
-        self.prefetched += int(hit.sum())
-        read_now = self._read_engines(ids.index_select(0, rest), scale) if rest.numel() else None
-        # one read of ``ids``: the staged rows where read ahead, the rest read now
-        pieces = []
-        mine = hit.nonzero().view(-1)
-        if mine.numel():
-            within = positions.index_select(0, mine)
-            found_ahead = ahead.found.index_select(0, within)
-            rank = torch.cumsum(ahead.found.to(torch.int64), 0) - 1  # a found id's place among those found
-            chosen = rank.index_select(0, within[found_ahead])
+        staged, rest = self._staged_for(ids, scale)
+        if not staged:
+            return self._read_engines(ids, scale)
+        self.prefetched += ids.numel() - rest.numel()
+        pieces = []  # one read of ``ids``: the records read ahead, the rest read now
+        for mine, ahead, within in staged:
+            if ahead.read is None:  # it found none of its ids
+                continue
+            found = ahead.read.found.index_select(0, within)
+            rank = torch.cumsum(ahead.read.found.to(torch.int64), 0) - 1  # a found id's place among those found
+            chosen = rank.index_select(0, within[found])
             if chosen.numel():
-                pieces.append((mine[found_ahead], ahead.touches[chosen], ahead.values[chosen],
-                               None if ahead.state is None else [rows[chosen] for rows in ahead.state]))
+                pieces.append((mine[found], ahead.read.touches[chosen], ahead.read.values[chosen],
+                               None if ahead.read.state is None else [rows[chosen] for rows in ahead.read.state]))
+        read_now = self._read_engines(ids.index_select(0, rest), scale) if rest.numel() else None
         if read_now is not None:
-            positions_now = rest[read_now.found]
-            pieces.append((positions_now, read_now.touches, read_now.values, read_now.state))
+            pieces.append((rest[read_now.found], read_now.touches, read_now.values, read_now.state))
         if not pieces:
             return None
         return self._merged(torch.zeros(ids.numel(), dtype=torch.bool), pieces)
