@@ -74,6 +74,7 @@ from paramserver.cli.demo import LocalProcesses, wait_for_ready
 from paramserver.cli.server import size_from
 from paramserver.control import CoordinatorClient, CoordinatorError
 from paramserver.jobs.ctr_data import CTRSpec, PlantedCTR
+from paramserver.shards.server.row_store.stores import ROW_OVERHEAD_BYTES, STATE_BYTES_PER_VALUE
 from paramserver.runtime.job import DEFAULT_JOB
 
 SHARDS = 2
@@ -88,6 +89,9 @@ FAST_POLL = 0.05
 RESTORE_STEPS = 5
 #: A shard's resident memory rising this little during a checkpoint or a restore is taken as noise.
 NOISE_BYTES = 16 * 2 ** 20
+#: What one of the billion case's rows counts against ``--row-memory``: 16 float16 values, room for 16 x 8
+#: bytes of optimizer state, 40 bytes of index (``row_store.stores.row_bytes``).
+ROW_BYTES = 16 * 2 + 16 * STATE_BYTES_PER_VALUE + ROW_OVERHEAD_BYTES
 TARGET_MEMORY = 0.8
 TARGET_BILLION = 0.5
 #: A figure derived from others (``Run.rows_read`` ...), not reported by the shards.
@@ -408,12 +412,19 @@ class RestoreRun:
     rows_reported: float  # the shards' dynamic.rows + rows_on_disk - admitted (no TTL: the rows restored)
     rows_in_memory: float
     rows_on_disk: float
+    #: Each shard's resident memory when the status first showed it with no table made (``None``: it had one).
+    start_rss: List[Optional[int]]
     peak_rss: List[int]  # VmHWM: the most each shard held in its life, the restore included
     end_rss: List[int]  # RESTORE_STEPS steps past the checkpoint's
+    held: List[float]  # each shard's rows in memory then (``dynamic.rows``)
 
-    @property
-    def rise(self) -> int:
-        return max(peak - end for peak, end in zip(self.peak_rss, self.end_rss))
+    def excess(self) -> Optional[int]:
+        """The most a shard's peak passed its memory before its tables were made plus what its rows in memory
+        count against ``--row-memory`` (``ROW_BYTES`` each); ``None`` where a start was not seen."""
+        if None in self.start_rss:
+            return None
+        return max(peak - start - round(held * ROW_BYTES)
+                   for peak, start, held in zip(self.peak_rss, self.start_rss, self.held))
 
 
 def checkpoint_rows(directory: pathlib.Path) -> int:
@@ -474,6 +485,7 @@ def restore_checkpoint(args, scratch: pathlib.Path, config: Dict, checkpoint: Ch
     began = time.monotonic()
     cluster = Cluster(logs, config, flags, shards=args.restore_shards)
     ready = time.monotonic() - began
+    starts: Dict[int, Optional[int]] = {}  # by pid: the shard's resident memory before its tables were made
     try:
         trained = None
         while True:
@@ -485,6 +497,10 @@ def restore_checkpoint(args, scratch: pathlib.Path, config: Dict, checkpoint: Ch
                 status = cluster.client.status()
             except CoordinatorError:
                 status = None
+            for shard in status.shards if status is not None else ():
+                if shard.pid and shard.pid not in starts:
+                    made = any(key.startswith("dynamic.") for key in shard.metrics)
+                    starts[shard.pid] = None if made else vm_rss(shard.pid)
             step = max((worker.step for worker in status.workers), default=0) if status is not None else 0
             if trained is None and step > checkpoint.step:
                 trained = time.monotonic() - began
@@ -500,17 +516,18 @@ def restore_checkpoint(args, scratch: pathlib.Path, config: Dict, checkpoint: Ch
     read = sum(int(found) for path in logs.glob("*.log")
                for found in re.findall(r"read from checkpoint step \d+: (\d+) rows", path.read_text(errors="replace")))
     result = RestoreRun(len(shards), ready, trained, read, total["rows"] + total["rows_on_disk"] - total["admitted"],
-                        total["rows"], total["rows_on_disk"], peaks, ends)
+                        total["rows"], total["rows_on_disk"], [starts.get(pid) for pid, _ in shards], peaks, ends,
+                        [figures.get("rows", 0.0) for _, figures in shards])
     progress(f"  restored onto {len(shards)} shards: {read:,} rows read, worker past step {checkpoint.step} "
-             f"{trained:.1f} s after ps-server started; shards' resident memory {mib_list(peaks)} at most, "
-             f"{mib_list(ends)} after")
+             f"{trained:.1f} s after ps-server started; shards' resident memory {mib_list(result.start_rss)} before "
+             f"their tables, {mib_list(peaks)} at most, {mib_list(ends)} after")
     shutil.rmtree(store, ignore_errors=True)
     store.mkdir()
     return result
 
 
-def mib_list(sizes: Sequence[int]) -> str:
-    return " / ".join(f"{size / 2 ** 20:,.0f}" for size in sizes) + " MiB"
+def mib_list(sizes: Sequence[Optional[int]]) -> str:
+    return " / ".join("n/a" if size is None else f"{size / 2 ** 20:,.0f}" for size in sizes) + " MiB"
 
 
 # --------------------------------------------------------------------------
@@ -738,6 +755,9 @@ def report_checkpoint(args, found: Dict) -> None:
             ("rows restored (`dynamic.rows` + `rows_on_disk` - `admitted`)", f"{restore.rows_reported:,.0f}"),
             (f"rows in memory / on disk, {RESTORE_STEPS} steps on", f"{restore.rows_in_memory:,.0f} / "
                                                                     f"{restore.rows_on_disk:,.0f}"),
+            (f"each shard's rows in memory then, counted at {ROW_BYTES} bytes each",
+             mib_list([round(held * ROW_BYTES) for held in restore.held])),
+            ("each shard's resident memory before its tables were made", mib_list(restore.start_rss)),
             ("each shard's resident memory at most (`VmHWM`)", mib_list(restore.peak_rss)),
             (f"each shard's resident memory {RESTORE_STEPS} steps on", mib_list(restore.end_rss))):
         print(f"| {label} | {value} |")
@@ -756,12 +776,18 @@ def report_checkpoint(args, found: Dict) -> None:
              f"the whole entry, its rows on disk included, is in memory meanwhile (at this rate a shard writing "
              f"500,000,000 rows would take {per_row * 5e8 / 2 ** 30:,.0f} GiB more).")
           )
-    print(f"* memory during the restore: a shard's peak was up to {restore.rise / 2 ** 20:,.0f} MiB above its "
-          f"resident memory {RESTORE_STEPS} steps on: "
-          + ("within the budget plus the stated overhead." if restore.rise <= NOISE_BYTES else
-             "NOT within the budget plus the stated overhead. Each shard reads every part of the checkpoint "
-             "whole (memory-mapped), joins every part's rows and picks its own, before the rows past its "
-             "capacity go to its store."))
+    excess = restore.excess()
+    if excess is None:
+        print("* memory during the restore: n/a (a shard had made its tables when the status first showed it)")
+    else:
+        print(f"* memory during the restore: a shard's peak passed its memory before its tables were made, plus "
+              f"its rows in memory at {ROW_BYTES} bytes each (what `--row-memory` counts), by up to "
+              f"{excess / 2 ** 20:,.0f} MiB: "
+              + ("within the budget plus the stated overhead (up to "
+                 f"{NOISE_BYTES / 2 ** 20:.0f} MiB taken as noise)." if excess <= NOISE_BYTES else
+                 "NOT within the budget plus the stated overhead. Each shard reads every part of the checkpoint "
+                 "whole (memory-mapped), joins every part's rows and picks its own, before the rows past its "
+                 "capacity go to its store."))
 
 
 def files_left(runs: List[Run]) -> None:
