@@ -418,6 +418,10 @@ class RestoreRun:
     end_rss: List[int]  # RESTORE_STEPS steps past the checkpoint's
     held: List[float]  # each shard's rows in memory then (``dynamic.rows``)
 
+    @property
+    def rise(self) -> int:
+        return max(peak - end for peak, end in zip(self.peak_rss, self.end_rss))
+
     def excess(self) -> Optional[int]:
         """The most a shard's peak passed its memory before its tables were made plus what its rows in memory
         count against ``--row-memory`` (``ROW_BYTES`` each); ``None`` where a start was not seen."""
@@ -782,7 +786,9 @@ def report_checkpoint(args, found: Dict) -> None:
     else:
         print(f"* memory during the restore: a shard's peak passed its memory before its tables were made, plus "
               f"its rows in memory at {ROW_BYTES} bytes each (what `--row-memory` counts), by up to "
-              f"{excess / 2 ** 20:,.0f} MiB: "
+              f"{excess / 2 ** 20:,.0f} MiB, and its memory {RESTORE_STEPS} steps on by up to "
+              f"{restore.rise / 2 ** 20:,.0f} MiB (what a shard holds to train besides its rows is in the first "
+              "figure, not in the second; the checkpoint's files, memory-mapped, in both): "
               + ("within the budget plus the stated overhead (up to "
                  f"{NOISE_BYTES / 2 ** 20:.0f} MiB taken as noise)." if excess <= NOISE_BYTES else
                  "NOT within the budget plus the stated overhead. Each shard reads every part of the checkpoint "
