@@ -22,7 +22,13 @@ What it measures
        ``CTRSpec.tabulated_up_to``), 16-dim float16 rows with row-wise Adagrad, every table's rows sharing
        ``--row-memory`` (64 MiB) per shard, trained for ``--seconds`` (120) after ``--warm-steps``; against
        the same job with the feature's ids drawn over 20,000,000 (``--reference-vocab``) and every row in
-       memory, in the same run.  Target: at least 0.5x.
+       memory, in the same run.  Target: at least 0.5x.  At the end of the first billion run's window,
+       ``ps-ctl checkpoint`` (the run has ``--checkpoint-dir`` beside the row store and ``--push-log off``):
+       its time, bytes and rows (counted in its files), each shard's resident memory while it runs (read every
+       0.05 s, and ``VmHWM`` reset as it begins); then ``ps-server --shards 3 --restore`` it (``--restore-shards``)
+       with the same job, row store and budget, and one worker, until it trained 5 steps past the checkpoint's:
+       the time from its start, the rows the shards restored (their logs, and their figures: in memory + on
+       disk - admitted since) against the checkpoint's, each shard's peak resident memory (``VmHWM``).
 
     The hit rate is the training lookups' ids found in memory over all of them (found, read back from the
     store, or new); rows and bytes read and written per step are the shards' counters' growth over the window,
@@ -51,24 +57,41 @@ import os
 import pathlib
 import shlex
 import shutil
+import re
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from paramserver.checkpoint.shard_part import PART_PREFIX
+from paramserver.checkpoint.storage import load_tensors
 from paramserver.cli.demo import LocalProcesses, wait_for_ready
+from paramserver.cli.server import size_from
 from paramserver.control import CoordinatorClient, CoordinatorError
 from paramserver.jobs.ctr_data import CTRSpec, PlantedCTR
+from paramserver.shards.server.row_store.stores import ROW_OVERHEAD_BYTES, STATE_BYTES_PER_VALUE
 from paramserver.runtime.job import DEFAULT_JOB
 
 SHARDS = 2
 BATCH = 1024
 STOPS_WITHIN = 60.0
 RUN_WITHIN = 900.0
+#: ``ps-ctl checkpoint --timeout`` of the billion case's checkpoint.
+CHECKPOINT_WITHIN = 1800.0
+#: Seconds between reads of the shards' resident memory while a checkpoint or a restore runs.
+FAST_POLL = 0.05
+#: Steps the worker of the cluster restored from the checkpoint trains past the checkpoint's step.
+RESTORE_STEPS = 5
+#: A shard's resident memory rising this little during a checkpoint or a restore is taken as noise.
+NOISE_BYTES = 16 * 2 ** 20
+#: What one of the billion case's rows counts against ``--row-memory``: 16 float16 values, room for 16 x 8
+#: bytes of optimizer state, 40 bytes of index (``row_store.stores.row_bytes``).
+ROW_BYTES = 16 * 2 + 16 * STATE_BYTES_PER_VALUE + ROW_OVERHEAD_BYTES
 TARGET_MEMORY = 0.8
 TARGET_BILLION = 0.5
 #: A figure derived from others (``Run.rows_read`` ...), not reported by the shards.
@@ -99,15 +122,27 @@ def free_ports(count: int) -> int:
     raise RuntimeError(f"no {count} consecutive free ports found")
 
 
-def vm_rss(pid: int) -> int:
+def vm_rss(pid: int, field: str = "VmRSS") -> int:
+    """A process's resident memory now (``VmRSS``), or its peak (``VmHWM``), in bytes; 0 once it is gone."""
     try:
         with open(f"/proc/{pid}/status") as status:
             for line in status:
-                if line.startswith("VmRSS:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 0
+
+
+def reset_peak(pid: int) -> bool:
+    """Start a process's ``VmHWM`` again from its resident memory now (Linux's ``clear_refs`` 5); whether it
+    could."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as refs:
+            refs.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def folder_bytes(folder: Optional[pathlib.Path]) -> int:
@@ -178,6 +213,8 @@ class Run:
     files_left: List[str] = field(default_factory=list)
     #: The ids the window's training lookups asked for (each step's distinct ids per table), from the data.
     looked_up: Optional[int] = None
+    #: What ``run_job``'s ``after_window`` returned (the billion case: its checkpoint, ``CheckpointRun``).
+    after: object = None
 
     @property
     def steps(self) -> int:
@@ -226,13 +263,13 @@ class Run:
 
 
 class Cluster:
-    """``ps-server --shards 2`` (flags ``server_flags``) and one ``ps-worker`` training ``config``, started as
-    ps-demo starts them, logging under ``folder``; ``stop()`` shuts it down with ``ps-ctl shutdown``."""
+    """``ps-server --shards 2`` (``shards``; flags ``server_flags``) and one ``ps-worker`` training ``config``,
+    started as ps-demo starts them, logging under ``folder``; ``stop()`` shuts it down with ``ps-ctl shutdown``."""
 
-    def __init__(self, folder: pathlib.Path, config: Dict, server_flags: Sequence[str]):
+    def __init__(self, folder: pathlib.Path, config: Dict, server_flags: Sequence[str], shards: int = SHARDS):
         self.processes = LocalProcesses(folder)
-        host_processes = 2 + SHARDS
-        args = ["--shards", str(SHARDS), "--port", "0", "--group-size", "1", "--job", DEFAULT_JOB,
+        host_processes = 2 + shards
+        args = ["--shards", str(shards), "--port", "0", "--group-size", "1", "--job", DEFAULT_JOB,
                 "--job-config", json.dumps(config), *server_flags]
         progress(f"  ps-server {shlex.join(args)}")
         server = self.processes.start("ps-server", "paramserver.cli.server", *args, host_processes=host_processes)
@@ -260,6 +297,11 @@ class Cluster:
             rss += vm_rss(shard.pid) if shard.pid else 0
         step = max((worker.step for worker in status.workers), default=0)
         return Poll(time.monotonic(), step, figures, rss, folder_bytes(store))
+
+    def shards(self) -> List[Tuple[int, Dict[str, float]]]:
+        """Each shard's pid and heartbeat figures (``dynamic.*``, without the prefix), from the status now."""
+        return [(shard.pid, {key[len("dynamic."):]: value for key, value in shard.metrics.items()
+                             if key.startswith("dynamic.")}) for shard in self.client.status().shards]
 
     def stop(self) -> None:
         self.client.close()
@@ -292,9 +334,11 @@ def distinct_ids_looked_up(spec: Dict, first: int, last: int, sampled: int = 200
 
 def run_job(name: str, scratch: pathlib.Path, config: Dict, server_flags: Sequence[str],
             store: Optional[pathlib.Path], first: int, last: Optional[int], seconds: Optional[float],
-            poll_every: float, metrics_port: Optional[int] = None) -> Run:
+            poll_every: float, metrics_port: Optional[int] = None,
+            after_window: Optional[Callable[["Cluster"], object]] = None) -> Run:
     """One cluster trains ``config``: to its end (``last`` is its last step measured) or, with ``seconds``, for
-    that long after step ``first``; its figures over the window."""
+    that long after step ``first``; its figures over the window.  ``after_window(cluster)`` runs after the
+    window, before the cluster stops (what it returns is the run's ``after``)."""
     logs = pathlib.Path(tempfile.mkdtemp(prefix=f"{name.replace(' ', '_')}-", dir=scratch))
     cluster = Cluster(logs, config, server_flags)
     polls: List[Poll] = []
@@ -317,10 +361,11 @@ def run_job(name: str, scratch: pathlib.Path, config: Dict, server_flags: Sequen
         cluster.check()
         if metrics_port is not None:
             rows = part_rows(metrics_port)
+        after = after_window(cluster) if after_window is not None else None
     finally:
         cluster.stop()
     result = window_run(name, polls, first, last if last is not None else polls[-1].step)
-    result.rows, result.store = rows, store is not None
+    result.rows, result.store, result.after = rows, store is not None, after
     result.looked_up = distinct_ids_looked_up(config["spec"], result.first_step, result.last_step)
     if store is not None:
         result.files_left = [str(path) for path in store.rglob("*")]
@@ -330,6 +375,163 @@ def run_job(name: str, scratch: pathlib.Path, config: Dict, server_flags: Sequen
              f"{result.peak_rss / 2 ** 20:,.0f} MiB; row store's files peak {result.peak_disk / 2 ** 20:,.1f} MiB"
              + (f"; FILES LEFT: {result.files_left[:5]}" if result.files_left else ""))
     return result
+
+
+# --------------------------------------------------------------------------
+# The billion case's checkpoint, and its restore onto another shard count
+# --------------------------------------------------------------------------
+
+@dataclass
+class CheckpointRun:
+    """``ps-ctl checkpoint`` at the end of a run's window: its time, what it wrote, the shards' memory (each
+    shard's, in the status's order)."""
+
+    seconds: float
+    step: int
+    directory: pathlib.Path
+    bytes: int
+    rows: int  # the dynamic tables' rows in its files
+    rows_reported: float  # the shards' dynamic.rows + dynamic.rows_on_disk, from the status after it
+    rss_before: List[int]  # as it was asked for
+    peak_rss: List[int]  # the most read while it ran (every FAST_POLL), or VmHWM where it could be reset
+
+    @property
+    def rise(self) -> int:
+        return max(peak - before for peak, before in zip(self.peak_rss, self.rss_before))
+
+
+@dataclass
+class RestoreRun:
+    """A cluster of ``shards`` shards started from a checkpoint (``ps-server --restore``): its times from its
+    start, the rows its shards restored, their memory (each shard's)."""
+
+    shards: int
+    ready_seconds: float  # until ps-server said it was ready
+    trained_seconds: float  # until the worker reported a step past the checkpoint's
+    rows_read: int  # the rows the shards' logs say they read from the checkpoint
+    rows_reported: float  # the shards' dynamic.rows + rows_on_disk - admitted (no TTL: the rows restored)
+    rows_in_memory: float
+    rows_on_disk: float
+    #: Each shard's resident memory when the status first showed it with no table made (``None``: it had one).
+    start_rss: List[Optional[int]]
+    peak_rss: List[int]  # VmHWM: the most each shard held in its life, the restore included
+    end_rss: List[int]  # RESTORE_STEPS steps past the checkpoint's
+    held: List[float]  # each shard's rows in memory then (``dynamic.rows``)
+
+    @property
+    def rise(self) -> int:
+        return max(peak - end for peak, end in zip(self.peak_rss, self.end_rss))
+
+    def excess(self) -> Optional[int]:
+        """The most a shard's peak passed its memory before its tables were made plus what its rows in memory
+        count against ``--row-memory`` (``ROW_BYTES`` each); ``None`` where a start was not seen."""
+        if None in self.start_rss:
+            return None
+        return max(peak - start - round(held * ROW_BYTES)
+                   for peak, start, held in zip(self.peak_rss, self.start_rss, self.held))
+
+
+def checkpoint_rows(directory: pathlib.Path) -> int:
+    """The rows of the dynamic tables in the shards' parts of the checkpoint in ``directory`` (memory-mapped)."""
+    rows = 0
+    for part in sorted(directory.glob(f"{PART_PREFIX}*.pt")):
+        entries = load_tensors(part, mmap=True)["tables"].values()
+        rows += sum(entry["ids"].numel() for entry in entries if isinstance(entry, dict) and entry.get("dynamic"))
+    return rows
+
+
+def take_checkpoint(cluster: Cluster, root: pathlib.Path) -> CheckpointRun:
+    """``ps-ctl checkpoint`` on ``cluster`` (its ``--checkpoint-dir``: ``root``), timed, with the shards' resident
+    memory read every ``FAST_POLL`` while it runs (and their ``VmHWM``, reset as it starts, where Linux lets)."""
+    pids = [pid for pid, _ in cluster.shards()]
+    before = [vm_rss(pid) for pid in pids]
+    reset = all([reset_peak(pid) for pid in pids])
+    command = [sys.executable, "-m", "paramserver.cli.ctl", "--connect", cluster.address, "checkpoint",
+               "--timeout", f"{CHECKPOINT_WITHIN:.0f}"]
+    progress(f"  ps-ctl {shlex.join(command[3:])}")
+    began = time.monotonic()
+    ctl = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peaks = list(before)
+    try:
+        while ctl.poll() is None:
+            peaks = [max(peak, vm_rss(pid)) for peak, pid in zip(peaks, pids)]
+            cluster.check()
+            if time.monotonic() - began > CHECKPOINT_WITHIN + 30:
+                raise RuntimeError(f"ps-ctl checkpoint gave no answer within {CHECKPOINT_WITHIN + 30:.0f} s")
+            time.sleep(FAST_POLL)
+        seconds = time.monotonic() - began
+    finally:
+        if ctl.poll() is None:
+            ctl.kill()
+        out, err = ctl.communicate(timeout=STOPS_WITHIN)
+    done = re.search(r"checkpoint (ckpt-\d+) written at step (\d+)", out)
+    if ctl.returncode != 0 or done is None:
+        raise RuntimeError(f"ps-ctl checkpoint exited with {ctl.returncode}: {(out + err).strip()}")
+    if reset:
+        peaks = [max(peak, vm_rss(pid, "VmHWM")) for peak, pid in zip(peaks, pids)]
+    directory = root / done.group(1)
+    reported = sum(figures.get("rows", 0.0) + figures.get("rows_on_disk", 0.0) for _, figures in cluster.shards())
+    result = CheckpointRun(seconds, int(done.group(2)), directory, folder_bytes(directory), checkpoint_rows(directory),
+                           reported, before, peaks)
+    progress(f"  {done.group(1)}: {result.rows:,} rows, {result.bytes / 2 ** 20:,.1f} MiB in {seconds:.1f} s; "
+             f"shards' resident memory {mib_list(before)} before, {mib_list(peaks)} at most while it ran")
+    return result
+
+
+def restore_checkpoint(args, scratch: pathlib.Path, config: Dict, checkpoint: CheckpointRun,
+                       store: pathlib.Path) -> RestoreRun:
+    """``ps-server --shards args.restore_shards --restore`` ``checkpoint`` with the billion case's row store and
+    budget, and one worker: timed from its start until the worker trains past the checkpoint's step, then
+    ``RESTORE_STEPS`` steps more; the rows restored and the shards' memory."""
+    logs = pathlib.Path(tempfile.mkdtemp(prefix="restore-", dir=scratch))
+    flags = ["--restore", str(checkpoint.directory), "--row-store", str(store), "--row-store-engine", args.engine,
+             "--row-memory", str(args.row_memory), "--push-log", "off"]
+    began = time.monotonic()
+    cluster = Cluster(logs, config, flags, shards=args.restore_shards)
+    ready = time.monotonic() - began
+    starts: Dict[int, Optional[int]] = {}  # by pid: the shard's resident memory before its tables were made
+    try:
+        trained = None
+        while True:
+            cluster.check()
+            if time.monotonic() - began > RUN_WITHIN:
+                raise RuntimeError(f"restore: the worker did not train past step {checkpoint.step} within "
+                                   f"{RUN_WITHIN:.0f} s")
+            try:
+                status = cluster.client.status()
+            except CoordinatorError:
+                status = None
+            for shard in status.shards if status is not None else ():
+                if shard.pid and shard.pid not in starts:
+                    made = any(key.startswith("dynamic.") for key in shard.metrics)
+                    starts[shard.pid] = None if made else vm_rss(shard.pid)
+            step = max((worker.step for worker in status.workers), default=0) if status is not None else 0
+            if trained is None and step > checkpoint.step:
+                trained = time.monotonic() - began
+            if step >= checkpoint.step + RESTORE_STEPS:
+                break
+            time.sleep(FAST_POLL)
+        shards = cluster.shards()
+        peaks = [vm_rss(pid, "VmHWM") for pid, _ in shards]
+        ends = [vm_rss(pid) for pid, _ in shards]
+    finally:
+        cluster.stop()
+    total = {key: sum(figures.get(key, 0.0) for _, figures in shards) for key in ("rows", "rows_on_disk", "admitted")}
+    read = sum(int(found) for path in logs.glob("*.log")
+               for found in re.findall(r"read from checkpoint step \d+: (\d+) rows", path.read_text(errors="replace")))
+    result = RestoreRun(len(shards), ready, trained, read, total["rows"] + total["rows_on_disk"] - total["admitted"],
+                        total["rows"], total["rows_on_disk"], [starts.get(pid) for pid, _ in shards], peaks, ends,
+                        [figures.get("rows", 0.0) for _, figures in shards])
+    progress(f"  restored onto {len(shards)} shards: {read:,} rows read, worker past step {checkpoint.step} "
+             f"{trained:.1f} s after ps-server started; shards' resident memory {mib_list(result.start_rss)} before "
+             f"their tables, {mib_list(peaks)} at most, {mib_list(ends)} after")
+    shutil.rmtree(store, ignore_errors=True)
+    store.mkdir()
+    return result
+
+
+def mib_list(sizes: Sequence[Optional[int]]) -> str:
+    return " / ".join("n/a" if size is None else f"{size / 2 ** 20:,.0f}" for size in sizes) + " MiB"
 
 
 # --------------------------------------------------------------------------
@@ -387,15 +589,26 @@ def billion_case(args, scratch: pathlib.Path) -> Dict:
         spec = {"zipf_exponent": args.zipf, "vocab_sizes": [vocab, *SMALL_VOCAB], "bag_sizes": [1, 1, 1, 3, 1, 1, 1, 1],
                 "tabulated_up_to": 1 << 20}
         configs[name] = job_config(args, 10 ** 9, spec, sparse_optimizer="rowwise_adagrad", row_dtype="float16")
+    checkpoints = scratch / "ckpt"
     flags = {"reference": [], "billion": ["--row-store", str(store), "--row-store-engine", args.engine,
-                                          "--row-memory", str(args.row_memory)]}
+                                          "--row-memory", str(args.row_memory), "--checkpoint-dir", str(checkpoints),
+                                          "--push-log", "off"]}
     progress(f"a billion-id table: {args.seconds:.0f} s each after {args.warm_steps} steps, "
-             f"{args.billion_rounds} round(s) ...")
+             f"{args.billion_rounds} round(s); the first billion run's checkpoint restored onto "
+             f"{args.restore_shards} shards ...")
+    checkpoint = restore = None
     for round_index in range(args.billion_rounds):
         for name in (("reference", "billion") if round_index % 2 == 0 else ("billion", "reference")):
-            runs[name].append(run_job(name, scratch, configs[name], flags[name], store if name == "billion" else None,
-                                      args.warm_steps, None, args.seconds, args.poll))
-    return {"runs": runs, "configs": configs, "flags": flags}
+            after = (lambda cluster: take_checkpoint(cluster, checkpoints)) \
+                if name == "billion" and checkpoint is None else None
+            run = run_job(name, scratch, configs[name], flags[name], store if name == "billion" else None,
+                          args.warm_steps, None, args.seconds, args.poll, after_window=after)
+            runs[name].append(run)
+            if after is not None:
+                checkpoint = run.after
+                restore = restore_checkpoint(args, scratch, configs[name], checkpoint, store)
+                shutil.rmtree(checkpoints, ignore_errors=True)
+    return {"runs": runs, "configs": configs, "flags": flags, "checkpoint": checkpoint, "restore": restore}
 
 
 # --------------------------------------------------------------------------
@@ -506,6 +719,83 @@ def report_billion(args, found: Dict) -> None:
           f"`{' '.join(found['flags']['billion'])}`")
 
 
+def report_checkpoint(args, found: Dict) -> None:
+    checkpoint, restore = found["checkpoint"], found["restore"]
+    if checkpoint is None:
+        return
+    budget = size_from("--row-memory", args.row_memory)
+    print()
+    print(f"### Its checkpoint, and a restore onto {restore.shards} shards")
+    print()
+    print(f"At the end of the first billion run's window, `ps-ctl checkpoint` (`--checkpoint-dir` beside the row "
+          f"store, `--push-log off`); then `ps-server --shards {restore.shards} --restore <it>` with the same job, "
+          f"`--row-store` and `--row-memory {args.row_memory}`, and one worker, until it trained {RESTORE_STEPS} "
+          f"steps past the checkpoint's. Each shard's resident memory read every {FAST_POLL} s while either ran, "
+          "and its `VmHWM` (the checkpoint's reset as it began).")
+    print()
+    print("| the checkpoint | |")
+    print("|---|---:|")
+    shards = len(checkpoint.rss_before)
+    for label, value in (
+            ("`ps-ctl checkpoint`, seconds", f"{checkpoint.seconds:,.1f}"),
+            ("step", f"{checkpoint.step:,}"),
+            ("rows in its files (every dynamic table's)", f"{checkpoint.rows:,}"),
+            ("rows the shards held after it (`dynamic.rows` + `rows_on_disk`)", f"{checkpoint.rows_reported:,.0f}"),
+            ("bytes on disk", f"{checkpoint.bytes / 2 ** 20:,.1f} MiB ({checkpoint.bytes / max(1, checkpoint.rows):,.0f}"
+                              " per row)"),
+            ("rows per second", f"{checkpoint.rows / checkpoint.seconds:,.0f}"),
+            ("each shard's resident memory as it was asked for", mib_list(checkpoint.rss_before)),
+            ("each shard's resident memory at most while it ran", mib_list(checkpoint.peak_rss)),
+            ("`--row-memory` (each shard's budget)", f"{budget / 2 ** 20:,.0f} MiB")):
+        print(f"| {label} | {value} |")
+    print()
+    print(f"| the restore onto {restore.shards} shards | |")
+    print("|---|---:|")
+    for label, value in (
+            ("ps-server started -> ready, seconds", f"{restore.ready_seconds:,.1f}"),
+            ("ps-server started -> the worker's first step past the checkpoint's, seconds",
+             f"{restore.trained_seconds:,.1f}"),
+            ("rows the shards read from the checkpoint (their logs)", f"{restore.rows_read:,}"),
+            ("rows restored (`dynamic.rows` + `rows_on_disk` - `admitted`)", f"{restore.rows_reported:,.0f}"),
+            (f"rows in memory / on disk, {RESTORE_STEPS} steps on", f"{restore.rows_in_memory:,.0f} / "
+                                                                    f"{restore.rows_on_disk:,.0f}"),
+            (f"each shard's rows in memory then, counted at {ROW_BYTES} bytes each",
+             mib_list([round(held * ROW_BYTES) for held in restore.held])),
+            ("each shard's resident memory before its tables were made", mib_list(restore.start_rss)),
+            ("each shard's resident memory at most (`VmHWM`)", mib_list(restore.peak_rss)),
+            (f"each shard's resident memory {RESTORE_STEPS} steps on", mib_list(restore.end_rss))):
+        print(f"| {label} | {value} |")
+    print()
+    every = checkpoint.rows == restore.rows_read == round(restore.rows_reported)
+    print(f"* rows: the checkpoint holds {checkpoint.rows:,}; the {restore.shards} shards restored "
+          f"{restore.rows_read:,} ({restore.rows_reported:,.0f} by their figures): "
+          + ("every row came back." if every else "THEY DIFFER."))
+    per_row = checkpoint.rise / max(1.0, checkpoint.rows / shards)
+    print(f"* memory during the checkpoint: a shard's resident memory rose by up to {checkpoint.rise / 2 ** 20:,.0f} "
+          f"MiB over its level in training (which holds the rows `--row-memory` allows and the overheads "
+          f"docs/row-store.md states), about {per_row:,.0f} bytes per row a shard wrote: "
+          + ("within the budget plus the stated overhead (a rise under "
+             f"{NOISE_BYTES / 2 ** 20:.0f} MiB is taken as noise)." if checkpoint.rise <= NOISE_BYTES else
+             f"NOT within the budget plus the stated overhead. A shard writes its part with one `torch.save`: "
+             f"the whole entry, its rows on disk included, is in memory meanwhile (at this rate a shard writing "
+             f"500,000,000 rows would take {per_row * 5e8 / 2 ** 30:,.0f} GiB more).")
+          )
+    excess = restore.excess()
+    if excess is None:
+        print("* memory during the restore: n/a (a shard had made its tables when the status first showed it)")
+    else:
+        print(f"* memory during the restore: a shard's peak passed its memory before its tables were made, plus "
+              f"its rows in memory at {ROW_BYTES} bytes each (what `--row-memory` counts), by up to "
+              f"{excess / 2 ** 20:,.0f} MiB, and its memory {RESTORE_STEPS} steps on by up to "
+              f"{restore.rise / 2 ** 20:,.0f} MiB (what a shard holds to train besides its rows is in the first "
+              "figure, not in the second; the checkpoint's files, memory-mapped, in both): "
+              + ("within the budget plus the stated overhead (up to "
+                 f"{NOISE_BYTES / 2 ** 20:.0f} MiB taken as noise)." if excess <= NOISE_BYTES else
+                 "NOT within the budget plus the stated overhead. Each shard reads every part of the checkpoint "
+                 "whole (memory-mapped), joins every part's rows and picks its own, before the rows past its "
+                 "capacity go to its store."))
+
+
 def files_left(runs: List[Run]) -> None:
     left = [path for run in runs for path in run.files_left]
     print(f"* row store files left after the shards stopped: {len(left)}" + (f" ({left[:5]})" if left else ""))
@@ -529,6 +819,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--row-memory", default="64MiB",
                         help="the billion case's --row-memory per shard (default 64MiB: a third of the rows its "
                              "two minutes touch)")
+    parser.add_argument("--restore-shards", type=int, default=3,
+                        help="shards the billion run's checkpoint is restored onto (default 3)")
     parser.add_argument("--engine", default="log", help="--row-store-engine (default log)")
     parser.add_argument("--staleness", type=int, default=0,
                         help="the job's staleness in every run (default 0: each step's rows read after the push "
@@ -553,7 +845,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.case in ("memory", "both"):
             report_memory(args, memory_case(args, pathlib.Path(scratch)))
         if args.case in ("billion", "both"):
-            report_billion(args, billion_case(args, pathlib.Path(scratch)))
+            found = billion_case(args, pathlib.Path(scratch))
+            report_billion(args, found)
+            report_checkpoint(args, found)
     print(f"\n1-min load average {os.getloadavg()[0]:.1f} after; {time.monotonic() - began:.0f} s in all")
     return 0
 

@@ -342,3 +342,44 @@ def test_reads_ahead_of_several_workers_stay_good_but_for_the_ids_written_or_dro
         read = tier.read(ids[50:])
         assert read.values.view(-1).tolist() == list(range(50, 100)) and tier.prefetched == 90
         tier.close()
+
+
+class PartsSource:
+    """A checkpoint's dynamic table parts as a shard's restore source hands them out (``dynamic_part``): ``rows``
+    rows per table, of ids spread over int64, last touched at steps ``0..rows-1``."""
+
+    def __init__(self, rows):
+        self.parts = {}
+        for table, count in rows.items():
+            ids = torch.arange(count, dtype=torch.int64) * -7046029254386353131
+            self.parts[table] = dict(ids=ids, values=torch.randn(count, DIM), optimizer="", state={}, admission=[],
+                                     last_touch=torch.arange(count, dtype=torch.int32), clock=count)
+
+    def dynamic_part(self, table, index, count):
+        return self.parts.get(table)
+
+    def check_row_type(self, table, held, wanted):
+        pass
+
+
+def test_a_restore_keeps_in_memory_the_rows_its_share_of_row_memory_pays_for(tmp_path, engine):
+    """A part restored under --row-memory asks for the rows it restores, not for the few a new table first asks
+    for: those its share pays for stay in memory (all of a small table's), and only the least recently touched
+    past it go to the store."""
+    from paramserver.shards.server.hosted import host_dynamic
+    from paramserver.shards.server.row_store.stores import row_bytes
+    budget = 4 << 20
+    state = ShardState()
+    state.row_stores = RowStores(RowStoreOptions(str(tmp_path), engine, memory=budget), "shard")
+    state.restore_source = PartsSource({"fits": 10_000, "passes": 50_000})
+    fits, passes = (state.dynamic_rows(host_dynamic(state, name, DIM, torch.float32, 3, 0.1, DynamicOptions(), 0, 1))
+                    for name in ("fits", "passes"))
+    assert len(fits.index) == 10_000 and fits.stats()["rows_on_disk"] == 0
+    per_row = row_bytes(passes)
+    left = budget - fits.capacity * per_row
+    assert left - per_row < passes.capacity * per_row <= left  # what the budget leaves it, all in memory
+    assert len(passes.index) == passes.capacity and passes.stats()["rows_on_disk"] == 50_000 - passes.capacity
+    ids = state.restore_source.parts["passes"]["ids"]  # in the order of their last touch
+    assert bool((passes.index.find(ids[-passes.capacity:]) >= 0).all())
+    assert bool((passes.index.find(ids[:-passes.capacity]) < 0).all())
+    state.row_stores.close()

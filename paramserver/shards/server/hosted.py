@@ -106,10 +106,11 @@ def host_dynamic(state: ShardState, table: str, embedding_dim: int, dtype: torch
         rows = DynamicRows(name, embedding_dim, dtype, seed, init_std, options, lambda t: state.lock_for(t)[1],
                            kernel=state.kernels.chosen(), huge_pages=state.huge_pages,
                            store=stores.tier(name) if stores is not None else None)
-        if stores is not None:
-            stores.share(rows)  # its part of --row-memory, where it has no capacity of its own
-            rows.on_store_failure = state.store_failed
         restored = state.restore_source.dynamic_part(table, index, count) if state.restore_source else None
+        if stores is not None:  # its part of --row-memory, where it has no capacity of its own, asked for the
+            # rows it restores: those the share pays for stay in memory
+            stores.share(rows, restored["ids"].numel() if restored is not None else 0)
+            rows.on_store_failure = state.store_failed
         if restored is not None:
             state.restore_source.check_row_type(table, restored["values"].dtype, dtype)
             rows.restore(**restored)

@@ -115,9 +115,11 @@ class RowStores:
                 tier = self._tiers[part] = StoreTier(open_engine, self._reader)
             return tier
 
-    def share(self, rows) -> None:
+    def share(self, rows, restoring: int = 0) -> None:
         """Give dynamic table part ``rows`` (a ``DynamicRows`` with a tier here) its part of ``memory``, where
-        it has no ``capacity`` of its own (``rebalance``, again whenever such a part is full).  ``ValueError``
+        it has no ``capacity`` of its own (``rebalance``, again whenever such a part is full).  ``restoring``:
+        the rows a restore is about to give it, which its share asks for as if it held them (so that a restore
+        keeps in memory the rows the budget pays for, and sends only the rest to the store).  ``ValueError``
         when an equal share of what the tables with a capacity of their own leave pays for no row."""
         with self._lock:
             self._parts.append(rows)
@@ -132,19 +134,21 @@ class RowStores:
                 raise ValueError(f"--row-memory {self.options.memory} bytes leaves table part {part.name!r} no "
                                  f"row in memory (it needs at least {row_bytes(part)} bytes per row, besides the "
                                  f"{self.options.memory - left} bytes the tables with a capacity of their own take)")
-        self.rebalance()
+        self.rebalance(rows, restoring)
 
-    def rebalance(self) -> None:
+    def rebalance(self, restored=None, restoring: int = 0) -> None:
         """Share ``memory`` (what the tables with a capacity of their own leave) among the parts without one by
         what they hold: each asks for its rows held and an eighth more (at least ``SHARE_STEP_ROWS``), and the
         budget is filled from the smallest ask up, each getting its ask or an equal part of what is left, so
         small tables keep what they use and the large ones share the rest.  A part that fills its share calls
         this again (``DynamicRows.on_full``), so shares follow the tables as they grow.  Reads the parts' row
-        counts without their locks (a count a step old does no harm: capacities only place rows)."""
+        counts without their locks (a count a step old does no harm: capacities only place rows); part
+        ``restored`` counts as holding ``restoring`` rows (``share``)."""
         with self._lock:
             left, parts = self._left_locked(), list(self._shared)
-        asks = sorted(((len(part.index) + max(len(part.index) // 8, SHARE_STEP_ROWS)) * row_bytes(part), index)
-                      for index, part in enumerate(parts))
+        held = [restoring if part is restored else len(part.index) for part in parts]
+        asks = sorted(((count + max(count // 8, SHARE_STEP_ROWS)) * row_bytes(part), index)
+                      for index, (part, count) in enumerate(zip(parts, held)))
         for place, (ask, index) in enumerate(asks):
             part = parts[index]
             given = min(ask, left // (len(parts) - place))
