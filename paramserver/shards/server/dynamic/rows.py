@@ -489,8 +489,8 @@ class DynamicRows:
             if evicted.numel():
                 held_now = self.index.find(evicted) >= 0  # evicted, then admitted again to an unchanged slot?
                 evicted = evicted[~held_now]
-        entry = {"dynamic": True, "whole": changes.whole, "ids": ids.clone(), "values": self.slab.index_select(0, slots),
-                 "evicted": evicted}
+        entry = {"dynamic": True, "whole": changes.whole, "ids": ids.clone(),
+                 "values": self.slab.index_select(0, slots), "evicted": evicted}
         if self.store is not None:
             self._add_stored_export_rows_locked(entry, changes)
         return entry

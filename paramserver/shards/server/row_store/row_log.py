@@ -150,7 +150,8 @@ class RowLog:
     ``engine.RowStoreEngine``).  ``direct_io``: write and read the files with O_DIRECT where the filesystem
     takes it (the page cache neither holds them nor flatters the reads); ``kernel_aio``: read O_DIRECT files on
     the kernel's asynchronous I/O (io_submit; on a virtual disk here, 1.5-2x the reads a second of 8 threads);
-    ``read_threads``: threads reading a ``get``'s records at once otherwise; ``buffer_bytes``, ``segment_bytes``: a write buffer's and a segment file's size;
+    ``read_threads``: threads reading a ``get``'s records at once otherwise; ``buffer_bytes``,
+    ``segment_bytes``: a write buffer's and a segment file's size;
     ``builds``: the library's loader (a ``RowLogBuilds``, shared by the stores of one process; a new one when
     ``None``).  Every method may be called from several threads at once, but ``close`` from none beside it."""
 
