@@ -74,7 +74,8 @@ def lookup(state: ShardState, incarnation: int, tables: List[int], ids: Tensor, 
 def prefetch(state: ShardState, tables: List[int], ids: Tensor, counts: List[int]) -> None:
     """A lookup of ``ids`` in ``tables`` (as ``lookup`` takes them) comes next, after a push: dynamic tables with a
     row store start reading the rows they hold on disk now, while the push is applied."""
-    if state.row_stores is None or len(tables) != len(counts):
+    if state.row_stores is None or len(tables) != len(counts) or ids.dim() != 1 or \
+            any(count < 0 for count in counts) or sum(counts) != ids.numel():
         return  # (the lookup itself refuses what is wrong with it, after the push)
     for handle, rows in zip(tables, wire.unpack_ids(ids, counts)):
         try:
