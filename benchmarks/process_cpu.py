@@ -78,10 +78,10 @@ def read_threads(pid: int) -> Dict[str, float]:
     return groups
 
 
-def read_rss(pid: int) -> int:
-    """Resident memory of ``pid`` in bytes (``VmRSS``), 0 when it is gone."""
+def read_rss(pid: int, field: str = "VmRSS") -> int:
+    """Resident memory of ``pid`` in bytes (``VmRSS``), or its peak (``field="VmHWM"``); 0 when it is gone."""
     for line in (_read(f"/proc/{pid}/status") or "").splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
     return 0
 

@@ -77,6 +77,9 @@ from paramserver.jobs.ctr_data import CTRSpec, PlantedCTR
 from paramserver.shards.server.row_store.stores import ROW_OVERHEAD_BYTES, STATE_BYTES_PER_VALUE
 from paramserver.runtime.job import DEFAULT_JOB
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder's helpers
+from process_cpu import read_rss  # noqa: E402
+
 SHARDS = 2
 BATCH = 1024
 STOPS_WITHIN = 60.0
@@ -120,18 +123,6 @@ def free_ports(count: int) -> int:
         except OSError:
             continue
     raise RuntimeError(f"no {count} consecutive free ports found")
-
-
-def vm_rss(pid: int, field: str = "VmRSS") -> int:
-    """A process's resident memory now (``VmRSS``), or its peak (``VmHWM``), in bytes; 0 once it is gone."""
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            for line in status:
-                if line.startswith(f"{field}:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def reset_peak(pid: int) -> bool:
@@ -294,7 +285,7 @@ class Cluster:
             for key, value in shard.metrics.items():
                 if key.startswith("dynamic."):
                     figures[key[len("dynamic."):]] = figures.get(key[len("dynamic."):], 0.0) + value
-            rss += vm_rss(shard.pid) if shard.pid else 0
+            rss += read_rss(shard.pid) if shard.pid else 0
         step = max((worker.step for worker in status.workers), default=0)
         return Poll(time.monotonic(), step, figures, rss, folder_bytes(store))
 
@@ -444,7 +435,7 @@ def take_checkpoint(cluster: Cluster, root: pathlib.Path) -> CheckpointRun:
     """``ps-ctl checkpoint`` on ``cluster`` (its ``--checkpoint-dir``: ``root``), timed, with the shards' resident
     memory read every ``FAST_POLL`` while it runs (and their ``VmHWM``, reset as it starts, where Linux lets)."""
     pids = [pid for pid, _ in cluster.shards()]
-    before = [vm_rss(pid) for pid in pids]
+    before = [read_rss(pid) for pid in pids]
     reset = all([reset_peak(pid) for pid in pids])
     command = [sys.executable, "-m", "paramserver.cli.ctl", "--connect", cluster.address, "checkpoint",
                "--timeout", f"{CHECKPOINT_WITHIN:.0f}"]
@@ -454,7 +445,7 @@ def take_checkpoint(cluster: Cluster, root: pathlib.Path) -> CheckpointRun:
     peaks = list(before)
     try:
         while ctl.poll() is None:
-            peaks = [max(peak, vm_rss(pid)) for peak, pid in zip(peaks, pids)]
+            peaks = [max(peak, read_rss(pid)) for peak, pid in zip(peaks, pids)]
             cluster.check()
             if time.monotonic() - began > CHECKPOINT_WITHIN + 30:
                 raise RuntimeError(f"ps-ctl checkpoint gave no answer within {CHECKPOINT_WITHIN + 30:.0f} s")
@@ -468,7 +459,7 @@ def take_checkpoint(cluster: Cluster, root: pathlib.Path) -> CheckpointRun:
     if ctl.returncode != 0 or done is None:
         raise RuntimeError(f"ps-ctl checkpoint exited with {ctl.returncode}: {(out + err).strip()}")
     if reset:
-        peaks = [max(peak, vm_rss(pid, "VmHWM")) for peak, pid in zip(peaks, pids)]
+        peaks = [max(peak, read_rss(pid, "VmHWM")) for peak, pid in zip(peaks, pids)]
     directory = root / done.group(1)
     reported = sum(figures.get("rows", 0.0) + figures.get("rows_on_disk", 0.0) for _, figures in cluster.shards())
     result = CheckpointRun(seconds, int(done.group(2)), directory, folder_bytes(directory), checkpoint_rows(directory),
@@ -504,7 +495,7 @@ def restore_checkpoint(args, scratch: pathlib.Path, config: Dict, checkpoint: Ch
             for shard in status.shards if status is not None else ():
                 if shard.pid and shard.pid not in starts:
                     made = any(key.startswith("dynamic.") for key in shard.metrics)
-                    starts[shard.pid] = None if made else vm_rss(shard.pid)
+                    starts[shard.pid] = None if made else read_rss(shard.pid)
             step = max((worker.step for worker in status.workers), default=0) if status is not None else 0
             if trained is None and step > checkpoint.step:
                 trained = time.monotonic() - began
@@ -512,8 +503,8 @@ def restore_checkpoint(args, scratch: pathlib.Path, config: Dict, checkpoint: Ch
                 break
             time.sleep(FAST_POLL)
         shards = cluster.shards()
-        peaks = [vm_rss(pid, "VmHWM") for pid, _ in shards]
-        ends = [vm_rss(pid) for pid, _ in shards]
+        peaks = [read_rss(pid, "VmHWM") for pid, _ in shards]
+        ends = [read_rss(pid) for pid, _ in shards]
     finally:
         cluster.stop()
     total = {key: sum(figures.get(key, 0.0) for _, figures in shards) for key in ("rows", "rows_on_disk", "admitted")}

@@ -45,6 +45,9 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder's helpers
+from process_cpu import read_rss  # noqa: E402
+
 #: The records measured: bytes, and what they hold.
 RECORDS = {36: "float16 x 16 + float32 state", 132: "float32 x 32 + float32 state"}
 LOAD_BATCH = 16_384
@@ -53,14 +56,6 @@ ZIPF_EXPONENT = 1.05
 
 def progress(message: str) -> None:
     print(f"[row_store_engines] {message}", file=sys.stderr, flush=True)
-
-
-def resident_bytes() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
 
 
 def engine_classes() -> Dict[str, type]:
@@ -102,7 +97,7 @@ def run_one(engine_name: str, record_bytes: int, args) -> Dict:
     block = torch.from_numpy(rng.integers(0, 256, (LOAD_BATCH, record_bytes), dtype=np.uint8))
     out = torch.empty(args.batch, record_bytes, dtype=torch.uint8)
     folder = tempfile.mkdtemp(prefix=f"row_store_{engine_name}_", dir=args.dir)
-    before = resident_bytes()
+    before = read_rss(os.getpid())
     engine = engine_class(os.path.join(folder, "rows"), record_bytes, direct_io=True, read_threads=args.read_threads)
     try:
         started = time.perf_counter()
@@ -133,7 +128,7 @@ def run_one(engine_name: str, record_bytes: int, args) -> Dict:
             "write_rows_s": args.steps * args.batch / write_s, "step_ms_mean": statistics.fmean(steps_ms),
             "step_ms_p50": float(np.percentile(steps_ms, 50)), "step_ms_p99": float(np.percentile(steps_ms, 99)),
             "disk_bytes": stats["disk_bytes"], "rows": stats["rows"], "compactions": stats["compactions"],
-            "rss_growth_bytes": resident_bytes() - before, "direct_io": bool(getattr(engine, "direct_io", True)),
+            "rss_growth_bytes": read_rss(os.getpid()) - before, "direct_io": bool(getattr(engine, "direct_io", True)),
         }
         if hasattr(engine, "memory_bytes"):
             figures["engine_memory"] = engine.memory_bytes()
