@@ -268,9 +268,11 @@ static int fail_segment(store_t *s, int rc, int64_t segment) {
     return fail_path(s, rc, path);
 }
 
-static int write_all(int fd, const uint8_t *data, int64_t bytes, int64_t offset) {
+/* Writes (``writing``) or reads all of bytes at offset, through short transfers and EINTR; a read past the end
+   of the file is an error (EIO). */
+static int transfer_all(int fd, uint8_t *data, int64_t bytes, int64_t offset, int writing) {
     while (bytes > 0) {
-        ssize_t done = pwrite(fd, data, (size_t)bytes, offset);
+        ssize_t done = writing ? pwrite(fd, data, (size_t)bytes, offset) : pread(fd, data, (size_t)bytes, offset);
         if (done < 0) {
             if (errno == EINTR) continue;
             return -errno;
@@ -283,20 +285,12 @@ static int write_all(int fd, const uint8_t *data, int64_t bytes, int64_t offset)
     return 0;
 }
 
-/* Reads bytes at offset; a read past the end of the file is an error (EIO). */
+static int write_all(int fd, const uint8_t *data, int64_t bytes, int64_t offset) {
+    return transfer_all(fd, (uint8_t *)data, bytes, offset, 1);
+}
+
 static int read_all(int fd, uint8_t *data, int64_t bytes, int64_t offset) {
-    while (bytes > 0) {
-        ssize_t done = pread(fd, data, (size_t)bytes, offset);
-        if (done < 0) {
-            if (errno == EINTR) continue;
-            return -errno;
-        }
-        if (done == 0) return -EIO;
-        data += done;
-        bytes -= done;
-        offset += done;
-    }
-    return 0;
+    return transfer_all(fd, data, bytes, offset, 0);
 }
 
 static void *aligned(int64_t bytes) {
