@@ -64,10 +64,25 @@ def server_args(*argv):
     (["--checkpoint-dir", "/proc/forbidden"], "--checkpoint-dir /proc/forbidden: cannot write there"),
     (["--job-config", '{"steps": "many"}'], "--job-config: 'steps' of job 'paramserver.jobs.ctr:main' must be int, got \"many\""),
     (["--job-config", '{"stepz": 5}'], "--job-config: job 'paramserver.jobs.ctr:main' takes no argument 'stepz'"),
+    (["--row-store", "/no/such/folder"], "--row-store /no/such/folder: no such directory"),
+    (["--row-memory", "4G"], "--row-memory needs --row-store"),
+    (["--row-store-engine", "log"], "--row-store-engine needs --row-store"),
+    (["--row-store", "/tmp", "--row-memory", "lots"], "--row-memory 'lots': a size such as 512M or 4G"),
+    (["--row-store", "/tmp", "--row-store-engine", "tape"], "--row-store-engine must be one of"),
 ])
 def test_server_flags_are_checked(argv, message):
     with pytest.raises(UsageError, match=message):
         server.options_from(server_args(*argv))
+
+
+def test_row_store_flags_reach_the_shards_of_a_coordinator_and_of_a_shard_host(tmp_path):
+    from paramserver.shards.server.row_store.stores import RowStoreOptions
+    flags = ("--row-store", str(tmp_path), "--row-memory", "512M")
+    assert server.options_from(server_args(*flags)).row_store == RowStoreOptions(str(tmp_path), "log", 512 << 20)
+    joined = server.shard_host_options_from(server_args("--join", "127.0.0.1:5000", *flags, "--row-store-engine",
+                                                        "rocksdb"))
+    assert joined.row_store == RowStoreOptions(str(tmp_path), "rocksdb", 512 << 20)
+    assert server.options_from(server_args()).row_store is None
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -48,7 +48,7 @@ import pathlib
 import re
 import sys
 import tempfile
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from ..control import DEFAULT_PORT, TlsFiles
 from ..control.groups import GROUP_GONE_AFTER, GROUP_SETTLE
@@ -58,11 +58,13 @@ from ..processes import start_fork_server
 from ..runtime.exit_codes import EXIT_FAILED, EXIT_REFUSED
 from ..runtime.job import DEFAULT_JOB, JobConfigError, JobError, pack_job
 from ..runtime.shard_policy import MAX_RESTARTS, SHARD_PRELOAD
-from ..shards.server.row_store.stores import DEFAULT_ENGINE, ENGINES, RowStoreOptions, check_folder
 from .common import (UsageError, add_admin_token_file, add_coordinator_grace, coordinator_grace_from, add_log_level, add_metrics_port, add_storage_options, add_threads, add_token_file,
                      admin_token_from, command_main, coordinator_address, location_from,
                      data_plane_host, job_config_from, metrics_port_from, own_host, secret_from, setup_logging,
                      threads_from, token_from)
+
+if TYPE_CHECKING:  # (imported where it is used: the row store's module loads torch)
+    from ..shards.server.row_store.stores import RowStoreOptions
 
 
 #: Flags that configure the coordinator, refused with ``--join`` (which runs none) unless left at their defaults.
@@ -171,8 +173,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--row-memory", metavar="SIZE",
                         help="with --row-store: the memory each shard's dynamic tables' rows may take in all "
                              "(e.g. 512M, 4G), shared by the tables without a capacity of their own")
-    parser.add_argument("--row-store-engine", choices=sorted(ENGINES), default=DEFAULT_ENGINE,
-                        help=f"what keeps a row store's records (default {DEFAULT_ENGINE}; docs/row-store.md)")
+    parser.add_argument("--row-store-engine", metavar="ENGINE",
+                        help="what keeps a row store's records: log (the default) or rocksdb (docs/row-store.md)")
     parser.add_argument("--heartbeat-timeout", type=float, default=None, metavar="SECONDS",
                         help="declare a member dead after this long without a heartbeat "
                              "(default 5, or $PARAMSERVER_HEARTBEAT_TIMEOUT)")
@@ -314,17 +316,22 @@ def size_from(flag: str, text: str) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
 
 
-def row_store_from(args) -> Optional[RowStoreOptions]:
+def row_store_from(args) -> Optional["RowStoreOptions"]:
     """The shards' row store (``--row-store``, ``--row-memory``, ``--row-store-engine``), or ``None``; a
-    folder missing or not writable, or a size that is none, refused naming the flag."""
+    folder missing or not writable, an engine or a size that is none, refused naming the flag.  (The row store's
+    module is imported only here: with it, torch, which a ps-server without a row store does not load.)"""
     if args.row_store is None:
-        if args.row_memory is not None:
-            raise UsageError("--row-memory needs --row-store: the rows that do not fit go there")
+        if args.row_memory is not None or args.row_store_engine is not None:
+            given = "--row-memory" if args.row_memory is not None else "--row-store-engine"
+            raise UsageError(f"{given} needs --row-store: the rows that do not fit go there")
         return None
+    from ..shards.server.row_store.stores import RowStoreOptions, check_folder
     try:
         check_folder(args.row_store)
-        return RowStoreOptions(os.path.abspath(args.row_store), args.row_store_engine,
-                               size_from("--row-memory", args.row_memory) if args.row_memory is not None else None)
+        memory = size_from("--row-memory", args.row_memory) if args.row_memory is not None else None
+        if args.row_store_engine is None:
+            return RowStoreOptions(os.path.abspath(args.row_store), memory=memory)
+        return RowStoreOptions(os.path.abspath(args.row_store), args.row_store_engine, memory)
     except ValueError as error:
         raise UsageError(str(error)) from None
 
