@@ -3,7 +3,8 @@
 Owns the shard's folder under ``--row-store DIR`` (``DIR/<shard>``: cleared when
 the shard starts, removed when it stops), the engine its tiers' records are
 kept in (``ENGINES``), opening a tier for each table part that asks
-(``tier``), and removing a part's files when its table goes.  What is durable
+(``tier``; a table part lives as long as its shard: its files go with the
+shard's), and sharing ``--row-memory`` among the parts.  What is durable
 is the checkpoint and the push log: a shard that starts again restores its
 checkpoint and replays its log, and its store is made again from them, so a
 store is never reopened.
@@ -160,17 +161,6 @@ class RowStores:
 
     def _others_locked(self):
         return [part for part in self._parts if part.options.capacity is not None]
-
-    def drop(self, part: str) -> None:
-        """Table part ``part`` went: its files are removed."""
-        with self._lock:
-            tier = self._tiers.pop(part, None)
-        if tier is not None:
-            tier.close(remove=True)
-
-    def tiers(self) -> Dict[str, StoreTier]:
-        with self._lock:
-            return dict(self._tiers)
 
     def close(self) -> None:
         """The shard stops: every tier's files and the shard's folder are removed."""

@@ -296,10 +296,6 @@ class StoreTier:
         total["rows"] = self.rows  # (counted here: an engine may only estimate its keys)
         return total
 
-    def flush(self) -> None:
-        for _, engine in self._generations:
-            engine.flush()
-
     def close(self, remove: bool = True) -> None:
         """Close its engines; ``remove``: delete their files (a table part that goes, a shard that stops)."""
         with self._closing:
