@@ -226,7 +226,8 @@ class StoreTier:
         found = torch.zeros(ids.numel(), dtype=torch.bool)
         pieces = []  # (positions among ids, touches, values, state)
         remaining = torch.arange(ids.numel())
-        for layout, engine in self._generations:
+        # (a copy: a read ahead runs on a thread of its own while its table part may open a generation)
+        for layout, engine in list(self._generations):
             out = torch.empty(remaining.numel(), layout.record_bytes, dtype=torch.uint8)
             hit = engine.get(ids.index_select(0, remaining), out)
             at = hit.nonzero().view(-1)
@@ -237,7 +238,8 @@ class StoreTier:
                 remaining = remaining[~hit]
             if remaining.numel() == 0:
                 break
-        self.read_calls += 1
+        with self._staging:  # (reads ahead count here too, from their own threads)
+            self.read_calls += 1
         self.read_latency.observe(time.perf_counter() - began)
         if not pieces:
             return None
